@@ -1,0 +1,41 @@
+# specpair: every target installs what it needs into .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-fast lint proto run demo clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# Pinned torch first: on a CPU machine this is the CPU build; `[dev]` then keeps it.
+	$(BIN)/pip install -q "torch==$(TORCH_VERSION)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/pytest -q -ra
+
+test-fast: $(STAMP)
+	$(BIN)/pytest -q -ra -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy specpair draft_service target_service controller bench
+
+proto: $(STAMP)
+	$(BIN)/python -m specpair.proto_gen
+
+run: $(STAMP)
+	$(BIN)/specpair up
+
+demo: $(STAMP)
+	$(BIN)/python -m specpair.demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

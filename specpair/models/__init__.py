@@ -1,0 +1,1 @@
+"""Plain-torch model code: the Llama decoder, the EAGLE head, checkpoint loading."""

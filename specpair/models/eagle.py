@@ -1,0 +1,44 @@
+"""EAGLE-1 draft head: one decoder layer that predicts the target's next feature.
+
+Row j of the head's input joins the embedding of token x[j+1] with the target's final-normed
+hidden state f[j] (`fc(cat(embed(x[j+1]), f[j]))`), runs one Llama decoder layer at position j,
+and outputs a prediction of f[j+1]; the target's LM head turns it into draft logits. The head
+reuses the target's embedding and LM head, loaded from the target checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from specpair.models.llama import AttendFn, DecoderLayer, ModelArgs, rope_cos_sin, rope_inv_freq
+
+
+class EagleHead(nn.Module):
+    def __init__(self, args: ModelArgs, target_args: ModelArgs) -> None:
+        super().__init__()
+        if args.hidden_size != target_args.hidden_size or args.vocab_size != target_args.vocab_size:
+            raise ValueError(
+                "EAGLE head hidden_size/vocab_size "
+                f"({args.hidden_size}/{args.vocab_size}) must equal the target's "
+                f"({target_args.hidden_size}/{target_args.vocab_size})"
+            )
+        self.args = args
+        hidden = args.hidden_size
+        self.embed_tokens = nn.Embedding(args.vocab_size, hidden)  # the target's
+        self.lm_head = nn.Linear(hidden, args.vocab_size, bias=False)  # the target's
+        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.layers = nn.ModuleList([DecoderLayer(args, 0)])
+        self.inv_freq: Tensor
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def forward(
+        self, tokens: Tensor, features: Tensor, positions: Tensor, attend: AttendFn
+    ) -> Tensor:
+        # tokens: [B, T] (x[j+1]), features: [B, T, H] (f[j]), positions: [B, T] (j) -> [B, T, H]
+        x = self.fc(torch.cat((self.embed_tokens(tokens), features.to(self.fc.weight.dtype)), -1))
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        return self.layers[0](x, cos, sin, attend)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden).float()

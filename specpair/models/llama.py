@@ -1,0 +1,197 @@
+"""A Llama-family decoder in plain torch: RMSNorm, RoPE (with Llama-3 scaling), GQA, SwiGLU.
+
+The model knows nothing about caches or batching: every forward takes an `attend` callable,
+bound by the runtime to one batch's KV layout (dense on CPU, paged on GPU), that stores the new
+keys/values of a layer and returns the attention output.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# attend(layer_index, q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D]) -> [B, T, Hq, D]
+AttendFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    rope_scaling: tuple[tuple[str, Any], ...] = ()  # frozen copy of HF's rope_parameters
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> ModelArgs:
+        """Reads a `transformers` LlamaConfig (v4 `rope_scaling` or v5 `rope_parameters`)."""
+        rope = dict(
+            getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        )
+        theta = float(rope.pop("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+        if rope.get("rope_type", rope.get("type", "default")) == "default":
+            rope = {}
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=theta,
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=bool(cfg.tie_word_embeddings),
+            rope_scaling=tuple(sorted(rope.items())),
+        )
+
+
+def rope_inv_freq(args: ModelArgs) -> Tensor:
+    """Inverse frequencies [head_dim / 2], with Llama-3 long-context scaling when configured."""
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = dict(args.rope_scaling)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind is None:
+        return inv_freq
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope_type {kind!r} (supported: default, llama3)")
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are divided by `factor`, short ones kept, the band between interpolated.
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    # positions: [B, T] -> cos, sin: [B, T, 1, D] (broadcast over heads)
+    freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.n_heads, self.n_kv, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(args.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(args.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: AttendFn) -> Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attend(self.layer_index, q, k, v)
+        return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, layer_index)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: AttendFn) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBody(nn.Module):
+    """Embedding, decoder layers and final norm; parameter names follow HF's `model.*`."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class LlamaModel(nn.Module):
+    """Causal LM. `forward` returns final-normed hidden states; `logits` applies the LM head."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = LlamaBody(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.inv_freq: Tensor
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def forward(self, tokens: Tensor, positions: Tensor, attend: AttendFn) -> Tensor:
+        # tokens, positions: [B, T] -> hidden: [B, T, H]
+        x = self.model.embed_tokens(tokens)
+        return self.run_layers(x, positions, attend)
+
+    def run_layers(self, x: Tensor, positions: Tensor, attend: AttendFn) -> Tensor:
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attend)
+        return self.model.norm(x)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden).float()

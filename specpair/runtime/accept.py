@@ -1,0 +1,90 @@
+"""Verification as pure functions: which draft nodes the target accepts, and the bonus token.
+
+Both work on the full tree (root = the request's last token at index 0, draft node i at
+i + 1) and on per-node target scores, row j being the target's prediction *after* node j.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specpair.runtime.sampling import sample
+from specpair.runtime.tree import CandidateTree, children, full_parents
+
+
+@dataclass(frozen=True, slots=True)
+class Acceptance:
+    nodes: tuple[int, ...]  # accepted draft nodes along the path (draft indices, root excluded)
+    tokens: tuple[int, ...]  # their tokens
+    bonus: int  # the target's own token after the accepted path
+
+    @property
+    def accept_length(self) -> int:
+        """Accepted draft tokens, excluding the bonus (as SGLang's policy counts them)."""
+        return len(self.tokens)
+
+    @property
+    def keep(self) -> list[int]:
+        """Full-tree indices whose KV is committed: the root and the accepted nodes."""
+        return [0] + [n + 1 for n in self.nodes]
+
+
+def accept_greedy(tree: CandidateTree, target_logits: Tensor) -> Acceptance:
+    """Longest path whose tokens equal the target argmax; bonus = argmax after it.
+
+    target_logits: [n + 1, V] over the full tree.
+    """
+    argmax = target_logits.argmax(-1).tolist()
+    kids = children(full_parents(tree))
+    node, path = 0, list[int]()
+    while True:
+        # At most one child can match the argmax (duplicate siblings: the first wins).
+        nxt = next((c for c in kids[node] if tree.tokens[c - 1] == argmax[node]), None)
+        if nxt is None:
+            break
+        path.append(nxt - 1)
+        node = nxt
+    return Acceptance(tuple(path), tuple(tree.tokens[i] for i in path), argmax[node])
+
+
+def accept_sampling(
+    tree: CandidateTree, target_probs: Tensor, generator: torch.Generator | None
+) -> Acceptance:
+    """Exact speculative sampling (SpecInfer-style recursive rejection over siblings).
+
+    target_probs: [n + 1, V] warped target distributions over the full tree; the tree must
+    carry draft_probs [n, V], node i's token having been drawn from draft_probs[i]. At a node
+    with children x1, x2, … (drawn i.i.d. from the same q, as SpecInfer requires):
+      accept x with probability min(1, p(x) / q(x)) — q ≤ p: always accept;
+      on rejection p ← normalize((p − q)+) and try the next sibling;
+      when no child is accepted the bonus is sampled from the current p.
+    For a chain this is the standard rejection sampler of Leviathan et al. / Chen et al.
+    """
+    if len(tree) and tree.draft_probs is None:
+        raise ValueError("sampling verification needs the tree's draft_probs")
+    kids = children(full_parents(tree))
+    node, path = 0, list[int]()
+    while True:
+        p = target_probs[node]
+        accepted = None
+        for child in kids[node]:
+            q = tree.draft_probs[child - 1]  # type: ignore[index]
+            token = tree.tokens[child - 1]
+            ratio = float(p[token]) / max(float(q[token]), 1e-30)
+            u = float(torch.rand((), generator=generator))
+            if u < ratio:
+                accepted = child
+                break
+            residual = (p - q).clamp_min(0.0)
+            total = float(residual.sum())
+            # total == 0 means p == q, where rejection has probability 0: keep p.
+            p = residual / total if total > 0 else p
+        if accepted is None:
+            return Acceptance(
+                tuple(path), tuple(tree.tokens[i] for i in path), sample(p, generator)
+            )
+        path.append(accepted - 1)
+        node = accepted

@@ -1,0 +1,189 @@
+"""The draft's stages: *extend* its KV cache with the appended tokens, then *draft* s steps.
+
+Per request the draft keeps a KV slot whose committed length covers every token the target has
+confirmed. Draft steps write tentatively past it and are never committed: the next round's
+appended tokens (accepted drafts + bonus) overwrite them, which is the rollback.
+
+Two drafters share the loop and differ in one forward:
+- `LMDrafter`: a standalone causal LM; extend runs the appended tokens.
+- `EagleDrafter`: an EAGLE head; extend runs rows (token x[j+1], target feature f[j]) and each
+  draft step feeds the head its own previous output as the feature.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specpair.models.eagle import EagleHead
+from specpair.models.llama import LlamaModel
+from specpair.runtime.kv_cache import BatchLayout, DenseKVCache
+from specpair.runtime.sampling import SamplingParams, make_generator, warp
+from specpair.runtime.state import SpecRuntimeState
+from specpair.runtime.tree import CandidateTree, chain
+
+
+@dataclass(frozen=True, slots=True)
+class DraftInput:
+    """One request of a round: what the target appended since the previous round."""
+
+    request_id: str
+    appended: tuple[int, ...]  # ends with the pending (bonus) token
+    sampling: SamplingParams
+    # [n, H] target hidden states of the positions committed since the last round; row i
+    # predicted appended[len(appended) - n + i]. EAGLE only.
+    features: Tensor | None = None
+
+
+@dataclass
+class DraftSlot:
+    slot: int
+    generator: torch.Generator
+
+
+class Drafter(ABC):
+    def __init__(self, cache: DenseKVCache, device: torch.device) -> None:
+        self.cache = cache
+        self.device = device
+        self.requests: dict[str, DraftSlot] = {}
+
+    def release(self, request_id: str) -> None:
+        """Frees a finished or cancelled request's draft state (unknown ids are ignored)."""
+        entry = self.requests.pop(request_id, None)
+        if entry is not None:
+            self.cache.free(entry.slot)
+
+    def release_all(self) -> None:
+        for request_id in list(self.requests):
+            self.release(request_id)
+
+    def _slot(self, item: DraftInput) -> DraftSlot:
+        entry = self.requests.get(item.request_id)
+        if entry is None:
+            # Seeded apart from the target's generator: q need only be *some* distribution.
+            seed = None if item.sampling.seed is None else item.sampling.seed + 0x5EED
+            entry = DraftSlot(self.cache.alloc(), make_generator(seed))
+            self.requests[item.request_id] = entry
+        return entry
+
+    @torch.inference_mode()
+    def round(self, inputs: Sequence[DraftInput], state: SpecRuntimeState) -> list[CandidateTree]:
+        """Extend every request, then draft `state.tier` chain steps for the whole batch."""
+        entries = [self._slot(item) for item in inputs]
+        slots = [e.slot for e in entries]
+        hidden = self._extend(inputs, slots)  # [B, H] at each request's last row
+        starts = [self.cache.lengths[s] for s in slots]
+        steps: list[list[int]] = [[] for _ in inputs]
+        probs: list[list[Tensor]] = [[] for _ in inputs]
+        for k in range(state.tier):
+            logits = self._logits(hidden).cpu()  # [B, V]
+            tokens = logits.argmax(-1).tolist()
+            for b, item in enumerate(inputs):
+                if not item.sampling.greedy:
+                    q = warp(logits[b], item.sampling)
+                    tokens[b] = int(torch.multinomial(q, 1, generator=entries[b].generator))
+                    probs[b].append(q)
+                steps[b].append(tokens[b])
+            if k + 1 < state.tier:
+                layout = BatchLayout.causal(slots, [s + k for s in starts], [1] * len(slots))
+                hidden = self._step(torch.tensor(tokens)[:, None], hidden, layout)
+        return [
+            chain(tokens, torch.stack(p) if p else None)
+            for tokens, p in zip(steps, probs, strict=True)
+        ]
+
+    @abstractmethod
+    def _extend(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor: ...
+
+    @abstractmethod
+    def _step(self, tokens: Tensor, hidden: Tensor, layout: BatchLayout) -> Tensor: ...
+
+    @abstractmethod
+    def _logits(self, hidden: Tensor) -> Tensor: ...
+
+    def _commit_rows(
+        self, rows: Sequence[Sequence[int]], slots: list[int]
+    ) -> tuple[Tensor, Tensor, BatchLayout, list[int]]:
+        """Pads per-request rows into [B, T] tokens + positions after each committed prefix."""
+        lengths = [len(r) for r in rows]
+        starts = [self.cache.lengths[s] for s in slots]
+        t = max(lengths)
+        tokens = torch.zeros(len(rows), t, dtype=torch.long)
+        for b, row in enumerate(rows):
+            self.cache.check_room(slots[b], starts[b], t)
+            tokens[b, : lengths[b]] = torch.tensor(list(row))
+        positions = torch.tensor(starts)[:, None] + torch.arange(t)
+        layout = BatchLayout.causal(slots, starts, lengths)
+        for slot, start, n in zip(slots, starts, lengths, strict=True):
+            self.cache.commit(slot, start, range(n))
+        return tokens, positions, layout, lengths
+
+
+def _last(hidden: Tensor, lengths: list[int]) -> Tensor:
+    return hidden[torch.arange(len(lengths)), torch.tensor(lengths) - 1][:, None]  # [B, 1, H]
+
+
+class LMDrafter(Drafter):
+    def __init__(self, model: LlamaModel, cache: DenseKVCache) -> None:
+        super().__init__(cache, model.lm_head.weight.device)
+        self.model = model
+
+    def _extend(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor:
+        tokens, positions, layout, lengths = self._commit_rows([i.appended for i in inputs], slots)
+        hidden = self.model(
+            tokens.to(self.device), positions.to(self.device), self.cache.bind(layout)
+        )
+        return _last(hidden, lengths)
+
+    def _step(self, tokens: Tensor, hidden: Tensor, layout: BatchLayout) -> Tensor:
+        positions = layout.starts[:, None]
+        return self.model(
+            tokens.to(self.device), positions.to(self.device), self.cache.bind(layout)
+        )
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        return self.model.logits(hidden[:, -1])
+
+
+class EagleDrafter(Drafter):
+    def __init__(self, head: EagleHead, cache: DenseKVCache) -> None:
+        super().__init__(cache, head.fc.weight.device)
+        self.head = head
+
+    def _extend(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor:
+        rows, feats = [], []
+        for item in inputs:
+            if item.features is None or len(item.features) == 0:
+                raise ValueError(f"request {item.request_id}: the EAGLE drafter needs features")
+            n = len(item.features)
+            if n not in (len(item.appended), len(item.appended) - 1):
+                raise ValueError(
+                    f"request {item.request_id}: {n} feature rows for {len(item.appended)} "
+                    "appended tokens (expected as many, or one fewer in the first round)"
+                )
+            rows.append(item.appended[len(item.appended) - n :])
+            feats.append(item.features)
+        tokens, positions, layout, lengths = self._commit_rows(rows, slots)
+        features = torch.zeros(len(rows), tokens.shape[1], feats[0].shape[-1])
+        for b, f in enumerate(feats):
+            features[b, : len(f)] = f
+        hidden = self.head(
+            tokens.to(self.device),
+            features.to(self.device),
+            positions.to(self.device),
+            self.cache.bind(layout),
+        )
+        return _last(hidden, lengths)
+
+    def _step(self, tokens: Tensor, hidden: Tensor, layout: BatchLayout) -> Tensor:
+        positions = layout.starts[:, None]
+        return self.head(
+            tokens.to(self.device), hidden, positions.to(self.device), self.cache.bind(layout)
+        )
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        return self.head.logits(hidden[:, -1])

@@ -1,0 +1,51 @@
+"""Per-tier runtime states, all built at start-up; a tier switch swaps a reference.
+
+A `SpecRuntimeState` holds everything shape-dependent for one tier (speculative_num_steps = s,
+chains of s drafts, s + 1 verified tokens). On CPU that is the chain's parents, tree mask and
+depth offsets, precomputed once; the GPU backend adds attention plans and CUDA graphs per batch
+bucket to the same object. `builds()` counts constructions so tests can assert that none
+happen after start-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from specpair.runtime.tree import tree_depths, tree_mask
+
+_builds = 0
+
+
+def builds() -> int:
+    """How many runtime states this process has built so far."""
+    return _builds
+
+
+@dataclass(frozen=True)
+class SpecRuntimeState:
+    tier: int  # speculative_num_steps
+    chain_parents: tuple[int, ...]  # full chain (root + s drafts): [-1, 0, 1, …, s-1]
+    chain_mask: Tensor  # [s + 1, s + 1] bool, lower-triangular
+    chain_depths: tuple[int, ...]  # [0, 1, …, s]
+    extras: dict[str, object] = field(default_factory=dict)  # backend-specific (graphs, plans)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.tier + 1
+
+
+def build_state(tier: int) -> SpecRuntimeState:
+    global _builds
+    if tier < 1:
+        raise ValueError(f"a tier (speculative_num_steps) must be >= 1, got {tier}")
+    parents = tuple(range(-1, tier))
+    _builds += 1
+    return SpecRuntimeState(tier, parents, tree_mask(parents), tuple(tree_depths(parents)))
+
+
+def build_states(tiers: Iterable[int]) -> dict[int, SpecRuntimeState]:
+    """One state per candidate tier — called once, at start-up."""
+    return {tier: build_state(tier) for tier in sorted(set(tiers))}

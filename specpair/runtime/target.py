@@ -1,0 +1,169 @@
+"""The target's stages: prefill a prompt, verify candidate trees, accept, commit the KV.
+
+A `TargetSequence` is one request on the target: its tokens, its KV slot and the *pending*
+token (the last sampled one, not yet in the KV cache). Each verify forward runs the pending
+token as the root of the request's candidate tree, so decoding without speculation is the same
+call with an empty tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from specpair.models.llama import LlamaModel
+from specpair.runtime.accept import Acceptance, accept_greedy, accept_sampling
+from specpair.runtime.kv_cache import BatchLayout, DenseKVCache
+from specpair.runtime.sampling import SamplingParams, make_generator, sample, warp
+from specpair.runtime.state import SpecRuntimeState
+from specpair.runtime.tree import CandidateTree, full_parents, tree_depths, tree_mask
+
+
+@dataclass
+class TargetSequence:
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    slot: int = -1
+    output: list[int] = field(default_factory=list)  # generated tokens (incl. the pending one)
+    finish_reason: str | None = None  # "length" | "stop" | "cancelled" | "error"
+    generator: torch.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.generator = make_generator(self.sampling.seed)
+
+    @property
+    def pending(self) -> int:
+        return self.output[-1]
+
+    @property
+    def committed(self) -> int:
+        """Tokens whose KV is in the cache: all but the pending one."""
+        return len(self.prompt) + len(self.output) - 1
+
+    def append(self, tokens: Sequence[int]) -> list[int]:
+        """Adds newly generated tokens up to the first stop token or the length budget.
+
+        Returns the tokens actually kept (what the client sees this round).
+        """
+        kept: list[int] = []
+        for token in tokens:
+            kept.append(token)
+            if token in self.stop_token_ids:
+                self.finish_reason = "stop"
+                break
+            if len(self.output) + len(kept) >= self.max_new_tokens:
+                self.finish_reason = "length"
+                break
+        self.output.extend(kept)
+        return kept
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyResult:
+    acceptance: Acceptance
+    new_tokens: list[int]  # accepted drafts + bonus, after stop/length truncation
+    features: Tensor | None  # [len(keep), H] hidden states of the committed positions (EAGLE)
+
+
+class TargetWorker:
+    """Target model + KV cache; the stages are synchronous and run off the event loop."""
+
+    def __init__(self, model: LlamaModel, cache: DenseKVCache, *, keep_features: bool = False):
+        self.model = model
+        self.cache = cache
+        self.keep_features = keep_features
+        self.device = model.lm_head.weight.device
+
+    def _choose(self, seq: TargetSequence, logits: Tensor) -> int:
+        if seq.sampling.greedy:
+            return int(logits.argmax())
+        return sample(warp(logits, seq.sampling), seq.generator)
+
+    @torch.inference_mode()
+    def prefill(self, seqs: Sequence[TargetSequence]) -> list[Tensor | None]:
+        """Runs the prompts, commits their KV and samples each first token.
+
+        Returns per request the prompt's hidden states [P, H] (EAGLE features) or None.
+        """
+        lengths = [len(s.prompt) for s in seqs]
+        for seq in seqs:
+            if seq.slot < 0:
+                seq.slot = self.cache.alloc()
+        layout = BatchLayout.causal([s.slot for s in seqs], [0] * len(seqs), lengths)
+        t = max(lengths)
+        tokens = torch.zeros(len(seqs), t, dtype=torch.long)
+        for b, seq in enumerate(seqs):
+            tokens[b, : lengths[b]] = torch.tensor(seq.prompt)
+        positions = torch.arange(t).expand(len(seqs), t)
+        hidden = self.model(
+            tokens.to(self.device), positions.to(self.device), self.cache.bind(layout)
+        )
+        last = hidden[torch.arange(len(seqs)), torch.tensor(lengths) - 1]
+        logits = self.model.logits(last).cpu()
+        features: list[Tensor | None] = []
+        for b, seq in enumerate(seqs):
+            self.cache.commit(seq.slot, 0, range(lengths[b]))
+            seq.append([self._choose(seq, logits[b])])
+            features.append(hidden[b, : lengths[b]].float().cpu() if self.keep_features else None)
+        return features
+
+    @torch.inference_mode()
+    def verify(
+        self,
+        seqs: Sequence[TargetSequence],
+        trees: Sequence[CandidateTree],
+        state: SpecRuntimeState | None = None,
+    ) -> list[VerifyResult]:
+        """One forward over every request's full tree (pending root + drafts), then accept.
+
+        `state` supplies the precomputed chain mask of its tier; other trees get their own.
+        """
+        parents = [full_parents(tree) for tree in trees]
+        t = max(len(p) for p in parents)
+        b = len(seqs)
+        tokens = torch.zeros(b, t, dtype=torch.long)
+        positions = torch.zeros(b, t, dtype=torch.long)
+        new_mask = torch.eye(t, dtype=torch.bool).repeat(b, 1, 1)
+        for i, (seq, tree, par) in enumerate(zip(seqs, trees, parents, strict=True)):
+            n = len(par)
+            tokens[i, :n] = torch.tensor((seq.pending, *tree.tokens))
+            if state is not None and tuple(par) == state.chain_parents:
+                new_mask[i, :n, :n] = state.chain_mask
+                depths = list(state.chain_depths)
+            else:
+                new_mask[i, :n, :n] = tree_mask(par)
+                depths = tree_depths(par)
+            positions[i, :n] = torch.tensor(depths) + seq.committed
+            self.cache.check_room(seq.slot, seq.committed, t)
+        layout = BatchLayout(
+            torch.tensor([s.slot for s in seqs]),
+            torch.tensor([s.committed for s in seqs]),
+            new_mask,
+        )
+        hidden = self.model(
+            tokens.to(self.device), positions.to(self.device), self.cache.bind(layout)
+        )
+        logits = self.model.logits(hidden).cpu()  # [B, T, V]
+        results = []
+        for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
+            n = len(tree) + 1
+            if seq.sampling.greedy:
+                acc = accept_greedy(tree, logits[i, :n])
+            else:
+                acc = accept_sampling(tree, warp(logits[i, :n], seq.sampling), seq.generator)
+            start = seq.committed
+            self.cache.commit(seq.slot, start, acc.keep)
+            feats = hidden[i, acc.keep].float().cpu() if self.keep_features else None
+            results.append(VerifyResult(acc, seq.append([*acc.tokens, acc.bonus]), feats))
+        return results
+
+    def release(self, seq: TargetSequence) -> None:
+        if seq.slot >= 0:
+            self.cache.free(seq.slot)
+            seq.slot = -1

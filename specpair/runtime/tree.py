@@ -1,0 +1,109 @@
+"""Candidate trees: draft token ids plus a parent index per node.
+
+Parent -1 is the root: the request's last known token (the previous round's bonus), which the
+target verifies together with the tree. A chain of s drafts has parents [-1, 0, 1, …, s-2].
+Verification works on the *full* tree, root at index 0 and draft node i at index i + 1:
+
+    drafts [a, b, c], parents [-1, 0, 0], prefix length 7
+    full tree  [root, a, b, c], full parents [-1, 0, 1, 1], depths [0, 1, 2, 2]
+    positions  [7, 8, 9, 9]; b and c both see the prefix, the root and a, not each other
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+class MalformedTreeError(ValueError):
+    """A candidate tree that breaks the parent/size/depth/vocabulary rules."""
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateTree:
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+    # [n, V] float32: node i's token was sampled from draft_probs[i] (sampling only).
+    draft_probs: Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+
+def chain(tokens: Sequence[int], draft_probs: Tensor | None = None) -> CandidateTree:
+    return CandidateTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)), draft_probs)
+
+
+EMPTY_TREE = CandidateTree((), ())
+
+
+def validate_tree(
+    tree: CandidateTree, *, max_nodes: int, max_depth: int, vocab_size: int
+) -> list[int]:
+    """Checks the tree and returns the depth of each draft node (children of the root: 1).
+
+    Parents must point to an earlier node (or -1), which rules out cycles and self-loops.
+    """
+    n = len(tree.tokens)
+    if len(tree.parents) != n:
+        raise MalformedTreeError(f"tree has {n} tokens but {len(tree.parents)} parents")
+    if n > max_nodes:
+        raise MalformedTreeError(f"tree has {n} nodes, more than the limit {max_nodes}")
+    depths: list[int] = []
+    for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents, strict=True)):
+        if not 0 <= token < vocab_size:
+            raise MalformedTreeError(
+                f"node {i}: token {token} outside the vocabulary [0, {vocab_size})"
+            )
+        if not -1 <= parent < i:
+            raise MalformedTreeError(f"node {i}: parent {parent} must be -1 or an earlier node")
+        depth = 1 if parent < 0 else depths[parent] + 1
+        if depth > max_depth:
+            raise MalformedTreeError(f"node {i}: depth {depth} exceeds the limit {max_depth}")
+        depths.append(depth)
+    if tree.draft_probs is not None and tuple(tree.draft_probs.shape) != (n, vocab_size):
+        raise MalformedTreeError(
+            f"draft_probs shape {tuple(tree.draft_probs.shape)} != ({n}, {vocab_size})"
+        )
+    return depths
+
+
+def full_parents(tree: CandidateTree) -> list[int]:
+    """Parents in the full tree (root at 0, node i at i + 1)."""
+    return [-1] + [p + 1 for p in tree.parents]
+
+
+def tree_mask(parents: Sequence[int]) -> Tensor:
+    """[n, n] bool: mask[i, j] is True when j is i or an ancestor of i (parents[i] < i)."""
+    n = len(parents)
+    mask = torch.eye(n, dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            mask[i] |= mask[parent]
+    return mask
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def tree_positions(prefix_len: int, parents: Sequence[int]) -> Tensor:
+    """Position of each full-tree node: prefix length + depth."""
+    return torch.tensor([prefix_len + d for d in tree_depths(parents)], dtype=torch.long)
+
+
+def children(parents: Sequence[int]) -> list[list[int]]:
+    kids: list[list[int]] = [[] for _ in parents]
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            kids[parent].append(i)
+    return kids

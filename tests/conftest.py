@@ -1,0 +1,23 @@
+"""Shared fixtures: tiny random checkpoints built on the fly (no network, no shipped weights)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specpair.models.tiny import make_tiny_eagle, make_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpts")
+    return {
+        "target": make_tiny_llama(root / "target", seed=1),
+        "target_b": make_tiny_llama(
+            root / "target_b", seed=11, hidden_size=96, num_heads=6, num_kv_heads=3, num_layers=3
+        ),
+        "draft": make_tiny_llama(root / "draft", seed=2, num_layers=1, hidden_size=32),
+        "draft_b": make_tiny_llama(root / "draft_b", seed=12, num_layers=1, hidden_size=48),
+        "eagle": make_tiny_eagle(root / "eagle", root / "target", seed=3),
+    }

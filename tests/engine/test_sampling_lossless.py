@@ -1,0 +1,94 @@
+"""Speculative sampling reproduces the target's own sampling distribution.
+
+The exact joint distribution of the first three tokens is computed from transformers' model
+(6-token vocabulary: 216 outcomes); many seeded speculative runs at tier 3 (so acceptance,
+rejection with the residual, and the bonus are all exercised) must fit it by a chi-square
+test. A deliberately wrong verifier that accepts every draft must fail the same test.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LlamaForCausalLM
+
+import specpair.runtime.target as target_module
+from specpair.models.tiny import make_tiny_llama
+from specpair.runtime.accept import Acceptance
+from specpair.runtime.build import build_drafter, build_target
+from specpair.runtime.engine import SpeculativeEngine
+from specpair.runtime.sampling import SamplingParams, warp
+from specpair.runtime.state import build_states
+
+VOCAB, PROMPT, DEPTH, RUNS, BATCH = 6, [1, 4, 2], 3, 4096, 256
+PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4, top_p=0.9)]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("small_vocab")
+    common = {"vocab_size": VOCAB, "tokenizer": False, "init_std": 0.3}
+    return (
+        make_tiny_llama(root / "target", seed=21, **common),
+        make_tiny_llama(root / "draft", seed=22, num_layers=1, **common),
+    )
+
+
+def exact_joint(target: Path, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    model = LlamaForCausalLM.from_pretrained(target).eval()
+    outcomes = list(itertools.product(range(VOCAB), repeat=DEPTH))
+    ids = torch.tensor([PROMPT + list(o) for o in outcomes])
+    with torch.no_grad():
+        logits = model(ids).logits[:, len(PROMPT) - 1 : -1]  # predictions of the 3 tokens
+    probs = warp(logits, params)
+    picked = probs.gather(-1, ids[:, len(PROMPT) :, None])[..., 0]
+    return {o: float(p) for o, p in zip(outcomes, picked.prod(-1), strict=True)}
+
+
+def speculative_samples(target: Path, draft: Path, params: SamplingParams) -> Counter:
+    worker = build_target(target, max_requests=BATCH, max_len=32)
+    drafter = build_drafter(draft, target_path=None, max_requests=BATCH, max_len=32)
+    engine = SpeculativeEngine(worker, drafter)
+    state = build_states([DEPTH])[DEPTH]
+    counts: Counter = Counter()
+    for start in range(0, RUNS, BATCH):
+        sampling = [
+            SamplingParams(params.temperature, params.top_p, params.top_k, seed=start + i)
+            for i in range(BATCH)
+        ]
+        results = engine.generate(
+            [PROMPT] * BATCH, max_new_tokens=DEPTH, state=state, sampling=sampling
+        )
+        counts.update(tuple(r.token_ids) for r in results)
+    return counts
+
+
+def fit_pvalue(counts: Counter, expected: dict[tuple[int, ...], float]) -> float:
+    total = sum(counts.values())
+    big = [o for o, p in expected.items() if p * total >= 5]
+    observed = [counts[o] for o in big] + [total - sum(counts[o] for o in big)]
+    exp = [expected[o] * total for o in big] + [total * (1 - sum(expected[o] for o in big))]
+    scale = sum(observed) / sum(exp)
+    return float(chisquare(observed, [e * scale for e in exp]).pvalue)
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["t1.0", "t0.8-k4-p0.9"])
+def test_speculative_sampling_matches_target_distribution(pair, params) -> None:
+    counts = speculative_samples(*pair, params)
+    assert fit_pvalue(counts, exact_joint(pair[0], params)) > 1e-3
+
+
+def test_accept_everything_verifier_fails_the_same_test(pair, monkeypatch) -> None:
+    def accept_all(tree, target_probs, generator):
+        return Acceptance(
+            tuple(range(len(tree))), tree.tokens, int(torch.multinomial(target_probs[-1], 1))
+        )
+
+    monkeypatch.setattr(target_module, "accept_sampling", accept_all)
+    counts = speculative_samples(*pair, PARAMS[0])
+    assert fit_pvalue(counts, exact_joint(pair[0], PARAMS[0])) < 1e-6
