@@ -1,0 +1,146 @@
+"""Service configuration: frozen dataclasses, validated once at the edge (CLI, environment)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_TARGET_ADDRESS = "127.0.0.1:50051"
+DEFAULT_DRAFT_ADDRESS = "127.0.0.1:50052"
+DEFAULT_CONTROLLER_ADDRESS = "127.0.0.1:50053"
+DEFAULT_METRICS = {
+    "target": "127.0.0.1:9451",
+    "draft": "127.0.0.1:9452",
+    "controller": "127.0.0.1:9453",
+}
+CANDIDATE_STEPS = (1, 3, 7)
+# The bundled model pair (issue 4); `specpair up` falls back to a generated tiny pair.
+MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+
+
+def env_address(service: str) -> str:
+    """SPECPAIR_<SERVICE>_ADDRESS or the default address of `service`."""
+    defaults = {
+        "target": DEFAULT_TARGET_ADDRESS,
+        "draft": DEFAULT_DRAFT_ADDRESS,
+        "controller": DEFAULT_CONTROLLER_ADDRESS,
+    }
+    return os.environ.get(f"SPECPAIR_{service.upper()}_ADDRESS", defaults[service])
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address {address!r} must be HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True, slots=True)
+class TLSConfig:
+    cert: Path | None = None  # server certificate (servers) / client certificate (mTLS)
+    key: Path | None = None
+    ca: Path | None = None  # CA that signs the peer's certificate
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("TLS needs both a certificate and a key (--tls-cert, --tls-key)")
+        for p in (self.cert, self.key, self.ca):
+            if p is not None and not Path(p).is_file():
+                raise ValueError(f"TLS file {p} does not exist")
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert is not None or self.ca is not None
+
+    @staticmethod
+    def from_env() -> TLSConfig:
+        def path(name: str) -> Path | None:
+            value = os.environ.get(name)
+            return Path(value) if value else None
+
+        return TLSConfig(
+            path("SPECPAIR_TLS_CERT"), path("SPECPAIR_TLS_KEY"), path("SPECPAIR_TLS_CA")
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    address: str
+    metrics_address: str = ""  # "" disables /metrics
+    ops_token: str | None = None
+    tls: TLSConfig = field(default_factory=TLSConfig)
+
+    def __post_init__(self) -> None:
+        split_address(self.address)
+        if self.metrics_address:
+            split_address(self.metrics_address)
+
+
+def _check_steps(steps: tuple[int, ...]) -> None:
+    if len(steps) < 1 or any(s < 1 for s in steps) or list(steps) != sorted(set(steps)):
+        raise ValueError(f"candidate_steps must be sorted distinct positive ints, got {steps}")
+
+
+@dataclass(frozen=True, slots=True)
+class TargetConfig:
+    server: ServerConfig
+    model_path: Path
+    draft_address: str | None = DEFAULT_DRAFT_ADDRESS  # None: no speculation
+    candidate_steps: tuple[int, ...] = CANDIDATE_STEPS
+    initial_steps: int = 3
+    max_batch: int = 16
+    max_len: int = 1024  # context length served: prompt + max_tokens must fit
+    max_queue: int = 256
+    draft_timeout_s: float = 5.0  # a round whose drafts come later is decoded without them
+    reconnect_min_s: float = 0.2
+    reconnect_max_s: float = 5.0
+    device: str = "cpu"
+    dtype: str = "float32"
+    eos_stop: bool = True  # stop at the tokenizer's end-of-text token
+
+    def __post_init__(self) -> None:
+        _check_steps(self.candidate_steps)
+        if self.initial_steps not in self.candidate_steps:
+            raise ValueError(
+                f"initial_steps {self.initial_steps} is not a candidate {self.candidate_steps}"
+            )
+        for name in ("max_batch", "max_len", "max_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not 0 < self.reconnect_min_s <= self.reconnect_max_s:
+            raise ValueError("need 0 < reconnect_min_s <= reconnect_max_s")
+
+
+@dataclass(frozen=True, slots=True)
+class DraftConfig:
+    server: ServerConfig
+    model_path: Path
+    draft_kind: str = "model"  # "model" (standalone LM) | "eagle" (needs target_path)
+    target_path: Path | None = None
+    candidate_steps: tuple[int, ...] = CANDIDATE_STEPS
+    max_requests: int = 64
+    max_len: int = 1024
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        _check_steps(self.candidate_steps)
+        if self.draft_kind not in ("model", "eagle"):
+            raise ValueError(f"draft_kind must be 'model' or 'eagle', got {self.draft_kind!r}")
+        if self.draft_kind == "eagle" and self.target_path is None:
+            raise ValueError("draft_kind 'eagle' needs the target checkpoint (--target-model)")
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    server: ServerConfig
+    targets: tuple[str, ...] = (DEFAULT_TARGET_ADDRESS,)
+    policy_file: Path | None = None
+    reconnect_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.targets:
+            raise ValueError("the controller needs at least one target address")
+        for address in self.targets:
+            split_address(address)

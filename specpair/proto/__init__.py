@@ -1,0 +1,1 @@
+"""Generated gRPC stubs (see specpair/proto_gen.py)."""

@@ -1,0 +1,125 @@
+"""gRPC plumbing shared by the three servers and their clients: TLS, ops token, health."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specpair.config import ServerConfig, TLSConfig
+
+# Large enough for sampling rounds that carry draft distributions [s, vocab] per request.
+MESSAGE_LIMIT = 256 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MESSAGE_LIMIT),
+    ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+]
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+class OpsTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls to `protected` methods without `authorization: Bearer <token>`."""
+
+    def __init__(self, token: str, protected: Iterable[str]) -> None:
+        self.expected = f"Bearer {token}"
+        self.protected = frozenset(protected)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if details.method not in self.protected:
+            return handler
+        metadata = dict(details.invocation_metadata or ())
+        if metadata.get("authorization") == self.expected:
+            return handler
+        return _deny(handler)
+
+
+def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong ops bearer token")
+
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong ops bearer token")
+        yield  # pragma: no cover - makes this an async generator
+
+    des, ser = handler.request_deserializer, handler.response_serializer
+    if handler.response_streaming:
+        if handler.request_streaming:
+            return grpc.stream_stream_rpc_method_handler(stream, des, ser)
+        return grpc.unary_stream_rpc_method_handler(stream, des, ser)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary, des, ser)
+    return grpc.unary_unary_rpc_method_handler(unary, des, ser)
+
+
+def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials | None:
+    if tls.cert is None or tls.key is None:
+        return None
+    ca = tls.ca.read_bytes() if tls.ca else None
+    return grpc.ssl_server_credentials(
+        [(tls.key.read_bytes(), tls.cert.read_bytes())],
+        root_certificates=ca,
+        require_client_auth=False,
+    )
+
+
+def open_channel(address: str, tls: TLSConfig | None = None) -> grpc.aio.Channel:
+    if tls is not None and tls.enabled:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=tls.ca.read_bytes() if tls.ca else None
+        )
+        return grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+class GrpcServer:
+    """A grpc.aio server with health (NOT_SERVING until `ready()`), reflection and ops auth."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        service_names: Iterable[str],
+        *,
+        protected_methods: Iterable[str] = (),
+    ) -> None:
+        interceptors = []
+        if config.ops_token:
+            interceptors.append(OpsTokenInterceptor(config.ops_token, protected_methods))
+        self.server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = list(service_names)
+        reflection.enable_server_reflection(
+            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+        )
+        creds = server_credentials(config.tls)
+        if creds is None:
+            self.port = self.server.add_insecure_port(config.address)
+        else:
+            self.port = self.server.add_secure_port(config.address, creds)
+
+    async def start(self) -> None:
+        await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+
+    async def ready(self) -> None:
+        await self._set(health_pb2.HealthCheckResponse.SERVING)
+
+    async def _set(self, status: Any) -> None:
+        await self.health.set("", status)
+        for name in self.service_names:
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float = 2.0) -> None:
+        await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(grace)
