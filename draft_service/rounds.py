@@ -1,0 +1,117 @@
+"""The draft rounds: decode a RoundRequest, extend + draft at its tier, encode the trees.
+
+Request ids are namespaced per Speculate stream, so two targets (or a reconnecting one) never
+share draft state; a stream's requests are freed when it ends.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specpair.config import DraftConfig
+from specpair.logging import get_logger
+from specpair.proto.v1 import common_pb2, draft_pb2
+from specpair.runtime.build import build_drafter
+from specpair.runtime.draft import Drafter, DraftInput
+from specpair.runtime.state import SpecRuntimeState, build_state
+from specpair.wire import draft_input_from_proto, tree_to_proto
+
+log = get_logger(__name__)
+
+
+class RoundError(ValueError):
+    """A round the draft cannot serve; sent back in SpeculateResponse.error."""
+
+
+class DraftRounds:
+    def __init__(self, config: DraftConfig) -> None:
+        self.config = config
+        log.info("loading draft weights", path=str(config.model_path), kind=config.draft_kind)
+        self.drafter: Drafter = build_drafter(
+            config.model_path,
+            target_path=config.target_path if config.draft_kind == "eagle" else None,
+            max_requests=config.max_requests,
+            max_len=config.max_len,
+            dtype=getattr(torch, config.dtype),
+            device=config.device,
+        )
+        self.vocab_size = self._vocab_size()
+        self.states: dict[int, SpecRuntimeState] = {}
+        for tier in config.candidate_steps:
+            t0 = time.perf_counter()
+            self.states[tier] = build_state(tier)
+            log.info(
+                "built runtime state", tier=tier, ms=round(1e3 * (time.perf_counter() - t0), 2)
+            )
+
+    def _vocab_size(self) -> int:
+        from specpair.runtime.draft import EagleDrafter, LMDrafter
+
+        if isinstance(self.drafter, EagleDrafter):
+            return self.drafter.head.args.vocab_size
+        assert isinstance(self.drafter, LMDrafter)
+        return self.drafter.model.args.vocab_size
+
+    @property
+    def active_requests(self) -> int:
+        return len(self.drafter.requests)
+
+    def release_stream(self, stream_id: str) -> None:
+        prefix = f"{stream_id}/"
+        for key in [k for k in self.drafter.requests if k.startswith(prefix)]:
+            self.drafter.release(key)
+
+    def run(
+        self, stream_id: str, request: draft_pb2.SpeculateRequest
+    ) -> draft_pb2.SpeculateResponse:
+        """One round; errors in the request come back in `error`, never as an exception."""
+        t0 = time.perf_counter()
+        for rid in request.released_request_ids:
+            self.drafter.release(f"{stream_id}/{rid}")
+        response = draft_pb2.SpeculateResponse(round_id=request.round_id)
+        if not request.inputs:
+            return response
+        try:
+            state = self._state(request.speculative_num_steps)
+            inputs = [self._decode(stream_id, msg) for msg in request.inputs]
+            trees = self.drafter.round(inputs, state)
+        except (RoundError, ValueError) as exc:
+            # The target decodes this round plainly; our state for these requests is unknown
+            # now, so drop it: the target re-sends their full tokens after an error.
+            for msg in request.inputs:
+                self.drafter.release(f"{stream_id}/{msg.request_id}")
+            log.warning("round rejected", round_id=request.round_id, error=str(exc))
+            response.error = str(exc)
+            return response
+        for msg, tree in zip(request.inputs, trees, strict=True):
+            response.trees.append(tree_to_proto(msg.request_id, tree))
+        total = 1e3 * (time.perf_counter() - t0)
+        response.timings.CopyFrom(common_pb2.StageTimings(draft_ms=total, total_ms=total))
+        return response
+
+    def _state(self, tier: int) -> SpecRuntimeState:
+        state = self.states.get(tier)
+        if state is None:
+            raise RoundError(
+                f"speculative_num_steps {tier} is not a candidate tier {sorted(self.states)}"
+            )
+        return state
+
+    def _decode(self, stream_id: str, msg: draft_pb2.DraftInput) -> DraftInput:
+        item = draft_input_from_proto(msg)
+        if not item.appended:
+            raise RoundError(f"inputs[{msg.request_id}].appended_token_ids is empty")
+        bad = [t for t in item.appended if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RoundError(
+                f"inputs[{msg.request_id}].appended_token_ids: {bad[0]} outside the vocabulary"
+            )
+        key = f"{stream_id}/{msg.request_id}"
+        entry = self.drafter.requests.get(key)
+        length = self.drafter.cache.lengths[entry.slot] if entry else 0
+        need = length + len(item.appended) + max(self.states)
+        if need > self.config.max_len:
+            raise RoundError(f"inputs[{msg.request_id}]: {need} positions exceed max_len")
+        return DraftInput(key, item.appended, item.sampling, item.features)

@@ -1,0 +1,113 @@
+"""gRPC front of the draft service: one Speculate stream per target, rounds off the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+
+from draft_service.rounds import DraftRounds
+from specpair.config import DraftConfig
+from specpair.logging import get_logger
+from specpair.metrics import ServiceMetrics
+from specpair.proto.v1 import draft_pb2, draft_pb2_grpc
+from specpair.runtime import state as runtime_state
+from specpair.serving import GrpcServer
+
+log = get_logger(__name__)
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, config: DraftConfig, metrics: ServiceMetrics) -> None:
+        self.config = config
+        self.rounds: DraftRounds | None = None  # set once weights and states are built
+        self.metrics = metrics
+        # One thread: model compute is serialized and stays off the event loop.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-compute")
+        self.streams = 0
+        self._ids = itertools.count()
+
+    async def Speculate(
+        self,
+        request_iterator: AsyncIterator[draft_pb2.SpeculateRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[draft_pb2.SpeculateResponse]:
+        rounds = self.rounds
+        if rounds is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "draft model is still loading")
+        assert rounds is not None
+        stream_id = f"s{next(self._ids)}"
+        self.streams += 1
+        log.info("speculate stream opened", stream=stream_id, peer=context.peer())
+        loop = asyncio.get_running_loop()
+        try:
+            async for request in request_iterator:
+                response = await loop.run_in_executor(self.executor, rounds.run, stream_id, request)
+                self.metrics.active_tier.set(request.speculative_num_steps)
+                self.metrics.stage_latency.labels("draft").observe(response.timings.total_ms / 1e3)
+                yield response
+        finally:
+            self.streams -= 1
+            await loop.run_in_executor(self.executor, rounds.release_stream, stream_id)
+            log.info("speculate stream closed", stream=stream_id)
+
+    async def GetServerInfo(
+        self,
+        request: draft_pb2.DraftServiceGetServerInfoRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> draft_pb2.DraftServiceGetServerInfoResponse:
+        cfg = self.config
+        return draft_pb2.DraftServiceGetServerInfoResponse(
+            model_path=str(cfg.model_path),
+            draft_kind=cfg.draft_kind,
+            candidate_steps=list(cfg.candidate_steps),
+            active_streams=self.streams,
+            active_requests=self.rounds.active_requests if self.rounds else 0,
+            runtime_state_builds=runtime_state.builds(),
+            device=cfg.device,
+        )
+
+
+@dataclass
+class RunningDraft:
+    server: GrpcServer
+    servicer: DraftServicer
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.server.stop(grace)
+        self.servicer.executor.shutdown(wait=False)
+
+
+async def start(config: DraftConfig) -> RunningDraft:
+    """Binds the port (health NOT_SERVING), loads the model and states, then SERVING."""
+    server = GrpcServer(config.server, [SERVICE_NAME])
+    metrics = ServiceMetrics("draft")
+    servicer = DraftServicer(config, metrics)
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server.server)
+    await server.start()
+    log.info("draft service listening", address=config.server.address, port=server.port)
+    rounds = await asyncio.to_thread(DraftRounds, config)
+    servicer.rounds = rounds
+    if config.server.metrics_address:
+        host, _, port = config.server.metrics_address.rpartition(":")
+        metrics.serve(host, int(port))
+    await server.ready()
+    log.info("draft service ready", tiers=list(rounds.states), kind=config.draft_kind)
+    return RunningDraft(server, servicer)
+
+
+async def serve(config: DraftConfig) -> None:
+    running = await start(config)
+    try:
+        await running.server.server.wait_for_termination()
+    finally:
+        await running.stop()

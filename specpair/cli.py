@@ -1,0 +1,284 @@
+"""The `specpair` command: serve one service, bring all three up, generate, and ops (`ctl`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from specpair.config import (
+    CANDIDATE_STEPS,
+    DEFAULT_METRICS,
+    ControllerConfig,
+    DraftConfig,
+    ServerConfig,
+    TargetConfig,
+    TLSConfig,
+    env_address,
+)
+
+TOKEN_ENV = "SPECPAIR_OPS_TOKEN"
+
+
+def _steps(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def _common(p: argparse.ArgumentParser, service: str) -> None:
+    p.add_argument("--address", default=env_address(service), help="HOST:PORT to bind")
+    p.add_argument(
+        "--metrics-address",
+        default=os.environ.get(f"SPECPAIR_{service.upper()}_METRICS", DEFAULT_METRICS[service]),
+        help="HOST:PORT for Prometheus /metrics ('' disables)",
+    )
+    p.add_argument("--ops-token-env", default=TOKEN_ENV, help="env var holding the ops token")
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate (enables TLS)")
+    p.add_argument("--tls-key", type=Path, help="PEM private key")
+    p.add_argument("--tls-ca", type=Path, help="PEM CA for verifying peers")
+    p.add_argument("--log-level", default="INFO")
+
+
+def _model_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--candidate-steps", type=_steps, default=CANDIDATE_STEPS)
+    p.add_argument("--max-len", type=int, default=1024, help="context length served")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (GPU default)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specpair", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run one service").add_subparsers(
+        dest="service", required=True
+    )
+    target = serve.add_parser("target", help="the target service (front door)")
+    _common(target, "target")
+    _model_opts(target)
+    target.add_argument("--model", type=Path, required=True, help="target checkpoint directory")
+    target.add_argument("--draft", default=env_address("draft"), help="draft service HOST:PORT")
+    target.add_argument("--no-draft", action="store_true", help="decode without speculation")
+    target.add_argument("--initial-steps", type=int, default=3)
+    target.add_argument("--max-batch", type=int, default=16)
+    target.add_argument("--max-queue", type=int, default=256)
+    target.add_argument("--draft-timeout", type=float, default=5.0, help="seconds per round")
+
+    draft = serve.add_parser("draft", help="the draft service")
+    _common(draft, "draft")
+    _model_opts(draft)
+    draft.add_argument("--model", type=Path, required=True, help="draft LM or EAGLE head dir")
+    draft.add_argument("--draft-kind", choices=["model", "eagle"], default="model")
+    draft.add_argument("--target-model", type=Path, help="target checkpoint (EAGLE only)")
+    draft.add_argument("--max-requests", type=int, default=64)
+
+    ctrl = serve.add_parser("controller", help="the adaptive controller + ops API")
+    _common(ctrl, "controller")
+    ctrl.add_argument(
+        "--target",
+        action="append",
+        help="target HOST:PORT (repeatable; default: $SPECPAIR_TARGET_ADDRESS)",
+    )
+    ctrl.add_argument("--policy", type=Path, help="policy JSON file (omitted keys: defaults)")
+
+    up = sub.add_parser("up", help="run target, draft and controller locally")
+    up.add_argument("--target-model", type=Path, help="default: models/target (or a tiny pair)")
+    up.add_argument("--draft-model", type=Path, help="default: models/draft")
+    up.add_argument("--draft-kind", choices=["model", "eagle"], default="model")
+    up.add_argument("--device", default="cpu")
+    up.add_argument("--policy", type=Path)
+    up.add_argument("--demo", action="store_true", help="run the demo client once it is up")
+
+    gen = sub.add_parser("generate", help="generate from a running target")
+    gen.add_argument("prompt")
+    gen.add_argument("--address", default=None, help="target HOST:PORT")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print the GenerateResult as JSON")
+    gen.add_argument("--tls-ca", type=Path)
+
+    ctl = sub.add_parser("ctl", help="controller ops: status, pin, unpin, policy")
+    ctl.add_argument("--address", default=None, help="controller HOST:PORT")
+    ctl.add_argument("--token-env", default=TOKEN_ENV)
+    ctl.add_argument("--tls-ca", type=Path)
+    ops = ctl.add_subparsers(dest="op", required=True)
+    ops.add_parser("status", help="state of every target")
+    pin = ops.add_parser("pin", help="pin a tier (overrides the policy)")
+    pin.add_argument("steps", type=int)
+    ops.add_parser("unpin", help="hand the tier back to the policy")
+    policy = ops.add_parser("policy", help="update policy keys live: KEY=VALUE …")
+    policy.add_argument("changes", nargs="+", metavar="KEY=VALUE")
+    return parser
+
+
+def _server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        address=args.address,
+        metrics_address=args.metrics_address,
+        ops_token=os.environ.get(args.ops_token_env) or None,
+        tls=TLSConfig(args.tls_cert, args.tls_key, args.tls_ca),
+    )
+
+
+def _dtype(args: argparse.Namespace) -> str:
+    return args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+
+
+def config_from_args(args: argparse.Namespace) -> TargetConfig | DraftConfig | ControllerConfig:
+    """Validated service config for `serve`; raises ValueError with the offending option."""
+    server = _server_config(args)
+    if args.service == "target":
+        return TargetConfig(
+            server=server,
+            model_path=args.model,
+            draft_address=None if args.no_draft else args.draft,
+            candidate_steps=args.candidate_steps,
+            initial_steps=args.initial_steps,
+            max_batch=args.max_batch,
+            max_len=args.max_len,
+            max_queue=args.max_queue,
+            draft_timeout_s=args.draft_timeout,
+            device=args.device,
+            dtype=_dtype(args),
+        )
+    if args.service == "draft":
+        return DraftConfig(
+            server=server,
+            model_path=args.model,
+            draft_kind=args.draft_kind,
+            target_path=args.target_model,
+            candidate_steps=args.candidate_steps,
+            max_requests=args.max_requests,
+            max_len=args.max_len + max(args.candidate_steps),
+            device=args.device,
+            dtype=_dtype(args),
+        )
+    return ControllerConfig(
+        server=server,
+        targets=tuple(args.target or [env_address("target")]),
+        policy_file=args.policy,
+    )
+
+
+async def _serve(config: Any) -> None:
+    # SIGTERM (docker stop, `specpair up` shutting down) stops gracefully, like Ctrl-C.
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    if isinstance(config, TargetConfig):
+        from target_service.server import serve as serve_target
+
+        await serve_target(config)
+    elif isinstance(config, DraftConfig):
+        from draft_service.server import serve as serve_draft
+
+        await serve_draft(config)
+    else:
+        from controller.server import serve as serve_controller
+
+        await serve_controller(config)
+
+
+def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from specpair.logging import configure_logging
+
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if isinstance(config, TargetConfig | DraftConfig) and not config.model_path.is_dir():
+        parser.error(f"--model {config.model_path}: no such checkpoint directory")
+    configure_logging(args.service, level=args.log_level)
+    with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
+        asyncio.run(_serve(config))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specpair.client import SpecpairClient, SpecpairError
+
+    client = SpecpairClient(args.address, tls=args.tls_ca)
+    params = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+    try:
+        if args.json:
+            print(json.dumps(client.generate(args.prompt, **params).to_dict(), indent=2))
+        else:
+            for delta in client.stream(args.prompt, **params):
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+    except SpecpairError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from specpair.client import ControllerClient, SpecpairError
+
+    client = ControllerClient(args.address, token=os.environ.get(args.token_env), tls=args.tls_ca)
+    try:
+        if args.op == "status":
+            result = client.state()
+        elif args.op == "pin":
+            result = client.pin(args.steps)
+        elif args.op == "unpin":
+            result = client.unpin()
+        else:
+            changes = {}
+            for item in args.changes:
+                key, sep, value = item.partition("=")
+                if not sep:
+                    parser.error(f"policy change {item!r} must be KEY=VALUE")
+                changes[key] = _parse_value(value)
+            result = client.update_policy(**changes)
+    except SpecpairError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return cmd_serve(args, parser)
+    if args.command == "up":
+        from specpair.launcher import run_up
+
+        return run_up(args)
+    if args.command == "generate":
+        return cmd_generate(args)
+    return cmd_ctl(args, parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

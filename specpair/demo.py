@@ -1,0 +1,49 @@
+"""The demo client: completes Python code through the running services and shows speculation."""
+
+from __future__ import annotations
+
+from specpair.client import ControllerClient, SpecpairClient, SpecpairError
+
+PROMPTS = [
+    "def fibonacci(n):\n    ",
+    "import os\n\n\ndef list_python_files(root):\n    ",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "for i in range(10):\n    if i % 2 == 0:\n        ",
+]
+
+
+def run_demo(target: str, controller: str | None, *, max_tokens: int = 64) -> None:
+    client = SpecpairClient(target)
+    info = client.server_info()
+    print(
+        f"demo: target {info.get('target_model_path')} at tier {info.get('speculative_num_steps')}"
+    )
+    for prompt in PROMPTS:
+        result = client.generate(prompt, max_tokens=max_tokens)
+        print("=" * 72)
+        print(prompt + result.text)
+        print("-" * 72)
+        print(
+            f"{result.completion_tokens} tokens in {result.rounds} rounds, "
+            f"accept lengths {result.accept_lengths} (mean {result.avg_accept_length:.2f}), "
+            f"finish: {result.finish_reason}"
+        )
+    if controller is None:
+        return
+    try:
+        state = ControllerClient(controller).state()
+    except SpecpairError as exc:
+        print(f"demo: controller unavailable ({exc})")
+        return
+    for target_state in state.get("targets", []):
+        switches = target_state.get("recent_switches", [])
+        print(
+            f"controller: {target_state.get('target_address')} tier "
+            f"{target_state.get('active_steps')}, EMA {target_state.get('ema', 0.0):.2f}, "
+            f"{len(switches)} tier switches"
+        )
+        for s in switches:
+            print(
+                f"  round {s.get('round_id')}: {s.get('from_steps')} → {s.get('to_steps')} "
+                f"({s.get('reason')}, EMA {s.get('ema', 0.0):.2f})"
+            )

@@ -1,0 +1,1 @@
+"""The target service: the front door; owns the target model and drives every round."""

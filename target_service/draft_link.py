@@ -1,0 +1,125 @@
+"""The target's one long-lived Speculate stream to the draft service, with reconnects.
+
+`round()` never raises: a failed, late or broken round returns None, the stream is dropped,
+and a background task reconnects with exponential backoff. Each new stream is a new *epoch*:
+the draft lost every request's state, so the scheduler re-sends their full token history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+
+from specpair.config import TLSConfig
+from specpair.logging import get_logger
+from specpair.proto.v1 import draft_pb2, draft_pb2_grpc, target_pb2
+from specpair.serving import open_channel
+
+log = get_logger(__name__)
+State = target_pb2.DraftConnectionState
+
+
+class DraftLink:
+    def __init__(
+        self,
+        address: str,
+        *,
+        tls: TLSConfig | None = None,
+        timeout_s: float = 5.0,
+        backoff_min_s: float = 0.2,
+        backoff_max_s: float = 5.0,
+    ) -> None:
+        self.address = address
+        self.tls = tls
+        self.timeout_s = timeout_s
+        self.backoff = (backoff_min_s, backoff_max_s)
+        self.state: target_pb2.DraftConnectionState.ValueType = (
+            State.DRAFT_CONNECTION_STATE_CONNECTING
+        )
+        self.epoch = 0
+        self.draft_kind = ""
+        self._channel: grpc.aio.Channel | None = None
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._lost = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self.state == State.DRAFT_CONNECTION_STATE_CONNECTED
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._keep_connected(), name="draft-link")
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._drop()
+
+    async def _keep_connected(self) -> None:
+        delay = self.backoff[0]
+        while True:
+            try:
+                await self._connect()
+                delay = self.backoff[0]
+                self._lost.clear()
+                await self._lost.wait()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # any failure: back off and try again
+                self.state = State.DRAFT_CONNECTION_STATE_DISCONNECTED
+                log.warning(
+                    "draft unreachable", address=self.address, error=str(exc), retry_s=delay
+                )
+                await self._drop()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.backoff[1])
+
+    async def _connect(self) -> None:
+        self._channel = open_channel(self.address, self.tls)
+        await asyncio.wait_for(self._channel.channel_ready(), timeout=self.timeout_s)
+        stub = draft_pb2_grpc.DraftServiceStub(self._channel)
+        info = await stub.GetServerInfo(
+            draft_pb2.DraftServiceGetServerInfoRequest(), timeout=self.timeout_s
+        )
+        self.draft_kind = info.draft_kind
+        self._call = stub.Speculate()
+        self.epoch += 1
+        self.state = State.DRAFT_CONNECTION_STATE_CONNECTED
+        log.info("draft connected", address=self.address, kind=info.draft_kind, epoch=self.epoch)
+
+    async def _drop(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        if self._channel is not None:
+            await self._channel.close(grace=None)
+            self._channel = None
+
+    async def round(
+        self, request: draft_pb2.SpeculateRequest
+    ) -> draft_pb2.SpeculateResponse | None:
+        """Sends one round and waits for its trees, at most `timeout_s`; None on any failure."""
+        call = self._call
+        if not self.connected or call is None:
+            return None
+        try:
+            await asyncio.wait_for(call.write(request), self.timeout_s)
+            response = await asyncio.wait_for(call.read(), self.timeout_s)
+            if response is grpc.aio.EOF:
+                raise ConnectionError("draft closed the stream")
+            if response.round_id != request.round_id:
+                raise ConnectionError(f"round {response.round_id} answered for {request.round_id}")
+            return response
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # Late, broken or crashed: drop the stream (its state is unknown) and reconnect.
+            log.warning("draft round failed", round_id=request.round_id, error=repr(exc))
+            self.state = State.DRAFT_CONNECTION_STATE_DISCONNECTED
+            await self._drop()
+            self._lost.set()
+            return None

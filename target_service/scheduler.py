@@ -1,0 +1,330 @@
+"""Continuous batching and the round loop: admit → draft (remote) → verify → stream results.
+
+One asyncio task drives every round; model compute runs on one worker thread. New requests are
+prefilled and join at the next round boundary; finished or cancelled ones leave there, and
+their draft state is released with the next SpeculateRequest. A tier command takes effect when
+the next round starts, never inside one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from specpair.logging import get_logger
+from specpair.metrics import ServiceMetrics
+from specpair.proto.v1 import common_pb2, draft_pb2, target_pb2
+from specpair.runtime.draft import DraftInput
+from specpair.runtime.state import SpecRuntimeState
+from specpair.runtime.target import TargetSequence, TargetWorker
+from specpair.runtime.tree import EMPTY_TREE, CandidateTree, MalformedTreeError, validate_tree
+from specpair.wire import draft_input_to_proto, tree_from_proto
+from target_service.draft_link import DraftLink
+
+log = get_logger(__name__)
+MAX_TREE_NODES = 64
+
+
+class QueueFullError(RuntimeError):
+    """More requests waiting than max_queue."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoundEvent:
+    """New tokens of one request from one round (or its prefill)."""
+
+    token_ids: list[int]
+    accept_length: int  # -1: the round had no drafts for this request
+    tier: int
+    finish_reason: str | None
+
+
+@dataclass(eq=False)
+class ServedRequest:
+    seq: TargetSequence
+    events: asyncio.Queue[RoundEvent] = field(default_factory=asyncio.Queue)
+    cancelled: str | None = None  # outcome once the client went away or a stop string hit
+    draft_seen: int = 0  # tokens (prompt + output) the draft has been sent and processed
+    draft_epoch: int = -1
+    features: list[Tensor] = field(default_factory=list)  # chunks, one row per committed position
+    accept_lengths: list[int] = field(default_factory=list)
+    plain_rounds: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.seq.prompt + self.seq.output
+
+    def feature_rows(self, start: int) -> Tensor:
+        return torch.cat(self.features)[max(start, 0) :]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        worker: TargetWorker,
+        states: dict[int, SpecRuntimeState],
+        *,
+        initial_steps: int,
+        max_batch: int,
+        max_queue: int,
+        draft: DraftLink | None,
+        metrics: ServiceMetrics,
+    ) -> None:
+        self.worker = worker
+        self.states = states
+        self.tier = initial_steps
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.draft = draft
+        self.metrics = metrics
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-compute")
+        self.queue: collections.deque[ServedRequest] = collections.deque()
+        self.running: list[ServedRequest] = []
+        self.round_id = 0
+        self.recent_accepts: collections.deque[int] = collections.deque(maxlen=256)
+        self._pending_tier: tuple[int, str] | None = None
+        self._released: list[str] = []
+        self._wakeup = asyncio.Event()
+        self._watchers: set[asyncio.Queue[target_pb2.RoundStats]] = set()
+        self._ids = itertools.count()
+        metrics.active_tier.set(initial_steps)
+
+    # ---- called from the servicer -------------------------------------------------------
+
+    def submit(self, request: ServedRequest) -> None:
+        if len(self.queue) >= self.max_queue:
+            raise QueueFullError(f"{len(self.queue)} requests already queued (max_queue)")
+        self.queue.append(request)
+        self.metrics.queued.set(len(self.queue))
+        self._wakeup.set()
+
+    def cancel(self, request: ServedRequest, outcome: str = "cancelled") -> None:
+        """Leaves the batch at the next round boundary; its KV is freed on both services."""
+        request.cancelled = outcome
+        self._wakeup.set()
+
+    def apply_tier(self, tier: int, reason: str) -> int:
+        """Queues a tier switch for the next round; returns the tier active now."""
+        if tier not in self.states:
+            raise ValueError(
+                f"speculative_num_steps {tier} is not a candidate tier {sorted(self.states)}"
+            )
+        self._pending_tier = (tier, reason)
+        return self.tier
+
+    def watch(self) -> asyncio.Queue[target_pb2.RoundStats]:
+        queue: asyncio.Queue[target_pb2.RoundStats] = asyncio.Queue(maxsize=1024)
+        self._watchers.add(queue)
+        return queue
+
+    def unwatch(self, queue: asyncio.Queue[target_pb2.RoundStats]) -> None:
+        self._watchers.discard(queue)
+
+    @property
+    def avg_accept_length(self) -> float:
+        n = len(self.recent_accepts)
+        return sum(self.recent_accepts) / n if n else 0.0
+
+    # ---- the loop -----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._switch_tier()
+            self._drop_cancelled()
+            if not self.running and not self.queue:
+                await self._flush_releases()
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            t0 = time.perf_counter()
+            try:
+                await self._admit(loop)
+                if self.running:
+                    await self._round(loop, time.perf_counter() - t0)
+            except Exception:
+                # A bug must not hang every client: fail this batch loudly, keep serving.
+                log.exception("round failed", round_id=self.round_id)
+                for req in list(self.running):
+                    req.events.put_nowait(RoundEvent([], -1, self.tier, "error"))
+                    self._finish(req, "error")
+
+    def _switch_tier(self) -> None:
+        if self._pending_tier is None:
+            return
+        tier, reason = self._pending_tier
+        self._pending_tier = None
+        if tier != self.tier:
+            log.info("tier switch", round_id=self.round_id, frm=self.tier, to=tier, reason=reason)
+            self.tier = tier  # a reference swap to the state built at start-up
+            self.metrics.active_tier.set(tier)
+            self.metrics.tier_switches.inc()
+
+    def _drop_cancelled(self) -> None:
+        for req in [r for r in self.queue if r.cancelled]:
+            self.queue.remove(req)
+            self.metrics.requests.labels("cancelled").inc()
+        for req in [r for r in self.running if r.cancelled]:
+            self._finish(req, req.cancelled or "cancelled")
+
+    def _finish(self, req: ServedRequest, outcome: str) -> None:
+        self.running.remove(req)
+        self.worker.release(req.seq)
+        self._released.append(req.seq.request_id)
+        self.metrics.requests.labels(outcome).inc()
+        self.metrics.running.set(len(self.running))
+
+    async def _admit(self, loop: asyncio.AbstractEventLoop) -> None:
+        new: list[ServedRequest] = []
+        room = min(self.max_batch - len(self.running), self.worker.cache.free_slots)
+        while self.queue and len(new) < room:
+            new.append(self.queue.popleft())
+        self.metrics.queued.set(len(self.queue))
+        if not new:
+            return
+        seqs = [r.seq for r in new]
+        feats = await loop.run_in_executor(self.executor, self.worker.prefill, seqs)
+        for req, f in zip(new, feats, strict=True):
+            if f is not None:
+                req.features.append(f)
+            self.running.append(req)
+            req.events.put_nowait(
+                RoundEvent(list(req.seq.output), -1, self.tier, req.seq.finish_reason)
+            )
+            if req.seq.finish_reason is not None:
+                self._finish(req, req.seq.finish_reason)
+        self.metrics.running.set(len(self.running))
+
+    async def _round(self, loop: asyncio.AbstractEventLoop, admit_s: float) -> None:
+        self.round_id += 1
+        state = self.states[self.tier]
+        batch = list(self.running)
+        t0 = time.perf_counter()
+        trees, draft_ms, speculative = await self._draft(batch, state)
+        t1 = time.perf_counter()
+        seqs = [r.seq for r in batch]
+        results = await loop.run_in_executor(self.executor, self.worker.verify, seqs, trees, state)
+        t2 = time.perf_counter()
+        accepts: list[int] = []
+        for req, tree, res in zip(batch, trees, results, strict=True):
+            if res.features is not None:
+                req.features.append(res.features)
+            drafted = speculative and len(tree) > 0
+            if drafted:
+                accepts.append(res.acceptance.accept_length)
+                req.accept_lengths.append(res.acceptance.accept_length)
+                self.metrics.accept_length.observe(res.acceptance.accept_length)
+            else:
+                req.plain_rounds += 1
+            accept = res.acceptance.accept_length if drafted else -1
+            req.events.put_nowait(
+                RoundEvent(res.new_tokens, accept, self.tier, req.seq.finish_reason)
+            )
+            if req.seq.finish_reason is not None:
+                self._finish(req, req.seq.finish_reason)
+        self.recent_accepts.extend(accepts)
+        t3 = time.perf_counter()
+        rtt_ms = 1e3 * (t1 - t0)
+        timings = common_pb2.StageTimings(
+            draft_ms=draft_ms,
+            verify_ms=1e3 * (t2 - t1),
+            rpc_ms=max(rtt_ms - draft_ms, 0.0) if speculative else 0.0,
+            schedule_ms=1e3 * (admit_s + t3 - t2),
+            total_ms=1e3 * (admit_s + t3 - t0),
+        )
+        for stage in ("draft", "verify", "rpc", "schedule"):
+            self.metrics.stage_latency.labels(stage).observe(getattr(timings, f"{stage}_ms") / 1e3)
+        stats = target_pb2.RoundStats(
+            round_id=self.round_id,
+            speculative_num_steps=self.tier,
+            batch_size=len(batch),
+            accept_lengths=accepts,
+            speculative=speculative,
+            timings=timings,
+            unix_time=time.time(),
+        )
+        for queue in list(self._watchers):
+            if queue.full():
+                queue.get_nowait()  # a slow watcher loses the oldest round, never blocks us
+            queue.put_nowait(stats)
+
+    async def _draft(
+        self, batch: list[ServedRequest], state: SpecRuntimeState
+    ) -> tuple[list[CandidateTree], float, bool]:
+        """Trees for the batch from the draft service; empty trees when it is unavailable."""
+        empty = [EMPTY_TREE] * len(batch)
+        link = self.draft
+        if link is None or not link.connected:
+            self._released = []  # no stream, no draft state left to free
+            self.metrics.fallback_rounds.labels("no_draft").inc()
+            return empty, 0.0, False
+        message = draft_pb2.SpeculateRequest(
+            round_id=self.round_id,
+            speculative_num_steps=state.tier,
+            released_request_ids=self._released,
+        )
+        sent = []
+        for req in batch:
+            if req.draft_epoch != link.epoch:  # new stream: the draft re-prefills from scratch
+                req.draft_seen, req.draft_epoch = 0, link.epoch
+            tokens = req.tokens
+            features = req.feature_rows(req.draft_seen - 1) if link.draft_kind == "eagle" else None
+            item = DraftInput(
+                req.seq.request_id, tuple(tokens[req.draft_seen :]), req.seq.sampling, features
+            )
+            message.inputs.append(draft_input_to_proto(item))
+            sent.append(len(tokens))
+        self._released = []
+        response = await link.round(message)
+        if response is None:
+            self.metrics.fallback_rounds.labels("draft_failed").inc()
+            return empty, 0.0, False
+        if response.error:
+            log.warning("draft rejected the round", round_id=self.round_id, error=response.error)
+            for req in batch:
+                req.draft_seen = 0  # the draft dropped their state: re-send everything
+            self.metrics.fallback_rounds.labels("draft_error").inc()
+            return empty, response.timings.draft_ms, False
+        by_id = {t.request_id: t for t in response.trees}
+        trees = []
+        for req, n_sent in zip(batch, sent, strict=True):
+            req.draft_seen = n_sent
+            trees.append(self._checked_tree(req, by_id.get(req.seq.request_id), state))
+        return trees, response.timings.draft_ms, True
+
+    def _checked_tree(
+        self, req: ServedRequest, msg: draft_pb2.CandidateTree | None, state: SpecRuntimeState
+    ) -> CandidateTree:
+        """A malformed tree from a (buggy) draft costs only speculation for this request."""
+        if msg is None:
+            return EMPTY_TREE
+        try:
+            tree = tree_from_proto(msg)
+            validate_tree(
+                tree,
+                max_nodes=MAX_TREE_NODES,
+                max_depth=state.tier,
+                vocab_size=self.worker.model.args.vocab_size,
+            )
+            if len(tree) and not req.seq.sampling.greedy and tree.draft_probs is None:
+                raise MalformedTreeError("sampling round without draft_probs")
+        except (MalformedTreeError, ValueError) as exc:
+            log.warning("malformed candidate tree", request_id=req.seq.request_id, error=str(exc))
+            self.metrics.fallback_rounds.labels("malformed_tree").inc()
+            return EMPTY_TREE
+        return tree
+
+    async def _flush_releases(self) -> None:
+        if self._released and self.draft is not None and self.draft.connected:
+            message = draft_pb2.SpeculateRequest(
+                round_id=self.round_id, released_request_ids=self._released
+            )
+            self._released = []
+            await self.draft.round(message)

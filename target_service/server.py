@@ -1,0 +1,289 @@
+"""gRPC front of the target service: validate, hand to the scheduler, stream results back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import structlog
+import torch
+
+from specpair.config import TargetConfig
+from specpair.logging import get_logger
+from specpair.metrics import ServiceMetrics
+from specpair.proto.v1 import target_pb2, target_pb2_grpc
+from specpair.runtime import state as runtime_state
+from specpair.runtime.build import build_target
+from specpair.runtime.state import build_state
+from specpair.runtime.target import TargetSequence
+from target_service.detokenize import TextStream
+from target_service.draft_link import DraftLink
+from target_service.scheduler import MAX_TREE_NODES, QueueFullError, Scheduler, ServedRequest
+from target_service.validation import InvalidRequestError, validate_generate
+
+log = get_logger(__name__)
+SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"]
+OPS_METHODS = [f"/{SERVICE.full_name}/{m}" for m in ("ApplyTier", "WatchRounds")]
+FINISH = {
+    "length": target_pb2.FINISH_REASON_LENGTH,
+    "stop": target_pb2.FINISH_REASON_STOP,
+}
+
+
+def load_tokenizer(path: Any) -> Any:
+    from pathlib import Path
+
+    if not (Path(path) / "tokenizer.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, config: TargetConfig, metrics: ServiceMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.scheduler: Scheduler | None = None  # set once the model and states are built
+        self.tokenizer: Any = None
+        self.eos: frozenset[int] = frozenset()
+        self._ids = itertools.count()
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> Scheduler:
+        if self.scheduler is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "target model is still loading")
+        assert self.scheduler is not None
+        return self.scheduler
+
+    async def Generate(
+        self, request: target_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[target_pb2.GenerateResponse]:
+        scheduler = await self._ready(context)
+        args = scheduler.worker.model.args
+        try:
+            valid = validate_generate(
+                request,
+                tokenizer=self.tokenizer,
+                vocab_size=args.vocab_size,
+                max_len=self.config.max_len,
+            )
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return
+        request_id = request.request_id or f"req-{next(self._ids)}"
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        seq = TargetSequence(
+            request_id,
+            valid.prompt_ids,
+            valid.sampling,
+            valid.max_tokens,
+            valid.stop_token_ids | self.eos,
+        )
+        served = ServedRequest(seq)
+        try:
+            scheduler.submit(served)
+        except QueueFullError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            return
+        log.info(
+            "request admitted", prompt_tokens=len(valid.prompt_ids), max_tokens=valid.max_tokens
+        )
+        text = TextStream(self.tokenizer, valid.stop)
+        start = last = time.perf_counter()
+        finished = False
+        completion = 0
+        try:
+            while not finished:
+                event = await served.events.get()
+                if event.finish_reason == "error":
+                    finished = True
+                    await context.abort(grpc.StatusCode.INTERNAL, "the round failed; see logs")
+                now = time.perf_counter()
+                hist = self.metrics.itl if completion else self.metrics.ttft
+                hist.observe(now - last if completion else now - start)
+                last = now
+                tokens, delta, stop_hit = text.push(event.token_ids)
+                completion += len(tokens)
+                reason = "stop" if stop_hit else event.finish_reason
+                finished = reason is not None
+                response = target_pb2.GenerateResponse(
+                    request_id=request_id,
+                    token_ids=tokens,
+                    text=delta,
+                    accept_length=event.accept_length,
+                    speculative_num_steps=event.tier,
+                )
+                if finished:
+                    if stop_hit and event.finish_reason is None:
+                        scheduler.cancel(served, "stop")
+                    self._finalize(response, served, reason or "length", completion)
+                yield response
+        finally:
+            if not finished:  # client cancelled or its deadline passed
+                scheduler.cancel(served)
+                log.info("request cancelled")
+            structlog.contextvars.unbind_contextvars("request_id")
+
+    def _finalize(
+        self, response: target_pb2.GenerateResponse, served: ServedRequest, reason: str, n: int
+    ) -> None:
+        accepts = served.accept_lengths
+        response.finish_reason = FINISH.get(reason, target_pb2.FINISH_REASON_STOP)
+        response.usage.CopyFrom(
+            target_pb2.Usage(prompt_tokens=len(served.seq.prompt), completion_tokens=n)
+        )
+        response.speculation.CopyFrom(
+            target_pb2.SpeculationStats(
+                accept_lengths=accepts,
+                rounds=len(accepts) + served.plain_rounds,
+                plain_rounds=served.plain_rounds,
+                avg_accept_length=sum(accepts) / len(accepts) if accepts else 0.0,
+            )
+        )
+
+    async def GetServerInfo(
+        self,
+        request: target_pb2.TargetServiceGetServerInfoRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> target_pb2.TargetServiceGetServerInfoResponse:
+        cfg, s = self.config, self.scheduler
+        link = s.draft if s else None
+        state = target_pb2.DRAFT_CONNECTION_STATE_NONE if cfg.draft_address is None else (
+            link.state if link else target_pb2.DRAFT_CONNECTION_STATE_CONNECTING
+        )  # fmt: skip
+        return target_pb2.TargetServiceGetServerInfoResponse(
+            speculative_num_steps=s.tier if s else cfg.initial_steps,
+            avg_spec_accept_length=s.avg_accept_length if s else 0.0,
+            candidate_steps=list(cfg.candidate_steps),
+            target_model_path=str(cfg.model_path),
+            draft_address=cfg.draft_address or "",
+            draft_connection_state=state,
+            running_requests=len(s.running) if s else 0,
+            queued_requests=len(s.queue) if s else 0,
+            rounds=s.round_id if s else 0,
+            runtime_state_builds=runtime_state.builds(),
+            device=cfg.device,
+            max_context_length=cfg.max_len,
+            vocab_size=s.worker.model.args.vocab_size if s else 0,
+        )
+
+    async def ApplyTier(
+        self, request: target_pb2.ApplyTierRequest, context: grpc.aio.ServicerContext
+    ) -> target_pb2.ApplyTierResponse:
+        scheduler = await self._ready(context)
+        try:
+            previous = scheduler.apply_tier(request.speculative_num_steps, request.reason or "ops")
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return target_pb2.ApplyTierResponse(
+            previous_steps=previous,
+            speculative_num_steps=request.speculative_num_steps,
+            current_round=scheduler.round_id,
+        )
+
+    async def WatchRounds(
+        self, request: target_pb2.WatchRoundsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[target_pb2.WatchRoundsResponse]:
+        scheduler = await self._ready(context)
+        queue = scheduler.watch()
+        try:
+            while True:
+                yield target_pb2.WatchRoundsResponse(round=await queue.get())
+        finally:
+            scheduler.unwatch(queue)
+
+
+@dataclass
+class RunningTarget:
+    server: Any  # GrpcServer
+    servicer: TargetServicer
+    task: asyncio.Task[None]
+
+    @property
+    def port(self) -> int:
+        return int(self.server.port)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.server.stop(grace)
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        scheduler = self.servicer.scheduler
+        if scheduler is not None:
+            if scheduler.draft is not None:
+                await scheduler.draft.close()
+            scheduler.executor.shutdown(wait=False)
+
+
+def _build_scheduler(config: TargetConfig, metrics: ServiceMetrics) -> Scheduler:
+    log.info("loading target weights", path=str(config.model_path), device=config.device)
+    worker = build_target(
+        config.model_path,
+        max_requests=config.max_batch,
+        max_len=config.max_len + MAX_TREE_NODES + 1,  # headroom for a tree past the context
+        keep_features=config.draft_address is not None,
+        dtype=getattr(torch, config.dtype),
+        device=config.device,
+    )
+    states = {}
+    for tier in config.candidate_steps:
+        t0 = time.perf_counter()
+        states[tier] = build_state(tier)
+        log.info("built runtime state", tier=tier, ms=round(1e3 * (time.perf_counter() - t0), 2))
+    return Scheduler(
+        worker,
+        states,
+        initial_steps=config.initial_steps,
+        max_batch=config.max_batch,
+        max_queue=config.max_queue,
+        draft=None,
+        metrics=metrics,
+    )
+
+
+async def start(config: TargetConfig) -> RunningTarget:
+    """Binds the port (health NOT_SERVING), loads the model and states, then SERVING."""
+    from specpair.serving import GrpcServer
+
+    server = GrpcServer(config.server, [SERVICE.full_name], protected_methods=OPS_METHODS)
+    metrics = ServiceMetrics("target")
+    servicer = TargetServicer(config, metrics)
+    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server.server)
+    await server.start()
+    log.info("target service listening", address=config.server.address, port=server.port)
+    scheduler = await asyncio.to_thread(_build_scheduler, config, metrics)
+    servicer.tokenizer = await asyncio.to_thread(load_tokenizer, config.model_path)
+    if config.eos_stop and servicer.tokenizer is not None:
+        eos = servicer.tokenizer.eos_token_id
+        servicer.eos = frozenset() if eos is None else frozenset({int(eos)})
+    if config.draft_address is not None:
+        scheduler.draft = DraftLink(
+            config.draft_address,
+            tls=config.server.tls,
+            timeout_s=config.draft_timeout_s,
+            backoff_min_s=config.reconnect_min_s,
+            backoff_max_s=config.reconnect_max_s,
+        )
+        scheduler.draft.start()
+    servicer.scheduler = scheduler
+    task = asyncio.create_task(scheduler.run(), name="scheduler")
+    if config.server.metrics_address:
+        host, _, port = config.server.metrics_address.rpartition(":")
+        metrics.serve(host, int(port))
+    await server.ready()
+    log.info("target service ready", tiers=list(scheduler.states), draft=config.draft_address)
+    return RunningTarget(server, servicer, task)
+
+
+async def serve(config: TargetConfig) -> None:
+    running = await start(config)
+    try:
+        await running.server.server.wait_for_termination()
+    finally:
+        await running.stop()

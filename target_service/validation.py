@@ -1,0 +1,67 @@
+"""GenerateRequest validation: every error names the field, as INVALID_ARGUMENT reports it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from specpair.proto.v1 import target_pb2
+from specpair.runtime.sampling import SamplingParams
+from specpair.wire import sampling_from_proto
+
+
+class InvalidRequestError(ValueError):
+    """Bad client input; the message starts with the offending field."""
+
+
+@dataclass(frozen=True, slots=True)
+class ValidRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop_token_ids: frozenset[int]
+    stop: tuple[str, ...]
+
+
+def validate_generate(
+    request: target_pb2.GenerateRequest, *, tokenizer: Any, vocab_size: int, max_len: int
+) -> ValidRequest:
+    if request.prompt and request.prompt_token_ids:
+        raise InvalidRequestError("prompt: give either prompt or prompt_token_ids, not both")
+    if request.prompt_token_ids:
+        ids = list(request.prompt_token_ids)
+        for i, token in enumerate(ids):
+            if not 0 <= token < vocab_size:
+                raise InvalidRequestError(
+                    f"prompt_token_ids[{i}]: {token} is outside the vocabulary [0, {vocab_size})"
+                )
+    elif request.prompt:
+        if tokenizer is None:
+            raise InvalidRequestError("prompt: this model has no tokenizer; send prompt_token_ids")
+        ids = list(tokenizer.encode(request.prompt, add_special_tokens=False))
+    else:
+        raise InvalidRequestError("prompt: empty (give prompt text or prompt_token_ids)")
+    if not ids:
+        raise InvalidRequestError("prompt: encodes to zero tokens")
+    if request.max_tokens <= 0:
+        raise InvalidRequestError(f"max_tokens: must be > 0, got {request.max_tokens}")
+    if len(ids) + request.max_tokens > max_len:
+        raise InvalidRequestError(
+            f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({request.max_tokens}) "
+            f"exceeds the context length {max_len}"
+        )
+    try:
+        sampling = sampling_from_proto(request.sampling)
+    except ValueError as exc:
+        raise InvalidRequestError(f"sampling.{exc}") from exc
+    for i, token in enumerate(request.stop_token_ids):
+        if not 0 <= token < vocab_size:
+            raise InvalidRequestError(
+                f"stop_token_ids[{i}]: {token} is outside the vocabulary [0, {vocab_size})"
+            )
+    for i, text in enumerate(request.stop):
+        if not text:
+            raise InvalidRequestError(f"stop[{i}]: empty stop string")
+    return ValidRequest(
+        ids, request.max_tokens, sampling, frozenset(request.stop_token_ids), tuple(request.stop)
+    )

@@ -1,0 +1,92 @@
+"""In-process services on ephemeral ports, over real gRPC."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+import draft_service.server as draft_server
+import target_service.server as target_server
+from specpair.config import DraftConfig, ServerConfig, TargetConfig
+from specpair.proto.v1 import target_pb2, target_pb2_grpc
+from specpair.runtime.build import build_target
+from specpair.runtime.engine import SpeculativeEngine
+
+
+class Stack:
+    """A draft + target pair; `restart_draft` brings the draft back on the same port."""
+
+    def __init__(self, draft_cfg: DraftConfig | None, target_cfg: TargetConfig) -> None:
+        self.draft_cfg, self.target_cfg = draft_cfg, target_cfg
+        self.draft: Any = None
+        self.target: Any = None
+
+    async def start(self) -> Stack:
+        if self.draft_cfg is not None:
+            self.draft = await draft_server.start(self.draft_cfg)
+            address = f"127.0.0.1:{self.draft.port}"
+            self.draft_cfg = replace(
+                self.draft_cfg, server=replace(self.draft_cfg.server, address=address)
+            )
+            self.target_cfg = replace(self.target_cfg, draft_address=address)
+        self.target = await target_server.start(self.target_cfg)
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.target.port}")
+        self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
+        return self
+
+    async def stop_draft(self) -> None:
+        await self.draft.stop(grace=0)
+        self.draft = None
+
+    async def restart_draft(self) -> None:
+        assert self.draft_cfg is not None
+        self.draft = await draft_server.start(self.draft_cfg)
+
+    async def stop(self) -> None:
+        await self.channel.close()
+        await self.target.stop()
+        if self.draft is not None:
+            await self.draft.stop()
+
+    async def generate(self, **kwargs: Any) -> tuple[list[int], list[target_pb2.GenerateResponse]]:
+        responses = [r async for r in self.stub.Generate(target_pb2.GenerateRequest(**kwargs))]
+        return [t for r in responses for t in r.token_ids], responses
+
+
+def target_config(target: Path, **kwargs: Any) -> TargetConfig:
+    kwargs.setdefault("draft_timeout_s", 2.0)
+    kwargs.setdefault("reconnect_min_s", 0.05)
+    kwargs.setdefault("reconnect_max_s", 0.2)
+    return TargetConfig(ServerConfig("127.0.0.1:0"), target, **kwargs)
+
+
+def draft_config(draft: Path, **kwargs: Any) -> DraftConfig:
+    return DraftConfig(ServerConfig("127.0.0.1:0"), draft, **kwargs)
+
+
+@pytest.fixture
+async def make_stack() -> AsyncIterator[Any]:
+    stacks: list[Stack] = []
+
+    async def make(draft_cfg: DraftConfig | None, target_cfg: TargetConfig) -> Stack:
+        stack = await Stack(draft_cfg, target_cfg).start()
+        stacks.append(stack)
+        return stack
+
+    yield make
+    for stack in stacks:
+        await stack.stop()
+
+
+def reference_greedy(target: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Target-only greedy decoding with our engine (itself checked against transformers)."""
+    worker = build_target(target, max_requests=len(prompts), max_len=256)
+    results = SpeculativeEngine(worker, None).generate(
+        prompts, max_new_tokens=max_tokens, state=None, stop_token_ids=frozenset({0})
+    )
+    return [r.token_ids for r in results]

@@ -1,0 +1,247 @@
+"""Target + draft services over real gRPC: lossless output, degradation, bad input, ops."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specpair.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
+from specpair.runtime import state as runtime_state
+from tests.service.conftest import draft_config, reference_greedy, target_config
+
+PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3], [100, 200, 50, 60, 70]]
+MAX_TOKENS = 30
+
+
+@pytest.mark.parametrize("kind", ["model", "eagle"])
+async def test_concurrent_greedy_equals_target_only(ckpts, make_stack, kind: str) -> None:
+    draft = ckpts["eagle"] if kind == "eagle" else ckpts["target"]
+    stack = await make_stack(
+        draft_config(draft, draft_kind=kind, target_path=ckpts["target"]),
+        target_config(ckpts["target"]),
+    )
+    expected = reference_greedy(ckpts["target"], PROMPTS, MAX_TOKENS)
+    outputs = await asyncio.gather(
+        *(stack.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS) for p in PROMPTS)
+    )
+    assert [tokens for tokens, _ in outputs] == expected
+    final = [responses[-1] for _, responses in outputs]
+    assert all(f.finish_reason != target_pb2.FINISH_REASON_UNSPECIFIED for f in final)
+    assert all(
+        f.usage.completion_tokens == len(t) for f, (t, _) in zip(final, outputs, strict=True)
+    )
+    if kind == "model":  # identical draft: every full round accepts all 3 drafts
+        assert any(a == 3 for f in final for a in f.speculation.accept_lengths)
+        assert all(f.speculation.plain_rounds == 0 for f in final)
+
+
+async def test_no_draft_decodes_plainly(ckpts, make_stack) -> None:
+    stack = await make_stack(None, target_config(ckpts["target"], draft_address=None))
+    tokens, responses = await stack.generate(prompt_token_ids=PROMPTS[1], max_tokens=MAX_TOKENS)
+    assert tokens == reference_greedy(ckpts["target"], PROMPTS[1:2], MAX_TOKENS)[0]
+    assert all(r.accept_length == -1 for r in responses)
+    info = await stack.stub.GetServerInfo(target_pb2.TargetServiceGetServerInfoRequest())
+    assert info.draft_connection_state == target_pb2.DRAFT_CONNECTION_STATE_NONE
+
+
+async def test_draft_killed_mid_generation_loses_nothing(ckpts, make_stack) -> None:
+    stack = await make_stack(draft_config(ckpts["target"]), target_config(ckpts["target"]))
+    long = 120
+    expected = reference_greedy(ckpts["target"], PROMPTS, long)
+
+    async def kill_then_revive() -> None:
+        await asyncio.sleep(0.3)
+        await stack.stop_draft()
+        await asyncio.sleep(0.5)
+        await stack.restart_draft()
+
+    chaos = asyncio.create_task(kill_then_revive())
+    outputs = await asyncio.gather(
+        *(stack.generate(prompt_token_ids=p, max_tokens=long) for p in PROMPTS)
+    )
+    await chaos
+    assert [tokens for tokens, _ in outputs] == expected
+    # after the restart the target reconnects and speculates again
+    for _ in range(50):
+        info = await stack.stub.GetServerInfo(target_pb2.TargetServiceGetServerInfoRequest())
+        if info.draft_connection_state == target_pb2.DRAFT_CONNECTION_STATE_CONNECTED:
+            break
+        await asyncio.sleep(0.1)
+    tokens, responses = await stack.generate(prompt_token_ids=PROMPTS[0], max_tokens=20)
+    assert tokens == expected[0][:20]
+    assert responses[-1].speculation.rounds > responses[-1].speculation.plain_rounds
+
+
+BAD_REQUESTS = [
+    ({"max_tokens": 5}, "prompt"),
+    ({"prompt": "x", "prompt_token_ids": [1], "max_tokens": 5}, "prompt"),
+    ({"prompt_token_ids": [1, 99999], "max_tokens": 5}, "prompt_token_ids[1]"),
+    ({"prompt_token_ids": [1, -3], "max_tokens": 5}, "prompt_token_ids[1]"),
+    ({"prompt_token_ids": [1], "max_tokens": 0}, "max_tokens"),
+    ({"prompt_token_ids": [1], "max_tokens": 5000}, "max_tokens"),
+    ({"prompt_token_ids": [1], "max_tokens": 5, "sampling": {"temperature": -1}}, "temperature"),
+    ({"prompt_token_ids": [1], "max_tokens": 5, "sampling": {"top_p": 0.0}}, "top_p"),
+    ({"prompt_token_ids": [1], "max_tokens": 5, "sampling": {"top_p": 1.5}}, "top_p"),
+    ({"prompt_token_ids": [1], "max_tokens": 5, "sampling": {"top_k": -1}}, "top_k"),
+    ({"prompt_token_ids": [1], "max_tokens": 5, "stop_token_ids": [400]}, "stop_token_ids[0]"),
+]
+
+
+async def test_bad_input_names_the_field_and_spares_others(ckpts, make_stack) -> None:
+    stack = await make_stack(draft_config(ckpts["target"]), target_config(ckpts["target"]))
+    good = asyncio.create_task(stack.generate(prompt_token_ids=PROMPTS[1], max_tokens=60))
+    for kwargs, field in BAD_REQUESTS:
+        if "sampling" in kwargs:
+            kwargs = {**kwargs, "sampling": common_pb2.SamplingParams(**kwargs["sampling"])}
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stack.generate(**kwargs)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, kwargs
+        assert err.value.details().startswith(field) or field in err.value.details(), (
+            kwargs,
+            err.value.details(),
+        )
+    tokens, _ = await good
+    assert tokens == reference_greedy(ckpts["target"], PROMPTS[1:2], 60)[0]
+
+
+async def test_apply_tier_between_rounds_without_builds(ckpts, make_stack) -> None:
+    stack = await make_stack(draft_config(ckpts["target"]), target_config(ckpts["target"]))
+    builds = runtime_state.builds()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.stub.ApplyTier(target_pb2.ApplyTierRequest(speculative_num_steps=4))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "speculative_num_steps" in err.value.details()
+    expected = reference_greedy(ckpts["target"], PROMPTS[:1], 80)[0]
+    seen: list[int] = []
+    tokens: list[int] = []
+    async for r in stack.stub.Generate(
+        target_pb2.GenerateRequest(prompt_token_ids=PROMPTS[0], max_tokens=80)
+    ):
+        tokens += r.token_ids
+        seen.append(r.speculative_num_steps)
+        tier = {3: 7, 7: 1, 1: 3}[r.speculative_num_steps]
+        await stack.stub.ApplyTier(target_pb2.ApplyTierRequest(speculative_num_steps=tier))
+    assert tokens == expected
+    assert {1, 3, 7} <= set(seen)
+    for r_tier, r in zip(seen[1:], seen[1:], strict=True):
+        assert r_tier in (1, 3, 7) and r in (1, 3, 7)
+    assert runtime_state.builds() == builds  # switching swapped references, built nothing
+
+
+async def test_cancelled_request_frees_state_on_both_services(ckpts, make_stack) -> None:
+    stack = await make_stack(draft_config(ckpts["target"]), target_config(ckpts["target"]))
+    call = stack.stub.Generate(target_pb2.GenerateRequest(prompt_token_ids=[1, 2], max_tokens=400))
+    async for _ in call:
+        break
+    call.cancel()
+    for _ in range(50):
+        info = await stack.stub.GetServerInfo(target_pb2.TargetServiceGetServerInfoRequest())
+        if info.running_requests == 0 and stack.draft.servicer.rounds.active_requests == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert info.running_requests == 0
+    assert stack.target.servicer.scheduler.worker.cache.free_slots == 16
+    assert stack.draft.servicer.rounds.active_requests == 0
+    tokens, _ = await stack.generate(prompt_token_ids=PROMPTS[2], max_tokens=10)
+    assert tokens == reference_greedy(ckpts["target"], PROMPTS[2:3], 10)[0]
+
+
+async def test_sampling_over_the_wire_is_reproducible(ckpts, make_stack) -> None:
+    stack = await make_stack(draft_config(ckpts["draft"]), target_config(ckpts["target"]))
+    sampling = common_pb2.SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=7)
+    a, ra = await stack.generate(prompt_token_ids=PROMPTS[1], max_tokens=40, sampling=sampling)
+    b, _ = await stack.generate(prompt_token_ids=PROMPTS[1], max_tokens=40, sampling=sampling)
+    assert a == b and len(a) == 40 and all(0 <= t < 320 for t in a)
+    assert ra[-1].speculation.plain_rounds == 0
+
+
+async def test_text_prompt_streams_text(ckpts, make_stack) -> None:
+    from transformers import AutoTokenizer
+
+    stack = await make_stack(draft_config(ckpts["target"]), target_config(ckpts["target"]))
+    tokens, responses = await stack.generate(prompt="def main(argv):", max_tokens=40)
+    tok = AutoTokenizer.from_pretrained(ckpts["target"])
+    text = "".join(r.text for r in responses)
+    assert responses[0].request_id and len(tokens) > 0
+    assert text == tok.decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
+    assert responses[-1].usage.prompt_tokens == len(tok.encode("def main(argv):"))
+
+
+class GarbageDraft(draft_pb2_grpc.DraftServiceServicer):
+    """A buggy draft: trees with cycles, out-of-vocabulary tokens, wrong depth."""
+
+    def __init__(self) -> None:
+        self.rounds = 0
+
+    async def Speculate(
+        self, request_iterator: AsyncIterator[draft_pb2.SpeculateRequest], context
+    ) -> AsyncIterator[draft_pb2.SpeculateResponse]:
+        async for req in request_iterator:
+            self.rounds += 1
+            bad = [
+                draft_pb2.CandidateTree(token_ids=[1, 2], parents=[1, 0]),
+                draft_pb2.CandidateTree(token_ids=[99999], parents=[-1]),
+                draft_pb2.CandidateTree(token_ids=[1] * 20, parents=list(range(-1, 19))),
+            ]
+            trees = []
+            for i, item in enumerate(req.inputs):
+                tree = draft_pb2.CandidateTree()
+                tree.CopyFrom(bad[(self.rounds + i) % len(bad)])
+                tree.request_id = item.request_id
+                trees.append(tree)
+            yield draft_pb2.SpeculateResponse(round_id=req.round_id, trees=trees)
+
+    async def GetServerInfo(self, request, context):
+        return draft_pb2.DraftServiceGetServerInfoResponse(draft_kind="model")
+
+
+async def test_malformed_trees_fall_back_to_plain_decoding(ckpts, make_stack) -> None:
+    server = grpc.aio.server()
+    garbage = GarbageDraft()
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(garbage, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        stack = await make_stack(
+            None, target_config(ckpts["target"], draft_address=f"127.0.0.1:{port}")
+        )
+        for _ in range(50):
+            info = await stack.stub.GetServerInfo(target_pb2.TargetServiceGetServerInfoRequest())
+            if info.draft_connection_state == target_pb2.DRAFT_CONNECTION_STATE_CONNECTED:
+                break
+            await asyncio.sleep(0.05)
+        outputs = await asyncio.gather(
+            *(stack.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS) for p in PROMPTS)
+        )
+        assert [t for t, _ in outputs] == reference_greedy(ckpts["target"], PROMPTS, MAX_TOKENS)
+        assert garbage.rounds > 0
+        assert all(r[-1].speculation.accept_lengths == [] for _, r in outputs)
+    finally:
+        await server.stop(0)
+
+
+async def test_health_serving_and_ops_token(ckpts, make_stack, monkeypatch) -> None:
+    from dataclasses import replace
+
+    cfg = target_config(ckpts["target"], draft_address=None)
+    cfg = replace(cfg, server=replace(cfg.server, ops_token="s3cret"))
+    stack = await make_stack(None, cfg)
+    health = health_pb2_grpc.HealthStub(stack.channel)
+    reply = await health.Check(health_pb2.HealthCheckRequest(service=""))
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    request = target_pb2.ApplyTierRequest(speculative_num_steps=7)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.stub.ApplyTier(request)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.stub.ApplyTier(request, metadata=(("authorization", "Bearer nope"),))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    ok = await stack.stub.ApplyTier(request, metadata=(("authorization", "Bearer s3cret"),))
+    assert ok.speculative_num_steps == 7
+    # Generate stays open to clients without the ops token
+    tokens, _ = await stack.generate(prompt_token_ids=[1, 2, 3], max_tokens=3)
+    assert len(tokens) == 3
