@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast lint proto run demo clean
+.PHONY: install test test-fast lint proto run clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,10 +32,7 @@ proto: $(STAMP)
 	$(BIN)/python -m specpair.proto_gen
 
 run: $(STAMP)
-	$(BIN)/specpair up
-
-demo: $(STAMP)
-	$(BIN)/python -m specpair.demo
+	$(BIN)/specpair up --demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
