@@ -94,6 +94,8 @@ def run_up(args: argparse.Namespace) -> int:
         ("controller", env_address("controller"), controller_cmd),
     ]
     procs: dict[str, subprocess.Popen[bytes]] = {}
+    # SIGTERM (kill, docker, systemd) stops the group as Ctrl-C does, children included.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         for name, address, cmd in plan:
             print(f"specpair up: starting {name} on {address} …", flush=True)
