@@ -1,0 +1,106 @@
+"""Helpers every benchmark shares: device description, timing statistics, tables, JSON output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def add_output_args(parser: argparse.ArgumentParser, default_out: str) -> None:
+    """`--out` (full JSON results) and `--repeats` (timed runs after one warm-up)."""
+    parser.add_argument("--out", type=Path, default=Path(default_out), help="JSON results file")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs; the median is kept")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolation percentile, q in [0, 100] (numpy's default method)."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(rank), math.ceil(rank)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """Summary of repeated measurements of one quantity."""
+
+    median: float
+    p10: float
+    p90: float
+    min: float
+    max: float
+    samples: tuple[float, ...]
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> Stats:
+        return cls(
+            median=percentile(samples, 50),
+            p10=percentile(samples, 10),
+            p90=percentile(samples, 90),
+            min=min(samples),
+            max=max(samples),
+            samples=tuple(samples),
+        )
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Plain aligned text: first column left-aligned, the rest right-aligned."""
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [
+            str(c).ljust(w) if i == 0 else str(c).rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "  ".join(parts).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+
+
+def write_json(path: Path, payload: Any) -> None:
+    """Writes `payload` (dataclasses allowed) as indented JSON, creating parent folders."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=_to_json) + "\n")
+
+
+def _to_json(obj: Any) -> Any:
+    if hasattr(obj, "__dataclass_fields__"):
+        return asdict(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"cannot write {type(obj).__name__} as JSON")
