@@ -103,7 +103,7 @@ def make_models(directory: Path, seed: int) -> tuple[Path, Path]:
 
 
 def make_prompts(batch: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """Random token ids; lengths 16, 24, 32, 40, … so the batch is ragged. Id 0 is avoided."""
+    """Random token ids, lengths cycling 16, 24, 32, 40 so the batch is ragged; id 0 is avoided."""
     rng = random.Random(seed)
     return [[rng.randrange(1, vocab_size) for _ in range(16 + 8 * (i % 4))] for i in range(batch)]
 
@@ -222,7 +222,6 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
     device = device_info()
     print(f"device: {device['cpu']}, {device['torch_threads']} threads, torch {device['torch']}")
 
