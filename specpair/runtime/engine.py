@@ -27,6 +27,9 @@ class StageTimes:
     verify: float = 0.0
     accept: float = 0.0  # bookkeeping: finished requests, appended tokens, next inputs
     rounds: int = 0
+    per_round: list[tuple[float, float, float]] = field(
+        default_factory=list
+    )  # (draft, verify, accept)
 
 
 @dataclass
@@ -88,10 +91,12 @@ class SpeculativeEngine:
                 elif self.drafter is not None:
                     self.drafter.release(seq.request_id)
             running = still
+            t3 = time.perf_counter()
             self.times.draft += t1 - t0
             self.times.verify += t2 - t1
-            self.times.accept += time.perf_counter() - t2
+            self.times.accept += t3 - t2
             self.times.rounds += 1
+            self.times.per_round.append((t1 - t0, t2 - t1, t3 - t2))
         for seq in seqs:
             self.target.release(seq)
             if self.drafter is not None:
