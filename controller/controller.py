@@ -1,0 +1,311 @@
+"""AdaptiveController: each target's WatchRounds → its policy → ApplyTier; pin and reconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from controller.policy import AdaptiveSpeculativeParams, PolicyConfig
+from specpair.config import ControllerConfig
+from specpair.logging import get_logger
+from specpair.metrics import ServiceMetrics
+from specpair.proto.v1 import target_pb2, target_pb2_grpc
+from specpair.serving import auth_metadata, open_channel
+
+log = get_logger("controller")
+
+RECENT_SWITCHES = 32
+RPC_TIMEOUT_S = 5.0
+# First retry after a failure; doubles up to ControllerConfig.reconnect_s.
+FIRST_BACKOFF_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class TierSwitch:
+    round_id: int
+    from_steps: int
+    to_steps: int
+    reason: str  # "policy", "pin", "unpin" or "reconnect"
+    ema: float
+    unix_time: float
+
+
+@dataclass(frozen=True, slots=True)
+class TargetSnapshot:
+    """What GetState reports for one target; active_steps 0 until first contact."""
+
+    target_address: str
+    connected: bool
+    active_steps: int
+    ema: float
+    pinned_steps: int | None
+    rounds_seen: int
+    batches_counted: int
+    recent_switches: tuple[TierSwitch, ...]
+
+
+@dataclass(slots=True)
+class _Target:
+    address: str
+    connected: bool = False
+    ever_connected: bool = False
+    # The tier last commanded (or reported by GetServerInfo on connect); 0 before first contact.
+    active_steps: int = 0
+    # Created at first contact, from the tier the target reports (GetServerInfo).
+    policy: AdaptiveSpeculativeParams | None = None
+    target_candidates: tuple[int, ...] = ()
+    stub: Any = None  # TargetServiceStub while connected
+    rounds_seen: int = 0
+    switches: deque[TierSwitch] = field(default_factory=lambda: deque(maxlen=RECENT_SWITCHES))
+    # Serializes ApplyTier between the round stream and the ops RPCs.
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class AdaptiveController:
+    """Runs one policy per target and keeps every target at the pinned or the policy's tier."""
+
+    def __init__(
+        self,
+        config: ControllerConfig,
+        policy: PolicyConfig,
+        *,
+        metrics: ServiceMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.policy = policy
+        self.metrics = metrics or ServiceMetrics("controller")
+        self.pinned_steps: int | None = None
+        self._metadata = auth_metadata(config.server.ops_token)
+        self._targets = [_Target(address) for address in config.targets]
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        for target in self._targets:
+            task = asyncio.create_task(self._follow(target), name=f"follow {target.address}")
+            self._tasks.append(task)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+
+    def snapshot(self) -> list[TargetSnapshot]:
+        return [
+            TargetSnapshot(
+                target_address=t.address,
+                connected=t.connected,
+                active_steps=t.active_steps,
+                ema=t.policy.ema if t.policy else 0.0,
+                pinned_steps=self.pinned_steps,
+                rounds_seen=t.rounds_seen,
+                batches_counted=t.policy.count if t.policy else 0,
+                recent_switches=tuple(t.switches),
+            )
+            for t in self._targets
+        ]
+
+    # --- ops ---------------------------------------------------------------------------------
+
+    async def update_policy(self, **changes: Any) -> PolicyConfig:
+        """Validates and swaps in a partial update; ValueError names the bad field."""
+        new = self.policy.replace_partial(**changes)
+        if self.pinned_steps is not None and self.pinned_steps not in new.candidate_steps:
+            raise ValueError(
+                f"candidate_steps {list(new.candidate_steps)} must include the pinned tier "
+                f"{self.pinned_steps} (unpin first)"
+            )
+        for t in self._targets:
+            # A tier the target has not built would make every ApplyTier fail later.
+            missing = set(new.candidate_steps) - set(t.target_candidates or new.candidate_steps)
+            if missing:
+                raise ValueError(
+                    f"candidate_steps {sorted(missing)} are not tiers of target {t.address} "
+                    f"(it has {list(t.target_candidates)})"
+                )
+        self.policy = new
+        log.info("policy updated", policy=new.to_dict())
+        for t in self._targets:
+            async with t.lock:
+                if t.policy is not None and t.policy.reconfigure(new) and self.pinned_steps is None:
+                    await self._apply(t, t.policy.current_steps, "policy")
+        return new
+
+    async def pin(self, steps: int) -> None:
+        if steps not in self.policy.candidate_steps:
+            raise ValueError(
+                f"speculative_num_steps {steps} is not a candidate tier "
+                f"{list(self.policy.candidate_steps)}"
+            )
+        for t in self._targets:
+            if t.target_candidates and steps not in t.target_candidates:
+                raise ValueError(
+                    f"speculative_num_steps {steps} is not a tier of target {t.address} "
+                    f"(it has {list(t.target_candidates)})"
+                )
+        self.pinned_steps = steps
+        log.info("tier pinned", steps=steps)
+        for t in self._targets:
+            async with t.lock:
+                await self._apply(t, steps, "pin")
+
+    async def unpin(self) -> None:
+        self.pinned_steps = None
+        log.info("tier unpinned")
+        for t in self._targets:
+            async with t.lock:
+                if t.policy is not None:
+                    await self._apply(t, t.policy.current_steps, "unpin")
+
+    # --- per target --------------------------------------------------------------------------
+
+    async def _follow(self, t: _Target) -> None:
+        """Connect, watch rounds, and on any failure reconnect with backoff, forever."""
+        delay = FIRST_BACKOFF_S
+        while True:
+            try:
+                async with open_channel(t.address, self.config.server.tls) as channel:
+                    stub = target_pb2_grpc.TargetServiceStub(channel)
+                    await self._connect(t, stub)
+                    delay = FIRST_BACKOFF_S
+                    rounds = stub.WatchRounds(
+                        target_pb2.WatchRoundsRequest(), metadata=self._metadata
+                    )
+                    async for response in rounds:
+                        await self._on_round(t, response.round)
+                    log.warning("round stream ended", target=t.address)
+            except grpc.aio.AioRpcError as exc:
+                # Warn on the first failure only: a target still loading would flood the log.
+                lost = t.connected
+                retrying = not lost and delay > FIRST_BACKOFF_S
+                (log.debug if retrying else log.warning)(
+                    "target connection lost" if lost else "target unavailable",
+                    target=t.address,
+                    code=exc.code().name,
+                    details=exc.details(),
+                    retry_in_s=round(delay, 3),
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # A bug or a malformed message must not end the controller's watch of a target.
+                log.exception("target watch failed", target=t.address, retry_in_s=round(delay, 3))
+            finally:
+                t.connected = False
+                t.stub = None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.config.reconnect_s)
+
+    async def _connect(self, t: _Target, stub: Any) -> None:
+        info = await stub.GetServerInfo(
+            target_pb2.TargetServiceGetServerInfoRequest(),
+            metadata=self._metadata,
+            timeout=RPC_TIMEOUT_S,
+        )
+        async with t.lock:
+            t.stub = stub
+            t.active_steps = info.speculative_num_steps
+            t.target_candidates = tuple(info.candidate_steps)
+            if not set(self.policy.candidate_steps) <= set(t.target_candidates or ()):
+                log.warning(
+                    "policy tiers missing on target",
+                    target=t.address,
+                    policy=list(self.policy.candidate_steps),
+                    target_tiers=list(t.target_candidates),
+                )
+            if t.policy is None:
+                t.policy = AdaptiveSpeculativeParams(self.policy, info.speculative_num_steps)
+            desired = t.policy.current_steps if self.pinned_steps is None else self.pinned_steps
+            # Applied even when the target already runs `desired`: a restarted target comes back
+            # at its configured tier, and the call proves that the target accepts our ops token
+            # (GetServerInfo is not protected) before we report it connected.
+            reason = "policy" if self.pinned_steps is None else "pin"
+            if t.ever_connected:
+                reason = "reconnect"
+            await self._apply(t, desired, reason, raise_errors=True)
+            t.connected = t.ever_connected = True
+        self.metrics.active_tier.set(t.active_steps)
+        log.info(
+            "target connected",
+            target=t.address,
+            steps=t.active_steps,
+            pinned=self.pinned_steps,
+            ema=round(t.policy.ema, 4),
+        )
+
+    async def _on_round(self, t: _Target, stats: target_pb2.RoundStats) -> None:
+        t.rounds_seen += 1
+        if not stats.speculative or not stats.accept_lengths:
+            return
+        accept_lengths: Sequence[int] = list(stats.accept_lengths)
+        if any(a < 0 for a in accept_lengths):
+            log.warning("round with negative accept lengths ignored", round_id=stats.round_id)
+            return
+        for a in accept_lengths:
+            self.metrics.accept_length.observe(a)
+        async with t.lock:
+            assert t.policy is not None  # set by _connect before the stream starts
+            # While pinned the EMA keeps learning, but its decisions are not applied.
+            if t.policy.update(accept_lengths) and self.pinned_steps is None:
+                await self._apply(t, t.policy.current_steps, "policy")
+
+    async def _apply(
+        self, t: _Target, steps: int, reason: str, *, raise_errors: bool = False
+    ) -> bool:
+        """ApplyTier on `t` (caller holds t.lock); False if it is not connected or refused."""
+        if t.stub is None:
+            return False
+        request = target_pb2.ApplyTierRequest(speculative_num_steps=steps, reason=reason)
+        try:
+            response = await t.stub.ApplyTier(
+                request, metadata=self._metadata, timeout=RPC_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as exc:
+            # A refused tier is a config mismatch worth logging, not a reason to reconnect.
+            if raise_errors and exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                raise
+            log.warning(
+                "ApplyTier failed",
+                target=t.address,
+                steps=steps,
+                reason=reason,
+                code=exc.code().name,
+                details=exc.details(),
+            )
+            return False
+        # Switches are counted against the tier we last commanded: the target reports as
+        # previous_steps the tier of its running round, which lags a command not yet started.
+        previous, t.active_steps = t.active_steps, response.speculative_num_steps
+        self.metrics.active_tier.set(t.active_steps)
+        if previous != t.active_steps:
+            ema = t.policy.ema if t.policy else 0.0
+            t.switches.append(
+                TierSwitch(
+                    round_id=response.current_round,
+                    from_steps=previous,
+                    to_steps=t.active_steps,
+                    reason=reason,
+                    ema=ema,
+                    unix_time=time.time(),
+                )
+            )
+            self.metrics.tier_switches.inc()
+            log.info(
+                "tier switched",
+                target=t.address,
+                from_steps=previous,
+                to_steps=t.active_steps,
+                reason=reason,
+                ema=round(ema, 4),
+                round_id=response.current_round,
+            )
+        return True

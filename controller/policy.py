@@ -1,0 +1,165 @@
+"""The adaptive speculative policy: an EMA of accept length picks a tier, as SGLang does."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """SGLang's adaptive parameters; every key may be omitted in a JSON file or an update."""
+
+    candidate_steps: tuple[int, ...] = (1, 3, 7)
+    ema_alpha: float = 0.2
+    update_interval: int = 5
+    warmup_batches: int = 10
+    down_hysteresis: float = -0.25
+    up_hysteresis: float = 0.0
+
+    def __post_init__(self) -> None:
+        steps = self.candidate_steps
+        if isinstance(steps, str | bytes) or not isinstance(steps, Sequence):
+            raise ValueError(f"candidate_steps must be a list of ints, got {steps!r}")
+        if not all(_is_int(s) and s >= 1 for s in steps):
+            raise ValueError(f"candidate_steps must be positive ints, got {list(steps)}")
+        # Sorted and deduplicated as SGLang does, so [7, 1, 3, 3] means tiers 1 < 3 < 7.
+        normalized = tuple(sorted(set(steps)))
+        if len(normalized) < 2:
+            raise ValueError(
+                f"candidate_steps needs at least two distinct tiers, got {list(steps)}"
+            )
+        object.__setattr__(self, "candidate_steps", normalized)
+
+        alpha = _float("ema_alpha", self.ema_alpha)
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
+        object.__setattr__(self, "ema_alpha", alpha)
+        if not _is_int(self.update_interval) or self.update_interval < 1:
+            raise ValueError(f"update_interval must be an int >= 1, got {self.update_interval!r}")
+        if not _is_int(self.warmup_batches) or self.warmup_batches < 0:
+            raise ValueError(f"warmup_batches must be an int >= 0, got {self.warmup_batches!r}")
+        for name in ("down_hysteresis", "up_hysteresis"):
+            object.__setattr__(self, name, _float(name, getattr(self, name)))
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> PolicyConfig:
+        """Omitted keys take their defaults; unknown keys are an error naming them."""
+        if not isinstance(values, Mapping):
+            raise ValueError(f"policy config must be a JSON object, got {type(values).__name__}")
+        unknown = sorted(set(values) - set(FIELD_NAMES))
+        if unknown:
+            raise ValueError(
+                f"unknown policy key(s) {', '.join(unknown)}; known: {', '.join(FIELD_NAMES)}"
+            )
+        kwargs = dict(values)
+        if "candidate_steps" in kwargs and isinstance(kwargs["candidate_steps"], list):
+            kwargs["candidate_steps"] = tuple(kwargs["candidate_steps"])
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> PolicyConfig:
+        try:
+            values = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read policy config {path}: {exc}") from exc
+        try:
+            return cls.from_mapping(values)
+        except ValueError as exc:
+            raise ValueError(f"policy config {path}: {exc}") from exc
+
+    def replace_partial(self, **changes: Any) -> PolicyConfig:
+        """A validated copy with `changes` applied (a live UpdatePolicy)."""
+        return PolicyConfig.from_mapping({**self.to_dict(), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in FIELD_NAMES}
+
+
+FIELD_NAMES = tuple(f.name for f in dataclasses.fields(PolicyConfig))
+
+
+def _is_int(value: object) -> bool:
+    # JSON `true` must not pass for 1.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def snap_to_candidate(steps: int, candidates: Sequence[int]) -> int:
+    """Nearest candidate, ties to the larger: with [1, 3, 7], 2 → 3 and 5 → 7."""
+    return min(candidates, key=lambda c: (abs(c - steps), -c))
+
+
+class AdaptiveSpeculativeParams:
+    """EMA of accepted draft tokens per request → `speculative_num_steps`, one decision per
+    `update_interval` batches after `warmup_batches`.
+
+    Thresholds sit half a token below a tier: with [1, 3, 7] and the default hysteresis, at 3 the
+    policy moves down to 1 when ema ≤ 1 − 0.5 − 0.25 = 0.25 and up to 7 when ema > 3 − 0.5 = 2.5.
+    """
+
+    def __init__(self, config: PolicyConfig, initial_steps: int) -> None:
+        self.config = config
+        self._steps = snap_to_candidate(initial_steps, config.candidate_steps)
+        # Neutral start: a tier of s drafts is "right" when about s − 1 of them are accepted.
+        self._ema = float(self._steps - 1)
+        self._count = 0
+
+    @property
+    def current_steps(self) -> int:
+        return self._steps
+
+    @property
+    def ema(self) -> float:
+        return self._ema
+
+    @property
+    def count(self) -> int:
+        """Non-empty batches fed so far."""
+        return self._count
+
+    def update(self, accept_lengths: Sequence[int]) -> bool:
+        """Feeds one batch (per request, accepted drafts without the bonus); True if the tier
+        changed."""
+        if not accept_lengths:
+            return False
+        if any(a < 0 for a in accept_lengths):
+            raise ValueError(f"accept_lengths must be >= 0, got {list(accept_lengths)}")
+        cfg = self.config
+        mean = sum(accept_lengths) / len(accept_lengths)
+        self._ema = (1.0 - cfg.ema_alpha) * self._ema + cfg.ema_alpha * mean
+        self._count += 1
+        if self._count <= cfg.warmup_batches:
+            return False
+        if (self._count - cfg.warmup_batches) % cfg.update_interval != 0:
+            return False
+        return self._decide()
+
+    def _decide(self) -> bool:
+        c, old = self.config.candidate_steps, self._steps
+        i = c.index(old)
+        # Several tiers may be crossed in one decision (7 → 1 when the EMA collapsed).
+        while i > 0 and self._ema <= c[i - 1] - 0.5 + self.config.down_hysteresis:
+            i -= 1
+        while i < len(c) - 1 and self._ema > c[i] - 0.5 + self.config.up_hysteresis:
+            i += 1
+        self._steps = c[i]
+        return self._steps != old
+
+    def reconfigure(self, config: PolicyConfig) -> bool:
+        """Swaps in `config`, keeping the EMA and batch count; the tier snaps to the new
+        candidates. True if the tier changed."""
+        old = self._steps
+        self.config = config
+        self._steps = snap_to_candidate(old, config.candidate_steps)
+        return self._steps != old

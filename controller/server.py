@@ -1,0 +1,184 @@
+"""The controller process: the ControllerService ops API over gRPC plus the AdaptiveController."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import grpc
+
+from controller.controller import AdaptiveController, TargetSnapshot
+from controller.policy import PolicyConfig
+from specpair.config import ControllerConfig, split_address
+from specpair.logging import get_logger
+from specpair.metrics import ServiceMetrics
+from specpair.proto.v1 import controller_pb2, controller_pb2_grpc
+from specpair.serving import GrpcServer
+
+log = get_logger("controller")
+
+SERVICE_NAME = controller_pb2.DESCRIPTOR.services_by_name["ControllerService"].full_name
+PROTECTED_METHODS = tuple(
+    f"/{SERVICE_NAME}/{method}" for method in ("GetState", "UpdatePolicy", "PinTier", "Unpin")
+)
+# UpdatePolicyRequest's optional scalars; candidate_steps (repeated) is "set" when non-empty.
+_OptionalField = Literal[
+    "ema_alpha", "update_interval", "warmup_batches", "down_hysteresis", "up_hysteresis"
+]
+_OPTIONAL_FIELDS: tuple[_OptionalField, ...] = (
+    "ema_alpha",
+    "update_interval",
+    "warmup_batches",
+    "down_hysteresis",
+    "up_hysteresis",
+)
+
+
+def policy_to_pb(policy: PolicyConfig) -> controller_pb2.PolicyConfig:
+    return controller_pb2.PolicyConfig(**policy.to_dict())
+
+
+def target_to_pb(t: TargetSnapshot) -> controller_pb2.TargetState:
+    return controller_pb2.TargetState(
+        target_address=t.target_address,
+        connected=t.connected,
+        active_steps=t.active_steps,
+        ema=t.ema,
+        pinned=t.pinned_steps is not None,
+        pinned_steps=t.pinned_steps or 0,
+        rounds_seen=t.rounds_seen,
+        batches_counted=t.batches_counted,
+        recent_switches=[
+            controller_pb2.TierSwitch(
+                round_id=s.round_id,
+                from_steps=s.from_steps,
+                to_steps=s.to_steps,
+                reason=s.reason,
+                ema=s.ema,
+                unix_time=s.unix_time,
+            )
+            for s in t.recent_switches
+        ],
+    )
+
+
+def policy_changes(request: controller_pb2.UpdatePolicyRequest) -> dict[str, Any]:
+    """The fields a partial UpdatePolicy sets."""
+    changes: dict[str, Any] = {
+        name: getattr(request, name) for name in _OPTIONAL_FIELDS if request.HasField(name)
+    }
+    if request.candidate_steps:
+        changes["candidate_steps"] = tuple(request.candidate_steps)
+    return changes
+
+
+class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
+    """Thin: parse, call the AdaptiveController, map ValueError to INVALID_ARGUMENT."""
+
+    def __init__(self, controller: AdaptiveController) -> None:
+        self.controller = controller
+
+    def _targets(self) -> list[controller_pb2.TargetState]:
+        return [target_to_pb(t) for t in self.controller.snapshot()]
+
+    async def GetState(
+        self, request: controller_pb2.GetStateRequest, context: grpc.aio.ServicerContext
+    ) -> controller_pb2.GetStateResponse:
+        return controller_pb2.GetStateResponse(
+            policy=policy_to_pb(self.controller.policy), targets=self._targets()
+        )
+
+    async def UpdatePolicy(
+        self, request: controller_pb2.UpdatePolicyRequest, context: grpc.aio.ServicerContext
+    ) -> controller_pb2.UpdatePolicyResponse:
+        try:
+            policy = await self.controller.update_policy(**policy_changes(request))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return controller_pb2.UpdatePolicyResponse(policy=policy_to_pb(policy))
+
+    async def PinTier(
+        self, request: controller_pb2.PinTierRequest, context: grpc.aio.ServicerContext
+    ) -> controller_pb2.PinTierResponse:
+        try:
+            await self.controller.pin(request.speculative_num_steps)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return controller_pb2.PinTierResponse(targets=self._targets())
+
+    async def Unpin(
+        self, request: controller_pb2.UnpinRequest, context: grpc.aio.ServicerContext
+    ) -> controller_pb2.UnpinResponse:
+        await self.controller.unpin()
+        return controller_pb2.UnpinResponse(targets=self._targets())
+
+
+@dataclass
+class RunningController:
+    """A started controller: its gRPC server (bound to `port`) and its target watchers."""
+
+    server: GrpcServer
+    controller: AdaptiveController
+    port: int
+
+    async def stop(self, grace: float = 2.0) -> None:
+        await self.controller.stop()
+        await self.server.stop(grace)
+        log.info("controller stopped")
+
+
+async def start(
+    config: ControllerConfig,
+    *,
+    policy: PolicyConfig | None = None,
+    metrics: ServiceMetrics | None = None,
+) -> RunningController:
+    """Starts the controller in this event loop ("127.0.0.1:0" binds an ephemeral port).
+
+    The policy is `policy`, else `config.policy_file`, else the defaults; a bad file raises
+    ValueError naming the key.
+    """
+    if policy is None:
+        policy = (
+            PolicyConfig.from_json_file(config.policy_file)
+            if config.policy_file is not None
+            else PolicyConfig()
+        )
+    log.info("controller starting", targets=list(config.targets), policy=policy.to_dict())
+    metrics = metrics or ServiceMetrics("controller")
+    if config.server.metrics_address:
+        metrics.serve(*split_address(config.server.metrics_address))
+    server = GrpcServer(config.server, [SERVICE_NAME], protected_methods=PROTECTED_METHODS)
+    controller = AdaptiveController(config, policy, metrics=metrics)
+    controller_pb2_grpc.add_ControllerServiceServicer_to_server(
+        ControllerServicer(controller), server.server
+    )
+    if server.port == 0:
+        raise RuntimeError(f"cannot bind the controller to {config.server.address}")
+    await server.start()
+    await controller.start()
+    # Serving does not wait for targets: the ops API must answer while they are down.
+    await server.ready()
+    log.info(
+        "controller serving",
+        address=config.server.address,
+        port=server.port,
+        ops_token=bool(config.server.ops_token),
+        tls=config.server.tls.enabled,
+    )
+    return RunningController(server=server, controller=controller, port=server.port)
+
+
+async def serve(config: ControllerConfig, *, ready_event: asyncio.Event | None = None) -> None:
+    """Runs the controller until cancelled, then stops gracefully."""
+    running = await start(config)
+    if ready_event is not None:
+        ready_event.set()
+    try:
+        await running.server.server.wait_for_termination()
+    finally:
+        # Shielded so that the graceful stop completes even though we were cancelled.
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(running.stop())

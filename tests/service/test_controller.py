@@ -1,0 +1,416 @@
+"""The controller over real gRPC: a fake TargetService streams scripted rounds to it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from controller.controller import TargetSnapshot
+from controller.policy import PolicyConfig
+from controller.server import RunningController, serve, start
+from specpair.config import ControllerConfig, ServerConfig, TLSConfig
+from specpair.proto.v1 import controller_pb2, controller_pb2_grpc, target_pb2, target_pb2_grpc
+from specpair.serving import GrpcServer, auth_metadata
+
+TARGET_SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+# Decide on every batch from the first one on, with an EMA that moves fast.
+FAST = PolicyConfig(ema_alpha=0.5, warmup_batches=1, update_interval=1)
+
+
+class FakeTarget(target_pb2_grpc.TargetServiceServicer):
+    """Reports a tier, records ApplyTier, and streams the rounds a test pushes."""
+
+    def __init__(self, steps: int = 3, candidates: tuple[int, ...] = (1, 3, 7)) -> None:
+        self.steps = steps
+        self.candidates = candidates
+        self.applied: list[tuple[int, str]] = []
+        self.round_id = 0
+        self.watchers: list[asyncio.Queue[target_pb2.RoundStats]] = []
+
+    def push(self, *accept_lengths: int, speculative: bool = True) -> None:
+        self.round_id += 1
+        stats = target_pb2.RoundStats(
+            round_id=self.round_id,
+            speculative_num_steps=self.steps,
+            batch_size=len(accept_lengths),
+            accept_lengths=accept_lengths,
+            speculative=speculative,
+            unix_time=time.time(),
+        )
+        for queue in self.watchers:
+            queue.put_nowait(stats)
+
+    async def Generate(
+        self, request: target_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[target_pb2.GenerateResponse]:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the fake target only has rounds")
+        yield target_pb2.GenerateResponse()  # pragma: no cover - makes this a generator
+
+    async def GetServerInfo(
+        self,
+        request: target_pb2.TargetServiceGetServerInfoRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> target_pb2.TargetServiceGetServerInfoResponse:
+        return target_pb2.TargetServiceGetServerInfoResponse(
+            speculative_num_steps=self.steps, candidate_steps=self.candidates, rounds=self.round_id
+        )
+
+    async def ApplyTier(
+        self, request: target_pb2.ApplyTierRequest, context: grpc.aio.ServicerContext
+    ) -> target_pb2.ApplyTierResponse:
+        if request.speculative_num_steps not in self.candidates:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "speculative_num_steps")
+        previous, self.steps = self.steps, request.speculative_num_steps
+        self.applied.append((request.speculative_num_steps, request.reason))
+        return target_pb2.ApplyTierResponse(
+            previous_steps=previous,
+            speculative_num_steps=self.steps,
+            current_round=self.round_id,
+        )
+
+    async def WatchRounds(
+        self, request: target_pb2.WatchRoundsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[target_pb2.WatchRoundsResponse]:
+        queue: asyncio.Queue[target_pb2.RoundStats] = asyncio.Queue()
+        self.watchers.append(queue)
+        try:
+            while True:
+                yield target_pb2.WatchRoundsResponse(round=await queue.get())
+        finally:
+            self.watchers.remove(queue)
+
+
+async def serve_target(
+    fake: FakeTarget, address: str, token: str | None = None, tls: TLSConfig | None = None
+) -> GrpcServer:
+    """The fake behind the real server plumbing, so the ops-token check is the real one."""
+    server = GrpcServer(
+        ServerConfig(address, ops_token=token, tls=tls or TLSConfig()),
+        [TARGET_SERVICE],
+        protected_methods=[f"/{TARGET_SERVICE}/ApplyTier", f"/{TARGET_SERVICE}/WatchRounds"],
+    )
+    target_pb2_grpc.add_TargetServiceServicer_to_server(fake, server.server)
+    await server.start()
+    await server.ready()
+    return server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def eventually(predicate: Callable[[], bool], timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+@dataclass
+class ControllerStack:
+    fake: FakeTarget
+    controller: RunningController
+    channel: grpc.aio.Channel
+    stub: controller_pb2_grpc.ControllerServiceStub
+    metadata: tuple[tuple[str, str], ...]
+
+    def snapshot(self) -> TargetSnapshot:
+        return self.controller.controller.snapshot()[0]
+
+    async def get_state(self) -> controller_pb2.GetStateResponse:
+        return await self.stub.GetState(controller_pb2.GetStateRequest(), metadata=self.metadata)
+
+    async def feed_until(self, accept: tuple[int, ...], steps: int) -> None:
+        """Pushes rounds until the fake target runs at `steps`."""
+        for _ in range(150):
+            if self.fake.steps == steps:
+                return
+            self.fake.push(*accept)
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"target stayed at {self.fake.steps}, wanted {steps}")
+
+
+@contextlib.asynccontextmanager
+async def controller_stack(
+    *, token: str | None = None, policy: PolicyConfig = FAST
+) -> AsyncIterator[ControllerStack]:
+    fake = FakeTarget(steps=3)
+    target = await serve_target(fake, "127.0.0.1:0", token)
+    config = ControllerConfig(
+        ServerConfig("127.0.0.1:0", ops_token=token),
+        targets=(f"127.0.0.1:{target.port}",),
+        reconnect_s=0.1,
+    )
+    running = await start(config, policy=policy)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    stub = controller_pb2_grpc.ControllerServiceStub(channel)
+    stack = ControllerStack(fake, running, channel, stub, auth_metadata(token))
+    try:
+        await eventually(lambda: stack.snapshot().connected and bool(fake.watchers))
+        # Every connect applies the tier it wants, here the target's own: no switch.
+        assert fake.applied == [(3, "policy")]
+        fake.applied.clear()
+        yield stack
+    finally:
+        await channel.close()
+        await running.stop(grace=0.1)
+        await target.stop(grace=0.1)
+
+
+@pytest.fixture
+async def stack() -> AsyncIterator[ControllerStack]:
+    async with controller_stack() as s:
+        yield s
+
+
+async def test_policy_moves_tier_up_then_down(stack: ControllerStack) -> None:
+    state = (await stack.get_state()).targets[0]
+    assert state.connected and state.active_steps == 3 and not state.pinned
+    await stack.feed_until((7, 7), 7)
+    await stack.feed_until((0, 0), 1)
+    # α = 0.5 halves the EMA per batch of zeros, so on the way down it spends a decision or
+    # more in 3's band (0.25, 2.25] before it falls to 1.
+    assert stack.fake.applied == [(7, "policy"), (3, "policy"), (1, "policy")]
+    state = (await stack.get_state()).targets[0]
+    assert state.active_steps == 1 and state.batches_counted >= 6
+    assert state.ema <= 0.25
+    switches = [(s.from_steps, s.to_steps, s.reason) for s in state.recent_switches]
+    assert switches == [(3, 7, "policy"), (7, 3, "policy"), (3, 1, "policy")]
+    registry = stack.controller.controller.metrics.registry
+    assert registry.get_sample_value("specpair_controller_tier_switches_total") == 3
+    assert registry.get_sample_value("specpair_controller_speculative_num_steps") == 1
+    assert state.recent_switches[-1].round_id == stack.fake.round_id
+
+
+async def test_non_speculative_rounds_are_seen_but_not_counted(stack: ControllerStack) -> None:
+    for _ in range(5):
+        stack.fake.push(speculative=False)
+    await eventually(lambda: stack.snapshot().rounds_seen == 5)
+    state = (await stack.get_state()).targets[0]
+    assert state.batches_counted == 0 and state.active_steps == 3
+    assert stack.fake.applied == []
+
+
+async def test_pin_applies_now_and_overrides_policy_until_unpin(stack: ControllerStack) -> None:
+    response = await stack.stub.PinTier(
+        controller_pb2.PinTierRequest(speculative_num_steps=1), metadata=stack.metadata
+    )
+    assert stack.fake.applied == [(1, "pin")]
+    assert response.targets[0].pinned and response.targets[0].pinned_steps == 1
+    assert response.targets[0].active_steps == 1
+    # The policy learns (its EMA rises) but does not move a pinned tier.
+    for _ in range(10):
+        stack.fake.push(7, 7)
+    await eventually(lambda: stack.snapshot().batches_counted == 10)
+    assert stack.fake.steps == 1 and stack.fake.applied == [(1, "pin")]
+    response = await stack.stub.Unpin(controller_pb2.UnpinRequest(), metadata=stack.metadata)
+    assert stack.fake.applied[-1] == (7, "unpin")
+    state = response.targets[0]
+    assert not state.pinned and state.active_steps == 7
+    assert [s.reason for s in state.recent_switches] == ["pin", "unpin"]
+
+
+async def test_pin_rejects_a_tier_that_is_not_a_candidate(stack: ControllerStack) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.stub.PinTier(controller_pb2.PinTierRequest(speculative_num_steps=4))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "speculative_num_steps" in (err.value.details() or "")
+    assert stack.fake.applied == []
+    assert not (await stack.get_state()).targets[0].pinned
+
+
+async def test_update_policy_validates_and_applies_partial_updates(stack: ControllerStack) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.stub.UpdatePolicy(controller_pb2.UpdatePolicyRequest(ema_alpha=1.5))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "ema_alpha must be in (0, 1]" in (err.value.details() or "")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.stub.UpdatePolicy(controller_pb2.UpdatePolicyRequest(candidate_steps=[3]))
+    assert "candidate_steps" in (err.value.details() or "")
+    # A tier the target has not built is refused too.
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.stub.UpdatePolicy(controller_pb2.UpdatePolicyRequest(candidate_steps=[1, 5]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "candidate_steps [5]" in (err.value.details() or "")
+
+    response = await stack.stub.UpdatePolicy(
+        controller_pb2.UpdatePolicyRequest(update_interval=7, down_hysteresis=0.0)
+    )
+    assert response.policy.update_interval == 7 and response.policy.down_hysteresis == 0.0
+    assert response.policy.ema_alpha == FAST.ema_alpha  # untouched
+    assert list(response.policy.candidate_steps) == [1, 3, 7]
+    assert (await stack.get_state()).policy == response.policy
+    assert stack.fake.applied == []
+
+    # Dropping the active tier snaps the target to the nearest remaining one (3 → 1).
+    response = await stack.stub.UpdatePolicy(
+        controller_pb2.UpdatePolicyRequest(candidate_steps=[1, 7])
+    )
+    assert list(response.policy.candidate_steps) == [1, 7]
+    assert stack.fake.applied == [(1, "policy")]
+
+
+async def test_ops_token_is_required_and_presented_to_the_target() -> None:
+    async with controller_stack(token="s3cret") as stack:
+        # controller_stack waited for WatchRounds, which the fake target only serves with the token.
+        assert stack.snapshot().connected
+        for call, request in [
+            (stack.stub.GetState, controller_pb2.GetStateRequest()),
+            (stack.stub.UpdatePolicy, controller_pb2.UpdatePolicyRequest(ema_alpha=0.3)),
+            (stack.stub.PinTier, controller_pb2.PinTierRequest(speculative_num_steps=1)),
+            (stack.stub.Unpin, controller_pb2.UnpinRequest()),
+        ]:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(request, metadata=auth_metadata("wrong"))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(request)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert stack.fake.applied == [] and stack.controller.controller.pinned_steps is None
+        # With the token: ops work and the controller's ApplyTier passes the target's check.
+        await stack.stub.PinTier(
+            controller_pb2.PinTierRequest(speculative_num_steps=7), metadata=stack.metadata
+        )
+        assert stack.fake.applied == [(7, "pin")]
+
+
+async def test_controller_without_the_targets_token_stays_disconnected() -> None:
+    fake = FakeTarget()
+    target = await serve_target(fake, "127.0.0.1:0", token="target-token")
+    config = ControllerConfig(
+        ServerConfig("127.0.0.1:0", ops_token="other"),
+        targets=(f"127.0.0.1:{target.port}",),
+        reconnect_s=0.05,
+    )
+    running = await start(config, policy=FAST)
+    try:
+        await asyncio.sleep(0.3)
+        assert not fake.watchers
+        assert not running.controller.snapshot()[0].connected
+    finally:
+        await running.stop(grace=0.1)
+        await target.stop(grace=0.1)
+
+
+async def test_target_down_at_start_then_up_then_restarted() -> None:
+    address = f"127.0.0.1:{free_port()}"
+    config = ControllerConfig(ServerConfig("127.0.0.1:0"), targets=(address,), reconnect_s=0.1)
+    running = await start(config, policy=FAST)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    stub = controller_pb2_grpc.ControllerServiceStub(channel)
+    try:
+        await asyncio.sleep(0.2)
+        state = (await stub.GetState(controller_pb2.GetStateRequest())).targets[0]
+        assert state.target_address == address
+        assert not state.connected and state.active_steps == 0
+        # A pin while the target is down is applied when it comes up.
+        await stub.PinTier(controller_pb2.PinTierRequest(speculative_num_steps=7))
+
+        fake = FakeTarget(steps=3)
+        target = await serve_target(fake, address)
+        await eventually(lambda: running.controller.snapshot()[0].connected)
+        assert fake.applied == [(7, "pin")]
+        await stub.Unpin(controller_pb2.UnpinRequest())
+        assert fake.applied[-1] == (3, "unpin")
+
+        # The target restarts at a different tier: the controller restores the policy's.
+        await target.stop(grace=0)
+        await eventually(lambda: not running.controller.snapshot()[0].connected)
+        state = (await stub.GetState(controller_pb2.GetStateRequest())).targets[0]
+        assert not state.connected
+        fake = FakeTarget(steps=1)
+        target = await serve_target(fake, address)
+        await eventually(lambda: running.controller.snapshot()[0].connected)
+        assert fake.applied == [(3, "reconnect")]
+        state = (await stub.GetState(controller_pb2.GetStateRequest())).targets[0]
+        assert state.recent_switches[-1].reason == "reconnect"
+        await target.stop(grace=0)
+    finally:
+        await channel.close()
+        await running.stop(grace=0.1)
+
+
+async def test_health_reports_serving(stack: ControllerStack) -> None:
+    health = health_pb2_grpc.HealthStub(stack.channel)
+    for service in ("", "specpair.v1.ControllerService"):
+        response = await health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_malformed_rounds_do_not_break_the_watch(stack: ControllerStack) -> None:
+    stack.fake.push(-1, 2)  # negative accept length: ignored, not counted
+    await stack.feed_until((7, 7), 7)
+    state = (await stack.get_state()).targets[0]
+    assert state.connected and state.rounds_seen >= 2
+
+
+async def test_serve_runs_until_cancelled_then_stops() -> None:
+    address = f"127.0.0.1:{free_port()}"
+    config = ControllerConfig(ServerConfig(address), targets=(f"127.0.0.1:{free_port()}",))
+    ready = asyncio.Event()
+    task = asyncio.create_task(serve(config, ready_event=ready))
+    await asyncio.wait_for(ready.wait(), timeout=3)
+    async with grpc.aio.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        response = await health.Check(health_pb2.HealthCheckRequest(), timeout=2)
+        assert response.status == health_pb2.HealthCheckResponse.SERVING
+        state = await controller_pb2_grpc.ControllerServiceStub(channel).GetState(
+            controller_pb2.GetStateRequest(), timeout=2
+        )
+        assert not state.targets[0].connected
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    async with grpc.aio.insecure_channel(address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=1
+            )
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_tls_on_the_ops_api_and_to_the_target(tmp_path: Path) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    tls = TLSConfig(cert=cert, key=key, ca=cert)  # self-signed: its own CA
+    fake = FakeTarget()
+    target = await serve_target(fake, "127.0.0.1:0", tls=tls)
+    config = ControllerConfig(
+        ServerConfig("127.0.0.1:0", tls=tls), targets=(f"127.0.0.1:{target.port}",)
+    )
+    running = await start(config, policy=FAST)
+    creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+    try:
+        await eventually(lambda: running.controller.snapshot()[0].connected)
+        async with grpc.aio.secure_channel(f"127.0.0.1:{running.port}", creds) as channel:
+            stub = controller_pb2_grpc.ControllerServiceStub(channel)
+            state = await stub.GetState(controller_pb2.GetStateRequest(), timeout=2)
+            assert state.targets[0].connected
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = controller_pb2_grpc.ControllerServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stub.GetState(controller_pb2.GetStateRequest(), timeout=1)
+    finally:
+        await running.stop(grace=0.1)
+        await target.stop(grace=0.1)

@@ -1,0 +1,227 @@
+"""The adaptive policy as a pure object: snapping, EMA, gates, tier moves, config validation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from controller.policy import AdaptiveSpeculativeParams, PolicyConfig, snap_to_candidate
+
+# α = 1 makes the EMA equal to the last batch mean exactly, so thresholds can be hit exactly.
+FAST = PolicyConfig(ema_alpha=1.0, warmup_batches=0, update_interval=1)
+
+
+@pytest.mark.parametrize(
+    ("initial", "snapped"), [(0, 1), (1, 1), (2, 3), (3, 3), (4, 3), (5, 7), (6, 7), (100, 7)]
+)
+def test_initial_steps_snap_to_nearest_candidate_ties_to_larger(initial: int, snapped: int) -> None:
+    assert snap_to_candidate(initial, (1, 3, 7)) == snapped
+    policy = AdaptiveSpeculativeParams(PolicyConfig(), initial)
+    assert policy.current_steps == snapped
+    assert policy.ema == snapped - 1  # neutral start
+    assert policy.count == 0
+
+
+def test_ema_arithmetic() -> None:
+    policy = AdaptiveSpeculativeParams(PolicyConfig(ema_alpha=0.2), 3)  # ema 2.0
+    policy.update([4, 2])  # mean 3: 0.8·2.0 + 0.2·3 = 2.2
+    assert policy.ema == pytest.approx(2.2)
+    policy.update([0])  # 0.8·2.2 = 1.76
+    assert policy.ema == pytest.approx(1.76)
+    policy.update([1, 2, 3, 6])  # mean 3: 0.8·1.76 + 0.6 = 2.008
+    assert policy.ema == pytest.approx(2.008)
+    assert policy.count == 3
+
+
+def test_empty_batch_is_ignored_and_not_counted() -> None:
+    policy = AdaptiveSpeculativeParams(FAST, 3)
+    assert policy.update([]) is False
+    assert (policy.ema, policy.count, policy.current_steps) == (2.0, 0, 3)
+
+
+def test_negative_accept_lengths_are_rejected() -> None:
+    policy = AdaptiveSpeculativeParams(FAST, 3)
+    with pytest.raises(ValueError, match="accept_lengths"):
+        policy.update([1, -1])
+    assert policy.count == 0
+
+
+def test_defaults_first_decision_after_warmup_and_one_interval() -> None:
+    # warmup 10, interval 5: batches 1..14 never decide, batch 15 does.
+    policy = AdaptiveSpeculativeParams(PolicyConfig(), 3)
+    for _ in range(14):
+        assert policy.update([6]) is False
+    assert policy.current_steps == 3
+    assert policy.ema > 2.5  # above the up threshold for a while already
+    assert policy.update([6]) is True  # ema = 6 − 4·0.8¹⁵ ≈ 5.86
+    assert policy.current_steps == 7
+    assert policy.count == 15
+
+
+def test_warmup_gate() -> None:
+    policy = AdaptiveSpeculativeParams(PolicyConfig(warmup_batches=3, update_interval=1), 3)
+    # count ≤ warmup: no decision even though ema (3.0, 3.8, 4.44) is past 2.5.
+    assert [policy.update([7]) for _ in range(3)] == [False, False, False]
+    assert policy.current_steps == 3
+    assert policy.update([7]) is True  # count 4: ema 4.952 → up to 7
+    assert policy.current_steps == 7
+
+
+def test_interval_gate() -> None:
+    # warmup 2, interval 3: decisions only at counts 5, 8, 11, …
+    policy = AdaptiveSpeculativeParams(PolicyConfig(warmup_batches=2, update_interval=3), 3)
+    results = [policy.update([7]) for _ in range(5)]
+    assert results == [False, False, False, False, True]
+    assert policy.current_steps == 7
+    # Now the EMA collapses, but the next decision waits until count 8.
+    results = [policy.update([0]) for _ in range(3)]
+    assert results[:2] == [False, False]
+    assert policy.count == 8
+    # ema after 5 × [7] then 3 × [0]: (7 − 5·0.8⁵)·0.8³ ≈ 2.745 > 2.25: 7 stays at count 8.
+    assert results[2] is False and policy.current_steps == 7
+
+
+def test_multi_tier_jump_down_7_to_1_in_one_decision() -> None:
+    policy = AdaptiveSpeculativeParams(FAST, 7)
+    # ema 0: ≤ 3 − 0.5 − 0.25 = 2.25 → 3, then ≤ 1 − 0.75 = 0.25 → 1.
+    assert policy.update([0, 0]) is True
+    assert policy.current_steps == 1
+
+
+def test_multi_tier_jump_up_1_to_7_in_one_decision() -> None:
+    policy = AdaptiveSpeculativeParams(FAST, 1)
+    # ema 7: > 1 − 0.5 → 3, then > 3 − 0.5 → 7.
+    assert policy.update([7]) is True
+    assert policy.current_steps == 7
+
+
+@pytest.mark.parametrize(
+    ("start", "batch", "expected"),
+    [
+        # At 3, down threshold 1 − 0.5 − 0.25 = 0.25 (≤ moves): exactly 0.25 moves down.
+        (3, [0, 0, 0, 1], 1),
+        (3, [0, 1], 3),  # 0.5 stays
+        # At 3, up threshold 3 − 0.5 + 0 = 2.5 (> moves): exactly 2.5 stays.
+        (3, [2, 3], 3),
+        (3, [2, 3, 3, 3], 7),  # 2.75 moves up
+        # At 7, down threshold 3 − 0.75 = 2.25: exactly 2.25 moves to 3 (and not further).
+        (7, [2, 2, 2, 3], 3),
+        (7, [2, 3], 7),  # 2.5 stays
+        # At 1, up threshold 0.5: exactly 0.5 stays, 0.75 moves to 3 (2.5 not passed).
+        (1, [0, 1], 1),
+        (1, [0, 1, 1, 1], 3),
+    ],
+)
+def test_hysteresis_boundaries(start: int, batch: list[int], expected: int) -> None:
+    policy = AdaptiveSpeculativeParams(FAST, start)
+    assert policy.update(batch) is (expected != start)
+    assert policy.current_steps == expected
+
+
+def test_custom_hysteresis_shifts_thresholds() -> None:
+    cfg = PolicyConfig(ema_alpha=1.0, warmup_batches=0, update_interval=1, up_hysteresis=0.5)
+    policy = AdaptiveSpeculativeParams(cfg, 3)
+    assert policy.update([3]) is False  # 3.0 is not > 3 − 0.5 + 0.5
+    assert policy.update([3, 4]) is True  # 3.5 is
+    assert policy.current_steps == 7
+    cfg = cfg.replace_partial(down_hysteresis=0.5, up_hysteresis=0.6)
+    policy = AdaptiveSpeculativeParams(cfg, 3)
+    assert policy.update([1]) is True  # 1.0 ≤ 1 − 0.5 + 0.5; and not > 1 − 0.5 + 0.6
+    assert policy.current_steps == 1
+
+
+def test_up_pass_runs_after_a_down_move() -> None:
+    # down_hysteresis > up_hysteresis overlaps the bands: at 3 with ema 1.0 the down pass goes
+    # to 1 (1.0 ≤ 1.0), then the up pass goes back to 3 (1.0 > 0.5). Newer SGLang skips the up
+    # pass after a down move; the rule we follow (issue 3, SGLang's original) does not.
+    cfg = PolicyConfig(ema_alpha=1.0, warmup_batches=0, update_interval=1, down_hysteresis=0.5)
+    policy = AdaptiveSpeculativeParams(cfg, 3)
+    assert policy.update([1]) is False
+    assert policy.current_steps == 3
+
+
+def test_reconfigure_keeps_ema_and_count_and_snaps_tier() -> None:
+    policy = AdaptiveSpeculativeParams(PolicyConfig(), 7)
+    policy.update([5])  # ema 0.8·6 + 1 = 5.8
+    assert policy.reconfigure(PolicyConfig(candidate_steps=(1, 3, 5))) is True
+    assert policy.current_steps == 5
+    assert policy.ema == pytest.approx(5.8) and policy.count == 1
+    assert policy.reconfigure(PolicyConfig(candidate_steps=(2, 5), ema_alpha=0.5)) is False
+    policy.update([0])
+    assert policy.ema == pytest.approx(2.9)
+
+
+def test_config_defaults_and_normalization() -> None:
+    cfg = PolicyConfig()
+    assert cfg.to_dict() == {
+        "candidate_steps": (1, 3, 7),
+        "ema_alpha": 0.2,
+        "update_interval": 5,
+        "warmup_batches": 10,
+        "down_hysteresis": -0.25,
+        "up_hysteresis": 0.0,
+    }
+    assert PolicyConfig(candidate_steps=(7, 1, 3, 3)).candidate_steps == (1, 3, 7)
+    assert PolicyConfig(ema_alpha=1).ema_alpha == 1.0
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"candidate_steps": [3]}, "candidate_steps needs at least two"),
+        ({"candidate_steps": [3, 3]}, "candidate_steps needs at least two"),
+        ({"candidate_steps": [0, 1]}, "candidate_steps must be positive"),
+        ({"candidate_steps": [1, 2.5]}, "candidate_steps must be positive ints"),
+        ({"candidate_steps": 3}, "candidate_steps must be a list"),
+        ({"ema_alpha": 0}, r"ema_alpha must be in \(0, 1\]"),
+        ({"ema_alpha": 1.5}, r"ema_alpha must be in \(0, 1\]"),
+        ({"ema_alpha": float("nan")}, "ema_alpha must be a finite number"),
+        ({"ema_alpha": "0.2"}, "ema_alpha must be a finite number"),
+        ({"update_interval": 0}, "update_interval must be an int >= 1"),
+        ({"update_interval": True}, "update_interval must be an int >= 1"),
+        ({"warmup_batches": -1}, "warmup_batches must be an int >= 0"),
+        ({"warmup_batches": 1.5}, "warmup_batches must be an int >= 0"),
+        ({"down_hysteresis": float("inf")}, "down_hysteresis must be a finite number"),
+        ({"up_hysteresis": None}, "up_hysteresis must be a finite number"),
+        ({"alpha": 0.3}, r"unknown policy key.*alpha"),
+    ],
+)
+def test_config_validation_names_the_key(values: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PolicyConfig.from_mapping(values)
+
+
+def test_replace_partial() -> None:
+    cfg = PolicyConfig().replace_partial(ema_alpha=0.5, candidate_steps=(2, 4))
+    assert cfg.ema_alpha == 0.5 and cfg.candidate_steps == (2, 4) and cfg.update_interval == 5
+    with pytest.raises(ValueError, match="update_interval"):
+        cfg.replace_partial(update_interval=-3)
+    with pytest.raises(ValueError, match=r"unknown policy key.*speed"):
+        cfg.replace_partial(speed=2)
+
+
+def test_json_file_omitted_keys_take_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({"candidate_steps": [1, 2, 4], "warmup_batches": 0}))
+    cfg = PolicyConfig.from_json_file(path)
+    assert cfg == PolicyConfig(candidate_steps=(1, 2, 4), warmup_batches=0)
+
+
+def test_json_file_errors_name_the_file_and_key(tmp_path: Path) -> None:
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({"ema_alpha": 0.2, "interval": 3}))
+    with pytest.raises(ValueError, match=r"policy\.json.*unknown policy key.*interval"):
+        PolicyConfig.from_json_file(path)
+    path.write_text(json.dumps({"ema_alpha": 2}))
+    with pytest.raises(ValueError, match=r"policy\.json.*ema_alpha must be in"):
+        PolicyConfig.from_json_file(path)
+    path.write_text("[1, 3, 7]")
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        PolicyConfig.from_json_file(path)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read policy config"):
+        PolicyConfig.from_json_file(path)
+    with pytest.raises(ValueError, match="cannot read policy config"):
+        PolicyConfig.from_json_file(tmp_path / "missing.json")
