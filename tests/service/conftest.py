@@ -85,7 +85,7 @@ async def make_stack() -> AsyncIterator[Any]:
 
 def reference_greedy(target: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Target-only greedy decoding with our engine (itself checked against transformers)."""
-    worker = build_target(target, max_requests=len(prompts), max_len=256)
+    worker = build_target(target, max_requests=len(prompts), max_len=1024)
     results = SpeculativeEngine(worker, None).generate(
         prompts, max_new_tokens=max_tokens, state=None, stop_token_ids=frozenset({0})
     )

@@ -1,0 +1,164 @@
+"""End to end: the three real processes (`specpair serve …`), tiny checkpoints, real clients.
+
+One stack, three phases:
+  A. identical draft, tier starts at 1: concurrent outputs equal target-only greedy, and the
+     controller moves the tier up to 7;
+  B. the draft process is SIGKILLed mid-generation: no request is lost or changed;
+  C. an unrelated draft comes up on the same port: the target reconnects and the controller
+     moves the tier down to 1.
+Throughout, neither service builds a runtime state after start-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from specpair.client import ControllerClient, SpecpairClient
+from specpair.healthcheck import check
+from tests.service.conftest import reference_greedy
+
+pytestmark = pytest.mark.slow
+PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3], [100, 200, 50, 60, 70]]
+CONNECTED = "DRAFT_CONNECTION_STATE_CONNECTED"
+FAST_POLICY = {"warmup_batches": 2, "update_interval": 1, "ema_alpha": 0.5}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Processes:
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - lives with the process
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "specpair.cli", "serve", *args, "--metrics-address", ""]
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
+        return self.procs[name]
+
+    def wait_healthy(self, name: str, address: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            proc = self.procs[name]
+            assert proc.poll() is None, f"{name} died: {self.logs(name)}"
+            with (
+                contextlib.redirect_stderr(io.StringIO()),
+                contextlib.redirect_stdout(io.StringIO()),
+            ):
+                if check(address, timeout=1.0):
+                    return
+            time.sleep(0.2)
+        raise AssertionError(f"{name} not healthy: {self.logs(name)}")
+
+    def logs(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text()[-3000:]
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Processes]:
+    p = Processes(tmp_path)
+    yield p
+    p.stop_all()
+
+
+def test_three_processes(ckpts: dict[str, Path], procs: Processes, tmp_path: Path) -> None:
+    draft_addr, target_addr, ctrl_addr = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps(FAST_POLICY))
+    target = str(ckpts["target"])
+    procs.start("draft", "draft", "--address", draft_addr, "--model", target)
+    procs.start(
+        "target", "target", "--address", target_addr, "--model", target,
+        "--draft", draft_addr, "--initial-steps", "1", "--draft-timeout", "3",
+    )  # fmt: skip
+    procs.start(
+        "controller", "controller", "--address", ctrl_addr, "--target", target_addr,
+        "--policy", str(policy),
+    )  # fmt: skip
+    for name, address in (
+        ("draft", draft_addr),
+        ("target", target_addr),
+        ("controller", ctrl_addr),
+    ):
+        procs.wait_healthy(name, address)
+    client = SpecpairClient(target_addr, timeout=120)
+    ctl = ControllerClient(ctrl_addr, timeout=10)
+    wait_for(lambda: client.server_info().get("draft_connection_state") == CONNECTED,
+             30, "the target to connect to the draft")  # fmt: skip
+    builds_at_start = client.server_info()["runtime_state_builds"]
+    assert builds_at_start == 3
+
+    def generate_all(max_tokens: int) -> list[list[int]]:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            results = pool.map(lambda p: client.generate(p, max_tokens=max_tokens), PROMPTS)
+        return [list(r.token_ids) for r in results]
+
+    # A. identical draft: lossless, and the tier climbs 1 → 3 → 7
+    expected = reference_greedy(ckpts["target"], PROMPTS, 100)
+    assert generate_all(100) == expected
+    for _ in range(10):
+        if client.server_info()["speculative_num_steps"] == 7:
+            break
+        generate_all(40)
+    assert client.server_info()["speculative_num_steps"] == 7
+    switches = ctl.state()["targets"][0]["recent_switches"]
+    assert [s["to_steps"] for s in switches if s["reason"] == "policy"][-1] == 7
+
+    # B. kill -9 the draft while requests run: same outputs, nothing lost
+    long = reference_greedy(ckpts["target"], PROMPTS, 400)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(generate_all, 400)
+        wait_for(lambda: client.server_info()["running_requests"] == len(PROMPTS), 30, "the batch")
+        procs.procs["draft"].kill()
+        assert not running.done(), "generation finished before the draft was killed"
+        assert running.result() == long
+    assert client.server_info()["draft_connection_state"] != CONNECTED
+
+    # C. an unrelated draft on the same address: reconnect, then the tier falls to 1
+    procs.start("draft2", "draft", "--address", draft_addr, "--model", str(ckpts["draft"]))
+    procs.wait_healthy("draft2", draft_addr)
+    wait_for(lambda: client.server_info()["draft_connection_state"] == CONNECTED,
+             30, "the target to reconnect")  # fmt: skip
+    for _ in range(10):
+        assert generate_all(40) == [e[:40] for e in expected]
+        if client.server_info()["speculative_num_steps"] == 1:
+            break
+    assert client.server_info()["speculative_num_steps"] == 1
+    assert client.server_info()["runtime_state_builds"] == builds_at_start
