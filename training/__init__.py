@@ -1,0 +1,1 @@
+"""Reproducible training of specpair's shipped model pair (target, draft LM, EAGLE head)."""
