@@ -6,6 +6,7 @@ i + 1) and on per-node target scores, row j being the target's prediction *after
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,11 @@ def accept_greedy(tree: CandidateTree, target_logits: Tensor) -> Acceptance:
 
     target_logits: [n + 1, V] over the full tree.
     """
-    argmax = target_logits.argmax(-1).tolist()
+    return accept_greedy_argmax(tree, target_logits.argmax(-1).tolist())
+
+
+def accept_greedy_argmax(tree: CandidateTree, argmax: Sequence[int]) -> Acceptance:
+    """`accept_greedy` given the target's argmax per full-tree node ([n + 1] token ids)."""
     kids = children(full_parents(tree))
     node, path = 0, list[int]()
     while True:

@@ -1,4 +1,9 @@
-"""Assemble the in-process pieces from checkpoint paths (engine demo, tests, benchmarks)."""
+"""Assemble the in-process pieces from checkpoint paths (engine demo, tests, benchmarks).
+
+On a CUDA device the model is fused (`fused.py`), the cache is paged (flashinfer) and the
+worker registers its CUDA-graph builder, so every later `build_state(tier)` captures that tier's
+graphs: build the workers first, then the states, as the services do.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,56 @@ from pathlib import Path
 
 import torch
 
+from specpair.models.llama import ModelArgs
 from specpair.models.loading import is_eagle_checkpoint, load_eagle, load_llama
 from specpair.runtime.draft import Drafter, EagleDrafter, LMDrafter
-from specpair.runtime.kv_cache import DenseKVCache
+from specpair.runtime.kv_cache import DenseKVCache, KVCache
 from specpair.runtime.target import TargetWorker
+
+
+def _is_cuda(device: str | torch.device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def make_cache(
+    args: ModelArgs, *, max_requests: int, max_len: int, dtype: torch.dtype, device: str
+) -> KVCache:
+    if _is_cuda(device):
+        from specpair.runtime.paged_kv import PagedKVCache
+
+        return PagedKVCache.for_model(
+            args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device
+        )
+    return DenseKVCache.for_model(
+        args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device
+    )
+
+
+def gpu_target(
+    worker: TargetWorker, max_batch: int, buckets: list[int] | None = None
+) -> TargetWorker:
+    """Fuses the model and registers the verify-graph capture of every later tier state."""
+    from specpair.runtime.cuda_graphs import TargetGraphs
+    from specpair.runtime.fused import fuse_decoder
+    from specpair.runtime.state import register_stage_builder
+
+    fuse_decoder(worker.model)
+    graphs = TargetGraphs(worker, max_batch, buckets)
+    worker.graphs = graphs
+    register_stage_builder(graphs.capture_tier)
+    return worker
+
+
+def gpu_drafter(drafter: Drafter, max_batch: int, buckets: list[int] | None = None) -> Drafter:
+    from specpair.runtime.cuda_graphs import DraftGraphs
+    from specpair.runtime.fused import fuse_decoder
+    from specpair.runtime.state import register_stage_builder
+
+    fuse_decoder(drafter.head if isinstance(drafter, EagleDrafter) else drafter.model)  # type: ignore[attr-defined]
+    graphs = DraftGraphs(drafter, max_batch, buckets)
+    drafter.graphs = graphs
+    register_stage_builder(graphs.capture_tier)
+    return drafter
 
 
 def build_target(
@@ -22,10 +73,11 @@ def build_target(
     device: str = "cpu",
 ) -> TargetWorker:
     model = load_llama(path, dtype=dtype, device=device)
-    cache = DenseKVCache.for_model(
+    cache = make_cache(
         model.args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device
     )
-    return TargetWorker(model, cache, keep_features=keep_features)
+    worker = TargetWorker(model, cache, keep_features=keep_features)
+    return gpu_target(worker, max_requests) if _is_cuda(device) else worker
 
 
 def build_drafter(
@@ -38,16 +90,19 @@ def build_drafter(
     device: str = "cpu",
 ) -> Drafter:
     """An EAGLE drafter when `path` is an EAGLE head (needs `target_path`), else a standalone LM."""
+    drafter: Drafter
     if is_eagle_checkpoint(path):
         if target_path is None:
             raise ValueError(f"{path} is an EAGLE head: the target checkpoint path is required")
         head = load_eagle(path, target_path, dtype=dtype, device=device)
-        cache = DenseKVCache.for_model(
+        cache = make_cache(
             head.args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device
         )
-        return EagleDrafter(head, cache)
-    model = load_llama(path, dtype=dtype, device=device)
-    cache = DenseKVCache.for_model(
-        model.args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device
-    )
-    return LMDrafter(model, cache)
+        drafter = EagleDrafter(head, cache)
+    else:
+        model = load_llama(path, dtype=dtype, device=device)
+        cache = make_cache(
+            model.args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device
+        )
+        drafter = LMDrafter(model, cache)
+    return gpu_drafter(drafter, max_requests) if _is_cuda(device) else drafter

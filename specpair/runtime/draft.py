@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from specpair.models.eagle import EagleHead
-from specpair.models.llama import LlamaModel
-from specpair.runtime.kv_cache import BatchLayout, DenseKVCache
+from specpair.models.llama import AttendFn, LlamaModel, ModelArgs
+from specpair.runtime.kv_cache import BatchLayout, KVCache
 from specpair.runtime.sampling import SamplingParams, make_generator, warp
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.tree import CandidateTree, chain
@@ -46,10 +46,14 @@ class DraftSlot:
 
 
 class Drafter(ABC):
-    def __init__(self, cache: DenseKVCache, device: torch.device) -> None:
+    needs_features = False  # EAGLE: extend rows carry target features
+
+    def __init__(self, cache: KVCache, device: torch.device, args: ModelArgs) -> None:
         self.cache = cache
         self.device = device
+        self.args = args
         self.requests: dict[str, DraftSlot] = {}
+        self.graphs: object | None = None  # the GPU's graph builder, kept alive with the drafter
 
     def release(self, request_id: str) -> None:
         """Frees a finished or cancelled request's draft state (unknown ids are ignored)."""
@@ -75,6 +79,10 @@ class Drafter(ABC):
         """Extend every request, then draft `state.tier` chain steps for the whole batch."""
         entries = [self._slot(item) for item in inputs]
         slots = [e.slot for e in entries]
+        graphs = state.extras.get(f"draft/{id(self)}")
+        if graphs is not None and all(item.sampling.greedy for item in inputs):
+            steps_ = graphs.round(self, inputs, slots)  # type: ignore[attr-defined]
+            return [chain(tokens) for tokens in steps_]
         hidden = self._extend(inputs, slots)  # [B, H] at each request's last row
         starts = [self.cache.lengths[s] for s in slots]
         steps: list[list[int]] = [[] for _ in inputs]
@@ -97,13 +105,52 @@ class Drafter(ABC):
         ]
 
     @abstractmethod
-    def _extend(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor: ...
+    def extend_rows(
+        self, inputs: Sequence[DraftInput]
+    ) -> tuple[list[Sequence[int]], list[Tensor] | None]:
+        """Per request the token rows extend runs (and, for EAGLE, their features [n, H])."""
 
     @abstractmethod
-    def _step(self, tokens: Tensor, hidden: Tensor, layout: BatchLayout) -> Tensor: ...
+    def forward(
+        self, tokens: Tensor, features: Tensor | None, positions: Tensor, attend: AttendFn
+    ) -> Tensor:
+        """tokens, positions: [B, T] (+ features [B, T, H]) on the device -> hidden [B, T, H]."""
 
     @abstractmethod
-    def _logits(self, hidden: Tensor) -> Tensor: ...
+    def logits(self, hidden: Tensor) -> Tensor:
+        """hidden [B, T, H] -> float logits of the last row [B, V]."""
+
+    def extend_inputs(
+        self, inputs: Sequence[DraftInput], slots: list[int]
+    ) -> tuple[Tensor, Tensor | None, Tensor, BatchLayout, list[int]]:
+        """Commits the extend rows; returns host tokens, features, positions [B, T], layout."""
+        rows, feats = self.extend_rows(inputs)
+        tokens, positions, layout, lengths = self._commit_rows(rows, slots)
+        features = None
+        if feats is not None:
+            features = torch.zeros(len(rows), tokens.shape[1], feats[0].shape[-1])
+            for b, f in enumerate(feats):
+                features[b, : len(f)] = f
+        return tokens, features, positions, layout, lengths
+
+    def _extend(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor:
+        tokens, features, positions, layout, lengths = self.extend_inputs(inputs, slots)
+        hidden = self.forward(
+            tokens.to(self.device),
+            None if features is None else features.to(self.device),
+            positions.to(self.device),
+            self.cache.bind(layout),
+        )
+        return _last(hidden, lengths)
+
+    def _step(self, tokens: Tensor, hidden: Tensor, layout: BatchLayout) -> Tensor:
+        positions = layout.starts[:, None]
+        return self.forward(
+            tokens.to(self.device), hidden, positions.to(self.device), self.cache.bind(layout)
+        )
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        return self.logits(hidden)
 
     def _commit_rows(
         self, rows: Sequence[Sequence[int]], slots: list[int]
@@ -128,34 +175,36 @@ def _last(hidden: Tensor, lengths: list[int]) -> Tensor:
 
 
 class LMDrafter(Drafter):
-    def __init__(self, model: LlamaModel, cache: DenseKVCache) -> None:
-        super().__init__(cache, model.lm_head.weight.device)
+    def __init__(self, model: LlamaModel, cache: KVCache) -> None:
+        super().__init__(cache, model.lm_head.weight.device, model.args)
         self.model = model
 
-    def _extend(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor:
-        tokens, positions, layout, lengths = self._commit_rows([i.appended for i in inputs], slots)
-        hidden = self.model(
-            tokens.to(self.device), positions.to(self.device), self.cache.bind(layout)
-        )
-        return _last(hidden, lengths)
+    def extend_rows(
+        self, inputs: Sequence[DraftInput]
+    ) -> tuple[list[Sequence[int]], list[Tensor] | None]:
+        return [i.appended for i in inputs], None
 
-    def _step(self, tokens: Tensor, hidden: Tensor, layout: BatchLayout) -> Tensor:
-        positions = layout.starts[:, None]
-        return self.model(
-            tokens.to(self.device), positions.to(self.device), self.cache.bind(layout)
-        )
+    def forward(
+        self, tokens: Tensor, features: Tensor | None, positions: Tensor, attend: AttendFn
+    ) -> Tensor:
+        return self.model(tokens, positions, attend)
 
-    def _logits(self, hidden: Tensor) -> Tensor:
+    def logits(self, hidden: Tensor) -> Tensor:
         return self.model.logits(hidden[:, -1])
 
 
 class EagleDrafter(Drafter):
-    def __init__(self, head: EagleHead, cache: DenseKVCache) -> None:
-        super().__init__(cache, head.fc.weight.device)
+    needs_features = True
+
+    def __init__(self, head: EagleHead, cache: KVCache) -> None:
+        super().__init__(cache, head.fc.weight.device, head.args)
         self.head = head
 
-    def _extend(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor:
-        rows, feats = [], []
+    def extend_rows(
+        self, inputs: Sequence[DraftInput]
+    ) -> tuple[list[Sequence[int]], list[Tensor] | None]:
+        rows: list[Sequence[int]] = []
+        feats: list[Tensor] = []
         for item in inputs:
             if item.features is None or len(item.features) == 0:
                 raise ValueError(f"request {item.request_id}: the EAGLE drafter needs features")
@@ -167,23 +216,13 @@ class EagleDrafter(Drafter):
                 )
             rows.append(item.appended[len(item.appended) - n :])
             feats.append(item.features)
-        tokens, positions, layout, lengths = self._commit_rows(rows, slots)
-        features = torch.zeros(len(rows), tokens.shape[1], feats[0].shape[-1])
-        for b, f in enumerate(feats):
-            features[b, : len(f)] = f
-        hidden = self.head(
-            tokens.to(self.device),
-            features.to(self.device),
-            positions.to(self.device),
-            self.cache.bind(layout),
-        )
-        return _last(hidden, lengths)
+        return rows, feats
 
-    def _step(self, tokens: Tensor, hidden: Tensor, layout: BatchLayout) -> Tensor:
-        positions = layout.starts[:, None]
-        return self.head(
-            tokens.to(self.device), hidden, positions.to(self.device), self.cache.bind(layout)
-        )
+    def forward(
+        self, tokens: Tensor, features: Tensor | None, positions: Tensor, attend: AttendFn
+    ) -> Tensor:
+        assert features is not None, "EAGLE rows need features"
+        return self.head(tokens, features, positions, attend)
 
-    def _logits(self, hidden: Tensor) -> Tensor:
+    def logits(self, hidden: Tensor) -> Tensor:
         return self.head.logits(hidden[:, -1])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,37 @@ class BatchLayout:
             # Padding rows see only themselves so softmax stays finite; their output is unused.
             mask[b, n:, :] = torch.eye(t, dtype=torch.bool)[n:]
         return BatchLayout(_long(slots), _long(starts), mask)
+
+
+class KVCache(Protocol):
+    """What the stages use of a cache: `DenseKVCache` (CPU) or `PagedKVCache` (GPU)."""
+
+    lengths: list[int]
+    max_len: int
+
+    @property
+    def free_slots(self) -> int: ...
+    def alloc(self) -> int: ...
+    def free(self, slot: int) -> None: ...
+    def check_room(self, slot: int, start: int, n_new: int) -> None: ...
+    def bind(self, layout: BatchLayout) -> AttendFn: ...
+    def commit(self, slot: int, start: int, keep: Sequence[int]) -> int: ...
+    def truncate(self, slot: int, length: int) -> None: ...
+
+
+def attention_mask(layout: BatchLayout) -> Tensor:
+    """[B, T, K] bool over key positions 0..K-1, K = max(starts) + T.
+
+    Prefix keys (< start) are visible to every new token; new keys follow the tree/causal mask.
+    """
+    b, t = layout.new_mask.shape[:2]
+    steps = torch.arange(t)
+    write_pos = layout.starts[:, None] + steps  # [B, T]
+    keys = torch.arange(int(layout.starts.max()) + t)
+    mask = (keys[None, None, :] < layout.starts[:, None, None]).expand(b, t, len(keys)).clone()
+    rows = torch.arange(b)[:, None, None]
+    mask[rows, steps[None, :, None], write_pos[:, None, :]] = layout.new_mask
+    return mask
 
 
 def _long(values: Sequence[int]) -> Tensor:
@@ -111,17 +143,11 @@ class DenseKVCache:
     def bind(self, layout: BatchLayout) -> AttendFn:
         """An `attend` for one forward: writes new K/V tentatively, attends prefix + new tokens."""
         b, t = layout.new_mask.shape[:2]
-        steps = torch.arange(t)
-        write_pos = layout.starts[:, None] + steps  # [B, T]
+        write_pos = layout.starts[:, None] + torch.arange(t)  # [B, T]
         if int(write_pos.max()) >= self.max_len:
             raise CacheFullError(f"a forward would write past max_len {self.max_len}")
         kv_len = int(layout.starts.max()) + t
-        keys = torch.arange(kv_len)
-        # Prefix keys (< start) are visible to all; new keys follow the tree/causal mask.
-        mask = (keys[None, None, :] < layout.starts[:, None, None]).expand(b, t, kv_len).clone()
-        rows = torch.arange(b)[:, None, None]
-        mask[rows, steps[None, :, None], write_pos[:, None, :]] = layout.new_mask
-        mask = mask[:, None]  # [B, 1, T, K]
+        mask = attention_mask(layout)[:, None]  # [B, 1, T, K]
         slots = layout.slots.to(self.k.device)
         slot_idx = slots[:, None].expand(b, t)
         write_pos, mask = write_pos.to(self.k.device), mask.to(self.k.device)

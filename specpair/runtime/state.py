@@ -9,7 +9,8 @@ happen after start-up.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -17,6 +18,14 @@ from torch import Tensor
 from specpair.runtime.tree import tree_depths, tree_mask
 
 _builds = 0
+# GPU workers register a method that captures their graphs into each new state (weakly held, so
+# a dropped worker stops capturing); the services keep calling plain `build_state(tier)`.
+_stage_builders: list[weakref.WeakMethod[Callable[[SpecRuntimeState], None]]] = []
+
+
+def register_stage_builder(method: Callable[[SpecRuntimeState], None]) -> None:
+    """`method(state)` runs inside every later `build_state` (CUDA-graph capture)."""
+    _stage_builders.append(weakref.WeakMethod(method))  # type: ignore[arg-type]
 
 
 def builds() -> int:
@@ -43,7 +52,14 @@ def build_state(tier: int) -> SpecRuntimeState:
         raise ValueError(f"a tier (speculative_num_steps) must be >= 1, got {tier}")
     parents = tuple(range(-1, tier))
     _builds += 1
-    return SpecRuntimeState(tier, parents, tree_mask(parents), tuple(tree_depths(parents)))
+    state = SpecRuntimeState(tier, parents, tree_mask(parents), tuple(tree_depths(parents)))
+    for ref in list(_stage_builders):
+        builder = ref()
+        if builder is None:
+            _stage_builders.remove(ref)
+        else:
+            builder(state)
+    return state
 
 
 def build_states(tiers: Iterable[int]) -> dict[int, SpecRuntimeState]:

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from specpair.models.llama import LlamaModel
-from specpair.runtime.accept import Acceptance, accept_greedy, accept_sampling
-from specpair.runtime.kv_cache import BatchLayout, DenseKVCache
+from specpair.runtime.accept import Acceptance, accept_greedy_argmax, accept_sampling
+from specpair.runtime.kv_cache import BatchLayout, KVCache
 from specpair.runtime.sampling import SamplingParams, make_generator, sample, warp
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.tree import CandidateTree, full_parents, tree_depths, tree_mask
@@ -74,11 +74,12 @@ class VerifyResult:
 class TargetWorker:
     """Target model + KV cache; the stages are synchronous and run off the event loop."""
 
-    def __init__(self, model: LlamaModel, cache: DenseKVCache, *, keep_features: bool = False):
+    def __init__(self, model: LlamaModel, cache: KVCache, *, keep_features: bool = False):
         self.model = model
         self.cache = cache
         self.keep_features = keep_features
         self.device = model.lm_head.weight.device
+        self.graphs: object | None = None  # the GPU's graph builder, kept alive with the worker
 
     def _choose(self, seq: TargetSequence, logits: Tensor) -> int:
         if seq.sampling.greedy:
@@ -146,22 +147,35 @@ class TargetWorker:
             torch.tensor([s.committed for s in seqs]),
             new_mask,
         )
-        hidden = self.model(
-            tokens.to(self.device), positions.to(self.device), self.cache.bind(layout)
-        )
-        logits = self.model.logits(hidden).cpu()  # [B, T, V]
+        hidden, logits = self._forward_tree(tokens, positions, layout, state)  # on the device
+        argmax = logits.argmax(-1).cpu()  # [B, T]: all greedy acceptance needs
+        sampled = None if all(s.sampling.greedy for s in seqs) else logits.cpu()
         results = []
         for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
             n = len(tree) + 1
-            if seq.sampling.greedy:
-                acc = accept_greedy(tree, logits[i, :n])
+            if sampled is None or seq.sampling.greedy:
+                acc = accept_greedy_argmax(tree, argmax[i, :n].tolist())
             else:
-                acc = accept_sampling(tree, warp(logits[i, :n], seq.sampling), seq.generator)
+                acc = accept_sampling(tree, warp(sampled[i, :n], seq.sampling), seq.generator)
             start = seq.committed
             self.cache.commit(seq.slot, start, acc.keep)
             feats = hidden[i, acc.keep].float().cpu() if self.keep_features else None
             results.append(VerifyResult(acc, seq.append([*acc.tokens, acc.bonus]), feats))
         return results
+
+    def _forward_tree(
+        self, tokens: Tensor, positions: Tensor, layout: BatchLayout, state: SpecRuntimeState | None
+    ) -> tuple[Tensor, Tensor]:
+        """hidden [B, T, H] and float logits [B, T, V]: a captured graph of the tier if one fits."""
+        graphs = None if state is None else state.extras.get(f"verify/{id(self)}")
+        if graphs is not None:
+            out = graphs.run(tokens, positions, layout)  # type: ignore[attr-defined]
+            if out is not None:
+                return out  # type: ignore[no-any-return]
+        hidden = self.model(
+            tokens.to(self.device), positions.to(self.device), self.cache.bind(layout)
+        )
+        return hidden, self.model.logits(hidden)
 
     def release(self, seq: TargetSequence) -> None:
         if seq.slot >= 0:

@@ -1,0 +1,239 @@
+"""What the GPU benchmarks share: Llama-3-8B-shaped random models built on the GPU, the copy
+bandwidth ceiling, CUDA-event timing. Nothing is saved to disk."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from specpair.models.eagle import EagleHead
+from specpair.models.llama import LlamaModel, ModelArgs, rope_inv_freq
+
+LLAMA3_ROPE = (
+    ("factor", 8.0),
+    ("high_freq_factor", 4.0),
+    ("low_freq_factor", 1.0),
+    ("original_max_position_embeddings", 8192),
+    ("rope_type", "llama3"),
+)
+LLAMA3_8B = ModelArgs(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+    rope_scaling=LLAMA3_ROPE,
+)
+# ~1.2B: Llama-3.2-1B's widths with 16 heads of 128 (flashinfer kernels shared with the target).
+DRAFT_1B = ModelArgs(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_layers=16,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    rope_scaling=LLAMA3_ROPE,
+)
+
+
+def random_llama(args: ModelArgs, seed: int = 0) -> LlamaModel:
+    """Random bf16 weights (std 0.02; norms 1), built directly on the GPU."""
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaModel(args)
+    finally:
+        torch.set_default_dtype(default)
+    _randomize(model)
+    model.inv_freq = rope_inv_freq(args).cuda()
+    return model.eval()
+
+
+def random_eagle(target: LlamaModel, seed: int = 1) -> EagleHead:
+    """An EAGLE head at the target's width: one decoder layer + fc, sharing embedding/LM head."""
+    torch.manual_seed(seed)
+    args = replace(target.args, num_layers=1)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            head = EagleHead(args, target.args)
+        head.fc.to_empty(device="cuda")
+        head.layers.to_empty(device="cuda")
+    finally:
+        torch.set_default_dtype(default)
+    head.embed_tokens, head.lm_head = target.model.embed_tokens, target.lm_head
+    _randomize(head.fc)
+    _randomize(head.layers)
+    head.inv_freq = rope_inv_freq(args).cuda()
+    return head.eval()
+
+
+def _randomize(module: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    seen: set[int] = set()
+    total = 0
+    for p in module.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def time_cuda(fn: Callable[[], Any], iters: int, warmup: int = 3) -> list[float]:
+    """Seconds per call from CUDA events, one pair per call (host work inside `fn` included)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / 1e3)
+    return out
+
+
+def copy_bandwidth(gib: float = 4.0, iters: int = 20) -> float:
+    """Device-to-device copy, bytes read + written per second (the memory ceiling)."""
+    n = int(gib * 2**30) // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    seconds = median(time_cuda(lambda: dst.copy_(src), iters))
+    return 2 * n * 2 / seconds
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2]
+
+
+def build_pair(draft: str, max_batch: int, buckets: list[int], tiers: list[int], max_len: int):  # type: ignore[no-untyped-def]
+    """8B target + a drafter ("eagle", "1b", "identical", "none"), graphs captured per tier."""
+    from specpair.runtime.build import gpu_drafter, gpu_target
+    from specpair.runtime.draft import EagleDrafter, LMDrafter
+    from specpair.runtime.fused import fuse_decoder
+    from specpair.runtime.paged_kv import PagedKVCache
+    from specpair.runtime.state import build_states
+    from specpair.runtime.target import TargetWorker
+
+    def cache(args: ModelArgs) -> PagedKVCache:
+        return PagedKVCache.for_model(
+            args, max_requests=max_batch, max_len=max_len, dtype=torch.bfloat16, device="cuda"
+        )
+
+    model = random_llama(LLAMA3_8B)
+    worker = TargetWorker(model, cache(LLAMA3_8B), keep_features=draft == "eagle")
+    gpu_target(worker, max_batch, buckets)
+    drafter: Any = None
+    if draft == "eagle":
+        fuse_decoder(model)
+        head = random_eagle(model)
+        drafter = EagleDrafter(head, cache(head.args))
+    elif draft == "1b":
+        small = random_llama(DRAFT_1B, seed=2)
+        drafter = LMDrafter(small, cache(DRAFT_1B))
+    elif draft == "identical":
+        drafter = LMDrafter(model, cache(LLAMA3_8B))
+    if drafter is not None:
+        gpu_drafter(drafter, max_batch, buckets)
+    t0 = time.perf_counter()
+    states = build_states(tiers)
+    capture_s = time.perf_counter() - t0
+    return worker, drafter, states, capture_s
+
+
+@dataclass
+class RoundTimes:
+    extend: list[float] = field(default_factory=list)
+    draft: list[float] = field(default_factory=list)
+    verify: list[float] = field(default_factory=list)
+    other: list[float] = field(default_factory=list)  # acceptance bookkeeping, next inputs
+    tokens: list[int] = field(default_factory=list)  # tokens produced per round (all requests)
+
+    def round_s(self) -> float:
+        return median(
+            [
+                e + d + v + o
+                for e, d, v, o in zip(self.extend, self.draft, self.verify, self.other, strict=True)
+            ]
+        )
+
+
+def run_rounds(
+    worker: Any,
+    drafter: Any,
+    state: Any,
+    prompts: list[list[int]],
+    rounds: int,
+    switch_to: Any = None,
+) -> RoundTimes:
+    """The engine's loop for a fixed number of rounds, timed per stage (perf_counter, synced)."""
+    from specpair.runtime.draft import DraftInput
+    from specpair.runtime.engine import GREEDY
+    from specpair.runtime.target import TargetSequence
+    from specpair.runtime.tree import EMPTY_TREE
+
+    seqs = [TargetSequence(f"r{i}", p, GREEDY, 10**9) for i, p in enumerate(prompts)]
+    feats = worker.prefill(seqs)
+    pending = {
+        s.request_id: DraftInput(s.request_id, (*s.prompt, *s.output), GREEDY, f)
+        for s, f in zip(seqs, feats, strict=True)
+    }
+    times = RoundTimes()
+    if drafter is not None:
+        drafter.graphs.profile = True
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if drafter is not None:
+            trees = drafter.round([pending[s.request_id] for s in seqs], state)
+            ext = drafter.graphs.last_times[0]
+        else:
+            trees, ext = [EMPTY_TREE] * len(seqs), 0.0
+        t1 = time.perf_counter()
+        results = worker.verify(seqs, trees, state)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        for seq, res in zip(seqs, results, strict=True):
+            pending[seq.request_id] = DraftInput(
+                seq.request_id, tuple(res.new_tokens), GREEDY, res.features
+            )
+        t3 = time.perf_counter()
+        draft_total = t1 - t0
+        times.extend.append(ext if drafter is not None else 0.0)
+        times.draft.append(draft_total - ext if drafter is not None else 0.0)
+        times.verify.append(t2 - t1)
+        times.other.append(t3 - t2)
+        times.tokens.append(sum(len(r.new_tokens) for r in results))
+    for seq in seqs:
+        worker.release(seq)
+        if drafter is not None:
+            drafter.release(seq.request_id)
+    return times

@@ -1,0 +1,216 @@
+"""§4a: target forward at Llama-3-8B's shape, batch 1, q tokens after a context, vs the floor.
+
+    python -m bench.gpu_forward [--contexts 512 2048] [--queries 1 2 4 8] [--out FILE.json]
+
+floor = weight bytes / device-to-device copy bandwidth (read + write), both measured here.
+ours: the verify stage as served (fused layers, flashinfer paged attention with the tree mask,
+one CUDA graph); "graph" times the replay, "+plan" adds the host-side planning that precedes it.
+transformers: the same weights (shared tensors), a StaticCache, eager and under a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import device_info, format_table, write_json
+from bench.gpu_common import LLAMA3_8B, copy_bandwidth, median, time_cuda, weight_bytes
+from specpair.models.llama import LlamaModel, rope_inv_freq
+from specpair.runtime.cuda_graphs import TargetGraphs
+from specpair.runtime.fused import fuse_decoder
+from specpair.runtime.kv_cache import BatchLayout
+from specpair.runtime.paged_kv import PagedKVCache
+from specpair.runtime.target import TargetWorker
+
+
+def hf_model() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    a = LLAMA3_8B
+    cfg = LlamaConfig(
+        vocab_size=a.vocab_size,
+        hidden_size=a.hidden_size,
+        intermediate_size=a.intermediate_size,
+        num_hidden_layers=a.num_layers,
+        num_attention_heads=a.num_heads,
+        num_key_value_heads=a.num_kv_heads,
+        rms_norm_eps=a.rms_norm_eps,
+        max_position_embeddings=a.max_position_embeddings,
+        rope_parameters={"rope_theta": a.rope_theta, **dict(a.rope_scaling)},
+        tie_word_embeddings=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def ours_from(hf: Any) -> LlamaModel:
+    """Our model over the same weight tensors (no copy), then fused (QKV, gate/up concatenated)."""
+    with torch.device("meta"):
+        model = LlamaModel(LLAMA3_8B)
+    model.load_state_dict(dict(hf.state_dict()), strict=True, assign=True)
+    model.inv_freq = rope_inv_freq(LLAMA3_8B).cuda()
+    return fuse_decoder(model.eval())  # type: ignore[return-value]
+
+
+def hf_timings(hf: Any, ctx: int, q: int, iters: int) -> dict[str, float]:
+    from transformers import StaticCache
+
+    cache = StaticCache(config=hf.config, max_cache_len=ctx + 16)
+    prompt = torch.randint(0, LLAMA3_8B.vocab_size, (1, ctx), device="cuda")
+    out: dict[str, float] = {}
+    with torch.inference_mode():
+        hf(prompt, past_key_values=cache, cache_position=torch.arange(ctx, device="cuda"))
+        ids = torch.randint(0, LLAMA3_8B.vocab_size, (1, q), device="cuda")
+        pos = torch.arange(ctx, ctx + q, device="cuda")
+
+        def step() -> Any:
+            return hf(ids, past_key_values=cache, cache_position=pos, position_ids=pos[None]).logits
+
+        out["hf_eager"] = median(time_cuda(step, max(5, iters // 5)))
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    step()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            out["hf_graph"] = median(time_cuda(graph.replay, iters))
+        except Exception as exc:  # report, don't abort the run
+            print(f"transformers CUDA graph failed at ctx {ctx} q {q}: {exc!r}")
+            out["hf_graph"] = float("nan")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--queries", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--out", type=Path, default=Path("bench/out/gpu_forward.json"))
+    args = parser.parse_args()
+    info = device_info()
+    print(f"device: {info.get('gpu')}")
+    bw = copy_bandwidth()
+    hf = hf_model()
+    wbytes = weight_bytes(hf)
+    floor = wbytes / bw
+    print(f"weights {wbytes / 1e9:.2f} GB, copy {bw / 1e12:.2f} TB/s, floor {1e3 * floor:.2f} ms")
+    model = ours_from(hf)
+    max_ctx = max(args.contexts)
+    cache = PagedKVCache.for_model(
+        LLAMA3_8B, max_requests=1, max_len=max_ctx + 16, dtype=torch.bfloat16, device="cuda"
+    )
+    worker = TargetWorker(model, cache)
+    graphs = TargetGraphs(worker, 1)
+    rows, table = [], []
+    for ctx in args.contexts:
+        slot = cache.alloc()
+        prompt = torch.randint(0, LLAMA3_8B.vocab_size, (1, ctx), device="cuda")
+        with torch.inference_mode():
+            model(
+                prompt,
+                torch.arange(ctx, device="cuda")[None],
+                cache.bind(BatchLayout.causal([slot], [0], [ctx])),
+            )
+        cache.commit(slot, 0, range(ctx))
+        for q in args.queries:
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                g = graphs._verify(1, q)
+            capture_s = time.perf_counter() - t0
+            mask = torch.ones(q, q, dtype=torch.bool).tril()[None]
+            layout = BatchLayout(torch.tensor([slot]), torch.tensor([ctx]), mask)
+            tokens = torch.randint(0, LLAMA3_8B.vocab_size, (1, q))
+            g.inputs["tokens"].copy_(tokens)
+            g.inputs["positions"].copy_(torch.arange(ctx, ctx + q)[None])
+            g.attention[0].plan(layout)
+
+            def planned(g: Any = g, layout: BatchLayout = layout) -> None:
+                g.attention[0].plan(layout)
+                g.graph.replay()
+
+            replay = median(time_cuda(g.graph.replay, args.iters))
+            with_plan = median(time_cuda(planned, args.iters))
+            hf_t = hf_timings(hf, ctx, q, args.iters)
+            # same weights: the logits must agree within bf16 tolerance
+            with torch.inference_mode():
+                g.graph.replay()
+                ours_logits = g.outputs["logits"][0].clone()
+                ref = hf(prompt_plus(prompt, tokens)).logits[0, -q:].float()
+            rel = float((ours_logits - ref).norm() / ref.norm())
+            row = {
+                "ctx": ctx,
+                "q": q,
+                "floor_s": floor,
+                "ours_graph_s": replay,
+                "ours_plan_graph_s": with_plan,
+                "capture_s": capture_s,
+                "logits_rel_err": rel,
+                **{k + "_s": v for k, v in hf_t.items()},
+            }
+            rows.append(row)
+            table.append(
+                [
+                    str(ctx),
+                    str(q),
+                    f"{1e3 * floor:.2f}",
+                    f"{1e3 * replay:.2f}",
+                    f"{replay / floor:.3f}",
+                    f"{1e3 * with_plan:.2f}",
+                    f"{with_plan / floor:.3f}",
+                    f"{1e3 * hf_t['hf_eager']:.1f}",
+                    f"{1e3 * hf_t['hf_graph']:.2f}",
+                    f"{hf_t['hf_graph'] / floor:.2f}",
+                    f"{rel:.1e}",
+                ]
+            )
+            del g
+        cache.free(slot)
+    payload = {"device": info, "copy_bandwidth_Bps": bw, "weight_bytes": wbytes, "rows": rows}
+    write_json(args.out, payload)
+    print(
+        f"\nGPU forward, Llama-3-8B shape, batch 1 — {info.get('gpu')}, "
+        f"copy {bw / 1e12:.2f} TB/s, weights {wbytes / 1e9:.2f} GB"
+    )
+    print(
+        format_table(
+            [
+                "ctx",
+                "q",
+                "floor ms",
+                "ours ms",
+                "×floor",
+                "+plan ms",
+                "×floor",
+                "HF eager ms",
+                "HF graph ms",
+                "HF ×floor",
+                "logit err",
+            ],
+            table,
+        )
+    )
+
+
+def prompt_plus(prompt: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return torch.cat([prompt, tokens.to(prompt.device)], dim=1)
+
+
+if __name__ == "__main__":
+    main()

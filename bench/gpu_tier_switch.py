@@ -1,0 +1,83 @@
+"""§4c: tier switching — cost of the switch itself and the first round at the new tier.
+
+    python -m bench.gpu_tier_switch [--out FILE.json]
+
+In-process (EAGLE draft, batch 1): a switch is `state = states[new]`, a dict lookup; "first
+round" is the round right after the switch, against the median steady round at that tier.
+Captures and state builds are counted across all switches (must stay 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import device_info, format_table, write_json
+from bench.gpu_common import build_pair, run_rounds
+from specpair.runtime import cuda_graphs, state
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/out/gpu_tier_switch.json"))
+    args = parser.parse_args()
+    info = device_info()
+    print(f"device: {info.get('gpu')}")
+    tiers = [1, 3, 7]
+    worker, drafter, states, _ = build_pair("eagle", 1, [1], tiers, 1024)
+    prompt = [list(torch.randint(0, 128256, (256,)).tolist())]
+    before = cuda_graphs.captures(), state.builds()
+    steady = {t: run_rounds(worker, drafter, states[t], prompt, 12).round_s() for t in tiers}
+    rows, table = [], []
+    for old in tiers:
+        for new in tiers:
+            if old == new:
+                continue
+            t0 = time.perf_counter_ns()
+            current = states[new]  # what ApplyTier does between rounds
+            switch_ns = time.perf_counter_ns() - t0
+            # one warm round at the old tier, then the first round at the new one
+            seqs_prompt = prompt
+            rounds = run_rounds(worker, drafter, states[old], seqs_prompt, 3)
+            first = run_rounds(worker, drafter, current, seqs_prompt, 3)
+            first_s = first.extend[2] + first.draft[2] + first.verify[2] + first.other[2]
+            rows.append(
+                {
+                    "from": old,
+                    "to": new,
+                    "switch_ns": switch_ns,
+                    "first_round_s": first_s,
+                    "steady_round_s": steady[new],
+                    "old_round_s": rounds.round_s(),
+                }
+            )
+            table.append(
+                [
+                    f"{old} → {new}",
+                    f"{switch_ns}",
+                    f"{1e3 * first_s:.2f}",
+                    f"{1e3 * steady[new]:.2f}",
+                    f"{first_s / steady[new]:.2f}",
+                ]
+            )
+    after = cuda_graphs.captures(), state.builds()
+    write_json(
+        args.out,
+        {
+            "device": info,
+            "rows": rows,
+            "captures_builds_during": [after[0] - before[0], after[1] - before[1]],
+        },
+    )
+    print(
+        f"\nGPU tier switch, EAGLE draft, batch 1 — {info.get('gpu')}; captures/builds during "
+        f"switching: {after[0] - before[0]}/{after[1] - before[1]}"
+    )
+    print(format_table(["switch", "swap ns", "first round ms", "steady ms", "first/steady"], table))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,360 @@
+"""Per-tier CUDA graphs: target verify, draft extend and draft multi-step, per batch bucket.
+
+Built when `build_state(tier)` runs at start-up (the GPU workers register a stage builder there),
+stored in `state.extras`, so a tier switch stays a reference swap. Each graph runs over static
+input/output buffers and flashinfer wrappers in CUDA-graph mode; before a replay the host
+*plans* (page table, custom mask, write rows → static buffers) and copies the inputs in:
+
+    batch 3 at tier 3 → bucket 4: verify graph [4, 4] tokens, row 3 = the padding slot
+
+Stages and their graphs (s = tier):
+- verify: B × (s + 1) tree tokens → hidden [B, s + 1, H], logits [B, s + 1, V];
+- extend: B × (s + 1) appended tokens (accepted + bonus; longer rounds, e.g. a first round's
+  prompt, run eagerly) → hidden of each request's last row [B, 1, H];
+- draft: s greedy steps of one token per request, argmax inside the graph → tokens [s, B].
+  Sampling rounds run the eager loop: their per-request warps and generators stay on the host.
+`captures()` counts graph captures; tests assert it stays flat after start-up.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from specpair.logging import get_logger
+from specpair.runtime.kv_cache import BatchLayout
+from specpair.runtime.paged_kv import PagedKVCache
+
+log = get_logger(__name__)
+_captures = 0
+
+
+def captures() -> int:
+    """CUDA graphs this process has captured so far."""
+    return _captures
+
+
+def buckets_for(max_batch: int) -> list[int]:
+    """1, 2, 4, … up to max_batch (max_batch itself included)."""
+    out = [1]
+    while out[-1] < max_batch:
+        out.append(min(2 * out[-1], max_batch))
+    return out
+
+
+def bucket_of(batch: int, buckets: Sequence[int]) -> int | None:
+    return next((b for b in buckets if b >= batch), None)
+
+
+def pad_layout(layout: BatchLayout, batch: int, tokens: int, pad_slot: int) -> BatchLayout:
+    """Pads a layout to [batch, tokens]: extra rows go to the padding slot, extra columns are
+    invisible to real tokens (identity rows), so real outputs are unchanged."""
+    b, t = layout.new_mask.shape[:2]
+    mask = torch.eye(tokens, dtype=torch.bool).repeat(batch, 1, 1)
+    mask[:b, :t, :t] = layout.new_mask
+    slots = torch.full((batch,), pad_slot, dtype=torch.long)
+    slots[:b] = layout.slots
+    starts = torch.zeros(batch, dtype=torch.long)
+    starts[:b] = layout.starts
+    return BatchLayout(slots, starts, mask)
+
+
+def pad2d(x: Tensor, rows: int, cols: int) -> Tensor:
+    out = torch.zeros(rows, cols, *x.shape[2:], dtype=x.dtype)
+    out[: x.shape[0], : x.shape[1]] = x
+    return out
+
+
+class GraphAttention:
+    """A flashinfer wrapper in CUDA-graph mode plus its static metadata, for [batch, tokens]."""
+
+    def __init__(self, cache: PagedKVCache, batch: int, tokens: int) -> None:
+        self.cache, self.batch, self.tokens = cache, batch, tokens
+        self.wrapper = cache.make_wrapper(cache.graph_buffers(batch, tokens))
+        self.rows = torch.zeros(batch * tokens, dtype=torch.long, device=cache.device)
+        self.attend = cache.attend_fn(self.wrapper, self.rows)
+        idle = torch.ones(tokens, tokens, dtype=torch.bool).tril().expand(batch, -1, -1)
+        self.idle = BatchLayout(
+            torch.full((batch,), cache.pad_slot), torch.zeros(batch, dtype=torch.long), idle
+        )
+        self.plan(self.idle)
+
+    def plan(self, layout: BatchLayout) -> None:
+        self.rows.copy_(self.cache.write_index(layout))
+        self.cache.plan(self.wrapper, layout)
+
+
+@dataclass
+class StageGraph:
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, Tensor]
+    outputs: dict[str, Tensor]
+    attention: list[GraphAttention]
+
+
+def capture(
+    body: Callable[[], dict[str, Tensor]],
+    inputs: dict[str, Tensor],
+    attention: list[GraphAttention],
+    pool: Any,
+) -> StageGraph:
+    """Warms `body` up on a side stream (JIT, cuBLAS handles), then captures it."""
+    global _captures
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = body()
+    _captures += 1
+    return StageGraph(graph, inputs, outputs, attention)
+
+
+class _Capturer:
+    """Shared by both workers: buckets, one memory pool, timing and memory logs per tier."""
+
+    def __init__(
+        self, cache: PagedKVCache, max_batch: int, owner: str, buckets: Sequence[int] | None
+    ) -> None:
+        self.cache = cache
+        self.buckets = sorted(buckets) if buckets else buckets_for(max_batch)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.owner = owner
+        self.stats: dict[int, dict[str, float]] = {}
+
+    def timed(self, tier: int, build: Callable[[], object]) -> object:
+        torch.cuda.synchronize()
+        t0, mem0 = time.perf_counter(), torch.cuda.memory_reserved()
+        built = build()
+        torch.cuda.synchronize()
+        stats = {
+            "seconds": time.perf_counter() - t0,
+            "graph_mib": (torch.cuda.memory_reserved() - mem0) / 2**20,
+            "graphs": float(len(self.buckets)),
+        }
+        self.stats[tier] = stats
+        log.info("captured CUDA graphs", owner=self.owner, tier=tier, buckets=self.buckets, **stats)
+        return built
+
+
+class TargetGraphs(_Capturer):
+    """Verify graphs of a `TargetWorker` whose model is fused and whose cache is paged."""
+
+    def __init__(self, worker: Any, max_batch: int, buckets: Sequence[int] | None = None) -> None:
+        super().__init__(worker.cache, max_batch, "target", buckets)
+        self.worker = worker
+
+    def capture_tier(self, state: Any) -> None:
+        tokens = state.tier + 1
+        graphs = self.timed(state.tier, lambda: {b: self._verify(b, tokens) for b in self.buckets})
+        state.extras[f"verify/{id(self.worker)}"] = VerifyGraphs(self, graphs)  # type: ignore[arg-type]
+
+    def _verify(self, batch: int, tokens: int) -> StageGraph:
+        model, dev = self.worker.model, self.cache.device
+        inputs = {
+            "tokens": torch.zeros(batch, tokens, dtype=torch.long, device=dev),
+            "positions": torch.zeros(batch, tokens, dtype=torch.long, device=dev),
+        }
+        attn = GraphAttention(self.cache, batch, tokens)
+
+        def body() -> dict[str, Tensor]:
+            hidden = model(inputs["tokens"], inputs["positions"], attn.attend)
+            return {"hidden": hidden, "logits": model.logits(hidden)}
+
+        return capture(body, inputs, [attn], self.pool)
+
+
+class VerifyGraphs:
+    def __init__(self, owner: TargetGraphs, graphs: dict[int, StageGraph]) -> None:
+        self.owner, self.graphs = owner, graphs
+
+    def run(
+        self, tokens: Tensor, positions: Tensor, layout: BatchLayout
+    ) -> tuple[Tensor, Tensor] | None:
+        b, t = tokens.shape
+        bucket = bucket_of(b, self.owner.buckets)
+        if bucket is None:
+            return None
+        g = self.graphs[bucket]
+        tg = g.inputs["tokens"].shape[1]
+        if t > tg or int(layout.starts.max()) + tg > self.owner.cache.max_len:
+            return None
+        g.attention[0].plan(pad_layout(layout, bucket, tg, self.owner.cache.pad_slot))
+        g.inputs["tokens"].copy_(pad2d(tokens, bucket, tg))
+        g.inputs["positions"].copy_(pad2d(positions, bucket, tg))
+        g.graph.replay()
+        return g.outputs["hidden"][:b, :t], g.outputs["logits"][:b, :t]
+
+
+class DraftGraphs(_Capturer):
+    """Extend and multi-step graphs of a `Drafter` (LM or EAGLE) over a paged cache."""
+
+    def __init__(self, drafter: Any, max_batch: int, buckets: Sequence[int] | None = None) -> None:
+        super().__init__(drafter.cache, max_batch, "draft", buckets)
+        self.profile = False  # when set, round() synchronizes to time extend and draft apart
+        self.last_times = (0.0, 0.0)  # (extend s, draft s) of the last profiled round
+        self.drafter = drafter
+        self.steps: dict[int, list[GraphAttention]] = {b: [] for b in self.buckets}
+        self.extends: dict[tuple[int, int], StageGraph] = {}  # (bucket, tokens) → graph
+
+    def capture_tier(self, state: Any) -> None:
+        s = state.tier
+
+        def build() -> dict[int, StageGraph]:
+            for b in self.buckets:
+                self.extends[(b, s + 1)] = self._extend(b, s + 1)
+            return {b: self._multi_step(b, s) for b in self.buckets}
+
+        steps = self.timed(s, build)
+        state.extras[f"draft/{id(self.drafter)}"] = TierDraftGraphs(self, s, steps)  # type: ignore[arg-type]
+
+    def _extend(self, batch: int, tokens: int) -> StageGraph:
+        d, dev = self.drafter, self.cache.device
+        hidden_size = d.args.hidden_size
+        inputs = {
+            "tokens": torch.zeros(batch, tokens, dtype=torch.long, device=dev),
+            "positions": torch.zeros(batch, tokens, dtype=torch.long, device=dev),
+            "last": torch.zeros(batch, dtype=torch.long, device=dev),
+        }
+        if d.needs_features:
+            inputs["features"] = torch.zeros(batch, tokens, hidden_size, device=dev)
+        attn = GraphAttention(self.cache, batch, tokens)
+        rows = torch.arange(batch, device=dev)
+
+        def body() -> dict[str, Tensor]:
+            feats = inputs.get("features")
+            hidden = d.forward(inputs["tokens"], feats, inputs["positions"], attn.attend)
+            return {"hidden": hidden[rows, inputs["last"]][:, None]}  # [B, 1, H]
+
+        return capture(body, inputs, [attn], self.pool)
+
+    def _multi_step(self, batch: int, s: int) -> StageGraph:
+        d, dev = self.drafter, self.cache.device
+        attns = self.steps[batch]
+        while len(attns) < s - 1:  # step k's attention is the same whatever the tier
+            attns.append(GraphAttention(self.cache, batch, 1))
+        inputs = {
+            "hidden": torch.zeros(batch, 1, d.args.hidden_size, dtype=self.cache.dtype, device=dev),
+            "starts": torch.zeros(batch, dtype=torch.long, device=dev),
+        }
+
+        def body() -> dict[str, Tensor]:
+            hidden, out = inputs["hidden"], []
+            for k in range(s):
+                token = d.logits(hidden).argmax(-1)  # [B]
+                out.append(token)
+                if k + 1 < s:
+                    pos = (inputs["starts"] + k)[:, None]
+                    hidden = d.forward(token[:, None], hidden, pos, attns[k].attend)
+            return {"tokens": torch.stack(out)}  # [s, B]
+
+        return capture(body, inputs, attns[: s - 1], self.pool)
+
+
+class TierDraftGraphs:
+    def __init__(self, owner: DraftGraphs, tier: int, steps: dict[int, StageGraph]) -> None:
+        self.owner, self.tier, self.steps = owner, tier, steps
+
+    def round(self, drafter: Any, inputs: Sequence[Any], slots: list[int]) -> list[list[int]]:
+        """Greedy draft round: extend (graph when it fits, else eager), then s graph steps."""
+        o, cache, s = self.owner, self.owner.cache, self.tier
+        b = len(inputs)
+        bucket = bucket_of(b, o.buckets)
+        tokens, feats, positions, layout, lengths = drafter.extend_inputs(inputs, slots)
+        starts = [cache.lengths[slot] for slot in slots]
+        if bucket is None or max(starts) + s > cache.max_len:
+            return self._eager(drafter, tokens, feats, positions, layout, lengths, slots)
+        t0 = time.perf_counter()
+        t = tokens.shape[1]
+        fits = [k for k in o.extends if k[0] == bucket and k[1] >= t]
+        ext = o.extends[min(fits)] if fits else None
+        if ext is not None and int(layout.starts.max()) + min(fits)[1] <= cache.max_len:
+            tg = min(fits)[1]
+            tri = torch.ones(tg, tg, dtype=torch.bool).tril().expand(b, -1, -1)
+            ext.attention[0].plan(
+                pad_layout(
+                    BatchLayout(layout.slots, layout.starts, tri), bucket, tg, cache.pad_slot
+                )
+            )
+            ext.inputs["tokens"].copy_(pad2d(tokens, bucket, tg))
+            ext.inputs["positions"].copy_(pad2d(positions, bucket, tg))
+            last = torch.zeros(bucket, dtype=torch.long)
+            last[:b] = torch.tensor(lengths) - 1
+            ext.inputs["last"].copy_(last)
+            if feats is not None:
+                ext.inputs["features"].copy_(pad2d(feats, bucket, tg))
+            ext.graph.replay()
+            hidden = ext.outputs["hidden"]
+        else:
+            hidden = pad2d_dev(
+                drafter_last(drafter, tokens, feats, positions, layout, lengths), bucket
+            )
+        if o.profile:
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        g = self.steps[bucket]
+        for k, attn in enumerate(g.attention):
+            step = BatchLayout.causal(slots, [st + k for st in starts], [1] * b)
+            attn.plan(pad_layout(step, bucket, 1, cache.pad_slot))
+        g.inputs["hidden"].copy_(hidden)
+        padded = torch.zeros(bucket, dtype=torch.long)
+        padded[:b] = torch.tensor(starts)
+        g.inputs["starts"].copy_(padded)
+        g.graph.replay()
+        drafts: list[list[int]] = g.outputs["tokens"][:, :b].T.tolist()
+        o.last_times = (t1 - t0, time.perf_counter() - t1)
+        return drafts
+
+    def _eager(
+        self,
+        drafter: Any,
+        tokens: Tensor,
+        feats: Tensor | None,
+        positions: Tensor,
+        layout: BatchLayout,
+        lengths: list[int],
+        slots: list[int],
+    ) -> list[list[int]]:
+        hidden = drafter_last(drafter, tokens, feats, positions, layout, lengths)
+        starts = [self.owner.cache.lengths[slot] for slot in slots]
+        out: list[Tensor] = []
+        for k in range(self.tier):
+            token = drafter.logits(hidden).argmax(-1)
+            out.append(token)
+            if k + 1 < self.tier:
+                step = BatchLayout.causal(slots, [st + k for st in starts], [1] * len(slots))
+                hidden = drafter._step(token[:, None], hidden, step)
+        return torch.stack(out).T.tolist()  # type: ignore[no-any-return]
+
+
+def drafter_last(
+    drafter: Any,
+    tokens: Tensor,
+    feats: Tensor | None,
+    positions: Tensor,
+    layout: BatchLayout,
+    lengths: list[int],
+) -> Tensor:
+    """Eager extend: hidden of each request's last appended row [B, 1, H]."""
+    dev = drafter.device
+    hidden = drafter.forward(
+        tokens.to(dev),
+        None if feats is None else feats.to(dev),
+        positions.to(dev),
+        drafter.cache.bind(layout),
+    )
+    return hidden[torch.arange(len(lengths)), torch.tensor(lengths) - 1][:, None]
+
+
+def pad2d_dev(x: Tensor, rows: int) -> Tensor:
+    out = torch.zeros(rows, *x.shape[1:], dtype=x.dtype, device=x.device)
+    out[: x.shape[0]] = x
+    return out

@@ -1,0 +1,286 @@
+"""Paged KV cache with the `DenseKVCache` interface, attended through flashinfer on the GPU.
+
+Memory is a pool of pages of `page_size` positions (`k`, `v`: [L, pages, page_size, Hkv, D],
+flashinfer's NHD layout); each request slot owns a list of pages, allocated as it grows and
+returned on `free`. A token at position p of slot s lives at flat index
+`page_table[s, p // page_size] * page_size + p % page_size`:
+
+    page_size 4, slot 2 owns pages [7, 3]: position 5 → page 3, offset 1 → flat index 13
+
+Writes are tentative past the committed length exactly as in the dense cache; `commit` moves the
+accepted entries (e.g. tree nodes [0, 2, 5]) to the front through their flat indices. K/V are
+written with one `index_copy_` per tensor (the same indices flashinfer's append kernel would
+compute, and the same code on CPU); attention is `BatchPrefillWithPagedKVCacheWrapper` with the
+tree as a custom mask. On CPU the pages are gathered and attended with SDPA (tests).
+
+Slot `max_requests` is a padding slot: CUDA-graph buckets fill their unused rows with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specpair.models.llama import AttendFn, ModelArgs
+from specpair.runtime.kv_cache import BatchLayout, CacheFullError, attention_mask
+
+WORKSPACE_BYTES = 128 << 20
+
+
+def flat_index(page_table: Tensor, slots: Tensor, positions: Tensor, page_size: int) -> Tensor:
+    # page_table: [R, P] long, slots: [B], positions: [B, T] -> flat cache rows [B, T]
+    pages = page_table[slots[:, None], positions // page_size]
+    return pages * page_size + positions % page_size
+
+
+def page_metadata(
+    page_table: Tensor, slots: Tensor, kv_lens: Tensor, page_size: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """flashinfer's page description of a batch: (indptr [B+1], indices [nnz], last_len [B]).
+
+    kv_lens [5, 16, 17], page_size 16 → pages per request [1, 1, 2], indptr [0, 1, 2, 4],
+    last page lengths [5, 16, 1].
+    """
+    npages = (kv_lens + page_size - 1) // page_size
+    indptr = torch.zeros(len(slots) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(npages, 0)
+    cols = torch.arange(page_table.shape[1])
+    indices = page_table[slots][cols[None, :] < npages[:, None]]  # row-major: request order
+    last = kv_lens - (npages - 1) * page_size
+    return indptr, indices.to(torch.int32), last.to(torch.int32)
+
+
+def flat_mask(layout: BatchLayout) -> Tensor:
+    """flashinfer's custom mask: per request its [T, start + T] rows, concatenated, flat bool."""
+    full = attention_mask(layout)  # [B, T, K]
+    b, t, k = full.shape
+    kv_lens = layout.starts + t
+    valid = torch.arange(k)[None, None, :] < kv_lens[:, None, None]
+    return full[valid.expand(b, t, k)]
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_requests: int,
+        max_len: int,
+        page_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.page_size = page_size
+        self.pages_per_slot = -(-max_len // page_size)
+        num_pages = (max_requests + 1) * self.pages_per_slot
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.heads = (num_qo_heads, num_kv_heads, head_dim)
+        self.max_len = max_len
+        self.page_table = torch.zeros(max_requests + 1, self.pages_per_slot, dtype=torch.long)
+        self._owned = [0] * (max_requests + 1)
+        self._free_pages = list(range(num_pages - 1, -1, -1))
+        self.pad_slot = max_requests
+        self._grow(self.pad_slot, max_len)
+        self.lengths = [0] * max_requests
+        self._free = list(range(max_requests - 1, -1, -1))
+        self._workspace: Tensor | None = None
+        self._eager: Any = None
+
+    @classmethod
+    def for_model(
+        cls,
+        args: ModelArgs,
+        *,
+        max_requests: int,
+        max_len: int,
+        page_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> PagedKVCache:
+        return cls(
+            num_layers=args.num_layers,
+            num_qo_heads=args.num_heads,
+            num_kv_heads=args.num_kv_heads,
+            head_dim=args.head_dim,
+            max_requests=max_requests,
+            max_len=max_len,
+            page_size=page_size,
+            dtype=dtype,
+            device=device,
+        )
+
+    # -- slots and pages ------------------------------------------------------------------------
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise CacheFullError(f"all {len(self.lengths)} KV cache slots are in use")
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        self._free_pages.extend(int(p) for p in self.page_table[slot, : self._owned[slot]])
+        self._owned[slot] = 0
+        self.page_table[slot] = 0
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    def check_room(self, slot: int, start: int, n_new: int) -> None:
+        if start + n_new > self.max_len:
+            raise CacheFullError(
+                f"slot {slot}: {start + n_new} positions exceed max_len {self.max_len}"
+            )
+        needed = -(-(start + n_new) // self.page_size) - self._owned[slot]
+        if needed > len(self._free_pages):
+            raise CacheFullError(f"slot {slot}: {needed} more pages needed, none free")
+
+    def _grow(self, slot: int, length: int) -> None:
+        """Gives `slot` pages until it covers `length` positions."""
+        while self._owned[slot] * self.page_size < length:
+            if not self._free_pages:
+                raise CacheFullError("no free KV pages")
+            self.page_table[slot, self._owned[slot]] = self._free_pages.pop()
+            self._owned[slot] += 1
+
+    def truncate(self, slot: int, length: int) -> None:
+        self.lengths[slot] = min(self.lengths[slot], length)
+
+    def commit(self, slot: int, start: int, keep: Sequence[int]) -> int:
+        """Keeps new tokens `keep` (relative to `start`, increasing); see `DenseKVCache.commit`."""
+        keep = list(keep)
+        if keep != list(range(len(keep))):
+            pos = torch.tensor([keep, list(range(len(keep)))]) + start  # [2, n]: src, dst
+            src, dst = flat_index(self.page_table, torch.tensor([slot, slot]), pos, self.page_size)
+            src, dst = src.to(self.device), dst.to(self.device)
+            for cache in (self.k, self.v):
+                flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
+                flat[:, dst] = flat[:, src]
+        self.lengths[slot] = start + len(keep)
+        return self.lengths[slot]
+
+    # -- attention ------------------------------------------------------------------------------
+
+    def write_index(self, layout: BatchLayout) -> Tensor:
+        """Grows every slot to hold the new tokens; returns their flat rows [B * T] (host)."""
+        t = layout.new_mask.shape[1]
+        for slot, start in zip(layout.slots.tolist(), layout.starts.tolist(), strict=True):
+            if start + t > self.max_len:
+                raise CacheFullError(f"a forward would write past max_len {self.max_len}")
+            self._grow(slot, start + t)
+        positions = layout.starts[:, None] + torch.arange(t)
+        return flat_index(self.page_table, layout.slots, positions, self.page_size).view(-1)
+
+    def bind(self, layout: BatchLayout) -> AttendFn:
+        """An eager `attend` for one forward (prefill, long extends, trees without a graph)."""
+        rows = self.write_index(layout).to(self.device)
+        if self.device.type != "cuda":
+            return self._torch_attend(layout, rows)
+        if self._eager is None:
+            self._eager = self.make_wrapper()
+        self.plan(self._eager, layout)
+        return self.attend_fn(self._eager, rows)
+
+    def attend_fn(self, wrapper: Any, rows: Tensor) -> AttendFn:
+        """attend over flashinfer `wrapper` (planned), writing new K/V at flat `rows` [B * T]."""
+        n_q, n_kv, d = self.heads
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            b, t = q.shape[:2]
+            self.k[layer].view(-1, n_kv, d).index_copy_(0, rows, k.reshape(b * t, n_kv, d))
+            self.v[layer].view(-1, n_kv, d).index_copy_(0, rows, v.reshape(b * t, n_kv, d))
+            out = wrapper.run(q.reshape(b * t, n_q, d), (self.k[layer], self.v[layer]))
+            return out.view(b, t, n_q, d)
+
+        return attend
+
+    def make_wrapper(self, buffers: dict[str, Tensor] | None = None) -> Any:
+        """A flashinfer paged-prefill wrapper; with `buffers`, a CUDA-graph one over them."""
+        import flashinfer
+
+        if self._workspace is None:
+            self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        if buffers is None:
+            return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace, "NHD", backend="fa2"
+            )
+        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace,
+            "NHD",
+            use_cuda_graph=True,
+            qo_indptr_buf=buffers["qo_indptr"],
+            paged_kv_indptr_buf=buffers["kv_indptr"],
+            paged_kv_indices_buf=buffers["kv_indices"],
+            paged_kv_last_page_len_buf=buffers["last_page_len"],
+            custom_mask_buf=buffers["mask"],
+            mask_indptr_buf=buffers["mask_indptr"],
+            backend="fa2",
+        )
+
+    def graph_buffers(self, batch: int, tokens: int) -> dict[str, Tensor]:
+        """Static metadata buffers for a CUDA-graph wrapper of `batch` requests × `tokens`."""
+
+        def i32(n: int) -> Tensor:
+            return torch.zeros(n, dtype=torch.int32, device=self.device)
+
+        mask_bytes = batch * (-(-tokens * self.max_len // 8) + 1) + 64
+        return {
+            "qo_indptr": i32(batch + 1),
+            "kv_indptr": i32(batch + 1),
+            "kv_indices": i32(batch * self.pages_per_slot),
+            "last_page_len": i32(batch),
+            "mask": torch.zeros(mask_bytes, dtype=torch.uint8, device=self.device),
+            "mask_indptr": i32(batch + 1),
+        }
+
+    def plan(self, wrapper: Any, layout: BatchLayout) -> None:
+        b, t = layout.new_mask.shape[:2]
+        n_q, n_kv, d = self.heads
+        indptr, indices, last = page_metadata(
+            self.page_table, layout.slots, layout.starts + t, self.page_size
+        )
+        wrapper.plan(
+            torch.arange(b + 1, dtype=torch.int32) * t,
+            indptr,
+            indices,
+            last,
+            n_q,
+            n_kv,
+            d,
+            self.page_size,
+            custom_mask=flat_mask(layout).to(self.device, non_blocking=True),
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+
+    def _torch_attend(self, layout: BatchLayout, rows: Tensor) -> AttendFn:
+        _, n_kv, d = self.heads
+        b, t = layout.new_mask.shape[:2]
+        mask = attention_mask(layout)[:, None].to(self.device)  # [B, 1, T, K]
+        keys = torch.arange(mask.shape[-1]).expand(b, -1)
+        key_rows = flat_index(self.page_table, layout.slots, keys, self.page_size).to(self.device)
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            kc, vc = self.k[layer].view(-1, n_kv, d), self.v[layer].view(-1, n_kv, d)
+            kc.index_copy_(0, rows, k.reshape(b * t, n_kv, d))
+            vc.index_copy_(0, rows, v.reshape(b * t, n_kv, d))
+            kk, vv = kc[key_rows].transpose(1, 2), vc[key_rows].transpose(1, 2)  # [B, Hkv, K, D]
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), kk, vv, attn_mask=mask, enable_gqa=True
+            )
+            return out.transpose(1, 2)
+
+        return attend

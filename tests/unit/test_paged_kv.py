@@ -1,0 +1,125 @@
+"""Paged KV cache bookkeeping and the fused decoder, on CPU (the GPU attention is in tests/gpu)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specpair.models.loading import load_llama
+from specpair.runtime.build import build_drafter, build_target
+from specpair.runtime.cuda_graphs import bucket_of, buckets_for, pad_layout
+from specpair.runtime.engine import SpeculativeEngine
+from specpair.runtime.fused import fuse_decoder
+from specpair.runtime.kv_cache import BatchLayout, DenseKVCache
+from specpair.runtime.paged_kv import PagedKVCache, flat_index, flat_mask, page_metadata
+from specpair.runtime.state import build_states
+
+
+def test_page_metadata_worked_example() -> None:
+    table = torch.tensor([[4, 0], [2, 0], [7, 3]])
+    indptr, indices, last = page_metadata(
+        table, torch.tensor([0, 1, 2]), torch.tensor([5, 16, 17]), 16
+    )
+    assert indptr.tolist() == [0, 1, 2, 4]
+    assert indices.tolist() == [4, 2, 7, 3]
+    assert last.tolist() == [5, 16, 1]
+    # page size 4, slot 2 owns [7, 3]: position 5 -> page 3, offset 1 -> 13
+    assert flat_index(table, torch.tensor([2]), torch.tensor([[5]]), 4).item() == 13
+
+
+def test_flat_mask_concatenates_rows_of_each_request() -> None:
+    layout = BatchLayout(
+        torch.tensor([0, 1]), torch.tensor([1, 0]), torch.eye(2, dtype=torch.bool).repeat(2, 1, 1)
+    )
+    # request 0: kv_len 3, rows [1,1,0],[1,0,1]; request 1: kv_len 2, rows [1,0],[0,1]
+    assert flat_mask(layout).int().tolist() == [1, 1, 0, 1, 0, 1, 1, 0, 0, 1]
+
+
+def paged(max_requests: int = 2, max_len: int = 16) -> PagedKVCache:
+    return PagedKVCache(
+        num_layers=2,
+        num_qo_heads=1,
+        num_kv_heads=1,
+        head_dim=2,
+        max_requests=max_requests,
+        max_len=max_len,
+        page_size=4,
+    )
+
+
+def write(cache: PagedKVCache, slot: int, start: int, values: list[float]) -> None:
+    n = len(values)
+    layout = BatchLayout(
+        torch.tensor([slot]), torch.tensor([start]), torch.eye(n, dtype=torch.bool)[None]
+    )
+    attend = cache.bind(layout)
+    kv = torch.tensor(values, dtype=torch.float32).view(1, n, 1, 1).expand(1, n, 1, 2).contiguous()
+    for layer in range(2):
+        attend(layer, torch.zeros(1, n, 1, 2), kv, kv)
+
+
+def values(cache: PagedKVCache, slot: int, n: int) -> list[float]:
+    rows = flat_index(cache.page_table, torch.tensor([slot]), torch.arange(n)[None], 4)[0]
+    return cache.k[1].view(-1, 1, 2)[rows, 0, 0].tolist()
+
+
+def test_commit_moves_non_contiguous_path_across_pages_and_free_returns_pages() -> None:
+    cache = paged()
+    other = cache.alloc()
+    slot = cache.alloc()
+    write(cache, other, 0, [9.0] * 5)  # interleave page ownership between the slots
+    write(cache, slot, 0, [1.0, 2.0, 3.0])
+    cache.commit(slot, 0, range(3))
+    write(cache, slot, 3, [10, 11, 12, 13, 14, 15])  # spans pages 0..2 of the slot
+    assert cache.commit(slot, 3, [0, 2, 5]) == 6
+    assert values(cache, slot, 6) == [1, 2, 3, 10, 12, 15]
+    free_before = len(cache._free_pages)
+    cache.free(slot)
+    assert len(cache._free_pages) == free_before + 3 and cache.free_slots == 1
+
+
+def test_buckets_and_padding() -> None:
+    assert buckets_for(12) == [1, 2, 4, 8, 12]
+    assert bucket_of(3, [1, 2, 4]) == 4 and bucket_of(5, [1, 2, 4]) is None
+    layout = BatchLayout.causal([0], [7], [2])
+    padded = pad_layout(layout, 2, 3, pad_slot=9)
+    assert padded.slots.tolist() == [0, 9] and padded.starts.tolist() == [7, 0]
+    # the padded column is invisible to the real tokens
+    assert padded.new_mask[0].int().tolist() == [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
+
+
+def test_fused_decoder_matches_reference(ckpts: dict[str, Path]) -> None:
+    ref = load_llama(ckpts["target"])
+    fused = fuse_decoder(load_llama(ckpts["target"]))
+    tokens = torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]])
+    positions = torch.arange(4).expand(2, 4)
+    outs = []
+    for model in (ref, fused):
+        cache = DenseKVCache.for_model(model.args, max_requests=2, max_len=8)  # type: ignore[arg-type]
+        layout = BatchLayout.causal([cache.alloc(), cache.alloc()], [0, 0], [4, 4])
+        outs.append(model(tokens, positions, cache.bind(layout)))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_speculative_engine_on_paged_cache_matches_dense(ckpts: dict[str, Path]) -> None:
+    states = build_states([3])
+    prompts = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27]]
+    outputs = []
+    for use_paged in (False, True):
+        worker = build_target(ckpts["target"], max_requests=2, max_len=96, keep_features=True)
+        drafter = build_drafter(
+            ckpts["eagle"], target_path=ckpts["target"], max_requests=2, max_len=96
+        )
+        if use_paged:
+            worker.cache = PagedKVCache.for_model(
+                worker.model.args, max_requests=2, max_len=96, page_size=4
+            )
+            drafter.cache = PagedKVCache.for_model(
+                drafter.args, max_requests=2, max_len=96, page_size=4
+            )
+        results = SpeculativeEngine(worker, drafter).generate(
+            prompts, max_new_tokens=20, state=states[3]
+        )
+        outputs.append([r.token_ids for r in results])
+    assert outputs[0] == outputs[1]
