@@ -11,35 +11,22 @@ trip minus draft compute) / scheduling (admission, bookkeeping, streaming).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import socket
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import grpc
 import torch
 
 from bench.common import add_output_args, device_info, format_table, percentile, write_json
+from bench.services import ServiceGroup, watch_rounds
 from specpair.client import SpecpairClient
-from specpair.healthcheck import check
 from specpair.models.tiny import make_tiny_llama
-from specpair.proto.v1 import target_pb2, target_pb2_grpc
+from specpair.proto.v1 import target_pb2
 from specpair.runtime.build import build_drafter, build_target
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.state import build_states
-
-
-def free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -71,63 +58,35 @@ def in_process(target: Path, draft: Path, work: list[list[int]], tokens: int, ti
 
 
 def two_services(target: Path, draft: Path, work: list[list[int]], tokens: int, tier: int) -> dict:
-    draft_addr, target_addr = free_address(), free_address()
-    serve = [sys.executable, "-m", "specpair.cli", "serve"]
-    common = ["--metrics-address", "", "--log-level", "WARNING"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    procs = [
-        subprocess.Popen([*serve, "draft", "--address", draft_addr, "--model", str(draft), *common],
-                         env=env),
-        subprocess.Popen([*serve, "target", "--address", target_addr, "--model", str(target),
-                          "--draft", draft_addr, "--initial-steps", str(tier), *common], env=env),
-    ]  # fmt: skip
-    try:
-        for addr in (draft_addr, target_addr):
-            deadline = time.monotonic() + 120
-            while not check(addr, timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{addr} did not become healthy")
-                time.sleep(0.3)
-        client = SpecpairClient(target_addr, timeout=600)
+    with tempfile.TemporaryDirectory() as logs, ServiceGroup(
+        target=target, draft=draft, log_dir=Path(logs), initial_steps=tier
+    ) as group:  # fmt: skip
+        client = SpecpairClient(group.target, timeout=600)
         while client.server_info()["draft_connection_state"] != "DRAFT_CONNECTION_STATE_CONNECTED":
             time.sleep(0.1)
         client.generate(work[0], max_tokens=8)  # warm-up
         rounds: list[target_pb2.RoundStats] = []
-        channel = grpc.insecure_channel(target_addr)
-        stream = target_pb2_grpc.TargetServiceStub(channel).WatchRounds(
-            target_pb2.WatchRoundsRequest()
-        )
-
-        def collect() -> None:
-            with contextlib.suppress(grpc.RpcError):  # ends when we cancel the stream
-                rounds.extend(r.round for r in stream)
-
-        threading.Thread(target=collect, daemon=True).start()
+        call = watch_rounds(group.target, rounds)
         time.sleep(0.5)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(len(work)) as pool:
             results = list(pool.map(lambda p: client.generate(p, max_tokens=tokens), work))
         wall = time.perf_counter() - t0
         time.sleep(0.3)
-        stream.cancel()
-        spec = [r.timings for r in rounds if r.speculative]
-        return {
-            "outputs": [list(r.token_ids) for r in results],
-            "tokens_per_s": sum(len(r.token_ids) for r in results) / wall,
-            "plain_rounds": sum(not r.speculative for r in rounds),
-            "stages_ms": {
-                "draft": [t.draft_ms for t in spec],
-                "verify": [t.verify_ms for t in spec],
-                "rpc": [t.rpc_ms for t in spec],
-                "schedule": [t.schedule_ms for t in spec],
-                "total": [t.total_ms for t in spec],
-            },
-        }
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=15)
+        call.cancel()
+    spec = [r.timings for r in rounds if r.speculative]
+    return {
+        "outputs": [list(r.token_ids) for r in results],
+        "tokens_per_s": sum(len(r.token_ids) for r in results) / wall,
+        "plain_rounds": sum(not r.speculative for r in rounds),
+        "stages_ms": {
+            "draft": [t.draft_ms for t in spec],
+            "verify": [t.verify_ms for t in spec],
+            "rpc": [t.rpc_ms for t in spec],
+            "schedule": [t.schedule_ms for t in spec],
+            "total": [t.total_ms for t in spec],
+        },
+    }
 
 
 def main() -> None:

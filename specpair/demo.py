@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from specpair.client import ControllerClient, SpecpairClient, SpecpairError
 
+# Prompts end mid-line: the shipped models were trained on whole files, and a prompt that ends
+# in a bare newline or indentation splits whitespace in a way they never saw.
 PROMPTS = [
-    "def fibonacci(n):\n    ",
-    "import os\n\n\ndef list_python_files(root):\n    ",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-    "for i in range(10):\n    if i % 2 == 0:\n        ",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "import os\n\n\ndef list_python_files(root):\n    result = []\n    for dirpath, dirnames",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return",
+    "def read_json(path):\n    with open(path) as f:\n        return json.",
 ]
 
 

@@ -1,0 +1,102 @@
+"""The real services as child processes on free loopback ports, for benchmarks."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import grpc
+
+from specpair.launcher import wait_healthy
+from specpair.proto.v1 import target_pb2, target_pb2_grpc
+
+
+def free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+class ServiceGroup:
+    """draft + target (+ controller when `policy` is given) via `specpair serve …`."""
+
+    def __init__(
+        self,
+        *,
+        target: Path,
+        draft: Path,
+        log_dir: Path,
+        policy: dict[str, Any] | None = None,
+        draft_kind: str = "model",
+        initial_steps: int = 3,
+    ) -> None:
+        self.draft, self.target, self.controller = free_address(), free_address(), free_address()
+        self.log_dir = log_dir
+        serve = [sys.executable, "-m", "specpair.cli", "serve"]
+        quiet = ["--metrics-address", "", "--log-level", "WARNING"]
+        draft_cmd = [*serve, "draft", "--address", self.draft, "--model", str(draft),
+                     "--draft-kind", draft_kind, *quiet]  # fmt: skip
+        if draft_kind == "eagle":
+            draft_cmd += ["--target-model", str(target)]
+        self.plan = [
+            ("draft", self.draft, draft_cmd),
+            ("target", self.target, [*serve, "target", "--address", self.target, "--model",
+             str(target), "--draft", self.draft, "--initial-steps", str(initial_steps), *quiet]),
+        ]  # fmt: skip
+        if policy is not None:
+            policy_file = log_dir / "policy.json"
+            policy_file.write_text(json.dumps(policy))
+            self.plan.append(("controller", self.controller, [*serve, "controller", "--address",
+                              self.controller, "--target", self.target, "--policy",
+                              str(policy_file), *quiet]))  # fmt: skip
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> Self:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        try:
+            for name, address, cmd in self.plan:
+                log = open(self.log_dir / f"{name}.log", "ab")
+                proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
+                self.procs.append(proc)
+                wait_healthy(name, address, proc, timeout=300)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def watch_rounds(address: str, sink: list[target_pb2.RoundStats]) -> grpc.Future:
+    """Collects the target's RoundStats in a thread until the returned call is cancelled."""
+    channel = grpc.insecure_channel(address)
+    call = target_pb2_grpc.TargetServiceStub(channel).WatchRounds(target_pb2.WatchRoundsRequest())
+
+    def collect() -> None:
+        with contextlib.suppress(grpc.RpcError):
+            sink.extend(r.round for r in call)
+
+    threading.Thread(target=collect, daemon=True).start()
+    return call
