@@ -186,54 +186,73 @@ class RoundTimes:
         )
 
 
-def run_rounds(
-    worker: Any,
-    drafter: Any,
-    state: Any,
-    prompts: list[list[int]],
-    rounds: int,
-    switch_to: Any = None,
-) -> RoundTimes:
-    """The engine's loop for a fixed number of rounds, timed per stage (perf_counter, synced)."""
-    from specpair.runtime.draft import DraftInput
-    from specpair.runtime.engine import GREEDY
-    from specpair.runtime.target import TargetSequence
-    from specpair.runtime.tree import EMPTY_TREE
+class RoundLoop:
+    """The engine's loop one round at a time, timed per stage (perf_counter around synced work).
 
-    seqs = [TargetSequence(f"r{i}", p, GREEDY, 10**9) for i, p in enumerate(prompts)]
-    feats = worker.prefill(seqs)
-    pending = {
-        s.request_id: DraftInput(s.request_id, (*s.prompt, *s.output), GREEDY, f)
-        for s, f in zip(seqs, feats, strict=True)
-    }
-    times = RoundTimes()
-    if drafter is not None:
-        drafter.graphs.profile = True
-    for _ in range(rounds):
+    Requests are prefilled at construction and never finish, so a tier can change between any
+    two rounds of the same requests, as ApplyTier does.
+    """
+
+    def __init__(self, worker: Any, drafter: Any, prompts: list[list[int]]) -> None:
+        from specpair.runtime.draft import DraftInput
+        from specpair.runtime.engine import GREEDY
+        from specpair.runtime.target import TargetSequence
+
+        self.worker, self.drafter = worker, drafter
+        self.seqs = [TargetSequence(f"r{i}", p, GREEDY, 10**9) for i, p in enumerate(prompts)]
+        feats = worker.prefill(self.seqs)
+        self.pending = {
+            s.request_id: DraftInput(s.request_id, (*s.prompt, *s.output), GREEDY, f)
+            for s, f in zip(self.seqs, feats, strict=True)
+        }
+        if drafter is not None:
+            drafter.graphs.profile = True
+
+    def step(self, state: Any) -> tuple[float, float, float, float, int]:
+        """One round: (extend s, draft s, verify s, accept s, tokens produced)."""
+        from specpair.runtime.draft import DraftInput
+        from specpair.runtime.engine import GREEDY
+        from specpair.runtime.tree import EMPTY_TREE
+
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        if drafter is not None:
-            trees = drafter.round([pending[s.request_id] for s in seqs], state)
-            ext = drafter.graphs.last_times[0]
+        ext = 0.0
+        if self.drafter is not None:
+            trees = self.drafter.round([self.pending[s.request_id] for s in self.seqs], state)
+            ext = self.drafter.graphs.last_times[0]
         else:
-            trees, ext = [EMPTY_TREE] * len(seqs), 0.0
+            trees = [EMPTY_TREE] * len(self.seqs)
         t1 = time.perf_counter()
-        results = worker.verify(seqs, trees, state)
+        results = self.worker.verify(self.seqs, trees, state)
         torch.cuda.synchronize()
         t2 = time.perf_counter()
-        for seq, res in zip(seqs, results, strict=True):
-            pending[seq.request_id] = DraftInput(
+        for seq, res in zip(self.seqs, results, strict=True):
+            self.pending[seq.request_id] = DraftInput(
                 seq.request_id, tuple(res.new_tokens), GREEDY, res.features
             )
         t3 = time.perf_counter()
-        draft_total = t1 - t0
-        times.extend.append(ext if drafter is not None else 0.0)
-        times.draft.append(draft_total - ext if drafter is not None else 0.0)
-        times.verify.append(t2 - t1)
-        times.other.append(t3 - t2)
-        times.tokens.append(sum(len(r.new_tokens) for r in results))
-    for seq in seqs:
-        worker.release(seq)
-        if drafter is not None:
-            drafter.release(seq.request_id)
+        produced = sum(len(r.new_tokens) for r in results)
+        return ext, t1 - t0 - ext, t2 - t1, t3 - t2, produced
+
+    def close(self) -> None:
+        for seq in self.seqs:
+            self.worker.release(seq)
+            if self.drafter is not None:
+                self.drafter.release(seq.request_id)
+
+
+def run_rounds(
+    worker: Any, drafter: Any, state: Any, prompts: list[list[int]], rounds: int
+) -> RoundTimes:
+    """`rounds` rounds of fresh requests at one tier (the first ones include the prompt extend)."""
+    loop = RoundLoop(worker, drafter, prompts)
+    times = RoundTimes()
+    for _ in range(rounds):
+        ext, dra, ver, oth, produced = loop.step(state)
+        times.extend.append(ext)
+        times.draft.append(dra)
+        times.verify.append(ver)
+        times.other.append(oth)
+        times.tokens.append(produced)
+    loop.close()
     return times

@@ -97,6 +97,7 @@ def hf_timings(hf: Any, ctx: int, q: int, iters: int) -> dict[str, float]:
     return out
 
 
+@torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
@@ -147,6 +148,12 @@ def main() -> None:
 
             replay = median(time_cuda(g.graph.replay, args.iters))
             with_plan = median(time_cuda(planned, args.iters))
+            print(
+                f"ours ctx {ctx} q {q}: graph {1e3 * replay:.3f} ms ({replay / floor:.3f}× floor),"
+                f" plan+graph {1e3 * with_plan:.3f} ms ({with_plan / floor:.3f}×), "
+                f"capture {capture_s:.2f} s",
+                flush=True,
+            )
             hf_t = hf_timings(hf, ctx, q, args.iters)
             # same weights: the logits must agree within bf16 tolerance
             with torch.inference_mode():

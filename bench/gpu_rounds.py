@@ -23,6 +23,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--drafts", nargs="+", default=["none", "eagle", "1b"])
     parser.add_argument("--out", type=Path, default=Path("bench/out/gpu_rounds.json"))
     args = parser.parse_args()
     info = device_info()
@@ -30,7 +31,7 @@ def main() -> None:
     tiers = [1, 3, 7]
     rows, table = [], []
     prompt = [list(torch.randint(0, 128256, (args.prompt,)).tolist())]
-    for draft in ("none", "eagle", "1b"):
+    for draft in args.drafts:
         worker, drafter, states, capture_s = build_pair(draft, 1, [1], tiers, args.prompt + 256)
         for tier in tiers if draft != "none" else [1]:
             t = run_rounds(worker, drafter, states[tier], prompt, args.rounds)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from bench.common import device_info, format_table, write_json
-from bench.gpu_common import build_pair, run_rounds
+from bench.gpu_common import RoundLoop, build_pair, run_rounds
 from specpair.runtime import cuda_graphs, state
 
 
@@ -32,18 +32,20 @@ def main() -> None:
     before = cuda_graphs.captures(), state.builds()
     steady = {t: run_rounds(worker, drafter, states[t], prompt, 12).round_s() for t in tiers}
     rows, table = [], []
+    loop = RoundLoop(worker, drafter, prompt)
+    for _ in range(3):
+        loop.step(states[tiers[0]])
+    current = states[tiers[0]]
     for old in tiers:
         for new in tiers:
             if old == new:
                 continue
+            for _ in range(3):  # settle at the old tier
+                loop.step(states[old])
             t0 = time.perf_counter_ns()
-            current = states[new]  # what ApplyTier does between rounds
+            current = states[new]  # what ApplyTier does, between two rounds
             switch_ns = time.perf_counter_ns() - t0
-            # one warm round at the old tier, then the first round at the new one
-            seqs_prompt = prompt
-            rounds = run_rounds(worker, drafter, states[old], seqs_prompt, 3)
-            first = run_rounds(worker, drafter, current, seqs_prompt, 3)
-            first_s = first.extend[2] + first.draft[2] + first.verify[2] + first.other[2]
+            first_s = sum(loop.step(current)[:4])
             rows.append(
                 {
                     "from": old,
@@ -51,7 +53,6 @@ def main() -> None:
                     "switch_ns": switch_ns,
                     "first_round_s": first_s,
                     "steady_round_s": steady[new],
-                    "old_round_s": rounds.round_s(),
                 }
             )
             table.append(
@@ -63,6 +64,7 @@ def main() -> None:
                     f"{first_s / steady[new]:.2f}",
                 ]
             )
+    loop.close()
     after = cuda_graphs.captures(), state.builds()
     write_json(
         args.out,

@@ -6,6 +6,7 @@ Models use head_dim 128 (flashinfer's kernels cover 64/128/256, not the CPU test
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,7 @@ def gpu_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def target(path: Path, max_requests: int = 4):
+    gc.collect()  # workers of earlier tests must not capture into this test's states
     return build_target(
         path, max_requests=max_requests, max_len=256, keep_features=True, dtype=BF16, device="cuda"
     )
