@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from specpair.models.tiny import make_tiny_eagle, make_tiny_llama
+
+# Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine (CI, or the
+# three processes of the end-to-end test) spinning OpenMP workers slow every op by 10-100x.
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
