@@ -7,6 +7,7 @@ protoc names modules after the proto package (`specpair.v1`); they are moved to
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -27,7 +28,10 @@ def generate(out: Path) -> list[Path]:
             f"--python_out={tmp}", f"--grpc_python_out={tmp}",
             f"--mypy_out={tmp}", f"--mypy_grpc_out={tmp}", *sources,
         ]  # fmt: skip
-        subprocess.run(cmd, check=True)
+        # mypy-protobuf's protoc plugins live beside this interpreter, maybe not on PATH.
+        bindir = str(Path(sys.executable).parent)
+        env = {**os.environ, "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
+        subprocess.run(cmd, check=True, env=env)
         generated = Path(tmp) / "specpair" / "v1"
         target = out / "v1"
         shutil.rmtree(target, ignore_errors=True)
