@@ -39,6 +39,14 @@ def _hash(text: str) -> int:
     return int(hashlib.md5(text.encode()).hexdigest(), 16)
 
 
+def is_heldout(name: str) -> bool:
+    """Whether corpus file `name` (e.g. "stdlib/json/__init__.py") is held out of training.
+
+    A rule on the name alone, so benchmarks on another machine can pick prompts no model saw.
+    """
+    return _hash("heldout:" + name) % 100 < HELDOUT_PERCENT
+
+
 def _list_py(root: Path, prefix: str, skip: set[str]) -> dict[str, Path]:
     found: dict[str, Path] = {}
     for dirpath, dirnames, filenames in os.walk(root):
@@ -73,7 +81,7 @@ def collect(max_bytes: int = 200_000_000) -> Corpus:
         if digest in seen:  # vendored copies would leak held-out text into training
             continue
         seen.add(digest)
-        if _hash("heldout:" + name) % 100 < HELDOUT_PERCENT:
+        if is_heldout(name):
             corpus.heldout.append(text)
             corpus.heldout_names.append(name)
         else:

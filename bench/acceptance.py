@@ -1,0 +1,334 @@
+"""Mean accept length per tier and draft kind, greedy and sampled, on held-out code and on prose.
+
+    python -m bench.acceptance [--models models] [--code-prompts 16] [--new-tokens 64]
+
+Runs the in-process engine on CPU with the shipped pair (`models/target` with `models/draft`, a
+standalone LM, and with `models/eagle`, an EAGLE head on the target's features). One `generate`
+call per cell batches every prompt of a set; sampling seeds are fixed per prompt, so each cell
+is reproducible and every tier and draft kind sees the same requests.
+
+Code prompts are windows of this interpreter's standard-library files whose corpus names
+(`stdlib/<relative path>`) `training.corpus.is_heldout` holds out: the rule the training corpus
+split by, on names alone, so no model trained on them. Windows whose lines mostly occur in
+training-named files (boilerplate, vendored copies) are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sysconfig
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from bench.common import device_info, format_table, write_json
+from specpair.runtime.build import build_drafter, build_target
+from specpair.runtime.draft import Drafter
+from specpair.runtime.engine import SpeculativeEngine
+from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.state import SpecRuntimeState, build_states
+from specpair.runtime.target import TargetWorker
+from training.corpus import MAX_FILE_BYTES, is_heldout
+
+EOT_ID = 0  # <|endoftext|>: bos, eos and pad of the shared tokenizer
+TEMPERATURES = (0.0, 0.7, 1.0)
+DRAFT_KINDS = ("draft", "eagle")  # folder names under --models
+# Same folders the training corpus skipped: packaging trees are not the standard library.
+_SKIP_DIRS = {"__pycache__", "site-packages", "dist-packages"}
+# Held out by name, trained as text: setuptools vendors distutils as `setuptools/_distutils`,
+# which training read from site-packages (on the GPU machine 4 of the 5 long lines of our
+# distutils window occur in training files).
+_VENDORED = ("stdlib/distutils/",)
+
+# English prose, no code. Each ends mid-sentence so the continuation is plain text, not a
+# newline (a prompt that ends in whitespace splits it where training text never does).
+PROSE_PROMPTS = (
+    "The old lighthouse keeper climbed the spiral stairs every evening, counting the steps as"
+    " his father had taught him, and when he reached the lamp room he",
+    "Most people who visit the city in autumn come for the markets, which fill the narrow"
+    " streets with the smell of roasted chestnuts and the sound of",
+    "After three weeks of rain the river had risen above its banks, and the farmers along the"
+    " valley began moving their animals to higher ground before",
+    "When the committee finally published its report, the conclusions surprised almost"
+    " everyone: the project had cost twice as much as planned, yet",
+    "She opened the letter slowly, recognising her grandmother's careful handwriting on the"
+    " envelope, and read the first line twice because it said that",
+    "A good teacher does not simply hand out answers; instead, she asks the kind of questions"
+    " that lead her students to",
+    "The history of the bicycle begins in the early nineteenth century, when inventors in"
+    " Germany and France experimented with wooden frames that riders pushed along",
+    "Every spring the small village holds a festival in honour of the first harvest, and"
+    " families travel from distant towns to share food, music and",
+)
+
+FOOTNOTE = """\
+accept s=k: mean accepted draft tokens per round (bonus token excluded, at most k), over every
+  request-round of the cell. rounds: request-rounds per tier s=1/3/7 (one round of a batch of n
+  requests counts n). tokens: generated tokens per tier (fewer than prompts x new tokens where a
+  request stopped at <|endoftext|>).
+greedy = target: every greedy cell's output equals target-only greedy decoding, token for token.
+T > 0: speculative sampling (drafts accepted by rejection sampling against the target's
+  distribution at that temperature); one fixed seed per prompt, the same in every cell."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    source: str  # corpus name of the file ("stdlib/json/__init__.py") or "prose/<i>"
+    text: str
+    ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    prompts: str  # "code" | "prose"
+    draft: str  # "draft" | "eagle"
+    temperature: float
+    tier: int
+    mean_accept: float
+    rounds: int  # request-rounds: one batch round of n running requests counts n
+    tokens: int
+    seconds: float
+    matches_target: bool | None  # greedy output == target-only greedy output; None when sampled
+    accept_by_prompt: tuple[float | None, ...]  # per request, prompt order; None: no rounds
+
+
+def stdlib_files(stdlib: Path) -> dict[str, Path]:
+    """This stdlib's `.py` files by corpus name ("stdlib/<relative path>"), sorted."""
+    found = {}
+    for path in sorted(stdlib.rglob("*.py")):
+        relative = path.relative_to(stdlib)
+        if not _SKIP_DIRS.intersection(relative.parts):
+            found[f"stdlib/{relative.as_posix()}"] = path
+    return found
+
+
+def read_py(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8") if path.stat().st_size <= MAX_FILE_BYTES else None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def long_lines(text: str) -> set[str]:
+    """Stripped lines of 20+ characters: short ones (`return x`, `)`) are everywhere."""
+    return {line.strip() for line in text.splitlines() if len(line.strip()) >= 20}
+
+
+def code_window(
+    ids: Sequence[int], decode: Callable[[list[int]], str], lo: int, hi: int, at: float
+) -> list[int] | None:
+    """`lo`..`hi` tokens from about fraction `at` of a file: from a line's first token to mid-line.
+
+    The window opens right after a token holding a newline, and ends, as late as it can, on a
+    token whose text ends in a non-space character with the same line going on after it.
+    None when the file has no such window.
+    """
+    if len(ids) < hi + 2:
+        return None
+    start = min(int(len(ids) * at), len(ids) - hi - 1)
+    while start > 0 and "\n" not in decode([ids[start - 1]]):
+        start -= 1
+    for end in range(start + hi, start + lo - 1, -1):
+        last, after = decode([ids[end - 1]]), decode([ids[end]])
+        if last[-1:].strip() and "\n" not in after:
+            return list(ids[start:end])
+    return None
+
+
+def code_prompts(tokenizer: PreTrainedTokenizerBase, count: int, lo: int, hi: int) -> list[Prompt]:
+    """`count` windows from held-out stdlib files, spread evenly over their sorted names."""
+
+    def decode(ids: list[int]) -> str:
+        return str(tokenizer.decode(ids))
+
+    files = stdlib_files(Path(sysconfig.get_paths()["stdlib"]))
+    # A held-out name can still carry trained text: the encodings/ codecs are one boilerplate
+    # with a different codec name, so a window mostly made of lines of a training file is out.
+    trained: set[str] = set()
+    for name, path in files.items():
+        if not is_heldout(name):
+            trained |= long_lines(read_py(path) or "")
+    eligible = []
+    for name, path in files.items():
+        text = read_py(path)
+        if not is_heldout(name) or name.startswith(_VENDORED) or text is None:
+            continue
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        window = code_window(ids, decode, lo, hi, at=0.3)
+        if window is None:
+            continue
+        lines = long_lines(decode(window))
+        if len(lines & trained) * 2 <= len(lines):
+            eligible.append(Prompt(name, decode(window), window))
+    if len(eligible) < count:
+        raise SystemExit(f"only {len(eligible)} held-out stdlib files give a prompt, need {count}")
+    return [eligible[i * len(eligible) // count] for i in range(count)]
+
+
+def prose_prompts(tokenizer: PreTrainedTokenizerBase) -> list[Prompt]:
+    return [
+        Prompt(f"prose/{i}", text, tokenizer.encode(text, add_special_tokens=False))
+        for i, text in enumerate(PROSE_PROMPTS)
+    ]
+
+
+def sampling_for(prompts: Sequence[Prompt], temperature: float, seed: int) -> list[SamplingParams]:
+    return [SamplingParams(temperature=temperature, seed=seed + i) for i in range(len(prompts))]
+
+
+def generate(
+    target: TargetWorker,
+    drafter: Drafter | None,
+    state: SpecRuntimeState | None,
+    prompts: Sequence[Prompt],
+    sampling: list[SamplingParams],
+    new_tokens: int,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """(output tokens per request, accept lengths of each request's rounds)."""
+    engine = SpeculativeEngine(target, drafter)
+    results = engine.generate(
+        [p.ids for p in prompts],
+        max_new_tokens=new_tokens,
+        state=state,
+        sampling=sampling,
+        stop_token_ids=frozenset({EOT_ID}),
+    )
+    return [r.token_ids for r in results], [r.accept_lengths for r in results]
+
+
+def render(cells: Sequence[Cell], tiers: Sequence[int]) -> str:
+    groups: dict[tuple[str, str, float], dict[int, Cell]] = {}
+    for c in cells:
+        groups.setdefault((c.prompts, c.draft, c.temperature), {})[c.tier] = c
+    headers = ["prompts", "draft", "T", *(f"accept s={t}" for t in tiers)]
+    headers += ["rounds", "tokens", "greedy = target"]
+    rows = []
+    for (prompts, draft, temperature), by_tier in groups.items():
+        row = [by_tier[t] for t in tiers]
+        checks = {c.matches_target for c in row}
+        rows.append(
+            [
+                prompts,
+                draft,
+                "greedy" if temperature == 0 else f"{temperature:g}",
+                *(f"{c.mean_accept:.2f}" for c in row),
+                "/".join(str(c.rounds) for c in row),
+                "/".join(str(c.tokens) for c in row),
+                "-" if checks == {None} else ("yes" if checks == {True} else "NO"),
+            ]
+        )
+    return format_table(headers, rows)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=Path, default=Path("models"), help="target/draft/eagle")
+    parser.add_argument("--code-prompts", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=[96, 128], metavar="N")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--tiers", type=int, nargs="+", default=[1, 3, 7])
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--seed", type=int, default=0, help="first sampling seed (one per prompt)")
+    parser.add_argument("--out", type=Path, default=Path("bench/out/acceptance.json"))
+    args = parser.parse_args()
+    lo, hi = args.prompt_tokens
+    if args.code_prompts < 1 or args.new_tokens < 1 or not 1 <= lo <= hi:
+        parser.error("--code-prompts and --new-tokens must be >= 1, --prompt-tokens LO <= HI")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    device = device_info()
+    print(f"device: {device['cpu']}, {device['torch_threads']} threads, torch {device['torch']}")
+    hf_logging.set_verbosity_error()  # whole files are encoded; only windows reach the model
+    target_path = args.models / "target"
+    tokenizer = AutoTokenizer.from_pretrained(str(target_path))
+    prompt_sets = {
+        "code": code_prompts(tokenizer, args.code_prompts, *args.prompt_tokens),
+        "prose": prose_prompts(tokenizer),
+    }
+    stdlib = sysconfig.get_paths()["stdlib"]
+    print(
+        f"code prompts: {args.code_prompts} windows of {args.prompt_tokens[0]}-"
+        f"{args.prompt_tokens[1]} tokens from files of {stdlib} whose names stdlib/<path> were "
+        "held out of training (training.corpus.is_heldout):"
+    )
+    for p in prompt_sets["code"]:
+        print(f"  {p.source} ({len(p.ids)} tokens)")
+    print(f"prose prompts: {len(PROSE_PROMPTS)} English sentences written in this file")
+
+    batch = max(len(p) for p in prompt_sets.values())
+    longest = max(len(p.ids) for ps in prompt_sets.values() for p in ps)
+    sizes = dict(max_requests=batch, max_len=longest + args.new_tokens + max(args.tiers) + 1)
+    # keep_features: the EAGLE head drafts from the target's last hidden states.
+    target = build_target(target_path, keep_features=True, **sizes)
+    drafters = {
+        kind: build_drafter(args.models / kind, target_path=target_path, **sizes)
+        for kind in DRAFT_KINDS
+    }
+    states = build_states(args.tiers)
+
+    cells: list[Cell] = []
+    start = time.perf_counter()
+    for set_name, prompts in prompt_sets.items():
+        greedy = sampling_for(prompts, 0.0, args.seed)
+        reference, _ = generate(target, None, None, prompts, greedy, args.new_tokens)
+        for kind, drafter in drafters.items():
+            for temperature in TEMPERATURES:
+                sampling = sampling_for(prompts, temperature, args.seed)
+                for tier, state in states.items():
+                    t0 = time.perf_counter()
+                    outputs, per_request = generate(
+                        target, drafter, state, prompts, sampling, args.new_tokens
+                    )
+                    accepts = [a for request in per_request for a in request]
+                    cell = Cell(
+                        prompts=set_name,
+                        draft=kind,
+                        temperature=temperature,
+                        tier=tier,
+                        mean_accept=sum(accepts) / len(accepts),
+                        rounds=len(accepts),
+                        tokens=sum(map(len, outputs)),
+                        seconds=time.perf_counter() - t0,
+                        matches_target=outputs == reference if temperature == 0 else None,
+                        accept_by_prompt=tuple(sum(a) / len(a) if a else None for a in per_request),
+                    )
+                    cells.append(cell)
+                    print(
+                        f"  {set_name:5} {kind:5} T={temperature:g} s={tier}: accept "
+                        f"{cell.mean_accept:.2f}, {cell.rounds} rounds, {cell.tokens} tokens, "
+                        f"{cell.seconds:.1f}s"
+                    )
+    print(f"{len(cells)} cells in {time.perf_counter() - start:.0f}s")
+
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    write_json(
+        args.out,
+        {
+            "device": device,
+            "settings": settings,
+            "stdlib": stdlib,
+            "prompts": {
+                name: [{"source": p.source, "tokens": len(p.ids), "text": p.text} for p in ps]
+                for name, ps in prompt_sets.items()
+            },
+            "cells": cells,
+        },
+    )
+    print(f"wrote {args.out}\n")
+    print(FOOTNOTE)
+    print()
+    print(render(cells, args.tiers))
+
+
+if __name__ == "__main__":
+    main()
