@@ -59,7 +59,7 @@ class Stack:
 
 
 def target_config(target: Path, **kwargs: Any) -> TargetConfig:
-    kwargs.setdefault("draft_timeout_s", 2.0)
+    kwargs.setdefault("draft_timeout_s", 15.0)  # a loaded CI box must not look like a dead draft
     kwargs.setdefault("reconnect_min_s", 0.05)
     kwargs.setdefault("reconnect_max_s", 0.2)
     return TargetConfig(ServerConfig("127.0.0.1:0"), target, **kwargs)
