@@ -106,7 +106,7 @@ def test_three_processes(ckpts: dict[str, Path], procs: Processes, tmp_path: Pat
     procs.start("draft", "draft", "--address", draft_addr, "--model", target)
     procs.start(
         "target", "target", "--address", target_addr, "--model", target,
-        "--draft", draft_addr, "--initial-steps", "1", "--draft-timeout", "3",
+        "--draft", draft_addr, "--initial-steps", "1", "--draft-timeout", "15",
     )  # fmt: skip
     procs.start(
         "controller", "controller", "--address", ctrl_addr, "--target", target_addr,
