@@ -141,6 +141,9 @@ class Scheduler:
             self._drop_cancelled()
             if not self.running and not self.queue:
                 await self._flush_releases()
+                if self.queue:  # submitted while the releases were in flight
+                    continue
+                # No await between this check and clear(): a submit cannot slip in unseen.
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue

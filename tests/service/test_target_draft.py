@@ -245,3 +245,42 @@ async def test_health_serving_and_ops_token(ckpts, make_stack, monkeypatch) -> N
     # Generate stays open to clients without the ops token
     tokens, _ = await stack.generate(prompt_token_ids=[1, 2, 3], max_tokens=3)
     assert len(tokens) == 3
+
+
+class SlowReleaseDraft(GarbageDraft):
+    """Drafts nothing; answers release-only messages late, as a busy draft might."""
+
+    async def Speculate(
+        self, request_iterator: AsyncIterator[draft_pb2.SpeculateRequest], context
+    ) -> AsyncIterator[draft_pb2.SpeculateResponse]:
+        async for req in request_iterator:
+            if not req.inputs:
+                self.rounds += 1
+                await asyncio.sleep(0.3)
+            yield draft_pb2.SpeculateResponse(round_id=req.round_id)
+
+
+async def test_request_submitted_while_releases_flush_is_served(ckpts, make_stack) -> None:
+    server = grpc.aio.server()
+    draft = SlowReleaseDraft()
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(draft, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        stack = await make_stack(
+            None, target_config(ckpts["target"], draft_address=f"127.0.0.1:{port}")
+        )
+        for _ in range(50):
+            info = await stack.stub.GetServerInfo(target_pb2.TargetServiceGetServerInfoRequest())
+            if info.draft_connection_state == target_pb2.DRAFT_CONNECTION_STATE_CONNECTED:
+                break
+            await asyncio.sleep(0.05)
+        for prompt in PROMPTS:  # each arrives while the previous one's release is in flight
+            await asyncio.sleep(0.1)
+            tokens, _ = await asyncio.wait_for(
+                stack.generate(prompt_token_ids=prompt, max_tokens=5), timeout=10
+            )
+            assert len(tokens) == 5
+        assert draft.rounds >= 3  # the release-only path really ran
+    finally:
+        await server.stop(0)
