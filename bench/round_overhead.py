@@ -22,6 +22,7 @@ import torch
 from bench.common import add_output_args, device_info, format_table, percentile, write_json
 from bench.services import ServiceGroup, watch_rounds
 from specpair.client import SpecpairClient
+from specpair.models.loading import is_eagle_checkpoint
 from specpair.models.tiny import make_tiny_llama
 from specpair.proto.v1 import target_pb2
 from specpair.runtime.build import build_drafter, build_target
@@ -58,8 +59,9 @@ def in_process(target: Path, draft: Path, work: list[list[int]], tokens: int, ti
 
 
 def two_services(target: Path, draft: Path, work: list[list[int]], tokens: int, tier: int) -> dict:
+    kind = "eagle" if is_eagle_checkpoint(draft) else "model"
     with tempfile.TemporaryDirectory() as logs, ServiceGroup(
-        target=target, draft=draft, log_dir=Path(logs), initial_steps=tier
+        target=target, draft=draft, log_dir=Path(logs), initial_steps=tier, draft_kind=kind
     ) as group:  # fmt: skip
         client = SpecpairClient(group.target, timeout=600)
         while client.server_info()["draft_connection_state"] != "DRAFT_CONNECTION_STATE_CONNECTED":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -52,6 +53,14 @@ class Stack:
         await self.target.stop()
         if self.draft is not None:
             await self.draft.stop()
+
+    async def wait_draft_connected(self, timeout: float = 5.0) -> None:
+        for _ in range(int(timeout / 0.05)):
+            info = await self.stub.GetServerInfo(target_pb2.TargetServiceGetServerInfoRequest())
+            if info.draft_connection_state == target_pb2.DRAFT_CONNECTION_STATE_CONNECTED:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the target never connected to the draft")
 
     async def generate(self, **kwargs: Any) -> tuple[list[int], list[target_pb2.GenerateResponse]]:
         responses = [r async for r in self.stub.Generate(target_pb2.GenerateRequest(**kwargs))]

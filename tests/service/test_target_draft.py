@@ -66,11 +66,7 @@ async def test_draft_killed_mid_generation_loses_nothing(ckpts, make_stack) -> N
     await chaos
     assert [tokens for tokens, _ in outputs] == expected
     # after the restart the target reconnects and speculates again
-    for _ in range(50):
-        info = await stack.stub.GetServerInfo(target_pb2.TargetServiceGetServerInfoRequest())
-        if info.draft_connection_state == target_pb2.DRAFT_CONNECTION_STATE_CONNECTED:
-            break
-        await asyncio.sleep(0.1)
+    await stack.wait_draft_connected()
     tokens, responses = await stack.generate(prompt_token_ids=PROMPTS[0], max_tokens=20)
     assert tokens == expected[0][:20]
     assert responses[-1].speculation.rounds > responses[-1].speculation.plain_rounds
@@ -209,11 +205,7 @@ async def test_malformed_trees_fall_back_to_plain_decoding(ckpts, make_stack) ->
         stack = await make_stack(
             None, target_config(ckpts["target"], draft_address=f"127.0.0.1:{port}")
         )
-        for _ in range(50):
-            info = await stack.stub.GetServerInfo(target_pb2.TargetServiceGetServerInfoRequest())
-            if info.draft_connection_state == target_pb2.DRAFT_CONNECTION_STATE_CONNECTED:
-                break
-            await asyncio.sleep(0.05)
+        await stack.wait_draft_connected()
         outputs = await asyncio.gather(
             *(stack.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS) for p in PROMPTS)
         )
@@ -270,11 +262,7 @@ async def test_request_submitted_while_releases_flush_is_served(ckpts, make_stac
         stack = await make_stack(
             None, target_config(ckpts["target"], draft_address=f"127.0.0.1:{port}")
         )
-        for _ in range(50):
-            info = await stack.stub.GetServerInfo(target_pb2.TargetServiceGetServerInfoRequest())
-            if info.draft_connection_state == target_pb2.DRAFT_CONNECTION_STATE_CONNECTED:
-                break
-            await asyncio.sleep(0.05)
+        await stack.wait_draft_connected()
         for prompt in PROMPTS:  # each arrives while the previous one's release is in flight
             await asyncio.sleep(0.1)
             tokens, _ = await asyncio.wait_for(
