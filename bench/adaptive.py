@@ -11,7 +11,7 @@ Per phase and overall it reports tokens/s of each run, the per-phase oracle (the
 in each phase, stitched together), the number of tier switches, and draws a timeline PNG (EMA
 accept length and active tier over rounds, phase boundaries marked).
 
-    python -m bench.adaptive [--requests-per-phase 16] [--new-tokens 48]
+    python -m bench.adaptive [--requests-per-phase 12] [--new-tokens 48]
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def main() -> None:
     # On a CPU the one-layer EAGLE head is the draft that pays: a standalone LM's step costs
     # over half a target forward here (see bench/RESULTS.md).
     parser.add_argument("--draft-kind", choices=["model", "eagle"], default="eagle")
-    parser.add_argument("--requests-per-phase", type=int, default=16)
+    parser.add_argument("--requests-per-phase", type=int, default=12)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--policy", type=Path, help="policy JSON (default: SGLang's defaults)")

@@ -22,12 +22,14 @@ import torch
 from bench.common import add_output_args, device_info, format_table, percentile, write_json
 from bench.services import ServiceGroup, watch_rounds
 from specpair.client import SpecpairClient
+from specpair.config import compute_threads
 from specpair.models.loading import is_eagle_checkpoint
 from specpair.models.tiny import make_tiny_llama
 from specpair.proto.v1 import target_pb2
 from specpair.runtime.build import build_drafter, build_target
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.state import build_states
+from specpair.serving import compute_executor
 
 
 def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -58,10 +60,13 @@ def in_process(target: Path, draft: Path, work: list[list[int]], tokens: int, ti
     }
 
 
-def two_services(target: Path, draft: Path, work: list[list[int]], tokens: int, tier: int) -> dict:
+def two_services(
+    target: Path, draft: Path, work: list[list[int]], tokens: int, tier: int, threads: int
+) -> dict:
     kind = "eagle" if is_eagle_checkpoint(draft) else "model"
     with tempfile.TemporaryDirectory() as logs, ServiceGroup(
-        target=target, draft=draft, log_dir=Path(logs), initial_steps=tier, draft_kind=kind
+        target=target, draft=draft, log_dir=Path(logs), initial_steps=tier, draft_kind=kind,
+        threads=threads,
     ) as group:  # fmt: skip
         client = SpecpairClient(group.target, timeout=600)
         while client.server_info()["draft_connection_state"] != "DRAFT_CONNECTION_STATE_CONNECTED":
@@ -98,8 +103,12 @@ def main() -> None:
     parser.add_argument("--tier", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--threads", type=int, default=0, help="intra-op threads (0: half the cores)"
+    )
     add_output_args(parser, "bench/out/round_overhead.json")
     args = parser.parse_args()
+    threads = compute_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="specpair-bench-"))
     target = args.target or make_tiny_llama(
         tmp / "target", seed=1, vocab_size=8192, hidden_size=512, num_layers=8, num_heads=8,
@@ -114,8 +123,10 @@ def main() -> None:
     work = prompts(args.batch, read_args(target).vocab_size)
     info = device_info()
     print(f"device: {info}", flush=True)
-    local = in_process(target, draft, work, args.new_tokens, args.tier)
-    remote = two_services(target, draft, work, args.new_tokens, args.tier)
+    # Same intra-op threads in both, from a worker thread as the services run their compute.
+    with compute_executor("bench-compute", threads) as pool:
+        local = pool.submit(in_process, target, draft, work, args.new_tokens, args.tier).result()
+    remote = two_services(target, draft, work, args.new_tokens, args.tier, threads)
     lossless = local["outputs"] == remote["outputs"]
     rows: list[list[str]] = []
     for stage in ("draft", "verify", "rpc", "schedule", "total"):
@@ -141,7 +152,8 @@ def main() -> None:
         f"tokens/s {remote['tokens_per_s']:.1f} vs {local['tokens_per_s']:.1f}; "
         f"same outputs: {'yes' if lossless else 'NO'}; plain rounds: {remote['plain_rounds']}"
     )
-    print(f"tier {args.tier}, batch {args.batch}, {args.new_tokens} new tokens, ms per round\n")
+    print(f"tier {args.tier}, batch {args.batch}, {args.new_tokens} new tokens, {threads} intra-op "
+          f"thread(s) per process, ms per round\n")  # fmt: skip
     print(format_table(
         ["stage", "in-proc p50", "in-proc p99", "2-svc p50", "2-svc p99"], rows
     ))  # fmt: skip

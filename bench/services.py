@@ -38,11 +38,12 @@ class ServiceGroup:
         policy: dict[str, Any] | None = None,
         draft_kind: str = "model",
         initial_steps: int = 3,
+        threads: int = 0,
     ) -> None:
         self.draft, self.target, self.controller = free_address(), free_address(), free_address()
         self.log_dir = log_dir
         serve = [sys.executable, "-m", "specpair.cli", "serve"]
-        quiet = ["--metrics-address", "", "--log-level", "WARNING"]
+        quiet = ["--metrics-address", "", "--log-level", "INFO", "--threads", str(threads)]
         draft_cmd = [*serve, "draft", "--address", self.draft, "--model", str(draft),
                      "--draft-kind", draft_kind, *quiet]  # fmt: skip
         if draft_kind == "eagle":

@@ -5,18 +5,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
 
 from draft_service.rounds import DraftRounds
-from specpair.config import DraftConfig
+from specpair.config import DraftConfig, compute_threads
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import draft_pb2, draft_pb2_grpc
 from specpair.runtime import state as runtime_state
-from specpair.serving import GrpcServer
+from specpair.serving import GrpcServer, compute_executor
 
 log = get_logger(__name__)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -28,7 +27,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.rounds: DraftRounds | None = None  # set once weights and states are built
         self.metrics = metrics
         # One thread: model compute is serialized and stays off the event loop.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-compute")
+        self.executor = compute_executor("draft-compute", compute_threads(config.threads))
         self.streams = 0
         self._ids = itertools.count()
 

@@ -53,6 +53,7 @@ def _model_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=1024, help="context length served")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (GPU default)")
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: half the cores)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,6 +154,7 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig | DraftConfig | C
             draft_timeout_s=args.draft_timeout,
             device=args.device,
             dtype=_dtype(args),
+            threads=args.threads,
         )
     if args.service == "draft":
         return DraftConfig(
@@ -165,6 +167,7 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig | DraftConfig | C
             max_len=args.max_len + max(args.candidate_steps),
             device=args.device,
             dtype=_dtype(args),
+            threads=args.threads,
         )
     return ControllerConfig(
         server=server,

@@ -29,6 +29,16 @@ def env_address(service: str) -> str:
     return os.environ.get(f"SPECPAIR_{service.upper()}_ADDRESS", defaults[service])
 
 
+def compute_threads(requested: int) -> int:
+    """Intra-op threads for a service's compute thread.
+
+    Draft and target usually share the machine, and torch ops launched from a non-main thread
+    with more than one OpenMP thread ran ~1.8x slower on a 2-core CPU (bench/RESULTS.md), so
+    the default gives each service half the cores.
+    """
+    return requested if requested > 0 else max(1, (os.cpu_count() or 2) // 2)
+
+
 def split_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
@@ -97,6 +107,7 @@ class TargetConfig:
     reconnect_max_s: float = 5.0
     device: str = "cpu"
     dtype: str = "float32"
+    threads: int = 0  # intra-op threads of the compute thread; 0: half the cores (see below)
     eos_stop: bool = True  # stop at the tokenizer's end-of-text token
 
     def __post_init__(self) -> None:
@@ -123,6 +134,7 @@ class DraftConfig:
     max_len: int = 1024
     device: str = "cpu"
     dtype: str = "float32"
+    threads: int = 0  # intra-op threads of the compute thread; 0: half the cores (see below)
 
     def __post_init__(self) -> None:
         _check_steps(self.candidate_steps)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -17,6 +18,16 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MESSAGE_LIMIT),
     ("grpc.max_receive_message_length", MESSAGE_LIMIT),
 ]
+
+
+def compute_executor(name: str, threads: int) -> ThreadPoolExecutor:
+    """One thread for model compute, off the event loop, with `threads` intra-op threads."""
+    import torch
+
+    return ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix=name, initializer=torch.set_num_threads,
+        initargs=(threads,),
+    )  # fmt: skip
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

@@ -12,7 +12,6 @@ import asyncio
 import collections
 import itertools
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +24,7 @@ from specpair.runtime.draft import DraftInput
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.target import TargetSequence, TargetWorker
 from specpair.runtime.tree import EMPTY_TREE, CandidateTree, MalformedTreeError, validate_tree
+from specpair.serving import compute_executor
 from specpair.wire import draft_input_to_proto, tree_from_proto
 from target_service.draft_link import DraftLink
 
@@ -76,6 +76,7 @@ class Scheduler:
         max_queue: int,
         draft: DraftLink | None,
         metrics: ServiceMetrics,
+        threads: int = 1,
     ) -> None:
         self.worker = worker
         self.states = states
@@ -84,7 +85,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.draft = draft
         self.metrics = metrics
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-compute")
+        self.executor = compute_executor("target-compute", threads)
         self.queue: collections.deque[ServedRequest] = collections.deque()
         self.running: list[ServedRequest] = []
         self.round_id = 0

@@ -14,7 +14,7 @@ import grpc
 import structlog
 import torch
 
-from specpair.config import TargetConfig
+from specpair.config import TargetConfig, compute_threads
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
@@ -244,6 +244,7 @@ def _build_scheduler(config: TargetConfig, metrics: ServiceMetrics) -> Scheduler
         max_queue=config.max_queue,
         draft=None,
         metrics=metrics,
+        threads=compute_threads(config.threads),
     )
 
 
