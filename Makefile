@@ -27,6 +27,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy specpair draft_service target_service controller bench
+	# The wire contract in buf's STANDARD style (buf ships as an npm package).
+	cd protos && npx --yes @bufbuild/buf@1.50.0 lint
 
 proto: $(STAMP)
 	$(BIN)/python -m specpair.proto_gen
