@@ -272,3 +272,49 @@ async def test_request_submitted_while_releases_flush_is_served(ckpts, make_stac
         assert draft.rounds >= 3  # the release-only path really ran
     finally:
         await server.stop(0)
+
+
+async def test_full_queue_is_resource_exhausted_and_others_finish(ckpts, make_stack) -> None:
+    stack = await make_stack(
+        None, target_config(ckpts["target"], draft_address=None, max_batch=1, max_queue=1)
+    )
+    running = asyncio.create_task(stack.generate(prompt_token_ids=PROMPTS[0], max_tokens=200))
+    while stack.target.servicer.scheduler.running == []:  # the first one holds the only slot
+        await asyncio.sleep(0.01)
+    queued = asyncio.create_task(stack.generate(prompt_token_ids=PROMPTS[1], max_tokens=5))
+    while not stack.target.servicer.scheduler.queue:
+        await asyncio.sleep(0.01)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.generate(prompt_token_ids=PROMPTS[2], max_tokens=5)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_queue" in err.value.details()
+    (first, _), (second, _) = await asyncio.gather(running, queued)
+    assert len(first) == 200 and len(second) == 5
+
+
+async def test_metrics_endpoint_exports_the_serving_metrics(ckpts, make_stack) -> None:
+    import socket
+    import urllib.request
+    from dataclasses import replace
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = target_config(ckpts["target"])
+    cfg = replace(cfg, server=replace(cfg.server, metrics_address=f"127.0.0.1:{port}"))
+    stack = await make_stack(draft_config(ckpts["target"]), cfg)
+    await stack.wait_draft_connected()
+    await stack.generate(prompt_token_ids=PROMPTS[0], max_tokens=20)
+    url = f"http://127.0.0.1:{port}/metrics"
+    body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+    for name in (
+        "specpair_target_accept_length_bucket",
+        "specpair_target_speculative_num_steps 3.0",
+        "specpair_target_tier_switches_total",
+        'specpair_target_stage_seconds_count{stage="verify"}',
+        "specpair_target_time_to_first_token_seconds_count 1.0",
+        "specpair_target_inter_token_latency_seconds_count",
+        "specpair_target_running_requests",
+        "specpair_target_queued_requests",
+    ):
+        assert name in body, name

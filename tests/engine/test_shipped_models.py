@@ -1,0 +1,67 @@
+"""The shipped pair (models/): speculative greedy output equals transformers' greedy generate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from specpair.config import MODELS_DIR
+from specpair.runtime.build import build_drafter, build_target
+from specpair.runtime.engine import SpeculativeEngine
+from specpair.runtime.state import build_states
+
+TARGET = MODELS_DIR / "target"
+PROMPTS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
+    "The history of the bicycle begins in the early nineteenth century, when",
+]
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def prompts_and_reference() -> tuple[list[list[int]], list[list[int]]]:
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    model = LlamaForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    prompts, reference = [], []
+    for text in PROMPTS:
+        ids = tok.encode(text, add_special_tokens=False)
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+        prompts.append(ids)
+        reference.append(out[0, len(ids) :].tolist())
+    return prompts, reference
+
+
+@pytest.mark.parametrize("draft", ["draft", "eagle"])
+@pytest.mark.parametrize("tier", [3, 7])
+def test_shipped_pair_is_lossless(prompts_and_reference, draft: str, tier: int) -> None:
+    prompts, reference = prompts_and_reference
+    worker = build_target(TARGET, max_requests=len(prompts), max_len=512, keep_features=True)
+    drafter = build_drafter(
+        MODELS_DIR / draft, target_path=TARGET, max_requests=len(prompts), max_len=512
+    )
+    results = SpeculativeEngine(worker, drafter).generate(
+        prompts,
+        max_new_tokens=NEW_TOKENS,
+        state=build_states([tier])[tier],
+        stop_token_ids=frozenset({0}),
+    )
+    assert [r.token_ids for r in results] == reference
+    accepts = [a for r in results for a in r.accept_lengths]
+    # a trained pair accepts far more than the ~0 of unrelated weights
+    assert sum(accepts) / len(accepts) > 1.0
+
+
+def test_shipped_checkpoints_fit_the_budget() -> None:
+    total = sum(p.stat().st_size for p in Path(MODELS_DIR).rglob("*") if p.is_file())
+    assert total <= 25_000_000
