@@ -75,8 +75,19 @@ def hf_timings(hf: Any, ctx: int, q: int, iters: int) -> dict[str, float]:
         hf(prompt, past_key_values=cache, cache_position=torch.arange(ctx, device="cuda"))
         ids = torch.randint(0, LLAMA3_8B.vocab_size, (1, q), device="cuda")
         pos = torch.arange(ctx, ctx + q, device="cuda")
+        # transformers 5's StaticLayer ignores `cache_position` on write: it appends at its own
+        # device counter `cumulative_length` and advances it, so repeated steps ran past
+        # max_cache_len (the `index_copy_` assert). Rewind it to ctx in every step — a device
+        # op, so the CUDA graph replays the rewind too and every replay writes ctx .. ctx+q-1.
+        counters = [
+            layer.cumulative_length
+            for layer in getattr(cache, "layers", [])
+            if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)
+        ]
 
         def step() -> Any:
+            for c in counters:
+                c.fill_(ctx)
             return hf(ids, past_key_values=cache, cache_position=pos, position_ids=pos[None]).logits
 
         out["hf_eager"] = median(time_cuda(step, max(5, iters // 5)))

@@ -14,6 +14,13 @@ Stages and their graphs (s = tier):
 - draft: s greedy steps of one token per request, argmax inside the graph → tokens [s, B].
   Sampling rounds run the eager loop: their per-request warps and generators stay on the host.
 `captures()` counts graph captures; tests assert it stays flat after start-up.
+
+Lifetime: a graph bakes in the *addresses* of every tensor its kernels read. A tensor made
+outside the capture and referenced only by the captured closure (e.g. the extend graph's row
+index `arange(B)` for `hidden[rows, last]`) would be freed once capture returns, its memory
+handed to later allocations, and the replay would then gather with whatever lands there (the
+LM drafter's extend graph tripped `index out of bounds` that way). `StageGraph.keep` therefore
+holds the captured closure, and with it every tensor the graph reads, as long as the graph.
 """
 
 from __future__ import annotations
@@ -95,6 +102,7 @@ class StageGraph:
     inputs: dict[str, Tensor]
     outputs: dict[str, Tensor]
     attention: list[GraphAttention]
+    keep: object = None  # the captured closure: keeps every tensor the graph reads alive
 
 
 def capture(
@@ -115,7 +123,7 @@ def capture(
     with torch.cuda.graph(graph, pool=pool):
         outputs = body()
     _captures += 1
-    return StageGraph(graph, inputs, outputs, attention)
+    return StageGraph(graph, inputs, outputs, attention, keep=body)
 
 
 class _Capturer:
@@ -227,7 +235,8 @@ class DraftGraphs(_Capturer):
         if d.needs_features:
             inputs["features"] = torch.zeros(batch, tokens, hidden_size, device=dev)
         attn = GraphAttention(self.cache, batch, tokens)
-        rows = torch.arange(batch, device=dev)
+        inputs["rows"] = torch.arange(batch, device=dev)  # static: read by the graph's gather
+        rows = inputs["rows"]
 
         def body() -> dict[str, Tensor]:
             feats = inputs.get("features")

@@ -55,12 +55,19 @@ def page_metadata(
 
 
 def flat_mask(layout: BatchLayout) -> Tensor:
-    """flashinfer's custom mask: per request its [T, start + T] rows, concatenated, flat bool."""
-    full = attention_mask(layout)  # [B, T, K]
-    b, t, k = full.shape
-    kv_lens = layout.starts + t
-    valid = torch.arange(k)[None, None, :] < kv_lens[:, None, None]
-    return full[valid.expand(b, t, k)]
+    """flashinfer's custom mask: per request its [T, start + T] rows, concatenated, flat bool.
+
+    Each request's rows are its whole visible prefix (start keys) followed by its [T, T] tree
+    mask; built per request rather than through the batch's dense [B, T, max start + T] mask,
+    which cost ~0.3 ms of host time per verify at 2k context (the plan sits on the round's
+    critical path)."""
+    t = layout.new_mask.shape[1]
+    parts = []
+    for b, start in enumerate(layout.starts.tolist()):
+        rows = torch.ones(t, start + t, dtype=torch.bool)
+        rows[:, start:] = layout.new_mask[b]
+        parts.append(rows.view(-1))
+    return torch.cat(parts)
 
 
 class PagedKVCache:

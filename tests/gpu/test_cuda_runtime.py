@@ -63,8 +63,52 @@ def test_logits_match_transformers(gpu_ckpts: dict[str, Path]) -> None:
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.97
 
 
+# The LM head writes bf16 logits: at |logit| in [4, 8) one bf16 step (ulp) is 2^-5 = 0.031, so
+# distinct tokens often get *equal* logits (seen on an H100: top-2 4.6875 / 4.6875), and
+# forwards of different widths (verify q = s + 1, target-only q = 1, a teacher-forced prefill)
+# can round a near-tie either way. TIE_ULPS bf16 steps of the row's largest logit count as a tie.
+TIE_ULPS = 2
+
+
+def tie_tolerance(logits: torch.Tensor) -> torch.Tensor:
+    """Per row [N]: TIE_ULPS bf16 ulps at the magnitude of the row's largest logit."""
+    top = logits.abs().max(-1).values.clamp_min(1e-3)
+    return TIE_ULPS * torch.exp2(torch.floor(torch.log2(top)) - 7)
+
+
+def teacher_forced_logits(worker, prompt: list[int], output: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The target's logits [len(output), V] predicting each output token from its own prefix:
+    one eager causal forward over prompt + output (no graph, no speculation)."""
+    seq = prompt + output
+    slot = worker.cache.alloc()
+    try:
+        with torch.inference_mode():
+            tokens = torch.tensor([seq], device="cuda")
+            positions = torch.arange(len(seq), device="cuda")[None]
+            layout = BatchLayout.causal([slot], [0], [len(seq)])
+            hidden = worker.model(tokens, positions, worker.cache.bind(layout))
+            logits = worker.model.logits(hidden)[0].float()
+    finally:
+        worker.cache.free(slot)
+    return logits[len(prompt) - 1 : len(seq) - 1]
+
+
 @pytest.mark.parametrize("draft", ["draft", "eagle"])
 def test_greedy_speculative_equals_gpu_target_only(gpu_ckpts: dict[str, Path], draft: str) -> None:
+    """Greedy speculative decoding emits exactly the target's greedy tokens.
+
+    The reference is defined per token, robustly: each emitted token must be the target's
+    argmax given the *emitted prefix itself* (teacher-forced eager forward), up to a tie of
+    TIE_ULPS bf16 steps. A plain token-for-token comparison with target-only decoding is not a
+    sound reference in bf16: the random tiny target has near-uniform logits, so at some
+    position the top two tokens are within a bf16 step (often exactly equal) and the verify
+    width (q = s + 1 vs 1) decides which wins; from there the two sequences legitimately
+    differ (an H100 run: 1 of 16 generations, at token 25, top-2 logits 4.6875 / 4.6875).
+    Such divergences are printed with their margins. Any token the target does not
+    (near-)prefer — a wrong KV entry, position, mask or acceptance — fails, and so does a
+    divergence from target-only decoding at a clear margin; most generations must still equal
+    target-only decoding exactly.
+    """
     worker = target(gpu_ckpts["target"])
     drafter = build_drafter(
         gpu_ckpts[draft],
@@ -77,28 +121,78 @@ def test_greedy_speculative_equals_gpu_target_only(gpu_ckpts: dict[str, Path], d
     states = state.build_states([1, 3, 7])  # captures verify/extend/draft graphs per tier
     plain = SpeculativeEngine(worker, None).generate(PROMPTS, max_new_tokens=32, state=None)
     before = cuda_graphs.captures(), state.builds()
+    worst, identical, total = 0.0, 0, 0
     for tier in (3, 1, 7, 3):  # tier switches: reference swaps only
         spec = SpeculativeEngine(worker, drafter).generate(
             PROMPTS, max_new_tokens=32, state=states[tier]
         )
-        assert [r.token_ids for r in spec] == [r.token_ids for r in plain], f"tier {tier}"
+        for prompt, s_res, p_res in zip(PROMPTS, spec, plain, strict=True):
+            out, ref = s_res.token_ids, p_res.token_ids
+            assert len(out) == len(ref) == 32
+            total += 1
+            logits = teacher_forced_logits(worker, prompt, out)
+            picked = logits.gather(1, torch.tensor(out, device="cuda")[:, None])[:, 0]
+            deficit = logits.max(-1).values - picked  # 0 where the emitted token is the argmax
+            tol = tie_tolerance(logits)
+            worst = max(worst, float((deficit / tol).max()))
+            bad = (deficit > tol).nonzero().flatten().tolist()
+            for j in deficit.nonzero().flatten().tolist():
+                print(
+                    f"[{draft}] tier {tier} prompt {prompt[:4]}: token {j} is "
+                    f"{float(deficit[j]):.4f} under the argmax (tie tolerance {float(tol[j]):.4f})"
+                )
+            assert not bad, (
+                f"tier {tier}, prompt {prompt[:4]}: tokens {bad} are not the target's greedy "
+                f"choice (deficits {deficit[bad].tolist()})"
+            )
+            if out == ref:
+                identical += 1
+                continue
+            i = next(j for j, (a, b) in enumerate(zip(out, ref, strict=True)) if a != b)
+            row = logits[i]
+            margin = float(row[ref[i]] - row[out[i]])
+            top2 = row.topk(2).values.tolist()
+            print(
+                f"[{draft}] tier {tier} prompt {prompt[:4]}: diverges from target-only at token "
+                f"{i}: spec {out[i]} vs plain {ref[i]}, logit margin {margin:+.4f} "
+                f"(top-2 {top2[0]:.4f} / {top2[1]:.4f})"
+            )
+            assert abs(margin) <= float(tol[i]), f"tier {tier}: diverged at a clear margin {margin}"
+    print(
+        f"[{draft}] {identical}/{total} generations identical to target-only; "
+        f"largest argmax deficit {worst:.2f} of the tie tolerance"
+    )
+    assert identical >= total // 2, "most generations must equal target-only exactly"
     assert (cuda_graphs.captures(), state.builds()) == before, "captured/built after start-up"
 
 
 def test_graph_replay_equals_eager(gpu_ckpts: dict[str, Path]) -> None:
+    """A padded verify graph (3 requests in bucket 4) gives the eager forward's logits.
+
+    Both run over the same slots whose contexts (0, 5, 9 tokens) were prefilled once: the
+    keys before `start` must be the same real entries in both runs (fresh slots would attend
+    to whatever pages they happened to get — different pages after a free/alloc cycle)."""
     worker = target(gpu_ckpts["target"])
     states = state.build_states([3])
+    starts = [0, 5, 9]
+    slots = [worker.cache.alloc() for _ in starts]
+    ctx = torch.randint(0, 320, (3, max(starts)))
+    with torch.inference_mode():
+        layout = BatchLayout.causal(slots, [0, 0, 0], starts)
+        positions = torch.arange(max(starts)).expand(3, -1)
+        worker.model(ctx.cuda(), positions.cuda(), worker.cache.bind(layout))
+    for slot, n in zip(slots, starts, strict=True):
+        worker.cache.commit(slot, 0, range(n))
     seqs_tokens = torch.randint(0, 320, (3, 4))
+    mask = torch.ones(4, 4, dtype=torch.bool).tril().expand(3, 4, 4)
+    layout = BatchLayout(torch.tensor(slots), torch.tensor(starts), mask)
+    positions = layout.starts[:, None] + torch.arange(4)
     out = []
     for st in (states[3], None):  # graph (bucket 4, padded) vs eager flashinfer
-        slots = [worker.cache.alloc() for _ in range(3)]
-        mask = torch.ones(4, 4, dtype=torch.bool).tril().expand(3, 4, 4)
-        layout = BatchLayout(torch.tensor(slots), torch.tensor([0, 5, 9]), mask)
-        positions = layout.starts[:, None] + torch.arange(4)
         with torch.inference_mode():
             hidden, logits = worker._forward_tree(seqs_tokens, positions, layout, st)
         out.append((hidden.clone(), logits.clone()))
-        for s in slots:
-            worker.cache.free(s)
+    for s in slots:
+        worker.cache.free(s)
     torch.testing.assert_close(out[0][1], out[1][1], rtol=1e-2, atol=1e-2)
     assert torch.equal(out[0][1].argmax(-1), out[1][1].argmax(-1))

@@ -28,6 +28,18 @@ def test_page_metadata_worked_example() -> None:
     assert flat_index(table, torch.tensor([2]), torch.tensor([[5]]), 4).item() == 13
 
 
+def test_flat_mask_equals_the_dense_attention_mask_rows() -> None:
+    from specpair.runtime.kv_cache import attention_mask
+
+    torch.manual_seed(0)
+    starts = torch.tensor([0, 7, 3, 20])
+    new_mask = torch.rand(4, 5, 5) > 0.5
+    layout = BatchLayout(torch.arange(4), starts, new_mask)
+    full = attention_mask(layout)  # [B, T, K]
+    expected = torch.cat([full[b, :, : int(s) + 5].reshape(-1) for b, s in enumerate(starts)])
+    assert torch.equal(flat_mask(layout), expected)
+
+
 def test_flat_mask_concatenates_rows_of_each_request() -> None:
     layout = BatchLayout(
         torch.tensor([0, 1]), torch.tensor([1, 0]), torch.eye(2, dtype=torch.bool).repeat(2, 1, 1)
