@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -11,7 +12,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specpair.config import ServerConfig, TLSConfig
+from specpair.logging import get_logger
 
+log = get_logger(__name__)
 # Large enough for sampling rounds that carry draft distributions [s, vocab] per request.
 MESSAGE_LIMIT = 256 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -132,5 +135,9 @@ class GrpcServer:
             await self.health.set(name, status)
 
     async def stop(self, grace: float = 2.0) -> None:
+        """NOT_SERVING, then stop: in-flight calls get `grace` seconds, then are cancelled."""
         await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.server.stop(grace)
+        try:
+            await asyncio.wait_for(self.server.stop(grace), grace + 5.0)
+        except TimeoutError:
+            log.warning("server stop overran its grace period", grace_s=grace)

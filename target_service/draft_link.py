@@ -19,6 +19,7 @@ from specpair.serving import open_channel
 
 log = get_logger(__name__)
 State = target_pb2.DraftConnectionState
+CLOSE_TIMEOUT_S = 2.0  # shutting down never waits on a peer longer than this
 
 
 class DraftLink:
@@ -92,12 +93,15 @@ class DraftLink:
         log.info("draft connected", address=self.address, kind=info.draft_kind, epoch=self.epoch)
 
     async def _drop(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
-            self._call = None
-        if self._channel is not None:
-            await self._channel.close(grace=None)
-            self._channel = None
+        # Detach first: a failed round, the reconnect loop and close() may all drop at once,
+        # and each channel must be closed exactly once.
+        call, channel = self._call, self._channel
+        self._call = self._channel = None
+        if call is not None:
+            call.cancel()
+        if channel is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(channel.close(grace=None), CLOSE_TIMEOUT_S)
 
     async def round(
         self, request: draft_pb2.SpeculateRequest

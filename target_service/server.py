@@ -212,8 +212,8 @@ class RunningTarget:
     async def stop(self, grace: float = 1.0) -> None:
         await self.server.stop(grace)
         self.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
+        with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
+            await asyncio.wait_for(self.task, 5.0)
         scheduler = self.servicer.scheduler
         if scheduler is not None:
             if scheduler.draft is not None:

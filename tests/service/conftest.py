@@ -38,6 +38,10 @@ class Stack:
         self.target = await target_server.start(self.target_cfg)
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.target.port}")
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
+        if self.draft is not None:
+            # The target serves before its draft link is up (plainly); tests that count
+            # speculative rounds start from a connected pair.
+            await self.wait_draft_connected()
         return self
 
     async def stop_draft(self) -> None:
