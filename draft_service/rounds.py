@@ -15,7 +15,7 @@ from specpair.logging import get_logger
 from specpair.proto.v1 import common_pb2, draft_pb2
 from specpair.runtime.build import build_drafter
 from specpair.runtime.draft import Drafter, DraftInput
-from specpair.runtime.state import SpecRuntimeState, build_state
+from specpair.runtime.state import SpecRuntimeState, build_states
 from specpair.wire import draft_input_from_proto, tree_to_proto
 
 log = get_logger(__name__)
@@ -37,22 +37,8 @@ class DraftRounds:
             dtype=getattr(torch, config.dtype),
             device=config.device,
         )
-        self.vocab_size = self._vocab_size()
-        self.states: dict[int, SpecRuntimeState] = {}
-        for tier in config.candidate_steps:
-            t0 = time.perf_counter()
-            self.states[tier] = build_state(tier)
-            log.info(
-                "built runtime state", tier=tier, ms=round(1e3 * (time.perf_counter() - t0), 2)
-            )
-
-    def _vocab_size(self) -> int:
-        from specpair.runtime.draft import EagleDrafter, LMDrafter
-
-        if isinstance(self.drafter, EagleDrafter):
-            return self.drafter.head.args.vocab_size
-        assert isinstance(self.drafter, LMDrafter)
-        return self.drafter.model.args.vocab_size
+        self.vocab_size = self.drafter.args.vocab_size
+        self.states: dict[int, SpecRuntimeState] = build_states(config.candidate_steps)
 
     @property
     def active_requests(self) -> int:

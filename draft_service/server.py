@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from draft_service.rounds import DraftRounds
-from specpair.config import DraftConfig, compute_threads
+from specpair.config import DraftConfig, compute_threads, split_address
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import draft_pb2, draft_pb2_grpc
@@ -97,8 +97,7 @@ async def start(config: DraftConfig) -> RunningDraft:
     rounds = await asyncio.to_thread(DraftRounds, config)
     servicer.rounds = rounds
     if config.server.metrics_address:
-        host, _, port = config.server.metrics_address.rpartition(":")
-        metrics.serve(host, int(port))
+        metrics.serve(*split_address(config.server.metrics_address))
     await server.ready()
     log.info("draft service ready", tiers=list(rounds.states), kind=config.draft_kind)
     return RunningDraft(server, servicer)

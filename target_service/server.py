@@ -14,13 +14,13 @@ import grpc
 import structlog
 import torch
 
-from specpair.config import TargetConfig, compute_threads
+from specpair.config import TargetConfig, compute_threads, split_address
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
 from specpair.runtime import state as runtime_state
 from specpair.runtime.build import build_target
-from specpair.runtime.state import build_state
+from specpair.runtime.state import build_states
 from specpair.runtime.target import TargetSequence
 from target_service.detokenize import TextStream
 from target_service.draft_link import DraftLink
@@ -231,11 +231,7 @@ def _build_scheduler(config: TargetConfig, metrics: ServiceMetrics) -> Scheduler
         dtype=getattr(torch, config.dtype),
         device=config.device,
     )
-    states = {}
-    for tier in config.candidate_steps:
-        t0 = time.perf_counter()
-        states[tier] = build_state(tier)
-        log.info("built runtime state", tier=tier, ms=round(1e3 * (time.perf_counter() - t0), 2))
+    states = build_states(config.candidate_steps)
     return Scheduler(
         worker,
         states,
@@ -275,8 +271,7 @@ async def start(config: TargetConfig) -> RunningTarget:
     servicer.scheduler = scheduler
     task = asyncio.create_task(scheduler.run(), name="scheduler")
     if config.server.metrics_address:
-        host, _, port = config.server.metrics_address.rpartition(":")
-        metrics.serve(host, int(port))
+        metrics.serve(*split_address(config.server.metrics_address))
     await server.ready()
     log.info("target service ready", tiers=list(scheduler.states), draft=config.draft_address)
     return RunningTarget(server, servicer, task)

@@ -9,13 +9,17 @@ happen after start-up.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from specpair.logging import get_logger
 from specpair.runtime.tree import tree_depths, tree_mask
+
+log = get_logger(__name__)
 
 _builds = 0
 # GPU workers register a method that captures their graphs into each new state (weakly held, so
@@ -63,5 +67,10 @@ def build_state(tier: int) -> SpecRuntimeState:
 
 
 def build_states(tiers: Iterable[int]) -> dict[int, SpecRuntimeState]:
-    """One state per candidate tier — called once, at start-up."""
-    return {tier: build_state(tier) for tier in sorted(set(tiers))}
+    """One state per candidate tier — called once, at start-up; logs each tier's build time."""
+    states = {}
+    for tier in sorted(set(tiers)):
+        t0 = time.perf_counter()
+        states[tier] = build_state(tier)
+        log.info("built runtime state", tier=tier, ms=round(1e3 * (time.perf_counter() - t0), 2))
+    return states

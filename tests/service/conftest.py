@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 import draft_service.server as draft_server
 import target_service.server as target_server
 from specpair.config import DraftConfig, ServerConfig, TargetConfig
-from specpair.proto.v1 import target_pb2, target_pb2_grpc
+from specpair.proto.v1 import draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specpair.runtime.build import build_target
 from specpair.runtime.engine import SpeculativeEngine
 
@@ -69,6 +70,19 @@ class Stack:
     async def generate(self, **kwargs: Any) -> tuple[list[int], list[target_pb2.GenerateResponse]]:
         responses = [r async for r in self.stub.Generate(target_pb2.GenerateRequest(**kwargs))]
         return [t for r in responses for t in r.token_ids], responses
+
+
+@contextlib.asynccontextmanager
+async def fake_draft(servicer: draft_pb2_grpc.DraftServiceServicer) -> AsyncIterator[str]:
+    """A DraftService `servicer` (a test double) on an ephemeral port; yields its address."""
+    server = grpc.aio.server()
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
 
 
 def target_config(target: Path, **kwargs: Any) -> TargetConfig:

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specpair.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
 from specpair.runtime import state as runtime_state
-from tests.service.conftest import draft_config, reference_greedy, target_config
+from tests.service.conftest import draft_config, fake_draft, reference_greedy, target_config
 
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3], [100, 200, 50, 60, 70]]
 MAX_TOKENS = 30
@@ -196,15 +196,9 @@ class GarbageDraft(draft_pb2_grpc.DraftServiceServicer):
 
 
 async def test_malformed_trees_fall_back_to_plain_decoding(ckpts, make_stack) -> None:
-    server = grpc.aio.server()
     garbage = GarbageDraft()
-    draft_pb2_grpc.add_DraftServiceServicer_to_server(garbage, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        stack = await make_stack(
-            None, target_config(ckpts["target"], draft_address=f"127.0.0.1:{port}")
-        )
+    async with fake_draft(garbage) as address:
+        stack = await make_stack(None, target_config(ckpts["target"], draft_address=address))
         await stack.wait_draft_connected()
         outputs = await asyncio.gather(
             *(stack.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS) for p in PROMPTS)
@@ -212,8 +206,6 @@ async def test_malformed_trees_fall_back_to_plain_decoding(ckpts, make_stack) ->
         assert [t for t, _ in outputs] == reference_greedy(ckpts["target"], PROMPTS, MAX_TOKENS)
         assert garbage.rounds > 0
         assert all(r[-1].speculation.accept_lengths == [] for _, r in outputs)
-    finally:
-        await server.stop(0)
 
 
 async def test_health_serving_and_ops_token(ckpts, make_stack, monkeypatch) -> None:
@@ -253,15 +245,9 @@ class SlowReleaseDraft(GarbageDraft):
 
 
 async def test_request_submitted_while_releases_flush_is_served(ckpts, make_stack) -> None:
-    server = grpc.aio.server()
     draft = SlowReleaseDraft()
-    draft_pb2_grpc.add_DraftServiceServicer_to_server(draft, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        stack = await make_stack(
-            None, target_config(ckpts["target"], draft_address=f"127.0.0.1:{port}")
-        )
+    async with fake_draft(draft) as address:
+        stack = await make_stack(None, target_config(ckpts["target"], draft_address=address))
         await stack.wait_draft_connected()
         for prompt in PROMPTS:  # each arrives while the previous one's release is in flight
             await asyncio.sleep(0.1)
@@ -270,8 +256,6 @@ async def test_request_submitted_while_releases_flush_is_served(ckpts, make_stac
             )
             assert len(tokens) == 5
         assert draft.rounds >= 3  # the release-only path really ran
-    finally:
-        await server.stop(0)
 
 
 async def test_full_queue_is_resource_exhausted_and_others_finish(ckpts, make_stack) -> None:
