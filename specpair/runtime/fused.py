@@ -1,24 +1,37 @@
-"""Load-time fusion of the Llama decoder for the GPU: one QKV and one gate/up matmul per layer.
+"""Load-time fusion of the Llama decoder for the GPU: fewer, fuller kernels per layer.
 
 `fuse_decoder(model)` swaps each `DecoderLayer` for a `FusedDecoderLayer` with the same call
-signature `(x, cos, sin, attend) -> x`, so `LlamaModel.forward` and `EagleHead.forward` run
-unchanged. Per layer the GPU then launches about a dozen kernels: rmsnorm, QKV, rope, attention
-(write + attend), O, add+rmsnorm, gate/up, silu·mul, down, add. At batch 1 a forward is a chain
-of weight reads; every extra elementwise kernel is a few µs of idle memory bus, hence Triton
-for the four elementwise stages. On CPU (tests) the same stages run as plain torch.
+signature `(x, cos, sin, attend) -> x`, each final `RMSNorm` for a `FusedRMSNorm` and the LM
+head for a `FusedLMHead`, so `LlamaModel.forward` and `EagleHead.forward` run unchanged.
+
+At batch 1 a forward is a chain of weight reads, and every kernel boundary idles the memory bus,
+so a layer on the GPU is nine kernels (was fifteen; `bench/gpu_profile.py` counts them):
+
+    add_rmsnorm(x, down partials of the previous layer) → QKV GEMV → rope_write (q; k, v into
+    the paged cache) → attention → O GEMV → add_rmsnorm → gate/up GEMV → silu·mul → down GEMV
+
+Matmuls with at most 16 rows run as Triton split-K GEMVs that leave fp32 partials [S, N, out]
+(`triton_kernels.gemv_partials`); the next kernel sums them on load, so no split-K reduce runs
+and the residual add of the down projection moves into the next layer's norm: a layer inside a
+`LlamaBody` returns `Pending(x, delta)` and the next layer (or the final norm) adds it. Larger
+matmuls go to cuBLAS and their [N, out] output is the one-partial case. On CPU (tests) the same
+structure runs in plain torch, one partial each.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specpair.models.llama import AttendFn, DecoderLayer, RMSNorm
+from specpair.models.llama import AttendFn, DecoderLayer, LlamaBody, RMSNorm
+from specpair.runtime.paged_kv import PagedAttend
 
 _kernels: Any = None
+GEMV_MAX_ROWS = 16
 
 
 def _triton() -> Any:
@@ -31,6 +44,23 @@ def _triton() -> Any:
     return _kernels
 
 
+@dataclass(slots=True)
+class Pending:
+    """A residual stream whose last delta is not added yet: x [B, T, H] + sum(delta [S, N, H])."""
+
+    x: Tensor
+    delta: Tensor
+
+
+def linear_parts(x: Tensor, weight: Tensor) -> Tensor:
+    # x: [N, K], weight: [out, K] -> partials [S, N, out] whose sum is x @ weight.T
+    if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS:
+        cfg = _triton().gemv_config(weight.shape[0], weight.shape[1])
+        if cfg is not None:
+            return _triton().gemv_partials(x, weight, *cfg)
+    return F.linear(x, weight)[None]
+
+
 def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     # x: [N, H] -> [N, H]; fp32 statistics like RMSNorm
     if x.is_cuda:
@@ -39,11 +69,11 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def add_rmsnorm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    # x, delta: [N, H] -> (x + delta, rmsnorm(x + delta)), one pass over the row on the GPU
+def add_rmsnorm(x: Tensor, parts: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    # x: [N, H], parts: [S, N, H] -> (x + sum(parts), rmsnorm of it), one pass on the GPU
     if x.is_cuda:
-        return _triton().add_rmsnorm(x, delta, weight, eps)
-    s = x + delta
+        return _triton().add_rmsnorm(x, parts, weight, eps)
+    s = x + parts.sum(0).to(x.dtype)
     return s, rmsnorm(s, weight, eps)
 
 
@@ -51,8 +81,6 @@ def rope_qk(
     qkv: Tensor, cos: Tensor, sin: Tensor, n_q: int, n_kv: int, head_dim: int
 ) -> tuple[Tensor, Tensor]:
     # qkv: [N, (Hq + 2 Hkv) D], cos/sin: [N, D] -> q [N, Hq, D], k [N, Hkv, D] (contiguous)
-    if qkv.is_cuda:
-        return _triton().rope_qk(qkv, cos, sin, n_q, n_kv, head_dim)
     n = qkv.shape[0]
     qk = qkv[:, : (n_q + n_kv) * head_dim].reshape(n, n_q + n_kv, head_dim)
     half = head_dim // 2
@@ -61,11 +89,11 @@ def rope_qk(
     return out[:, :n_q].contiguous(), out[:, n_q:].contiguous()
 
 
-def silu_mul(gate_up: Tensor) -> Tensor:
-    # gate_up: [N, 2I] -> silu(gate) * up: [N, I]
-    if gate_up.is_cuda:
-        return _triton().silu_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
+def silu_mul(parts: Tensor, dtype: torch.dtype) -> Tensor:
+    # parts: [S, N, 2I] -> silu(gate) * up: [N, I] in dtype
+    if parts.is_cuda:
+        return _triton().silu_mul(parts, dtype)
+    gate, up = parts.sum(0).to(dtype).chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
@@ -75,8 +103,25 @@ class FusedRMSNorm(nn.Module):
         self.weight = norm.weight
         self.eps = norm.eps
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor | Pending) -> Tensor:
+        if isinstance(x, Pending):
+            h = x.x.shape[-1]
+            normed = add_rmsnorm(x.x.reshape(-1, h), x.delta, self.weight, self.eps)[1]
+            return normed.view(x.x.shape)
         return rmsnorm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+
+
+class FusedLMHead(nn.Module):
+    """The LM head as a GEMV at few rows: its one fp32 partial is the logits (no cast kernel)."""
+
+    def __init__(self, head: nn.Linear) -> None:
+        super().__init__()
+        self.weight = head.weight
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        parts = linear_parts(hidden.reshape(-1, hidden.shape[-1]), self.weight)
+        logits = parts[0] if parts.shape[0] == 1 else parts.sum(0)
+        return logits.view(*hidden.shape[:-1], -1)
 
 
 class FusedDecoderLayer(nn.Module):
@@ -97,28 +142,58 @@ class FusedDecoderLayer(nn.Module):
             self.gate_up = nn.Parameter(torch.cat(gate_up), requires_grad=False)  # [2I, H]
         self.o = attn.o_proj.weight
         self.down = mlp.down_proj.weight
+        self.defer_residual = False  # set inside a LlamaBody, whose next layer or norm adds it
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: AttendFn) -> Tensor:
-        # x: [B, T, H], cos/sin: [B, T, 1, D] -> [B, T, H]
-        b, t, h = x.shape
+    def forward(
+        self, x: Tensor | Pending, cos: Tensor, sin: Tensor, attend: AttendFn
+    ) -> Tensor | Pending:
+        # x: [B, T, H] (or pending), cos/sin: [B, T, 1, D] -> [B, T, H] (or pending)
+        shape = x.x.shape if isinstance(x, Pending) else x.shape
+        b, t, h = shape
         n, d = b * t, self.head_dim
-        x2 = x.reshape(n, h)
-        qkv = F.linear(rmsnorm(x2, self.input_norm, self.eps), self.qkv)
-        q, k = rope_qk(qkv, cos.reshape(n, d), sin.reshape(n, d), self.n_q, self.n_kv, d)
-        v = qkv[:, (self.n_q + self.n_kv) * d :].view(b, t, self.n_kv, d)
-        out = attend(self.layer_index, q.view(b, t, self.n_q, d), k.view(b, t, self.n_kv, d), v)
-        x2, normed = add_rmsnorm(x2, F.linear(out.reshape(n, -1), self.o), self.post_norm, self.eps)
-        x2 = x2 + F.linear(silu_mul(F.linear(normed, self.gate_up)), self.down)
-        return x2.view(b, t, h)
+        if isinstance(x, Pending):
+            resid, normed = add_rmsnorm(x.x.reshape(n, h), x.delta, self.input_norm, self.eps)
+        else:
+            resid = x.reshape(n, h)
+            normed = rmsnorm(resid, self.input_norm, self.eps)
+        qkv = linear_parts(normed, self.qkv)
+        out = self._attention(qkv, cos.reshape(n, d), sin.reshape(n, d), attend, b, t)
+        resid, normed = add_rmsnorm(
+            resid, linear_parts(out.reshape(n, -1), self.o), self.post_norm, self.eps
+        )
+        down = linear_parts(silu_mul(linear_parts(normed, self.gate_up), resid.dtype), self.down)
+        if self.defer_residual:
+            return Pending(resid.view(shape), down)
+        return add_rmsnorm(resid, down, self.post_norm, self.eps)[0].view(shape)
+
+    def _attention(
+        self, qkv: Tensor, cos: Tensor, sin: Tensor, attend: AttendFn, b: int, t: int
+    ) -> Tensor:
+        # qkv: partials [S, N, (Hq + 2 Hkv) D] -> attention output [B, T, Hq, D]
+        n_q, n_kv, d = self.n_q, self.n_kv, self.head_dim
+        if isinstance(attend, PagedAttend) and qkv.is_cuda:
+            q = attend.rope_write(self.layer_index, qkv, cos, sin)
+            return attend.run(self.layer_index, q.view(b, t, n_q, d))
+        full = (qkv.sum(0) if qkv.shape[0] > 1 else qkv[0]).to(cos.dtype)
+        q, k = rope_qk(full, cos, sin, n_q, n_kv, d)
+        v = full[:, (n_q + n_kv) * d :].view(b, t, n_kv, d)
+        return attend(self.layer_index, q.view(b, t, n_q, d), k.view(b, t, n_kv, d), v)
 
 
 def fuse_decoder(module: nn.Module) -> nn.Module:
-    """Replaces every DecoderLayer / RMSNorm inside `module` in place (frees the split weights)."""
+    """Replaces every DecoderLayer / RMSNorm / `lm_head` inside `module` in place (frees the
+    split weights); layers of a `LlamaBody` defer their last residual add to what follows."""
     for name, child in list(module.named_children()):
         if isinstance(child, DecoderLayer):
             setattr(module, name, FusedDecoderLayer(child))
         elif isinstance(child, RMSNorm):
             setattr(module, name, FusedRMSNorm(child))
+        elif name == "lm_head" and type(child) is nn.Linear and child.bias is None:
+            setattr(module, name, FusedLMHead(child))
         else:
             fuse_decoder(child)
+    if isinstance(module, LlamaBody):
+        for layer in module.layers:
+            if isinstance(layer, FusedDecoderLayer):
+                layer.defer_residual = True
     return module

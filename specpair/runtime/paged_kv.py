@@ -9,9 +9,10 @@ returned on `free`. A token at position p of slot s lives at flat index
 
 Writes are tentative past the committed length exactly as in the dense cache; `commit` moves the
 accepted entries (e.g. tree nodes [0, 2, 5]) to the front through their flat indices. K/V are
-written with one `index_copy_` per tensor (the same indices flashinfer's append kernel would
-compute, and the same code on CPU); attention is `BatchPrefillWithPagedKVCacheWrapper` with the
-tree as a custom mask. On CPU the pages are gathered and attended with SDPA (tests).
+written at flat rows (the same indices flashinfer's append kernel would compute): by the fused
+layer's rope kernel on the GPU (`PagedAttend.rope_write`), by `index_copy_` otherwise.
+Attention is `BatchPrefillWithPagedKVCacheWrapper` with the tree as a custom mask. On CPU the
+pages are gathered and attended with SDPA (tests).
 
 Slot `max_requests` is a padding slot: CUDA-graph buckets fill their unused rows with it.
 """
@@ -68,6 +69,36 @@ def flat_mask(layout: BatchLayout) -> Tensor:
         rows[:, start:] = layout.new_mask[b]
         parts.append(rows.view(-1))
     return torch.cat(parts)
+
+
+class PagedAttend:
+    """`attend` for one planned flashinfer wrapper: an `AttendFn` (write K/V, attend), and the
+    split form the fused layer uses: `rope_write` (rope + K/V straight into the cache rows, one
+    Triton kernel) then `run`."""
+
+    def __init__(self, cache: PagedKVCache, wrapper: Any, rows: Tensor) -> None:
+        self.cache, self.wrapper, self.rows = cache, wrapper, rows
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        _, n_kv, d = self.cache.heads
+        n = q.shape[0] * q.shape[1]
+        self.cache.k[layer].view(-1, n_kv, d).index_copy_(0, self.rows, k.reshape(n, n_kv, d))
+        self.cache.v[layer].view(-1, n_kv, d).index_copy_(0, self.rows, v.reshape(n, n_kv, d))
+        return self.run(layer, q)
+
+    def rope_write(self, layer: int, qkv: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        # qkv: partials [S, N, (Hq + 2 Hkv) D], cos/sin: [N, D] -> q [N, Hq, D]
+        from specpair.runtime.triton_kernels import rope_write
+
+        n_q, n_kv, d = self.cache.heads
+        k, v = self.cache.k[layer].view(-1, n_kv, d), self.cache.v[layer].view(-1, n_kv, d)
+        return rope_write(qkv, cos, sin, self.rows, k, v, n_q, n_kv, d)
+
+    def run(self, layer: int, q: Tensor) -> Tensor:
+        # q: [B, T, Hq, D] -> [B, T, Hq, D], over the K/V already written
+        b, t, n_q, d = q.shape
+        out = self.wrapper.run(q.reshape(b * t, n_q, d), (self.cache.k[layer], self.cache.v[layer]))
+        return out.view(b, t, n_q, d)
 
 
 class PagedKVCache:
@@ -201,18 +232,9 @@ class PagedKVCache:
         self.plan(self._eager, layout)
         return self.attend_fn(self._eager, rows)
 
-    def attend_fn(self, wrapper: Any, rows: Tensor) -> AttendFn:
+    def attend_fn(self, wrapper: Any, rows: Tensor) -> PagedAttend:
         """attend over flashinfer `wrapper` (planned), writing new K/V at flat `rows` [B * T]."""
-        n_q, n_kv, d = self.heads
-
-        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            b, t = q.shape[:2]
-            self.k[layer].view(-1, n_kv, d).index_copy_(0, rows, k.reshape(b * t, n_kv, d))
-            self.v[layer].view(-1, n_kv, d).index_copy_(0, rows, v.reshape(b * t, n_kv, d))
-            out = wrapper.run(q.reshape(b * t, n_q, d), (self.k[layer], self.v[layer]))
-            return out.view(b, t, n_q, d)
-
-        return attend
+        return PagedAttend(self, wrapper, rows)
 
     def make_wrapper(self, buffers: dict[str, Tensor] | None = None) -> Any:
         """A flashinfer paged-prefill wrapper; with `buffers`, a CUDA-graph one over them."""

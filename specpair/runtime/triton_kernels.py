@@ -1,7 +1,11 @@
-"""Triton kernels for the elementwise stages of a fused decoder layer (GPU only).
+"""Triton kernels of the fused decoder layer (GPU only): see `fused.py` for how they chain.
 
-Each is one program per row (or per row × head), fp32 arithmetic, bf16 in and out. They exist to
-cut kernel count, not flops: see `fused.py`.
+- `gemv_partials`: few-row matmuls (M <= 16) as split-K fp32 partials [S, M, N], no reduce
+  kernel: every consumer below sums the S partials as it loads them;
+- `rmsnorm` / `add_rmsnorm`: one program per row, fp32 statistics;
+- `rope_write`: rotates q and k and writes k and v straight into the paged cache rows;
+- `silu_mul`: the SwiGLU activation.
+Elementwise kernels exist to cut kernel count, not flops: at batch 1 every launch is idle bus.
 """
 
 from __future__ import annotations
@@ -14,14 +18,18 @@ from torch import Tensor
 
 @triton.jit
 def _rmsnorm_kernel(
-    x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, h, eps, ADD: tl.constexpr, BLOCK: tl.constexpr
-):
+    x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, h, n_rows, splits, eps,
+    ADD: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # one program per row; with ADD, x += the sum of `splits` delta rows [splits, n_rows, h]
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     m = cols < h
     x = tl.load(x_ptr + row * h + cols, mask=m, other=0.0).to(tl.float32)
     if ADD:
-        x = x + tl.load(d_ptr + row * h + cols, mask=m, other=0.0).to(tl.float32)
+        for s in range(splits):
+            d = tl.load(d_ptr + (s * n_rows + row) * h + cols, mask=m, other=0.0)
+            x += d.to(tl.float32)
         x = x.to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * h + cols, x, mask=m)
         x = x.to(tl.float32)
@@ -36,70 +44,153 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     n, h = x.shape
     x = x.contiguous()
     out = torch.empty_like(x)
-    _rmsnorm_kernel[(n,)](x, x, weight, x, out, h, eps, ADD=False, BLOCK=triton.next_power_of_2(h))
+    block = triton.next_power_of_2(h)
+    _rmsnorm_kernel[(n,)](x, x, weight, x, out, h, n, 0, eps, ADD=False, BLOCK=block)
     return out
 
 
-def add_rmsnorm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_rmsnorm(x: Tensor, parts: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """x [N, H] + the sum of parts [S, N, H] (any float dtype) -> (sum, rmsnorm(sum))."""
     n, h = x.shape
-    x, delta = x.contiguous(), delta.contiguous()
+    x, parts = x.contiguous(), parts.contiguous()
     total, out = torch.empty_like(x), torch.empty_like(x)
     block = triton.next_power_of_2(h)
-    _rmsnorm_kernel[(n,)](x, delta, weight, total, out, h, eps, ADD=True, BLOCK=block)
+    _rmsnorm_kernel[(n,)](
+        x, parts, weight, total, out, h, n, parts.shape[0], eps, ADD=True, BLOCK=block
+    )
     return total, out
 
 
 @triton.jit
-def _rope_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, row_stride, n_q, n_kv, HALF: tl.constexpr
-):
-    # grid (N, Hq + Hkv): rotate one head of one token; q heads first, then k heads.
+def _rope_write_kernel(
+    parts_ptr, splits, n_rows, width, cos_ptr, sin_ptr, q_ptr, rows_ptr, k_ptr, v_ptr,
+    n_q, n_kv, HALF: tl.constexpr,
+):  # fmt: skip
+    # grid (N, Hq + 2 Hkv): one head of one token from the summed QKV partials. q heads are
+    # rotated into q [N, Hq, D]; k heads rotated and v heads copied into the cache rows
+    # k/v [rows, Hkv, D] at rows[token] (the paged cache's flat write index).
     row, head = tl.program_id(0), tl.program_id(1)
     d = 2 * HALF
     cols = tl.arange(0, HALF)
-    src = qkv_ptr + row * row_stride + head * d
-    x1 = tl.load(src + cols).to(tl.float32)
-    x2 = tl.load(src + HALF + cols).to(tl.float32)
-    c = tl.load(cos_ptr + row * d + cols).to(tl.float32)
-    s = tl.load(sin_ptr + row * d + cols).to(tl.float32)
-    o1 = x1 * c - x2 * s
-    o2 = x2 * c + x1 * s
-    if head < n_q:  # noqa: SIM108 (a branch on a program id, not a Python value)
-        dst = q_ptr + (row * n_q + head) * d
+    x1 = tl.zeros((HALF,), dtype=tl.float32)
+    x2 = tl.zeros((HALF,), dtype=tl.float32)
+    for s in range(splits):
+        src = parts_ptr + (s * n_rows + row) * width + head * d
+        x1 += tl.load(src + cols).to(tl.float32)
+        x2 += tl.load(src + HALF + cols).to(tl.float32)
+    # round to the activation dtype first, as the unfused QKV matmul's output would be
+    x1 = x1.to(q_ptr.dtype.element_ty).to(tl.float32)
+    x2 = x2.to(q_ptr.dtype.element_ty).to(tl.float32)
+    if head < n_q + n_kv:
+        c = tl.load(cos_ptr + row * d + cols).to(tl.float32)
+        s_ = tl.load(sin_ptr + row * d + cols).to(tl.float32)
+        o1 = x1 * c - x2 * s_
+        o2 = x2 * c + x1 * s_
     else:
-        dst = k_ptr + (row * n_kv + head - n_q) * d
+        o1, o2 = x1, x2
+    if head < n_q:
+        dst = q_ptr + (row * n_q + head) * d
+    elif head < n_q + n_kv:
+        dst = k_ptr + (tl.load(rows_ptr + row) * n_kv + head - n_q) * d
+    else:
+        dst = v_ptr + (tl.load(rows_ptr + row) * n_kv + head - n_q - n_kv) * d
     tl.store(dst + cols, o1.to(q_ptr.dtype.element_ty))
     tl.store(dst + HALF + cols, o2.to(q_ptr.dtype.element_ty))
 
 
-def rope_qk(
-    qkv: Tensor, cos: Tensor, sin: Tensor, n_q: int, n_kv: int, head_dim: int
-) -> tuple[Tensor, Tensor]:
-    n = qkv.shape[0]
-    q = torch.empty(n, n_q, head_dim, dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty(n, n_kv, head_dim, dtype=qkv.dtype, device=qkv.device)
-    cos, sin = cos.contiguous(), sin.contiguous()
-    _rope_kernel[(n, n_q + n_kv)](qkv, cos, sin, q, k, qkv.stride(0), n_q, n_kv, HALF=head_dim // 2)
-    return q, k
+def rope_write(
+    parts: Tensor, cos: Tensor, sin: Tensor, rows: Tensor, k_cache: Tensor, v_cache: Tensor,
+    n_q: int, n_kv: int, head_dim: int,
+) -> Tensor:  # fmt: skip
+    """QKV partials [S, N, (Hq + 2 Hkv) D] -> rotated q [N, Hq, D]; rotated k and v are written
+    into the cache rows k_cache/v_cache [R, Hkv, D] at rows [N] (one kernel, no index_copy)."""
+    splits, n, width = parts.shape
+    q = torch.empty(n, n_q, head_dim, dtype=k_cache.dtype, device=parts.device)
+    cos, sin, parts = cos.contiguous(), sin.contiguous(), parts.contiguous()
+    _rope_write_kernel[(n, n_q + 2 * n_kv)](
+        parts, splits, n, width, cos, sin, q, rows, k_cache, v_cache, n_q, n_kv,
+        HALF=head_dim // 2,
+    )  # fmt: skip
+    return q
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, n_rows, splits, BLOCK: tl.constexpr):
     row, blk = tl.program_id(0), tl.program_id(1)
     cols = blk * BLOCK + tl.arange(0, BLOCK)
     m = cols < inter
-    g = tl.load(gu_ptr + row * 2 * inter + cols, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + row * 2 * inter + inter + cols, mask=m, other=0.0).to(tl.float32)
-    # F.silu rounds to bf16 before the product; do the same so eager and fused agree closely.
+    g = tl.zeros((BLOCK,), dtype=tl.float32)
+    u = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(splits):
+        base = gu_ptr + (s * n_rows + row) * 2 * inter
+        g += tl.load(base + cols, mask=m, other=0.0).to(tl.float32)
+        u += tl.load(base + inter + cols, mask=m, other=0.0).to(tl.float32)
+    # Round as the unfused path does: matmul output, then F.silu, to bf16 before the product.
+    g = g.to(out_ptr.dtype.element_ty).to(tl.float32)
+    u = u.to(out_ptr.dtype.element_ty).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * inter + cols, (act * u).to(out_ptr.dtype.element_ty), mask=m)
 
 
-def silu_mul(gate_up: Tensor) -> Tensor:
-    n, two_i = gate_up.shape
+def silu_mul(parts: Tensor, dtype: torch.dtype) -> Tensor:
+    """gate/up partials [S, N, 2I] -> silu(gate) * up [N, I] in `dtype`."""
+    splits, n, two_i = parts.shape
     inter = two_i // 2
-    gate_up = gate_up.contiguous()
-    out = torch.empty(n, inter, dtype=gate_up.dtype, device=gate_up.device)
+    parts = parts.contiguous()
+    out = torch.empty(n, inter, dtype=dtype, device=parts.device)
     block = 1024
-    _silu_mul_kernel[(n, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block)
+    grid = (n, triton.cdiv(inter, block))
+    _silu_mul_kernel[grid](parts, out, inter, n, splits, BLOCK=block)
     return out
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, part_ptr, m, n, k, k_per_split,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    # grid (cdiv(n, BN), splits): rows [pid_n * BN, +BN) of w over k range pid_k; fp32 partials
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = tl.arange(0, BM)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    k0 = pid_k * k_per_split
+    for kk in range(k0, k0 + k_per_split, BK):
+        rk = kk + tl.arange(0, BK)
+        x = tl.load(x_ptr + rm[:, None] * k + rk[None, :], mask=rm[:, None] < m, other=0.0)
+        w = tl.load(w_ptr + rn[None, :] * k + rk[:, None], mask=rn[None, :] < n, other=0.0)
+        acc += tl.dot(x, w)
+    out = part_ptr + pid_k * m * n + rm[:, None] * n + rn[None, :]
+    tl.store(out, acc, mask=(rm[:, None] < m) & (rn[None, :] < n))
+
+
+def gemv_config(n: int, k: int) -> tuple[int, int, int, int, int] | None:
+    """(splits, BN, BK, warps, stages) for an [N, K] weight, or None where the GEMV can't run.
+
+    Enough programs to keep every SM streaming (>= 256 on 132 SMs): 64-row tiles, K split in
+    two until there are. Measured on an H200 (`bench/gpu_kernels.py`): at M = 1 this reads
+    0.78-1.05 of the copy bandwidth where cuBLAS read 0.63-1.03 (o-proj 10.2 vs 12.6 µs)."""
+    bn, bk = 64, 128
+    if k % bk:
+        return None
+    splits = 1
+    while -(-n // bn) * splits < 256 and splits < 8 and k % (2 * splits * bk) == 0:
+        splits *= 2
+    return splits, bn, bk, 4, 3 if splits == 1 else 4
+
+
+def gemv_partials(
+    x: Tensor, w: Tensor, splits: int, bn: int = 64, bk: int = 128, warps: int = 4, stages: int = 3
+) -> Tensor:
+    """x [M, K] @ w[N, K]^T as fp32 split-K partials [splits, M, N] (M <= 16): a consumer kernel
+    sums them, so no reduce kernel runs. For the few-row matmuls of batch-1 decoding."""
+    m, k = x.shape
+    n = w.shape[0]
+    assert m <= 16 and k % (splits * bk) == 0, (m, k, splits, bk)
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, bn), splits)
+    _gemv_kernel[grid](
+        x.contiguous(), w, part, m, n, k, k // splits,
+        BM=16, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return part

@@ -1,0 +1,80 @@
+"""The fused layer's Triton kernels against the plain torch they replace (bf16, on the GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+from specpair.runtime import fused, triton_kernels
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 6144, 4096), (8, 4096, 14336), (16, 1000, 256)])
+def test_gemv_partials_sum_to_the_matmul(m: int, n: int, k: int) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(m, k, dtype=BF16, device="cuda")
+    w = torch.randn(n, k, dtype=BF16, device="cuda") * 0.02
+    cfg = triton_kernels.gemv_config(n, k)
+    assert cfg is not None
+    parts = triton_kernels.gemv_partials(x, w, *cfg)
+    assert parts.shape == (cfg[0], m, n) and parts.dtype == torch.float32
+    ref = x.float() @ w.float().T
+    torch.testing.assert_close(parts.sum(0), ref, atol=1e-3, rtol=1e-3)
+
+
+def test_gemv_config_fills_the_gpu_and_splits_k_evenly() -> None:
+    assert triton_kernels.gemv_config(4096, 4096) == (4, 64, 128, 4, 4)  # 64 tiles x 4 splits
+    assert triton_kernels.gemv_config(128256, 4096) == (1, 64, 128, 4, 3)
+    assert triton_kernels.gemv_config(4096, 100) is None  # K not a multiple of the K tile
+    splits, _, bk, _, _ = triton_kernels.gemv_config(512, 256)  # type: ignore[misc]
+    assert 256 % (splits * bk) == 0
+
+
+def test_add_rmsnorm_sums_partials() -> None:
+    torch.manual_seed(1)
+    x = torch.randn(5, 4096, dtype=BF16, device="cuda")
+    parts = torch.randn(4, 5, 4096, device="cuda")
+    w = torch.rand(4096, dtype=BF16, device="cuda")
+    total, normed = triton_kernels.add_rmsnorm(x, parts, w, 1e-5)
+    ref_total = (x.float() + parts.sum(0)).to(BF16)
+    torch.testing.assert_close(total, ref_total, atol=0, rtol=0)
+    ref = fused.add_rmsnorm(x.cpu(), ref_total.cpu()[None] - x.cpu()[None], w.cpu(), 1e-5)[1]
+    torch.testing.assert_close(normed.cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_rope_write_equals_rope_then_index_copy() -> None:
+    torch.manual_seed(2)
+    n, n_q, n_kv, d = 6, 8, 2, 128
+    parts = torch.randn(2, n, (n_q + 2 * n_kv) * d, device="cuda")
+    cos, sin = (
+        torch.randn(n, d, dtype=BF16, device="cuda"),
+        torch.randn(n, d, dtype=BF16, device="cuda"),
+    )
+    rows = torch.tensor([7, 3, 0, 12, 5, 9], device="cuda")
+    k_cache = torch.zeros(16, n_kv, d, dtype=BF16, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    q = triton_kernels.rope_write(parts, cos, sin, rows, k_cache, v_cache, n_q, n_kv, d)
+    qkv = parts.sum(0).to(BF16)
+    ref_q, ref_k = fused.rope_qk(qkv.float(), cos.float(), sin.float(), n_q, n_kv, d)
+    torch.testing.assert_close(q.float(), ref_q, atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(k_cache[rows].float(), ref_k, atol=3e-2, rtol=2e-2)
+    ref_v = qkv[:, (n_q + n_kv) * d :].view(n, n_kv, d)
+    assert torch.equal(v_cache[rows], ref_v)
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[rows.cpu()] = False
+    assert not k_cache[untouched.cuda()].any() and not v_cache[untouched.cuda()].any()
+
+
+def test_silu_mul_sums_partials() -> None:
+    torch.manual_seed(3)
+    parts = torch.randn(2, 3, 2 * 1536, device="cuda")
+    out = triton_kernels.silu_mul(parts, BF16)
+    gate, up = parts.sum(0).to(BF16).chunk(2, dim=-1)
+    torch.testing.assert_close(out, F.silu(gate) * up, atol=2e-2, rtol=2e-2)
