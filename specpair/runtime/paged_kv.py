@@ -97,7 +97,10 @@ class PagedAttend:
     def run(self, layer: int, q: Tensor) -> Tensor:
         # q: [B, T, Hq, D] -> [B, T, Hq, D], over the K/V already written
         b, t, n_q, d = q.shape
-        out = self.wrapper.run(q.reshape(b * t, n_q, d), (self.cache.k[layer], self.cache.v[layer]))
+        # flashinfer would allocate its output with torch.zeros: one fill kernel per layer
+        out = torch.empty(b * t, n_q, d, dtype=q.dtype, device=q.device)
+        kv = (self.cache.k[layer], self.cache.v[layer])
+        self.wrapper.run(q.reshape(b * t, n_q, d), kv, out=out)
         return out.view(b, t, n_q, d)
 
 

@@ -18,16 +18,17 @@ from torch import Tensor
 
 @triton.jit
 def _rmsnorm_kernel(
-    x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, h, n_rows, splits, eps,
-    ADD: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, h, n_rows, eps,
+    SPLITS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # one program per row; with ADD, x += the sum of `splits` delta rows [splits, n_rows, h]
+    # one program per row; x += the sum of SPLITS delta rows [SPLITS, n_rows, h] (0: none).
+    # SPLITS is a compile-time constant so the partial loads are all issued at once.
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     m = cols < h
     x = tl.load(x_ptr + row * h + cols, mask=m, other=0.0).to(tl.float32)
-    if ADD:
-        for s in range(splits):
+    if SPLITS > 0:
+        for s in tl.static_range(SPLITS):
             d = tl.load(d_ptr + (s * n_rows + row) * h + cols, mask=m, other=0.0)
             x += d.to(tl.float32)
         x = x.to(sum_ptr.dtype.element_ty)
@@ -45,7 +46,7 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     block = triton.next_power_of_2(h)
-    _rmsnorm_kernel[(n,)](x, x, weight, x, out, h, n, 0, eps, ADD=False, BLOCK=block)
+    _rmsnorm_kernel[(n,)](x, x, weight, x, out, h, n, eps, SPLITS=0, BLOCK=block, num_warps=16)
     return out
 
 
@@ -56,15 +57,15 @@ def add_rmsnorm(x: Tensor, parts: Tensor, weight: Tensor, eps: float) -> tuple[T
     total, out = torch.empty_like(x), torch.empty_like(x)
     block = triton.next_power_of_2(h)
     _rmsnorm_kernel[(n,)](
-        x, parts, weight, total, out, h, n, parts.shape[0], eps, ADD=True, BLOCK=block
+        x, parts, weight, total, out, h, n, eps, SPLITS=parts.shape[0], BLOCK=block, num_warps=16
     )
     return total, out
 
 
 @triton.jit
 def _rope_write_kernel(
-    parts_ptr, splits, n_rows, width, cos_ptr, sin_ptr, q_ptr, rows_ptr, k_ptr, v_ptr,
-    n_q, n_kv, HALF: tl.constexpr,
+    parts_ptr, n_rows, width, cos_ptr, sin_ptr, q_ptr, rows_ptr, k_ptr, v_ptr,
+    n_q, n_kv, SPLITS: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     # grid (N, Hq + 2 Hkv): one head of one token from the summed QKV partials. q heads are
     # rotated into q [N, Hq, D]; k heads rotated and v heads copied into the cache rows
@@ -74,7 +75,7 @@ def _rope_write_kernel(
     cols = tl.arange(0, HALF)
     x1 = tl.zeros((HALF,), dtype=tl.float32)
     x2 = tl.zeros((HALF,), dtype=tl.float32)
-    for s in range(splits):
+    for s in tl.static_range(SPLITS):
         src = parts_ptr + (s * n_rows + row) * width + head * d
         x1 += tl.load(src + cols).to(tl.float32)
         x2 += tl.load(src + HALF + cols).to(tl.float32)
@@ -108,20 +109,20 @@ def rope_write(
     q = torch.empty(n, n_q, head_dim, dtype=k_cache.dtype, device=parts.device)
     cos, sin, parts = cos.contiguous(), sin.contiguous(), parts.contiguous()
     _rope_write_kernel[(n, n_q + 2 * n_kv)](
-        parts, splits, n, width, cos, sin, q, rows, k_cache, v_cache, n_q, n_kv,
-        HALF=head_dim // 2,
+        parts, n, width, cos, sin, q, rows, k_cache, v_cache, n_q, n_kv,
+        SPLITS=splits, HALF=head_dim // 2,
     )  # fmt: skip
     return q
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, inter, n_rows, splits, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, n_rows, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     row, blk = tl.program_id(0), tl.program_id(1)
     cols = blk * BLOCK + tl.arange(0, BLOCK)
     m = cols < inter
     g = tl.zeros((BLOCK,), dtype=tl.float32)
     u = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(splits):
+    for s in tl.static_range(SPLITS):
         base = gu_ptr + (s * n_rows + row) * 2 * inter
         g += tl.load(base + cols, mask=m, other=0.0).to(tl.float32)
         u += tl.load(base + inter + cols, mask=m, other=0.0).to(tl.float32)
@@ -140,7 +141,7 @@ def silu_mul(parts: Tensor, dtype: torch.dtype) -> Tensor:
     out = torch.empty(n, inter, dtype=dtype, device=parts.device)
     block = 1024
     grid = (n, triton.cdiv(inter, block))
-    _silu_mul_kernel[grid](parts, out, inter, n, splits, BLOCK=block)
+    _silu_mul_kernel[grid](parts, out, inter, n, SPLITS=splits, BLOCK=block)
     return out
 
 
