@@ -3,8 +3,9 @@
     python -m bench.gpu_forward [--contexts 512 2048] [--queries 1 2 4 8] [--out FILE.json]
 
 floor = weight bytes / device-to-device copy bandwidth (read + write), both measured here.
-ours: the verify stage as served (fused layers, flashinfer paged attention with the tree mask,
-one CUDA graph); "graph" times the replay, "+plan" adds the host-side planning that precedes it.
+ours: the verify stage as served (fused layers, Triton tree attention over the paged cache,
+one CUDA graph); "graph" times the replay, "+plan" adds the host-side planning that precedes it,
+"fi-attn" is the same graph with flashinfer's paged prefill in place of the Triton tree attention.
 transformers: the same weights (shared tensors), a StaticCache, eager and under a CUDA graph.
 """
 
@@ -159,6 +160,16 @@ def main() -> None:
 
             replay = median(time_cuda(g.graph.replay, args.iters))
             with_plan = median(time_cuda(planned, args.iters))
+            # the same graph with flashinfer's paged prefill as its attention
+            cache.graph_attention = "flashinfer"
+            with torch.inference_mode():
+                g_fi = graphs._verify(1, q)
+            cache.graph_attention = "triton"
+            g_fi.inputs["tokens"].copy_(tokens)
+            g_fi.inputs["positions"].copy_(torch.arange(ctx, ctx + q)[None])
+            g_fi.attention[0].plan(layout)
+            replay_fi = median(time_cuda(g_fi.graph.replay, args.iters))
+            del g_fi
             print(
                 f"ours ctx {ctx} q {q}: graph {1e3 * replay:.3f} ms ({replay / floor:.3f}× floor),"
                 f" plan+graph {1e3 * with_plan:.3f} ms ({with_plan / floor:.3f}×), "
@@ -178,6 +189,7 @@ def main() -> None:
                 "floor_s": floor,
                 "ours_graph_s": replay,
                 "ours_plan_graph_s": with_plan,
+                "ours_flashinfer_graph_s": replay_fi,
                 "capture_s": capture_s,
                 "logits_rel_err": rel,
                 **{k + "_s": v for k, v in hf_t.items()},
@@ -192,6 +204,8 @@ def main() -> None:
                     f"{replay / floor:.3f}",
                     f"{1e3 * with_plan:.2f}",
                     f"{with_plan / floor:.3f}",
+                    f"{1e3 * replay_fi:.2f}",
+                    f"{replay_fi / floor:.3f}",
                     f"{1e3 * hf_t['hf_eager']:.1f}",
                     f"{1e3 * hf_t['hf_graph']:.2f}",
                     f"{hf_t['hf_graph'] / floor:.2f}",
@@ -215,6 +229,8 @@ def main() -> None:
                 "ours ms",
                 "×floor",
                 "+plan ms",
+                "×floor",
+                "fi-attn ms",
                 "×floor",
                 "HF eager ms",
                 "HF graph ms",

@@ -82,7 +82,7 @@ class GraphAttention:
 
     def __init__(self, cache: PagedKVCache, batch: int, tokens: int) -> None:
         self.cache, self.batch, self.tokens = cache, batch, tokens
-        self.wrapper = cache.make_wrapper(cache.graph_buffers(batch, tokens))
+        self.wrapper = cache.graph_wrapper(batch, tokens)
         self.rows = torch.zeros(batch * tokens, dtype=torch.long, device=cache.device)
         self.attend = cache.attend_fn(self.wrapper, self.rows)
         idle = torch.ones(tokens, tokens, dtype=torch.bool).tril().expand(batch, -1, -1)

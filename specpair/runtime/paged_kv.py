@@ -117,7 +117,13 @@ class PagedKVCache:
         page_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        graph_attention: str = "triton",
     ) -> None:
+        if graph_attention not in ("triton", "flashinfer"):
+            raise ValueError(
+                f"graph_attention must be triton or flashinfer, not {graph_attention!r}"
+            )
+        self.graph_attention = graph_attention
         self.page_size = page_size
         self.pages_per_slot = -(-max_len // page_size)
         num_pages = (max_requests + 1) * self.pages_per_slot
@@ -147,6 +153,7 @@ class PagedKVCache:
         page_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        graph_attention: str = "triton",
     ) -> PagedKVCache:
         return cls(
             num_layers=args.num_layers,
@@ -158,6 +165,7 @@ class PagedKVCache:
             page_size=page_size,
             dtype=dtype,
             device=device,
+            graph_attention=graph_attention,
         )
 
     # -- slots and pages ------------------------------------------------------------------------
@@ -262,6 +270,18 @@ class PagedKVCache:
             backend="fa2",
         )
 
+    def graph_wrapper(self, batch: int, tokens: int) -> Any:
+        """The attention of a CUDA graph over [batch, tokens]: the Triton tree kernel where it
+        fits (`tree_attention.py`), else flashinfer in CUDA-graph mode."""
+        from specpair.runtime.tree_attention import TreeAttention
+
+        if self.graph_attention == "triton" and TreeAttention.fits(tokens, self.heads):
+            return TreeAttention(
+                batch=batch, tokens=tokens, heads=self.heads, page_size=self.page_size,
+                pages_per_slot=self.pages_per_slot, device=self.device,
+            )  # fmt: skip
+        return self.make_wrapper(self.graph_buffers(batch, tokens))
+
     def graph_buffers(self, batch: int, tokens: int) -> dict[str, Tensor]:
         """Static metadata buffers for a CUDA-graph wrapper of `batch` requests × `tokens`."""
 
@@ -279,6 +299,11 @@ class PagedKVCache:
         }
 
     def plan(self, wrapper: Any, layout: BatchLayout) -> None:
+        from specpair.runtime.tree_attention import TreeAttention
+
+        if isinstance(wrapper, TreeAttention):
+            wrapper.plan(layout, self.page_table)
+            return
         b, t = layout.new_mask.shape[:2]
         n_q, n_kv, d = self.heads
         indptr, indices, last = page_metadata(

@@ -79,3 +79,44 @@ def test_silu_mul_sums_partials() -> None:
     out = triton_kernels.silu_mul(parts, BF16)
     gate, up = parts.sum(0).to(BF16).chunk(2, dim=-1)
     torch.testing.assert_close(out, F.silu(gate) * up, atol=2e-2, rtol=2e-2)
+
+
+def test_tree_attention_equals_masked_sdpa_over_the_pages() -> None:
+    from specpair.runtime.kv_cache import BatchLayout, attention_mask
+    from specpair.runtime.paged_kv import PagedKVCache
+    from specpair.runtime.tree_attention import TreeAttention
+
+    torch.manual_seed(4)
+    n_q, n_kv, d, t = 8, 2, 128, 4
+    cache = PagedKVCache(
+        num_layers=1, num_qo_heads=n_q, num_kv_heads=n_kv, head_dim=d, max_requests=3,
+        max_len=700, page_size=16, dtype=BF16, device="cuda",
+    )  # fmt: skip
+    cache.k.normal_()
+    cache.v.normal_()
+    slots = [cache.alloc() for _ in range(3)]
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    layout = BatchLayout(
+        torch.tensor(slots), torch.tensor([0, 37, 611]), torch.stack([tree, causal, tree])
+    )
+    cache.write_index(layout)  # gives the slots their pages
+    attn = TreeAttention(
+        batch=3, tokens=t, heads=(n_q, n_kv, d), page_size=16,
+        pages_per_slot=cache.pages_per_slot, device=torch.device("cuda"),
+    )  # fmt: skip
+    cache.plan(attn, layout)
+    q = torch.randn(3 * t, n_q, d, dtype=BF16, device="cuda")
+    out = attn.run(q, (cache.k[0], cache.v[0]), out=torch.empty_like(q))
+    mask = attention_mask(layout).cuda()  # [B, T, K]
+    keys = torch.arange(mask.shape[-1]).expand(3, -1)
+    from specpair.runtime.paged_kv import flat_index
+
+    rows = flat_index(cache.page_table, layout.slots, keys, 16).cuda()
+    kk = cache.k[0].view(-1, n_kv, d)[rows].transpose(1, 2).float()  # [B, Hkv, K, D]
+    vv = cache.v[0].view(-1, n_kv, d)[rows].transpose(1, 2).float()
+    ref = F.scaled_dot_product_attention(
+        q.view(3, t, n_q, d).transpose(1, 2).float(), kk, vv, attn_mask=mask[:, None],
+        enable_gqa=True,
+    ).transpose(1, 2)  # fmt: skip
+    torch.testing.assert_close(out.view(3, t, n_q, d).float(), ref, atol=2e-2, rtol=2e-2)

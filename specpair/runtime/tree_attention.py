@@ -1,0 +1,155 @@
+"""Paged tree attention for few query tokens per request, in Triton (CUDA graphs only).
+
+flashinfer's paged prefill kernel (with the tree as custom mask) costs ~13 µs per layer at
+batch 1 whatever q ≤ 8 is (split-KV prefill + merge; an H100/H200 measurement in
+`bench/gpu_kernels.py`) — 0.4 ms of a 4-5 ms forward of an 8B model. Verify and the draft's
+multi-step run at most a few tokens per request, so their graphs use this split-KV kernel
+instead (flash-decoding: every program streams one chunk of one request's keys for all of a
+KV head's query rows, a second kernel merges the chunks). Prefill and long extends stay on
+flashinfer (`PagedKVCache.bind`).
+
+Visibility of key position p to new token i of request b (start = its committed length):
+
+    p < start                 → always (the committed prefix)
+    start ≤ p < start + T     → tree_mask[b, i, p - start]
+    otherwise                 → never
+
+It has flashinfer's wrapper interface (`plan` through `PagedKVCache.plan`, `run(q, (k, v),
+out=)`), and its metadata lives in static buffers so a graph replays it with a new layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from specpair.runtime.kv_cache import BatchLayout
+
+MAX_ROWS = 64  # query rows per KV head (tokens x GQA group) the kernel holds at once
+
+
+@triton.jit
+def _tree_attn_kernel(
+    q_ptr, k_ptr, v_ptr, pages_ptr, starts_ptr, mask_ptr, part_o_ptr, part_ml_ptr,
+    sm_scale, pages_stride, n_q, n_kv,
+    T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    # grid (B, Hkv, SPLITS); rows r = token * G + group head, for r < T * G
+    b, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(starts_ptr + b)
+    length = start + T
+    chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+    lo = sp * chunk
+    hi = tl.minimum(lo + chunk, length)
+    rows = tl.arange(0, R)
+    tok, grp = rows // G, rows % G
+    live = rows < T * G
+    d = tl.arange(0, D)
+    q_off = ((b * T + tok) * n_q + h * G + grp) * D
+    q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=live[:, None], other=0.0)
+    m_i = tl.full((R,), -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros((R,), dtype=tl.float32)
+    acc = tl.zeros((R, D), dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < hi
+        page = tl.load(pages_ptr + b * pages_stride + pos // PAGE, mask=valid, other=0)
+        kv_row = (page.to(tl.int64) * PAGE + pos % PAGE) * n_kv + h
+        k = tl.load(k_ptr + kv_row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * sm_scale  # [R, BLOCK_N]
+        new = pos - start
+        in_tree = (new >= 0) & valid
+        tree = tl.load(
+            mask_ptr + (b * T + tok[:, None]) * T + new[None, :],
+            mask=live[:, None] & in_tree[None, :],
+            other=0,
+        )
+        vis = valid[None, :] & ((pos[None, :] < start) | (tree != 0))
+        s = tl.where(vis, s, -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.where(vis, tl.exp(s - m_new[:, None]), 0.0)
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(v_ptr + kv_row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    base = ((b * tl.num_programs(1) + h) * SPLITS + sp) * R + rows
+    tl.store(part_o_ptr + base[:, None] * D + d[None, :], acc)
+    tl.store(part_ml_ptr + base * 2, m_i)
+    tl.store(part_ml_ptr + base * 2 + 1, l_i)
+
+
+@triton.jit
+def _merge_kernel(
+    part_o_ptr, part_ml_ptr, out_ptr, n_q, n_kv,
+    T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, R: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    # grid (B * T, Hq): one output row from the SPLITS chunk partials of its KV head
+    bt, hq = tl.program_id(0), tl.program_id(1)
+    b, tok = bt // T, bt % T
+    h, grp = hq // G, hq % G
+    r = tok * G + grp
+    sp = tl.arange(0, SPLITS)
+    base = ((b * n_kv + h) * SPLITS + sp) * R + r
+    m = tl.load(part_ml_ptr + base * 2)
+    lsum = tl.load(part_ml_ptr + base * 2 + 1)
+    m_max = tl.max(m, axis=0)
+    w = tl.exp(m - m_max)
+    d = tl.arange(0, D)
+    o = tl.load(part_o_ptr + base[:, None] * D + d[None, :])
+    out = tl.sum(o * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
+    tl.store(out_ptr + (bt * n_q + hq) * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+class TreeAttention:
+    """A graph-friendly stand-in for flashinfer's paged prefill wrapper at few query tokens."""
+
+    def __init__(
+        self, *, batch: int, tokens: int, heads: tuple[int, int, int], page_size: int,
+        pages_per_slot: int, device: torch.device,
+    ) -> None:  # fmt: skip
+        n_q, n_kv, d = heads
+        self.batch, self.tokens, self.heads, self.page_size = batch, tokens, heads, page_size
+        self.group = n_q // n_kv
+        self.rows = max(16, triton.next_power_of_2(tokens * self.group))
+        self.splits = max(1, min(32, 256 // (batch * n_kv)))
+        self.splits = 1 << (self.splits.bit_length() - 1)  # a power of two (tl.arange)
+        self.pages = torch.zeros(batch, pages_per_slot, dtype=torch.int32, device=device)
+        self.starts = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.mask = torch.zeros(batch, tokens, tokens, dtype=torch.int8, device=device)
+        shape = (batch, n_kv, self.splits, self.rows)
+        self.part_o = torch.empty(*shape, d, dtype=torch.float32, device=device)
+        self.part_ml = torch.empty(*shape, 2, dtype=torch.float32, device=device)
+        self.sm_scale = 1.0 / math.sqrt(d)
+
+    @staticmethod
+    def fits(tokens: int, heads: tuple[int, int, int]) -> bool:
+        n_q, n_kv, d = heads
+        return tokens * (n_q // n_kv) <= MAX_ROWS and d in (64, 128, 256)
+
+    def plan(self, layout: BatchLayout, page_table: Tensor) -> None:
+        """Copies one padded layout's pages, starts and tree mask into the static buffers."""
+        self.pages.copy_(page_table[layout.slots], non_blocking=True)
+        self.starts.copy_(layout.starts, non_blocking=True)
+        self.mask.copy_(layout.new_mask, non_blocking=True)
+
+    def run(self, q: Tensor, kv: tuple[Tensor, Tensor], out: Tensor) -> Tensor:
+        # q: [B * T, Hq, D]; kv: the layer's pages [P, page, Hkv, D] each -> out [B * T, Hq, D]
+        n_q, n_kv, d = self.heads
+        k, v = kv
+        _tree_attn_kernel[(self.batch, n_kv, self.splits)](
+            q, k, v, self.pages, self.starts, self.mask, self.part_o, self.part_ml,
+            self.sm_scale, self.pages.stride(0), n_q, n_kv,
+            T=self.tokens, G=self.group, D=d, PAGE=self.page_size, R=self.rows,
+            BLOCK_N=32, SPLITS=self.splits, num_warps=4,
+        )  # fmt: skip
+        _merge_kernel[(self.batch * self.tokens, n_q)](
+            self.part_o, self.part_ml, out, n_q, n_kv,
+            T=self.tokens, G=self.group, D=d, R=self.rows, SPLITS=self.splits,
+        )  # fmt: skip
+        return out
