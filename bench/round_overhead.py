@@ -1,16 +1,22 @@
-"""Per-round cost of the two-service deployment vs the in-process engine, same models, CPU.
+"""Per-round cost of the two-service deployment vs the in-process engine, same models, per tier.
 
 Both run the same greedy workload (a batch of concurrent requests at a fixed tier). In-process
 rounds split into draft / verify / accept bookkeeping; service rounds, as the target reports
 them on WatchRounds, into draft (the draft's own compute) / verify / serialization + gRPC (round
-trip minus draft compute) / scheduling (admission, bookkeeping, streaming).
+trip minus draft compute) / scheduling (admission, bookkeeping, streaming). One service group
+serves every tier, pinned in turn with ApplyTier (no controller).
 
-    python -m bench.round_overhead [--target models/target --draft models/draft] [--tier 3]
+    python -m bench.round_overhead [--target models/target --draft models/draft] [--tiers 3]
+    python -m bench.round_overhead --device cuda --shape llama3-8b --tiers 1 3 7 \\
+        [--draft-device cuda:1] [--models-dir /tmp/llama3-8b]
+
+`--shape llama3-8b` writes a random bf16 Llama-3-8B and an EAGLE head for it (16 GB) first.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,11 +25,13 @@ from typing import Any
 
 import torch
 
+from bench.checkpoints import random_pair
 from bench.common import add_output_args, device_info, format_table, percentile, write_json
-from bench.services import ServiceGroup, watch_rounds
+from bench.gpu_common import LLAMA3_8B
+from bench.services import ServiceGroup, apply_tier, watch_rounds
 from specpair.client import SpecpairClient
-from specpair.config import compute_threads
-from specpair.models.loading import is_eagle_checkpoint
+from specpair.config import CANDIDATE_STEPS, compute_threads
+from specpair.models.loading import is_eagle_checkpoint, read_args
 from specpair.models.tiny import make_tiny_llama
 from specpair.proto.v1 import target_pb2
 from specpair.runtime.build import build_drafter, build_target
@@ -31,57 +39,108 @@ from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.state import build_states
 from specpair.serving import compute_executor
 
+STAGES = ("draft", "verify", "rpc", "schedule", "total")
+WARMUP_TOKENS = 8
 
-def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+
+def prompts(n: int, vocab: int, length: int | None = None, seed: int = 0) -> list[list[int]]:
+    """`n` random prompts of `length` tokens (None: 16, 24, 32, … as on CPU)."""
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, vocab, (16 + 8 * i,), generator=gen).tolist() for i in range(n)]
+    sizes = [length or 16 + 8 * i for i in range(n)]
+    return [torch.randint(1, vocab, (size,), generator=gen).tolist() for size in sizes]
 
 
-def in_process(target: Path, draft: Path, work: list[list[int]], tokens: int, tier: int) -> dict:
-    worker = build_target(target, max_requests=len(work), max_len=1024, keep_features=True)
-    drafter = build_drafter(draft, target_path=target, max_requests=len(work), max_len=1024)
+def in_process(
+    target: Path,
+    draft: Path,
+    work: list[list[int]],
+    tokens: int,
+    tiers: list[int],
+    *,
+    device: str,
+    dtype: torch.dtype,
+    max_len: int,
+) -> dict[int, dict]:
+    """One engine; every tier's state (and, on a GPU, graphs) built up front, as the services do."""
+    worker = build_target(
+        target, max_requests=len(work), max_len=max_len, keep_features=True, dtype=dtype,
+        device=device,
+    )  # fmt: skip
+    drafter = build_drafter(
+        draft, target_path=target, max_requests=len(work), max_len=max_len, dtype=dtype,
+        device=device,
+    )  # fmt: skip
     engine = SpeculativeEngine(worker, drafter)
-    state = build_states([tier])[tier]
-    engine.generate(work, max_new_tokens=8, state=state)  # warm-up
-    engine.times.per_round.clear()
-    t0 = time.perf_counter()
-    results = engine.generate(work, max_new_tokens=tokens, state=state)
-    wall = time.perf_counter() - t0
-    rounds = engine.times.per_round
-    return {
-        "outputs": [r.token_ids for r in results],
-        "tokens_per_s": sum(len(r.token_ids) for r in results) / wall,
-        "stages_ms": {
-            "draft": [1e3 * d for d, _, _ in rounds],
-            "verify": [1e3 * v for _, v, _ in rounds],
-            "schedule": [1e3 * a for _, _, a in rounds],
-            "total": [1e3 * (d + v + a) for d, v, a in rounds],
-        },
-    }
+    states = build_states(tiers)
+    runs = {}
+    for tier in tiers:
+        engine.generate(work, max_new_tokens=WARMUP_TOKENS, state=states[tier])
+        engine.times.per_round.clear()
+        t0 = time.perf_counter()
+        results = engine.generate(work, max_new_tokens=tokens, state=states[tier])
+        wall = time.perf_counter() - t0
+        rounds = engine.times.per_round
+        runs[tier] = {
+            "outputs": [r.token_ids for r in results],
+            "tokens_per_s": sum(len(r.token_ids) for r in results) / wall,
+            "stages_ms": {
+                "draft": [1e3 * d for d, _, _ in rounds],
+                "verify": [1e3 * v for _, v, _ in rounds],
+                "schedule": [1e3 * a for _, _, a in rounds],
+                "total": [1e3 * (d + v + a) for d, v, a in rounds],
+            },
+        }
+    return runs
 
 
 def two_services(
-    target: Path, draft: Path, work: list[list[int]], tokens: int, tier: int, threads: int
-) -> dict:
+    target: Path,
+    draft: Path,
+    work: list[list[int]],
+    tokens: int,
+    tiers: list[int],
+    *,
+    threads: int,
+    device: str,
+    draft_device: str,
+    dtype: str,
+    max_len: int,
+    log_dir: Path,
+) -> dict[int, dict]:
     kind = "eagle" if is_eagle_checkpoint(draft) else "model"
-    with tempfile.TemporaryDirectory() as logs, ServiceGroup(
-        target=target, draft=draft, log_dir=Path(logs), initial_steps=tier, draft_kind=kind,
-        threads=threads,
+    with ServiceGroup(
+        target=target, draft=draft, log_dir=log_dir, initial_steps=tiers[0], draft_kind=kind,
+        threads=threads, device=device, draft_device=draft_device, dtype=dtype, max_len=max_len,
+        candidate_steps=sorted(set(CANDIDATE_STEPS) | set(tiers)),
     ) as group:  # fmt: skip
         client = SpecpairClient(group.target, timeout=600)
         while client.server_info()["draft_connection_state"] != "DRAFT_CONNECTION_STATE_CONNECTED":
             time.sleep(0.1)
-        client.generate(work[0], max_tokens=8)  # warm-up
-        rounds: list[target_pb2.RoundStats] = []
-        call = watch_rounds(group.target, rounds)
-        time.sleep(0.5)
-        t0 = time.perf_counter()
+        runs = {}
         with ThreadPoolExecutor(len(work)) as pool:
-            results = list(pool.map(lambda p: client.generate(p, max_tokens=tokens), work))
-        wall = time.perf_counter() - t0
-        time.sleep(0.3)
-        call.cancel()
-    spec = [r.timings for r in rounds if r.speculative]
+
+            def generate(max_tokens: int) -> list[Any]:
+                return list(pool.map(lambda p: client.generate(p, max_tokens=max_tokens), work))
+
+            for tier in tiers:
+                apply_tier(group.target, tier)
+                generate(WARMUP_TOKENS)
+                rounds: list[target_pb2.RoundStats] = []
+                call = watch_rounds(group.target, rounds)
+                time.sleep(0.5)
+                t0 = time.perf_counter()
+                results = generate(tokens)
+                wall = time.perf_counter() - t0
+                time.sleep(0.3)
+                call.cancel()
+                runs[tier] = service_run(results, rounds, tier, wall)
+    return runs
+
+
+def service_run(
+    results: list[Any], rounds: list[target_pb2.RoundStats], tier: int, wall: float
+) -> dict[str, Any]:
+    spec = [r.timings for r in rounds if r.speculative and r.speculative_num_steps == tier]
     return {
         "outputs": [list(r.token_ids) for r in results],
         "tokens_per_s": sum(len(r.token_ids) for r in results) / wall,
@@ -96,67 +155,158 @@ def two_services(
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--target", type=Path, help="target checkpoint (default: generated)")
-    parser.add_argument("--draft", type=Path, help="draft checkpoint (default: generated)")
-    parser.add_argument("--tier", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument(
-        "--threads", type=int, default=0, help="intra-op threads (0: half the cores)"
-    )
-    add_output_args(parser, "bench/out/round_overhead.json")
-    args = parser.parse_args()
-    threads = compute_threads(args.threads)
-    tmp = Path(tempfile.mkdtemp(prefix="specpair-bench-"))
-    target = args.target or make_tiny_llama(
-        tmp / "target", seed=1, vocab_size=8192, hidden_size=512, num_layers=8, num_heads=8,
-        num_kv_heads=4, intermediate_size=1408, tokenizer=False,
-    )  # fmt: skip
-    draft = args.draft or make_tiny_llama(
-        tmp / "draft", seed=2, vocab_size=8192, hidden_size=128, num_layers=2, num_heads=4,
-        num_kv_heads=2, intermediate_size=352, tokenizer=False,
-    )  # fmt: skip
-    from specpair.models.loading import read_args
-
-    work = prompts(args.batch, read_args(target).vocab_size)
-    info = device_info()
-    print(f"device: {info}", flush=True)
-    # Same intra-op threads in both, from a worker thread as the services run their compute.
-    with compute_executor("bench-compute", threads) as pool:
-        local = pool.submit(in_process, target, draft, work, args.new_tokens, args.tier).result()
-    remote = two_services(target, draft, work, args.new_tokens, args.tier, threads)
-    lossless = local["outputs"] == remote["outputs"]
-    rows: list[list[str]] = []
-    for stage in ("draft", "verify", "rpc", "schedule", "total"):
-        cells = [stage]
-        for run in (local, remote):
-            values: list[float] = run["stages_ms"].get(stage, [])
+def table_rows(tier: int, local: dict, remote: dict) -> list[list[str]]:
+    """One row per stage: p50/p99 of each, and two services / in-process at p50."""
+    rows = []
+    for stage in STAGES:
+        cells = [f"{tier} {stage}"]
+        p50s = []
+        for side in (local, remote):
+            values: list[float] = side["stages_ms"].get(stage, [])
+            p50s.append(percentile(values, 50) if values else None)
             cells += (
                 [f"{percentile(values, 50):.2f}", f"{percentile(values, 99):.2f}"]
                 if values
                 else ["-", "-"]
             )
+        a, b = p50s
+        cells.append(f"{b / a:.3f}x" if a and b is not None else "-")
         rows.append(cells)
-    p50_local = percentile(local["stages_ms"]["total"], 50)
-    p50_remote = percentile(remote["stages_ms"]["total"], 50)
+    return rows
+
+
+def same_device(a: str, b: str) -> bool:
+    da, db = torch.device(a), torch.device(b)
+    return da.type == db.type and (da.index or 0) == (db.index or 0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", type=Path, help="target checkpoint (default: generated)")
+    parser.add_argument("--draft", type=Path, help="draft checkpoint (default: generated)")
+    parser.add_argument(
+        "--shape", choices=["tiny", "llama3-8b"], default="tiny",
+        help="generated pair: tiny target + LM draft (CPU), or Llama-3-8B + EAGLE head (bf16)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--models-dir", type=Path,
+        help="where generated checkpoints go, kept and reused (default: a temp dir, removed)",
+    )  # fmt: skip
+    parser.add_argument("--tiers", "--tier", type=int, nargs="+", default=[3])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--prompt-len", type=int, help="tokens per prompt (default: 16, 24, … tiny; 512 llama3-8b)"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (in-process, target)")
+    parser.add_argument("--draft-device", help="the draft service's device (default: --device)")
+    parser.add_argument("--dtype", help="float32 (CPU default) | bfloat16 (GPU default)")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="intra-op threads (0: half the cores)"
+    )
+    add_output_args(parser, "bench/out/round_overhead.json")
+    args = parser.parse_args()
+    draft_device = args.draft_device or args.device
+    for dev in {args.device, draft_device}:
+        index = torch.device(dev).index or 0
+        if dev.startswith("cuda") and index >= torch.cuda.device_count():
+            parser.error(f"{dev}: {torch.cuda.device_count()} CUDA device(s) here")
+    dtype_name = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    tiers = sorted(set(args.tiers))
+    threads = compute_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="specpair-bench-") as tmp:
+        root = args.models_dir or Path(tmp)
+        target, draft = args.target, args.draft
+        if args.shape == "llama3-8b" and not (target and draft):
+            print(f"writing a random Llama-3-8B + EAGLE head (bf16, 16 GB) to {root}", flush=True)
+            pair = random_pair(
+                root, LLAMA3_8B, device=args.device, progress=lambda m: print(f"  {m}", flush=True)
+            )
+            target, draft = target or pair[0], draft or pair[1]
+        target = target or make_tiny_llama(
+            root / "target", seed=1, vocab_size=8192, hidden_size=512, num_layers=8, num_heads=8,
+            num_kv_heads=4, intermediate_size=1408, tokenizer=False,
+        )  # fmt: skip
+        draft = draft or make_tiny_llama(
+            root / "draft", seed=2, vocab_size=8192, hidden_size=128, num_layers=2, num_heads=4,
+            num_kv_heads=2, intermediate_size=352, tokenizer=False,
+        )  # fmt: skip
+        prompt_len = args.prompt_len or (512 if args.shape == "llama3-8b" else None)
+        work = prompts(args.batch, read_args(target).vocab_size, prompt_len)
+        context = max(1024, max(map(len, work)) + args.new_tokens)
+        compare(args, target, draft, work, tiers, threads, draft_device, dtype_name, context)
+
+
+def compare(
+    args: argparse.Namespace,
+    target: Path,
+    draft: Path,
+    work: list[list[int]],
+    tiers: list[int],
+    threads: int,
+    draft_device: str,
+    dtype_name: str,
+    context: int,
+) -> None:
+    info = device_info()
+    print(f"device: {info}", flush=True)
+    # Same intra-op threads in both, from a worker thread as the services run their compute.
+    with compute_executor("bench-compute", threads) as pool:
+        local = pool.submit(
+            in_process, target, draft, work, args.new_tokens, tiers, device=args.device,
+            dtype=getattr(torch, dtype_name), max_len=context + max(tiers) + 1,
+        ).result()  # fmt: skip
+    if torch.cuda.is_available():  # the in-process models leave the GPU to the services
+        gc.collect()
+        torch.cuda.empty_cache()
+    log_dir = args.out.parent / f"{args.out.stem}_logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for old in log_dir.glob("*.log"):
+        old.unlink()
+    remote = two_services(
+        target, draft, work, args.new_tokens, tiers, threads=threads, device=args.device,
+        draft_device=draft_device, dtype=dtype_name, max_len=context, log_dir=log_dir,
+    )  # fmt: skip
+    if args.device == "cpu":
+        mode = "two services, CPU"
+    elif same_device(args.device, draft_device):
+        mode = "two services, same GPU"
+    else:
+        mode = "two services, one GPU each"
+    per_tier: dict[int, dict[str, Any]] = {}
+    rows: list[list[str]] = []
+    for tier in tiers:
+        p50_local = percentile(local[tier]["stages_ms"]["total"], 50)
+        p50_remote = percentile(remote[tier]["stages_ms"]["total"], 50)
+        per_tier[tier] = {
+            "in_process": local[tier], "two_services": remote[tier],
+            "same_outputs": local[tier]["outputs"] == remote[tier]["outputs"],
+            "total_p50_ratio": p50_remote / p50_local,
+        }  # fmt: skip
+        rows += table_rows(tier, local[tier], remote[tier])
     result: dict[str, Any] = {
-        "device": info, "tier": args.tier, "batch": args.batch, "new_tokens": args.new_tokens,
-        "target": str(target), "draft": str(draft), "in_process": local, "two_services": remote,
-        "same_outputs": lossless,
+        "device": info, "mode": mode, "target_device": args.device, "draft_device": draft_device,
+        "dtype": dtype_name, "shape": args.shape, "tiers": per_tier, "batch": args.batch,
+        "new_tokens": args.new_tokens, "prompt_lens": [len(p) for p in work], "threads": threads,
+        "target": str(target), "draft": str(draft), "service_logs": str(log_dir),
     }  # fmt: skip
     write_json(args.out, result)
-    print(
-        f"\nround time p50: two services / in-process = {p50_remote / p50_local:.3f}x; "
-        f"tokens/s {remote['tokens_per_s']:.1f} vs {local['tokens_per_s']:.1f}; "
-        f"same outputs: {'yes' if lossless else 'NO'}; plain rounds: {remote['plain_rounds']}"
-    )
-    print(f"tier {args.tier}, batch {args.batch}, {args.new_tokens} new tokens, {threads} intra-op "
-          f"thread(s) per process, ms per round\n")  # fmt: skip
-    print(format_table(
-        ["stage", "in-proc p50", "in-proc p99", "2-svc p50", "2-svc p99"], rows
-    ))  # fmt: skip
+    print(f"\n{mode} vs in-process on {args.device} ({dtype_name}); batch {args.batch}, "
+          f"{args.new_tokens} new tokens, prompts of {len(work[0])}+ tokens, {threads} intra-op "
+          f"thread(s) per process")  # fmt: skip
+    for tier, r in per_tier.items():
+        print(
+            f"tier {tier}: round time p50 two services / in-process = "
+            f"{r['total_p50_ratio']:.3f}x (goal <= 1.05); tokens/s "
+            f"{r['two_services']['tokens_per_s']:.1f} vs {r['in_process']['tokens_per_s']:.1f}; "
+            f"same outputs: {'yes' if r['same_outputs'] else 'NO'}; "
+            f"plain rounds: {r['two_services']['plain_rounds']}"
+        )
+    print("\nms per round\n")
+    headers = ["tier stage", "in-proc p50", "in-proc p99", "2-svc p50", "2-svc p99", "2-svc/in"]
+    print(format_table(headers, rows))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -27,7 +28,12 @@ def free_address() -> str:
 
 
 class ServiceGroup:
-    """draft + target (+ controller when `policy` is given) via `specpair serve …`."""
+    """draft + target (+ controller when `policy` is given) via `specpair serve …`.
+
+    `device`/`dtype` go to both model services, `draft_device` (default: `device`) to the draft
+    alone, e.g. target on cuda:0 and draft on cuda:1; `max_len` and `candidate_steps` to both
+    (None: the CLI's defaults).
+    """
 
     def __init__(
         self,
@@ -39,32 +45,46 @@ class ServiceGroup:
         draft_kind: str = "model",
         initial_steps: int = 3,
         threads: int = 0,
+        device: str = "cpu",
+        draft_device: str | None = None,
+        dtype: str | None = None,
+        max_len: int | None = None,
+        candidate_steps: Sequence[int] | None = None,
     ) -> None:
         self.draft, self.target, self.controller = free_address(), free_address(), free_address()
         self.log_dir = log_dir
         serve = [sys.executable, "-m", "specpair.cli", "serve"]
         quiet = ["--metrics-address", "", "--log-level", "INFO", "--threads", str(threads)]
+        model = []  # options of both model services
+        steps = ",".join(map(str, candidate_steps or ()))
+        options = {"--dtype": dtype, "--max-len": max_len, "--candidate-steps": steps}
+        for flag, value in options.items():
+            if value:
+                model += [flag, str(value)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        draft_arg, draft_env = one_gpu(draft_device or device, env)
+        target_arg, target_env = one_gpu(device, env)
         draft_cmd = [*serve, "draft", "--address", self.draft, "--model", str(draft),
-                     "--draft-kind", draft_kind, *quiet]  # fmt: skip
+                     "--draft-kind", draft_kind, "--device", draft_arg, *model, *quiet]  # fmt: skip
         if draft_kind == "eagle":
             draft_cmd += ["--target-model", str(target)]
         self.plan = [
-            ("draft", self.draft, draft_cmd),
+            ("draft", self.draft, draft_cmd, draft_env),
             ("target", self.target, [*serve, "target", "--address", self.target, "--model",
-             str(target), "--draft", self.draft, "--initial-steps", str(initial_steps), *quiet]),
+             str(target), "--draft", self.draft, "--initial-steps", str(initial_steps),
+             "--device", target_arg, *model, *quiet], target_env),
         ]  # fmt: skip
         if policy is not None:
             policy_file = log_dir / "policy.json"
             policy_file.write_text(json.dumps(policy))
             self.plan.append(("controller", self.controller, [*serve, "controller", "--address",
                               self.controller, "--target", self.target, "--policy",
-                              str(policy_file), *quiet]))  # fmt: skip
+                              str(policy_file), *quiet], env))  # fmt: skip
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def __enter__(self) -> Self:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         try:
-            for name, address, cmd in self.plan:
+            for name, address, cmd, env in self.plan:
                 log = open(self.log_dir / f"{name}.log", "ab")
                 proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
                 self.procs.append(proc)
@@ -88,6 +108,29 @@ class ServiceGroup:
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def one_gpu(device: str, env: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """(`--device`, environment) of a service on `device`: one on cuda:N sees GPU N alone, as
+    `cuda`, so streams, Triton launches and graph captures, which use the current device, land on
+    its GPU without a `torch.cuda.set_device` in the service."""
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or not index:
+        return device, env
+    gpu = index
+    if visible := env.get("CUDA_VISIBLE_DEVICES"):  # cuda:N is the N-th of those
+        ids = visible.split(",")
+        if int(index) >= len(ids):
+            raise ValueError(f"{device}: CUDA_VISIBLE_DEVICES={visible!r} has no GPU {index}")
+        gpu = ids[int(index)]
+    return "cuda", {**env, "CUDA_VISIBLE_DEVICES": gpu}
+
+
+def apply_tier(address: str, steps: int) -> None:
+    """Pins the target's tier (ApplyTier, as the controller does) from its next round on."""
+    with grpc.insecure_channel(address) as channel:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        stub.ApplyTier(target_pb2.ApplyTierRequest(speculative_num_steps=steps, reason="bench"))
 
 
 def watch_rounds(address: str, sink: list[target_pb2.RoundStats]) -> grpc.Future:
