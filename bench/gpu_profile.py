@@ -32,10 +32,10 @@ from specpair.runtime.target import TargetWorker
 
 def kind_of(name: str) -> str:
     low = name.lower()
+    if any(s in low for s in ("prefill", "decode", "flashinfer", "merge", "attn", "attention")):
+        return "attention"
     if any(s in low for s in ("gemm", "gemv", "cutlass", "sm90", "splitk", "xmma", "nvjet")):
         return "gemm"
-    if any(s in low for s in ("prefill", "decode", "flashinfer", "merge", "attention")):
-        return "attention"
     if name.startswith("_") and name.endswith("_kernel"):
         return "triton"
     return "other"

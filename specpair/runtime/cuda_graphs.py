@@ -2,8 +2,10 @@
 
 Built when `build_state(tier)` runs at start-up (the GPU workers register a stage builder there),
 stored in `state.extras`, so a tier switch stays a reference swap. Each graph runs over static
-input/output buffers and flashinfer wrappers in CUDA-graph mode; before a replay the host
-*plans* (page table, custom mask, write rows → static buffers) and copies the inputs in:
+input/output buffers and an attention whose metadata lives in static buffers (the Triton tree
+attention of `tree_attention.py`, or flashinfer in CUDA-graph mode with
+`graph_attention="flashinfer"`); before a replay the host *plans* (page table rows, starts, tree
+mask, write rows → static buffers) and copies the inputs in:
 
     batch 3 at tier 3 → bucket 4: verify graph [4, 4] tokens, row 3 = the padding slot
 
@@ -78,7 +80,7 @@ def pad2d(x: Tensor, rows: int, cols: int) -> Tensor:
 
 
 class GraphAttention:
-    """A flashinfer wrapper in CUDA-graph mode plus its static metadata, for [batch, tokens]."""
+    """A graph's attention (`PagedKVCache.graph_wrapper`) and its write rows, for [batch, tokens]."""
 
     def __init__(self, cache: PagedKVCache, batch: int, tokens: int) -> None:
         self.cache, self.batch, self.tokens = cache, batch, tokens
