@@ -1,6 +1,7 @@
 #!/bin/bash
 # Device-machine run of the GPU tests and benchmarks (bench/RESULTS.md, "GPU (issue 5)").
-# Here: .gpu/flashinfer-slim.tgz (../shared/GPU.md) and .whl/ (structlog wheel), both git-ignored;
+# Here: .gpu/flashinfer-slim.tgz (../shared/GPU.md) and .whl/ (structlog, grpcio-health-checking and
+# grpcio-reflection 1.84.0 wheels), both git-ignored;
 # call the device tool with carry [".gpu", ".whl"] and the command `bash bench/gpu_run.sh`.
 T0=$(date +%s)
 mkdir -p /tmp/site && tar -xzf .gpu/flashinfer-slim.tgz -C /tmp/site &&
@@ -10,11 +11,12 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 echo "=== tests"; timeout 150 python3 -m pytest -q -p no:cacheprovider -rP tests/gpu tests/unit/test_paged_kv.py tests/unit/test_graph_lifetime.py > $OUT/tests.log 2>&1; echo rc=$?
 grep -E "^\[|passed|failed|^E  " $OUT/tests.log | grep -v Assertion | tail -30
 echo "t=$(( $(date +%s) - T0 ))"
-echo "=== forward"; timeout 100 python3 -m bench.gpu_forward --iters 40 --out $OUT/gpu_forward.json > $OUT/gpu_forward.log 2>&1; echo rc=$?
+echo "=== profile"; timeout 150 python3 -m bench.gpu_profile --out $OUT/gpu_profile.json > $OUT/gpu_profile.log 2>&1; echo rc=$?
+grep -A4 "^Verify graph" $OUT/gpu_profile.log
+echo "=== forward"; timeout 150 python3 -m bench.gpu_forward --iters 40 --out $OUT/gpu_forward.json > $OUT/gpu_forward.log 2>&1; echo rc=$?
 grep -v Assertion $OUT/gpu_forward.log | grep -v "INFO\|^\s\|^ours" | tail -13
 echo "t=$(( $(date +%s) - T0 ))"
-echo "=== batch"; timeout 110 python3 -m bench.gpu_batch --rounds 10 --out $OUT/gpu_batch.json > $OUT/gpu_batch.log 2>&1; echo rc=$?
-grep -v Assertion $OUT/gpu_batch.log | grep -v '\[info\|INFO' | tail -9
-echo "t=$(( $(date +%s) - T0 ))"
-R=$(( 400 - $(date +%s) + T0 )); echo "=== rounds (${R}s)"; timeout $R python3 -m bench.gpu_rounds --drafts none eagle --rounds 12 --out $OUT/gpu_rounds.json > $OUT/gpu_rounds.log 2>&1; echo rc=$?
+echo "=== rounds"; timeout 150 python3 -m bench.gpu_rounds --drafts none eagle --rounds 12 --out $OUT/gpu_rounds.json > $OUT/gpu_rounds.log 2>&1; echo rc=$?
 grep -v Assertion $OUT/gpu_rounds.log | grep -v '\[info\|INFO' | tail -8
+echo "=== two services (a second call: 10-minute limit per command)"
+echo "python3 -m bench.round_overhead --device cuda --shape llama3-8b --tiers 1 3 7 --batch 1 --new-tokens 48 --models-dir /tmp/specpair-llama3-8b --out \$OUT/round_overhead_same_gpu.json"
