@@ -80,7 +80,7 @@ def pad2d(x: Tensor, rows: int, cols: int) -> Tensor:
 
 
 class GraphAttention:
-    """A graph's attention (`PagedKVCache.graph_wrapper`) and its write rows, for [batch, tokens]."""
+    """A graph's attention (`PagedKVCache.graph_wrapper`) and write rows for [batch, tokens]."""
 
     def __init__(self, cache: PagedKVCache, batch: int, tokens: int) -> None:
         self.cache, self.batch, self.tokens = cache, batch, tokens
