@@ -63,10 +63,11 @@ def test_logits_match_transformers(gpu_ckpts: dict[str, Path]) -> None:
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.97
 
 
-# The LM head writes bf16 logits: at |logit| in [4, 8) one bf16 step (ulp) is 2^-5 = 0.031, so
-# distinct tokens often get *equal* logits (seen on an H100: top-2 4.6875 / 4.6875), and
-# forwards of different widths (verify q = s + 1, target-only q = 1, a teacher-forced prefill)
-# can round a near-tie either way. TIE_ULPS bf16 steps of the row's largest logit count as a tie.
+# Logits come from bf16 hidden states (and, above 16 rows, cuBLAS's bf16 LM head output): at
+# |logit| in [4, 8) one bf16 step (ulp) is 2^-5 = 0.031, so distinct tokens often get *equal*
+# logits (seen on an H100: top-2 4.6875 / 4.6875), and forwards of different widths (verify
+# q = s + 1, target-only q = 1, a teacher-forced prefill on cuBLAS) can round a near-tie either
+# way. TIE_ULPS bf16 steps of the row's largest logit count as a tie.
 TIE_ULPS = 2
 
 
