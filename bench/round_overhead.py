@@ -2,8 +2,9 @@
 
 Both run the same greedy workload (a batch of concurrent requests at a fixed tier). In-process
 rounds split into draft / verify / accept bookkeeping; service rounds, as the target reports
-them on WatchRounds, into draft (the draft's own compute) / verify / serialization + gRPC (round
-trip minus draft compute) / scheduling (admission, bookkeeping, streaming). One service group
+them on WatchRounds, into draft (the draft's own compute) / draft_host (the draft service's
+event loop and thread hand-offs around it) / verify / serialization + gRPC (round trip minus the
+draft service's time) / scheduling (admission, bookkeeping, streaming). One service group
 serves every tier, pinned in turn with ApplyTier (no controller).
 
     python -m bench.round_overhead [--target models/target --draft models/draft] [--tiers 3]
@@ -39,7 +40,7 @@ from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.state import build_states
 from specpair.serving import compute_executor
 
-STAGES = ("draft", "verify", "rpc", "schedule", "total")
+STAGES = ("draft", "draft_host", "verify", "rpc", "schedule", "total")
 WARMUP_TOKENS = 8
 
 
@@ -147,6 +148,7 @@ def service_run(
         "plain_rounds": sum(not r.speculative for r in rounds),
         "stages_ms": {
             "draft": [t.draft_ms for t in spec],
+            "draft_host": [t.draft_host_ms for t in spec],
             "verify": [t.verify_ms for t in spec],
             "rpc": [t.rpc_ms for t in spec],
             "schedule": [t.schedule_ms for t in spec],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -46,7 +47,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         loop = asyncio.get_running_loop()
         try:
             async for request in request_iterator:
+                received = time.perf_counter()
                 response = await loop.run_in_executor(self.executor, rounds.run, stream_id, request)
+                held_ms = 1e3 * (time.perf_counter() - received)
+                response.timings.draft_host_ms = max(held_ms - response.timings.total_ms, 0.0)
                 self.metrics.active_tier.set(request.speculative_num_steps)
                 self.metrics.stage_latency.labels("draft").observe(response.timings.total_ms / 1e3)
                 yield response

@@ -74,7 +74,7 @@ def draft_input_to_proto(item: DraftInput) -> draft_pb2.DraftInput:
 def draft_input_from_proto(msg: draft_pb2.DraftInput) -> DraftInput:
     features = None
     if msg.HasField("features"):
-        features = tensor_from_proto(msg.features, f"inputs[{msg.request_id}].features").float()
+        features = tensor_from_proto(msg.features, f"inputs[{msg.request_id}].features")
     return DraftInput(
         msg.request_id,
         tuple(msg.appended_token_ids),

@@ -14,7 +14,6 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor
 
 from specpair.logging import get_logger
@@ -46,6 +45,34 @@ class RoundEvent:
     finish_reason: str | None
 
 
+class FeatureLog:
+    """The target's hidden states of one request, a row per committed position (EAGLE features).
+
+    Rows append into one buffer that grows by doubling, so a round reads the rows it sends as a
+    view: the cost per round is the rows appended, not the context. The whole history stays
+    because a reconnected draft re-prefills from it.
+    """
+
+    def __init__(self) -> None:
+        self._rows: Tensor | None = None
+        self.length = 0
+
+    def append(self, rows: Tensor) -> None:
+        end = self.length + len(rows)
+        if self._rows is None or end > len(self._rows):
+            grown = rows.new_empty((max(end, 2 * self.length, 64), rows.shape[-1]))
+            if self._rows is not None:
+                grown[: self.length] = self._rows[: self.length]
+            self._rows = grown
+        self._rows[self.length : end] = rows
+        self.length = end
+
+    def since(self, start: int) -> Tensor:
+        """Rows from position `start` (clamped at 0) to the last committed one."""
+        assert self._rows is not None, "no features recorded"
+        return self._rows[max(start, 0) : self.length]
+
+
 @dataclass(eq=False)
 class ServedRequest:
     seq: TargetSequence
@@ -53,16 +80,13 @@ class ServedRequest:
     cancelled: str | None = None  # outcome once the client went away or a stop string hit
     draft_seen: int = 0  # tokens (prompt + output) the draft has been sent and processed
     draft_epoch: int = -1
-    features: list[Tensor] = field(default_factory=list)  # chunks, one row per committed position
+    features: FeatureLog = field(default_factory=FeatureLog)
     accept_lengths: list[int] = field(default_factory=list)
     plain_rounds: int = 0
 
     @property
     def tokens(self) -> list[int]:
         return self.seq.prompt + self.seq.output
-
-    def feature_rows(self, start: int) -> Tensor:
-        return torch.cat(self.features)[max(start, 0) :]
 
 
 class Scheduler:
@@ -211,7 +235,7 @@ class Scheduler:
         state = self.states[self.tier]
         batch = list(self.running)
         t0 = time.perf_counter()
-        trees, draft_ms, speculative = await self._draft(batch, state)
+        trees, draft, speculative = await self._draft(batch, state)
         t1 = time.perf_counter()
         seqs = [r.seq for r in batch]
         results = await loop.run_in_executor(self.executor, self.worker.verify, seqs, trees, state)
@@ -237,9 +261,10 @@ class Scheduler:
         t3 = time.perf_counter()
         rtt_ms = 1e3 * (t1 - t0)
         timings = common_pb2.StageTimings(
-            draft_ms=draft_ms,
+            draft_ms=draft.draft_ms,
+            draft_host_ms=draft.draft_host_ms,
             verify_ms=1e3 * (t2 - t1),
-            rpc_ms=max(rtt_ms - draft_ms, 0.0) if speculative else 0.0,
+            rpc_ms=max(rtt_ms - draft.total_ms - draft.draft_host_ms, 0.0) if speculative else 0.0,
             schedule_ms=1e3 * (admit_s + t3 - t2),
             total_ms=1e3 * (admit_s + t3 - t0),
         )
@@ -261,14 +286,15 @@ class Scheduler:
 
     async def _draft(
         self, batch: list[ServedRequest], state: SpecRuntimeState
-    ) -> tuple[list[CandidateTree], float, bool]:
-        """Trees for the batch from the draft service; empty trees when it is unavailable."""
-        empty = [EMPTY_TREE] * len(batch)
+    ) -> tuple[list[CandidateTree], common_pb2.StageTimings, bool]:
+        """Trees for the batch from the draft service (and its timings); empty trees when it is
+        unavailable."""
+        empty, none = [EMPTY_TREE] * len(batch), common_pb2.StageTimings()
         link = self.draft
         if link is None or not link.connected:
             self._released = []  # no stream, no draft state left to free
             self.metrics.fallback_rounds.labels("no_draft").inc()
-            return empty, 0.0, False
+            return empty, none, False
         message = draft_pb2.SpeculateRequest(
             round_id=self.round_id,
             speculative_num_steps=state.tier,
@@ -279,7 +305,8 @@ class Scheduler:
             if req.draft_epoch != link.epoch:  # new stream: the draft re-prefills from scratch
                 req.draft_seen, req.draft_epoch = 0, link.epoch
             tokens = req.tokens
-            features = req.feature_rows(req.draft_seen - 1) if link.draft_kind == "eagle" else None
+            eagle = link.draft_kind == "eagle"
+            features = req.features.since(req.draft_seen - 1) if eagle else None
             item = DraftInput(
                 req.seq.request_id, tuple(tokens[req.draft_seen :]), req.seq.sampling, features
             )
@@ -289,19 +316,19 @@ class Scheduler:
         response = await link.round(message)
         if response is None:
             self.metrics.fallback_rounds.labels("draft_failed").inc()
-            return empty, 0.0, False
+            return empty, none, False
         if response.error:
             log.warning("draft rejected the round", round_id=self.round_id, error=response.error)
             for req in batch:
                 req.draft_seen = 0  # the draft dropped their state: re-send everything
             self.metrics.fallback_rounds.labels("draft_error").inc()
-            return empty, response.timings.draft_ms, False
+            return empty, response.timings, False
         by_id = {t.request_id: t for t in response.trees}
         trees = []
         for req, n_sent in zip(batch, sent, strict=True):
             req.draft_seen = n_sent
             trees.append(self._checked_tree(req, by_id.get(req.seq.request_id), state))
-        return trees, response.timings.draft_ms, True
+        return trees, response.timings, True
 
     def _checked_tree(
         self, req: ServedRequest, msg: draft_pb2.CandidateTree | None, state: SpecRuntimeState

@@ -128,7 +128,7 @@ class Drafter(ABC):
         tokens, positions, layout, lengths = self._commit_rows(rows, slots)
         features = None
         if feats is not None:
-            features = torch.zeros(len(rows), tokens.shape[1], feats[0].shape[-1])
+            features = feats[0].new_zeros(len(rows), tokens.shape[1], feats[0].shape[-1])
             for b, f in enumerate(feats):
                 features[b, : len(f)] = f
         return tokens, features, positions, layout, lengths

@@ -111,7 +111,7 @@ class TargetWorker:
         for b, seq in enumerate(seqs):
             self.cache.commit(seq.slot, 0, range(lengths[b]))
             seq.append([self._choose(seq, logits[b])])
-            features.append(hidden[b, : lengths[b]].float().cpu() if self.keep_features else None)
+            features.append(hidden[b, : lengths[b]].cpu() if self.keep_features else None)
         return features
 
     @torch.inference_mode()
@@ -159,7 +159,7 @@ class TargetWorker:
                 acc = accept_sampling(tree, warp(sampled[i, :n], seq.sampling), seq.generator)
             start = seq.committed
             self.cache.commit(seq.slot, start, acc.keep)
-            feats = hidden[i, acc.keep].float().cpu() if self.keep_features else None
+            feats = hidden[i, acc.keep].cpu() if self.keep_features else None
             results.append(VerifyResult(acc, seq.append([*acc.tokens, acc.bonus]), feats))
         return results
 

@@ -25,19 +25,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specpair/v1/common.proto\x12\x0bspecpair.v1\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"H\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12!\n\x05\x64type\x18\x02 \x01(\x0e\x32\x12.specpair.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"}\n\x0cStageTimings\x12\x10\n\x08\x64raft_ms\x18\x01 \x01(\x01\x12\x11\n\textend_ms\x18\x02 \x01(\x01\x12\x11\n\tverify_ms\x18\x03 \x01(\x01\x12\x0e\n\x06rpc_ms\x18\x04 \x01(\x01\x12\x13\n\x0bschedule_ms\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x06 \x01(\x01*\\\n\x05\x44Type\x12\x16\n\x12\x44_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44_TYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44_TYPE_FLOAT16\x10\x02\x12\x13\n\x0f\x44_TYPE_BFLOAT16\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specpair/v1/common.proto\x12\x0bspecpair.v1\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"H\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12!\n\x05\x64type\x18\x02 \x01(\x0e\x32\x12.specpair.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x94\x01\n\x0cStageTimings\x12\x10\n\x08\x64raft_ms\x18\x01 \x01(\x01\x12\x11\n\textend_ms\x18\x02 \x01(\x01\x12\x11\n\tverify_ms\x18\x03 \x01(\x01\x12\x0e\n\x06rpc_ms\x18\x04 \x01(\x01\x12\x13\n\x0bschedule_ms\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x06 \x01(\x01\x12\x15\n\rdraft_host_ms\x18\x07 \x01(\x01*\\\n\x05\x44Type\x12\x16\n\x12\x44_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44_TYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44_TYPE_FLOAT16\x10\x02\x12\x13\n\x0f\x44_TYPE_BFLOAT16\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specpair.proto.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=354
-  _globals['_DTYPE']._serialized_end=446
+  _globals['_DTYPE']._serialized_start=378
+  _globals['_DTYPE']._serialized_end=470
   _globals['_SAMPLINGPARAMS']._serialized_start=41
   _globals['_SAMPLINGPARAMS']._serialized_end=151
   _globals['_TENSOR']._serialized_start=153
   _globals['_TENSOR']._serialized_end=225
-  _globals['_STAGETIMINGS']._serialized_start=227
-  _globals['_STAGETIMINGS']._serialized_end=352
+  _globals['_STAGETIMINGS']._serialized_start=228
+  _globals['_STAGETIMINGS']._serialized_end=376
 # @@protoc_insertion_point(module_scope)

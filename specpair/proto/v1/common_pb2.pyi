@@ -118,14 +118,17 @@ class StageTimings(_message.Message):
     RPC_MS_FIELD_NUMBER: _builtins.int
     SCHEDULE_MS_FIELD_NUMBER: _builtins.int
     TOTAL_MS_FIELD_NUMBER: _builtins.int
+    DRAFT_HOST_MS_FIELD_NUMBER: _builtins.int
     draft_ms: _builtins.float
     extend_ms: _builtins.float
     verify_ms: _builtins.float
     rpc_ms: _builtins.float
-    """Round trip to the draft service minus the draft's own compute: serialization + gRPC."""
+    """Round trip to the draft service minus the draft service's time: serialization + gRPC."""
     schedule_ms: _builtins.float
     """Admission, prefill bookkeeping, streaming results back to clients."""
     total_ms: _builtins.float
+    draft_host_ms: _builtins.float
+    """Time the draft service held the round outside its compute: event loop, thread hand-offs."""
     def __init__(
         self,
         *,
@@ -135,10 +138,11 @@ class StageTimings(_message.Message):
         rpc_ms: _builtins.float = ...,
         schedule_ms: _builtins.float = ...,
         total_ms: _builtins.float = ...,
+        draft_host_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_ms", b"draft_ms", "extend_ms", b"extend_ms", "rpc_ms", b"rpc_ms", "schedule_ms", b"schedule_ms", "total_ms", b"total_ms", "verify_ms", b"verify_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_host_ms", b"draft_host_ms", "draft_ms", b"draft_ms", "extend_ms", b"extend_ms", "rpc_ms", b"rpc_ms", "schedule_ms", b"schedule_ms", "total_ms", b"total_ms", "verify_ms", b"verify_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
