@@ -1,4 +1,4 @@
-"""gRPC front of the draft service: one Speculate stream per target, rounds off the loop."""
+"""gRPC front of the draft service: one Speculate stream per target, rounds through `Compute`."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import draft_pb2, draft_pb2_grpc
 from specpair.runtime import state as runtime_state
-from specpair.serving import GrpcServer, compute_executor
+from specpair.serving import Compute, GrpcServer
 
 log = get_logger(__name__)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -27,8 +27,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.config = config
         self.rounds: DraftRounds | None = None  # set once weights and states are built
         self.metrics = metrics
-        # One thread: model compute is serialized and stays off the event loop.
-        self.executor = compute_executor("draft-compute", compute_threads(config.threads))
+        self.compute = Compute("draft-compute", compute_threads(config.threads), config.device)
         self.streams = 0
         self._ids = itertools.count()
 
@@ -44,11 +43,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         stream_id = f"s{next(self._ids)}"
         self.streams += 1
         log.info("speculate stream opened", stream=stream_id, peer=context.peer())
-        loop = asyncio.get_running_loop()
         try:
             async for request in request_iterator:
                 received = time.perf_counter()
-                response = await loop.run_in_executor(self.executor, rounds.run, stream_id, request)
+                response = await self.compute(rounds.run, stream_id, request)
                 held_ms = 1e3 * (time.perf_counter() - received)
                 response.timings.draft_host_ms = max(held_ms - response.timings.total_ms, 0.0)
                 self.metrics.active_tier.set(request.speculative_num_steps)
@@ -56,7 +54,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 yield response
         finally:
             self.streams -= 1
-            await loop.run_in_executor(self.executor, rounds.release_stream, stream_id)
+            await self.compute(rounds.release_stream, stream_id)
             log.info("speculate stream closed", stream=stream_id)
 
     async def GetServerInfo(
@@ -87,7 +85,7 @@ class RunningDraft:
 
     async def stop(self, grace: float = 1.0) -> None:
         await self.server.stop(grace)
-        self.servicer.executor.shutdown(wait=False)
+        self.servicer.compute.shutdown()
 
 
 async def start(config: DraftConfig) -> RunningDraft:

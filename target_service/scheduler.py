@@ -1,8 +1,9 @@
 """Continuous batching and the round loop: admit → draft (remote) → verify → stream results.
 
-One asyncio task drives every round; model compute runs on one worker thread. New requests are
-prefilled and join at the next round boundary; finished or cancelled ones leave there, and
-their draft state is released with the next SpeculateRequest. A tier command takes effect when
+One asyncio task drives every round; model compute runs through `Compute` (inline on a GPU, on
+one worker thread on the CPU). New requests are prefilled and join at the next round boundary;
+finished or cancelled ones leave there, and their draft state is released with the next
+SpeculateRequest. A tier command takes effect when
 the next round starts, never inside one.
 """
 
@@ -23,7 +24,7 @@ from specpair.runtime.draft import DraftInput
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.target import TargetSequence, TargetWorker
 from specpair.runtime.tree import EMPTY_TREE, CandidateTree, MalformedTreeError, validate_tree
-from specpair.serving import compute_executor
+from specpair.serving import Compute
 from specpair.wire import draft_input_to_proto, tree_from_proto
 from target_service.draft_link import DraftLink
 
@@ -101,6 +102,7 @@ class Scheduler:
         draft: DraftLink | None,
         metrics: ServiceMetrics,
         threads: int = 1,
+        device: str = "cpu",
     ) -> None:
         self.worker = worker
         self.states = states
@@ -109,7 +111,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.draft = draft
         self.metrics = metrics
-        self.executor = compute_executor("target-compute", threads)
+        self.compute = Compute("target-compute", threads, device)
         self.queue: collections.deque[ServedRequest] = collections.deque()
         self.running: list[ServedRequest] = []
         self.round_id = 0
@@ -160,7 +162,6 @@ class Scheduler:
     # ---- the loop -----------------------------------------------------------------------
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             self._switch_tier()
             self._drop_cancelled()
@@ -174,9 +175,9 @@ class Scheduler:
                 continue
             t0 = time.perf_counter()
             try:
-                await self._admit(loop)
+                await self._admit()
                 if self.running:
-                    await self._round(loop, time.perf_counter() - t0)
+                    await self._round(time.perf_counter() - t0)
             except Exception:
                 # A bug must not hang every client: fail this batch loudly, keep serving.
                 log.exception("round failed", round_id=self.round_id)
@@ -209,7 +210,7 @@ class Scheduler:
         self.metrics.requests.labels(outcome).inc()
         self.metrics.running.set(len(self.running))
 
-    async def _admit(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def _admit(self) -> None:
         new: list[ServedRequest] = []
         room = min(self.max_batch - len(self.running), self.worker.cache.free_slots)
         while self.queue and len(new) < room:
@@ -218,7 +219,7 @@ class Scheduler:
         if not new:
             return
         seqs = [r.seq for r in new]
-        feats = await loop.run_in_executor(self.executor, self.worker.prefill, seqs)
+        feats = await self.compute(self.worker.prefill, seqs)
         for req, f in zip(new, feats, strict=True):
             if f is not None:
                 req.features.append(f)
@@ -230,7 +231,7 @@ class Scheduler:
                 self._finish(req, req.seq.finish_reason)
         self.metrics.running.set(len(self.running))
 
-    async def _round(self, loop: asyncio.AbstractEventLoop, admit_s: float) -> None:
+    async def _round(self, admit_s: float) -> None:
         self.round_id += 1
         state = self.states[self.tier]
         batch = list(self.running)
@@ -238,7 +239,7 @@ class Scheduler:
         trees, draft, speculative = await self._draft(batch, state)
         t1 = time.perf_counter()
         seqs = [r.seq for r in batch]
-        results = await loop.run_in_executor(self.executor, self.worker.verify, seqs, trees, state)
+        results = await self.compute(self.worker.verify, seqs, trees, state)
         t2 = time.perf_counter()
         accepts: list[int] = []
         for req, tree, res in zip(batch, trees, results, strict=True):

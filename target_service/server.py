@@ -218,7 +218,7 @@ class RunningTarget:
         if scheduler is not None:
             if scheduler.draft is not None:
                 await scheduler.draft.close()
-            scheduler.executor.shutdown(wait=False)
+            scheduler.compute.shutdown()
 
 
 def _build_scheduler(config: TargetConfig, metrics: ServiceMetrics) -> Scheduler:
@@ -241,6 +241,7 @@ def _build_scheduler(config: TargetConfig, metrics: ServiceMetrics) -> Scheduler
         draft=None,
         metrics=metrics,
         threads=compute_threads(config.threads),
+        device=config.device,
     )
 
 

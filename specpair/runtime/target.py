@@ -72,7 +72,7 @@ class VerifyResult:
 
 
 class TargetWorker:
-    """Target model + KV cache; the stages are synchronous and run off the event loop."""
+    """Target model + KV cache; the stages are synchronous (services call them through `Compute`)."""
 
     def __init__(self, model: LlamaModel, cache: KVCache, *, keep_features: bool = False):
         self.model = model
