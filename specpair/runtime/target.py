@@ -72,7 +72,7 @@ class VerifyResult:
 
 
 class TargetWorker:
-    """Target model + KV cache; the stages are synchronous (services call them through `Compute`)."""
+    """Target model + KV cache; the stages are synchronous (services call them via `Compute`)."""
 
     def __init__(self, model: LlamaModel, cache: KVCache, *, keep_features: bool = False):
         self.model = model
