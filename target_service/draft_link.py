@@ -1,8 +1,9 @@
 """The target's one long-lived Speculate stream to the draft service, with reconnects.
 
-`round()` never raises: a failed, late or broken round returns None, the stream is dropped,
-and a background task reconnects with exponential backoff. Each new stream is a new *epoch*:
-the draft lost every request's state, so the scheduler re-sends their full token history.
+`send()`, `receive()` and `round()` never raise: a failed, late or broken round returns None,
+the stream is dropped, and a background task reconnects with exponential backoff. Each new
+stream is a new *epoch*: the draft lost every request's state, so the scheduler re-sends their
+full token history.
 """
 
 from __future__ import annotations
@@ -103,27 +104,50 @@ class DraftLink:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(channel.close(grace=None), CLOSE_TIMEOUT_S)
 
-    async def round(
-        self, request: draft_pb2.SpeculateRequest
-    ) -> draft_pb2.SpeculateResponse | None:
-        """Sends one round and waits for its trees, at most `timeout_s`; None on any failure."""
+    async def send(self, request: draft_pb2.SpeculateRequest) -> int | None:
+        """Writes one round, at most `timeout_s`; the stream's epoch, or None on any failure."""
         call = self._call
         if not self.connected or call is None:
             return None
         try:
-            await asyncio.wait_for(call.write(request), self.timeout_s)
-            response = await asyncio.wait_for(call.read(), self.timeout_s)
-            if response is grpc.aio.EOF:
-                raise ConnectionError("draft closed the stream")
-            if response.round_id != request.round_id:
-                raise ConnectionError(f"round {response.round_id} answered for {request.round_id}")
-            return response
+            async with asyncio.timeout(self.timeout_s):
+                await call.write(request)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            # Late, broken or crashed: drop the stream (its state is unknown) and reconnect.
-            log.warning("draft round failed", round_id=request.round_id, error=repr(exc))
-            self.state = State.DRAFT_CONNECTION_STATE_DISCONNECTED
-            await self._drop()
-            self._lost.set()
+            await self._fail(request.round_id, exc)
             return None
+        return self.epoch
+
+    async def receive(self, round_id: int, epoch: int) -> draft_pb2.SpeculateResponse | None:
+        """The trees of the round sent in `epoch`, at most `timeout_s`; None on any failure."""
+        call = self._call
+        if not self.connected or call is None or epoch != self.epoch:
+            return None  # that stream is gone, and its answer with it
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                response = await call.read()
+            if response is grpc.aio.EOF:
+                raise ConnectionError("draft closed the stream")
+            if response.round_id != round_id:
+                raise ConnectionError(f"round {response.round_id} answered for {round_id}")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._fail(round_id, exc)
+            return None
+        return response  # type: ignore[no-any-return]
+
+    async def round(
+        self, request: draft_pb2.SpeculateRequest
+    ) -> draft_pb2.SpeculateResponse | None:
+        """Sends one round and waits for its trees; None on any failure."""
+        epoch = await self.send(request)
+        return None if epoch is None else await self.receive(request.round_id, epoch)
+
+    async def _fail(self, round_id: int, exc: Exception) -> None:
+        # Late, broken or crashed: drop the stream (its state is unknown) and reconnect.
+        log.warning("draft round failed", round_id=round_id, error=repr(exc))
+        self.state = State.DRAFT_CONNECTION_STATE_DISCONNECTED
+        await self._drop()
+        self._lost.set()

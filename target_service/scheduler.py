@@ -3,7 +3,9 @@
 One asyncio task drives every round; model compute runs through `Compute` (inline on a GPU, on
 one worker thread on the CPU). New requests are prefilled and join at the next round boundary;
 finished or cancelled ones leave there, and their draft state is released with the next
-SpeculateRequest. A tier command takes effect when
+SpeculateRequest. A round starts when its draft request goes out: right after the previous
+round's verify when nobody waits for admission, so that streaming results, metrics and round
+statistics overlap the draft's work instead of delaying it. A tier command takes effect when
 the next round starts, never inside one.
 """
 
@@ -90,6 +92,19 @@ class ServedRequest:
         return self.seq.prompt + self.seq.output
 
 
+@dataclass(eq=False, slots=True)
+class Flight:
+    """One round from its start, when its draft request goes out, to its verify."""
+
+    round_id: int
+    batch: list[ServedRequest]
+    state: SpecRuntimeState
+    started: float  # perf_counter at the start
+    admit_s: float  # admission (prefill) just before the start
+    sent: list[int] | None = None  # per request, its tokens the draft has once it answers
+    epoch: int | None = None  # the draft stream the request went out on; None: it did not
+
+
 class Scheduler:
     def __init__(
         self,
@@ -162,25 +177,31 @@ class Scheduler:
     # ---- the loop -----------------------------------------------------------------------
 
     async def run(self) -> None:
+        flight: Flight | None = None  # a round already started: its draft request is out
         while True:
-            self._switch_tier()
-            self._drop_cancelled()
-            if not self.running and not self.queue:
-                await self._flush_releases()
-                if self.queue:  # submitted while the releases were in flight
+            if flight is None:
+                self._switch_tier()
+                self._drop_cancelled()
+                if not self.running and not self.queue:
+                    await self._flush_releases()
+                    if self.queue:  # submitted while the releases were in flight
+                        continue
+                    # No await between this check and clear(): a submit cannot slip in unseen.
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
                     continue
-                # No await between this check and clear(): a submit cannot slip in unseen.
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            t0 = time.perf_counter()
             try:
-                await self._admit()
-                if self.running:
-                    await self._round(time.perf_counter() - t0)
+                if flight is None:
+                    t0 = time.perf_counter()
+                    await self._admit()
+                    if not self.running:
+                        continue
+                    flight = await self._start(list(self.running), time.perf_counter() - t0)
+                flight = await self._round(flight)
             except Exception:
                 # A bug must not hang every client: fail this batch loudly, keep serving.
                 log.exception("round failed", round_id=self.round_id)
+                flight = None
                 for req in list(self.running):
                     req.events.put_nowait(RoundEvent([], -1, self.tier, "error"))
                     self._finish(req, "error")
@@ -196,11 +217,13 @@ class Scheduler:
             self.metrics.active_tier.set(tier)
             self.metrics.tier_switches.inc()
 
-    def _drop_cancelled(self) -> None:
+    def _drop_cancelled(self, keep: Flight | None = None) -> None:
+        """Cancelled requests leave, except those in `keep`'s batch: they leave after its round."""
         for req in [r for r in self.queue if r.cancelled]:
             self.queue.remove(req)
             self.metrics.requests.labels("cancelled").inc()
-        for req in [r for r in self.running if r.cancelled]:
+        flying = keep.batch if keep is not None else []
+        for req in [r for r in self.running if r.cancelled and r not in flying]:
             self._finish(req, req.cancelled or "cancelled")
 
     def _finish(self, req: ServedRequest, outcome: str) -> None:
@@ -231,20 +254,53 @@ class Scheduler:
                 self._finish(req, req.seq.finish_reason)
         self.metrics.running.set(len(self.running))
 
-    async def _round(self, admit_s: float) -> None:
+    async def _start(self, batch: list[ServedRequest], admit_s: float) -> Flight:
+        """Starts a round: its draft request goes out (when a draft is connected)."""
         self.round_id += 1
-        state = self.states[self.tier]
-        batch = list(self.running)
-        t0 = time.perf_counter()
-        trees, draft, speculative = await self._draft(batch, state)
+        flight = Flight(self.round_id, batch, self.states[self.tier], time.perf_counter(), admit_s)
+        link = self.draft
+        if link is None or not link.connected:
+            self._released = []  # no stream, no draft state left to free
+            return flight
+        message = draft_pb2.SpeculateRequest(
+            round_id=self.round_id,
+            speculative_num_steps=flight.state.tier,
+            released_request_ids=self._released,
+        )
+        sent = []
+        eagle = link.draft_kind == "eagle"
+        for req in batch:
+            if req.draft_epoch != link.epoch:  # new stream: the draft re-prefills from scratch
+                req.draft_seen, req.draft_epoch = 0, link.epoch
+            tokens = req.tokens
+            features = req.features.since(req.draft_seen - 1) if eagle else None
+            item = DraftInput(
+                req.seq.request_id, tuple(tokens[req.draft_seen :]), req.seq.sampling, features
+            )
+            message.inputs.append(draft_input_to_proto(item))
+            sent.append(len(tokens))
+        self._released = []
+        flight.epoch = await link.send(message)
+        flight.sent = sent
+        return flight
+
+    async def _round(self, flight: Flight) -> Flight | None:
+        """Verifies a started round; starts the next one (when nothing waits for admission)
+        before streaming this one's results, so that work overlaps the draft's. Returns it."""
+        batch, state = flight.batch, flight.state
+        trees, draft, speculative = await self._trees(flight)
         t1 = time.perf_counter()
-        seqs = [r.seq for r in batch]
-        results = await self.compute(self.worker.verify, seqs, trees, state)
+        results = await self.compute(self.worker.verify, [r.seq for r in batch], trees, state)
         t2 = time.perf_counter()
-        accepts: list[int] = []
-        for req, tree, res in zip(batch, trees, results, strict=True):
+        for req, res in zip(batch, results, strict=True):
             if res.features is not None:
                 req.features.append(res.features)
+        self._switch_tier()
+        ready = [r for r in batch if r.seq.finish_reason is None and not r.cancelled]
+        following = await self._start(ready, 0.0) if ready and not self.queue else None
+        t3 = time.perf_counter()
+        accepts: list[int] = []
+        for req, tree, res in zip(batch, trees, results, strict=True):
             drafted = speculative and len(tree) > 0
             if drafted:
                 accepts.append(res.acceptance.accept_length)
@@ -254,27 +310,45 @@ class Scheduler:
                 req.plain_rounds += 1
             accept = res.acceptance.accept_length if drafted else -1
             req.events.put_nowait(
-                RoundEvent(res.new_tokens, accept, self.tier, req.seq.finish_reason)
+                RoundEvent(res.new_tokens, accept, flight.state.tier, req.seq.finish_reason)
             )
-            if req.seq.finish_reason is not None:
+            if req.seq.finish_reason is not None and req in self.running:
                 self._finish(req, req.seq.finish_reason)
+        self._drop_cancelled(keep=following)
         self.recent_accepts.extend(accepts)
-        t3 = time.perf_counter()
-        rtt_ms = 1e3 * (t1 - t0)
+        # The round ends where the next one starts, or here when none has yet.
+        end = t3 if following is not None else time.perf_counter()
+        self._publish(flight, accepts, speculative, draft, rtt_s=t1 - flight.started,
+                      verify_s=t2 - t1, total_s=flight.admit_s + end - flight.started)  # fmt: skip
+        return following
+
+    def _publish(
+        self,
+        flight: Flight,
+        accepts: list[int],
+        speculative: bool,
+        draft: common_pb2.StageTimings,
+        *,
+        rtt_s: float,
+        verify_s: float,
+        total_s: float,
+    ) -> None:
+        """The round's stage timings to the metrics and its RoundStats to every watcher."""
+        rpc_ms = 1e3 * rtt_s - draft.total_ms - draft.draft_host_ms
         timings = common_pb2.StageTimings(
             draft_ms=draft.draft_ms,
             draft_host_ms=draft.draft_host_ms,
-            verify_ms=1e3 * (t2 - t1),
-            rpc_ms=max(rtt_ms - draft.total_ms - draft.draft_host_ms, 0.0) if speculative else 0.0,
-            schedule_ms=1e3 * (admit_s + t3 - t2),
-            total_ms=1e3 * (admit_s + t3 - t0),
+            verify_ms=1e3 * verify_s,
+            rpc_ms=max(rpc_ms, 0.0) if speculative else 0.0,
+            schedule_ms=1e3 * max(total_s - rtt_s - verify_s, 0.0),
+            total_ms=1e3 * total_s,
         )
         for stage in ("draft", "verify", "rpc", "schedule"):
             self.metrics.stage_latency.labels(stage).observe(getattr(timings, f"{stage}_ms") / 1e3)
         stats = target_pb2.RoundStats(
-            round_id=self.round_id,
-            speculative_num_steps=self.tier,
-            batch_size=len(batch),
+            round_id=flight.round_id,
+            speculative_num_steps=flight.state.tier,
+            batch_size=len(flight.batch),
             accept_lengths=accepts,
             speculative=speculative,
             timings=timings,
@@ -285,48 +359,32 @@ class Scheduler:
                 queue.get_nowait()  # a slow watcher loses the oldest round, never blocks us
             queue.put_nowait(stats)
 
-    async def _draft(
-        self, batch: list[ServedRequest], state: SpecRuntimeState
+    async def _trees(
+        self, flight: Flight
     ) -> tuple[list[CandidateTree], common_pb2.StageTimings, bool]:
-        """Trees for the batch from the draft service (and its timings); empty trees when it is
+        """The round's trees from the draft service (and its timings); empty trees when it is
         unavailable."""
+        batch, state = flight.batch, flight.state
         empty, none = [EMPTY_TREE] * len(batch), common_pb2.StageTimings()
         link = self.draft
-        if link is None or not link.connected:
-            self._released = []  # no stream, no draft state left to free
+        if flight.sent is None or link is None:
             self.metrics.fallback_rounds.labels("no_draft").inc()
             return empty, none, False
-        message = draft_pb2.SpeculateRequest(
-            round_id=self.round_id,
-            speculative_num_steps=state.tier,
-            released_request_ids=self._released,
+        response = (
+            None if flight.epoch is None else await link.receive(flight.round_id, flight.epoch)
         )
-        sent = []
-        for req in batch:
-            if req.draft_epoch != link.epoch:  # new stream: the draft re-prefills from scratch
-                req.draft_seen, req.draft_epoch = 0, link.epoch
-            tokens = req.tokens
-            eagle = link.draft_kind == "eagle"
-            features = req.features.since(req.draft_seen - 1) if eagle else None
-            item = DraftInput(
-                req.seq.request_id, tuple(tokens[req.draft_seen :]), req.seq.sampling, features
-            )
-            message.inputs.append(draft_input_to_proto(item))
-            sent.append(len(tokens))
-        self._released = []
-        response = await link.round(message)
         if response is None:
             self.metrics.fallback_rounds.labels("draft_failed").inc()
             return empty, none, False
         if response.error:
-            log.warning("draft rejected the round", round_id=self.round_id, error=response.error)
+            log.warning("draft rejected the round", round_id=flight.round_id, error=response.error)
             for req in batch:
                 req.draft_seen = 0  # the draft dropped their state: re-send everything
             self.metrics.fallback_rounds.labels("draft_error").inc()
             return empty, response.timings, False
         by_id = {t.request_id: t for t in response.trees}
         trees = []
-        for req, n_sent in zip(batch, sent, strict=True):
+        for req, n_sent in zip(batch, flight.sent, strict=True):
             req.draft_seen = n_sent
             trees.append(self._checked_tree(req, by_id.get(req.seq.request_id), state))
         return trees, response.timings, True

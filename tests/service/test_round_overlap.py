@@ -1,0 +1,78 @@
+"""The scheduler starts round n+1 (its draft request goes out) before it streams round n's results.
+
+Driven with the real target worker on a tiny model and a link that records what the scheduler
+has streamed at each send; no gRPC.
+"""
+
+import asyncio
+from pathlib import Path
+
+from specpair.metrics import ServiceMetrics
+from specpair.models.tiny import make_tiny_llama
+from specpair.proto.v1 import draft_pb2
+from specpair.runtime.build import build_target
+from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.state import build_states
+from specpair.runtime.target import TargetSequence
+from target_service.scheduler import RoundEvent, Scheduler, ServedRequest
+
+NEW_TOKENS = 6
+
+
+class CountingQueue(asyncio.Queue[RoundEvent]):
+    def __init__(self) -> None:
+        super().__init__()
+        self.puts = 0
+
+    def put_nowait(self, item: RoundEvent) -> None:
+        self.puts += 1
+        super().put_nowait(item)
+
+
+class RecordingLink:
+    """Answers every round with no trees; notes the results streamed so far at each send."""
+
+    connected = True
+    epoch = 1
+    draft_kind = "model"
+
+    def __init__(self) -> None:
+        self.events = CountingQueue()
+        self.sends: list[tuple[int, int]] = []  # (round id, results streamed so far)
+
+    async def send(self, message: draft_pb2.SpeculateRequest) -> int:
+        if message.inputs:
+            self.sends.append((message.round_id, self.events.puts))
+        return self.epoch
+
+    async def receive(self, round_id: int, epoch: int) -> draft_pb2.SpeculateResponse:
+        await asyncio.sleep(0)
+        return draft_pb2.SpeculateResponse(round_id=round_id)
+
+    async def round(self, message: draft_pb2.SpeculateRequest) -> draft_pb2.SpeculateResponse:
+        await self.send(message)
+        return await self.receive(message.round_id, self.epoch)
+
+
+async def test_next_round_goes_out_before_the_results_stream(tmp_path: Path) -> None:
+    worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=2, max_len=64)
+    link = RecordingLink()
+    scheduler = Scheduler(
+        worker, build_states([3]), initial_steps=3, max_batch=2, max_queue=4,
+        draft=link, metrics=ServiceMetrics("target"),  # type: ignore[arg-type]
+    )  # fmt: skip
+    seq = TargetSequence("r", [5, 6, 7], SamplingParams(), max_new_tokens=NEW_TOKENS)
+    served = ServedRequest(seq, events=link.events)
+    task = asyncio.create_task(scheduler.run())
+    scheduler.submit(served)
+    tokens = []
+    while True:
+        event = await asyncio.wait_for(served.events.get(), 10)
+        tokens += event.token_ids
+        if event.finish_reason is not None:
+            break
+    task.cancel()
+    assert len(tokens) == NEW_TOKENS
+    # Round 1 starts after the prefill's event; round n > 1 starts before round n - 1's event.
+    assert link.sends[0] == (1, 1)
+    assert link.sends[1:] == [(n, 1 + n - 2) for n in range(2, len(link.sends) + 1)]
