@@ -107,12 +107,13 @@ def two_services(
     dtype: str,
     max_len: int,
     log_dir: Path,
+    busy_poll_ms: float | None,
 ) -> dict[int, dict]:
     kind = "eagle" if is_eagle_checkpoint(draft) else "model"
     with ServiceGroup(
         target=target, draft=draft, log_dir=log_dir, initial_steps=tiers[0], draft_kind=kind,
         threads=threads, device=device, draft_device=draft_device, dtype=dtype, max_len=max_len,
-        candidate_steps=sorted(set(CANDIDATE_STEPS) | set(tiers)),
+        candidate_steps=sorted(set(CANDIDATE_STEPS) | set(tiers)), busy_poll_ms=busy_poll_ms,
     ) as group:  # fmt: skip
         client = SpecpairClient(group.target, timeout=600)
         while client.server_info()["draft_connection_state"] != "DRAFT_CONNECTION_STATE_CONNECTED":
@@ -208,6 +209,9 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=0, help="intra-op threads (0: half the cores)"
     )
+    parser.add_argument(
+        "--busy-poll-ms", type=float, help="the services' --busy-poll-ms (default: theirs)"
+    )
     add_output_args(parser, "bench/out/round_overhead.json")
     args = parser.parse_args()
     draft_device = args.draft_device or args.device
@@ -270,6 +274,7 @@ def compare(
     remote = two_services(
         target, draft, work, args.new_tokens, tiers, threads=threads, device=args.device,
         draft_device=draft_device, dtype=dtype_name, max_len=context, log_dir=log_dir,
+        busy_poll_ms=args.busy_poll_ms,
     )  # fmt: skip
     if args.device == "cpu":
         mode = "two services, CPU"
@@ -293,11 +298,13 @@ def compare(
         "dtype": dtype_name, "shape": args.shape, "tiers": per_tier, "batch": args.batch,
         "new_tokens": args.new_tokens, "prompt_lens": [len(p) for p in work], "threads": threads,
         "target": str(target), "draft": str(draft), "service_logs": str(log_dir),
+        "busy_poll_ms": args.busy_poll_ms,
     }  # fmt: skip
     write_json(args.out, result)
     print(f"\n{mode} vs in-process on {args.device} ({dtype_name}); batch {args.batch}, "
           f"{args.new_tokens} new tokens, prompts of {len(work[0])}+ tokens, {threads} intra-op "
-          f"thread(s) per process")  # fmt: skip
+          f"thread(s) per process, services' --busy-poll-ms "
+          f"{'default' if args.busy_poll_ms is None else args.busy_poll_ms}")  # fmt: skip
     for tier, r in per_tier.items():
         print(
             f"tier {tier}: round time p50 two services / in-process = "

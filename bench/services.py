@@ -50,6 +50,7 @@ class ServiceGroup:
         dtype: str | None = None,
         max_len: int | None = None,
         candidate_steps: Sequence[int] | None = None,
+        busy_poll_ms: float | None = None,
     ) -> None:
         self.draft, self.target, self.controller = free_address(), free_address(), free_address()
         self.log_dir = log_dir
@@ -61,6 +62,8 @@ class ServiceGroup:
         for flag, value in options.items():
             if value:
                 model += [flag, str(value)]
+        if busy_poll_ms is not None:
+            model += ["--busy-poll-ms", str(busy_poll_ms)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         draft_arg, draft_env = one_gpu(draft_device or device, env)
         target_arg, target_env = one_gpu(device, env)

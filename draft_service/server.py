@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import grpc
 
 from draft_service.rounds import DraftRounds
-from specpair.config import DraftConfig, compute_threads, split_address
+from specpair.config import DraftConfig, busy_poll_s, compute_threads, split_address
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import draft_pb2, draft_pb2_grpc
 from specpair.runtime import state as runtime_state
-from specpair.serving import Compute, GrpcServer
+from specpair.serving import Compute, GrpcServer, busy_wait
 
 log = get_logger(__name__)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -28,6 +28,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.rounds: DraftRounds | None = None  # set once weights and states are built
         self.metrics = metrics
         self.compute = Compute("draft-compute", compute_threads(config.threads), config.device)
+        self.busy_poll_s = busy_poll_s(config.busy_poll_ms, config.device)
         self.streams = 0
         self._ids = itertools.count()
 
@@ -43,8 +44,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         stream_id = f"s{next(self._ids)}"
         self.streams += 1
         log.info("speculate stream opened", stream=stream_id, peer=context.peer())
+        requests = aiter(request_iterator)
         try:
-            async for request in request_iterator:
+            while True:
+                try:  # after a round, poll for the next (it follows the target's verify)
+                    request = await busy_wait(anext(requests), self.busy_poll_s)
+                except StopAsyncIteration:
+                    break
                 received = time.perf_counter()
                 response = await self.compute(rounds.run, stream_id, request)
                 held_ms = 1e3 * (time.perf_counter() - received)

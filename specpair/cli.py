@@ -54,6 +54,10 @@ def _model_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (GPU default)")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: half the cores)")
+    p.add_argument(
+        "--busy-poll-ms", type=float, default=None,
+        help="poll for the peer's next message this long before sleeping (20 on CUDA, 0 on CPU)",
+    )  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,6 +159,7 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig | DraftConfig | C
             device=args.device,
             dtype=_dtype(args),
             threads=args.threads,
+            busy_poll_ms=args.busy_poll_ms,
         )
     if args.service == "draft":
         return DraftConfig(
@@ -168,6 +173,7 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig | DraftConfig | C
             device=args.device,
             dtype=_dtype(args),
             threads=args.threads,
+            busy_poll_ms=args.busy_poll_ms,
         )
     return ControllerConfig(
         server=server,

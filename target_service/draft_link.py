@@ -16,7 +16,7 @@ import grpc
 from specpair.config import TLSConfig
 from specpair.logging import get_logger
 from specpair.proto.v1 import draft_pb2, draft_pb2_grpc, target_pb2
-from specpair.serving import open_channel
+from specpair.serving import busy_wait, open_channel
 
 log = get_logger(__name__)
 State = target_pb2.DraftConnectionState
@@ -32,11 +32,13 @@ class DraftLink:
         timeout_s: float = 5.0,
         backoff_min_s: float = 0.2,
         backoff_max_s: float = 5.0,
+        busy_poll_s: float = 0.0,
     ) -> None:
         self.address = address
         self.tls = tls
         self.timeout_s = timeout_s
         self.backoff = (backoff_min_s, backoff_max_s)
+        self.busy_poll_s = busy_poll_s  # poll for the trees this long (serving.busy_wait)
         self.state: target_pb2.DraftConnectionState.ValueType = (
             State.DRAFT_CONNECTION_STATE_CONNECTING
         )
@@ -126,7 +128,7 @@ class DraftLink:
             return None  # that stream is gone, and its answer with it
         try:
             async with asyncio.timeout(self.timeout_s):
-                response = await call.read()
+                response = await busy_wait(call.read(), self.busy_poll_s)
             if response is grpc.aio.EOF:
                 raise ConnectionError("draft closed the stream")
             if response.round_id != round_id:

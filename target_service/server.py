@@ -14,7 +14,7 @@ import grpc
 import structlog
 import torch
 
-from specpair.config import TargetConfig, compute_threads, split_address
+from specpair.config import TargetConfig, busy_poll_s, compute_threads, split_address
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
@@ -267,6 +267,7 @@ async def start(config: TargetConfig) -> RunningTarget:
             timeout_s=config.draft_timeout_s,
             backoff_min_s=config.reconnect_min_s,
             backoff_max_s=config.reconnect_max_s,
+            busy_poll_s=busy_poll_s(config.busy_poll_ms, config.device),
         )
         scheduler.draft.start()
     servicer.scheduler = scheduler

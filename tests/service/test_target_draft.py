@@ -17,12 +17,18 @@ PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3], [100, 200, 50, 
 MAX_TOKENS = 30
 
 
-@pytest.mark.parametrize("kind", ["model", "eagle"])
-async def test_concurrent_greedy_equals_target_only(ckpts, make_stack, kind: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "busy_poll_ms"), [("model", None), ("eagle", None), ("eagle", 5.0)]
+)
+async def test_concurrent_greedy_equals_target_only(
+    ckpts, make_stack, kind: str, busy_poll_ms: float | None
+) -> None:
     draft = ckpts["eagle"] if kind == "eagle" else ckpts["target"]
     stack = await make_stack(
-        draft_config(draft, draft_kind=kind, target_path=ckpts["target"]),
-        target_config(ckpts["target"]),
+        draft_config(
+            draft, draft_kind=kind, target_path=ckpts["target"], busy_poll_ms=busy_poll_ms
+        ),
+        target_config(ckpts["target"], busy_poll_ms=busy_poll_ms),
     )
     expected = reference_greedy(ckpts["target"], PROMPTS, MAX_TOKENS)
     outputs = await asyncio.gather(

@@ -2,10 +2,12 @@
 
 import asyncio
 import threading
+import time
 
 import pytest
 
-from specpair.serving import Compute
+from specpair.config import busy_poll_s
+from specpair.serving import Compute, busy_wait
 
 
 @pytest.mark.parametrize(("device", "inline"), [("cuda", True), ("cuda:1", True), ("cpu", False)])
@@ -22,3 +24,26 @@ def test_compute_runs_inline_only_for_cuda(device: str, inline: bool) -> None:
         compute.shutdown()
     assert total == 3
     assert (loop_thread == compute_thread) is inline
+
+
+def test_busy_wait_polls_only_within_its_budget() -> None:
+    """Polling keeps the loop thread on the CPU; past the budget (or with none) it sleeps."""
+
+    async def answer(after_s: float) -> int:
+        await asyncio.sleep(after_s)
+        return 7
+
+    def cpu_ms(after_s: float, budget_s: float) -> float:
+        start = time.process_time()
+        assert asyncio.run(busy_wait(answer(after_s), budget_s)) == 7
+        return 1e3 * (time.process_time() - start)
+
+    assert cpu_ms(0.1, budget_s=1.0) > 40  # polled all 100 ms
+    assert cpu_ms(0.1, budget_s=0.0) < 30  # slept
+    assert cpu_ms(0.3, budget_s=0.02) < 150  # polled 20 ms, then slept 280
+
+
+def test_busy_poll_defaults_to_cuda_only() -> None:
+    assert busy_poll_s(None, "cuda:0") > 0
+    assert busy_poll_s(None, "cpu") == 0
+    assert busy_poll_s(5, "cpu") == 0.005
