@@ -48,6 +48,10 @@ class Compute:
     def __init__(self, name: str, threads: int, device: str) -> None:
         self.inline = device.startswith("cuda")
         self.executor = None if self.inline else compute_executor(name, threads)
+        if self.inline:
+            import torch
+
+            torch.set_num_threads(threads)  # the loop thread's intra-op threads, as a worker's
 
     async def __call__(self, fn: Callable[..., T], *args: Any) -> T:
         if self.executor is None:

@@ -298,7 +298,6 @@ class Scheduler:
         self._switch_tier()
         ready = [r for r in batch if r.seq.finish_reason is None and not r.cancelled]
         following = await self._start(ready, 0.0) if ready and not self.queue else None
-        t3 = time.perf_counter()
         accepts: list[int] = []
         for req, tree, res in zip(batch, trees, results, strict=True):
             drafted = speculative and len(tree) > 0
@@ -316,8 +315,8 @@ class Scheduler:
                 self._finish(req, req.seq.finish_reason)
         self._drop_cancelled(keep=following)
         self.recent_accepts.extend(accepts)
-        # The round ends where the next one starts, or here when none has yet.
-        end = t3 if following is not None else time.perf_counter()
+        # The round ends where the next one starts (rounds tile time), or here when none has yet.
+        end = following.started if following is not None else time.perf_counter()
         self._publish(flight, accepts, speculative, draft, rtt_s=t1 - flight.started,
                       verify_s=t2 - t1, total_s=flight.admit_s + end - flight.started)  # fmt: skip
         return following

@@ -5,6 +5,7 @@ has streamed at each send; no gRPC.
 """
 
 import asyncio
+import time
 from pathlib import Path
 
 from specpair.metrics import ServiceMetrics
@@ -17,6 +18,7 @@ from specpair.runtime.target import TargetSequence
 from target_service.scheduler import RoundEvent, Scheduler, ServedRequest
 
 NEW_TOKENS = 6
+SEND_S = 0.005
 
 
 class CountingQueue(asyncio.Queue[RoundEvent]):
@@ -43,6 +45,7 @@ class RecordingLink:
     async def send(self, message: draft_pb2.SpeculateRequest) -> int:
         if message.inputs:
             self.sends.append((message.round_id, self.events.puts))
+        await asyncio.sleep(SEND_S)  # a write that takes a while
         return self.epoch
 
     async def receive(self, round_id: int, epoch: int) -> draft_pb2.SpeculateResponse:
@@ -63,7 +66,9 @@ async def test_next_round_goes_out_before_the_results_stream(tmp_path: Path) -> 
     )  # fmt: skip
     seq = TargetSequence("r", [5, 6, 7], SamplingParams(), max_new_tokens=NEW_TOKENS)
     served = ServedRequest(seq, events=link.events)
+    watch = scheduler.watch()
     task = asyncio.create_task(scheduler.run())
+    start = time.perf_counter()
     scheduler.submit(served)
     tokens = []
     while True:
@@ -71,8 +76,13 @@ async def test_next_round_goes_out_before_the_results_stream(tmp_path: Path) -> 
         tokens += event.token_ids
         if event.finish_reason is not None:
             break
+    wall_ms = 1e3 * (time.perf_counter() - start)
     task.cancel()
     assert len(tokens) == NEW_TOKENS
     # Round 1 starts after the prefill's event; round n > 1 starts before round n - 1's event.
     assert link.sends[0] == (1, 1)
     assert link.sends[1:] == [(n, 1 + n - 2) for n in range(2, len(link.sends) + 1)]
+    # Overlapping rounds still tile time: their totals add up to no more than the wall time.
+    stats = [watch.get_nowait() for _ in range(watch.qsize())]
+    assert [s.round_id for s in stats] == [n for n, _ in link.sends]
+    assert sum(s.timings.total_ms for s in stats) <= wall_ms
