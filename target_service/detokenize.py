@@ -6,18 +6,35 @@ from typing import Any
 
 
 class TextStream:
-    """Turns generated token ids into text deltas; finds stop strings across rounds."""
+    """Turns generated token ids into text deltas; finds stop strings across rounds.
+
+    Each step decodes only a short window: the ids since the previous step plus the chunk
+    before them as context (what a tokenizer's spacing rules need), so a request costs
+    O(tokens) to detokenize, not O(tokens²).
+    """
 
     def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.longest_stop = max((len(s) for s in stop), default=0)
         self.ids: list[int] = []
-        self.sent = ""  # text already streamed
+        self.prefix = 0  # ids[prefix:read]: the context chunk, already turned into text
+        self.read = 0
+        self.text = ""  # all text decoded so far
+        self.streamed = 0  # characters of it already returned as deltas
 
     def _decode(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def _advance(self) -> None:
+        """Appends the text of the ids since the last step (none while a character is split)."""
+        if self.tokenizer is None:
+            return
+        context = self._decode(self.ids[self.prefix : self.read])
+        window = self._decode(self.ids[self.prefix :])
+        if len(window) > len(context) and not window.endswith("\ufffd"):
+            self.text += window[len(context) :]
+            self.prefix, self.read = self.read, len(self.ids)
 
     def push(self, token_ids: list[int]) -> tuple[list[int], str, bool]:
         """Adds a round's tokens. Returns (tokens kept, text delta, stop string hit).
@@ -28,20 +45,21 @@ class TextStream:
         kept: list[int] = []
         for token in token_ids:
             kept.append(token)
-            if self.stop:
-                text = self._decode(self.ids + kept)
-                # Only the tail can hold a new match: the sent text had none.
-                window = max(0, len(self.sent) - max(len(s) for s in self.stop))
-                hits = [i for s in self.stop if (i := text.find(s, window)) >= 0]
-                if hits:
-                    self.ids += kept
-                    delta = text[: min(hits)][len(self.sent) :]
-                    self.sent += delta
-                    return kept, delta, True
-        self.ids += kept
-        text = self._decode(self.ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
-            return kept, "", False
-        delta = text[len(self.sent) :] if text.startswith(self.sent) else ""
-        self.sent += delta
-        return kept, delta, False
+            self.ids.append(token)
+            if not self.stop:
+                continue
+            before = len(self.text)
+            self._advance()  # per token: the cut goes after the token that completes a stop
+            start = max(0, before - self.longest_stop + 1)  # only new text can complete one
+            hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                return kept, self._delta(), True
+        if not self.stop:
+            self._advance()
+        return kept, self._delta(), False
+
+    def _delta(self) -> str:
+        delta = self.text[self.streamed :]
+        self.streamed = max(self.streamed, len(self.text))
+        return delta

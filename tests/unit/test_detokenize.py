@@ -46,3 +46,27 @@ def test_incomplete_utf8_is_held_back(ckpts: dict[str, Path]) -> None:
     pieces = [stream.push([i])[1] for i in ids]
     assert "".join(pieces) == "é ü"
     assert all("\ufffd" not in p for p in pieces)
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer; counts the ids it was asked to decode."""
+
+    def __init__(self, tok: object) -> None:
+        self.tok = tok
+        self.decoded = 0
+
+    def decode(self, ids: list[int], **kwargs: object) -> str:
+        self.decoded += len(ids)
+        return str(self.tok.decode(ids, **kwargs))  # type: ignore[attr-defined]
+
+
+def test_long_streams_decode_each_token_a_bounded_number_of_times(ckpts: dict[str, Path]) -> None:
+    tok = CountingTokenizer(AutoTokenizer.from_pretrained(ckpts["target"]))
+    text = TEXT * 40 + "é ü ñ"
+    ids = tok.tok.encode(text)  # type: ignore[attr-defined]
+    for size, stop in ((1, ()), (5, ()), (3, ("never seen",))):
+        tok.decoded = 0
+        stream = TextStream(tok, stop=stop)
+        assert "".join(stream.push(c)[1] for c in chunks(ids, size)) == text
+        # Windows, not the whole history: whole-history decoding would be ~len(ids)² / 2.
+        assert tok.decoded < 8 * len(ids)
