@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +43,15 @@ from specpair.serving import compute_executor
 
 STAGES = ("draft", "draft_host", "verify", "rpc", "schedule", "total")
 WARMUP_TOKENS = 8
+
+
+def cpu_list(text: str) -> set[int]:
+    """'0-3,8' -> {0, 1, 2, 3, 8}."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
 
 
 def prompts(n: int, vocab: int, length: int | None = None, seed: int = 0) -> list[list[int]]:
@@ -108,12 +118,14 @@ def two_services(
     max_len: int,
     log_dir: Path,
     busy_poll_ms: float | None,
+    cpus: dict[str, set[int]] | None = None,
 ) -> dict[int, dict]:
     kind = "eagle" if is_eagle_checkpoint(draft) else "model"
     with ServiceGroup(
         target=target, draft=draft, log_dir=log_dir, initial_steps=tiers[0], draft_kind=kind,
         threads=threads, device=device, draft_device=draft_device, dtype=dtype, max_len=max_len,
         candidate_steps=sorted(set(CANDIDATE_STEPS) | set(tiers)), busy_poll_ms=busy_poll_ms,
+        cpus=cpus,
     ) as group:  # fmt: skip
         client = SpecpairClient(group.target, timeout=600)
         while client.server_info()["draft_connection_state"] != "DRAFT_CONNECTION_STATE_CONNECTED":
@@ -212,6 +224,10 @@ def main() -> None:
     parser.add_argument(
         "--busy-poll-ms", type=float, help="the services' --busy-poll-ms (default: theirs)"
     )
+    parser.add_argument(
+        "--pin-cpus", nargs=3, type=cpu_list, metavar=("IN_PROCESS", "DRAFT", "TARGET"),
+        help="CPU lists (e.g. 0-3 4-7 8-11) for the in-process run and each service",
+    )  # fmt: skip
     add_output_args(parser, "bench/out/round_overhead.json")
     args = parser.parse_args()
     draft_device = args.draft_device or args.device
@@ -258,6 +274,13 @@ def compare(
 ) -> None:
     info = device_info()
     print(f"device: {info}", flush=True)
+    cpus = None
+    if args.pin_cpus:
+        mine, draft_cpus, target_cpus = args.pin_cpus
+        os.sched_setaffinity(0, mine)  # this thread and the compute thread it starts
+        cpus = {"draft": draft_cpus, "target": target_cpus}
+        print(f"pinned: in-process {sorted(mine)}, draft {sorted(draft_cpus)}, target "
+              f"{sorted(target_cpus)}", flush=True)  # fmt: skip
     # Same intra-op threads in both, from a worker thread as the services run their compute.
     with compute_executor("bench-compute", threads) as pool:
         local = pool.submit(
@@ -274,7 +297,7 @@ def compare(
     remote = two_services(
         target, draft, work, args.new_tokens, tiers, threads=threads, device=args.device,
         draft_device=draft_device, dtype=dtype_name, max_len=context, log_dir=log_dir,
-        busy_poll_ms=args.busy_poll_ms,
+        busy_poll_ms=args.busy_poll_ms, cpus=cpus,
     )  # fmt: skip
     if args.device == "cpu":
         mode = "two services, CPU"
@@ -299,6 +322,7 @@ def compare(
         "new_tokens": args.new_tokens, "prompt_lens": [len(p) for p in work], "threads": threads,
         "target": str(target), "draft": str(draft), "service_logs": str(log_dir),
         "busy_poll_ms": args.busy_poll_ms,
+        "pinned_cpus": None if cpus is None else {k: sorted(v) for k, v in cpus.items()},
     }  # fmt: skip
     write_json(args.out, result)
     print(f"\n{mode} vs in-process on {args.device} ({dtype_name}); batch {args.batch}, "

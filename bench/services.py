@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -25,6 +25,11 @@ def free_address() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def pinned(cpus: set[int] | None) -> Callable[[], None] | None:
+    """A child's preexec_fn that keeps it on `cpus` (None: anywhere)."""
+    return None if cpus is None else lambda: os.sched_setaffinity(0, cpus)
 
 
 class ServiceGroup:
@@ -51,6 +56,7 @@ class ServiceGroup:
         max_len: int | None = None,
         candidate_steps: Sequence[int] | None = None,
         busy_poll_ms: float | None = None,
+        cpus: dict[str, set[int]] | None = None,
     ) -> None:
         self.draft, self.target, self.controller = free_address(), free_address(), free_address()
         self.log_dir = log_dir
@@ -83,13 +89,15 @@ class ServiceGroup:
             self.plan.append(("controller", self.controller, [*serve, "controller", "--address",
                               self.controller, "--target", self.target, "--policy",
                               str(policy_file), *quiet], env))  # fmt: skip
+        self.cpus = cpus or {}  # service name -> the CPUs it may run on (default: any)
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def __enter__(self) -> Self:
         try:
             for name, address, cmd, env in self.plan:
                 log = open(self.log_dir / f"{name}.log", "ab")
-                proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
+                pin = pinned(self.cpus.get(name))
+                proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, preexec_fn=pin)
                 self.procs.append(proc)
                 wait_healthy(name, address, proc, timeout=300)
         except BaseException:
