@@ -164,7 +164,7 @@ def build_pair(draft: str, max_batch: int, buckets: list[int], tiers: list[int],
     if drafter is not None:
         gpu_drafter(drafter, max_batch, buckets)
     t0 = time.perf_counter()
-    states = build_states(tiers)
+    states = build_states(tiers, [worker] if drafter is None else [worker, drafter])
     capture_s = time.perf_counter() - t0
     return worker, drafter, states, capture_s
 

@@ -38,7 +38,9 @@ class DraftRounds:
             device=config.device,
         )
         self.vocab_size = self.drafter.args.vocab_size
-        self.states: dict[int, SpecRuntimeState] = build_states(config.candidate_steps)
+        self.states: dict[int, SpecRuntimeState] = build_states(
+            config.candidate_steps, [self.drafter]
+        )
 
     @property
     def active_requests(self) -> int:

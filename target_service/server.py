@@ -231,7 +231,7 @@ def _build_scheduler(config: TargetConfig, metrics: ServiceMetrics) -> Scheduler
         dtype=getattr(torch, config.dtype),
         device=config.device,
     )
-    states = build_states(config.candidate_steps)
+    states = build_states(config.candidate_steps, [worker])
     return Scheduler(
         worker,
         states,

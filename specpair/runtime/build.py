@@ -1,8 +1,8 @@
 """Assemble the in-process pieces from checkpoint paths (engine demo, tests, benchmarks).
 
 On a CUDA device the model is fused (`fused.py`), the cache is paged (flashinfer) and the
-worker registers its CUDA-graph builder, so every later `build_state(tier)` captures that tier's
-graphs: build the workers first, then the states, as the services do.
+worker gets its CUDA-graph builder (`worker.graphs`): build the workers first, then the states
+with them (`build_states(tiers, [worker, drafter])`), as the services do.
 """
 
 from __future__ import annotations
@@ -39,27 +39,21 @@ def make_cache(
 def gpu_target(
     worker: TargetWorker, max_batch: int, buckets: list[int] | None = None
 ) -> TargetWorker:
-    """Fuses the model and registers the verify-graph capture of every later tier state."""
+    """Fuses the model and gives the worker its verify-graph builder (`build_states`)."""
     from specpair.runtime.cuda_graphs import TargetGraphs
     from specpair.runtime.fused import fuse_decoder
-    from specpair.runtime.state import register_stage_builder
 
     fuse_decoder(worker.model)
-    graphs = TargetGraphs(worker, max_batch, buckets)
-    worker.graphs = graphs
-    register_stage_builder(graphs.capture_tier)
+    worker.graphs = TargetGraphs(worker, max_batch, buckets)
     return worker
 
 
 def gpu_drafter(drafter: Drafter, max_batch: int, buckets: list[int] | None = None) -> Drafter:
     from specpair.runtime.cuda_graphs import DraftGraphs
     from specpair.runtime.fused import fuse_decoder
-    from specpair.runtime.state import register_stage_builder
 
     fuse_decoder(drafter.head if isinstance(drafter, EagleDrafter) else drafter.model)  # type: ignore[attr-defined]
-    graphs = DraftGraphs(drafter, max_batch, buckets)
-    drafter.graphs = graphs
-    register_stage_builder(graphs.capture_tier)
+    drafter.graphs = DraftGraphs(drafter, max_batch, buckets)
     return drafter
 
 

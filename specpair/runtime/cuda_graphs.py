@@ -1,9 +1,9 @@
 """Per-tier CUDA graphs: target verify, draft extend and draft multi-step, per batch bucket.
 
-Built when `build_state(tier)` runs at start-up (the GPU workers register a stage builder there),
-stored in `state.extras`, so a tier switch stays a reference swap. Each graph runs over static
-input/output buffers and an attention whose metadata lives in static buffers (the Triton tree
-attention of `tree_attention.py`, or flashinfer in CUDA-graph mode with
+Built at start-up by `build_states(tiers, [worker, drafter])` (each GPU worker's `graphs` is
+its builder), stored in `state.extras`, so a tier switch stays a reference swap. Each graph runs
+over static input/output buffers and an attention whose metadata lives in static buffers (the
+Triton tree attention of `tree_attention.py`, or flashinfer in CUDA-graph mode with
 `graph_attention="flashinfer"`); before a replay the host *plans* (page table rows, starts, tree
 mask, write rows → static buffers) and copies the inputs in:
 

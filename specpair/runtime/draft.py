@@ -23,7 +23,7 @@ from specpair.models.eagle import EagleHead
 from specpair.models.llama import AttendFn, LlamaModel, ModelArgs
 from specpair.runtime.kv_cache import BatchLayout, KVCache
 from specpair.runtime.sampling import SamplingParams, make_generator, warp
-from specpair.runtime.state import SpecRuntimeState
+from specpair.runtime.state import SpecRuntimeState, TierCapture
 from specpair.runtime.tree import CandidateTree, chain
 
 
@@ -53,7 +53,7 @@ class Drafter(ABC):
         self.device = device
         self.args = args
         self.requests: dict[str, DraftSlot] = {}
-        self.graphs: object | None = None  # the GPU's graph builder, kept alive with the drafter
+        self.graphs: TierCapture | None = None  # the GPU's graph builder (build_states)
 
     def release(self, request_id: str) -> None:
         """Frees a finished or cancelled request's draft state (unknown ids are ignored)."""

@@ -2,17 +2,17 @@
 
 A `SpecRuntimeState` holds everything shape-dependent for one tier (speculative_num_steps = s,
 chains of s drafts, s + 1 verified tokens). On CPU that is the chain's parents, tree mask and
-depth offsets, precomputed once; the GPU backend adds attention plans and CUDA graphs per batch
-bucket to the same object. `builds()` counts constructions so tests can assert that none
-happen after start-up.
+depth offsets, precomputed once; on a GPU each worker passed to `build_states` captures its
+CUDA graphs per batch bucket into the same object. `builds()` counts constructions so tests can
+assert that none happen after start-up.
 """
 
 from __future__ import annotations
 
 import time
-import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from torch import Tensor
 
@@ -22,14 +22,18 @@ from specpair.runtime.tree import tree_depths, tree_mask
 log = get_logger(__name__)
 
 _builds = 0
-# GPU workers register a method that captures their graphs into each new state (weakly held, so
-# a dropped worker stops capturing); the services keep calling plain `build_state(tier)`.
-_stage_builders: list[weakref.WeakMethod[Callable[[SpecRuntimeState], None]]] = []
 
 
-def register_stage_builder(method: Callable[[SpecRuntimeState], None]) -> None:
-    """`method(state)` runs inside every later `build_state` (CUDA-graph capture)."""
-    _stage_builders.append(weakref.WeakMethod(method))  # type: ignore[arg-type]
+class TierCapture(Protocol):
+    """A worker's CUDA-graph builder: captures its stages of one tier into the state."""
+
+    def capture_tier(self, state: SpecRuntimeState) -> None: ...
+
+
+class GraphOwner(Protocol):
+    """A target worker or drafter: `graphs` is its TierCapture on a GPU, None on the CPU."""
+
+    graphs: TierCapture | None
 
 
 def builds() -> int:
@@ -50,27 +54,29 @@ class SpecRuntimeState:
         return self.tier + 1
 
 
-def build_state(tier: int) -> SpecRuntimeState:
+def build_state(tier: int, workers: Iterable[GraphOwner] = ()) -> SpecRuntimeState:
+    """The tier's state; each GPU worker in `workers` captures its graphs into it."""
     global _builds
     if tier < 1:
         raise ValueError(f"a tier (speculative_num_steps) must be >= 1, got {tier}")
     parents = tuple(range(-1, tier))
     _builds += 1
     state = SpecRuntimeState(tier, parents, tree_mask(parents), tuple(tree_depths(parents)))
-    for ref in list(_stage_builders):
-        builder = ref()
-        if builder is None:
-            _stage_builders.remove(ref)
-        else:
-            builder(state)
+    for worker in workers:
+        if worker.graphs is not None:
+            worker.graphs.capture_tier(state)
     return state
 
 
-def build_states(tiers: Iterable[int]) -> dict[int, SpecRuntimeState]:
-    """One state per candidate tier — called once, at start-up; logs each tier's build time."""
+def build_states(
+    tiers: Iterable[int], workers: Iterable[GraphOwner] = ()
+) -> dict[int, SpecRuntimeState]:
+    """One state per candidate tier, with `workers`' graphs — called once, at start-up; logs
+    each tier's build time."""
+    workers = list(workers)
     states = {}
     for tier in sorted(set(tiers)):
         t0 = time.perf_counter()
-        states[tier] = build_state(tier)
+        states[tier] = build_state(tier, workers)
         log.info("built runtime state", tier=tier, ms=round(1e3 * (time.perf_counter() - t0), 2))
     return states

@@ -18,7 +18,7 @@ from specpair.models.llama import LlamaModel
 from specpair.runtime.accept import Acceptance, accept_greedy_argmax, accept_sampling
 from specpair.runtime.kv_cache import BatchLayout, KVCache
 from specpair.runtime.sampling import SamplingParams, make_generator, sample, warp
-from specpair.runtime.state import SpecRuntimeState
+from specpair.runtime.state import SpecRuntimeState, TierCapture
 from specpair.runtime.tree import CandidateTree, full_parents, tree_depths, tree_mask
 
 
@@ -79,7 +79,7 @@ class TargetWorker:
         self.cache = cache
         self.keep_features = keep_features
         self.device = model.lm_head.weight.device
-        self.graphs: object | None = None  # the GPU's graph builder, kept alive with the worker
+        self.graphs: TierCapture | None = None  # the GPU's graph builder (build_states)
 
     def _choose(self, seq: TargetSequence, logits: Tensor) -> int:
         if seq.sampling.greedy:

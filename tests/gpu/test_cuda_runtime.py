@@ -119,7 +119,7 @@ def test_greedy_speculative_equals_gpu_target_only(gpu_ckpts: dict[str, Path], d
         dtype=BF16,
         device="cuda",
     )
-    states = state.build_states([1, 3, 7])  # captures verify/extend/draft graphs per tier
+    states = state.build_states([1, 3, 7], [worker, drafter])  # verify/extend/draft graphs
     plain = SpeculativeEngine(worker, None).generate(PROMPTS, max_new_tokens=32, state=None)
     before = cuda_graphs.captures(), state.builds()
     worst, identical, total = 0.0, 0, 0
@@ -177,7 +177,7 @@ def test_graph_replay_equals_eager(gpu_ckpts: dict[str, Path]) -> None:
     graph_states = {}
     for backend in ("flashinfer", "triton"):  # the graphs' attention: see tree_attention.py
         worker.cache.graph_attention = backend
-        graph_states[backend] = state.build_states([3])[3]
+        graph_states[backend] = state.build_states([3], [worker])[3]
     starts = [0, 5, 9]
     slots = [worker.cache.alloc() for _ in starts]
     ctx = torch.randint(0, 320, (3, max(starts)))
