@@ -41,7 +41,7 @@ from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.state import build_states
 from specpair.serving import compute_executor
 
-STAGES = ("draft", "draft_host", "verify", "rpc", "schedule", "total")
+STAGES = ("draft", "draft_gpu", "draft_host", "verify", "verify_gpu", "rpc", "schedule", "total")
 WARMUP_TOKENS = 8
 
 
@@ -87,6 +87,7 @@ def in_process(
     for tier in tiers:
         engine.generate(work, max_new_tokens=WARMUP_TOKENS, state=states[tier])
         engine.times.per_round.clear()
+        engine.times.gpu_ms.clear()
         t0 = time.perf_counter()
         results = engine.generate(work, max_new_tokens=tokens, state=states[tier])
         wall = time.perf_counter() - t0
@@ -96,7 +97,9 @@ def in_process(
             "tokens_per_s": sum(len(r.token_ids) for r in results) / wall,
             "stages_ms": {
                 "draft": [1e3 * d for d, _, _ in rounds],
+                "draft_gpu": [d for d, _ in engine.times.gpu_ms],
                 "verify": [1e3 * v for _, v, _ in rounds],
+                "verify_gpu": [v for _, v in engine.times.gpu_ms],
                 "schedule": [1e3 * a for _, _, a in rounds],
                 "total": [1e3 * (d + v + a) for d, v, a in rounds],
             },
@@ -161,8 +164,10 @@ def service_run(
         "plain_rounds": sum(not r.speculative for r in rounds),
         "stages_ms": {
             "draft": [t.draft_ms for t in spec],
+            "draft_gpu": [t.draft_gpu_ms for t in spec],
             "draft_host": [t.draft_host_ms for t in spec],
             "verify": [t.verify_ms for t in spec],
+            "verify_gpu": [t.verify_gpu_ms for t in spec],
             "rpc": [t.rpc_ms for t in spec],
             "schedule": [t.schedule_ms for t in spec],
             "total": [t.total_ms for t in spec],
@@ -171,9 +176,12 @@ def service_run(
 
 
 def table_rows(tier: int, local: dict, remote: dict) -> list[list[str]]:
-    """One row per stage: p50/p99 of each, and two services / in-process at p50."""
+    """One row per stage: p50/p99 of each, and two services / in-process at p50. The GPU-time
+    rows only where graphs ran (not on the CPU)."""
     rows = []
     for stage in STAGES:
+        if stage.endswith("_gpu") and not any(local["stages_ms"].get(stage, [])):
+            continue
         cells = [f"{tier} {stage}"]
         p50s = []
         for side in (local, remote):

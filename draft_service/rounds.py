@@ -15,7 +15,7 @@ from specpair.logging import get_logger
 from specpair.proto.v1 import common_pb2, draft_pb2
 from specpair.runtime.build import build_drafter
 from specpair.runtime.draft import Drafter, DraftInput
-from specpair.runtime.state import SpecRuntimeState, build_states
+from specpair.runtime.state import SpecRuntimeState, build_states, gpu_ms
 from specpair.wire import draft_input_from_proto, tree_to_proto
 
 log = get_logger(__name__)
@@ -76,7 +76,11 @@ class DraftRounds:
         for msg, tree in zip(request.inputs, trees, strict=True):
             response.trees.append(tree_to_proto(msg.request_id, tree))
         total = 1e3 * (time.perf_counter() - t0)
-        response.timings.CopyFrom(common_pb2.StageTimings(draft_ms=total, total_ms=total))
+        response.timings.CopyFrom(
+            common_pb2.StageTimings(
+                draft_ms=total, total_ms=total, draft_gpu_ms=gpu_ms(self.drafter)
+            )
+        )
         return response
 
     def _state(self, tier: int) -> SpecRuntimeState:

@@ -23,7 +23,7 @@ from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import common_pb2, draft_pb2, target_pb2
 from specpair.runtime.draft import DraftInput
-from specpair.runtime.state import SpecRuntimeState
+from specpair.runtime.state import SpecRuntimeState, gpu_ms
 from specpair.runtime.target import TargetSequence, TargetWorker
 from specpair.runtime.tree import EMPTY_TREE, CandidateTree, MalformedTreeError, validate_tree
 from specpair.serving import Compute
@@ -337,7 +337,9 @@ class Scheduler:
         timings = common_pb2.StageTimings(
             draft_ms=draft.draft_ms,
             draft_host_ms=draft.draft_host_ms,
+            draft_gpu_ms=draft.draft_gpu_ms,
             verify_ms=1e3 * verify_s,
+            verify_gpu_ms=gpu_ms(self.worker),
             rpc_ms=max(rpc_ms, 0.0) if speculative else 0.0,
             schedule_ms=1e3 * max(total_s - rtt_s - verify_s, 0.0),
             total_ms=1e3 * total_s,

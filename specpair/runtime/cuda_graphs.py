@@ -140,6 +140,25 @@ class _Capturer:
         self.pool = torch.cuda.graph_pool_handle()
         self.owner = owner
         self.stats: dict[int, dict[str, float]] = {}
+        self.last_gpu_ms = 0.0  # GPU time of the last call's graph replays (0: none ran)
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(8)]
+        self._spans = 0
+
+    def replay(self, g: StageGraph) -> None:
+        """Replays `g` between two CUDA events (four per call; older ones unread are dropped)."""
+        self._spans %= len(self._events) // 2
+        start, end = self._events[2 * self._spans], self._events[2 * self._spans + 1]
+        start.record()
+        g.graph.replay()
+        end.record()
+        self._spans += 1
+
+    def read_gpu_ms(self) -> float:
+        """GPU time of this call's replays; the caller has synchronized on their outputs."""
+        ev = self._events
+        self.last_gpu_ms = sum(ev[2 * i].elapsed_time(ev[2 * i + 1]) for i in range(self._spans))
+        self._spans = 0
+        return self.last_gpu_ms
 
     def timed(self, tier: int, build: Callable[[], object]) -> object:
         # Capturing empties the allocator's cache (torch.cuda.graph does): empty it first, or
@@ -205,7 +224,7 @@ class VerifyGraphs:
         g.attention[0].plan(pad_layout(layout, bucket, tg, self.owner.cache.pad_slot))
         g.inputs["tokens"].copy_(pad2d(tokens, bucket, tg))
         g.inputs["positions"].copy_(pad2d(positions, bucket, tg))
-        g.graph.replay()
+        self.owner.replay(g)
         return g.outputs["hidden"][:b, :t], g.outputs["logits"][:b, :t]
 
 
@@ -287,6 +306,7 @@ class TierDraftGraphs:
         tokens, feats, positions, layout, lengths = drafter.extend_inputs(inputs, slots)
         starts = [cache.lengths[slot] for slot in slots]
         if bucket is None or max(starts) + s > cache.max_len:
+            o.last_gpu_ms = 0.0
             return self._eager(drafter, tokens, feats, positions, layout, lengths, slots)
         t0 = time.perf_counter()
         t = tokens.shape[1]
@@ -307,7 +327,7 @@ class TierDraftGraphs:
             ext.inputs["last"].copy_(last)
             if feats is not None:
                 ext.inputs["features"].copy_(pad2d(feats, bucket, tg))
-            ext.graph.replay()
+            o.replay(ext)
             hidden = ext.outputs["hidden"]
         else:
             hidden = pad2d_dev(
@@ -324,8 +344,9 @@ class TierDraftGraphs:
         padded = torch.zeros(bucket, dtype=torch.long)
         padded[:b] = torch.tensor(starts)
         g.inputs["starts"].copy_(padded)
-        g.graph.replay()
+        o.replay(g)
         drafts: list[list[int]] = g.outputs["tokens"][:, :b].T.tolist()
+        o.read_gpu_ms()
         o.last_times = (t1 - t0, time.perf_counter() - t1)
         return drafts
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from specpair.runtime.draft import Drafter, DraftInput
 from specpair.runtime.sampling import SamplingParams
-from specpair.runtime.state import SpecRuntimeState
+from specpair.runtime.state import SpecRuntimeState, gpu_ms
 from specpair.runtime.target import TargetSequence, TargetWorker
 from specpair.runtime.tree import EMPTY_TREE
 
@@ -30,6 +30,7 @@ class StageTimes:
     per_round: list[tuple[float, float, float]] = field(
         default_factory=list
     )  # (draft, verify, accept)
+    gpu_ms: list[tuple[float, float]] = field(default_factory=list)  # (draft, verify) graphs
 
 
 @dataclass
@@ -97,6 +98,7 @@ class SpeculativeEngine:
             self.times.accept += t3 - t2
             self.times.rounds += 1
             self.times.per_round.append((t1 - t0, t2 - t1, t3 - t2))
+            self.times.gpu_ms.append((gpu_ms(self.drafter), gpu_ms(self.target)))
         for seq in seqs:
             self.target.release(seq)
             if self.drafter is not None:

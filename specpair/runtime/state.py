@@ -25,15 +25,25 @@ _builds = 0
 
 
 class TierCapture(Protocol):
-    """A worker's CUDA-graph builder: captures its stages of one tier into the state."""
+    """A worker's CUDA graphs: captures its stages of one tier into a state, times replays."""
+
+    last_gpu_ms: float  # GPU time of the last call's replays (0: none ran)
 
     def capture_tier(self, state: SpecRuntimeState) -> None: ...
+
+    def read_gpu_ms(self) -> float: ...
 
 
 class GraphOwner(Protocol):
     """A target worker or drafter: `graphs` is its TierCapture on a GPU, None on the CPU."""
 
     graphs: TierCapture | None
+
+
+def gpu_ms(worker: GraphOwner | None) -> float:
+    """GPU time of the worker's last graph replays (0 on the CPU, or when none ran)."""
+    graphs = None if worker is None else worker.graphs
+    return 0.0 if graphs is None else graphs.last_gpu_ms
 
 
 def builds() -> int:

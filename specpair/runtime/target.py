@@ -149,6 +149,8 @@ class TargetWorker:
         )
         hidden, logits = self._forward_tree(tokens, positions, layout, state)  # on the device
         argmax = logits.argmax(-1).cpu()  # [B, T]: all greedy acceptance needs
+        if self.graphs is not None:
+            self.graphs.read_gpu_ms()  # the replay is done: its GPU time is readable
         sampled = None if all(s.sampling.greedy for s in seqs) else logits.cpu()
         results = []
         for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):

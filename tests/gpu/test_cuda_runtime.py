@@ -124,9 +124,13 @@ def test_greedy_speculative_equals_gpu_target_only(gpu_ckpts: dict[str, Path], d
     before = cuda_graphs.captures(), state.builds()
     worst, identical, total = 0.0, 0, 0
     for tier in (3, 1, 7, 3):  # tier switches: reference swaps only
-        spec = SpeculativeEngine(worker, drafter).generate(
-            PROMPTS, max_new_tokens=32, state=states[tier]
-        )
+        engine = SpeculativeEngine(worker, drafter)
+        spec = engine.generate(PROMPTS, max_new_tokens=32, state=states[tier])
+        # Graph replays are timed on the GPU: positive, and within the round's host stage time.
+        for (draft_s, verify_s, _), (draft_gpu, verify_gpu) in zip(
+            engine.times.per_round, engine.times.gpu_ms, strict=True
+        ):
+            assert 0 < draft_gpu <= 1e3 * draft_s and 0 < verify_gpu <= 1e3 * verify_s
         for prompt, s_res, p_res in zip(PROMPTS, spec, plain, strict=True):
             out, ref = s_res.token_ids, p_res.token_ids
             assert len(out) == len(ref) == 32

@@ -119,6 +119,8 @@ class StageTimings(_message.Message):
     SCHEDULE_MS_FIELD_NUMBER: _builtins.int
     TOTAL_MS_FIELD_NUMBER: _builtins.int
     DRAFT_HOST_MS_FIELD_NUMBER: _builtins.int
+    DRAFT_GPU_MS_FIELD_NUMBER: _builtins.int
+    VERIFY_GPU_MS_FIELD_NUMBER: _builtins.int
     draft_ms: _builtins.float
     extend_ms: _builtins.float
     verify_ms: _builtins.float
@@ -129,6 +131,9 @@ class StageTimings(_message.Message):
     total_ms: _builtins.float
     draft_host_ms: _builtins.float
     """Time the draft service held the round outside its compute: event loop, thread hand-offs."""
+    draft_gpu_ms: _builtins.float
+    """GPU time of the stage's CUDA graph replays (CUDA events); 0 on the CPU or when none ran."""
+    verify_gpu_ms: _builtins.float
     def __init__(
         self,
         *,
@@ -139,10 +144,12 @@ class StageTimings(_message.Message):
         schedule_ms: _builtins.float = ...,
         total_ms: _builtins.float = ...,
         draft_host_ms: _builtins.float = ...,
+        draft_gpu_ms: _builtins.float = ...,
+        verify_gpu_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_host_ms", b"draft_host_ms", "draft_ms", b"draft_ms", "extend_ms", b"extend_ms", "rpc_ms", b"rpc_ms", "schedule_ms", b"schedule_ms", "total_ms", b"total_ms", "verify_ms", b"verify_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_gpu_ms", b"draft_gpu_ms", "draft_host_ms", b"draft_host_ms", "draft_ms", b"draft_ms", "extend_ms", b"extend_ms", "rpc_ms", b"rpc_ms", "schedule_ms", b"schedule_ms", "total_ms", b"total_ms", "verify_gpu_ms", b"verify_gpu_ms", "verify_ms", b"verify_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
