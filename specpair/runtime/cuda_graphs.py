@@ -30,14 +30,14 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from specpair.logging import get_logger
-from specpair.runtime.kv_cache import BatchLayout
+from specpair.runtime.kv_cache import BatchLayout, eye_mask, tril_mask
 from specpair.runtime.paged_kv import PagedKVCache
 
 log = get_logger(__name__)
@@ -61,11 +61,31 @@ def bucket_of(batch: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in buckets if b >= batch), None)
 
 
+class Staging:
+    """Host-to-device copies into static buffers through pinned twins, one per buffer.
+
+    A copy from pageable memory first waits for all work queued on the stream, so the host
+    could not prepare a graph's inputs while the previous graph ran; from a pinned twin the
+    copy is asynchronous. A twin is rewritten only in a later call, after that call's caller
+    has synchronized on the previous outputs (every stage ends reading its results).
+    """
+
+    def __init__(self) -> None:
+        self.twins: dict[int, Tensor] = {}
+
+    def copy(self, dst: Tensor, src: Tensor) -> None:
+        twin = self.twins.get(id(dst))
+        if twin is None:
+            twin = self.twins[id(dst)] = torch.empty(dst.shape, dtype=dst.dtype).pin_memory()
+        twin.copy_(src)
+        dst.copy_(twin, non_blocking=True)
+
+
 def pad_layout(layout: BatchLayout, batch: int, tokens: int, pad_slot: int) -> BatchLayout:
     """Pads a layout to [batch, tokens]: extra rows go to the padding slot, extra columns are
     invisible to real tokens (identity rows), so real outputs are unchanged."""
     b, t = layout.new_mask.shape[:2]
-    mask = torch.eye(tokens, dtype=torch.bool).repeat(batch, 1, 1)
+    mask = eye_mask(tokens).expand(batch, -1, -1).clone()
     mask[:b, :t, :t] = layout.new_mask
     slots = torch.full((batch,), pad_slot, dtype=torch.long)
     slots[:b] = layout.slots
@@ -85,6 +105,7 @@ class GraphAttention:
 
     def __init__(self, cache: PagedKVCache, batch: int, tokens: int) -> None:
         self.cache, self.batch, self.tokens = cache, batch, tokens
+        self.staging = Staging()
         self.wrapper = cache.graph_wrapper(batch, tokens)
         self.rows = torch.zeros(batch * tokens, dtype=torch.long, device=cache.device)
         self.attend = cache.attend_fn(self.wrapper, self.rows)
@@ -95,8 +116,8 @@ class GraphAttention:
         self.plan(self.idle)
 
     def plan(self, layout: BatchLayout) -> None:
-        self.rows.copy_(self.cache.write_index(layout))
-        self.cache.plan(self.wrapper, layout)
+        self.staging.copy(self.rows, self.cache.write_index(layout))
+        self.cache.plan(self.wrapper, layout, self.staging)
 
 
 @dataclass
@@ -106,6 +127,11 @@ class StageGraph:
     outputs: dict[str, Tensor]
     attention: list[GraphAttention]
     keep: object = None  # the captured closure: keeps every tensor the graph reads alive
+    staging: Staging = field(default_factory=Staging)
+
+    def load(self, name: str, src: Tensor) -> None:
+        """Host tensor `src` into the static input `name` (asynchronously, see Staging)."""
+        self.staging.copy(self.inputs[name], src)
 
 
 def capture(
@@ -222,8 +248,8 @@ class VerifyGraphs:
         if t > tg or int(layout.starts.max()) + tg > self.owner.cache.max_len:
             return None
         g.attention[0].plan(pad_layout(layout, bucket, tg, self.owner.cache.pad_slot))
-        g.inputs["tokens"].copy_(pad2d(tokens, bucket, tg))
-        g.inputs["positions"].copy_(pad2d(positions, bucket, tg))
+        g.load("tokens", pad2d(tokens, bucket, tg))
+        g.load("positions", pad2d(positions, bucket, tg))
         self.owner.replay(g)
         return g.outputs["hidden"][:b, :t], g.outputs["logits"][:b, :t]
 
@@ -314,19 +340,19 @@ class TierDraftGraphs:
         ext = o.extends[min(fits)] if fits else None
         if ext is not None and int(layout.starts.max()) + min(fits)[1] <= cache.max_len:
             tg = min(fits)[1]
-            tri = torch.ones(tg, tg, dtype=torch.bool).tril().expand(b, -1, -1)
+            tri = tril_mask(tg).expand(b, -1, -1)
             ext.attention[0].plan(
                 pad_layout(
                     BatchLayout(layout.slots, layout.starts, tri), bucket, tg, cache.pad_slot
                 )
             )
-            ext.inputs["tokens"].copy_(pad2d(tokens, bucket, tg))
-            ext.inputs["positions"].copy_(pad2d(positions, bucket, tg))
+            ext.load("tokens", pad2d(tokens, bucket, tg))
+            ext.load("positions", pad2d(positions, bucket, tg))
             last = torch.zeros(bucket, dtype=torch.long)
             last[:b] = torch.tensor(lengths) - 1
-            ext.inputs["last"].copy_(last)
+            ext.load("last", last)
             if feats is not None:
-                ext.inputs["features"].copy_(pad2d(feats, bucket, tg))
+                ext.load("features", pad2d(feats, bucket, tg))
             o.replay(ext)
             hidden = ext.outputs["hidden"]
         else:
@@ -340,10 +366,10 @@ class TierDraftGraphs:
         for k, attn in enumerate(g.attention):
             step = BatchLayout.causal(slots, [st + k for st in starts], [1] * b)
             attn.plan(pad_layout(step, bucket, 1, cache.pad_slot))
-        g.inputs["hidden"].copy_(hidden)
+        g.inputs["hidden"].copy_(hidden)  # on the device: queued after the extend graph
         padded = torch.zeros(bucket, dtype=torch.long)
         padded[:b] = torch.tensor(starts)
-        g.inputs["starts"].copy_(padded)
+        g.load("starts", padded)
         o.replay(g)
         drafts: list[list[int]] = g.outputs["tokens"][:, :b].T.tolist()
         o.read_gpu_ms()

@@ -9,6 +9,7 @@ the GPU issue can back the same interface with paged memory.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -24,6 +25,18 @@ class CacheFullError(RuntimeError):
     """No free request slot, or a request would outgrow its slot."""
 
 
+@functools.cache
+def tril_mask(t: int) -> Tensor:
+    """[t, t] causal mask (shared: read it, expand it, never write it)."""
+    return torch.ones(t, t, dtype=torch.bool).tril()
+
+
+@functools.cache
+def eye_mask(t: int) -> Tensor:
+    """[t, t] identity mask (shared: read it, expand it, never write it)."""
+    return torch.eye(t, dtype=torch.bool)
+
+
 @dataclass(frozen=True, slots=True)
 class BatchLayout:
     """Where one forward's new tokens go: per request a slot, a start position and a mask."""
@@ -36,10 +49,11 @@ class BatchLayout:
     def causal(slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int]) -> BatchLayout:
         """Extend/prefill layout: request b appends lengths[b] tokens (padded to the longest)."""
         t = max(lengths)
-        mask = torch.ones(t, t, dtype=torch.bool).tril().expand(len(slots), t, t).clone()
+        mask = tril_mask(t).expand(len(slots), t, t).clone()
         for b, n in enumerate(lengths):
-            # Padding rows see only themselves so softmax stays finite; their output is unused.
-            mask[b, n:, :] = torch.eye(t, dtype=torch.bool)[n:]
+            if n < t:
+                # Padding rows see only themselves so softmax stays finite; output unused.
+                mask[b, n:, :] = eye_mask(t)[n:]
         return BatchLayout(_long(slots), _long(starts), mask)
 
 

@@ -298,11 +298,12 @@ class PagedKVCache:
             "mask_indptr": i32(batch + 1),
         }
 
-    def plan(self, wrapper: Any, layout: BatchLayout) -> None:
+    def plan(self, wrapper: Any, layout: BatchLayout, staging: Any = None) -> None:
+        """Fills a graph wrapper's metadata for `layout` (the Triton one through `staging`)."""
         from specpair.runtime.tree_attention import TreeAttention
 
         if isinstance(wrapper, TreeAttention):
-            wrapper.plan(layout, self.page_table)
+            wrapper.plan(layout, self.page_table, staging)
             return
         b, t = layout.new_mask.shape[:2]
         n_q, n_kv, d = self.heads

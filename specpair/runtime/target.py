@@ -16,7 +16,7 @@ from torch import Tensor
 
 from specpair.models.llama import LlamaModel
 from specpair.runtime.accept import Acceptance, accept_greedy_argmax, accept_sampling
-from specpair.runtime.kv_cache import BatchLayout, KVCache
+from specpair.runtime.kv_cache import BatchLayout, KVCache, eye_mask
 from specpair.runtime.sampling import SamplingParams, make_generator, sample, warp
 from specpair.runtime.state import SpecRuntimeState, TierCapture
 from specpair.runtime.tree import CandidateTree, full_parents, tree_depths, tree_mask
@@ -130,7 +130,7 @@ class TargetWorker:
         b = len(seqs)
         tokens = torch.zeros(b, t, dtype=torch.long)
         positions = torch.zeros(b, t, dtype=torch.long)
-        new_mask = torch.eye(t, dtype=torch.bool).repeat(b, 1, 1)
+        new_mask = eye_mask(t).expand(b, -1, -1).clone()
         for i, (seq, tree, par) in enumerate(zip(seqs, trees, parents, strict=True)):
             n = len(par)
             tokens[i, :n] = torch.tensor((seq.pending, *tree.tokens))

@@ -21,6 +21,7 @@ out=)`), and its metadata lives in static buffers so a graph replays it with a n
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -132,11 +133,15 @@ class TreeAttention:
         n_q, n_kv, d = heads
         return tokens * (n_q // n_kv) <= MAX_ROWS and d in (64, 128, 256)
 
-    def plan(self, layout: BatchLayout, page_table: Tensor) -> None:
-        """Copies one padded layout's pages, starts and tree mask into the static buffers."""
-        self.pages.copy_(page_table[layout.slots], non_blocking=True)
-        self.starts.copy_(layout.starts, non_blocking=True)
-        self.mask.copy_(layout.new_mask, non_blocking=True)
+    def plan(self, layout: BatchLayout, page_table: Tensor, staging: Any = None) -> None:
+        """Copies one padded layout's pages, starts and tree mask into the static buffers
+        (through `staging`'s pinned twins when given: cuda_graphs.Staging)."""
+        sources = (page_table[layout.slots], layout.starts, layout.new_mask)
+        for dst, src in zip((self.pages, self.starts, self.mask), sources, strict=True):
+            if staging is None:
+                dst.copy_(src, non_blocking=True)
+            else:
+                staging.copy(dst, src)
 
     def run(self, q: Tensor, kv: tuple[Tensor, Tensor], out: Tensor) -> Tensor:
         # q: [B * T, Hq, D]; kv: the layer's pages [P, page, Hkv, D] each -> out [B * T, Hq, D]
