@@ -83,6 +83,18 @@ class DraftRounds:
         )
         return response
 
+    @property
+    def plans_ahead(self) -> bool:
+        """Whether `prepare` does anything: the drafter runs CUDA graphs."""
+        return self.drafter.graphs is not None
+
+    def prepare(self, stream_id: str, request: draft_pb2.SpeculateRequest) -> None:
+        """Plans the next round of this round's requests at its tier (see Drafter.prepare)."""
+        state = self.states.get(request.speculative_num_steps)
+        if state is not None:
+            ids = [f"{stream_id}/{msg.request_id}" for msg in request.inputs]
+            self.drafter.prepare(ids, state)
+
     def _state(self, tier: int) -> SpecRuntimeState:
         state = self.states.get(tier)
         if state is None:

@@ -58,6 +58,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 self.metrics.active_tier.set(request.speculative_num_steps)
                 self.metrics.stage_latency.labels("draft").observe(response.timings.total_ms / 1e3)
                 yield response
+                if rounds.plans_ahead and not response.error:  # while the target verifies
+                    await self.compute(rounds.prepare, stream_id, request)
         finally:
             self.streams -= 1
             await self.compute(rounds.release_stream, stream_id)

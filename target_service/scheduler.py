@@ -282,6 +282,9 @@ class Scheduler:
         self._released = []
         flight.epoch = await link.send(message)
         flight.sent = sent
+        if flight.epoch is not None and self.worker.graphs is not None:
+            # While the draft service drafts: plan this round's verify graph (see prepare).
+            await self.compute(self.worker.prepare, [r.seq for r in batch], flight.state)
         return flight
 
     async def _round(self, flight: Flight) -> Flight | None:

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from specpair.logging import get_logger
-from specpair.runtime.kv_cache import BatchLayout, eye_mask, tril_mask
+from specpair.runtime.kv_cache import BatchLayout, CacheFullError, eye_mask, tril_mask
 from specpair.runtime.paged_kv import PagedKVCache
 
 log = get_logger(__name__)
@@ -233,24 +233,45 @@ class TargetGraphs(_Capturer):
 
 
 class VerifyGraphs:
+    """One tier's verify graphs. `plan` picks the bucket graph, plans its attention and loads
+    the positions; `replay` loads the tokens and runs it. A plan made ahead carries a `key`
+    (what it depends on) and serves the one verify whose key matches."""
+
     def __init__(self, owner: TargetGraphs, graphs: dict[int, StageGraph]) -> None:
         self.owner, self.graphs = owner, graphs
+        self._planned: tuple[StageGraph, int, object] | None = None  # graph, batch, key
+        self.ahead = 0  # verifies that ran on a plan made ahead
 
-    def run(
-        self, tokens: Tensor, positions: Tensor, layout: BatchLayout
-    ) -> tuple[Tensor, Tensor] | None:
-        b, t = tokens.shape
+    def plan(self, positions: Tensor, layout: BatchLayout, key: object = None) -> bool:
+        """False when no graph fits (the caller runs eagerly)."""
+        self._planned = None
+        b, t = positions.shape
         bucket = bucket_of(b, self.owner.buckets)
         if bucket is None:
-            return None
+            return False
         g = self.graphs[bucket]
         tg = g.inputs["tokens"].shape[1]
         if t > tg or int(layout.starts.max()) + tg > self.owner.cache.max_len:
-            return None
+            return False
         g.attention[0].plan(pad_layout(layout, bucket, tg, self.owner.cache.pad_slot))
-        g.load("tokens", pad2d(tokens, bucket, tg))
         g.load("positions", pad2d(positions, bucket, tg))
+        self._planned = (g, b, key)
+        return True
+
+    def planned_for(self, key: object) -> bool:
+        hit = self._planned is not None and self._planned[2] == key
+        self.ahead += hit
+        return hit
+
+    def replay(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Runs the planned graph on host `tokens` [B, T]: hidden [B, T, H], logits [B, T, V]."""
+        assert self._planned is not None, "replay without a plan"
+        g, b, _ = self._planned
+        self._planned = None  # a plan serves one replay: the next verify plans afresh
+        tg = g.inputs["tokens"].shape[1]
+        g.load("tokens", pad2d(tokens, len(g.inputs["tokens"]), tg))
         self.owner.replay(g)
+        t = tokens.shape[1]
         return g.outputs["hidden"][:b, :t], g.outputs["logits"][:b, :t]
 
 
@@ -264,6 +285,8 @@ class DraftGraphs(_Capturer):
         self.drafter = drafter
         self.steps: dict[int, list[GraphAttention]] = {b: [] for b in self.buckets}
         self.extends: dict[tuple[int, int], StageGraph] = {}  # (bucket, tokens) → graph
+        self.planned: tuple[object, StageGraph] | None = None  # (key, extend) from `prepare`
+        self.ahead = 0  # rounds whose extend ran on a plan made ahead
 
     def capture_tier(self, state: Any) -> None:
         s = state.tier
@@ -324,30 +347,50 @@ class TierDraftGraphs:
     def __init__(self, owner: DraftGraphs, tier: int, steps: dict[int, StageGraph]) -> None:
         self.owner, self.tier, self.steps = owner, tier, steps
 
+    def prepare(self, slots: list[int]) -> None:
+        """Plans the next round's extend of `slots` before its tokens arrive: pages, starts
+        and positions follow from the committed lengths; only tokens (and features) and each
+        request's last row depend on the target's verdict. The draft service calls this while
+        the target verifies; the next round uses the plan when its slots and starts match."""
+        o, cache, s = self.owner, self.owner.cache, self.tier
+        o.planned = None
+        bucket = bucket_of(len(slots), o.buckets)
+        ext = None if bucket is None else o.extends.get((bucket, s + 1))
+        starts = [cache.lengths[slot] for slot in slots]
+        if ext is None or max(starts) + 2 * s + 1 > cache.max_len:
+            return  # the round runs eagerly
+        try:
+            _plan_extend(ext, cache, slots, starts)
+        except CacheFullError:
+            return  # the round itself reports it
+        o.planned = ((tuple(slots), tuple(starts), cache.generation), ext)
+
     def round(self, drafter: Any, inputs: Sequence[Any], slots: list[int]) -> list[list[int]]:
         """Greedy draft round: extend (graph when it fits, else eager), then s graph steps."""
         o, cache, s = self.owner, self.owner.cache, self.tier
         b = len(inputs)
         bucket = bucket_of(b, o.buckets)
         tokens, feats, positions, layout, lengths = drafter.extend_inputs(inputs, slots)
+        before = layout.starts.tolist()  # committed lengths before this round's rows
         starts = [cache.lengths[slot] for slot in slots]
+        planned, o.planned = o.planned, None
         if bucket is None or max(starts) + s > cache.max_len:
             o.last_gpu_ms = 0.0
             return self._eager(drafter, tokens, feats, positions, layout, lengths, slots)
         t0 = time.perf_counter()
         t = tokens.shape[1]
-        fits = [k for k in o.extends if k[0] == bucket and k[1] >= t]
-        ext = o.extends[min(fits)] if fits else None
-        if ext is not None and int(layout.starts.max()) + min(fits)[1] <= cache.max_len:
-            tg = min(fits)[1]
-            tri = tril_mask(tg).expand(b, -1, -1)
-            ext.attention[0].plan(
-                pad_layout(
-                    BatchLayout(layout.slots, layout.starts, tri), bucket, tg, cache.pad_slot
-                )
-            )
+        ext = None
+        key = (tuple(slots), tuple(before), cache.generation)
+        if planned is not None and planned[0] == key and planned[1].inputs["tokens"].shape[1] >= t:
+            ext = planned[1]  # planned by `prepare`
+            o.ahead += 1
+        fits = sorted(k[1] for k in o.extends if k[0] == bucket and k[1] >= t)
+        if ext is None and fits and max(before) + fits[0] <= cache.max_len:
+            ext = o.extends[(bucket, fits[0])]
+            _plan_extend(ext, cache, slots, before)
+        if ext is not None:
+            tg = ext.inputs["tokens"].shape[1]
             ext.load("tokens", pad2d(tokens, bucket, tg))
-            ext.load("positions", pad2d(positions, bucket, tg))
             last = torch.zeros(bucket, dtype=torch.long)
             last[:b] = torch.tensor(lengths) - 1
             ext.load("last", last)
@@ -396,6 +439,19 @@ class TierDraftGraphs:
                 step = BatchLayout.causal(slots, [st + k for st in starts], [1] * len(slots))
                 hidden = drafter._step(token[:, None], hidden, step)
         return torch.stack(out).T.tolist()  # type: ignore[no-any-return]
+
+
+def _plan_extend(ext: StageGraph, cache: PagedKVCache, slots: list[int], starts: list[int]) -> None:
+    """An extend graph's attention and positions for requests appending after `starts`: a
+    causal block of the graph's width per request (rows past a request's own are padding
+    whose K/V the draft steps overwrite), positions start + [0, width)."""
+    bucket, width = ext.inputs["tokens"].shape
+    b = len(slots)
+    layout = BatchLayout(
+        torch.tensor(slots), torch.tensor(starts), tril_mask(width).expand(b, -1, -1)
+    )
+    ext.attention[0].plan(pad_layout(layout, bucket, width, cache.pad_slot))
+    ext.load("positions", pad2d(layout.starts[:, None] + torch.arange(width), bucket, width))
 
 
 def drafter_last(

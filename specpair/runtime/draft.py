@@ -104,6 +104,15 @@ class Drafter(ABC):
             for tokens, p in zip(steps, probs, strict=True)
         ]
 
+    @torch.inference_mode()
+    def prepare(self, request_ids: Sequence[str], state: SpecRuntimeState) -> None:
+        """Plans these requests' next extend at `state`'s tier ahead of their tokens (a no-op
+        without graphs, or for an unknown request)."""
+        graphs = state.extras.get(f"draft/{id(self)}")
+        entries = [self.requests.get(rid) for rid in request_ids]
+        if graphs is not None and entries and all(entries):
+            graphs.prepare([e.slot for e in entries if e is not None])  # type: ignore[attr-defined]
+
     @abstractmethod
     def extend_rows(
         self, inputs: Sequence[DraftInput]

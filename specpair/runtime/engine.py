@@ -73,11 +73,15 @@ class SpeculativeEngine:
         running = [s for s in seqs if s.finish_reason is None]
         while running:
             t0 = time.perf_counter()
+            # The plans a service makes while its peer computes (`prepare`), made in line here.
             if self.drafter is not None and state is not None:
+                self.drafter.prepare([s.request_id for s in running], state)
                 trees = self.drafter.round([pending[s.request_id] for s in running], state)
             else:
                 trees = [EMPTY_TREE] * len(running)
             t1 = time.perf_counter()
+            if self.drafter is not None and state is not None:
+                self.target.prepare(running, state)
             results = self.target.verify(running, trees, state)
             t2 = time.perf_counter()
             still = []

@@ -140,6 +140,7 @@ class PagedKVCache:
         self._grow(self.pad_slot, max_len)
         self.lengths = [0] * max_requests
         self._free = list(range(max_requests - 1, -1, -1))
+        self.generation = 0  # bumped by alloc/free: a plan made before one is stale
         self._workspace: Tensor | None = None
         self._eager: Any = None
 
@@ -179,9 +180,11 @@ class PagedKVCache:
             raise CacheFullError(f"all {len(self.lengths)} KV cache slots are in use")
         slot = self._free.pop()
         self.lengths[slot] = 0
+        self.generation += 1
         return slot
 
     def free(self, slot: int) -> None:
+        self.generation += 1
         self._free_pages.extend(int(p) for p in self.page_table[slot, : self._owned[slot]])
         self._owned[slot] = 0
         self.page_table[slot] = 0

@@ -17,6 +17,7 @@ from typing import Protocol
 from torch import Tensor
 
 from specpair.logging import get_logger
+from specpair.runtime.kv_cache import BatchLayout
 from specpair.runtime.tree import tree_depths, tree_mask
 
 log = get_logger(__name__)
@@ -32,6 +33,16 @@ class TierCapture(Protocol):
     def capture_tier(self, state: SpecRuntimeState) -> None: ...
 
     def read_gpu_ms(self) -> float: ...
+
+
+class VerifyPlan(Protocol):
+    """A tier's verify graphs: `plan` the layout (once ahead, or per call), then `replay`."""
+
+    def plan(self, positions: Tensor, layout: BatchLayout, key: object = None) -> bool: ...
+
+    def planned_for(self, key: object) -> bool: ...
+
+    def replay(self, tokens: Tensor) -> tuple[Tensor, Tensor]: ...
 
 
 class GraphOwner(Protocol):

@@ -16,9 +16,9 @@ from torch import Tensor
 
 from specpair.models.llama import LlamaModel
 from specpair.runtime.accept import Acceptance, accept_greedy_argmax, accept_sampling
-from specpair.runtime.kv_cache import BatchLayout, KVCache, eye_mask
+from specpair.runtime.kv_cache import BatchLayout, CacheFullError, KVCache, eye_mask
 from specpair.runtime.sampling import SamplingParams, make_generator, sample, warp
-from specpair.runtime.state import SpecRuntimeState, TierCapture
+from specpair.runtime.state import SpecRuntimeState, TierCapture, VerifyPlan
 from specpair.runtime.tree import CandidateTree, full_parents, tree_depths, tree_mask
 
 
@@ -115,6 +115,25 @@ class TargetWorker:
         return features
 
     @torch.inference_mode()
+    def prepare(self, seqs: Sequence[TargetSequence], state: SpecRuntimeState) -> None:
+        """Plans the next verify of `seqs` before its drafts exist (a no-op without graphs).
+
+        Everything but the tokens is known once the previous round is accepted: positions,
+        pages and the tier's chain mask. The target service calls this while the draft service
+        computes the drafts, so the plan leaves the round's critical path; the verify that
+        follows uses it when its trees are full chains of the tier (the usual round).
+        """
+        graphs = self._graphs(state)
+        if graphs is None:
+            return
+        parents = [list(state.chain_parents)] * len(seqs)
+        try:
+            positions, layout = self._layout(seqs, parents, state)
+        except CacheFullError:
+            return  # the verify itself reports it
+        graphs.plan(positions, layout, key=self._plan_key(seqs, parents))
+
+    @torch.inference_mode()
     def verify(
         self,
         seqs: Sequence[TargetSequence],
@@ -127,27 +146,15 @@ class TargetWorker:
         """
         parents = [full_parents(tree) for tree in trees]
         t = max(len(p) for p in parents)
-        b = len(seqs)
-        tokens = torch.zeros(b, t, dtype=torch.long)
-        positions = torch.zeros(b, t, dtype=torch.long)
-        new_mask = eye_mask(t).expand(b, -1, -1).clone()
-        for i, (seq, tree, par) in enumerate(zip(seqs, trees, parents, strict=True)):
-            n = len(par)
-            tokens[i, :n] = torch.tensor((seq.pending, *tree.tokens))
-            if state is not None and tuple(par) == state.chain_parents:
-                new_mask[i, :n, :n] = state.chain_mask
-                depths = list(state.chain_depths)
-            else:
-                new_mask[i, :n, :n] = tree_mask(par)
-                depths = tree_depths(par)
-            positions[i, :n] = torch.tensor(depths) + seq.committed
-            self.cache.check_room(seq.slot, seq.committed, t)
-        layout = BatchLayout(
-            torch.tensor([s.slot for s in seqs]),
-            torch.tensor([s.committed for s in seqs]),
-            new_mask,
-        )
-        hidden, logits = self._forward_tree(tokens, positions, layout, state)  # on the device
+        tokens = torch.zeros(len(seqs), t, dtype=torch.long)
+        for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
+            tokens[i, : len(tree) + 1] = torch.tensor((seq.pending, *tree.tokens))
+        graphs = self._graphs(state)
+        if graphs is not None and graphs.planned_for(self._plan_key(seqs, parents)):
+            hidden, logits = graphs.replay(tokens)  # planned by `prepare`
+        else:
+            positions, layout = self._layout(seqs, parents, state)
+            hidden, logits = self._forward_tree(tokens, positions, layout, state)
         argmax = logits.argmax(-1).cpu()  # [B, T]: all greedy acceptance needs
         if self.graphs is not None:
             self.graphs.read_gpu_ms()  # the replay is done: its GPU time is readable
@@ -165,15 +172,52 @@ class TargetWorker:
             results.append(VerifyResult(acc, seq.append([*acc.tokens, acc.bonus]), feats))
         return results
 
+    def _layout(
+        self,
+        seqs: Sequence[TargetSequence],
+        parents: Sequence[Sequence[int]],
+        state: SpecRuntimeState | None,
+    ) -> tuple[Tensor, BatchLayout]:
+        """Positions [B, T] and the layout of the trees with these `parents` after each
+        request's committed tokens (CacheFullError when one does not fit)."""
+        t = max(len(p) for p in parents)
+        b = len(seqs)
+        positions = torch.zeros(b, t, dtype=torch.long)
+        new_mask = eye_mask(t).expand(b, -1, -1).clone()
+        for i, (seq, par) in enumerate(zip(seqs, parents, strict=True)):
+            n = len(par)
+            if state is not None and tuple(par) == state.chain_parents:
+                new_mask[i, :n, :n] = state.chain_mask
+                depths = list(state.chain_depths)
+            else:
+                new_mask[i, :n, :n] = tree_mask(par)
+                depths = tree_depths(par)
+            positions[i, :n] = torch.tensor(depths) + seq.committed
+            self.cache.check_room(seq.slot, seq.committed, t)
+        layout = BatchLayout(
+            torch.tensor([s.slot for s in seqs]),
+            torch.tensor([s.committed for s in seqs]),
+            new_mask,
+        )
+        return positions, layout
+
+    def _plan_key(
+        self, seqs: Sequence[TargetSequence], parents: Sequence[Sequence[int]]
+    ) -> tuple[object, ...]:
+        """What a verify plan depends on: slots, committed lengths, tree shapes, page tables."""
+        spots = tuple((s.slot, s.committed) for s in seqs)
+        return spots, tuple(map(tuple, parents)), getattr(self.cache, "generation", 0)
+
+    def _graphs(self, state: SpecRuntimeState | None) -> VerifyPlan | None:
+        return None if state is None else state.extras.get(f"verify/{id(self)}")  # type: ignore[return-value]
+
     def _forward_tree(
         self, tokens: Tensor, positions: Tensor, layout: BatchLayout, state: SpecRuntimeState | None
     ) -> tuple[Tensor, Tensor]:
         """hidden [B, T, H] and float logits [B, T, V]: a captured graph of the tier if one fits."""
-        graphs = None if state is None else state.extras.get(f"verify/{id(self)}")
-        if graphs is not None:
-            out = graphs.run(tokens, positions, layout)  # type: ignore[attr-defined]
-            if out is not None:
-                return out  # type: ignore[no-any-return]
+        graphs = self._graphs(state)
+        if graphs is not None and graphs.plan(positions, layout):
+            return graphs.replay(tokens)
         hidden = self.model(
             tokens.to(self.device), positions.to(self.device), self.cache.bind(layout)
         )

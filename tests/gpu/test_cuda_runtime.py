@@ -23,6 +23,9 @@ from specpair.runtime import cuda_graphs, state
 from specpair.runtime.build import build_drafter, build_target
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.kv_cache import BatchLayout
+from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.target import TargetSequence
+from specpair.runtime.tree import chain
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -209,3 +212,46 @@ def test_graph_replay_equals_eager(gpu_ckpts: dict[str, Path]) -> None:
     err = (logits["triton"] - eager).norm() / eager.norm()
     assert err < 2e-2, f"relative error {err:.3g}"
     assert (logits["triton"].argmax(-1) == eager.argmax(-1)).float().mean() >= 0.9
+
+
+def test_plans_made_ahead_give_the_same_rounds(gpu_ckpts: dict[str, Path]) -> None:
+    """Verify and extend plans made ahead (`prepare`: what the services do while the peer
+    computes) are used, and give exactly the rounds of plans made in line; a plan made before
+    a slot changed hands is not used."""
+    worker = target(gpu_ckpts["target"])
+    drafter = build_drafter(
+        gpu_ckpts["eagle"],
+        target_path=gpu_ckpts["target"],
+        max_requests=4,
+        max_len=256,
+        dtype=BF16,
+        device="cuda",
+    )
+    tier = state.build_states([3], [worker, drafter])[3]
+    verify, extend = tier.extras[f"verify/{id(worker)}"], drafter.graphs
+    runs = {}
+    for ahead in (False, True):
+        if not ahead:  # plans in line only
+            worker.prepare = drafter.prepare = lambda *args: None  # type: ignore[method-assign]
+        else:
+            del worker.prepare, drafter.prepare
+        engine = SpeculativeEngine(worker, drafter)
+        before = verify.ahead, extend.ahead  # type: ignore[attr-defined,union-attr]
+        results = engine.generate(PROMPTS[:3], max_new_tokens=24, state=tier)
+        runs[ahead] = [(r.token_ids, r.accept_lengths) for r in results]
+        hits = verify.ahead - before[0], extend.ahead - before[1]  # type: ignore[attr-defined,union-attr]
+        rounds = engine.times.rounds
+        if ahead:  # every verify; every extend but the first (the draft meets the requests)
+            assert hits == (rounds, rounds - 1), (hits, rounds)
+        else:
+            assert hits == (0, 0)
+    assert runs[True] == runs[False]
+    # A slot that changed hands since the plan (alloc/free) makes the plan stale.
+    seqs = [TargetSequence("x", [1, 2, 3], SamplingParams(), 8)]
+    worker.prefill(seqs)
+    worker.prepare(seqs, tier)
+    worker.cache.free(worker.cache.alloc())
+    hits = verify.ahead  # type: ignore[attr-defined]
+    worker.verify(seqs, [chain([4, 5, 6])], tier)
+    assert verify.ahead == hits  # type: ignore[attr-defined]
+    worker.release(seqs[0])
