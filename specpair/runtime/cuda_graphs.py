@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,17 +69,43 @@ class Staging:
     could not prepare a graph's inputs while the previous graph ran; from a pinned twin the
     copy is asynchronous. A twin is rewritten only in a later call, after that call's caller
     has synchronized on the previous outputs (every stage ends reading its results).
+
+    Copies made `deferred` (plans made ahead, `prepare`) wait in `pending` until the next
+    replay flushes them: a service plans while its peer computes, and on a shared GPU a copy
+    queued in one process's context then would preempt the peer's kernels (time-slicing
+    between contexts; an H100 run measured the target's verify graphs 4 % slower on the GPU
+    while the draft's plan copies went out during them).
     """
 
     def __init__(self) -> None:
         self.twins: dict[int, Tensor] = {}
+        self.pending: list[tuple[Tensor, Tensor]] = []  # (static buffer, its twin)
+        self.defer = False
 
     def copy(self, dst: Tensor, src: Tensor) -> None:
         twin = self.twins.get(id(dst))
         if twin is None:
             twin = self.twins[id(dst)] = torch.empty(dst.shape, dtype=dst.dtype).pin_memory()
         twin.copy_(src)
-        dst.copy_(twin, non_blocking=True)
+        if self.defer:
+            self.pending.append((dst, twin))
+        else:
+            dst.copy_(twin, non_blocking=True)
+
+    def flush(self) -> None:
+        """Queues the deferred copies (a twin holds its latest values: a later plan of the
+        same buffer rewrote it, so a stale entry copies what is current)."""
+        for dst, twin in self.pending:
+            dst.copy_(twin, non_blocking=True)
+        self.pending.clear()
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        self.defer = True
+        try:
+            yield
+        finally:
+            self.defer = False
 
 
 def pad_layout(layout: BatchLayout, batch: int, tokens: int, pad_slot: int) -> BatchLayout:
@@ -103,9 +130,9 @@ def pad2d(x: Tensor, rows: int, cols: int) -> Tensor:
 class GraphAttention:
     """A graph's attention (`PagedKVCache.graph_wrapper`) and write rows for [batch, tokens]."""
 
-    def __init__(self, cache: PagedKVCache, batch: int, tokens: int) -> None:
+    def __init__(self, cache: PagedKVCache, batch: int, tokens: int, staging: Staging) -> None:
         self.cache, self.batch, self.tokens = cache, batch, tokens
-        self.staging = Staging()
+        self.staging = staging
         self.wrapper = cache.graph_wrapper(batch, tokens)
         self.rows = torch.zeros(batch * tokens, dtype=torch.long, device=cache.device)
         self.attend = cache.attend_fn(self.wrapper, self.rows)
@@ -127,7 +154,7 @@ class StageGraph:
     outputs: dict[str, Tensor]
     attention: list[GraphAttention]
     keep: object = None  # the captured closure: keeps every tensor the graph reads alive
-    staging: Staging = field(default_factory=Staging)
+    staging: Staging = field(default_factory=Staging)  # its owner's (_Capturer.staging)
 
     def load(self, name: str, src: Tensor) -> None:
         """Host tensor `src` into the static input `name` (asynchronously, see Staging)."""
@@ -139,6 +166,7 @@ def capture(
     inputs: dict[str, Tensor],
     attention: list[GraphAttention],
     pool: Any,
+    staging: Staging | None = None,
 ) -> StageGraph:
     """Warms `body` up on a side stream (JIT, cuBLAS handles), then captures it."""
     global _captures
@@ -152,7 +180,7 @@ def capture(
     with torch.cuda.graph(graph, pool=pool):
         outputs = body()
     _captures += 1
-    return StageGraph(graph, inputs, outputs, attention, keep=body)
+    return StageGraph(graph, inputs, outputs, attention, keep=body, staging=staging or Staging())
 
 
 class _Capturer:
@@ -169,11 +197,13 @@ class _Capturer:
         self.last_gpu_ms = 0.0  # GPU time of the last call's graph replays (0: none ran)
         self._events = [torch.cuda.Event(enable_timing=True) for _ in range(8)]
         self._spans = 0
+        self.staging = Staging()  # of every graph and attention here
 
     def replay(self, g: StageGraph) -> None:
         """Replays `g` between two CUDA events (four per call; older ones unread are dropped)."""
         self._spans %= len(self._events) // 2
         start, end = self._events[2 * self._spans], self._events[2 * self._spans + 1]
+        self.staging.flush()
         start.record()
         g.graph.replay()
         end.record()
@@ -223,13 +253,13 @@ class TargetGraphs(_Capturer):
             "tokens": torch.zeros(batch, tokens, dtype=torch.long, device=dev),
             "positions": torch.zeros(batch, tokens, dtype=torch.long, device=dev),
         }
-        attn = GraphAttention(self.cache, batch, tokens)
+        attn = GraphAttention(self.cache, batch, tokens, self.staging)
 
         def body() -> dict[str, Tensor]:
             hidden = model(inputs["tokens"], inputs["positions"], attn.attend)
             return {"hidden": hidden, "logits": model.logits(hidden)}
 
-        return capture(body, inputs, [attn], self.pool)
+        return capture(body, inputs, [attn], self.pool, self.staging)
 
 
 class VerifyGraphs:
@@ -243,7 +273,8 @@ class VerifyGraphs:
         self.ahead = 0  # verifies that ran on a plan made ahead
 
     def plan(self, positions: Tensor, layout: BatchLayout, key: object = None) -> bool:
-        """False when no graph fits (the caller runs eagerly)."""
+        """False when no graph fits (the caller runs eagerly). A plan made ahead (`key`) defers
+        its copies to the replay (see Staging)."""
         self._planned = None
         b, t = positions.shape
         bucket = bucket_of(b, self.owner.buckets)
@@ -253,8 +284,9 @@ class VerifyGraphs:
         tg = g.inputs["tokens"].shape[1]
         if t > tg or int(layout.starts.max()) + tg > self.owner.cache.max_len:
             return False
-        g.attention[0].plan(pad_layout(layout, bucket, tg, self.owner.cache.pad_slot))
-        g.load("positions", pad2d(positions, bucket, tg))
+        with self.owner.staging.deferred() if key is not None else nullcontext():
+            g.attention[0].plan(pad_layout(layout, bucket, tg, self.owner.cache.pad_slot))
+            g.load("positions", pad2d(positions, bucket, tg))
         self._planned = (g, b, key)
         return True
 
@@ -309,7 +341,7 @@ class DraftGraphs(_Capturer):
         }
         if d.needs_features:
             inputs["features"] = torch.zeros(batch, tokens, hidden_size, device=dev)
-        attn = GraphAttention(self.cache, batch, tokens)
+        attn = GraphAttention(self.cache, batch, tokens, self.staging)
         inputs["rows"] = torch.arange(batch, device=dev)  # static: read by the graph's gather
         rows = inputs["rows"]
 
@@ -318,13 +350,13 @@ class DraftGraphs(_Capturer):
             hidden = d.forward(inputs["tokens"], feats, inputs["positions"], attn.attend)
             return {"hidden": hidden[rows, inputs["last"]][:, None]}  # [B, 1, H]
 
-        return capture(body, inputs, [attn], self.pool)
+        return capture(body, inputs, [attn], self.pool, self.staging)
 
     def _multi_step(self, batch: int, s: int) -> StageGraph:
         d, dev = self.drafter, self.cache.device
         attns = self.steps[batch]
         while len(attns) < s - 1:  # step k's attention is the same whatever the tier
-            attns.append(GraphAttention(self.cache, batch, 1))
+            attns.append(GraphAttention(self.cache, batch, 1, self.staging))
         inputs = {
             "hidden": torch.zeros(batch, 1, d.args.hidden_size, dtype=self.cache.dtype, device=dev),
             "starts": torch.zeros(batch, dtype=torch.long, device=dev),
@@ -340,7 +372,7 @@ class DraftGraphs(_Capturer):
                     hidden = d.forward(token[:, None], hidden, pos, attns[k].attend)
             return {"tokens": torch.stack(out)}  # [s, B]
 
-        return capture(body, inputs, attns[: s - 1], self.pool)
+        return capture(body, inputs, attns[: s - 1], self.pool, self.staging)
 
 
 class TierDraftGraphs:
@@ -360,7 +392,8 @@ class TierDraftGraphs:
         if ext is None or max(starts) + 2 * s + 1 > cache.max_len:
             return  # the round runs eagerly
         try:
-            _plan_extend(ext, cache, slots, starts)
+            with o.staging.deferred():
+                _plan_extend(ext, cache, slots, starts)
         except CacheFullError:
             return  # the round itself reports it
         o.planned = ((tuple(slots), tuple(starts), cache.generation), ext)
