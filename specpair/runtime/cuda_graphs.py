@@ -78,14 +78,15 @@ class Staging:
     """
 
     def __init__(self) -> None:
-        self.twins: dict[int, Tensor] = {}
+        self.twins: dict[int, tuple[Tensor, Tensor]] = {}  # id(buffer) → (buffer, twin)
         self.pending: list[tuple[Tensor, Tensor]] = []  # (static buffer, its twin)
         self.defer = False
 
     def copy(self, dst: Tensor, src: Tensor) -> None:
-        twin = self.twins.get(id(dst))
-        if twin is None:
-            twin = self.twins[id(dst)] = torch.empty(dst.shape, dtype=dst.dtype).pin_memory()
+        entry = self.twins.get(id(dst))
+        if entry is None:  # the entry holds the buffer too: its id is never reused meanwhile
+            entry = self.twins[id(dst)] = (dst, torch.empty_like(dst, device="cpu").pin_memory())
+        twin = entry[1]
         twin.copy_(src)
         if self.defer:
             self.pending.append((dst, twin))
@@ -145,6 +146,25 @@ class GraphAttention:
     def plan(self, layout: BatchLayout) -> None:
         self.staging.copy(self.rows, self.cache.write_index(layout))
         self.cache.plan(self.wrapper, layout, self.staging)
+
+    @property
+    def on_device(self) -> bool:
+        """The Triton tree attention's metadata is plain buffers: a graph can fill them."""
+        return hasattr(self.wrapper, "starts")
+
+    def plan_pages(self, slots: list[int]) -> None:
+        """Only the page rows of `slots` (padded): an `on_device` step's whole host plan."""
+        padded = torch.full((self.batch,), self.cache.pad_slot, dtype=torch.long)
+        padded[: len(slots)] = torch.tensor(slots)
+        self.staging.copy(self.wrapper.pages, self.cache.page_table[padded])
+
+    def follow(self, starts: Tensor) -> None:
+        """Inside a graph: starts and write rows of one new token per request at device
+        positions `starts` [B] (`on_device` only), through the planned page rows."""
+        page = self.cache.page_size
+        self.wrapper.starts.copy_(starts)
+        pages = self.wrapper.pages.gather(1, (starts // page)[:, None])[:, 0]
+        self.rows.copy_(pages.long() * page + starts % page)
 
 
 @dataclass
@@ -357,6 +377,8 @@ class DraftGraphs(_Capturer):
         attns = self.steps[batch]
         while len(attns) < s - 1:  # step k's attention is the same whatever the tier
             attns.append(GraphAttention(self.cache, batch, 1, self.staging))
+            if attns[-1].on_device:  # one request's page row serves every step
+                attns[-1].wrapper.pages = attns[0].wrapper.pages
         inputs = {
             "hidden": torch.zeros(batch, 1, d.args.hidden_size, dtype=self.cache.dtype, device=dev),
             "starts": torch.zeros(batch, dtype=torch.long, device=dev),
@@ -368,8 +390,10 @@ class DraftGraphs(_Capturer):
                 token = d.logits(hidden).argmax(-1)  # [B]
                 out.append(token)
                 if k + 1 < s:
-                    pos = (inputs["starts"] + k)[:, None]
-                    hidden = d.forward(token[:, None], hidden, pos, attns[k].attend)
+                    pos = inputs["starts"] + k  # [B]
+                    if attns[k].on_device:
+                        attns[k].follow(pos)
+                    hidden = d.forward(token[:, None], hidden, pos[:, None], attns[k].attend)
             return {"tokens": torch.stack(out)}  # [s, B]
 
         return capture(body, inputs, attns[: s - 1], self.pool, self.staging)
@@ -387,16 +411,30 @@ class TierDraftGraphs:
         o, cache, s = self.owner, self.owner.cache, self.tier
         o.planned = None
         bucket = bucket_of(len(slots), o.buckets)
-        ext = None if bucket is None else o.extends.get((bucket, s + 1))
+        if bucket is None:
+            return
+        ext = o.extends.get((bucket, s + 1))
         starts = [cache.lengths[slot] for slot in slots]
         if ext is None or max(starts) + 2 * s + 1 > cache.max_len:
             return  # the round runs eagerly
         try:
             with o.staging.deferred():
                 _plan_extend(ext, cache, slots, starts)
+                # the steps write after the extend's rows: at most s + 1 + s past the start
+                self._plan_step_pages(bucket, slots, [st + 2 * s + 1 for st in starts])
         except CacheFullError:
             return  # the round itself reports it
-        o.planned = ((tuple(slots), tuple(starts), cache.generation), ext)
+        o.planned = ((s, tuple(slots), tuple(starts), cache.generation), ext)
+
+    def _plan_step_pages(self, bucket: int, slots: list[int], ends: list[int]) -> bool:
+        """Pages up to `ends` and their rows for steps that place themselves (`on_device`)."""
+        attns = self.steps[bucket].attention
+        if not attns or not attns[0].on_device:
+            return False
+        for slot, end in zip(slots, ends, strict=True):
+            self.owner.cache.reserve(slot, end)
+        attns[0].plan_pages(slots)
+        return True
 
     def round(self, drafter: Any, inputs: Sequence[Any], slots: list[int]) -> list[list[int]]:
         """Greedy draft round: extend (graph when it fits, else eager), then s graph steps."""
@@ -412,10 +450,10 @@ class TierDraftGraphs:
             return self._eager(drafter, tokens, feats, positions, layout, lengths, slots)
         t0 = time.perf_counter()
         t = tokens.shape[1]
-        ext = None
-        key = (tuple(slots), tuple(before), cache.generation)
+        ext = planned_ext = None
+        key = (s, tuple(slots), tuple(before), cache.generation)
         if planned is not None and planned[0] == key and planned[1].inputs["tokens"].shape[1] >= t:
-            ext = planned[1]  # planned by `prepare`
+            ext = planned_ext = planned[1]  # planned by `prepare`
             o.ahead += 1
         fits = sorted(k[1] for k in o.extends if k[0] == bucket and k[1] >= t)
         if ext is None and fits and max(before) + fits[0] <= cache.max_len:
@@ -439,9 +477,12 @@ class TierDraftGraphs:
             torch.cuda.synchronize()
         t1 = time.perf_counter()
         g = self.steps[bucket]
+        if planned_ext is None:  # else `prepare` planned the steps' pages too
+            self._plan_step_pages(bucket, slots, [st + s for st in starts])
         for k, attn in enumerate(g.attention):
-            step = BatchLayout.causal(slots, [st + k for st in starts], [1] * b)
-            attn.plan(pad_layout(step, bucket, 1, cache.pad_slot))
+            if not attn.on_device:
+                step = BatchLayout.causal(slots, [st + k for st in starts], [1] * b)
+                attn.plan(pad_layout(step, bucket, 1, cache.pad_slot))
         g.inputs["hidden"].copy_(hidden)  # on the device: queued after the extend graph
         padded = torch.zeros(bucket, dtype=torch.long)
         padded[:b] = torch.tensor(starts)

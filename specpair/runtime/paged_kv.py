@@ -200,6 +200,12 @@ class PagedKVCache:
         if needed > len(self._free_pages):
             raise CacheFullError(f"slot {slot}: {needed} more pages needed, none free")
 
+    def reserve(self, slot: int, length: int) -> None:
+        """Pages for `slot` up to `length` positions, before a graph writes there by itself."""
+        if length > self.max_len:
+            raise CacheFullError(f"slot {slot}: {length} positions exceed max_len {self.max_len}")
+        self._grow(slot, length)
+
     def _grow(self, slot: int, length: int) -> None:
         """Gives `slot` pages until it covers `length` positions."""
         while self._owned[slot] * self.page_size < length:

@@ -21,6 +21,7 @@ from transformers import LlamaForCausalLM
 from specpair.models.tiny import make_tiny_eagle, make_tiny_llama
 from specpair.runtime import cuda_graphs, state
 from specpair.runtime.build import build_drafter, build_target
+from specpair.runtime.draft import DraftInput
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.kv_cache import BatchLayout
 from specpair.runtime.sampling import SamplingParams
@@ -255,3 +256,37 @@ def test_plans_made_ahead_give_the_same_rounds(gpu_ckpts: dict[str, Path]) -> No
     worker.verify(seqs, [chain([4, 5, 6])], tier)
     assert verify.ahead == hits  # type: ignore[attr-defined]
     worker.release(seqs[0])
+
+
+def test_draft_steps_placed_on_device_equal_host_plans(
+    gpu_ckpts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Draft steps whose graph computes its own starts and write rows (`on_device`) draft
+    exactly what the same graphs planned step by step on the host draft, round after round,
+    with appended rows of every length (accepted drafts + bonus)."""
+
+    def drafter():  # type: ignore[no-untyped-def]
+        gc.collect()
+        d = build_drafter(
+            gpu_ckpts["draft"], max_requests=4, max_len=256, dtype=BF16, device="cuda"
+        )
+        return d, state.build_states([3], [d])[3]
+
+    on_device, tier = drafter()
+    with monkeypatch.context() as m:
+        m.setattr(cuda_graphs.GraphAttention, "on_device", property(lambda self: False))
+        on_host, host_tier = drafter()
+        assert not on_host.graphs.steps[4][0].on_device  # type: ignore[union-attr]
+    assert on_device.graphs.steps[4][0].on_device  # type: ignore[union-attr]
+    gen = torch.Generator().manual_seed(0)
+    appended = {f"r{i}": tuple(p) for i, p in enumerate(PROMPTS[:3])}
+    for _ in range(12):
+        inputs = [DraftInput(rid, rows, SamplingParams()) for rid, rows in appended.items()]
+        drafts = on_device.round(inputs, tier)
+        with monkeypatch.context() as m:
+            m.setattr(cuda_graphs.GraphAttention, "on_device", property(lambda self: False))
+            assert on_host.round(inputs, host_tier) == drafts
+        for rid, tree in zip(appended, drafts, strict=True):
+            accepted = int(torch.randint(0, 4, (1,), generator=gen))
+            bonus = int(torch.randint(0, 320, (1,), generator=gen))
+            appended[rid] = (*tree.tokens[:accepted], bonus)
