@@ -268,7 +268,12 @@ def test_draft_steps_placed_on_device_equal_host_plans(
     def drafter():  # type: ignore[no-untyped-def]
         gc.collect()
         d = build_drafter(
-            gpu_ckpts["draft"], max_requests=4, max_len=256, dtype=BF16, device="cuda"
+            gpu_ckpts["draft"],
+            target_path=None,
+            max_requests=4,
+            max_len=256,
+            dtype=BF16,
+            device="cuda",
         )
         return d, state.build_states([3], [d])[3]
 
