@@ -31,6 +31,15 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_list(text: str) -> set[int]:
+    """'0-3,8' -> {0, 1, 2, 3, 8}."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
 def device_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "cpu": cpu_model(),

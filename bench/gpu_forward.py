@@ -5,7 +5,8 @@
 floor = weight bytes / device-to-device copy bandwidth (read + write), both measured here.
 ours: the verify stage as served (fused layers, Triton tree attention over the paged cache,
 one CUDA graph); "graph" times the replay, "+plan" adds the host-side planning that precedes it,
-"fi-attn" is the same graph with flashinfer's paged prefill in place of the Triton tree attention.
+"fi-attn" is the same graph with flashinfer's paged prefill in place of the Triton tree attention,
+"no-PDL" the same graph with every kernel launched to wait for the one before (`triton_kernels`).
 transformers: the same weights (shared tensors), a StaticCache, eager and under a CUDA graph.
 """
 
@@ -117,6 +118,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--out", type=Path, default=Path("bench/out/gpu_forward.json"))
     args = parser.parse_args()
+    from specpair.runtime import triton_kernels  # GPU only
+
     info = device_info()
     print(f"device: {info.get('gpu')}")
     bw = copy_bandwidth()
@@ -162,18 +165,16 @@ def main() -> None:
             with_plan = median(time_cuda(planned, args.iters))
             # the same graph with flashinfer's paged prefill as its attention
             cache.graph_attention = "flashinfer"
-            with torch.inference_mode():
-                g_fi = graphs._verify(1, q)
+            replay_fi = variant_time(graphs, layout, tokens, args.iters)
             cache.graph_attention = "triton"
-            g_fi.inputs["tokens"].copy_(tokens)
-            g_fi.inputs["positions"].copy_(torch.arange(ctx, ctx + q)[None])
-            g_fi.attention[0].plan(layout)
-            replay_fi = median(time_cuda(g_fi.graph.replay, args.iters))
-            del g_fi
+            # and without programmatic dependent launch (each kernel waits for the last)
+            triton_kernels.set_pdl(False)
+            replay_serial = variant_time(graphs, layout, tokens, args.iters)
+            triton_kernels.set_pdl(True)
             print(
                 f"ours ctx {ctx} q {q}: graph {1e3 * replay:.3f} ms ({replay / floor:.3f}× floor),"
                 f" plan+graph {1e3 * with_plan:.3f} ms ({with_plan / floor:.3f}×), "
-                f"capture {capture_s:.2f} s",
+                f"no PDL {1e3 * replay_serial:.3f} ms, capture {capture_s:.2f} s",
                 flush=True,
             )
             hf_t = hf_timings(hf, ctx, q, args.iters)
@@ -190,6 +191,7 @@ def main() -> None:
                 "ours_graph_s": replay,
                 "ours_plan_graph_s": with_plan,
                 "ours_flashinfer_graph_s": replay_fi,
+                "ours_no_pdl_graph_s": replay_serial,
                 "capture_s": capture_s,
                 "logits_rel_err": rel,
                 **{k + "_s": v for k, v in hf_t.items()},
@@ -204,6 +206,8 @@ def main() -> None:
                     f"{replay / floor:.3f}",
                     f"{1e3 * with_plan:.2f}",
                     f"{with_plan / floor:.3f}",
+                    f"{1e3 * replay_serial:.2f}",
+                    f"{replay_serial / floor:.3f}",
                     f"{1e3 * replay_fi:.2f}",
                     f"{replay_fi / floor:.3f}",
                     f"{1e3 * hf_t['hf_eager']:.1f}",
@@ -230,6 +234,8 @@ def main() -> None:
                 "×floor",
                 "+plan ms",
                 "×floor",
+                "no-PDL ms",
+                "×floor",
                 "fi-attn ms",
                 "×floor",
                 "HF eager ms",
@@ -240,6 +246,20 @@ def main() -> None:
             table,
         )
     )
+
+
+def variant_time(
+    graphs: TargetGraphs, layout: BatchLayout, tokens: torch.Tensor, iters: int
+) -> float:
+    """Captures a fresh verify graph under the current settings, times its replay (seconds)."""
+    q = tokens.shape[1]
+    start = int(layout.starts[0])
+    with torch.inference_mode():
+        g = graphs._verify(1, q)
+    g.inputs["tokens"].copy_(tokens)
+    g.inputs["positions"].copy_(torch.arange(start, start + q)[None])
+    g.attention[0].plan(layout)
+    return median(time_cuda(g.graph.replay, iters))
 
 
 def prompt_plus(prompt: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

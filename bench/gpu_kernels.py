@@ -6,7 +6,8 @@
    back-ends, and the transposed "NN" layout) vs our Triton split-K GEMV writing fp32 partials
    (its consumer sums them; see `triton_kernels.gemv_partials`) over a grid of tile configs.
    Rotating weight copies keep L2 from serving any weight twice.
-2. Paged attention of q tokens over ctx cached ones, 32 layers per graph replay (one KV pool per
+2. Our Triton tree attention (+ merge) over a grid of (splits, keys per block, prefetch), and
+   paged attention of q tokens over ctx cached ones, 32 layers per graph replay (one KV pool per
    layer, as served): flashinfer prefill with the tree as custom mask (split-KV as planned, and
    with split-KV disabled) vs causal without a mask.
 """
@@ -147,19 +148,86 @@ def attention_rows() -> list[dict[str, Any]]:
     return rows
 
 
+def all_layers(attn: Any, cache: PagedKVCache, qs: Tensor, out: Tensor) -> None:
+    for layer in range(cache.k.shape[0]):
+        attn.run(qs, (cache.k[layer], cache.v[layer]), out)
+
+
+def tree_rows(bw: float) -> list[dict[str, Any]]:
+    """Our Triton tree attention (+ merge) per layer over a grid of (splits, keys per block,
+    prefetch), 32 layers per replay; `tree_config`'s choice marked as served."""
+    from specpair.runtime.tree_attention import TreeAttention, tree_config
+
+    a = LLAMA3_8B
+    heads = (a.num_heads, a.num_kv_heads, a.head_dim)
+    grid = list(itertools.product((8, 16, 32, 64), (16, 32, 64), (0, 1)))
+    rows = []
+    for ctx in (512, 2048):
+        cache = PagedKVCache.for_model(
+            a, max_requests=1, max_len=ctx + 16, dtype=torch.bfloat16, device="cuda"
+        )
+        cache.k.normal_()
+        cache.v.normal_()
+        slot = cache.alloc()
+        kv_bytes = 2 * (ctx + 8) * a.num_kv_heads * a.head_dim * 2  # K and V of one layer
+        for q in (1, 8):
+            layout = BatchLayout(
+                torch.tensor([slot]), torch.tensor([ctx]), torch.ones(q, q).tril().bool()[None]
+            )
+            cache.write_index(layout)
+            qs = torch.randn(q, a.num_heads, a.head_dim, dtype=torch.bfloat16, device="cuda")
+            out = torch.empty_like(qs)
+            times: dict[tuple[int, int, int], float] = {}  # per layer
+            for cfg in grid:
+                attn = TreeAttention(
+                    batch=1, tokens=q, heads=heads, page_size=cache.page_size,
+                    pages_per_slot=cache.pages_per_slot, device=torch.device("cuda"), config=cfg,
+                )  # fmt: skip
+                attn.plan(layout, cache.page_table)
+                try:
+                    replay = graph_time(partial(all_layers, attn, cache, qs, out), 20)
+                    times[cfg] = replay / a.num_layers
+                except Exception as exc:  # a config Triton cannot build: skip it, say so
+                    print(f"ctx {ctx} q {q} {cfg}: {type(exc).__name__}: {exc}", flush=True)
+            best = min(times, key=times.__getitem__)
+            served = tree_config(1, a.num_kv_heads)
+            rows.append({
+                "ctx": ctx, "q": q, "best_cfg": str(best), "best_us": 1e6 * times[best],
+                "served_cfg": str(served), "served_us": 1e6 * times[served],
+                "kv_floor_us": 1e6 * kv_bytes / bw,
+                "all_us": {str(k): 1e6 * t for k, t in times.items()},
+            })  # fmt: skip
+            print({k: v for k, v in rows[-1].items() if k != "all_us"}, flush=True)
+        del cache
+        torch.cuda.empty_cache()
+    return rows
+
+
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/out/gpu_kernels.json"))
     parser.add_argument("--skip-gemm", action="store_true")
+    parser.add_argument("--only-tree", action="store_true", help="just the tree attention grid")
     args = parser.parse_args()
     info = device_info()
     print(f"device: {info.get('gpu')}")
     bw = copy_bandwidth()
-    attn = attention_rows()
-    gemms = [] if args.skip_gemm else gemm_rows(bw)
-    write_json(args.out, {"device": info, "copy_bandwidth_Bps": bw, "gemm": gemms, "attn": attn})
+    tree = tree_rows(bw)
+    attn = [] if args.only_tree else attention_rows()
+    gemms = [] if args.skip_gemm or args.only_tree else gemm_rows(bw)
+    write_json(args.out, {
+        "device": info, "copy_bandwidth_Bps": bw, "gemm": gemms, "attn": attn, "tree": tree,
+    })  # fmt: skip
     gpu = info.get("gpu")
+    print(f"\nTriton tree attention + merge per layer, batch 1, us — {gpu}")
+    print(format_table(
+        ["ctx", "q", "KV floor", "served", "cfg", "best", "cfg (splits, block, prefetch)"],
+        [[str(r["ctx"]), str(r["q"]), f"{r['kv_floor_us']:.1f}", f"{r['served_us']:.1f}",
+          r["served_cfg"], f"{r['best_us']:.1f}", r["best_cfg"]] for r in tree],
+    ))  # fmt: skip
+    if args.only_tree:
+        return
     print(f"\nAttention per layer, batch 1, us — {gpu}")
     print(
         format_table(

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from bench import common
 from bench.checkpoints import random_pair
 from bench.common import add_output_args, device_info, format_table, percentile, write_json
 from bench.gpu_common import LLAMA3_8B
@@ -43,15 +44,6 @@ from specpair.serving import compute_executor
 
 STAGES = ("draft", "draft_gpu", "draft_host", "verify", "verify_gpu", "rpc", "schedule", "total")
 WARMUP_TOKENS = 8
-
-
-def cpu_list(text: str) -> set[int]:
-    """'0-3,8' -> {0, 1, 2, 3, 8}."""
-    cpus: set[int] = set()
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
 
 
 def prompts(n: int, vocab: int, length: int | None = None, seed: int = 0) -> list[list[int]]:
@@ -233,7 +225,7 @@ def main() -> None:
         "--busy-poll-ms", type=float, help="the services' --busy-poll-ms (default: theirs)"
     )
     parser.add_argument(
-        "--pin-cpus", nargs=3, type=cpu_list, metavar=("IN_PROCESS", "DRAFT", "TARGET"),
+        "--pin-cpus", nargs=3, type=common.cpu_list, metavar=("IN_PROCESS", "DRAFT", "TARGET"),
         help="CPU lists (e.g. 0-3 4-7 8-11) for the in-process run and each service",
     )  # fmt: skip
     add_output_args(parser, "bench/out/round_overhead.json")

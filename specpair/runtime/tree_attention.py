@@ -29,8 +29,31 @@ import triton.language as tl
 from torch import Tensor
 
 from specpair.runtime.kv_cache import BatchLayout
+from specpair.runtime.triton_kernels import await_previous, pdl
 
 MAX_ROWS = 64  # query rows per KV head (tokens x GQA group) the kernel holds at once
+
+
+@triton.jit
+def _kv_block(
+    k_ptr, v_ptr, pages_ptr, mask_ptr, b, h, start, hi, n0, tok, live, d, pages_stride, n_kv,
+    T: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Keys, values and tree-mask bits of key positions [n0, n0 + BLOCK_N) (masked at hi)."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    valid = pos < hi
+    page = tl.load(pages_ptr + b * pages_stride + pos // PAGE, mask=valid, other=0)
+    kv_row = (page.to(tl.int64) * PAGE + pos % PAGE) * n_kv + h
+    k = tl.load(k_ptr + kv_row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(v_ptr + kv_row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+    new = pos - start
+    tree = tl.load(
+        mask_ptr + (b * T + tok[:, None]) * T + new[None, :],
+        mask=live[:, None] & ((new >= 0) & valid)[None, :],
+        other=0,
+    )
+    vis = valid[None, :] & ((pos[None, :] < start) | (tree != 0))  # [R, BLOCK_N]
+    return k, v, vis
 
 
 @triton.jit
@@ -38,9 +61,11 @@ def _tree_attn_kernel(
     q_ptr, k_ptr, v_ptr, pages_ptr, starts_ptr, mask_ptr, part_o_ptr, part_ml_ptr,
     sm_scale, pages_stride, n_q, n_kv,
     T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # grid (B, Hkv, SPLITS); rows r = token * G + group head, for r < T * G
+    await_previous(PDL)
     b, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(starts_ptr + b)
     length = start + T
@@ -56,41 +81,47 @@ def _tree_attn_kernel(
     m_i = tl.full((R,), -1.0e30, dtype=tl.float32)
     l_i = tl.zeros((R,), dtype=tl.float32)
     acc = tl.zeros((R, D), dtype=tl.float32)
+    # Each block's loads are a chain of memory round trips (page row -> K/V rows): with
+    # PREFETCH the next block's are in flight while this one's softmax runs.
+    if PREFETCH:
+        k, v, vis = _kv_block(
+            k_ptr, v_ptr, pages_ptr, mask_ptr, b, h, start, hi, lo, tok, live, d, pages_stride,
+            n_kv, T, D, PAGE, BLOCK_N,
+        )  # fmt: skip
     for n0 in range(lo, hi, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        valid = pos < hi
-        page = tl.load(pages_ptr + b * pages_stride + pos // PAGE, mask=valid, other=0)
-        kv_row = (page.to(tl.int64) * PAGE + pos % PAGE) * n_kv + h
-        k = tl.load(k_ptr + kv_row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * sm_scale  # [R, BLOCK_N]
-        new = pos - start
-        in_tree = (new >= 0) & valid
-        tree = tl.load(
-            mask_ptr + (b * T + tok[:, None]) * T + new[None, :],
-            mask=live[:, None] & in_tree[None, :],
-            other=0,
-        )
-        vis = valid[None, :] & ((pos[None, :] < start) | (tree != 0))
-        s = tl.where(vis, s, -1.0e30)
+        if PREFETCH:
+            k_next, v_next, vis_next = _kv_block(
+                k_ptr, v_ptr, pages_ptr, mask_ptr, b, h, start, hi, n0 + BLOCK_N, tok, live, d,
+                pages_stride, n_kv, T, D, PAGE, BLOCK_N,
+            )  # fmt: skip
+        else:
+            k, v, vis = _kv_block(
+                k_ptr, v_ptr, pages_ptr, mask_ptr, b, h, start, hi, n0, tok, live, d,
+                pages_stride, n_kv, T, D, PAGE, BLOCK_N,
+            )  # fmt: skip
+        s = tl.where(vis, tl.dot(q, tl.trans(k)) * sm_scale, -1.0e30)  # [R, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.where(vis, tl.exp(s - m_new[:, None]), 0.0)
         alpha = tl.exp(m_i - m_new)
-        v = tl.load(v_ptr + kv_row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
+        if PREFETCH:
+            k, v, vis = k_next, v_next, vis_next
     base = ((b * tl.num_programs(1) + h) * SPLITS + sp) * R + rows
-    tl.store(part_o_ptr + base[:, None] * D + d[None, :], acc)
-    tl.store(part_ml_ptr + base * 2, m_i)
-    tl.store(part_ml_ptr + base * 2 + 1, l_i)
+    tl.store(part_o_ptr + base[:, None] * D + d[None, :], acc, mask=live[:, None])
+    tl.store(part_ml_ptr + base * 2, m_i, mask=live)
+    tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=live)
 
 
 @triton.jit
 def _merge_kernel(
     part_o_ptr, part_ml_ptr, out_ptr, n_q, n_kv,
     T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, R: tl.constexpr, SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # grid (B * T, Hq): one output row from the SPLITS chunk partials of its KV head
+    await_previous(PDL)
     bt, hq = tl.program_id(0), tl.program_id(1)
     b, tok = bt // T, bt % T
     h, grp = hq // G, hq % G
@@ -107,19 +138,26 @@ def _merge_kernel(
     tl.store(out_ptr + (bt * n_q + hq) * D + d, out.to(out_ptr.dtype.element_ty))
 
 
+def tree_config(batch: int, n_kv: int) -> tuple[int, int, int]:
+    """(splits, keys per block, prefetch 0/1): ~256 programs, each a chunk of one request's
+    keys for one KV head; a power of two splits (the merge's tl.arange)."""
+    splits = max(1, min(32, 256 // (batch * n_kv)))
+    return 1 << (splits.bit_length() - 1), 32, 0
+
+
 class TreeAttention:
     """A graph-friendly stand-in for flashinfer's paged prefill wrapper at few query tokens."""
 
     def __init__(
         self, *, batch: int, tokens: int, heads: tuple[int, int, int], page_size: int,
-        pages_per_slot: int, device: torch.device,
+        pages_per_slot: int, device: torch.device, config: tuple[int, int, int] | None = None,
     ) -> None:  # fmt: skip
         n_q, n_kv, d = heads
         self.batch, self.tokens, self.heads, self.page_size = batch, tokens, heads, page_size
         self.group = n_q // n_kv
         self.rows = max(16, triton.next_power_of_2(tokens * self.group))
-        self.splits = max(1, min(32, 256 // (batch * n_kv)))
-        self.splits = 1 << (self.splits.bit_length() - 1)  # a power of two (tl.arange)
+        self.splits, self.block_n, self.prefetch = config or tree_config(batch, n_kv)
+        assert self.splits & (self.splits - 1) == 0, "splits: a power of two (tl.arange)"
         self.pages = torch.zeros(batch, pages_per_slot, dtype=torch.int32, device=device)
         self.starts = torch.zeros(batch, dtype=torch.int32, device=device)
         self.mask = torch.zeros(batch, tokens, tokens, dtype=torch.int8, device=device)
@@ -151,10 +189,11 @@ class TreeAttention:
             q, k, v, self.pages, self.starts, self.mask, self.part_o, self.part_ml,
             self.sm_scale, self.pages.stride(0), n_q, n_kv,
             T=self.tokens, G=self.group, D=d, PAGE=self.page_size, R=self.rows,
-            BLOCK_N=32, SPLITS=self.splits, num_warps=4,
+            BLOCK_N=self.block_n, SPLITS=self.splits, PREFETCH=self.prefetch, num_warps=4,
+            **pdl(),
         )  # fmt: skip
         _merge_kernel[(self.batch * self.tokens, n_q)](
             self.part_o, self.part_ml, out, n_q, n_kv,
-            T=self.tokens, G=self.group, D=d, R=self.rows, SPLITS=self.splits,
+            T=self.tokens, G=self.group, D=d, R=self.rows, SPLITS=self.splits, **pdl(),
         )  # fmt: skip
         return out

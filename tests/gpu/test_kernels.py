@@ -81,7 +81,10 @@ def test_silu_mul_sums_partials() -> None:
     torch.testing.assert_close(out, F.silu(gate) * up, atol=2e-2, rtol=2e-2)
 
 
-def test_tree_attention_equals_masked_sdpa_over_the_pages() -> None:
+@pytest.mark.parametrize("config", [None, (8, 64, 1), (64, 16, 1), (16, 32, 0)])
+def test_tree_attention_equals_masked_sdpa_over_the_pages(
+    config: tuple[int, int, int] | None,
+) -> None:
     from specpair.runtime.kv_cache import BatchLayout, attention_mask
     from specpair.runtime.paged_kv import PagedKVCache
     from specpair.runtime.tree_attention import TreeAttention
@@ -103,7 +106,7 @@ def test_tree_attention_equals_masked_sdpa_over_the_pages() -> None:
     cache.write_index(layout)  # gives the slots their pages
     attn = TreeAttention(
         batch=3, tokens=t, heads=(n_q, n_kv, d), page_size=16,
-        pages_per_slot=cache.pages_per_slot, device=torch.device("cuda"),
+        pages_per_slot=cache.pages_per_slot, device=torch.device("cuda"), config=config,
     )  # fmt: skip
     cache.plan(attn, layout)
     q = torch.randn(3 * t, n_q, d, dtype=BF16, device="cuda")
@@ -120,3 +123,45 @@ def test_tree_attention_equals_masked_sdpa_over_the_pages() -> None:
         enable_gqa=True,
     ).transpose(1, 2)  # fmt: skip
     torch.testing.assert_close(out.view(3, t, n_q, d).float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_pdl_chain_in_a_graph_equals_the_chain_without_pdl() -> None:
+    """Norm -> GEMV -> silu -> GEMV -> add+norm, six layers deep under one CUDA graph: with
+    programmatic dependent launch every kernel starts early and must wait for its input, so a
+    missing wait would read a half-written partial and change the result."""
+    torch.manual_seed(5)
+    h, inter, eps = 1024, 2816, 1e-5
+    layers = [
+        (
+            torch.randn(2 * inter, h, dtype=BF16, device="cuda") * 0.02,
+            torch.randn(h, inter, dtype=BF16, device="cuda") * 0.02,
+            torch.rand(h, dtype=BF16, device="cuda") + 0.5,
+        )
+        for _ in range(6)
+    ]
+    x0 = torch.randn(4, h, dtype=BF16, device="cuda")
+
+    def chain() -> torch.Tensor:
+        x, normed = x0, triton_kernels.rmsnorm(x0, layers[0][2], eps)
+        for gate_up, down, norm in layers:
+            act = triton_kernels.silu_mul(fused.linear_parts(normed, gate_up), BF16)
+            x, normed = triton_kernels.add_rmsnorm(x, fused.linear_parts(act, down), norm, eps)
+        return normed
+
+    was = triton_kernels.pdl()["PDL"]
+    outs = {}
+    try:
+        for enabled in (False, True):
+            triton_kernels.set_pdl(enabled)
+            eager = chain()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = chain()
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out, eager, atol=0, rtol=0)
+            outs[enabled] = out.clone()
+    finally:
+        triton_kernels.set_pdl(was)
+    assert torch.equal(outs[True], outs[False])
