@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -121,9 +121,12 @@ def attention_time(cache: PagedKVCache, layout: BatchLayout, qs: Tensor, variant
     return graph_time(body, 20) / a.num_layers
 
 
-def attention_rows() -> list[dict[str, Any]]:
+def attention_cases(
+    queries: tuple[int, ...],
+) -> Iterator[tuple[int, int, PagedKVCache, BatchLayout, Tensor]]:
+    """(ctx, q, cache, layout, queries [q, Hq, D]) for ctx 512 and 2048: random K/V pages for
+    every layer, q causal tree tokens after the context."""
     a = LLAMA3_8B
-    rows = []
     for ctx in (512, 2048):
         cache = PagedKVCache.for_model(
             a, max_requests=1, max_len=ctx + 16, dtype=torch.bfloat16, device="cuda"
@@ -131,20 +134,26 @@ def attention_rows() -> list[dict[str, Any]]:
         cache.k.normal_()
         cache.v.normal_()
         slot = cache.alloc()
-        for q in (1, 2, 4, 8):
+        for q in queries:
             layout = BatchLayout(
                 torch.tensor([slot]), torch.tensor([ctx]), torch.ones(q, q).tril().bool()[None]
             )
             cache.write_index(layout)
             qs = torch.randn(q, a.num_heads, a.head_dim, dtype=torch.bfloat16, device="cuda")
-            times = {
-                variant: attention_time(cache, layout, qs, variant)
-                for variant in ("mask", "mask_nosplit", "causal")
-            }
-            rows.append({"ctx": ctx, "q": q, **{f"{k}_us": 1e6 * t for k, t in times.items()}})
-            print(rows[-1], flush=True)
+            yield ctx, q, cache, layout, qs
         del cache
         torch.cuda.empty_cache()
+
+
+def attention_rows() -> list[dict[str, Any]]:
+    rows = []
+    for ctx, q, cache, layout, qs in attention_cases((1, 2, 4, 8)):
+        times = {
+            variant: attention_time(cache, layout, qs, variant)
+            for variant in ("mask", "mask_nosplit", "causal")
+        }
+        rows.append({"ctx": ctx, "q": q, **{f"{k}_us": 1e6 * t for k, t in times.items()}})
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -162,44 +171,30 @@ def tree_rows(bw: float) -> list[dict[str, Any]]:
     heads = (a.num_heads, a.num_kv_heads, a.head_dim)
     grid = list(itertools.product((8, 16, 32, 64), (16, 32, 64), (0, 1)))
     rows = []
-    for ctx in (512, 2048):
-        cache = PagedKVCache.for_model(
-            a, max_requests=1, max_len=ctx + 16, dtype=torch.bfloat16, device="cuda"
-        )
-        cache.k.normal_()
-        cache.v.normal_()
-        slot = cache.alloc()
-        kv_bytes = 2 * (ctx + 8) * a.num_kv_heads * a.head_dim * 2  # K and V of one layer
-        for q in (1, 8):
-            layout = BatchLayout(
-                torch.tensor([slot]), torch.tensor([ctx]), torch.ones(q, q).tril().bool()[None]
-            )
-            cache.write_index(layout)
-            qs = torch.randn(q, a.num_heads, a.head_dim, dtype=torch.bfloat16, device="cuda")
-            out = torch.empty_like(qs)
-            times: dict[tuple[int, int, int], float] = {}  # per layer
-            for cfg in grid:
-                attn = TreeAttention(
-                    batch=1, tokens=q, heads=heads, page_size=cache.page_size,
-                    pages_per_slot=cache.pages_per_slot, device=torch.device("cuda"), config=cfg,
-                )  # fmt: skip
-                attn.plan(layout, cache.page_table)
-                try:
-                    replay = graph_time(partial(all_layers, attn, cache, qs, out), 20)
-                    times[cfg] = replay / a.num_layers
-                except Exception as exc:  # a config Triton cannot build: skip it, say so
-                    print(f"ctx {ctx} q {q} {cfg}: {type(exc).__name__}: {exc}", flush=True)
-            best = min(times, key=times.__getitem__)
-            served = tree_config(1, a.num_kv_heads)
-            rows.append({
-                "ctx": ctx, "q": q, "best_cfg": str(best), "best_us": 1e6 * times[best],
-                "served_cfg": str(served), "served_us": 1e6 * times[served],
-                "kv_floor_us": 1e6 * kv_bytes / bw,
-                "all_us": {str(k): 1e6 * t for k, t in times.items()},
-            })  # fmt: skip
-            print({k: v for k, v in rows[-1].items() if k != "all_us"}, flush=True)
-        del cache
-        torch.cuda.empty_cache()
+    for ctx, q, cache, layout, qs in attention_cases((1, 8)):
+        kv_bytes = 2 * (ctx + q) * a.num_kv_heads * a.head_dim * 2  # K and V of one layer
+        out = torch.empty_like(qs)
+        times: dict[tuple[int, int, int], float] = {}  # per layer
+        for cfg in grid:
+            attn = TreeAttention(
+                batch=1, tokens=q, heads=heads, page_size=cache.page_size,
+                pages_per_slot=cache.pages_per_slot, device=torch.device("cuda"), config=cfg,
+            )  # fmt: skip
+            attn.plan(layout, cache.page_table)
+            try:
+                replay = graph_time(partial(all_layers, attn, cache, qs, out), 20)
+                times[cfg] = replay / a.num_layers
+            except Exception as exc:  # a config Triton cannot build: skip it, say so
+                print(f"ctx {ctx} q {q} {cfg}: {type(exc).__name__}: {exc}", flush=True)
+        best = min(times, key=times.__getitem__)
+        served = tree_config(1, a.num_kv_heads)
+        rows.append({
+            "ctx": ctx, "q": q, "best_cfg": str(best), "best_us": 1e6 * times[best],
+            "served_cfg": str(served), "served_us": 1e6 * times[served],
+            "kv_floor_us": 1e6 * kv_bytes / bw,
+            "all_us": {str(k): 1e6 * t for k, t in times.items()},
+        })  # fmt: skip
+        print({k: v for k, v in rows[-1].items() if k != "all_us"}, flush=True)
     return rows
 
 
