@@ -6,7 +6,7 @@
    back-ends, and the transposed "NN" layout) vs our Triton split-K GEMV writing fp32 partials
    (its consumer sums them; see `triton_kernels.gemv_partials`) over a grid of tile configs.
    Rotating weight copies keep L2 from serving any weight twice.
-2. Our Triton tree attention (+ merge) over a grid of (splits, keys per block, prefetch), and
+2. Our Triton tree attention (+ merge) over a grid of `TreeConfig`s, and
    paged attention of q tokens over ctx cached ones, 32 layers per graph replay (one KV pool per
    layer, as served): flashinfer prefill with the tree as custom mask (split-KV as planned, and
    with split-KV disabled) vs causal without a mask.
@@ -83,7 +83,7 @@ def gemm_row(name: str, n: int, k: int, m: int, bw: float, pool_bytes: float) ->
     results["served"] = per_call(served_fn, x, ws)
     cublas = min(results["linear/cublas"], results["linear/cublaslt"], results["nn"])
     return {
-        "weight": name, "m": m, "bytes": nbytes, "triton_cfg": best[0], "served_cfg": str(served),
+        "weight": name, "m": m, "bytes": nbytes, "triton_cfg": best[0], "served_cfg": short(served),
         **{f"{key}_us": 1e6 * t for key, t in results.items()},
         "triton_of_bw": nbytes / best[1] / bw, "served_of_bw": nbytes / results["served"] / bw,
         "cublas_best_of_bw": nbytes / cublas / bw,
@@ -162,19 +162,30 @@ def all_layers(attn: Any, cache: PagedKVCache, qs: Tensor, out: Tensor) -> None:
         attn.run(qs, (cache.k[layer], cache.v[layer]), out)
 
 
+def short(cfg: Any) -> str:
+    """(splits, block, prefetch, warps) as text: '(32, 32, 0, 4)'."""
+    return str(tuple(int(getattr(cfg, f)) for f in cfg.__dataclass_fields__))
+
+
 def tree_rows(bw: float) -> list[dict[str, Any]]:
-    """Our Triton tree attention (+ merge) per layer over a grid of (splits, keys per block,
-    prefetch), 32 layers per replay; `tree_config`'s choice marked as served."""
-    from specpair.runtime.tree_attention import TreeAttention, tree_config
+    """Our Triton tree attention (+ merge) per layer over a grid of `TreeConfig`s, 32 layers per
+    replay; `tree_config`'s choice marked as served."""
+    from specpair.runtime import triton_kernels
+    from specpair.runtime.tree_attention import TreeAttention, TreeConfig, tree_config
+
+    triton_kernels.set_pdl(False)  # each replay's kernels back to back, as timed before PDL
 
     a = LLAMA3_8B
     heads = (a.num_heads, a.num_kv_heads, a.head_dim)
-    grid = list(itertools.product((8, 16, 32, 64), (16, 32, 64), (0, 1)))
+    # (splits, keys per block, prefetch, warps)
+    grid = [
+        TreeConfig(*c) for c in itertools.product((16, 32, 64), (32, 64), (False, True), (4, 8))
+    ]
     rows = []
     for ctx, q, cache, layout, qs in attention_cases((1, 8)):
         kv_bytes = 2 * (ctx + q) * a.num_kv_heads * a.head_dim * 2  # K and V of one layer
         out = torch.empty_like(qs)
-        times: dict[tuple[int, int, int], float] = {}  # per layer
+        times: dict[TreeConfig, float] = {}  # per layer
         for cfg in grid:
             attn = TreeAttention(
                 batch=1, tokens=q, heads=heads, page_size=cache.page_size,
@@ -187,14 +198,15 @@ def tree_rows(bw: float) -> list[dict[str, Any]]:
             except Exception as exc:  # a config Triton cannot build: skip it, say so
                 print(f"ctx {ctx} q {q} {cfg}: {type(exc).__name__}: {exc}", flush=True)
         best = min(times, key=times.__getitem__)
-        served = tree_config(1, a.num_kv_heads)
+        served = tree_config(1, a.num_kv_heads, q)
         rows.append({
-            "ctx": ctx, "q": q, "best_cfg": str(best), "best_us": 1e6 * times[best],
-            "served_cfg": str(served), "served_us": 1e6 * times[served],
+            "ctx": ctx, "q": q, "best_cfg": short(best), "best_us": 1e6 * times[best],
+            "served_cfg": short(served), "served_us": 1e6 * times[served],
             "kv_floor_us": 1e6 * kv_bytes / bw,
-            "all_us": {str(k): 1e6 * t for k, t in times.items()},
+            "all_us": {short(k): 1e6 * t for k, t in times.items()},
         })  # fmt: skip
         print({k: v for k, v in rows[-1].items() if k != "all_us"}, flush=True)
+    triton_kernels.set_pdl(True)
     return rows
 
 
@@ -217,7 +229,7 @@ def main() -> None:
     gpu = info.get("gpu")
     print(f"\nTriton tree attention + merge per layer, batch 1, us — {gpu}")
     print(format_table(
-        ["ctx", "q", "KV floor", "served", "cfg", "best", "cfg (splits, block, prefetch)"],
+        ["ctx", "q", "KV floor", "served", "cfg", "best", "cfg (splits, block, prefetch, warps)"],
         [[str(r["ctx"]), str(r["q"]), f"{r['kv_floor_us']:.1f}", f"{r['served_us']:.1f}",
           r["served_cfg"], f"{r['best_us']:.1f}", r["best_cfg"]] for r in tree],
     ))  # fmt: skip

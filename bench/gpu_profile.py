@@ -8,6 +8,7 @@
 2. Every weight GEMM of the model alone at M = q rows (`F.linear`, the cuBLAS call the layers
    make), over enough rotating weight copies that L2 never holds one: achieved weight-read
    bandwidth against the device-to-device copy bandwidth (read + write) that defines the floor.
+Kernels launch without programmatic dependent launch here, so each one's time is its own.
 """
 
 from __future__ import annotations
@@ -128,6 +129,10 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("bench/out/gpu_profile.json"))
     args = parser.parse_args()
+    from specpair.runtime import triton_kernels  # GPU only
+
+    # Kernel durations, not waits: with PDL a kernel launches early and waits inside.
+    triton_kernels.set_pdl(False)
     info = device_info()
     print(f"device: {info.get('gpu')}")
     bw = copy_bandwidth()

@@ -21,6 +21,7 @@ out=)`), and its metadata lives in static buffers so a graph replays it with a n
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -138,11 +139,27 @@ def _merge_kernel(
     tl.store(out_ptr + (bt * n_q + hq) * D + d, out.to(out_ptr.dtype.element_ty))
 
 
-def tree_config(batch: int, n_kv: int) -> tuple[int, int, int]:
-    """(splits, keys per block, prefetch 0/1): ~256 programs, each a chunk of one request's
-    keys for one KV head; a power of two splits (the merge's tl.arange)."""
+@dataclass(frozen=True, slots=True)
+class TreeConfig:
+    """How the kernel splits one request's keys: `splits` chunks (a power of two: the merge's
+    tl.arange), `block_n` keys per step, the next block's loads issued ahead (`prefetch`),
+    warps per program."""
+
+    splits: int
+    block_n: int = 32
+    prefetch: bool = False
+    warps: int = 4
+
+    def __post_init__(self) -> None:
+        if self.splits < 1 or self.splits & (self.splits - 1):
+            raise ValueError(f"splits {self.splits}: a power of two")
+
+
+def tree_config(batch: int, n_kv: int, tokens: int) -> TreeConfig:
+    """~256 programs, each a chunk of one request's keys for one KV head. Prefetch pays at one
+    query token (H100, `bench/gpu_kernels.py`: 10.5 vs 11.3 µs per layer at ctx 2048), not at 8."""
     splits = max(1, min(32, 256 // (batch * n_kv)))
-    return 1 << (splits.bit_length() - 1), 32, 0
+    return TreeConfig(1 << (splits.bit_length() - 1), prefetch=tokens == 1)
 
 
 class TreeAttention:
@@ -150,14 +167,14 @@ class TreeAttention:
 
     def __init__(
         self, *, batch: int, tokens: int, heads: tuple[int, int, int], page_size: int,
-        pages_per_slot: int, device: torch.device, config: tuple[int, int, int] | None = None,
+        pages_per_slot: int, device: torch.device, config: TreeConfig | None = None,
     ) -> None:  # fmt: skip
         n_q, n_kv, d = heads
         self.batch, self.tokens, self.heads, self.page_size = batch, tokens, heads, page_size
         self.group = n_q // n_kv
         self.rows = max(16, triton.next_power_of_2(tokens * self.group))
-        self.splits, self.block_n, self.prefetch = config or tree_config(batch, n_kv)
-        assert self.splits & (self.splits - 1) == 0, "splits: a power of two (tl.arange)"
+        self.config = config or tree_config(batch, n_kv, tokens)
+        self.splits = self.config.splits
         self.pages = torch.zeros(batch, pages_per_slot, dtype=torch.int32, device=device)
         self.starts = torch.zeros(batch, dtype=torch.int32, device=device)
         self.mask = torch.zeros(batch, tokens, tokens, dtype=torch.int8, device=device)
@@ -184,12 +201,12 @@ class TreeAttention:
     def run(self, q: Tensor, kv: tuple[Tensor, Tensor], out: Tensor) -> Tensor:
         # q: [B * T, Hq, D]; kv: the layer's pages [P, page, Hkv, D] each -> out [B * T, Hq, D]
         n_q, n_kv, d = self.heads
-        k, v = kv
+        k, v, cfg = *kv, self.config
         _tree_attn_kernel[(self.batch, n_kv, self.splits)](
             q, k, v, self.pages, self.starts, self.mask, self.part_o, self.part_ml,
             self.sm_scale, self.pages.stride(0), n_q, n_kv,
             T=self.tokens, G=self.group, D=d, PAGE=self.page_size, R=self.rows,
-            BLOCK_N=self.block_n, SPLITS=self.splits, PREFETCH=self.prefetch, num_warps=4,
+            BLOCK_N=cfg.block_n, SPLITS=cfg.splits, PREFETCH=cfg.prefetch, num_warps=cfg.warps,
             **pdl(),
         )  # fmt: skip
         _merge_kernel[(self.batch * self.tokens, n_q)](

@@ -81,13 +81,14 @@ def test_silu_mul_sums_partials() -> None:
     torch.testing.assert_close(out, F.silu(gate) * up, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("config", [None, (8, 64, 1), (64, 16, 1), (16, 32, 0)])
-def test_tree_attention_equals_masked_sdpa_over_the_pages(
-    config: tuple[int, int, int] | None,
-) -> None:
+@pytest.mark.parametrize(
+    "config",
+    [None, (8, 64, True), (64, 16, True, 8), (16, 32, False, 4), (32, 64, True, 8)],
+)
+def test_tree_attention_equals_masked_sdpa_over_the_pages(config: tuple | None) -> None:
     from specpair.runtime.kv_cache import BatchLayout, attention_mask
     from specpair.runtime.paged_kv import PagedKVCache
-    from specpair.runtime.tree_attention import TreeAttention
+    from specpair.runtime.tree_attention import TreeAttention, TreeConfig
 
     torch.manual_seed(4)
     n_q, n_kv, d, t = 8, 2, 128, 4
@@ -106,7 +107,8 @@ def test_tree_attention_equals_masked_sdpa_over_the_pages(
     cache.write_index(layout)  # gives the slots their pages
     attn = TreeAttention(
         batch=3, tokens=t, heads=(n_q, n_kv, d), page_size=16,
-        pages_per_slot=cache.pages_per_slot, device=torch.device("cuda"), config=config,
+        pages_per_slot=cache.pages_per_slot, device=torch.device("cuda"),
+        config=None if config is None else TreeConfig(*config),
     )  # fmt: skip
     cache.plan(attn, layout)
     q = torch.randn(3 * t, n_q, d, dtype=BF16, device="cuda")
