@@ -12,6 +12,9 @@ time minus both holds, the same split `bench.round_overhead` calls "rpc". Modes:
 - `tcp`: asyncio streams with a length prefix, no gRPC (the event loop's own floor).
 
     python -m bench.grpc_pingpong [--trips 400] [--hold-ms 2 6] [--modes aio aio+poll sync tcp]
+        [--links tcp unix]
+
+`--links tcp unix` runs every mode over loopback TCP and over a Unix domain socket.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ import argparse
 import asyncio
 import os
 import queue
+import shutil
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +41,8 @@ from bench.common import cpu_list, device_info, format_table, percentile, write_
 from specpair.serving import busy_wait
 
 MODES = ("aio", "aio+poll", "sync", "tcp")
+LINKS = ("tcp", "unix")
+PERCENTILES = (("p50", 50), ("p90", 90), ("p99", 99))
 METHOD = "/specpair.bench.PingPong/Echo"
 POLL_S = 0.02  # as BUSY_POLL_MS_CUDA
 WARMUP = 50
@@ -54,7 +61,7 @@ def answer(request: bytes, size: int, hold_s: float) -> bytes:
 # --- servers (a child process each) ---
 
 
-def serve_grpc_aio(port: int, size: int, hold_s: float, poll: bool) -> None:
+def serve_grpc_aio(endpoint: str, size: int, hold_s: float, poll: bool) -> None:
     async def echo(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
         stream = aiter(requests)
         while True:
@@ -67,7 +74,7 @@ def serve_grpc_aio(port: int, size: int, hold_s: float, poll: bool) -> None:
     async def main() -> None:
         server = grpc.aio.server()
         server.add_generic_rpc_handlers([_handlers(grpc.stream_stream_rpc_method_handler(echo))])
-        server.add_insecure_port(f"127.0.0.1:{port}")
+        server.add_insecure_port(endpoint)
         await server.start()
         print("ready", flush=True)
         await server.wait_for_termination()
@@ -75,20 +82,20 @@ def serve_grpc_aio(port: int, size: int, hold_s: float, poll: bool) -> None:
     asyncio.run(main())
 
 
-def serve_grpc_sync(port: int, size: int, hold_s: float) -> None:
+def serve_grpc_sync(endpoint: str, size: int, hold_s: float) -> None:
     def echo(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
         for request in requests:
             yield answer(request, size, hold_s)
 
     server = grpc.server(ThreadPoolExecutor(max_workers=2))
     server.add_generic_rpc_handlers([_handlers(grpc.stream_stream_rpc_method_handler(echo))])
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.add_insecure_port(endpoint)
     server.start()
     print("ready", flush=True)
     server.wait_for_termination()
 
 
-def serve_tcp(port: int, size: int, hold_s: float) -> None:
+def serve_tcp(endpoint: str, size: int, hold_s: float) -> None:
     async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
@@ -99,7 +106,11 @@ def serve_tcp(port: int, size: int, hold_s: float) -> None:
             writer.close()
 
     async def main() -> None:
-        server = await asyncio.start_server(echo, "127.0.0.1", port)
+        if endpoint.startswith("unix:"):
+            server = await asyncio.start_unix_server(echo, endpoint.removeprefix("unix:"))
+        else:
+            host, port = endpoint.rsplit(":", 1)
+            server = await asyncio.start_server(echo, host, int(port))
         print("ready", flush=True)
         await server.serve_forever()
 
@@ -124,10 +135,10 @@ async def _read_frame(reader: asyncio.StreamReader) -> bytes:
 
 
 def client_grpc_aio(
-    port: int, request: bytes, trips: int, hold_s: float, poll: bool
+    endpoint: str, request: bytes, trips: int, hold_s: float, poll: bool
 ) -> list[float]:
     async def main() -> list[float]:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with grpc.aio.insecure_channel(endpoint) as channel:
             call = channel.stream_stream(METHOD)()
             times = []
             for _ in range(WARMUP + trips):
@@ -142,8 +153,8 @@ def client_grpc_aio(
     return asyncio.run(main())
 
 
-def client_grpc_sync(port: int, request: bytes, trips: int, hold_s: float) -> list[float]:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+def client_grpc_sync(endpoint: str, request: bytes, trips: int, hold_s: float) -> list[float]:
+    with grpc.insecure_channel(endpoint) as channel:
         outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         replies = channel.stream_stream(METHOD)(iter(outbox.get, None))
         times = []
@@ -157,9 +168,13 @@ def client_grpc_sync(port: int, request: bytes, trips: int, hold_s: float) -> li
         return times[WARMUP:]
 
 
-def client_tcp(port: int, request: bytes, trips: int, hold_s: float) -> list[float]:
+def client_tcp(endpoint: str, request: bytes, trips: int, hold_s: float) -> list[float]:
     async def main() -> list[float]:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        if endpoint.startswith("unix:"):
+            reader, writer = await asyncio.open_unix_connection(endpoint.removeprefix("unix:"))
+        else:
+            host, port = endpoint.rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
         times = []
         for _ in range(WARMUP + trips):
             start = time.perf_counter()
@@ -174,11 +189,13 @@ def client_tcp(port: int, request: bytes, trips: int, hold_s: float) -> list[flo
     return asyncio.run(main())
 
 
-def run_mode(mode: str, args: argparse.Namespace) -> list[float]:
-    """Starts the mode's server in a child process, runs the client here, stops the server."""
-    port = _free_port()
+def run_mode(mode: str, link: str, args: argparse.Namespace) -> list[float]:
+    """Starts the mode's server in a child process on `link` (loopback "tcp" or a "unix" domain
+    socket), runs the client here, stops the server."""
+    sockets = tempfile.mkdtemp(prefix="specpair-pp-") if link == "unix" else None
+    endpoint = f"unix:{sockets}/pingpong.sock" if sockets else f"127.0.0.1:{_free_port()}"
     command = [
-        sys.executable, "-m", "bench.grpc_pingpong", "--serve", mode, "--port", str(port),
+        sys.executable, "-m", "bench.grpc_pingpong", "--serve", mode, "--endpoint", endpoint,
         "--response-bytes", str(args.response_bytes), "--hold-ms", *map(str, args.hold_ms),
     ]  # fmt: skip
     server_cpus = args.server_cpus
@@ -189,19 +206,21 @@ def run_mode(mode: str, args: argparse.Namespace) -> list[float]:
     try:
         assert child.stdout is not None
         if child.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"{mode} server did not start")
+            raise RuntimeError(f"{mode} server did not start on {endpoint}")
         request = bytes(args.request_bytes)
         hold_s = args.hold_ms[1] / 1e3
         clients: dict[str, Callable[[], list[float]]] = {
-            "aio": lambda: client_grpc_aio(port, request, args.trips, hold_s, poll=False),
-            "aio+poll": lambda: client_grpc_aio(port, request, args.trips, hold_s, poll=True),
-            "sync": lambda: client_grpc_sync(port, request, args.trips, hold_s),
-            "tcp": lambda: client_tcp(port, request, args.trips, hold_s),
+            "aio": lambda: client_grpc_aio(endpoint, request, args.trips, hold_s, poll=False),
+            "aio+poll": lambda: client_grpc_aio(endpoint, request, args.trips, hold_s, poll=True),
+            "sync": lambda: client_grpc_sync(endpoint, request, args.trips, hold_s),
+            "tcp": lambda: client_tcp(endpoint, request, args.trips, hold_s),
         }
         return clients[mode]()
     finally:
         child.terminate()
         child.wait(timeout=10)
+        if sockets:
+            shutil.rmtree(sockets, ignore_errors=True)
 
 
 def _free_port() -> int:
@@ -210,13 +229,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def serve(mode: str, port: int, size: int, hold_s: float) -> None:
+def serve(mode: str, endpoint: str, size: int, hold_s: float) -> None:
     if mode in ("aio", "aio+poll"):
-        serve_grpc_aio(port, size, hold_s, poll=mode == "aio+poll")
+        serve_grpc_aio(endpoint, size, hold_s, poll=mode == "aio+poll")
     elif mode == "sync":
-        serve_grpc_sync(port, size, hold_s)
+        serve_grpc_sync(endpoint, size, hold_s)
     else:
-        serve_tcp(port, size, hold_s)
+        serve_tcp(endpoint, size, hold_s)
 
 
 def main() -> None:
@@ -229,22 +248,28 @@ def main() -> None:
         "--hold-ms", type=float, nargs=2, default=[2.0, 6.0], metavar=("DRAFT", "VERIFY"),
         help="thread holds around each trip: the server's draft, the client's verify",
     )  # fmt: skip
+    parser.add_argument(
+        "--links", nargs="+", choices=LINKS, default=["tcp"],
+        help="loopback tcp and/or a unix domain socket (rows 'MODE/unix'), every mode on each",
+    )  # fmt: skip
     parser.add_argument("--client-cpus", type=cpu_list, help="pin the client, e.g. 0-1")
     parser.add_argument("--server-cpus", type=cpu_list, help="pin the server, e.g. 2-3")
     parser.add_argument("--out", type=Path, default=Path("bench/out/grpc_pingpong.json"))
     parser.add_argument("--serve", choices=MODES, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.port, args.response_bytes, args.hold_ms[0] / 1e3)
+        serve(args.serve, args.endpoint, args.response_bytes, args.hold_ms[0] / 1e3)
         return
     if args.client_cpus:
         os.sched_setaffinity(0, args.client_cpus)
     results = {}
-    for mode in args.modes:
-        print(f"{mode}: {args.trips} round trips ...", flush=True)
-        us = [1e6 * t for t in run_mode(mode, args)]
-        results[mode] = {q: percentile(us, v) for q, v in (("p50", 50), ("p90", 90), ("p99", 99))}
+    for link in args.links:
+        for mode in args.modes:
+            name = mode if link == "tcp" else f"{mode}/{link}"
+            print(f"{name}: {args.trips} round trips ...", flush=True)
+            us = [1e6 * t for t in run_mode(mode, link, args)]
+            results[name] = {q: percentile(us, v) for q, v in PERCENTILES}
     write_json(args.out, {
         "device": device_info(), "grpc": grpc.__version__, "trips": args.trips,
         "request_bytes": args.request_bytes, "response_bytes": args.response_bytes,

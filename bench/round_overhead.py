@@ -9,7 +9,10 @@ serves every tier, pinned in turn with ApplyTier (no controller).
 
     python -m bench.round_overhead [--target models/target --draft models/draft] [--tiers 3]
     python -m bench.round_overhead --device cuda --shape llama3-8b --tiers 1 3 7 \\
-        [--draft-device cuda:1] [--models-dir /tmp/llama3-8b]
+        [--draft-device cuda:1] [--models-dir /tmp/llama3-8b] [--links tcp unix]
+
+`--links tcp unix` runs the services twice against the same in-process run: the target reaches
+the draft over loopback TCP, then over a Unix domain socket.
 
 `--shape llama3-8b` writes a random bf16 Llama-3-8B and an EAGLE head for it (16 GB) first.
 """
@@ -31,7 +34,7 @@ from bench import common
 from bench.checkpoints import random_pair
 from bench.common import add_output_args, device_info, format_table, percentile, write_json
 from bench.gpu_common import LLAMA3_8B
-from bench.services import ServiceGroup, apply_tier, watch_rounds
+from bench.services import LINKS, ServiceGroup, apply_tier, watch_rounds
 from specpair.client import SpecpairClient
 from specpair.config import CANDIDATE_STEPS, compute_threads
 from specpair.models.loading import is_eagle_checkpoint, read_args
@@ -114,13 +117,14 @@ def two_services(
     log_dir: Path,
     busy_poll_ms: float | None,
     cpus: dict[str, set[int]] | None = None,
+    link: str = "tcp",
 ) -> dict[int, dict]:
     kind = "eagle" if is_eagle_checkpoint(draft) else "model"
     with ServiceGroup(
         target=target, draft=draft, log_dir=log_dir, initial_steps=tiers[0], draft_kind=kind,
         threads=threads, device=device, draft_device=draft_device, dtype=dtype, max_len=max_len,
         candidate_steps=sorted(set(CANDIDATE_STEPS) | set(tiers)), busy_poll_ms=busy_poll_ms,
-        cpus=cpus,
+        cpus=cpus, link=link,
     ) as group:  # fmt: skip
         client = SpecpairClient(group.target, timeout=600)
         while client.server_info()["draft_connection_state"] != "DRAFT_CONNECTION_STATE_CONNECTED":
@@ -225,6 +229,10 @@ def main() -> None:
         "--busy-poll-ms", type=float, help="the services' --busy-poll-ms (default: theirs)"
     )
     parser.add_argument(
+        "--links", nargs="+", choices=LINKS, default=["tcp"],
+        help="the target-draft wire of the two-service runs, one run each: loopback tcp, unix",
+    )  # fmt: skip
+    parser.add_argument(
         "--pin-cpus", nargs=3, type=common.cpu_list, metavar=("IN_PROCESS", "DRAFT", "TARGET"),
         help="CPU lists (e.g. 0-3 4-7 8-11) for the in-process run and each service",
     )  # fmt: skip
@@ -294,11 +302,13 @@ def compare(
     log_dir.mkdir(parents=True, exist_ok=True)
     for old in log_dir.glob("*.log"):
         old.unlink()
-    remote = two_services(
-        target, draft, work, args.new_tokens, tiers, threads=threads, device=args.device,
-        draft_device=draft_device, dtype=dtype_name, max_len=context, log_dir=log_dir,
-        busy_poll_ms=args.busy_poll_ms, cpus=cpus,
-    )  # fmt: skip
+    remote = {}  # link -> tier -> run
+    for link in args.links:
+        remote[link] = two_services(
+            target, draft, work, args.new_tokens, tiers, threads=threads, device=args.device,
+            draft_device=draft_device, dtype=dtype_name, max_len=context, log_dir=log_dir,
+            busy_poll_ms=args.busy_poll_ms, cpus=cpus, link=link,
+        )  # fmt: skip
     if args.device == "cpu":
         mode = "two services, CPU"
     elif same_device(args.device, draft_device):
@@ -306,22 +316,25 @@ def compare(
     else:
         mode = "two services, one GPU each"
     per_tier: dict[int, dict[str, Any]] = {}
-    rows: list[list[str]] = []
+    rows: dict[str, list[list[str]]] = {link: [] for link in args.links}
     for tier in tiers:
         p50_local = percentile(local[tier]["stages_ms"]["total"], 50)
-        p50_remote = percentile(remote[tier]["stages_ms"]["total"], 50)
-        per_tier[tier] = {
-            "in_process": local[tier], "two_services": remote[tier],
-            "same_outputs": local[tier]["outputs"] == remote[tier]["outputs"],
-            "total_p50_ratio": p50_remote / p50_local,
-        }  # fmt: skip
-        rows += table_rows(tier, local[tier], remote[tier])
+        links = {}
+        for link, runs in remote.items():
+            links[link] = {
+                "two_services": runs[tier],
+                "same_outputs": local[tier]["outputs"] == runs[tier]["outputs"],
+                "total_p50_ratio": percentile(runs[tier]["stages_ms"]["total"], 50) / p50_local,
+            }
+            rows[link] += table_rows(tier, local[tier], runs[tier])
+        first = links[args.links[0]]
+        per_tier[tier] = {"in_process": local[tier], **first, "links": links}
     result: dict[str, Any] = {
         "device": info, "mode": mode, "target_device": args.device, "draft_device": draft_device,
         "dtype": dtype_name, "shape": args.shape, "tiers": per_tier, "batch": args.batch,
         "new_tokens": args.new_tokens, "prompt_lens": [len(p) for p in work], "threads": threads,
         "target": str(target), "draft": str(draft), "service_logs": str(log_dir),
-        "busy_poll_ms": args.busy_poll_ms,
+        "busy_poll_ms": args.busy_poll_ms, "links": args.links,
         "pinned_cpus": None if cpus is None else {k: sorted(v) for k, v in cpus.items()},
     }  # fmt: skip
     write_json(args.out, result)
@@ -330,16 +343,19 @@ def compare(
           f"thread(s) per process, services' --busy-poll-ms "
           f"{'default' if args.busy_poll_ms is None else args.busy_poll_ms}")  # fmt: skip
     for tier, r in per_tier.items():
-        print(
-            f"tier {tier}: round time p50 two services / in-process = "
-            f"{r['total_p50_ratio']:.3f}x (goal <= 1.05); tokens/s "
-            f"{r['two_services']['tokens_per_s']:.1f} vs {r['in_process']['tokens_per_s']:.1f}; "
-            f"same outputs: {'yes' if r['same_outputs'] else 'NO'}; "
-            f"plain rounds: {r['two_services']['plain_rounds']}"
-        )
-    print("\nms per round\n")
+        for link, lr in r["links"].items():
+            print(
+                f"tier {tier}, {link}: round time p50 two services / in-process = "
+                f"{lr['total_p50_ratio']:.3f}x (goal <= 1.05); tokens/s "
+                f"{lr['two_services']['tokens_per_s']:.1f} vs "
+                f"{r['in_process']['tokens_per_s']:.1f}; "
+                f"same outputs: {'yes' if lr['same_outputs'] else 'NO'}; "
+                f"plain rounds: {lr['two_services']['plain_rounds']}"
+            )
     headers = ["tier stage", "in-proc p50", "in-proc p99", "2-svc p50", "2-svc p99", "2-svc/in"]
-    print(format_table(headers, rows))
+    for link in args.links:
+        print(f"\nms per round, two services over {link}\n")
+        print(format_table(headers, rows[link]))
 
 
 if __name__ == "__main__":

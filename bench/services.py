@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,6 +21,8 @@ import grpc
 
 from specpair.launcher import wait_healthy
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
+
+LINKS = ("tcp", "unix")
 
 
 def free_address() -> str:
@@ -37,7 +41,8 @@ class ServiceGroup:
 
     `device`/`dtype` go to both model services, `draft_device` (default: `device`) to the draft
     alone, e.g. target on cuda:0 and draft on cuda:1; `max_len` and `candidate_steps` to both
-    (None: the CLI's defaults).
+    (None: the CLI's defaults). `link` is the target's wire to the draft: loopback "tcp" or a
+    "unix" domain socket.
     """
 
     def __init__(
@@ -57,8 +62,15 @@ class ServiceGroup:
         candidate_steps: Sequence[int] | None = None,
         busy_poll_ms: float | None = None,
         cpus: dict[str, set[int]] | None = None,
+        link: str = "tcp",
     ) -> None:
+        if link not in LINKS:
+            raise ValueError(f"link {link!r}: one of {LINKS}")
         self.draft, self.target, self.controller = free_address(), free_address(), free_address()
+        self.socket_dir: str | None = None
+        if link == "unix":  # a short path: socket paths stop at ~107 bytes
+            self.socket_dir = tempfile.mkdtemp(prefix="specpair-")
+            self.draft = f"unix:{self.socket_dir}/draft.sock"
         self.log_dir = log_dir
         serve = [sys.executable, "-m", "specpair.cli", "serve"]
         quiet = ["--metrics-address", "", "--log-level", "INFO", "--threads", str(threads)]
@@ -119,6 +131,8 @@ class ServiceGroup:
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
 def one_gpu(device: str, env: dict[str, str]) -> tuple[str, dict[str, str]]:

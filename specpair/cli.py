@@ -35,7 +35,9 @@ def _steps(text: str) -> tuple[int, ...]:
 
 
 def _common(p: argparse.ArgumentParser, service: str) -> None:
-    p.add_argument("--address", default=env_address(service), help="HOST:PORT to bind")
+    p.add_argument(
+        "--address", default=env_address(service), help="HOST:PORT (or unix:PATH) to bind"
+    )
     p.add_argument(
         "--metrics-address",
         default=os.environ.get(f"SPECPAIR_{service.upper()}_METRICS", DEFAULT_METRICS[service]),
@@ -71,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(target, "target")
     _model_opts(target)
     target.add_argument("--model", type=Path, required=True, help="target checkpoint directory")
-    target.add_argument("--draft", default=env_address("draft"), help="draft service HOST:PORT")
+    target.add_argument(
+        "--draft", default=env_address("draft"), help="draft service HOST:PORT or unix:PATH"
+    )
     target.add_argument("--no-draft", action="store_true", help="decode without speculation")
     target.add_argument("--initial-steps", type=int, default=3)
     target.add_argument("--max-batch", type=int, default=16)

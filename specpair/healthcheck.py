@@ -38,7 +38,7 @@ def check(address: str, *, service: str = "", timeout: float = 3.0, ca: Path | N
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specpair.healthcheck", description=__doc__)
-    parser.add_argument("address", help="HOST:PORT of a specpair server")
+    parser.add_argument("address", help="HOST:PORT or unix:PATH of a specpair server")
     parser.add_argument("--service", default="", help="service name; default: the whole server")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds")
     parser.add_argument("--tls-ca", type=Path, default=None, help="CA certificate (PEM) for TLS")

@@ -31,7 +31,9 @@ class Stack:
     async def start(self) -> Stack:
         if self.draft_cfg is not None:
             self.draft = await draft_server.start(self.draft_cfg)
-            address = f"127.0.0.1:{self.draft.port}"
+            address = self.draft_cfg.server.address  # a unix: socket keeps its path
+            if not address.startswith("unix:"):
+                address = f"127.0.0.1:{self.draft.port}"
             self.draft_cfg = replace(
                 self.draft_cfg, server=replace(self.draft_cfg.server, address=address)
             )

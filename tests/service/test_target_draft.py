@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -43,6 +46,26 @@ async def test_concurrent_greedy_equals_target_only(
     if kind == "model":  # identical draft: every full round accepts all 3 drafts
         assert any(a == 3 for f in final for a in f.speculation.accept_lengths)
         assert all(f.speculation.plain_rounds == 0 for f in final)
+
+
+async def test_draft_over_a_unix_socket(ckpts, make_stack) -> None:
+    """Services on one host may link over a Unix domain socket (`--address unix:PATH`)."""
+    sockets = tempfile.mkdtemp(prefix="specpair-")  # short: socket paths stop at ~107 bytes
+    try:
+        address = f"unix:{sockets}/draft.sock"
+        cfg = draft_config(ckpts["eagle"], draft_kind="eagle", target_path=ckpts["target"])
+        stack = await make_stack(
+            replace(cfg, server=replace(cfg.server, address=address)),
+            target_config(ckpts["target"]),
+        )
+        info = await stack.stub.GetServerInfo(target_pb2.TargetServiceGetServerInfoRequest())
+        assert info.draft_address == address
+        tokens, responses = await stack.generate(prompt_token_ids=PROMPTS[1], max_tokens=20)
+        assert tokens == reference_greedy(ckpts["target"], PROMPTS[1:2], 20)[0]
+        stats = responses[-1].speculation
+        assert stats.plain_rounds == 0 and stats.rounds > 0
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 async def test_no_draft_decodes_plainly(ckpts, make_stack) -> None:

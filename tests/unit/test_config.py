@@ -1,0 +1,32 @@
+"""Service addresses: HOST:PORT or unix:PATH for gRPC, HOST:PORT for the metrics endpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specpair.config import ControllerConfig, ServerConfig, TargetConfig, check_grpc_address
+
+
+@pytest.mark.parametrize(
+    "address", ["127.0.0.1:50051", "[::1]:7", "draft:50052", "unix:/run/specpair/draft.sock"]
+)
+def test_grpc_addresses_accepted(address: str) -> None:
+    assert check_grpc_address(address) == address
+    assert ServerConfig(address).address == address
+
+
+@pytest.mark.parametrize("address", ["draft", "draft:port", ":", "unix:", "unix:///"])
+def test_bad_grpc_address_is_named(address: str) -> None:
+    with pytest.raises(ValueError, match="address"):
+        check_grpc_address(address)
+    with pytest.raises(ValueError, match=repr(address).replace("[", r"\[")):
+        TargetConfig(ServerConfig("127.0.0.1:0"), Path("m"), draft_address=address)
+    with pytest.raises(ValueError, match="address"):
+        ControllerConfig(ServerConfig("127.0.0.1:0"), targets=(address,))
+
+
+def test_metrics_endpoint_stays_host_port() -> None:
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        ServerConfig("127.0.0.1:0", metrics_address="unix:/tmp/metrics.sock")
