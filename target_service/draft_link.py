@@ -46,7 +46,6 @@ class DraftLink:
         self.draft_kind = ""
         self._channel: grpc.aio.Channel | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
-        self._writing: asyncio.Task[bool] | None = None  # the last round's write, until received
         self._lost = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -101,7 +100,6 @@ class DraftLink:
         # and each channel must be closed exactly once.
         call, channel = self._call, self._channel
         self._call = self._channel = None
-        self._writing = None  # it fails with the call; nobody waits on it
         if call is not None:
             call.cancel()
         if channel is not None:
@@ -109,40 +107,22 @@ class DraftLink:
                 await asyncio.wait_for(channel.close(grace=None), CLOSE_TIMEOUT_S)
 
     async def send(self, request: draft_pb2.SpeculateRequest) -> int | None:
-        """Hands one round to the stream; the stream's epoch, or None when none is up.
-
-        It does not wait for the write to complete: grpc.aio reports a write done one event-loop
-        hop after its bytes have left (~0.2 ms on the lent H100 host, bench/RESULTS.md), time
-        the scheduler spends planning its verify instead. `receive` waits for it (at most
-        `timeout_s`), and a failed write fails that round.
-        """
-        if self._writing is not None:  # one write at a time on a stream
-            writing, self._writing = self._writing, None
-            await writing
+        """Writes one round, at most `timeout_s`; the stream's epoch, or None on any failure."""
         call = self._call
         if not self.connected or call is None:
             return None
-        self._writing = asyncio.create_task(self._write(call, request))
-        await asyncio.sleep(0)  # one loop turn: the task hands the message to gRPC's core
-        return self.epoch
-
-    async def _write(
-        self, call: grpc.aio.StreamStreamCall, request: draft_pb2.SpeculateRequest
-    ) -> bool:
         try:
             async with asyncio.timeout(self.timeout_s):
                 await call.write(request)
-        except (asyncio.CancelledError, Exception) as exc:  # its own task: a cancelled call too
-            if call is self._call:  # not a stream dropped meanwhile
-                await self._fail(request.round_id, exc)
-            return False
-        return True
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._fail(request.round_id, exc)
+            return None
+        return self.epoch
 
     async def receive(self, round_id: int, epoch: int) -> draft_pb2.SpeculateResponse | None:
         """The trees of the round sent in `epoch`, at most `timeout_s`; None on any failure."""
-        writing, self._writing = self._writing, None
-        if writing is not None and not await writing:
-            return None
         call = self._call
         if not self.connected or call is None or epoch != self.epoch:
             return None  # that stream is gone, and its answer with it
@@ -167,7 +147,7 @@ class DraftLink:
         epoch = await self.send(request)
         return None if epoch is None else await self.receive(request.round_id, epoch)
 
-    async def _fail(self, round_id: int, exc: BaseException) -> None:
+    async def _fail(self, round_id: int, exc: Exception) -> None:
         # Late, broken or crashed: drop the stream (its state is unknown) and reconnect.
         log.warning("draft round failed", round_id=round_id, error=repr(exc))
         self.state = State.DRAFT_CONNECTION_STATE_DISCONNECTED
