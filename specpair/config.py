@@ -63,8 +63,7 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 def check_grpc_address(address: str) -> str:
-    """A gRPC address: HOST:PORT, or unix:PATH for a Unix domain socket (services on one host:
-    ~50 µs less per round trip than loopback TCP on the lent H100 host, bench/RESULTS.md)."""
+    """A gRPC address: HOST:PORT, or unix:PATH for a Unix domain socket (services on one host)."""
     if address.startswith("unix:"):
         if not address.removeprefix("unix:").strip("/"):
             raise ValueError(f"address {address!r}: unix: needs a socket path")
