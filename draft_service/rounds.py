@@ -16,7 +16,7 @@ from specpair.proto.v1 import common_pb2, draft_pb2
 from specpair.runtime.build import build_drafter
 from specpair.runtime.draft import Drafter, DraftInput
 from specpair.runtime.state import SpecRuntimeState, build_states, gpu_ms
-from specpair.wire import draft_input_from_proto, tree_to_proto
+from specpair.wire import draft_input_from_proto, tree_into
 
 log = get_logger(__name__)
 
@@ -74,7 +74,7 @@ class DraftRounds:
             response.error = str(exc)
             return response
         for msg, tree in zip(request.inputs, trees, strict=True):
-            response.trees.append(tree_to_proto(msg.request_id, tree))
+            tree_into(response.trees.add(), msg.request_id, tree)
         total = 1e3 * (time.perf_counter() - t0)
         response.timings.CopyFrom(
             common_pb2.StageTimings(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -19,14 +21,22 @@ _DTYPES = {
 _CODES = {v: k for k, v in _DTYPES.items()}
 
 
-def tensor_to_proto(t: Tensor) -> common_pb2.Tensor:
-    """Raw little-endian bytes (bfloat16 travels as its 16-bit pattern)."""
+def tensor_into(msg: common_pb2.Tensor, t: Tensor) -> None:
+    """Writes `t` into `msg` as raw little-endian bytes (bfloat16 travels as its 16-bit pattern).
+
+    The `*_into` writers fill a message in place (`repeated.add()`): building a round's
+    messages is per-request host work on the critical path, and a CopyFrom/append per
+    sub-message doubled it (`bench/RESULTS.md`, 4b sixth session)."""
     t = t.detach().contiguous().cpu()
     if t.dtype not in _CODES:
         t = t.float()
-    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-    data = raw.numpy().astype(raw.numpy().dtype.newbyteorder("<"), copy=False).tobytes()
-    return common_pb2.Tensor(data=data, dtype=_CODES[t.dtype], shape=list(t.shape))
+    arr = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+    if sys.byteorder != "little":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    msg.data = arr.tobytes()
+    msg.dtype = _CODES[t.dtype]
+    del msg.shape[:]
+    msg.shape.extend(t.shape)
 
 
 def tensor_from_proto(msg: common_pb2.Tensor, field: str) -> Tensor:
@@ -43,11 +53,10 @@ def tensor_from_proto(msg: common_pb2.Tensor, field: str) -> Tensor:
     return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
 
 
-def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
+def sampling_into(msg: common_pb2.SamplingParams, p: SamplingParams) -> None:
+    msg.temperature, msg.top_p, msg.top_k = p.temperature, p.top_p, p.top_k
     if p.seed is not None:
         msg.seed = p.seed
-    return msg
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -60,15 +69,12 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     )
 
 
-def draft_input_to_proto(item: DraftInput) -> draft_pb2.DraftInput:
-    msg = draft_pb2.DraftInput(
-        request_id=item.request_id,
-        appended_token_ids=list(item.appended),
-        sampling=sampling_to_proto(item.sampling),
-    )
+def draft_input_into(msg: draft_pb2.DraftInput, item: DraftInput) -> None:
+    msg.request_id = item.request_id
+    msg.appended_token_ids.extend(item.appended)
+    sampling_into(msg.sampling, item.sampling)
     if item.features is not None:
-        msg.features.CopyFrom(tensor_to_proto(item.features))
-    return msg
+        tensor_into(msg.features, item.features)
 
 
 def draft_input_from_proto(msg: draft_pb2.DraftInput) -> DraftInput:
@@ -83,13 +89,12 @@ def draft_input_from_proto(msg: draft_pb2.DraftInput) -> DraftInput:
     )
 
 
-def tree_to_proto(request_id: str, tree: CandidateTree) -> draft_pb2.CandidateTree:
-    msg = draft_pb2.CandidateTree(
-        request_id=request_id, token_ids=list(tree.tokens), parents=list(tree.parents)
-    )
+def tree_into(msg: draft_pb2.CandidateTree, request_id: str, tree: CandidateTree) -> None:
+    msg.request_id = request_id
+    msg.token_ids.extend(tree.tokens)
+    msg.parents.extend(tree.parents)
     if tree.draft_probs is not None:
-        msg.draft_probs.CopyFrom(tensor_to_proto(tree.draft_probs))
-    return msg
+        tensor_into(msg.draft_probs, tree.draft_probs)
 
 
 def tree_from_proto(msg: draft_pb2.CandidateTree) -> CandidateTree:

@@ -27,7 +27,7 @@ from specpair.runtime.state import SpecRuntimeState, gpu_ms
 from specpair.runtime.target import TargetSequence, TargetWorker
 from specpair.runtime.tree import EMPTY_TREE, CandidateTree, MalformedTreeError, validate_tree
 from specpair.serving import Compute
-from specpair.wire import draft_input_to_proto, tree_from_proto
+from specpair.wire import draft_input_into, tree_from_proto
 from target_service.draft_link import DraftLink
 
 log = get_logger(__name__)
@@ -277,7 +277,7 @@ class Scheduler:
             item = DraftInput(
                 req.seq.request_id, tuple(tokens[req.draft_seen :]), req.seq.sampling, features
             )
-            message.inputs.append(draft_input_to_proto(item))
+            draft_input_into(message.inputs.add(), item)
             sent.append(len(tokens))
         self._released = []
         flight.epoch = await link.send(message)
