@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import sys
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,6 +21,11 @@ _DTYPES = {
     common_pb2.D_TYPE_BFLOAT16: torch.bfloat16,
 }
 _CODES = {v: k for k, v in _DTYPES.items()}
+_NP_DTYPES: dict[torch.dtype, np.dtype[Any]] = {  # bfloat16: its 16-bit pattern
+    torch.float32: np.dtype("<f4"),
+    torch.float16: np.dtype("<f2"),
+    torch.bfloat16: np.dtype("<i2"),
+}
 
 
 def tensor_into(msg: common_pb2.Tensor, t: Tensor) -> None:
@@ -44,11 +51,11 @@ def tensor_from_proto(msg: common_pb2.Tensor, field: str) -> Tensor:
     if msg.dtype not in _DTYPES:
         raise ValueError(f"{field}.dtype: unsupported {msg.dtype}")
     dtype = _DTYPES[msg.dtype]
-    np_dtype = {torch.float32: "<f4", torch.float16: "<f2", torch.bfloat16: "<i2"}[dtype]
-    count = int(np.prod(msg.shape)) if len(msg.shape) else 0
-    if count * np.dtype(np_dtype).itemsize != len(msg.data):
-        raise ValueError(f"{field}: {len(msg.data)} bytes do not hold shape {list(msg.shape)}")
-    arr = np.frombuffer(msg.data, dtype=np_dtype).reshape(tuple(msg.shape))
+    np_dtype = _NP_DTYPES[dtype]
+    shape = tuple(msg.shape)
+    if any(n < 0 for n in shape) or math.prod(shape) * np_dtype.itemsize != len(msg.data):
+        raise ValueError(f"{field}: {len(msg.data)} bytes do not hold shape {list(shape)}")
+    arr = np.frombuffer(msg.data, dtype=np_dtype).reshape(shape)
     t = torch.from_numpy(arr.copy())
     return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
 

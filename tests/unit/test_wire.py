@@ -62,3 +62,13 @@ def test_trees_filled_in_place_decode_back() -> None:
     assert back[0].tokens == (4, 2, 9) and back[0].parents == (-1, 0, 0)
     assert back[0].draft_probs is not None and torch.equal(back[0].draft_probs, probs)
     assert back[1] == CandidateTree((1,), (-1,), None)
+
+
+@pytest.mark.parametrize("shape", [[3, 4], [-2, -6], [13]])
+def test_malformed_tensor_names_its_field(shape: list[int]) -> None:
+    msg = common_pb2.Tensor(data=bytes(24), dtype=common_pb2.D_TYPE_FLOAT32, shape=shape)
+    with pytest.raises(ValueError, match=r"inputs\[a\]\.features: 24 bytes"):
+        tensor_from_proto(msg, "inputs[a].features")
+    msg.dtype = 99  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=r"features\.dtype"):
+        tensor_from_proto(msg, "inputs[a].features")
