@@ -24,11 +24,9 @@ import asyncio
 import os
 import queue
 import shutil
-import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -38,10 +36,10 @@ from typing import Any
 import grpc
 
 from bench.common import cpu_list, device_info, format_table, percentile, write_json
+from bench.services import LINKS, link_address
 from specpair.serving import busy_wait
 
 MODES = ("aio", "aio+poll", "sync", "tcp")
-LINKS = ("tcp", "unix")
 PERCENTILES = (("p50", 50), ("p90", 90), ("p99", 99))
 METHOD = "/specpair.bench.PingPong/Echo"
 POLL_S = 0.02  # as BUSY_POLL_MS_CUDA
@@ -192,8 +190,7 @@ def client_tcp(endpoint: str, request: bytes, trips: int, hold_s: float) -> list
 def run_mode(mode: str, link: str, args: argparse.Namespace) -> list[float]:
     """Starts the mode's server in a child process on `link` (loopback "tcp" or a "unix" domain
     socket), runs the client here, stops the server."""
-    sockets = tempfile.mkdtemp(prefix="specpair-pp-") if link == "unix" else None
-    endpoint = f"unix:{sockets}/pingpong.sock" if sockets else f"127.0.0.1:{_free_port()}"
+    endpoint, sockets = link_address(link, "pingpong")
     command = [
         sys.executable, "-m", "bench.grpc_pingpong", "--serve", mode, "--endpoint", endpoint,
         "--response-bytes", str(args.response_bytes), "--hold-ms", *map(str, args.hold_ms),
@@ -221,12 +218,6 @@ def run_mode(mode: str, link: str, args: argparse.Namespace) -> list[float]:
         child.wait(timeout=10)
         if sockets:
             shutil.rmtree(sockets, ignore_errors=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def serve(mode: str, endpoint: str, size: int, hold_s: float) -> None:

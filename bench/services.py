@@ -31,6 +31,17 @@ def free_address() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
+def link_address(link: str, name: str) -> tuple[str, str | None]:
+    """(address, socket dir): a free loopback HOST:PORT for "tcp" (no dir), or for "unix" the
+    socket `name` in a new temporary dir, which the caller removes when done."""
+    if link not in LINKS:
+        raise ValueError(f"link {link!r}: one of {LINKS}")
+    if link == "tcp":
+        return free_address(), None
+    sockets = tempfile.mkdtemp(prefix="specpair-")  # a short path: sockets stop at ~107 bytes
+    return f"unix:{sockets}/{name}.sock", sockets
+
+
 def pinned(cpus: set[int] | None) -> Callable[[], None] | None:
     """A child's preexec_fn that keeps it on `cpus` (None: anywhere)."""
     return None if cpus is None else lambda: os.sched_setaffinity(0, cpus)
@@ -64,13 +75,8 @@ class ServiceGroup:
         cpus: dict[str, set[int]] | None = None,
         link: str = "tcp",
     ) -> None:
-        if link not in LINKS:
-            raise ValueError(f"link {link!r}: one of {LINKS}")
-        self.draft, self.target, self.controller = free_address(), free_address(), free_address()
-        self.socket_dir: str | None = None
-        if link == "unix":  # a short path: socket paths stop at ~107 bytes
-            self.socket_dir = tempfile.mkdtemp(prefix="specpair-")
-            self.draft = f"unix:{self.socket_dir}/draft.sock"
+        self.draft, self.socket_dir = link_address(link, "draft")
+        self.target, self.controller = free_address(), free_address()
         self.log_dir = log_dir
         serve = [sys.executable, "-m", "specpair.cli", "serve"]
         quiet = ["--metrics-address", "", "--log-level", "INFO", "--threads", str(threads)]
