@@ -1,0 +1,97 @@
+"""Write checkpoints in Hugging Face layout, one tensor at a time, in safetensors shards.
+
+A tensor is made on whatever device its maker chooses and moved to the CPU only to be written,
+so a Llama-3-8B (16 GB in bf16) never needs a float32 or full CPU copy. config.json is written
+last: a directory that has one is complete (`is_written`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from specpair.models.llama import ModelArgs
+
+SHARD_BYTES = 2 * 2**30
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype, architecture: str) -> dict[str, object]:
+    """config.json as the Hub's Llama-3 checkpoints write it (`rope_scaling` + `rope_theta`, which
+    transformers v4 reads as is and v5 folds into `rope_parameters`)."""
+    return {
+        "architectures": [architecture],
+        "model_type": "llama",
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.hidden_size,
+        "intermediate_size": args.intermediate_size,
+        "num_hidden_layers": args.num_layers,
+        "num_attention_heads": args.num_heads,
+        "num_key_value_heads": args.num_kv_heads,
+        "head_dim": args.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": args.rms_norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": dict(args.rope_scaling) or None,
+        "max_position_embeddings": args.max_position_embeddings,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def is_written(directory: Path, config: Mapping[str, object]) -> bool:
+    file = directory / "config.json"
+    return file.is_file() and json.loads(file.read_text()) == config
+
+
+def write_shards(
+    directory: Path,
+    shapes: Mapping[str, torch.Size],
+    config: Mapping[str, object],
+    make: Callable[[str], torch.Tensor],
+    *,
+    dtype: torch.dtype,
+    shard_bytes: int = SHARD_BYTES,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
+    """Writes tensor `name` = `make(name)` (cast to `dtype`) for every name of `shapes`, in
+    `model-0000i-of-0000n.safetensors` shards of at most `shard_bytes`, with the index file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in [directory / "config.json", *directory.glob("*.safetensors")]:
+        stale.unlink(missing_ok=True)  # the loader reads every shard in the directory
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = shape.numel() * itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    weight_map: dict[str, str] = {}
+    t0 = time.perf_counter()
+    for i, names in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name in names:
+            tensor = make(name)
+            if tensor.shape != shapes[name]:
+                raise ValueError(f"{name}: made {tuple(tensor.shape)}, expected {shapes[name]}")
+            tensors[name] = tensor.to(dtype).cpu().contiguous()
+            weight_map[name] = file
+        save_file(tensors, str(directory / file), metadata={"format": "pt"})
+        if progress is not None:
+            gib = sum(t.numel() * itemsize for t in tensors.values()) / 2**30
+            progress(f"{directory.name}/{file}: {gib:.2f} GiB, {time.perf_counter() - t0:.0f} s")
+    total = sum(s.numel() * itemsize for s in shapes.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory
