@@ -30,6 +30,9 @@ from specpair.models.llama import AttendFn, ModelArgs
 from specpair.runtime.kv_cache import BatchLayout, CacheFullError, attention_mask
 
 WORKSPACE_BYTES = 128 << 20
+# Head sizes flashinfer's paged prefill is built for; other sizes (the shipped pair's 40 and 32)
+# attend eagerly through SDPA over gathered pages, and in graphs through the Triton kernel.
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
 def flat_index(page_table: Tensor, slots: Tensor, positions: Tensor, page_size: int) -> Tensor:
@@ -245,7 +248,7 @@ class PagedKVCache:
     def bind(self, layout: BatchLayout) -> AttendFn:
         """An eager `attend` for one forward (prefill, long extends, trees without a graph)."""
         rows = self.write_index(layout).to(self.device)
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or self.heads[2] not in FLASHINFER_HEAD_DIMS:
             return self._torch_attend(layout, rows)
         if self._eager is None:
             self._eager = self.make_wrapper()
@@ -289,6 +292,11 @@ class PagedKVCache:
                 batch=batch, tokens=tokens, heads=self.heads, page_size=self.page_size,
                 pages_per_slot=self.pages_per_slot, device=self.device,
             )  # fmt: skip
+        if self.heads[2] not in FLASHINFER_HEAD_DIMS:
+            raise ValueError(
+                f"head_dim {self.heads[2]}: graphs of {tokens} tokens x {self.heads[0]} q heads "
+                f"need flashinfer, which serves head_dim {FLASHINFER_HEAD_DIMS}"
+            )
         return self.make_wrapper(self.graph_buffers(batch, tokens))
 
     def graph_buffers(self, batch: int, tokens: int) -> dict[str, Tensor]:

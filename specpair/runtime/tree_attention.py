@@ -38,15 +38,17 @@ MAX_ROWS = 64  # query rows per KV head (tokens x GQA group) the kernel holds at
 @triton.jit
 def _kv_block(
     k_ptr, v_ptr, pages_ptr, mask_ptr, b, h, start, hi, n0, tok, live, d, pages_stride, n_kv,
-    T: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    T: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Keys, values and tree-mask bits of key positions [n0, n0 + BLOCK_N) (masked at hi)."""
     pos = n0 + tl.arange(0, BLOCK_N)
     valid = pos < hi
     page = tl.load(pages_ptr + b * pages_stride + pos // PAGE, mask=valid, other=0)
     kv_row = (page.to(tl.int64) * PAGE + pos % PAGE) * n_kv + h
-    k = tl.load(k_ptr + kv_row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
-    v = tl.load(v_ptr + kv_row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+    kv_live = valid[:, None] & (d[None, :] < D)
+    k = tl.load(k_ptr + kv_row[:, None] * D + d[None, :], mask=kv_live, other=0.0)
+    v = tl.load(v_ptr + kv_row[:, None] * D + d[None, :], mask=kv_live, other=0.0)
     new = pos - start
     tree = tl.load(
         mask_ptr + (b * T + tok[:, None]) * T + new[None, :],
@@ -61,11 +63,12 @@ def _kv_block(
 def _tree_attn_kernel(
     q_ptr, k_ptr, v_ptr, pages_ptr, starts_ptr, mask_ptr, part_o_ptr, part_ml_ptr,
     sm_scale, pages_stride, n_q, n_kv,
-    T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
     R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    # grid (B, Hkv, SPLITS); rows r = token * G + group head, for r < T * G
+    # grid (B, Hkv, SPLITS); rows r = token * G + group head, for r < T * G; head dims d < D of
+    # DP lanes (D rounded up to a power of two, at least 16 for tl.dot)
     await_previous(PDL)
     b, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(starts_ptr + b)
@@ -76,29 +79,30 @@ def _tree_attn_kernel(
     rows = tl.arange(0, R)
     tok, grp = rows // G, rows % G
     live = rows < T * G
-    d = tl.arange(0, D)
+    d = tl.arange(0, DP)
     q_off = ((b * T + tok) * n_q + h * G + grp) * D
-    q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=live[:, None], other=0.0)
+    row_live = live[:, None] & (d[None, :] < D)
+    q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_live, other=0.0)
     m_i = tl.full((R,), -1.0e30, dtype=tl.float32)
     l_i = tl.zeros((R,), dtype=tl.float32)
-    acc = tl.zeros((R, D), dtype=tl.float32)
+    acc = tl.zeros((R, DP), dtype=tl.float32)
     # Each block's loads are a chain of memory round trips (page row -> K/V rows): with
     # PREFETCH the next block's are in flight while this one's softmax runs.
     if PREFETCH:
         k, v, vis = _kv_block(
             k_ptr, v_ptr, pages_ptr, mask_ptr, b, h, start, hi, lo, tok, live, d, pages_stride,
-            n_kv, T, D, PAGE, BLOCK_N,
+            n_kv, T, D, DP, PAGE, BLOCK_N,
         )  # fmt: skip
     for n0 in range(lo, hi, BLOCK_N):
         if PREFETCH:
             k_next, v_next, vis_next = _kv_block(
                 k_ptr, v_ptr, pages_ptr, mask_ptr, b, h, start, hi, n0 + BLOCK_N, tok, live, d,
-                pages_stride, n_kv, T, D, PAGE, BLOCK_N,
+                pages_stride, n_kv, T, D, DP, PAGE, BLOCK_N,
             )  # fmt: skip
         else:
             k, v, vis = _kv_block(
                 k_ptr, v_ptr, pages_ptr, mask_ptr, b, h, start, hi, n0, tok, live, d,
-                pages_stride, n_kv, T, D, PAGE, BLOCK_N,
+                pages_stride, n_kv, T, D, DP, PAGE, BLOCK_N,
             )  # fmt: skip
         s = tl.where(vis, tl.dot(q, tl.trans(k)) * sm_scale, -1.0e30)  # [R, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -110,7 +114,7 @@ def _tree_attn_kernel(
         if PREFETCH:
             k, v, vis = k_next, v_next, vis_next
     base = ((b * tl.num_programs(1) + h) * SPLITS + sp) * R + rows
-    tl.store(part_o_ptr + base[:, None] * D + d[None, :], acc, mask=live[:, None])
+    tl.store(part_o_ptr + base[:, None] * D + d[None, :], acc, mask=row_live)
     tl.store(part_ml_ptr + base * 2, m_i, mask=live)
     tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=live)
 
@@ -118,8 +122,8 @@ def _tree_attn_kernel(
 @triton.jit
 def _merge_kernel(
     part_o_ptr, part_ml_ptr, out_ptr, n_q, n_kv,
-    T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, R: tl.constexpr, SPLITS: tl.constexpr,
-    PDL: tl.constexpr,
+    T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, R: tl.constexpr,
+    SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # grid (B * T, Hq): one output row from the SPLITS chunk partials of its KV head
     await_previous(PDL)
@@ -133,10 +137,10 @@ def _merge_kernel(
     lsum = tl.load(part_ml_ptr + base * 2 + 1)
     m_max = tl.max(m, axis=0)
     w = tl.exp(m - m_max)
-    d = tl.arange(0, D)
-    o = tl.load(part_o_ptr + base[:, None] * D + d[None, :])
+    d = tl.arange(0, DP)
+    o = tl.load(part_o_ptr + base[:, None] * D + d[None, :], mask=(d < D)[None, :], other=0.0)
     out = tl.sum(o * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
-    tl.store(out_ptr + (bt * n_q + hq) * D + d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + (bt * n_q + hq) * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +177,7 @@ class TreeAttention:
         self.batch, self.tokens, self.heads, self.page_size = batch, tokens, heads, page_size
         self.group = n_q // n_kv
         self.rows = max(16, triton.next_power_of_2(tokens * self.group))
+        self.lanes = max(16, triton.next_power_of_2(d))  # head dims held per row (DP)
         self.config = config or tree_config(batch, n_kv, tokens)
         self.splits = self.config.splits
         self.pages = torch.zeros(batch, pages_per_slot, dtype=torch.int32, device=device)
@@ -186,7 +191,7 @@ class TreeAttention:
     @staticmethod
     def fits(tokens: int, heads: tuple[int, int, int]) -> bool:
         n_q, n_kv, d = heads
-        return tokens * (n_q // n_kv) <= MAX_ROWS and d in (64, 128, 256)
+        return tokens * (n_q // n_kv) <= MAX_ROWS and d % 2 == 0 and d <= 256
 
     def plan(self, layout: BatchLayout, page_table: Tensor, staging: Any = None) -> None:
         """Copies one padded layout's pages, starts and tree mask into the static buffers
@@ -205,12 +210,13 @@ class TreeAttention:
         _tree_attn_kernel[(self.batch, n_kv, self.splits)](
             q, k, v, self.pages, self.starts, self.mask, self.part_o, self.part_ml,
             self.sm_scale, self.pages.stride(0), n_q, n_kv,
-            T=self.tokens, G=self.group, D=d, PAGE=self.page_size, R=self.rows,
+            T=self.tokens, G=self.group, D=d, DP=self.lanes, PAGE=self.page_size, R=self.rows,
             BLOCK_N=cfg.block_n, SPLITS=cfg.splits, PREFETCH=cfg.prefetch, num_warps=cfg.warps,
             **pdl(),
         )  # fmt: skip
         _merge_kernel[(self.batch * self.tokens, n_q)](
             self.part_o, self.part_ml, out, n_q, n_kv,
-            T=self.tokens, G=self.group, D=d, R=self.rows, SPLITS=self.splits, **pdl(),
+            T=self.tokens, G=self.group, D=d, DP=self.lanes, R=self.rows, SPLITS=self.splits,
+            **pdl(),
         )  # fmt: skip
         return out

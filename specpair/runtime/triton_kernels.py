@@ -98,27 +98,30 @@ def add_rmsnorm(x: Tensor, parts: Tensor, weight: Tensor, eps: float) -> tuple[T
 @triton.jit
 def _rope_write_kernel(
     parts_ptr, n_rows, width, cos_ptr, sin_ptr, q_ptr, rows_ptr, k_ptr, v_ptr,
-    n_q, n_kv, SPLITS: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
+    n_q, n_kv, SPLITS: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # grid (N, Hq + 2 Hkv): one head of one token from the summed QKV partials. q heads are
     # rotated into q [N, Hq, D]; k heads rotated and v heads copied into the cache rows
-    # k/v [rows, Hkv, D] at rows[token] (the paged cache's flat write index).
+    # k/v [rows, Hkv, D] at rows[token] (the paged cache's flat write index). HALF_P is HALF
+    # rounded up to a power of two (tl.arange's rule): head_dim 40 -> 20 lanes of 32 live.
     await_previous(PDL)
     row, head = tl.program_id(0), tl.program_id(1)
     d = 2 * HALF
-    cols = tl.arange(0, HALF)
-    x1 = tl.zeros((HALF,), dtype=tl.float32)
-    x2 = tl.zeros((HALF,), dtype=tl.float32)
+    cols = tl.arange(0, HALF_P)
+    live = cols < HALF
+    x1 = tl.zeros((HALF_P,), dtype=tl.float32)
+    x2 = tl.zeros((HALF_P,), dtype=tl.float32)
     for s in tl.static_range(SPLITS):
         src = parts_ptr + (s * n_rows + row) * width + head * d
-        x1 += tl.load(src + cols).to(tl.float32)
-        x2 += tl.load(src + HALF + cols).to(tl.float32)
+        x1 += tl.load(src + cols, mask=live, other=0.0).to(tl.float32)
+        x2 += tl.load(src + HALF + cols, mask=live, other=0.0).to(tl.float32)
     # round to the activation dtype first, as the unfused QKV matmul's output would be
     x1 = x1.to(q_ptr.dtype.element_ty).to(tl.float32)
     x2 = x2.to(q_ptr.dtype.element_ty).to(tl.float32)
     if head < n_q + n_kv:
-        c = tl.load(cos_ptr + row * d + cols).to(tl.float32)
-        s_ = tl.load(sin_ptr + row * d + cols).to(tl.float32)
+        c = tl.load(cos_ptr + row * d + cols, mask=live, other=0.0).to(tl.float32)
+        s_ = tl.load(sin_ptr + row * d + cols, mask=live, other=0.0).to(tl.float32)
         o1 = x1 * c - x2 * s_
         o2 = x2 * c + x1 * s_
     else:
@@ -129,8 +132,8 @@ def _rope_write_kernel(
         dst = k_ptr + (tl.load(rows_ptr + row) * n_kv + head - n_q) * d
     else:
         dst = v_ptr + (tl.load(rows_ptr + row) * n_kv + head - n_q - n_kv) * d
-    tl.store(dst + cols, o1.to(q_ptr.dtype.element_ty))
-    tl.store(dst + HALF + cols, o2.to(q_ptr.dtype.element_ty))
+    tl.store(dst + cols, o1.to(q_ptr.dtype.element_ty), mask=live)
+    tl.store(dst + HALF + cols, o2.to(q_ptr.dtype.element_ty), mask=live)
 
 
 def rope_write(
@@ -142,9 +145,10 @@ def rope_write(
     splits, n, width = parts.shape
     q = torch.empty(n, n_q, head_dim, dtype=k_cache.dtype, device=parts.device)
     cos, sin, parts = cos.contiguous(), sin.contiguous(), parts.contiguous()
+    half = head_dim // 2
     _rope_write_kernel[(n, n_q + 2 * n_kv)](
         parts, n, width, cos, sin, q, rows, k_cache, v_cache, n_q, n_kv,
-        SPLITS=splits, HALF=head_dim // 2, **pdl(),
+        SPLITS=splits, HALF=half, HALF_P=triton.next_power_of_2(half), **pdl(),
     )  # fmt: skip
     return q
 

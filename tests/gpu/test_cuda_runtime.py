@@ -85,11 +85,12 @@ def teacher_forced_logits(worker, prompt: list[int], output: list[int]) -> torch
     """The target's logits [len(output), V] predicting each output token from its own prefix:
     one eager causal forward over prompt + output (no graph, no speculation)."""
     seq = prompt + output
+    device = worker.cache.k.device  # a CPU worker gives the float32 reference
     slot = worker.cache.alloc()
     try:
         with torch.inference_mode():
-            tokens = torch.tensor([seq], device="cuda")
-            positions = torch.arange(len(seq), device="cuda")[None]
+            tokens = torch.tensor([seq], device=device)
+            positions = torch.arange(len(seq), device=device)[None]
             layout = BatchLayout.causal([slot], [0], [len(seq)])
             hidden = worker.model(tokens, positions, worker.cache.bind(layout))
             logits = worker.model.logits(hidden)[0].float()

@@ -50,9 +50,10 @@ def test_add_rmsnorm_sums_partials() -> None:
     torch.testing.assert_close(normed.cpu(), ref, atol=2e-2, rtol=2e-2)
 
 
-def test_rope_write_equals_rope_then_index_copy() -> None:
+@pytest.mark.parametrize("d", [128, 64, 40, 32])  # 40: the shipped target's half of 20 lanes
+def test_rope_write_equals_rope_then_index_copy(d: int) -> None:
     torch.manual_seed(2)
-    n, n_q, n_kv, d = 6, 8, 2, 128
+    n, n_q, n_kv = 6, 8, 2
     parts = torch.randn(2, n, (n_q + 2 * n_kv) * d, device="cuda")
     # rope_cos_sin's layout: both halves of a row carry the same angles
     angles = torch.rand(n, d // 2, device="cuda") * 6
@@ -82,16 +83,17 @@ def test_silu_mul_sums_partials() -> None:
 
 
 @pytest.mark.parametrize(
-    "config",
-    [None, (8, 64, True), (64, 16, True, 8), (16, 32, False, 4), (32, 64, True, 8)],
-)
-def test_tree_attention_equals_masked_sdpa_over_the_pages(config: tuple | None) -> None:
+    ("config", "d"),
+    [(None, 128), ((8, 64, True), 128), ((64, 16, True, 8), 128), ((16, 32, False, 4), 128),
+     ((32, 64, True, 8), 128), (None, 40), ((8, 64, True), 40), (None, 32), (None, 80)],
+)  # fmt: skip
+def test_tree_attention_equals_masked_sdpa_over_the_pages(config: tuple | None, d: int) -> None:
     from specpair.runtime.kv_cache import BatchLayout, attention_mask
     from specpair.runtime.paged_kv import PagedKVCache
     from specpair.runtime.tree_attention import TreeAttention, TreeConfig
 
     torch.manual_seed(4)
-    n_q, n_kv, d, t = 8, 2, 128, 4
+    n_q, n_kv, t = 8, 2, 4
     cache = PagedKVCache(
         num_layers=1, num_qo_heads=n_q, num_kv_heads=n_kv, head_dim=d, max_requests=3,
         max_len=700, page_size=16, dtype=BF16, device="cuda",
