@@ -40,12 +40,9 @@ def test_shipped_pair_served_on_cuda_equals_cpu(tmp_path: Path, kind: str) -> No
     tokenizer = AutoTokenizer.from_pretrained(str(MODELS_DIR / "target"))
     prompts = [tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
     cpu = build_target(MODELS_DIR / "target", max_requests=4, max_len=256)
-    reference = [
-        r.token_ids
-        for r in SpeculativeEngine(cpu, None).generate(
-            prompts, max_new_tokens=NEW_TOKENS, state=None
-        )
-    ]
+    plain = SpeculativeEngine(cpu, None)
+    results = plain.generate(prompts, max_new_tokens=NEW_TOKENS, state=None)
+    reference = [r.token_ids for r in results]
     gpu = build_target(
         MODELS_DIR / "target", max_requests=1, max_len=256, dtype=torch.bfloat16, device="cuda"
     )
