@@ -115,6 +115,18 @@ def run_workload(
     return result
 
 
+def oracle_of(results: dict[str, RunResult], n_phases: int) -> tuple[float, list[str]]:
+    """(tokens/s, static run per phase) of the per-phase oracle: the best static tier in each
+    phase, stitched together."""
+    seconds, tokens, best_runs = 0.0, 0, []
+    for i in range(n_phases):
+        best = max(RUNS[1:], key=lambda n: results[n].tokens_per_s(i))
+        best_runs.append(best)
+        seconds += results[best].phase_seconds[i]
+        tokens += results[best].phase_tokens[i]
+    return tokens / seconds, best_runs
+
+
 def ema_timeline(result: RunResult, policy: PolicyConfig, initial: int) -> list[float]:
     """The controller's EMA over the run's rounds (the same pure policy, replayed)."""
     params = AdaptiveSpeculativeParams(policy, initial)
@@ -181,13 +193,7 @@ def main() -> None:
     ) as group:  # fmt: skip
         for name in RUNS:
             results[name] = run_workload(name, group, phases, args.new_tokens, args.concurrency)
-    oracle_seconds, oracle_tokens, oracle_tiers = 0.0, 0, []
-    for i in range(len(phases)):
-        best = max(RUNS[1:], key=lambda n: results[n].tokens_per_s(i))
-        oracle_tiers.append(best)
-        oracle_seconds += results[best].phase_seconds[i]
-        oracle_tokens += results[best].phase_tokens[i]
-    oracle = oracle_tokens / oracle_seconds
+    oracle, oracle_tiers = oracle_of(results, len(phases))
     best_static = max(RUNS[1:], key=lambda n: results[n].tokens_per_s())
     args.png.parent.mkdir(parents=True, exist_ok=True)
     plot(results, policy, args.png)

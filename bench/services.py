@@ -48,7 +48,8 @@ def pinned(cpus: set[int] | None) -> Callable[[], None] | None:
 
 
 class ServiceGroup:
-    """draft + target (+ controller when `policy` is given) via `specpair serve …`.
+    """draft + target (+ controller when `policy` is given) via `specpair serve …`; with
+    `draft=None` the target alone (`--no-draft`), for a target-only baseline.
 
     `device`/`dtype` go to both model services, `draft_device` (default: `device`) to the draft
     alone, e.g. target on cuda:0 and draft on cuda:1; `max_len` and `candidate_steps` to both
@@ -60,7 +61,7 @@ class ServiceGroup:
         self,
         *,
         target: Path,
-        draft: Path,
+        draft: Path | None,
         log_dir: Path,
         policy: dict[str, Any] | None = None,
         draft_kind: str = "model",
@@ -79,8 +80,8 @@ class ServiceGroup:
         self.target, self.controller = free_address(), free_address()
         self.log_dir = log_dir
         serve = [sys.executable, "-m", "specpair.cli", "serve"]
-        quiet = ["--metrics-address", "", "--log-level", "INFO", "--threads", str(threads)]
-        model = []  # options of both model services
+        quiet = ["--metrics-address", "", "--log-level", "INFO"]
+        model = ["--threads", str(threads)]  # options of both model services
         steps = ",".join(map(str, candidate_steps or ()))
         options = {"--dtype": dtype, "--max-len": max_len, "--candidate-steps": steps}
         for flag, value in options.items():
@@ -95,12 +96,15 @@ class ServiceGroup:
                      "--draft-kind", draft_kind, "--device", draft_arg, *model, *quiet]  # fmt: skip
         if draft_kind == "eagle":
             draft_cmd += ["--target-model", str(target)]
+        draft_link = ["--draft", self.draft] if draft is not None else ["--no-draft"]
         self.plan = [
             ("draft", self.draft, draft_cmd, draft_env),
             ("target", self.target, [*serve, "target", "--address", self.target, "--model",
-             str(target), "--draft", self.draft, "--initial-steps", str(initial_steps),
+             str(target), *draft_link, "--initial-steps", str(initial_steps),
              "--device", target_arg, *model, *quiet], target_env),
         ]  # fmt: skip
+        if draft is None:
+            self.plan.pop(0)
         if policy is not None:
             policy_file = log_dir / "policy.json"
             policy_file.write_text(json.dumps(policy))

@@ -1,0 +1,400 @@
+"""The headline benchmark: how much faster specpair decodes than the target alone, with real
+acceptance at a real model's cost.
+
+The grown pair (`training.grow`): the shipped target as a Llama-3-8B, its EAGLE head at hidden
+4096 and the shipped draft LM as a Llama-3.2-1B. Each computes exactly what the small trained
+model computes, so drafts are accepted at the rate the trained pair achieves while every forward
+pays the big model's memory traffic. Built from `models/` on the device (~1 minute, kept in
+`--models-dir`).
+
+Workloads: the acceptance benchmark's held-out code prompts and its prose prompts (repeated
+with new seeds up to `--requests`), greedy and T = 0.7; batch = concurrent requests. Per draft
+kind, tokens/s and the mean accept length of target-only, static tiers 1 / 3 / 7 and adaptive
+(SGLang's policy in the controller), through the real services (`specpair serve` draft, target
+and controller as processes; target-only is `specpair serve target --no-draft`) and in-process
+beside them (the engine at a fixed tier per batch; adaptive needs the controller, so services
+only). `speedup` = tokens/s over target-only of the same deployment, workload and batch.
+`--phased` adds `bench/adaptive.py`'s phased workload on the services (adaptive vs each static
+tier vs the per-phase oracle).
+
+    python -m bench.gpu_speedup --draft-kind eagle [--models-dir /tmp/specpair-grown] [--phased]
+    python -m bench.gpu_speedup --draft-kind model
+    python -m bench.gpu_speedup --device cpu --shape shipped --batches 1 --requests 2 \\
+        --new-tokens 8   # a CPU smoke run of the whole pipeline
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.acceptance import code_prompts, prose_prompts
+from bench.adaptive import RUNS, build_phases, oracle_of, run_workload
+from bench.common import device_info, format_table, write_json
+from bench.services import ServiceGroup
+from controller.policy import PolicyConfig
+from specpair.client import ControllerClient, SpecpairClient
+from specpair.config import MODELS_DIR, compute_threads
+from specpair.models.loading import read_args
+from specpair.runtime.build import build_drafter, build_target
+from specpair.runtime.engine import SpeculativeEngine
+from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.state import build_states
+from specpair.serving import compute_executor
+from training.grow import SHAPES, grow
+
+TIERS = (1, 3, 7)
+EOT_ID = 0  # the shipped tokenizer's <|endoftext|>: bos, eos and pad
+TEMPERATURES = (0.0, 0.7)
+WARMUP_TOKENS = 8
+# draft kind -> (shipped folder, grown shape)
+DRAFTS = {"eagle": ("eagle", "llama3-8b"), "model": ("draft", "llama3.2-1b")}
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: str  # "code" | "prose"
+    temperature: float
+    ids: list[list[int]]
+
+    @property
+    def name(self) -> str:
+        return f"{self.prompts} {'greedy' if self.temperature == 0 else f'T={self.temperature}'}"
+
+    def sampling(self, i: int) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, seed=i)
+
+
+@dataclass
+class Cell:
+    deployment: str  # "services" | "in-process"
+    config: str  # "target-only" | "tier 1" | … | "adaptive"
+    workload: str
+    batch: int
+    tokens: int
+    seconds: float
+    accept_mean: float | None  # accepted drafts per speculative round (bonus excluded)
+    rounds: int
+    outputs: list[list[int]] = field(repr=False)
+    device: str = ""
+    speedup: float | None = None
+    same_as_target_only: bool | None = None  # greedy: every output equals target-only's
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def grown_pair(root: Path, draft_kind: str, device: str) -> tuple[Path, Path]:
+    """(target, draft) grown from `models/` into `root`, reusing complete ones."""
+    folder, shape = DRAFTS[draft_kind]
+    paths = {}
+    for name, src, shape_name in (("target", "target", "llama3-8b"), (folder, folder, shape)):
+        dst = root / name
+        if not (dst / "config.json").is_file():
+            t0 = time.perf_counter()
+            print(f"growing models/{src} into {shape_name} at {dst}", flush=True)
+            grow(MODELS_DIR / src, dst, SHAPES[shape_name], device=device,
+                 progress=lambda m: print(f"  {m}", flush=True))  # fmt: skip
+            print(f"  {time.perf_counter() - t0:.0f} s", flush=True)
+        paths[name] = dst
+    return paths["target"], paths[folder]
+
+
+def make_workloads(tokenizer: Any, requests: int) -> list[Workload]:
+    code = [p.ids for p in code_prompts(tokenizer, requests, 96, 128)]
+    prose = [p.ids for p in prose_prompts(tokenizer)]
+    prose = [prose[i % len(prose)] for i in range(requests)]  # repeats sample with new seeds
+    return [
+        Workload(name, t, ids) for name, ids in (("code", code), ("prose", prose))
+        for t in TEMPERATURES
+    ]  # fmt: skip
+
+
+def accept_stats(per_request: Sequence[Sequence[int]]) -> tuple[float | None, int]:
+    rounds = [a for accepts in per_request for a in accepts]
+    return (sum(rounds) / len(rounds) if rounds else None), len(rounds)
+
+
+def in_process(
+    target: Path, draft: Path, workloads: list[Workload], batches: list[int], *,
+    new_tokens: int, device: str, dtype: torch.dtype, max_len: int,
+) -> list[Cell]:  # fmt: skip
+    """Target-only and each static tier in the engine: the requests in groups of `batch`, each
+    group decoded to completion (static batching). Target-only replays tier 1's verify graph
+    with no drafts (one token per request, padded to two)."""
+    size = max(batches)
+    worker = build_target(target, max_requests=size, max_len=max_len, keep_features=True,
+                          dtype=dtype, device=device)  # fmt: skip
+    drafter = build_drafter(draft, target_path=target, max_requests=size, max_len=max_len,
+                            dtype=dtype, device=device)  # fmt: skip
+    states = build_states(TIERS, [worker, drafter])
+    cells = []
+    for config, tier in (("target-only", 1), *((f"tier {t}", t) for t in TIERS)):
+        engine = SpeculativeEngine(worker, None if config == "target-only" else drafter)
+        engine.generate(workloads[0].ids[:size], max_new_tokens=WARMUP_TOKENS,
+                        state=states[tier])  # fmt: skip
+        for wl in workloads:
+            for batch in batches:
+                outputs, accepts = [], []
+                t0 = time.perf_counter()
+                for lo in range(0, len(wl.ids), batch):
+                    group = range(lo, min(lo + batch, len(wl.ids)))
+                    results = engine.generate(
+                        [wl.ids[i] for i in group], max_new_tokens=new_tokens, state=states[tier],
+                        sampling=[wl.sampling(i) for i in group],
+                        stop_token_ids=frozenset({EOT_ID}),
+                    )  # fmt: skip
+                    outputs += [r.token_ids for r in results]
+                    accepts += [r.accept_lengths for r in results]
+                seconds = time.perf_counter() - t0
+                mean, rounds = accept_stats(accepts) if config != "target-only" else (None, 0)
+                tokens = sum(map(len, outputs))
+                cell = Cell("in-process", config, wl.name, batch, tokens, seconds, mean, rounds,
+                            outputs)  # fmt: skip
+                cells.append(cell)
+                print(f"  in-process {config:11s} {wl.name:13s} batch {batch:2d} "
+                      f"{cells[-1].tokens_per_s:8.1f} tok/s", flush=True)  # fmt: skip
+    return cells
+
+
+def serve_cells(
+    client: SpecpairClient, deployment: str, config: str, workloads: list[Workload],
+    batches: list[int], new_tokens: int,
+) -> list[Cell]:  # fmt: skip
+    """Every workload at every batch size: `batch` clients at a time over the requests."""
+    cells = []
+    client.generate(workloads[0].ids[0], max_tokens=WARMUP_TOKENS)
+    for wl in workloads:
+        for batch in batches:
+
+            def one(i: int, wl: Workload = wl) -> Any:
+                return client.generate(wl.ids[i], max_tokens=new_tokens,
+                                       temperature=wl.temperature, seed=i)  # fmt: skip
+
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(batch) as pool:
+                results = list(pool.map(one, range(len(wl.ids))))
+            seconds = time.perf_counter() - t0
+            mean, rounds = accept_stats([r.accept_lengths for r in results])
+            outputs = [list(r.token_ids) for r in results]
+            cells.append(Cell(deployment, config, wl.name, batch, sum(map(len, outputs)),
+                              seconds, mean, rounds, outputs))  # fmt: skip
+            print(f"  {deployment} {config:11s} {wl.name:13s} batch {batch:2d} "
+                  f"{cells[-1].tokens_per_s:8.1f} tok/s", flush=True)  # fmt: skip
+    return cells
+
+
+def services(
+    target: Path, draft: Path, draft_kind: str, workloads: list[Workload], batches: list[int],
+    *, new_tokens: int, device: str, dtype: str, max_len: int, log_dir: Path,
+    phased: Callable[[ServiceGroup], dict[str, Any]] | None,
+) -> tuple[list[Cell], dict[str, Any] | None]:  # fmt: skip
+    """Target-only (`--no-draft`), then static tiers and adaptive through the controller."""
+    common: dict[str, Any] = dict(
+        target=target, log_dir=log_dir, device=device, dtype=dtype, max_len=max_len,
+        candidate_steps=TIERS,
+    )  # fmt: skip
+    with ServiceGroup(draft=None, initial_steps=1, **common) as group:
+        cells = serve_cells(SpecpairClient(group.target, timeout=600), "services", "target-only",
+                            workloads, batches, new_tokens)  # fmt: skip
+    policy = PolicyConfig(candidate_steps=TIERS)
+    with ServiceGroup(
+        draft=draft, draft_kind=draft_kind, policy=policy.to_dict(), **common
+    ) as group:
+        client = SpecpairClient(group.target, timeout=600)
+        while client.server_info()["draft_connection_state"] != "DRAFT_CONNECTION_STATE_CONNECTED":
+            time.sleep(0.1)
+        ctl = ControllerClient(group.controller, timeout=30)
+        for tier in TIERS:
+            ctl.pin(tier)
+            time.sleep(0.3)
+            cells += serve_cells(client, "services", f"tier {tier}", workloads, batches, new_tokens)
+        ctl.unpin()
+        time.sleep(0.3)
+        cells += serve_cells(client, "services", "adaptive", workloads, batches, new_tokens)
+        phased_result = phased(group) if phased is not None else None
+    return cells, phased_result
+
+
+def phased_workload(tokenizer: Any, per_phase: int, new_tokens: int) -> Callable[..., Any]:
+    phases = build_phases(tokenizer, per_phase)
+
+    def run(group: ServiceGroup) -> dict[str, Any]:
+        results = {n: run_workload(n, group, phases, new_tokens, concurrency=1) for n in RUNS}
+        oracle, oracle_tiers = oracle_of(results, len(phases))
+        return {
+            "phases": [p.name for p in phases], "requests_per_phase": per_phase,
+            "tokens_per_s": {n: r.tokens_per_s() for n, r in results.items()},
+            "phase_tokens_per_s": {
+                n: [r.tokens_per_s(i) for i in range(len(phases))] for n, r in results.items()
+            },
+            "switches": results["adaptive"].switches,
+            "oracle": {"tokens_per_s": oracle, "tiers": oracle_tiers},
+        }  # fmt: skip
+
+    return run
+
+
+def fill_ratios(cells: list[Cell], gpu: str) -> None:
+    """speedup over target-only and greedy agreement with it, per deployment/workload/batch."""
+    base = {(c.deployment, c.workload, c.batch): c for c in cells if c.config == "target-only"}
+    reference = {(c.workload, c.batch): c.outputs for c in cells
+                 if c.config == "target-only" and c.deployment == "in-process"}  # fmt: skip
+    for c in cells:
+        c.device = gpu
+        c.speedup = c.tokens_per_s / base[c.deployment, c.workload, c.batch].tokens_per_s
+        if "greedy" in c.workload and (c.workload, c.batch) in reference:
+            c.same_as_target_only = c.outputs == reference[c.workload, c.batch]
+
+
+def plot(cells: list[Cell], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(c.workload for c in cells))
+    batches = sorted({c.batch for c in cells})
+    configs = list(dict.fromkeys(c.config for c in cells))
+    fig, axes = plt.subplots(len(batches), 1, figsize=(12, 3.2 * len(batches)), squeeze=False)
+    width = 0.8 / (2 * len(configs))
+    for ax, batch in zip(axes[:, 0], batches, strict=True):
+        for k, (deployment, hatch) in enumerate((("services", ""), ("in-process", "//"))):
+            for j, config in enumerate(configs):
+                xs, ys = [], []
+                for i, wl in enumerate(workloads):
+                    match = [c for c in cells if (c.deployment, c.config, c.workload, c.batch)
+                             == (deployment, config, wl, batch)]  # fmt: skip
+                    if match:
+                        xs.append(i + (k * len(configs) + j) * width)
+                        ys.append(match[0].tokens_per_s)
+                label = f"{config} ({deployment})" if batch == batches[0] else None
+                ax.bar(xs, ys, width, color=f"C{j}", hatch=hatch, edgecolor="white", label=label)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))], workloads)
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"batch {batch}", fontsize=10)
+    axes[0, 0].legend(ncol=3, fontsize=7)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def render(cells: list[Cell]) -> str:
+    headers = ["workload", "batch", "config", "svc tok/s", "svc x", "svc accept", "in-proc tok/s",
+               "in-proc x", "in-proc accept", "greedy = t-o"]  # fmt: skip
+    rows = []
+    index = {(c.deployment, c.config, c.workload, c.batch): c for c in cells}
+    keys = dict.fromkeys((c.workload, c.batch, c.config) for c in cells)
+    for wl, batch, config in sorted(keys, key=lambda k: (k[1], list(keys).index(k))):
+        row = [wl, str(batch), config]
+        same = []
+        for deployment in ("services", "in-process"):
+            c = index.get((deployment, config, wl, batch))
+            if c is None:
+                row += ["-", "-", "-"]
+                continue
+            accept = "-" if c.accept_mean is None else f"{c.accept_mean:.2f}"
+            row += [f"{c.tokens_per_s:.1f}", f"{c.speedup:.2f}x", accept]
+            if c.same_as_target_only is not None:
+                same.append(c.same_as_target_only)
+        row.append("-" if not same else ("yes" if all(same) else "NO"))
+        rows.append(row)
+    return format_table(headers, rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--draft-kind", choices=sorted(DRAFTS), default="eagle")
+    parser.add_argument("--shape", choices=["grown", "shipped"], default="grown",
+                        help="the grown 8B-cost pair, or the shipped small pair as is")  # fmt: skip
+    parser.add_argument("--models-dir", type=Path, default=Path("/tmp/specpair-grown"))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--requests", type=int, default=16, help="requests per workload")
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--deployments", nargs="+", choices=["services", "in-process"],
+                        default=["services", "in-process"])  # fmt: skip
+    parser.add_argument("--phased", action="store_true", help="also the phased workload")
+    parser.add_argument("--per-phase", type=int, default=8, help="requests per phase")
+    parser.add_argument("--out", type=Path, help="JSON (default: bench/results/…_<kind>.json)")
+    args = parser.parse_args()
+    if max(args.batches) > args.requests:
+        parser.error(f"--requests {args.requests} < the largest batch {max(args.batches)}")
+    from transformers import AutoTokenizer
+
+    out = args.out or Path(f"bench/results/gpu_speedup_{args.draft_kind}.json")
+    log_dir = out.parent / f"{out.stem}_logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    info = device_info()
+    gpu = info.get("gpu", info["cpu"])
+    print(f"device: {info}", flush=True)
+    if args.shape == "grown":
+        target, draft = grown_pair(args.models_dir, args.draft_kind, args.device)
+    else:
+        target, draft = MODELS_DIR / "target", MODELS_DIR / DRAFTS[args.draft_kind][0]
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    workloads = make_workloads(tokenizer, args.requests)
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    max_len = max(len(p) for wl in workloads for p in wl.ids) + args.new_tokens + 16
+    max_len = max(max_len, 256 if not args.phased else 512)
+    cells: list[Cell] = []
+    if "in-process" in args.deployments:
+        print("in-process", flush=True)
+        with compute_executor("bench-compute", compute_threads(0)) as pool:
+            cells += pool.submit(
+                in_process, target, draft, workloads, args.batches, new_tokens=args.new_tokens,
+                device=args.device, dtype=getattr(torch, dtype), max_len=max_len,
+            ).result()  # fmt: skip
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the services get the GPU
+    phased = None
+    if "services" in args.deployments:
+        print("services", flush=True)
+        run_phased = (
+            phased_workload(tokenizer, args.per_phase, args.new_tokens) if args.phased else None
+        )
+        more, phased = services(
+            target, draft, args.draft_kind, workloads, args.batches, new_tokens=args.new_tokens,
+            device=args.device, dtype=dtype, max_len=max_len, log_dir=log_dir, phased=run_phased,
+        )  # fmt: skip
+        cells += more
+    fill_ratios(cells, gpu)
+    shape = {"target": str(read_args(target)), "draft": str(read_args(draft, allow_eagle=True))}
+    write_json(out, {
+        "device": info, "draft_kind": args.draft_kind, "shape": args.shape, "models": shape,
+        "new_tokens": args.new_tokens, "requests": args.requests, "batches": args.batches,
+        "date": time.strftime("%Y-%m-%d"),
+        "cells": [{k: v for k, v in asdict(c).items() if k != "outputs"}
+                  | {"tokens_per_s": c.tokens_per_s} for c in cells],
+        "phased": phased,
+    })  # fmt: skip
+    title = f"{args.draft_kind} draft, {args.shape} pair, {gpu}: tokens/s by configuration"
+    plot(cells, out.with_suffix(".png"), title)
+    if phased is not None:
+        tps = phased["tokens_per_s"]
+        best = max(RUNS[1:], key=lambda n: tps[n])
+        print(f"\nphased workload ({', '.join(phased['phases'])}): tokens/s "
+              + ", ".join(f"{n} {v:.1f}" for n, v in tps.items())
+              + f", oracle {phased['oracle']['tokens_per_s']:.1f}; adaptive / best static "
+              f"({best}) = {tps['adaptive'] / tps[best]:.3f}x, adaptive / oracle = "
+              f"{tps['adaptive'] / phased['oracle']['tokens_per_s']:.3f}x")  # fmt: skip
+    print(f"\n{args.draft_kind} draft on {gpu}, {args.shape} pair; {args.requests} requests × "
+          f"{args.new_tokens} new tokens per cell; x = speedup over target-only (same "
+          f"deployment); accept = accepted drafts per round; JSON {out}\n")  # fmt: skip
+    print(render(cells))
+
+
+if __name__ == "__main__":
+    main()
