@@ -109,13 +109,15 @@ def grown_pair(root: Path, draft_kind: str, device: str) -> tuple[Path, Path]:
     return paths["target"], paths[folder]
 
 
-def make_workloads(tokenizer: Any, requests: int) -> list[Workload]:
+def make_workloads(
+    tokenizer: Any, requests: int, temperatures: Sequence[float] = TEMPERATURES
+) -> list[Workload]:
     code = [p.ids for p in code_prompts(tokenizer, requests, 96, 128)]
     prose = [p.ids for p in prose_prompts(tokenizer)]
     prose = [prose[i % len(prose)] for i in range(requests)]  # repeats sample with new seeds
     return [
         Workload(name, t, ids) for name, ids in (("code", code), ("prose", prose))
-        for t in TEMPERATURES
+        for t in temperatures
     ]  # fmt: skip
 
 
@@ -126,8 +128,8 @@ def accept_stats(per_request: Sequence[Sequence[int]]) -> tuple[float | None, in
 
 def in_process(
     target: Path, draft: Path, workloads: list[Workload], batches: list[int], *,
-    new_tokens: int, device: str, dtype: torch.dtype, max_len: int,
-) -> list[Cell]:  # fmt: skip
+    new_tokens: int, device: str, dtype: torch.dtype, max_len: int, record: Callable[[Cell], None],
+) -> None:  # fmt: skip
     """Target-only and each static tier in the engine: the requests in groups of `batch`, each
     group decoded to completion (static batching). Target-only replays tier 1's verify graph
     with no drafts (one token per request, padded to two)."""
@@ -137,7 +139,6 @@ def in_process(
     drafter = build_drafter(draft, target_path=target, max_requests=size, max_len=max_len,
                             dtype=dtype, device=device)  # fmt: skip
     states = build_states(TIERS, [worker, drafter])
-    cells = []
     for config, tier in (("target-only", 1), *((f"tier {t}", t) for t in TIERS)):
         engine = SpeculativeEngine(worker, None if config == "target-only" else drafter)
         engine.generate(workloads[0].ids[:size], max_new_tokens=WARMUP_TOKENS,
@@ -158,20 +159,15 @@ def in_process(
                 seconds = time.perf_counter() - t0
                 mean, rounds = accept_stats(accepts) if config != "target-only" else (None, 0)
                 tokens = sum(map(len, outputs))
-                cell = Cell("in-process", config, wl.name, batch, tokens, seconds, mean, rounds,
-                            outputs)  # fmt: skip
-                cells.append(cell)
-                print(f"  in-process {config:11s} {wl.name:13s} batch {batch:2d} "
-                      f"{cells[-1].tokens_per_s:8.1f} tok/s", flush=True)  # fmt: skip
-    return cells
+                record(Cell("in-process", config, wl.name, batch, tokens, seconds, mean, rounds,
+                            outputs))  # fmt: skip
 
 
 def serve_cells(
-    client: SpecpairClient, deployment: str, config: str, workloads: list[Workload],
-    batches: list[int], new_tokens: int,
-) -> list[Cell]:  # fmt: skip
+    client: SpecpairClient, config: str, workloads: list[Workload], batches: list[int],
+    new_tokens: int, record: Callable[[Cell], None],
+) -> None:  # fmt: skip
     """Every workload at every batch size: `batch` clients at a time over the requests."""
-    cells = []
     client.generate(workloads[0].ids[0], max_tokens=WARMUP_TOKENS)
     for wl in workloads:
         for batch in batches:
@@ -186,26 +182,23 @@ def serve_cells(
             seconds = time.perf_counter() - t0
             mean, rounds = accept_stats([r.accept_lengths for r in results])
             outputs = [list(r.token_ids) for r in results]
-            cells.append(Cell(deployment, config, wl.name, batch, sum(map(len, outputs)),
-                              seconds, mean, rounds, outputs))  # fmt: skip
-            print(f"  {deployment} {config:11s} {wl.name:13s} batch {batch:2d} "
-                  f"{cells[-1].tokens_per_s:8.1f} tok/s", flush=True)  # fmt: skip
-    return cells
+            record(Cell("services", config, wl.name, batch, sum(map(len, outputs)), seconds,
+                        mean, rounds, outputs))  # fmt: skip
 
 
 def services(
     target: Path, draft: Path, draft_kind: str, workloads: list[Workload], batches: list[int],
     *, new_tokens: int, device: str, dtype: str, max_len: int, log_dir: Path,
-    phased: Callable[[ServiceGroup], dict[str, Any]] | None,
-) -> tuple[list[Cell], dict[str, Any] | None]:  # fmt: skip
+    phased: Callable[[ServiceGroup], dict[str, Any]] | None, record: Callable[[Cell], None],
+) -> dict[str, Any] | None:  # fmt: skip
     """Target-only (`--no-draft`), then static tiers and adaptive through the controller."""
     common: dict[str, Any] = dict(
         target=target, log_dir=log_dir, device=device, dtype=dtype, max_len=max_len,
         candidate_steps=TIERS,
     )  # fmt: skip
     with ServiceGroup(draft=None, initial_steps=1, **common) as group:
-        cells = serve_cells(SpecpairClient(group.target, timeout=600), "services", "target-only",
-                            workloads, batches, new_tokens)  # fmt: skip
+        serve_cells(SpecpairClient(group.target, timeout=600), "target-only", workloads, batches,
+                    new_tokens, record)  # fmt: skip
     policy = PolicyConfig(candidate_steps=TIERS)
     with ServiceGroup(
         draft=draft, draft_kind=draft_kind, policy=policy.to_dict(), **common
@@ -217,12 +210,11 @@ def services(
         for tier in TIERS:
             ctl.pin(tier)
             time.sleep(0.3)
-            cells += serve_cells(client, "services", f"tier {tier}", workloads, batches, new_tokens)
+            serve_cells(client, f"tier {tier}", workloads, batches, new_tokens, record)
         ctl.unpin()
         time.sleep(0.3)
-        cells += serve_cells(client, "services", "adaptive", workloads, batches, new_tokens)
-        phased_result = phased(group) if phased is not None else None
-    return cells, phased_result
+        serve_cells(client, "adaptive", workloads, batches, new_tokens, record)
+        return phased(group) if phased is not None else None
 
 
 def phased_workload(tokenizer: Any, per_phase: int, new_tokens: int) -> Callable[..., Any]:
@@ -251,7 +243,8 @@ def fill_ratios(cells: list[Cell], gpu: str) -> None:
                  if c.config == "target-only" and c.deployment == "in-process"}  # fmt: skip
     for c in cells:
         c.device = gpu
-        c.speedup = c.tokens_per_s / base[c.deployment, c.workload, c.batch].tokens_per_s
+        if (key := (c.deployment, c.workload, c.batch)) in base:
+            c.speedup = c.tokens_per_s / base[key].tokens_per_s
         if "greedy" in c.workload and (c.workload, c.batch) in reference:
             c.same_as_target_only = c.outputs == reference[c.workload, c.batch]
 
@@ -303,7 +296,8 @@ def render(cells: list[Cell]) -> str:
                 row += ["-", "-", "-"]
                 continue
             accept = "-" if c.accept_mean is None else f"{c.accept_mean:.2f}"
-            row += [f"{c.tokens_per_s:.1f}", f"{c.speedup:.2f}x", accept]
+            speedup = "-" if c.speedup is None else f"{c.speedup:.2f}x"
+            row += [f"{c.tokens_per_s:.1f}", speedup, accept]
             if c.same_as_target_only is not None:
                 same.append(c.same_as_target_only)
         row.append("-" if not same else ("yes" if all(same) else "NO"))
@@ -323,6 +317,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--requests", type=int, default=16, help="requests per workload")
     parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=list(TEMPERATURES))
     parser.add_argument("--deployments", nargs="+", choices=["services", "in-process"],
                         default=["services", "in-process"])  # fmt: skip
     parser.add_argument("--phased", action="store_true", help="also the phased workload")
@@ -344,42 +339,53 @@ def main() -> None:
     else:
         target, draft = MODELS_DIR / "target", MODELS_DIR / DRAFTS[args.draft_kind][0]
     tokenizer = AutoTokenizer.from_pretrained(str(target))
-    workloads = make_workloads(tokenizer, args.requests)
+    workloads = make_workloads(tokenizer, args.requests, args.temperatures)
     dtype = "float32" if args.device == "cpu" else "bfloat16"
-    max_len = max(len(p) for wl in workloads for p in wl.ids) + args.new_tokens + 16
-    max_len = max(max_len, 256 if not args.phased else 512)
+    max_len = max(256, max(len(p) for wl in workloads for p in wl.ids) + args.new_tokens + 16)
     cells: list[Cell] = []
+    shape = {"target": str(read_args(target)), "draft": str(read_args(draft, allow_eagle=True))}
+    phased = None
+
+    def save() -> None:
+        """The JSON so far: a run cut short still leaves every finished cell."""
+        fill_ratios(cells, gpu)
+        write_json(out, {
+            "device": info, "draft_kind": args.draft_kind, "shape": args.shape, "models": shape,
+            "new_tokens": args.new_tokens, "requests": args.requests, "batches": args.batches,
+            "date": time.strftime("%Y-%m-%d"),
+            "cells": [{k: v for k, v in asdict(c).items() if k != "outputs"}
+                      | {"tokens_per_s": c.tokens_per_s} for c in cells],
+            "phased": phased,
+        })  # fmt: skip
+
+    def record(cell: Cell) -> None:
+        cells.append(cell)
+        print(f"  {cell.deployment:10s} {cell.config:11s} {cell.workload:13s} batch "
+              f"{cell.batch:2d} {cell.tokens_per_s:8.1f} tok/s", flush=True)  # fmt: skip
+        if cell.config != "target-only" or cell.deployment == "in-process":
+            save()  # (ratios need this deployment's target-only cells)
+
     if "in-process" in args.deployments:
         print("in-process", flush=True)
         with compute_executor("bench-compute", compute_threads(0)) as pool:
-            cells += pool.submit(
+            pool.submit(
                 in_process, target, draft, workloads, args.batches, new_tokens=args.new_tokens,
-                device=args.device, dtype=getattr(torch, dtype), max_len=max_len,
+                device=args.device, dtype=getattr(torch, dtype), max_len=max_len, record=record,
             ).result()  # fmt: skip
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the services get the GPU
-    phased = None
     if "services" in args.deployments:
         print("services", flush=True)
         run_phased = (
             phased_workload(tokenizer, args.per_phase, args.new_tokens) if args.phased else None
         )
-        more, phased = services(
+        phased = services(
             target, draft, args.draft_kind, workloads, args.batches, new_tokens=args.new_tokens,
             device=args.device, dtype=dtype, max_len=max_len, log_dir=log_dir, phased=run_phased,
+            record=record,
         )  # fmt: skip
-        cells += more
-    fill_ratios(cells, gpu)
-    shape = {"target": str(read_args(target)), "draft": str(read_args(draft, allow_eagle=True))}
-    write_json(out, {
-        "device": info, "draft_kind": args.draft_kind, "shape": args.shape, "models": shape,
-        "new_tokens": args.new_tokens, "requests": args.requests, "batches": args.batches,
-        "date": time.strftime("%Y-%m-%d"),
-        "cells": [{k: v for k, v in asdict(c).items() if k != "outputs"}
-                  | {"tokens_per_s": c.tokens_per_s} for c in cells],
-        "phased": phased,
-    })  # fmt: skip
+    save()
     title = f"{args.draft_kind} draft, {args.shape} pair, {gpu}: tokens/s by configuration"
     plot(cells, out.with_suffix(".png"), title)
     if phased is not None:
