@@ -198,6 +198,9 @@ class Scheduler:
                         continue
                     flight = await self._start(list(self.running), time.perf_counter() - t0)
                 flight = await self._round(flight)
+                # Inline compute with no draft to wait for never suspends: without this yield a
+                # batch would run to its end before a submit or a cancel could land.
+                await asyncio.sleep(0)
             except Exception:
                 # A bug must not hang every client: fail this batch loudly, keep serving.
                 log.exception("round failed", round_id=self.round_id)

@@ -86,3 +86,25 @@ async def test_next_round_goes_out_before_the_results_stream(tmp_path: Path) -> 
     stats = [watch.get_nowait() for _ in range(watch.qsize())]
     assert [s.round_id for s in stats] == [n for n, _ in link.sends]
     assert sum(s.timings.total_ms for s in stats) <= wall_ms
+
+
+async def test_requests_join_a_running_batch_without_a_draft(tmp_path: Path) -> None:
+    """Inline compute (the CUDA setting) and no draft: a round never waits on anything, yet a
+    request submitted while another decodes joins its batch (the loop yields each round)."""
+    worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=2, max_len=96)
+    scheduler = Scheduler(
+        worker, build_states([1]), initial_steps=1, max_batch=2, max_queue=4, draft=None,
+        metrics=ServiceMetrics("target"),
+    )  # fmt: skip
+    scheduler.compute.shutdown()
+    scheduler.compute.executor = None  # inline, as on a GPU
+    first = ServedRequest(TargetSequence("a", [5, 6, 7], SamplingParams(), max_new_tokens=60))
+    second = ServedRequest(TargetSequence("b", [8, 9], SamplingParams(), max_new_tokens=4))
+    task = asyncio.create_task(scheduler.run())
+    scheduler.submit(first)
+    await asyncio.wait_for(first.events.get(), 10)  # prefilled: a is decoding now
+    scheduler.submit(second)
+    while (await asyncio.wait_for(second.events.get(), 10)).finish_reason is None:
+        pass
+    task.cancel()
+    assert first.seq.finish_reason is None, "b waited for a's whole batch"
