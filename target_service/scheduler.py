@@ -242,7 +242,17 @@ class Scheduler:
         if not new:
             return
         seqs = [r.seq for r in new]
-        feats = await self.compute(self.worker.prefill, seqs)
+        try:
+            feats = await self.compute(self.worker.prefill, seqs)
+        except Exception:
+            # These requests are in neither the queue nor the batch: answer and free them
+            # here, or their clients wait forever and their KV slots are lost.
+            log.exception("prefill failed", requests=[s.request_id for s in seqs])
+            for req in new:
+                self.worker.release(req.seq)
+                req.events.put_nowait(RoundEvent([], -1, self.tier, "error"))
+                self.metrics.requests.labels("error").inc()
+            return
         for req, f in zip(new, feats, strict=True):
             if f is not None:
                 req.features.append(f)

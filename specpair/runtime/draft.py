@@ -22,7 +22,7 @@ from torch import Tensor
 from specpair.models.eagle import EagleHead
 from specpair.models.llama import AttendFn, LlamaModel, ModelArgs
 from specpair.runtime.kv_cache import BatchLayout, KVCache
-from specpair.runtime.sampling import SamplingParams, make_generator, warp
+from specpair.runtime.sampling import SamplingParams, derived_seed, make_generator, warp
 from specpair.runtime.state import SpecRuntimeState, TierCapture
 from specpair.runtime.tree import CandidateTree, chain
 
@@ -69,8 +69,9 @@ class Drafter(ABC):
         entry = self.requests.get(item.request_id)
         if entry is None:
             # Seeded apart from the target's generator: q need only be *some* distribution.
-            seed = None if item.sampling.seed is None else item.sampling.seed + 0x5EED
-            entry = DraftSlot(self.cache.alloc(), make_generator(seed))
+            generator = make_generator(derived_seed(item.sampling.seed, 0x5EED))
+            # Allocate last and record at once: nothing between can raise and strand the slot.
+            entry = DraftSlot(self.cache.alloc(), generator)
             self.requests[item.request_id] = entry
         return entry
 

@@ -1,0 +1,171 @@
+"""Issue 17: bad input, failing rounds and vanished peers never crash, hang or leak a slot."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from specpair.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
+from tests.service.conftest import draft_config, reference_greedy, target_config
+
+PROMPT = [10, 11, 12, 13, 14, 15, 16, 17, 18]
+
+
+async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout: float = 5.0) -> None:
+    """Polls `check` until it holds; fails the test after `timeout` seconds."""
+    for _ in range(int(timeout / 0.05)):
+        result = check()
+        if result if isinstance(result, bool) else await result:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{check} did not hold within {timeout} s")
+
+
+def draft_input(rid: str, tokens: list[int], **sampling: Any) -> draft_pb2.DraftInput:
+    return draft_pb2.DraftInput(
+        request_id=rid,
+        appended_token_ids=tokens,
+        sampling=common_pb2.SamplingParams(**sampling),
+    )
+
+
+class DraftStream:
+    """One Speculate stream straight to a draft service, a round at a time."""
+
+    def __init__(self, port: int) -> None:
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        self.call = draft_pb2_grpc.DraftServiceStub(self.channel).Speculate()
+        self.round_id = 0
+
+    async def round(
+        self, *inputs: draft_pb2.DraftInput, tier: int = 3
+    ) -> draft_pb2.SpeculateResponse:
+        self.round_id += 1
+        await self.call.write(
+            draft_pb2.SpeculateRequest(
+                round_id=self.round_id, speculative_num_steps=tier, inputs=inputs
+            )
+        )
+        response = await asyncio.wait_for(self.call.read(), 10)
+        assert response.round_id == self.round_id
+        return response  # type: ignore[no-any-return]
+
+    async def close(self) -> None:
+        await self.call.done_writing()
+        await self.channel.close()
+
+
+@pytest.mark.parametrize("temperature", [math.nan, 1e-45, math.inf])
+async def test_nan_or_tiny_temperature_is_refused_and_spares_others(
+    ckpts, make_stack, temperature: float
+) -> None:
+    stack = await make_stack(draft_config(ckpts["target"]), target_config(ckpts["target"]))
+    good = asyncio.create_task(stack.generate(prompt_token_ids=PROMPT, max_tokens=40))
+    bad = common_pb2.SamplingParams(temperature=temperature)
+    for _ in range(20):  # past the 16 KV slots that each such request used to leak
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await asyncio.wait_for(
+                stack.generate(prompt_token_ids=[1, 2], max_tokens=5, sampling=bad), 10
+            )
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("sampling.temperature"), err.value.details()
+    tokens, _ = await asyncio.wait_for(good, 30)
+    assert tokens == reference_greedy(ckpts["target"], [PROMPT], 40)[0]
+    assert stack.target.servicer.scheduler.worker.cache.free_slots == 16
+
+
+async def test_failing_prefill_answers_its_requests_and_frees_their_slots(
+    ckpts, make_stack
+) -> None:
+    stack = await make_stack(None, target_config(ckpts["target"], draft_address=None))
+    worker = stack.target.servicer.scheduler.worker
+    prefill = worker.prefill
+
+    def flaky(seqs: list[Any]) -> Any:
+        if any(s.prompt == [7, 7, 7] for s in seqs):
+            for seq in seqs:  # fail after the slots are taken, as a NaN warp did
+                seq.slot = worker.cache.alloc() if seq.slot < 0 else seq.slot
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return prefill(seqs)
+
+    worker.prefill = flaky
+    for _ in range(20):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await asyncio.wait_for(stack.generate(prompt_token_ids=[7, 7, 7], max_tokens=5), 10)
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert worker.cache.free_slots == 16
+    tokens, _ = await asyncio.wait_for(stack.generate(prompt_token_ids=PROMPT, max_tokens=20), 10)
+    assert tokens == reference_greedy(ckpts["target"], [PROMPT], 20)[0]
+
+
+async def test_largest_seed_speculates_and_leaks_no_draft_slot(ckpts, make_stack) -> None:
+    stack = await make_stack(draft_config(ckpts["draft"]), target_config(ckpts["target"]))
+    sampling = common_pb2.SamplingParams(temperature=0.9, seed=2**64 - 1)
+    runs = [
+        await stack.generate(prompt_token_ids=PROMPT, max_tokens=40, sampling=sampling)
+        for _ in range(2)
+    ]
+    assert runs[0][0] == runs[1][0] and len(runs[0][0]) == 40
+    assert all(responses[-1].speculation.plain_rounds == 0 for _, responses in runs)
+    drafter = stack.draft.servicer.rounds.drafter
+    await eventually(lambda: drafter.cache.free_slots == stack.draft_cfg.max_requests)
+    assert not drafter.requests
+
+
+async def test_draft_round_errors_name_the_field_and_keep_the_stream(ckpts, make_stack) -> None:
+    stack = await make_stack(draft_config(ckpts["target"], max_requests=4), target_config(
+        ckpts["target"], draft_address=None
+    ))  # fmt: skip
+    drafter = stack.draft.servicer.rounds.drafter
+    stream = DraftStream(stack.draft.port)
+    try:
+        ok = await stream.round(draft_input("a", [5, 6, 7]))
+        assert not ok.error and len(ok.trees[0].token_ids) == 3
+        cases = [
+            ([draft_input("b", [1], temperature=math.nan)], "inputs[b].sampling.temperature"),
+            ([draft_input("b", [1], temperature=1e-45)], "inputs[b].sampling.temperature"),
+            ([draft_input("b", [1], temperature=1.0, top_p=math.nan)], "sampling.top_p"),
+            ([draft_input(f"n{i}", [1]) for i in range(6)], "inputs: 6 new requests"),
+            ([draft_input("b", [1]), draft_input("b", [2])], "inputs: a request_id appears"),
+            ([draft_input("b", [99999])], "inputs[b].appended_token_ids"),
+        ]
+        for inputs, field in cases:
+            response = await stream.round(*inputs)
+            assert field in response.error, (field, response.error)
+            assert list(drafter.requests) == [k for k in drafter.requests if k.endswith("/a")]
+            assert drafter.cache.free_slots == 3  # only "a" holds one
+        seeded = await stream.round(draft_input("c", [1, 2], temperature=0.8, seed=2**64 - 1))
+        assert not seeded.error and seeded.trees[0].HasField("draft_probs")
+    finally:
+        await stream.close()
+    await eventually(lambda: drafter.cache.free_slots == 4)
+
+
+async def test_expired_request_is_not_prefilled(ckpts, make_stack) -> None:
+    stack = await make_stack(None, target_config(ckpts["target"], draft_address=None, max_batch=1))
+    worker = stack.target.servicer.scheduler.worker
+    prefilled: list[list[int]] = []
+    prefill = worker.prefill
+
+    def counting(seqs: list[Any]) -> Any:
+        prefilled.extend(s.prompt for s in seqs)
+        return prefill(seqs)
+
+    worker.prefill = counting
+    busy = asyncio.create_task(stack.generate(prompt_token_ids=PROMPT, max_tokens=300))
+    await eventually(lambda: bool(prefilled))
+    call = stack.stub.Generate(
+        target_pb2.GenerateRequest(prompt_token_ids=[3, 4], max_tokens=5), timeout=0.2
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in call:
+            pass
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await busy
+    await asyncio.sleep(0.2)
+    assert prefilled == [PROMPT]
