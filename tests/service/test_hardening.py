@@ -9,9 +9,12 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 
 from specpair.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
-from tests.service.conftest import draft_config, reference_greedy, target_config
+from specpair.runtime.tree import chain
+from specpair.wire import tree_into
+from tests.service.conftest import draft_config, fake_draft, reference_greedy, target_config
 
 PROMPT = [10, 11, 12, 13, 14, 15, 16, 17, 18]
 
@@ -169,3 +172,59 @@ async def test_expired_request_is_not_prefilled(ckpts, make_stack) -> None:
     await busy
     await asyncio.sleep(0.2)
     assert prefilled == [PROMPT]
+
+
+def _bad_rows(kind: str, n: int, vocab: int, token: int) -> torch.Tensor:
+    """[n, vocab] draft distributions a dishonest draft might send for `token`."""
+    if kind == "zeros":
+        return torch.zeros(n, vocab)
+    rows = torch.full((n, vocab), 1.0 / (vocab - 1))
+    rows[:, token] = 0.0  # a distribution, but the drafted token is impossible under it
+    if kind == "negative":
+        rows[:, token] = -1.0
+        rows[:, token + 1] += 1.0  # still sums to 1
+    elif kind == "nan":
+        rows[:, token] = math.nan
+    elif kind == "inf":
+        rows[:, token] = math.inf
+    return rows
+
+
+class DishonestDraft(draft_pb2_grpc.DraftServiceServicer):
+    """Well-formed chains of one token whose draft_probs rejection sampling cannot trust."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.trees = 0
+
+    async def Speculate(self, request_iterator: Any, context: Any) -> Any:
+        async for req in request_iterator:
+            response = draft_pb2.SpeculateResponse(round_id=req.round_id)
+            n = req.speculative_num_steps
+            for item in req.inputs:
+                probs = _bad_rows(self.kind, n, 320, token=5)
+                tree_into(response.trees.add(), item.request_id, chain([5] * n, probs))
+                self.trees += 1
+            yield response
+
+    async def GetServerInfo(self, request: Any, context: Any) -> Any:
+        return draft_pb2.DraftServiceGetServerInfoResponse(draft_kind="model")
+
+
+@pytest.mark.parametrize("kind", ["zeros", "negative", "nan", "inf", "impossible"])
+async def test_dishonest_draft_probs_never_change_sampled_output(
+    ckpts, make_stack, kind: str
+) -> None:
+    sampling = common_pb2.SamplingParams(temperature=1.0, seed=123)
+    alone = await make_stack(None, target_config(ckpts["target"], draft_address=None))
+    expected, _ = await alone.generate(prompt_token_ids=PROMPT, max_tokens=30, sampling=sampling)
+    draft = DishonestDraft(kind)
+    async with fake_draft(draft) as address:
+        stack = await make_stack(None, target_config(ckpts["target"], draft_address=address))
+        await stack.wait_draft_connected()
+        tokens, responses = await stack.generate(
+            prompt_token_ids=PROMPT, max_tokens=30, sampling=sampling
+        )
+    assert draft.trees > 0
+    assert tokens == expected
+    assert list(responses[-1].speculation.accept_lengths) == []  # every tree was refused
