@@ -228,3 +228,50 @@ async def test_dishonest_draft_probs_never_change_sampled_output(
     assert draft.trees > 0
     assert tokens == expected
     assert list(responses[-1].speculation.accept_lengths) == []  # every tree was refused
+
+
+PEER = """
+import asyncio, sys
+import grpc
+from specpair.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+async def main():
+    channel = grpc.aio.insecure_channel(sys.argv[1])
+    call = draft_pb2_grpc.DraftServiceStub(channel).Speculate()
+    inputs = [draft_pb2.DraftInput(request_id=f"r{i}", appended_token_ids=[1, 2, 3],
+              sampling=common_pb2.SamplingParams()) for i in range(8)]
+    await call.write(draft_pb2.SpeculateRequest(round_id=1, speculative_num_steps=3, inputs=inputs))
+    await call.read()
+    if sys.argv[2] == "mid-round":
+        await call.write(draft_pb2.SpeculateRequest(round_id=2, speculative_num_steps=7,
+                         inputs=[draft_pb2.DraftInput(request_id=f"r{i}", appended_token_ids=[4])
+                                 for i in range(8)]))
+    print("holding", flush=True)
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("when", ["between-rounds", "mid-round"])
+async def test_killed_speculate_peer_releases_its_draft_slots(ckpts, make_stack, when) -> None:
+    import os
+    import signal
+    import sys
+
+    stack = await make_stack(draft_config(ckpts["target"]), target_config(ckpts["target"]))
+    drafter = stack.draft.servicer.rounds.drafter
+    streams = stack.draft.servicer.streams  # the target's own
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for _ in range(3):  # each kill used to strand its 8 slots
+        peer = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", PEER, f"127.0.0.1:{stack.draft.port}", when,
+            stdout=asyncio.subprocess.PIPE, env=env,
+        )  # fmt: skip
+        assert peer.stdout is not None
+        assert await asyncio.wait_for(peer.stdout.readline(), 30) == b"holding\n"
+        assert len(drafter.requests) == 8
+        peer.send_signal(signal.SIGKILL)
+        await peer.wait()
+        await eventually(lambda: drafter.cache.free_slots == 64, timeout=10)
+        await eventually(lambda: stack.draft.servicer.streams == streams)
