@@ -15,7 +15,7 @@ from specpair.config import ControllerConfig, split_address
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import controller_pb2, controller_pb2_grpc
-from specpair.serving import GrpcServer
+from specpair.serving import GrpcServer, bounded
 
 log = get_logger("controller")
 
@@ -96,7 +96,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         try:
             policy = await self.controller.update_policy(**policy_changes(request))
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(exc)))
         return controller_pb2.UpdatePolicyResponse(policy=policy_to_pb(policy))
 
     async def PinTier(
@@ -105,7 +105,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         try:
             await self.controller.pin(request.speculative_num_steps)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(exc)))
         return controller_pb2.PinTierResponse(targets=self._targets())
 
     async def Unpin(

@@ -82,6 +82,89 @@ async def busy_wait(awaitable: Awaitable[T], budget_s: float) -> T:
         task.cancel()  # only matters when we were cancelled while it was pending
 
 
+MAX_DETAILS_CHARS = 512  # an error names the field; echoing a 100k-item list overflows metadata
+
+
+def bounded(details: str) -> str:
+    """An error's details cut to MAX_DETAILS_CHARS, so a huge bad value is never echoed whole."""
+    if len(details) <= MAX_DETAILS_CHARS:
+        return details
+    return details[: MAX_DETAILS_CHARS - 1] + "…"
+
+
+class _Malformed:
+    """What a request deserializer yields for bytes that are not the method's message."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Bytes that do not parse as the method's request message answer INVALID_ARGUMENT.
+
+    Without it gRPC reports a failing deserializer as UNKNOWN, which clients (and retry
+    policies) cannot tell from a server bug.
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        return _checked(handler, details.method)
+
+
+def _checked(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    parse = handler.request_deserializer
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as exc:
+            return _Malformed(exc)
+
+    async def refuse(context: grpc.aio.ServicerContext) -> None:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid {method} request message"
+        )
+
+    async def requests(iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        async for message in iterator:
+            if isinstance(message, _Malformed):
+                await refuse(context)
+            yield message
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            await refuse(context)
+        return await handler.unary_unary(request, context)
+
+    async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            await refuse(context)
+        async for response in handler.unary_stream(request, context):
+            yield response
+
+    async def stream_unary(iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await handler.stream_unary(requests(iterator, context), context)
+
+    async def stream_stream(iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        async for response in handler.stream_stream(requests(iterator, context), context):
+            yield response
+
+    ser = handler.response_serializer
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(stream_stream, deserialize, ser)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(stream_unary, deserialize, ser)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(unary_stream, deserialize, ser)
+    return grpc.unary_unary_rpc_method_handler(unary, deserialize, ser)
+
+
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
@@ -155,7 +238,7 @@ class GrpcServer:
         *,
         protected_methods: Iterable[str] = (),
     ) -> None:
-        interceptors = []
+        interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
         if config.ops_token:
             interceptors.append(OpsTokenInterceptor(config.ops_token, protected_methods))
         self.server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS)

@@ -86,6 +86,11 @@ class ServedRequest:
     features: FeatureLog = field(default_factory=FeatureLog)
     accept_lengths: list[int] = field(default_factory=list)
     plain_rounds: int = 0
+    deadline: float | None = None  # time.monotonic() past which the client no longer waits
+
+    @property
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
     @property
     def tokens(self) -> list[int]:
@@ -237,7 +242,12 @@ class Scheduler:
         new: list[ServedRequest] = []
         room = min(self.max_batch - len(self.running), self.worker.cache.free_slots)
         while self.queue and len(new) < room:
-            new.append(self.queue.popleft())
+            req = self.queue.popleft()
+            if req.expired:  # its client gave up while it queued: not worth a prefill
+                req.events.put_nowait(RoundEvent([], -1, self.tier, "expired"))
+                self.metrics.requests.labels("expired").inc()
+                continue
+            new.append(req)
         self.metrics.queued.set(len(self.queue))
         if not new:
             return

@@ -22,6 +22,7 @@ from specpair.runtime import state as runtime_state
 from specpair.runtime.build import build_target
 from specpair.runtime.state import build_states
 from specpair.runtime.target import TargetSequence
+from specpair.serving import bounded
 from target_service.detokenize import TextStream
 from target_service.draft_link import DraftLink
 from target_service.scheduler import MAX_TREE_NODES, QueueFullError, Scheduler, ServedRequest
@@ -74,7 +75,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 max_len=self.config.max_len,
             )
         except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(exc)))
             return
         request_id = request.request_id or f"req-{next(self._ids)}"
         structlog.contextvars.bind_contextvars(request_id=request_id)
@@ -85,7 +86,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             valid.max_tokens,
             valid.stop_token_ids | self.eos,
         )
-        served = ServedRequest(seq)
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed on arrival")
+        served = ServedRequest(
+            seq, deadline=None if remaining is None else time.monotonic() + remaining
+        )
         try:
             scheduler.submit(served)
         except QueueFullError as exc:
@@ -104,6 +110,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 if event.finish_reason == "error":
                     finished = True
                     await context.abort(grpc.StatusCode.INTERNAL, "the round failed; see logs")
+                if event.finish_reason == "expired":
+                    finished = True
+                    await context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before admission"
+                    )
                 now = time.perf_counter()
                 hist = self.metrics.itl if completion else self.metrics.ttft
                 hist.observe(now - last if completion else now - start)
@@ -180,7 +191,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         try:
             previous = scheduler.apply_tier(request.speculative_num_steps, request.reason or "ops")
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(exc)))
         return target_pb2.ApplyTierResponse(
             previous_steps=previous,
             speculative_num_steps=request.speculative_num_steps,

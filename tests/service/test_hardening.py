@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -11,9 +12,15 @@ import grpc
 import pytest
 import torch
 
+from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
+from specpair.runtime.build import build_target
+from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.state import build_states
+from specpair.runtime.target import TargetSequence
 from specpair.runtime.tree import chain
 from specpair.wire import tree_into
+from target_service.scheduler import Scheduler, ServedRequest
 from tests.service.conftest import draft_config, fake_draft, reference_greedy, target_config
 
 PROMPT = [10, 11, 12, 13, 14, 15, 16, 17, 18]
@@ -149,29 +156,37 @@ async def test_draft_round_errors_name_the_field_and_keep_the_stream(ckpts, make
     await eventually(lambda: drafter.cache.free_slots == 4)
 
 
-async def test_expired_request_is_not_prefilled(ckpts, make_stack) -> None:
-    stack = await make_stack(None, target_config(ckpts["target"], draft_address=None, max_batch=1))
-    worker = stack.target.servicer.scheduler.worker
-    prefilled: list[list[int]] = []
+async def test_request_expired_in_the_queue_is_not_prefilled(ckpts) -> None:
+    worker = build_target(ckpts["target"], max_requests=2, max_len=64)
+    scheduler = Scheduler(
+        worker, build_states([3]), initial_steps=3, max_batch=2, max_queue=4, draft=None,
+        metrics=ServiceMetrics("target"),
+    )  # fmt: skip
+    prefilled: list[str] = []
     prefill = worker.prefill
 
     def counting(seqs: list[Any]) -> Any:
-        prefilled.extend(s.prompt for s in seqs)
+        prefilled.extend(s.request_id for s in seqs)
         return prefill(seqs)
 
-    worker.prefill = counting
-    busy = asyncio.create_task(stack.generate(prompt_token_ids=PROMPT, max_tokens=300))
-    await eventually(lambda: bool(prefilled))
-    call = stack.stub.Generate(
-        target_pb2.GenerateRequest(prompt_token_ids=[3, 4], max_tokens=5), timeout=0.2
+    worker.prefill = counting  # type: ignore[method-assign]
+    now = time.monotonic()
+    expired, live = (
+        ServedRequest(TargetSequence(rid, [5, 6, 7], SamplingParams(), 3), deadline=deadline)
+        for rid, deadline in (("expired", now - 0.1), ("live", now + 30))
     )
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        async for _ in call:
+    task = asyncio.create_task(scheduler.run())
+    try:
+        scheduler.submit(expired)
+        scheduler.submit(live)
+        event = await asyncio.wait_for(expired.events.get(), 10)
+        assert event.finish_reason == "expired" and event.token_ids == []
+        while (await asyncio.wait_for(live.events.get(), 10)).finish_reason is None:
             pass
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    await busy
-    await asyncio.sleep(0.2)
-    assert prefilled == [PROMPT]
+    finally:
+        task.cancel()
+    assert prefilled == ["live"]
+    assert worker.cache.free_slots == 2
 
 
 def _bad_rows(kind: str, n: int, vocab: int, token: int) -> torch.Tensor:
@@ -275,3 +290,71 @@ async def test_killed_speculate_peer_releases_its_draft_slots(ckpts, make_stack,
         await peer.wait()
         await eventually(lambda: drafter.cache.free_slots == 64, timeout=10)
         await eventually(lambda: stack.draft.servicer.streams == streams)
+
+
+GARBAGE = b"\xff\xff\xff\xff\x0f"  # an invalid tag: no protobuf message parses it
+
+
+async def _send_garbage(channel: grpc.aio.Channel, method: str, streaming: bool) -> grpc.RpcError:
+    """Raw bytes to `method`; the error it answers with."""
+    try:
+        if streaming:
+            call = channel.stream_stream(method)()
+            await call.write(GARBAGE)
+            await call.done_writing()
+            async for _ in call:
+                pass
+        else:
+            await channel.unary_stream(method)(GARBAGE, timeout=10).read()
+    except grpc.aio.AioRpcError as err:
+        return err
+    raise AssertionError(f"{method} accepted garbage")
+
+
+async def test_garbage_bytes_on_every_rpc_are_invalid_argument(ckpts, make_stack) -> None:
+    from controller.server import start as start_controller
+    from specpair.config import ControllerConfig, ServerConfig
+    from specpair.proto.v1 import controller_pb2
+
+    stack = await make_stack(draft_config(ckpts["target"]), target_config(ckpts["target"]))
+    controller = await start_controller(
+        ControllerConfig(ServerConfig("127.0.0.1:0"), targets=(f"127.0.0.1:{stack.target.port}",))
+    )
+    try:
+        for module, port in (
+            (target_pb2, stack.target.port),
+            (draft_pb2, stack.draft.port),
+            (controller_pb2, controller.port),
+        ):
+            (service,) = module.DESCRIPTOR.services_by_name.values()
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                for method in service.methods:
+                    path = f"/{service.full_name}/{method.name}"
+                    err = await _send_garbage(channel, path, method.client_streaming)
+                    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (path, err)
+                    assert err.details().startswith("request: not a valid"), err.details()
+    finally:
+        await controller.stop(grace=0.1)
+    tokens, _ = await stack.generate(prompt_token_ids=PROMPT, max_tokens=20)
+    assert tokens == reference_greedy(ckpts["target"], [PROMPT], 20)[0]
+    assert stack.draft.servicer.streams == 1  # the target's stream survived
+
+
+async def test_update_policy_error_does_not_echo_a_huge_list(ckpts, make_stack) -> None:
+    from controller.server import start as start_controller
+    from specpair.config import ControllerConfig, ServerConfig
+    from specpair.proto.v1 import controller_pb2, controller_pb2_grpc
+
+    nowhere = ("unix:/nonexistent/specpair-target.sock",)  # never someone else's service
+    controller = await start_controller(ControllerConfig(ServerConfig("127.0.0.1:0"), nowhere))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{controller.port}") as channel:
+            stub = controller_pb2_grpc.ControllerServiceStub(channel)
+            request = controller_pb2.UpdatePolicyRequest(candidate_steps=[0] * 100_000)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.UpdatePolicy(request, timeout=10)
+    finally:
+        await controller.stop(grace=0.1)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("candidate_steps")
+    assert len(err.value.details()) <= 512
