@@ -253,9 +253,28 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+def _policy_changes(items: Sequence[str]) -> dict[str, Any]:
+    """`KEY=VALUE` arguments as typed changes; ValueError names the bad one."""
+    from specpair.client import build_policy_update
+
+    changes = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"policy change {item!r} must be KEY=VALUE")
+        changes[key] = _parse_value(value)
+    build_policy_update(**changes)  # unknown keys and mistyped values fail here, offline
+    return changes
+
+
 def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specpair.client import ControllerClient, SpecpairError
 
+    try:
+        changes = _policy_changes(args.changes) if args.op == "policy" else {}
+    except ValueError as exc:
+        print(f"{parser.prog} ctl policy: error: {exc}", file=sys.stderr)
+        return 2  # a usage error, as argparse exits for its own
     client = ControllerClient(args.address, token=os.environ.get(args.token_env), tls=args.tls_ca)
     try:
         if args.op == "status":
@@ -265,12 +284,6 @@ def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         elif args.op == "unpin":
             result = client.unpin()
         else:
-            changes = {}
-            for item in args.changes:
-                key, sep, value = item.partition("=")
-                if not sep:
-                    parser.error(f"policy change {item!r} must be KEY=VALUE")
-                changes[key] = _parse_value(value)
             result = client.update_policy(**changes)
     except SpecpairError as exc:
         print(f"error: {exc}", file=sys.stderr)

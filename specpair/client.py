@@ -263,8 +263,9 @@ def build_policy_update(**changes: Any) -> controller_pb2.UpdatePolicyRequest:
 
 
 def _coerce(key: str, kind: type, value: Any) -> Any:
-    # bool is an int subclass: `update_interval=True` is a mistake, not 1.
-    if isinstance(value, bool):
+    # bool is an int subclass: `update_interval=True` is a mistake, not 1; and int(2.5) == 2
+    # would apply a value nobody asked for, so an int field takes only integers.
+    if isinstance(value, bool) or (kind is int and isinstance(value, float)):
         raise ValueError(f"{key}: expected {kind.__name__}, got {value!r}")
     try:
         return kind(value)

@@ -1,0 +1,30 @@
+"""`specpair ctl policy`: a bad KEY=VALUE is a one-line error and exit status 2, offline."""
+
+from __future__ import annotations
+
+import pytest
+
+from specpair.cli import main
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("bogus=1", "unknown policy key 'bogus'"),
+        ("update_interval=abc", "update_interval: expected int, got 'abc'"),
+        ("update_interval=2.5", "update_interval: expected int, got 2.5"),
+        ("warmup_batches=[1]", "warmup_batches: expected int"),
+        ("candidate_steps=1,x", "candidate_steps: expected int, got 'x'"),
+        ("ema_alpha", "must be KEY=VALUE"),
+        ("=3", "must be KEY=VALUE"),
+    ],
+)
+def test_bad_policy_change_is_one_line_and_exit_2(
+    change: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An address nothing listens on: the change must be refused before any connection.
+    argv = ["ctl", "--address", "unix:/nonexistent/specpair-ctl.sock", "policy", change]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("specpair ctl policy: error: ") and message in err, err
