@@ -155,8 +155,6 @@ async def start(
     controller_pb2_grpc.add_ControllerServiceServicer_to_server(
         ControllerServicer(controller), server.server
     )
-    if server.port == 0:
-        raise RuntimeError(f"cannot bind the controller to {config.server.address}")
     await server.start()
     await controller.start()
     # Serving does not wait for targets: the ops API must answer while they are down.

@@ -120,12 +120,13 @@ async def start(config: DraftConfig) -> RunningDraft:
     metrics = ServiceMetrics("draft")
     servicer = DraftServicer(config, metrics)
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server.server)
+    # Both ports are taken before the model loads: a taken one fails in a second, not later.
+    if config.server.metrics_address:
+        metrics.serve(*split_address(config.server.metrics_address))
     await server.start()
     log.info("draft service listening", address=config.server.address, port=server.port)
     rounds = await asyncio.to_thread(DraftRounds, config)
     servicer.rounds = rounds
-    if config.server.metrics_address:
-        metrics.serve(*split_address(config.server.metrics_address))
     await server.ready()
     log.info("draft service ready", tiers=list(rounds.states), kind=config.draft_kind)
     return RunningDraft(server, servicer)

@@ -207,6 +207,7 @@ async def _serve(config: Any) -> None:
 
 def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specpair.logging import configure_logging
+    from specpair.serving import BindError
 
     try:
         config = config_from_args(args)
@@ -215,8 +216,12 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if isinstance(config, TargetConfig | DraftConfig) and not config.model_path.is_dir():
         parser.error(f"--model {config.model_path}: no such checkpoint directory")
     configure_logging(args.service, level=args.log_level)
-    with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
-        asyncio.run(_serve(config))
+    try:
+        with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
+            asyncio.run(_serve(config))
+    except BindError as exc:
+        print(f"{parser.prog} serve {args.service}: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from specpair.serving import BindError
+
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -43,4 +45,9 @@ class ServiceMetrics:
     def serve(self, host: str, port: int) -> None:
         """Exposes /metrics over HTTP (port 0: disabled)."""
         if port:
-            start_http_server(port, addr=host, registry=self.registry)
+            try:
+                start_http_server(port, addr=host, registry=self.registry)
+            except OSError as exc:
+                raise BindError(
+                    f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}"
+                ) from None

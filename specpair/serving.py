@@ -23,6 +23,20 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MESSAGE_LIMIT),
     ("grpc.max_receive_message_length", MESSAGE_LIMIT),
 ]
+SERVER_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    # gRPC binds with SO_REUSEPORT by default: a second service on a taken port would start
+    # and split the connections with the first. Ours bind exclusively.
+    ("grpc.so_reuseport", 0),
+    # Ping idle connections, so a peer whose host vanished (no FIN) is noticed and its calls
+    # cancelled, freeing what they hold, within keepalive_time + keepalive_timeout.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+]
+
+
+class BindError(RuntimeError):
+    """An address this service cannot listen on (taken, or not local); the message names it."""
 
 
 def compute_executor(name: str, threads: int) -> ThreadPoolExecutor:
@@ -228,6 +242,17 @@ def open_channel(address: str, tls: TLSConfig | None = None) -> grpc.aio.Channel
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
+def _unix_socket_live(path: str) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
+
+
 class GrpcServer:
     """A grpc.aio server with health (NOT_SERVING until `ready()`), reflection and ops auth."""
 
@@ -241,7 +266,7 @@ class GrpcServer:
         interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
         if config.ops_token:
             interceptors.append(OpsTokenInterceptor(config.ops_token, protected_methods))
-        self.server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS)
+        self.server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
@@ -249,10 +274,18 @@ class GrpcServer:
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
         )
         creds = server_credentials(config.tls)
-        if creds is None:
-            self.port = self.server.add_insecure_port(config.address)
-        else:
-            self.port = self.server.add_secure_port(config.address, creds)
+        if config.address.startswith("unix:") and _unix_socket_live(config.address[5:]):
+            # gRPC unlinks an existing socket file and binds anew: it would steal the path.
+            raise BindError(f"cannot listen on {config.address}: a server is listening there")
+        try:
+            if creds is None:
+                self.port = self.server.add_insecure_port(config.address)
+            else:
+                self.port = self.server.add_secure_port(config.address, creds)
+        except RuntimeError:
+            self.port = 0
+        if self.port == 0:
+            raise BindError(f"cannot listen on {config.address}: address in use or unavailable")
 
     async def start(self) -> None:
         await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)

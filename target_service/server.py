@@ -264,6 +264,9 @@ async def start(config: TargetConfig) -> RunningTarget:
     metrics = ServiceMetrics("target")
     servicer = TargetServicer(config, metrics)
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server.server)
+    # Both ports are taken before the model loads: a taken one fails in a second, not later.
+    if config.server.metrics_address:
+        metrics.serve(*split_address(config.server.metrics_address))
     await server.start()
     log.info("target service listening", address=config.server.address, port=server.port)
     scheduler = await asyncio.to_thread(_build_scheduler, config, metrics)
@@ -283,8 +286,6 @@ async def start(config: TargetConfig) -> RunningTarget:
         scheduler.draft.start()
     servicer.scheduler = scheduler
     task = asyncio.create_task(scheduler.run(), name="scheduler")
-    if config.server.metrics_address:
-        metrics.serve(*split_address(config.server.metrics_address))
     await server.ready()
     log.info("target service ready", tiers=list(scheduler.states), draft=config.draft_address)
     return RunningTarget(server, servicer, task)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import math
+import shutil
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -358,3 +361,54 @@ async def test_update_policy_error_does_not_echo_a_huge_list(ckpts, make_stack) 
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("candidate_steps")
     assert len(err.value.details()) <= 512
+
+
+async def test_taken_grpc_port_fails_before_the_model_loads(ckpts, make_stack, monkeypatch) -> None:
+    import target_service.server as target_server
+    from specpair.serving import BindError
+
+    stack = await make_stack(None, target_config(ckpts["target"], draft_address=None))
+    taken = f"127.0.0.1:{stack.target.port}"
+
+    def no_load(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the model loaded before the bind failed")
+
+    monkeypatch.setattr(target_server, "build_target", no_load)
+    cfg = target_config(ckpts["target"], draft_address=None)
+    with pytest.raises(BindError, match=f"cannot listen on {taken}"):
+        await target_server.start(replace(cfg, server=replace(cfg.server, address=taken)))
+    # The first service still owns every connection.
+    for _ in range(4):
+        info = await stack.stub.GetServerInfo(target_pb2.TargetServiceGetServerInfoRequest())
+        assert info.target_model_path == str(ckpts["target"])
+
+
+async def test_taken_unix_socket_and_metrics_port_fail_naming_the_address(
+    ckpts, tmp_path, monkeypatch
+) -> None:
+    import socket
+
+    import draft_service.server as draft_server
+    from specpair.serving import BindError
+
+    monkeypatch.setattr(draft_server, "DraftRounds", None)  # calling it would fail the test
+    sockets = tempfile.mkdtemp(prefix="specpair-")  # short: socket paths stop at ~107 bytes
+    try:
+        path = f"{sockets}/d.sock"
+        with socket.socket(socket.AF_UNIX) as holder, socket.socket() as metrics:
+            holder.bind(path)
+            holder.listen()
+            cfg = draft_config(ckpts["target"])
+            with pytest.raises(BindError, match=f"cannot listen on unix:{path}"):
+                await draft_server.start(
+                    replace(cfg, server=replace(cfg.server, address=f"unix:{path}"))
+                )
+            metrics.bind(("127.0.0.1", 0))
+            metrics.listen()
+            taken = f"127.0.0.1:{metrics.getsockname()[1]}"
+            with pytest.raises(BindError, match=f"cannot serve metrics on {taken}"):
+                await draft_server.start(
+                    replace(cfg, server=replace(cfg.server, metrics_address=taken))
+                )
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)

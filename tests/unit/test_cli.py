@@ -28,3 +28,24 @@ def test_bad_policy_change_is_one_line_and_exit_2(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith("specpair ctl policy: error: ") and message in err, err
+
+
+def test_serve_on_a_taken_port_is_one_line_naming_it(
+    tmp_path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    import specpair.logging
+
+    monkeypatch.setattr(specpair.logging, "configure_logging", lambda *a, **k: None)
+    (tmp_path / "config.json").write_text("{}")  # a checkpoint directory that never loads
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        address = f"127.0.0.1:{holder.getsockname()[1]}"
+        argv = ["serve", "draft", "--model", str(tmp_path), "--address", address,
+                "--metrics-address", ""]  # fmt: skip
+        assert main(argv) == 1
+    err = capsys.readouterr().err
+    expected = f"cannot listen on {address}: address in use or unavailable"
+    assert err == f"specpair serve draft: error: {expected}\n"
