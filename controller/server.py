@@ -19,6 +19,7 @@ from specpair.serving import GrpcServer, bounded
 
 log = get_logger("controller")
 
+CONTROLLER_REQUEST_BYTES = 1024 * 1024  # a policy update is a few numbers
 SERVICE_NAME = controller_pb2.DESCRIPTOR.services_by_name["ControllerService"].full_name
 PROTECTED_METHODS = tuple(
     f"/{SERVICE_NAME}/{method}" for method in ("GetState", "UpdatePolicy", "PinTier", "Unpin")
@@ -150,7 +151,12 @@ async def start(
     metrics = metrics or ServiceMetrics("controller")
     if config.server.metrics_address:
         metrics.serve(*split_address(config.server.metrics_address))
-    server = GrpcServer(config.server, [SERVICE_NAME], protected_methods=PROTECTED_METHODS)
+    server = GrpcServer(
+        config.server,
+        [SERVICE_NAME],
+        protected_methods=PROTECTED_METHODS,
+        max_request_bytes=CONTROLLER_REQUEST_BYTES,
+    )
     controller = AdaptiveController(config, policy, metrics=metrics)
     controller_pb2_grpc.add_ControllerServiceServicer_to_server(
         ControllerServicer(controller), server.server

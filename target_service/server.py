@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -26,7 +27,11 @@ from specpair.serving import bounded
 from target_service.detokenize import TextStream
 from target_service.draft_link import DraftLink
 from target_service.scheduler import MAX_TREE_NODES, QueueFullError, Scheduler, ServedRequest
-from target_service.validation import InvalidRequestError, validate_generate
+from target_service.validation import (
+    InvalidRequestError,
+    request_bytes_limit,
+    validate_generate,
+)
 
 log = get_logger(__name__)
 SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"]
@@ -67,13 +72,17 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     ) -> AsyncIterator[target_pb2.GenerateResponse]:
         scheduler = await self._ready(context)
         args = scheduler.worker.model.args
+        check = functools.partial(
+            validate_generate,
+            request,
+            tokenizer=self.tokenizer,
+            vocab_size=args.vocab_size,
+            max_len=self.config.max_len,
+        )
         try:
-            valid = validate_generate(
-                request,
-                tokenizer=self.tokenizer,
-                vocab_size=args.vocab_size,
-                max_len=self.config.max_len,
-            )
+            # Tokenizing takes milliseconds per 10 KB of text: on the loop it would stall every
+            # stream, so text goes to a worker thread.
+            valid = await asyncio.to_thread(check) if request.prompt else check()
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(exc)))
             return
@@ -260,7 +269,12 @@ async def start(config: TargetConfig) -> RunningTarget:
     """Binds the port (health NOT_SERVING), loads the model and states, then SERVING."""
     from specpair.serving import GrpcServer
 
-    server = GrpcServer(config.server, [SERVICE.full_name], protected_methods=OPS_METHODS)
+    server = GrpcServer(
+        config.server,
+        [SERVICE.full_name],
+        protected_methods=OPS_METHODS,
+        max_request_bytes=request_bytes_limit(config.max_len),
+    )
     metrics = ServiceMetrics("target")
     servicer = TargetServicer(config, metrics)
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server.server)

@@ -412,3 +412,44 @@ async def test_taken_unix_socket_and_metrics_port_fail_naming_the_address(
                 )
     finally:
         shutil.rmtree(sockets, ignore_errors=True)
+
+
+async def test_prompt_larger_than_the_context_is_refused_unparsed(ckpts, make_stack) -> None:
+    stack = await make_stack(None, target_config(ckpts["target"], draft_address=None, max_len=64))
+    good = asyncio.create_task(stack.generate(prompt_token_ids=[1, 2, 3], max_tokens=50))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.generate(prompt="x" * (1 << 20), max_tokens=5)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # over the receive limit
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.generate(prompt="y " * 5000, max_tokens=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("prompt: 10000 characters cannot fit"), (
+        err.value.details()
+    )
+    tokens, _ = await good
+    assert len(tokens) == 50
+
+
+async def test_tokenizing_a_prompt_does_not_stall_other_calls(ckpts, make_stack) -> None:
+    stack = await make_stack(None, target_config(ckpts["target"], draft_address=None))
+    servicer = stack.target.servicer
+    real = servicer.tokenizer
+
+    class SlowTokenizer:
+        """The real tokenizer, as slow as a multi-megabyte prompt made it."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def encode(self, text: str, **kwargs: Any) -> Any:
+            time.sleep(1.0)
+            return real.encode(text, **kwargs)
+
+    servicer.tokenizer = SlowTokenizer()
+    t0 = time.perf_counter()
+    slow = asyncio.create_task(stack.generate(prompt="def main(argv):", max_tokens=3))
+    await asyncio.sleep(0.2)  # the slow encode is under way: on the loop, it would block it
+    await stack.stub.GetServerInfo(target_pb2.TargetServiceGetServerInfoRequest())
+    assert time.perf_counter() - t0 < 0.8
+    tokens, _ = await slow
+    assert len(tokens) == 3
