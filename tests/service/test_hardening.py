@@ -453,3 +453,30 @@ async def test_tokenizing_a_prompt_does_not_stall_other_calls(ckpts, make_stack)
     assert time.perf_counter() - t0 < 0.8
     tokens, _ = await slow
     assert len(tokens) == 3
+
+
+async def test_long_prompt_joining_a_request_further_along_keeps_speculating(
+    ckpts, make_stack
+) -> None:
+    # As `specpair serve` sizes them: the draft holds the target's context plus a round's drafts.
+    stack = await make_stack(
+        draft_config(ckpts["target"], max_len=64 + 7), target_config(ckpts["target"], max_len=64)
+    )
+    first, second = [5, 6, 7], list(range(20, 60))
+    expected = reference_greedy(ckpts["target"], [first, second], 58)
+    tokens: list[int] = []
+    joined = None
+    responses = []
+    async for r in stack.stub.Generate(
+        target_pb2.GenerateRequest(prompt_token_ids=first, max_tokens=58)
+    ):
+        tokens += r.token_ids
+        responses.append(r)
+        if joined is None and len(tokens) >= 30:  # at position ~33: 33 + 41 padded rows > 71
+            joined = asyncio.create_task(stack.generate(prompt_token_ids=second, max_tokens=5))
+    assert joined is not None
+    joined_tokens, joined_responses = await joined
+    assert tokens == expected[0]
+    assert joined_tokens == expected[1][:5]
+    for final in (responses[-1], joined_responses[-1]):
+        assert final.speculation.plain_rounds == 0, final.speculation
