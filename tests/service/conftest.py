@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import draft_service.server as draft_server
 import target_service.server as target_server
@@ -18,6 +19,7 @@ from specpair.config import DraftConfig, ServerConfig, TargetConfig
 from specpair.proto.v1 import draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specpair.runtime.build import build_target
 from specpair.runtime.engine import SpeculativeEngine
+from target_service.draft_link import DRAFT_SERVICE
 
 
 class Stack:
@@ -79,8 +81,11 @@ async def fake_draft(servicer: draft_pb2_grpc.DraftServiceServicer) -> AsyncIter
     """A DraftService `servicer` (a test double) on an ephemeral port; yields its address."""
     server = grpc.aio.server()
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()  # the target waits for SERVING
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    await health_servicer.set(DRAFT_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     try:
         yield f"127.0.0.1:{port}"
     finally:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specpair.metrics import ServiceMetrics
-from specpair.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
+from specpair.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specpair.runtime.build import build_target
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.state import build_states
@@ -480,3 +480,44 @@ async def test_long_prompt_joining_a_request_further_along_keeps_speculating(
     assert joined_tokens == expected[1][:5]
     for final in (responses[-1], joined_responses[-1]):
         assert final.speculation.plain_rounds == 0, final.speculation
+
+
+async def test_target_waits_for_a_loading_draft_before_its_first_round(ckpts, monkeypatch) -> None:
+    import draft_service.server as draft_server
+    import target_service.server as target_server
+
+    real_rounds = draft_server.DraftRounds
+
+    def slow_load(config: Any) -> Any:
+        time.sleep(1.0)  # a draft still loading its weights
+        return real_rounds(config)
+
+    monkeypatch.setattr(draft_server, "DraftRounds", slow_load)
+    sockets = tempfile.mkdtemp(prefix="specpair-")
+    address = f"unix:{sockets}/draft.sock"
+    cfg = draft_config(ckpts["target"])
+    loading = asyncio.create_task(
+        draft_server.start(replace(cfg, server=replace(cfg.server, address=address)))
+    )
+    target = await target_server.start(target_config(ckpts["target"], draft_address=address))
+    try:
+        link = target.servicer.scheduler.draft
+        while not loading.done():
+            assert not link.connected, "connected to a draft that cannot draft yet"
+            await asyncio.sleep(0.02)
+        draft = await loading
+        await eventually(lambda: link.connected)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{target.port}") as channel:
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            responses = [
+                r
+                async for r in stub.Generate(
+                    target_pb2.GenerateRequest(prompt_token_ids=PROMPT, max_tokens=20)
+                )
+            ]
+        assert responses[-1].speculation.plain_rounds == 0
+        assert link.epoch == 1  # no stream was lost on the way
+        await draft.stop(grace=0)
+    finally:
+        await target.stop()
+        shutil.rmtree(sockets, ignore_errors=True)
