@@ -62,6 +62,19 @@ def _model_opts(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _client_tls_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", type=Path, help="PEM CA that signed the server's certificate")
+    p.add_argument("--tls-cert", type=Path, help="PEM client certificate (servers given a CA)")
+    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+
+
+def _client_tls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> TLSConfig:
+    try:
+        return TLSConfig(args.tls_cert, args.tls_key, args.tls_ca)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specpair", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,12 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print the GenerateResult as JSON")
-    gen.add_argument("--tls-ca", type=Path)
+    _client_tls_opts(gen)
 
     ctl = sub.add_parser("ctl", help="controller ops: status, pin, unpin, policy")
     ctl.add_argument("--address", default=None, help="controller HOST:PORT")
     ctl.add_argument("--token-env", default=TOKEN_ENV)
-    ctl.add_argument("--tls-ca", type=Path)
+    _client_tls_opts(ctl)
     ops = ctl.add_subparsers(dest="op", required=True)
     ops.add_parser("status", help="state of every target")
     pin = ops.add_parser("pin", help="pin a tier (overrides the policy)")
@@ -225,10 +238,10 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specpair.client import SpecpairClient, SpecpairError
 
-    client = SpecpairClient(args.address, tls=args.tls_ca)
+    client = SpecpairClient(args.address, tls=_client_tls(args, parser))
     params = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
@@ -280,7 +293,8 @@ def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as exc:
         print(f"{parser.prog} ctl policy: error: {exc}", file=sys.stderr)
         return 2  # a usage error, as argparse exits for its own
-    client = ControllerClient(args.address, token=os.environ.get(args.token_env), tls=args.tls_ca)
+    tls = _client_tls(args, parser)
+    client = ControllerClient(args.address, token=os.environ.get(args.token_env), tls=tls)
     try:
         if args.op == "status":
             result = client.state()
@@ -307,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_up(args)
     if args.command == "generate":
-        return cmd_generate(args)
+        return cmd_generate(args, parser)
     return cmd_ctl(args, parser)
 
 

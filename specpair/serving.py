@@ -223,21 +223,35 @@ def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 
 def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials | None:
+    """TLS with our certificate; with a CA, mutual: a client without a certificate that CA
+    signed is refused in the handshake."""
     if tls.cert is None or tls.key is None:
         return None
     ca = tls.ca.read_bytes() if tls.ca else None
     return grpc.ssl_server_credentials(
         [(tls.key.read_bytes(), tls.cert.read_bytes())],
         root_certificates=ca,
-        require_client_auth=False,
+        require_client_auth=ca is not None,
+    )
+
+
+def channel_credentials(tls: TLSConfig | None) -> grpc.ChannelCredentials | None:
+    """Channel credentials, or None for plaintext. Presents our certificate when one is
+    configured (what a server with a CA requires); without a CA the system roots verify the
+    server."""
+    if tls is None or not tls.enabled:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=tls.ca.read_bytes() if tls.ca else None,
+        private_key=tls.key.read_bytes() if tls.key else None,
+        certificate_chain=tls.cert.read_bytes() if tls.cert else None,
     )
 
 
 def open_channel(address: str, tls: TLSConfig | None = None) -> grpc.aio.Channel:
-    if tls is not None and tls.enabled:
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=tls.ca.read_bytes() if tls.ca else None
-        )
+    """A channel from one service to another: it presents the service's own certificate."""
+    creds = channel_credentials(tls)
+    if creds is not None:
         return grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 

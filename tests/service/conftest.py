@@ -124,3 +124,20 @@ def reference_greedy(target: Path, prompts: list[list[int]], max_tokens: int) ->
         prompts, max_new_tokens=max_tokens, state=None, stop_token_ids=frozenset({0})
     )
     return [r.token_ids for r in results]
+
+
+def self_signed(directory: Path, name: str = "specpair") -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1/localhost that is its own CA, and its key (needs openssl)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = directory / f"{name}-cert.pem", directory / f"{name}-key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", f"/CN={name}",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key

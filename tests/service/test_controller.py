@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import socket
-import subprocess
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -22,6 +20,7 @@ from controller.server import RunningController, serve, start
 from specpair.config import ControllerConfig, ServerConfig, TLSConfig
 from specpair.proto.v1 import controller_pb2, controller_pb2_grpc, target_pb2, target_pb2_grpc
 from specpair.serving import GrpcServer, auth_metadata
+from tests.service.conftest import self_signed
 
 TARGET_SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 # Decide on every batch from the first one on, with an EMA that moves fast.
@@ -385,15 +384,7 @@ async def test_serve_runs_until_cancelled_then_stops() -> None:
 
 
 async def test_tls_on_the_ops_api_and_to_the_target(tmp_path: Path) -> None:
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command to make a certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    cert, key = self_signed(tmp_path)
     tls = TLSConfig(cert=cert, key=key, ca=cert)  # self-signed: its own CA
     fake = FakeTarget()
     target = await serve_target(fake, "127.0.0.1:0", tls=tls)
@@ -401,7 +392,13 @@ async def test_tls_on_the_ops_api_and_to_the_target(tmp_path: Path) -> None:
         ServerConfig("127.0.0.1:0", tls=tls), targets=(f"127.0.0.1:{target.port}",)
     )
     running = await start(config, policy=FAST)
-    creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+    # Given a CA, the controller takes only clients with a certificate it signed (mTLS).
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=cert.read_bytes(),
+        private_key=key.read_bytes(),
+        certificate_chain=cert.read_bytes(),
+    )
+    ca_only = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
     try:
         await eventually(lambda: running.controller.snapshot()[0].connected)
         async with grpc.aio.secure_channel(f"127.0.0.1:{running.port}", creds) as channel:
@@ -412,6 +409,11 @@ async def test_tls_on_the_ops_api_and_to_the_target(tmp_path: Path) -> None:
             stub = controller_pb2_grpc.ControllerServiceStub(channel)
             with pytest.raises(grpc.aio.AioRpcError):
                 await stub.GetState(controller_pb2.GetStateRequest(), timeout=1)
+        async with grpc.aio.secure_channel(f"127.0.0.1:{running.port}", ca_only) as channel:
+            stub = controller_pb2_grpc.ControllerServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # no client certificate
+                await stub.GetState(controller_pb2.GetStateRequest(), timeout=1)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         await running.stop(grace=0.1)
         await target.stop(grace=0.1)

@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -24,7 +25,12 @@ from specpair.runtime.target import TargetSequence
 from specpair.runtime.tree import chain
 from specpair.wire import tree_into
 from target_service.scheduler import Scheduler, ServedRequest
-from tests.service.conftest import draft_config, fake_draft, reference_greedy, target_config
+from tests.service.conftest import (
+    draft_config,
+    fake_draft,
+    reference_greedy,
+    target_config,
+)
 
 PROMPT = [10, 11, 12, 13, 14, 15, 16, 17, 18]
 
@@ -521,3 +527,51 @@ async def test_target_waits_for_a_loading_draft_before_its_first_round(ckpts, mo
     finally:
         await target.stop()
         shutil.rmtree(sockets, ignore_errors=True)
+
+
+async def test_mutual_tls_between_the_services_and_for_clients(ckpts, tmp_path) -> None:
+    import draft_service.server as draft_server
+    import target_service.server as target_server
+    from specpair.config import TLSConfig
+    from tests.service.conftest import self_signed
+
+    cert, key = self_signed(tmp_path)
+    tls = TLSConfig(cert=cert, key=key, ca=cert)  # self-signed: its own CA
+    d_cfg = draft_config(ckpts["target"])
+    draft = await draft_server.start(replace(d_cfg, server=replace(d_cfg.server, tls=tls)))
+    t_cfg = target_config(ckpts["target"], draft_address=f"127.0.0.1:{draft.port}")
+    target = await target_server.start(replace(t_cfg, server=replace(t_cfg.server, tls=tls)))
+    try:
+        link = target.servicer.scheduler.draft
+        await eventually(lambda: link.connected)  # the target presented its certificate
+        foreign_cert, foreign_key = self_signed(tmp_path, "foreign")
+        clients = {
+            "ours": grpc.ssl_channel_credentials(
+                cert.read_bytes(), key.read_bytes(), cert.read_bytes()
+            ),
+            "no certificate": grpc.ssl_channel_credentials(cert.read_bytes()),
+            "foreign": grpc.ssl_channel_credentials(
+                cert.read_bytes(), foreign_key.read_bytes(), foreign_cert.read_bytes()
+            ),
+        }
+        for name, creds in clients.items():
+            for port in (target.port, draft.port):
+                async with grpc.aio.secure_channel(f"127.0.0.1:{port}", creds) as channel:
+                    health = health_pb2_grpc.HealthStub(channel)
+                    request = health_pb2.HealthCheckRequest()
+                    if name == "ours":
+                        await health.Check(request, timeout=5)
+                        continue
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await health.Check(request, timeout=2)
+                    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, (name, port)
+        async with grpc.aio.secure_channel(f"127.0.0.1:{target.port}", clients["ours"]) as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            request = target_pb2.GenerateRequest(prompt_token_ids=PROMPT, max_tokens=12)
+            responses = [r async for r in stub.Generate(request)]
+        tokens = [t for r in responses for t in r.token_ids]
+        assert tokens == reference_greedy(ckpts["target"], [PROMPT], 12)[0]
+        assert responses[-1].speculation.plain_rounds == 0  # drafted over the mTLS link
+    finally:
+        await target.stop()
+        await draft.stop()
