@@ -575,3 +575,42 @@ async def test_mutual_tls_between_the_services_and_for_clients(ckpts, tmp_path) 
     finally:
         await target.stop()
         await draft.stop()
+
+
+async def test_metrics_count_tokens_answer_only_their_path_and_each_service_its_own(
+    ckpts, make_stack
+) -> None:
+    import socket
+    import urllib.error
+    import urllib.request
+
+    def free_address() -> str:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return f"127.0.0.1:{s.getsockname()[1]}"
+
+    def get(url: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                return reply.status, reply.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, ""
+
+    d_cfg, t_cfg = draft_config(ckpts["target"]), target_config(ckpts["target"])
+    d_metrics, t_metrics = free_address(), free_address()
+    stack = await make_stack(
+        replace(d_cfg, server=replace(d_cfg.server, metrics_address=d_metrics)),
+        replace(t_cfg, server=replace(t_cfg.server, metrics_address=t_metrics)),
+    )
+    tokens, responses = await stack.generate(prompt_token_ids=PROMPT, max_tokens=20)
+    assert len(tokens) == 20 and len(responses) < 20  # several tokens a message
+    status, target_body = await asyncio.to_thread(get, f"http://{t_metrics}/metrics")
+    assert status == 200
+    assert "specpair_target_inter_token_latency_seconds_count 19.0" in target_body
+    assert "specpair_target_time_to_first_token_seconds_count 1.0" in target_body
+    status, draft_body = await asyncio.to_thread(get, f"http://{d_metrics}/metrics")
+    assert status == 200 and 'specpair_draft_stage_seconds_count{stage="draft"}' in draft_body
+    for absent in ("time_to_first_token", "inter_token_latency", "speculative_num_steps"):
+        assert f"specpair_draft_{absent}" not in draft_body, absent
+    for path in ("/", "/favicon.ico", "/metricsx", "/admin"):
+        assert (await asyncio.to_thread(get, f"http://{t_metrics}{path}"))[0] == 404, path
