@@ -106,7 +106,8 @@ def run_up(args: argparse.Namespace) -> int:
         if args.demo:
             from specpair.demo import run_demo
 
-            run_demo(env_address("target"), env_address("controller"))
+            token = os.environ.get("SPECPAIR_OPS_TOKEN")  # the services read the same one
+            run_demo(env_address("target"), env_address("controller"), token=token)
         while True:
             for name, proc in procs.items():
                 if proc.poll() is not None:

@@ -614,3 +614,26 @@ async def test_metrics_count_tokens_answer_only_their_path_and_each_service_its_
         assert f"specpair_draft_{absent}" not in draft_body, absent
     for path in ("/", "/favicon.ico", "/metricsx", "/admin"):
         assert (await asyncio.to_thread(get, f"http://{t_metrics}{path}"))[0] == 404, path
+
+
+async def test_demo_names_a_dead_draft_and_passes_the_ops_token(ckpts, make_stack, capsys) -> None:
+    from controller.server import start as start_controller
+    from specpair.config import ControllerConfig, ServerConfig
+    from specpair.demo import run_demo
+
+    dead = "unix:/nonexistent/specpair-draft.sock"
+    stack = await make_stack(None, target_config(ckpts["target"], draft_address=dead))
+    target = f"127.0.0.1:{stack.target.port}"
+    controller = await start_controller(
+        ControllerConfig(ServerConfig("127.0.0.1:0", ops_token="s3cret"), targets=(target,))
+    )
+    try:
+        await asyncio.to_thread(
+            run_demo, target, f"127.0.0.1:{controller.port}", max_tokens=4, token="s3cret"
+        )
+    finally:
+        await controller.stop(grace=0.1)
+    out = capsys.readouterr().out
+    assert f"draft {dead} (" in out
+    assert "rounds without drafts (the draft is " in out
+    assert "controller unavailable" not in out and f"controller: {target} tier" in out
