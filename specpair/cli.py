@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="target HOST:PORT (repeatable; default: $SPECPAIR_TARGET_ADDRESS)",
     )
     ctrl.add_argument("--policy", type=Path, help="policy JSON file (omitted keys: defaults)")
+    ctrl.add_argument(
+        "--state-file",
+        type=Path,
+        default=os.environ.get("SPECPAIR_CONTROLLER_STATE") or None,
+        help="JSON file keeping the pin, the live policy and each target's EMA across restarts",
+    )
 
     up = sub.add_parser("up", help="run target, draft and controller locally")
     up.add_argument("--target-model", type=Path, help="default: models/target (or a tiny pair)")
@@ -196,6 +202,7 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig | DraftConfig | C
         server=server,
         targets=tuple(args.target or [env_address("target")]),
         policy_file=args.policy,
+        state_file=args.state_file,
     )
 
 

@@ -417,3 +417,38 @@ async def test_tls_on_the_ops_api_and_to_the_target(tmp_path: Path) -> None:
     finally:
         await running.stop(grace=0.1)
         await target.stop(grace=0.1)
+
+
+async def test_pin_policy_and_ema_survive_a_controller_restart(tmp_path: Path) -> None:
+    fake = FakeTarget(steps=3)
+    target = await serve_target(fake, "127.0.0.1:0")
+    config = ControllerConfig(
+        ServerConfig("127.0.0.1:0"),
+        targets=(f"127.0.0.1:{target.port}",),
+        reconnect_s=0.1,
+        state_file=tmp_path / "controller-state.json",
+    )
+    try:
+        first = await start(config, policy=FAST)
+        await eventually(lambda: first.controller.snapshot()[0].connected)
+        await first.controller.update_policy(update_interval=2)
+        await first.controller.pin(7)
+        for _ in range(4):  # the EMA learns while pinned
+            fake.push(1, 1)
+        await eventually(lambda: first.controller.snapshot()[0].batches_counted == 4)
+        before = first.controller.snapshot()[0]
+        await first.stop(grace=0.1)
+        fake.applied.clear()
+
+        second = await start(config, policy=FAST)  # as `serve` would: the file's policy
+        try:
+            await eventually(lambda: second.controller.snapshot()[0].connected)
+            after = second.controller.snapshot()[0]
+            assert after.pinned_steps == 7 and after.active_steps == 7
+            assert (after.ema, after.batches_counted) == (before.ema, before.batches_counted)
+            assert second.controller.policy.update_interval == 2
+            assert fake.applied == [(7, "pin")] and fake.steps == 7  # the pin holds
+        finally:
+            await second.stop(grace=0.1)
+    finally:
+        await target.stop(grace=0.1)
