@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -156,18 +157,23 @@ def _checked(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
             await refuse(context)
         return await handler.unary_unary(request, context)
 
+    # The wrapped handler is closed with its wrapper, so its `finally` (freeing a request's
+    # slots) runs when the call ends, not whenever the garbage collector gets to it.
     async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, _Malformed):
             await refuse(context)
-        async for response in handler.unary_stream(request, context):
-            yield response
+        async with contextlib.aclosing(handler.unary_stream(request, context)) as responses:
+            async for response in responses:
+                yield response
 
     async def stream_unary(iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         return await handler.stream_unary(requests(iterator, context), context)
 
     async def stream_stream(iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        async for response in handler.stream_stream(requests(iterator, context), context):
-            yield response
+        call = handler.stream_stream(requests(iterator, context), context)
+        async with contextlib.aclosing(call) as responses:
+            async for response in responses:
+                yield response
 
     ser = handler.response_serializer
     if handler.request_streaming and handler.response_streaming:

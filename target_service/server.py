@@ -88,8 +88,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             return
         request_id = request.request_id or f"req-{next(self._ids)}"
         structlog.contextvars.bind_contextvars(request_id=request_id)
+        # Keyed by our own id on the draft link: clients may reuse a request_id (two at once
+        # would share draft state), and theirs may be long, ours rides in every round.
         seq = TargetSequence(
-            request_id,
+            f"r{next(self._ids)}",
             valid.prompt_ids,
             valid.sampling,
             valid.max_tokens,

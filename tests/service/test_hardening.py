@@ -637,3 +637,15 @@ async def test_demo_names_a_dead_draft_and_passes_the_ops_token(ckpts, make_stac
     assert f"draft {dead} (" in out
     assert "rounds without drafts (the draft is " in out
     assert "controller unavailable" not in out and f"controller: {target} tier" in out
+
+
+async def test_clients_reusing_a_request_id_keep_speculating(ckpts, make_stack) -> None:
+    stack = await make_stack(draft_config(ckpts["target"]), target_config(ckpts["target"]))
+    prompts = [PROMPT, [5, 6, 7]]
+    outputs = await asyncio.gather(
+        *(stack.generate(prompt_token_ids=p, max_tokens=30, request_id="same") for p in prompts)
+    )
+    assert [t for t, _ in outputs] == reference_greedy(ckpts["target"], prompts, 30)
+    for _, responses in outputs:
+        assert responses[0].request_id == "same"
+        assert responses[-1].speculation.plain_rounds == 0, responses[-1].speculation
