@@ -284,9 +284,10 @@ class GrpcServer:
         protected_methods: Iterable[str] = (),
         max_request_bytes: int = MESSAGE_LIMIT,
     ) -> None:
-        interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
-        if config.ops_token:
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if config.ops_token:  # first: a caller without the token is refused before parsing
             interceptors.append(OpsTokenInterceptor(config.ops_token, protected_methods))
+        interceptors.append(MalformedRequestInterceptor())
         # Larger requests are refused (RESOURCE_EXHAUSTED) before a byte of them is parsed.
         options = [
             *(o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"),

@@ -649,3 +649,18 @@ async def test_clients_reusing_a_request_id_keep_speculating(ckpts, make_stack) 
     for _, responses in outputs:
         assert responses[0].request_id == "same"
         assert responses[-1].speculation.plain_rounds == 0, responses[-1].speculation
+
+
+async def test_garbage_to_an_ops_method_without_the_token_is_unauthenticated(
+    ckpts, make_stack
+) -> None:
+    cfg = target_config(ckpts["target"], draft_address=None)
+    stack = await make_stack(None, replace(cfg, server=replace(cfg.server, ops_token="s3cret")))
+    path = "/specpair.v1.TargetService/ApplyTier"
+    err = await _send_garbage(stack.channel, path, streaming=False)
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.aio.AioRpcError) as authorized:
+        await stack.channel.unary_unary(path)(
+            GARBAGE, metadata=(("authorization", "Bearer s3cret"),), timeout=10
+        )
+    assert authorized.value.code() == grpc.StatusCode.INVALID_ARGUMENT
