@@ -49,3 +49,33 @@ def test_serve_on_a_taken_port_is_one_line_naming_it(
     err = capsys.readouterr().err
     expected = f"cannot listen on {address}: address in use or unavailable"
     assert err == f"specpair serve draft: error: {expected}\n"
+
+
+def test_up_refuses_an_address_another_process_serves(
+    tmp_path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import signal
+    import socket
+    import subprocess
+
+    from specpair.cli import build_parser
+    from specpair.launcher import run_up
+
+    handler = signal.getsignal(signal.SIGTERM)  # run_up takes SIGTERM over; pytest's returns
+
+    def no_start(*args: object, **kwargs: object) -> None:
+        raise AssertionError("started a service on a taken address")
+
+    monkeypatch.setattr(subprocess, "Popen", no_start)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # where a tiny pair may be generated
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        address = f"127.0.0.1:{other.getsockname()[1]}"
+        monkeypatch.setenv("SPECPAIR_DRAFT_ADDRESS", address)
+        try:
+            assert run_up(build_parser().parse_args(["up"])) == 1
+        finally:
+            signal.signal(signal.SIGTERM, handler)
+    err = capsys.readouterr().err
+    assert f"draft: {address} is already in use by another process" in err
