@@ -200,6 +200,8 @@ class Scheduler:
                     t0 = time.perf_counter()
                     await self._admit()
                     if not self.running:
+                        if self.queue and self.worker.cache.free_slots == 0:
+                            await self._no_room()
                         continue
                     flight = await self._start(list(self.running), time.perf_counter() - t0)
                 flight = await self._round(flight)
@@ -210,6 +212,14 @@ class Scheduler:
                 for req in list(self.running):
                     req.events.put_nowait(RoundEvent([], -1, self.tier, "error"))
                     self._finish(req, "error")
+
+    async def _no_room(self) -> None:
+        """Requests wait, none runs, and no KV slot is free: slots leaked. Waiting for the next
+        submit or cancel keeps health and GetServerInfo answering; looping would starve the
+        event loop (it spun at 100 % CPU and ignored SIGTERM)."""
+        log.error("no free KV slot with an empty batch", queued=len(self.queue))
+        self._wakeup.clear()
+        await self._wakeup.wait()
 
     def _switch_tier(self) -> None:
         if self._pending_tier is None:

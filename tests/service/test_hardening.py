@@ -664,3 +664,20 @@ async def test_garbage_to_an_ops_method_without_the_token_is_unauthenticated(
             GARBAGE, metadata=(("authorization", "Bearer s3cret"),), timeout=10
         )
     assert authorized.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_no_free_slot_with_an_empty_batch_does_not_starve_the_loop(ckpts, make_stack) -> None:
+    stack = await make_stack(None, target_config(ckpts["target"], draft_address=None))
+    cache = stack.target.servicer.scheduler.worker.cache
+    leaked = [cache.alloc() for _ in range(cache.free_slots)]  # as the NaN requests leaked them
+    waiting = asyncio.create_task(stack.generate(prompt_token_ids=PROMPT, max_tokens=5))
+    for _ in range(3):  # the loop still answers
+        await asyncio.wait_for(
+            stack.stub.GetServerInfo(target_pb2.TargetServiceGetServerInfoRequest()), 2
+        )
+    assert not waiting.done()
+    for slot in leaked:
+        cache.free(slot)
+    tokens, _ = await asyncio.wait_for(stack.generate(prompt_token_ids=[1, 2], max_tokens=3), 10)
+    assert len(tokens) == 3
+    assert len((await asyncio.wait_for(waiting, 10))[0]) == 5
