@@ -419,8 +419,10 @@ class Scheduler:
         by_id = {t.request_id: t for t in response.trees}
         trees = []
         for req, n_sent in zip(batch, flight.sent, strict=True):
-            req.draft_seen = n_sent
-            trees.append(self._checked_tree(req, by_id.get(req.seq.request_id), state))
+            msg = by_id.get(req.seq.request_id)
+            # No tree: the draft could not hold this request and kept nothing of it.
+            req.draft_seen = n_sent if msg is not None else 0
+            trees.append(self._checked_tree(req, msg, state))
         return trees, response.timings, True
 
     def _checked_tree(

@@ -149,7 +149,6 @@ async def test_draft_round_errors_name_the_field_and_keep_the_stream(ckpts, make
             ([draft_input("b", [1], temperature=math.nan)], "inputs[b].sampling.temperature"),
             ([draft_input("b", [1], temperature=1e-45)], "inputs[b].sampling.temperature"),
             ([draft_input("b", [1], temperature=1.0, top_p=math.nan)], "sampling.top_p"),
-            ([draft_input(f"n{i}", [1]) for i in range(6)], "inputs: 6 new requests"),
             ([draft_input("b", [1]), draft_input("b", [2])], "inputs: a request_id appears"),
             ([draft_input("b", [99999])], "inputs[b].appended_token_ids"),
         ]
@@ -160,9 +159,35 @@ async def test_draft_round_errors_name_the_field_and_keep_the_stream(ckpts, make
             assert drafter.cache.free_slots == 3  # only "a" holds one
         seeded = await stream.round(draft_input("c", [1, 2], temperature=0.8, seed=2**64 - 1))
         assert not seeded.error and seeded.trees[0].HasField("draft_probs")
+        # More new requests than free slots (2 left: "a" and "c" hold two): the first two are
+        # drafted, the rest get no tree and hold nothing; "a" drafts on.
+        crowd = await stream.round(
+            draft_input("a", [8]), *(draft_input(f"n{i}", [1, 2]) for i in range(4))
+        )
+        assert not crowd.error
+        assert [t.request_id for t in crowd.trees] == ["a", "n0", "n1"]
+        assert drafter.cache.free_slots == 0 and len(drafter.requests) == 4
+        too_long = await stream.round(draft_input("n0", [1] * 1020))
+        assert not too_long.error and not too_long.trees  # 2 + 1020 + 7 > 1024 positions
+        assert "s1/n0" not in drafter.requests and len(drafter.requests) == 3
     finally:
         await stream.close()
     await eventually(lambda: drafter.cache.free_slots == 4)
+
+
+async def test_more_requests_than_draft_slots_keeps_the_others_speculating(
+    ckpts, make_stack
+) -> None:
+    stack = await make_stack(
+        draft_config(ckpts["target"], max_requests=2), target_config(ckpts["target"])
+    )
+    prompts = [PROMPT, [5, 6, 7], [3], [100, 200, 50]]
+    outputs = await asyncio.gather(
+        *(stack.generate(prompt_token_ids=p, max_tokens=30) for p in prompts)
+    )
+    assert [t for t, _ in outputs] == reference_greedy(ckpts["target"], prompts, 30)
+    drafted = [len(r[-1].speculation.accept_lengths) for _, r in outputs]
+    assert sum(drafted) >= 10, drafted  # a round no longer fails whole for want of slots
 
 
 async def test_request_expired_in_the_queue_is_not_prefilled(ckpts) -> None:
