@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,15 @@ async def fake_draft(servicer: draft_pb2_grpc.DraftServiceServicer) -> AsyncIter
         yield f"127.0.0.1:{port}"
     finally:
         await server.stop(0)
+
+
+async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Polls `predicate` until it holds; fails the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{predicate} did not hold within {timeout} s")
+        await asyncio.sleep(0.01)
 
 
 def target_config(target: Path, **kwargs: Any) -> TargetConfig:

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +20,7 @@ from controller.server import RunningController, serve, start
 from specpair.config import ControllerConfig, ServerConfig, TLSConfig
 from specpair.proto.v1 import controller_pb2, controller_pb2_grpc, target_pb2, target_pb2_grpc
 from specpair.serving import GrpcServer, auth_metadata
-from tests.service.conftest import self_signed
+from tests.service.conftest import eventually, self_signed
 
 TARGET_SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 # Decide on every batch from the first one on, with an EMA that moves fast.
@@ -109,14 +109,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-async def eventually(predicate: Callable[[], bool], timeout: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 @dataclass

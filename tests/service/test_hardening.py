@@ -7,7 +7,6 @@ import math
 import shutil
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -27,22 +26,13 @@ from specpair.wire import tree_into
 from target_service.scheduler import Scheduler, ServedRequest
 from tests.service.conftest import (
     draft_config,
+    eventually,
     fake_draft,
     reference_greedy,
     target_config,
 )
 
 PROMPT = [10, 11, 12, 13, 14, 15, 16, 17, 18]
-
-
-async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout: float = 5.0) -> None:
-    """Polls `check` until it holds; fails the test after `timeout` seconds."""
-    for _ in range(int(timeout / 0.05)):
-        result = check()
-        if result if isinstance(result, bool) else await result:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{check} did not hold within {timeout} s")
 
 
 def draft_input(rid: str, tokens: list[int], **sampling: Any) -> draft_pb2.DraftInput:
