@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 
+from controller import memory
 from controller.policy import AdaptiveSpeculativeParams, PolicyConfig
 from specpair.config import ControllerConfig
 from specpair.logging import get_logger
@@ -79,9 +80,14 @@ class AdaptiveController:
         metrics: ServiceMetrics | None = None,
     ) -> None:
         self.config = config
-        self.policy = policy
         self.metrics = metrics or ServiceMetrics("controller")
-        self.pinned_steps: int | None = None
+        saved = memory.load(config.state_file) if config.state_file else memory.Memory()
+        # What the operator changed live outlasts the policy file the controller started with.
+        self.policy = PolicyConfig.from_mapping(saved.policy) if saved.policy else policy
+        self.pinned_steps: int | None = saved.pinned_steps
+        self._remembered = saved.targets
+        if config.state_file and (saved.pinned_steps is not None or saved.targets):
+            log.info("state restored", path=str(config.state_file), pinned=saved.pinned_steps)
         self._metadata = auth_metadata(config.server.ops_token)
         self._targets = [_Target(address) for address in config.targets]
         self._tasks: list[asyncio.Task[None]] = []
@@ -98,6 +104,24 @@ class AdaptiveController:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        self._save()
+
+    def _save(self) -> None:
+        if self.config.state_file is None:
+            return
+        targets = dict(self._remembered)
+        for t in self._targets:
+            if t.policy is not None:
+                targets[t.address] = memory.TargetMemory(
+                    t.policy.current_steps, t.policy.ema, t.policy.count
+                )
+        state = memory.Memory(self.pinned_steps, self.policy.to_dict(), targets)
+        try:
+            memory.save(self.config.state_file, state)
+        except OSError as exc:  # a full disk costs the memory, not the serving
+            log.warning(
+                "cannot save controller state", path=str(self.config.state_file), error=str(exc)
+            )
 
     def snapshot(self) -> list[TargetSnapshot]:
         return [
@@ -134,6 +158,7 @@ class AdaptiveController:
                 )
         self.policy = new
         log.info("policy updated", policy=new.to_dict())
+        self._save()
         for t in self._targets:
             async with t.lock:
                 if t.policy is not None and t.policy.reconfigure(new) and self.pinned_steps is None:
@@ -154,6 +179,7 @@ class AdaptiveController:
                 )
         self.pinned_steps = steps
         log.info("tier pinned", steps=steps)
+        self._save()
         for t in self._targets:
             async with t.lock:
                 await self._apply(t, steps, "pin")
@@ -161,6 +187,7 @@ class AdaptiveController:
     async def unpin(self) -> None:
         self.pinned_steps = None
         log.info("tier unpinned")
+        self._save()
         for t in self._targets:
             async with t.lock:
                 if t.policy is not None:
@@ -223,7 +250,11 @@ class AdaptiveController:
                     target_tiers=list(t.target_candidates),
                 )
             if t.policy is None:
-                t.policy = AdaptiveSpeculativeParams(self.policy, info.speculative_num_steps)
+                saved = self._remembered.get(t.address)
+                steps = saved.steps if saved else info.speculative_num_steps
+                t.policy = AdaptiveSpeculativeParams(self.policy, steps)
+                if saved:
+                    t.policy.resume(saved.ema, saved.count)
             desired = t.policy.current_steps if self.pinned_steps is None else self.pinned_steps
             # Applied even when the target already runs `desired`: a restarted target comes back
             # at its configured tier, and the call proves that the target accepts our ops token
@@ -299,6 +330,7 @@ class AdaptiveController:
                 )
             )
             self.metrics.tier_switches.inc()
+            self._save()
             log.info(
                 "tier switched",
                 target=t.address,

@@ -128,6 +128,10 @@ class AdaptiveSpeculativeParams:
         """Non-empty batches fed so far."""
         return self._count
 
+    def resume(self, ema: float, count: int) -> None:
+        """Continues from a saved EMA and batch count (a restarted controller)."""
+        self._ema, self._count = float(ema), max(int(count), 0)
+
     def update(self, accept_lengths: Sequence[int]) -> bool:
         """Feeds one batch (per request, accepted drafts without the bonus); True if the tier
         changed."""

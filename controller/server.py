@@ -15,10 +15,11 @@ from specpair.config import ControllerConfig, split_address
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import controller_pb2, controller_pb2_grpc
-from specpair.serving import GrpcServer
+from specpair.serving import GrpcServer, bounded
 
 log = get_logger("controller")
 
+CONTROLLER_REQUEST_BYTES = 1024 * 1024  # a policy update is a few numbers
 SERVICE_NAME = controller_pb2.DESCRIPTOR.services_by_name["ControllerService"].full_name
 PROTECTED_METHODS = tuple(
     f"/{SERVICE_NAME}/{method}" for method in ("GetState", "UpdatePolicy", "PinTier", "Unpin")
@@ -96,7 +97,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         try:
             policy = await self.controller.update_policy(**policy_changes(request))
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(exc)))
         return controller_pb2.UpdatePolicyResponse(policy=policy_to_pb(policy))
 
     async def PinTier(
@@ -105,7 +106,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         try:
             await self.controller.pin(request.speculative_num_steps)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(exc)))
         return controller_pb2.PinTierResponse(targets=self._targets())
 
     async def Unpin(
@@ -150,13 +151,16 @@ async def start(
     metrics = metrics or ServiceMetrics("controller")
     if config.server.metrics_address:
         metrics.serve(*split_address(config.server.metrics_address))
-    server = GrpcServer(config.server, [SERVICE_NAME], protected_methods=PROTECTED_METHODS)
+    server = GrpcServer(
+        config.server,
+        [SERVICE_NAME],
+        protected_methods=PROTECTED_METHODS,
+        max_request_bytes=CONTROLLER_REQUEST_BYTES,
+    )
     controller = AdaptiveController(config, policy, metrics=metrics)
     controller_pb2_grpc.add_ControllerServiceServicer_to_server(
         ControllerServicer(controller), server.server
     )
-    if server.port == 0:
-        raise RuntimeError(f"cannot bind the controller to {config.server.address}")
     await server.start()
     await controller.start()
     # Serving does not wait for targets: the ops API must answer while they are down.

@@ -15,10 +15,12 @@ from specpair.logging import get_logger
 from specpair.proto.v1 import common_pb2, draft_pb2
 from specpair.runtime.build import build_drafter
 from specpair.runtime.draft import Drafter, DraftInput
+from specpair.runtime.kv_cache import CacheFullError
 from specpair.runtime.state import SpecRuntimeState, build_states, gpu_ms
 from specpair.wire import draft_input_from_proto, tree_into
 
 log = get_logger(__name__)
+MAX_ERROR_CHARS = 500  # an error names the field; it never echoes a whole message back
 
 
 class RoundError(ValueError):
@@ -63,18 +65,24 @@ class DraftRounds:
             return response
         try:
             state = self._state(request.speculative_num_steps)
-            inputs = [self._decode(stream_id, msg) for msg in request.inputs]
-            trees = self.drafter.round(inputs, state)
-        except (RoundError, ValueError) as exc:
-            # The target decodes this round plainly; our state for these requests is unknown
-            # now, so drop it: the target re-sends their full tokens after an error.
+            self._check_ids(request)
+            decoded = [(msg.request_id, self._decode(stream_id, msg)) for msg in request.inputs]
+            drafted = self._with_room(decoded, request.round_id)
+            trees = self.drafter.round([item for _, item in drafted], state) if drafted else []
+        except Exception as exc:
+            # Bad input (RoundError, ValueError), no room (CacheFullError) or a bug: the target
+            # decodes this round plainly and re-sends these requests' full tokens, so their
+            # state here is dropped either way, and the stream and its other requests go on.
             for msg in request.inputs:
                 self.drafter.release(f"{stream_id}/{msg.request_id}")
-            log.warning("round rejected", round_id=request.round_id, error=str(exc))
-            response.error = str(exc)
+            if isinstance(exc, ValueError | CacheFullError):
+                log.warning("round rejected", round_id=request.round_id, error=str(exc))
+            else:
+                log.exception("round failed", round_id=request.round_id)
+            response.error = str(exc)[:MAX_ERROR_CHARS] or type(exc).__name__
             return response
-        for msg, tree in zip(request.inputs, trees, strict=True):
-            tree_into(response.trees.add(), msg.request_id, tree)
+        for (rid, _), tree in zip(drafted, trees, strict=True):
+            tree_into(response.trees.add(), rid, tree)
         total = 1e3 * (time.perf_counter() - t0)
         response.timings.CopyFrom(
             common_pb2.StageTimings(
@@ -103,8 +111,44 @@ class DraftRounds:
             )
         return state
 
+    def _check_ids(self, request: draft_pb2.SpeculateRequest) -> None:
+        ids = [msg.request_id for msg in request.inputs]
+        if len(set(ids)) != len(ids):
+            raise RoundError("inputs: a request_id appears twice in one round")
+
+    def _with_room(
+        self, decoded: list[tuple[str, DraftInput]], round_id: int
+    ) -> list[tuple[str, DraftInput]]:
+        """The requests this cache can hold; the rest get no tree (the target then decodes
+        them plainly and re-sends their tokens later), so one request over the cache's length,
+        or more requests than slots, never costs the others their drafts."""
+        free = self.drafter.cache.free_slots
+        kept = []
+        for rid, item in decoded:
+            entry = self.drafter.requests.get(item.request_id)
+            length = self.drafter.cache.lengths[entry.slot] if entry else 0
+            need = length + len(item.appended) + max(self.states)
+            if need > self.config.max_len:
+                reason = f"{need} positions exceed max_len {self.config.max_len}"
+            elif entry is None and free == 0:
+                reason = "no free draft slot"
+            else:
+                if entry is None:
+                    free -= 1
+                kept.append((rid, item))
+                continue
+            self.drafter.release(item.request_id)
+            log.warning("request not drafted", round_id=round_id, request=rid, reason=reason)
+        return kept
+
     def _decode(self, stream_id: str, msg: draft_pb2.DraftInput) -> DraftInput:
-        item = draft_input_from_proto(msg)
+        try:
+            item = draft_input_from_proto(msg)
+        except ValueError as exc:
+            field = str(exc)
+            if not field.startswith("inputs["):  # sampling_from_proto names only its field
+                field = f"inputs[{msg.request_id}].sampling.{field}"
+            raise RoundError(field) from None
         if not item.appended:
             raise RoundError(f"inputs[{msg.request_id}].appended_token_ids is empty")
         bad = [t for t in item.appended if not 0 <= t < self.vocab_size]
@@ -113,9 +157,4 @@ class DraftRounds:
                 f"inputs[{msg.request_id}].appended_token_ids: {bad[0]} outside the vocabulary"
             )
         key = f"{stream_id}/{msg.request_id}"
-        entry = self.drafter.requests.get(key)
-        length = self.drafter.cache.lengths[entry.slot] if entry else 0
-        need = length + len(item.appended) + max(self.states)
-        if need > self.config.max_len:
-            raise RoundError(f"inputs[{msg.request_id}]: {need} positions exceed max_len")
         return DraftInput(key, item.appended, item.sampling, item.features)

@@ -29,7 +29,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.metrics = metrics
         self.compute = Compute("draft-compute", compute_threads(config.threads), config.device)
         self.busy_poll_s = busy_poll_s(config.busy_poll_ms, config.device)
-        self.streams = 0
+        self.open_streams: set[str] = set()
         self._ids = itertools.count()
 
     async def Speculate(
@@ -42,8 +42,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "draft model is still loading")
         assert rounds is not None
         stream_id = f"s{next(self._ids)}"
-        self.streams += 1
+        self.open_streams.add(stream_id)
         log.info("speculate stream opened", stream=stream_id, peer=context.peer())
+        # However the call ends gRPC runs its done callbacks, also when the peer vanishes while
+        # this generator is suspended at a yield and nothing resumes it.
+        context.add_done_callback(
+            lambda _: asyncio.ensure_future(self._close_stream(rounds, stream_id))
+        )
         requests = aiter(request_iterator)
         try:
             while True:
@@ -61,9 +66,22 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 if rounds.plans_ahead and not response.error:  # while the target verifies
                     await self.compute(rounds.prepare, stream_id, request)
         finally:
-            self.streams -= 1
-            await self.compute(rounds.release_stream, stream_id)
-            log.info("speculate stream closed", stream=stream_id)
+            await self._close_stream(rounds, stream_id)
+
+    async def _close_stream(self, rounds: DraftRounds, stream_id: str) -> None:
+        """Frees everything the stream held, once (its end and its done callback both call)."""
+        if stream_id not in self.open_streams:
+            return
+        self.open_streams.discard(stream_id)
+        log.info("speculate stream closed", stream=stream_id)
+        # Queued behind any round of the stream still computing, so it frees that one's too.
+        # Shielded: gRPC cancels a dead peer's handler again while this waits, and cancelling
+        # an executor job that has not started yet drops it (8 slots per killed target).
+        await asyncio.shield(self.compute(rounds.release_stream, stream_id))
+
+    @property
+    def streams(self) -> int:
+        return len(self.open_streams)
 
     async def GetServerInfo(
         self,
@@ -102,12 +120,13 @@ async def start(config: DraftConfig) -> RunningDraft:
     metrics = ServiceMetrics("draft")
     servicer = DraftServicer(config, metrics)
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server.server)
+    # Both ports are taken before the model loads: a taken one fails in a second, not later.
+    if config.server.metrics_address:
+        metrics.serve(*split_address(config.server.metrics_address))
     await server.start()
     log.info("draft service listening", address=config.server.address, port=server.port)
     rounds = await asyncio.to_thread(DraftRounds, config)
     servicer.rounds = rounds
-    if config.server.metrics_address:
-        metrics.serve(*split_address(config.server.metrics_address))
     await server.ready()
     log.info("draft service ready", tiers=list(rounds.states), kind=config.draft_kind)
     return RunningDraft(server, servicer)

@@ -62,6 +62,19 @@ def _model_opts(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _client_tls_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", type=Path, help="PEM CA that signed the server's certificate")
+    p.add_argument("--tls-cert", type=Path, help="PEM client certificate (servers given a CA)")
+    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+
+
+def _client_tls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> TLSConfig:
+    try:
+        return TLSConfig(args.tls_cert, args.tls_key, args.tls_ca)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specpair", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -98,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="target HOST:PORT (repeatable; default: $SPECPAIR_TARGET_ADDRESS)",
     )
     ctrl.add_argument("--policy", type=Path, help="policy JSON file (omitted keys: defaults)")
+    ctrl.add_argument(
+        "--state-file",
+        type=Path,
+        default=os.environ.get("SPECPAIR_CONTROLLER_STATE") or None,
+        help="JSON file keeping the pin, the live policy and each target's EMA across restarts",
+    )
 
     up = sub.add_parser("up", help="run target, draft and controller locally")
     up.add_argument("--target-model", type=Path, help="default: models/target (or a tiny pair)")
@@ -117,12 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print the GenerateResult as JSON")
-    gen.add_argument("--tls-ca", type=Path)
+    _client_tls_opts(gen)
 
     ctl = sub.add_parser("ctl", help="controller ops: status, pin, unpin, policy")
     ctl.add_argument("--address", default=None, help="controller HOST:PORT")
     ctl.add_argument("--token-env", default=TOKEN_ENV)
-    ctl.add_argument("--tls-ca", type=Path)
+    _client_tls_opts(ctl)
     ops = ctl.add_subparsers(dest="op", required=True)
     ops.add_parser("status", help="state of every target")
     pin = ops.add_parser("pin", help="pin a tier (overrides the policy)")
@@ -183,6 +202,7 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig | DraftConfig | C
         server=server,
         targets=tuple(args.target or [env_address("target")]),
         policy_file=args.policy,
+        state_file=args.state_file,
     )
 
 
@@ -207,6 +227,7 @@ async def _serve(config: Any) -> None:
 
 def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specpair.logging import configure_logging
+    from specpair.serving import BindError
 
     try:
         config = config_from_args(args)
@@ -215,15 +236,19 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if isinstance(config, TargetConfig | DraftConfig) and not config.model_path.is_dir():
         parser.error(f"--model {config.model_path}: no such checkpoint directory")
     configure_logging(args.service, level=args.log_level)
-    with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
-        asyncio.run(_serve(config))
+    try:
+        with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
+            asyncio.run(_serve(config))
+    except BindError as exc:
+        print(f"{parser.prog} serve {args.service}: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specpair.client import SpecpairClient, SpecpairError
 
-    client = SpecpairClient(args.address, tls=args.tls_ca)
+    client = SpecpairClient(args.address, tls=_client_tls(args, parser))
     params = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
@@ -253,10 +278,30 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+def _policy_changes(items: Sequence[str]) -> dict[str, Any]:
+    """`KEY=VALUE` arguments as typed changes; ValueError names the bad one."""
+    from specpair.client import build_policy_update
+
+    changes = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"policy change {item!r} must be KEY=VALUE")
+        changes[key] = _parse_value(value)
+    build_policy_update(**changes)  # unknown keys and mistyped values fail here, offline
+    return changes
+
+
 def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specpair.client import ControllerClient, SpecpairError
 
-    client = ControllerClient(args.address, token=os.environ.get(args.token_env), tls=args.tls_ca)
+    try:
+        changes = _policy_changes(args.changes) if args.op == "policy" else {}
+    except ValueError as exc:
+        print(f"{parser.prog} ctl policy: error: {exc}", file=sys.stderr)
+        return 2  # a usage error, as argparse exits for its own
+    tls = _client_tls(args, parser)
+    client = ControllerClient(args.address, token=os.environ.get(args.token_env), tls=tls)
     try:
         if args.op == "status":
             result = client.state()
@@ -265,12 +310,6 @@ def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         elif args.op == "unpin":
             result = client.unpin()
         else:
-            changes = {}
-            for item in args.changes:
-                key, sep, value = item.partition("=")
-                if not sep:
-                    parser.error(f"policy change {item!r} must be KEY=VALUE")
-                changes[key] = _parse_value(value)
             result = client.update_policy(**changes)
     except SpecpairError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -289,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_up(args)
     if args.command == "generate":
-        return cmd_generate(args)
+        return cmd_generate(args, parser)
     return cmd_ctl(args, parser)
 
 

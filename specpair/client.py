@@ -35,7 +35,7 @@ from specpair.proto.v1 import (
     target_pb2,
     target_pb2_grpc,
 )
-from specpair.serving import CHANNEL_OPTIONS, auth_metadata
+from specpair.serving import CHANNEL_OPTIONS, auth_metadata, channel_credentials
 
 __all__ = [
     "AsyncControllerClient",
@@ -263,8 +263,9 @@ def build_policy_update(**changes: Any) -> controller_pb2.UpdatePolicyRequest:
 
 
 def _coerce(key: str, kind: type, value: Any) -> Any:
-    # bool is an int subclass: `update_interval=True` is a mistake, not 1.
-    if isinstance(value, bool):
+    # bool is an int subclass: `update_interval=True` is a mistake, not 1; and int(2.5) == 2
+    # would apply a value nobody asked for, so an int field takes only integers.
+    if isinstance(value, bool) or (kind is int and isinstance(value, float)):
         raise ValueError(f"{key}: expected {kind.__name__}, got {value!r}")
     try:
         return kind(value)
@@ -276,18 +277,6 @@ def _tls_config(tls: TLSArg) -> TLSConfig | None:
     if tls is None or isinstance(tls, TLSConfig):
         return tls
     return TLSConfig(ca=Path(tls))
-
-
-def _credentials(tls: TLSConfig | None) -> grpc.ChannelCredentials | None:
-    """Channel credentials, or None for plaintext. Presents a client certificate when one is
-    configured (mTLS); without a CA the system roots verify the server."""
-    if tls is None or not tls.enabled:
-        return None
-    return grpc.ssl_channel_credentials(
-        root_certificates=tls.ca.read_bytes() if tls.ca else None,
-        private_key=tls.key.read_bytes() if tls.key else None,
-        certificate_chain=tls.cert.read_bytes() if tls.cert else None,
-    )
 
 
 # ---- sync clients ----------------------------------------------------------------------------
@@ -305,7 +294,7 @@ class _SyncBase:
         self.address = address
         self.timeout = timeout  # seconds per call (a whole stream for Generate); None: no limit
         self._metadata = auth_metadata(token)
-        creds = _credentials(_tls_config(tls))
+        creds = channel_credentials(_tls_config(tls))
         self._channel = (
             grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
             if creds is None
@@ -469,7 +458,7 @@ class _AsyncBase:
         self.address = address
         self.timeout = timeout
         self._metadata = auth_metadata(token)
-        self._creds = _credentials(_tls_config(tls))
+        self._creds = channel_credentials(_tls_config(tls))
         # Opened on first use: a grpc.aio channel belongs to the event loop it was created on.
         self._channel: grpc.aio.Channel | None = None
 

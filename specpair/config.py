@@ -183,6 +183,7 @@ class ControllerConfig:
     targets: tuple[str, ...] = (DEFAULT_TARGET_ADDRESS,)
     policy_file: Path | None = None
     reconnect_s: float = 1.0
+    state_file: Path | None = None  # pin, live policy and EMAs kept across restarts
 
     def __post_init__(self) -> None:
         if not self.targets:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from specpair.client import ControllerClient, SpecpairClient, SpecpairError
 
 # Prompts end mid-line: the shipped models were trained on whole files, and a prompt that ends
@@ -15,11 +17,20 @@ PROMPTS = [
 ]
 
 
-def run_demo(target: str, controller: str | None, *, max_tokens: int = 64) -> None:
+def _draft_state(info: dict[str, Any]) -> str:
+    """The target's link to its draft in words: 'CONNECTED', 'DISCONNECTED', …"""
+    return str(info.get("draft_connection_state", "")).removeprefix("DRAFT_CONNECTION_STATE_")
+
+
+def run_demo(
+    target: str, controller: str | None, *, max_tokens: int = 64, token: str | None = None
+) -> None:
+    """`token`: the ops token, which the controller's state call needs when one is set."""
     client = SpecpairClient(target)
     info = client.server_info()
     print(
         f"demo: target {info.get('target_model_path')} at tier {info.get('speculative_num_steps')}"
+        f", draft {info.get('draft_address') or 'none'} ({_draft_state(info)})"
     )
     for prompt in PROMPTS:
         result = client.generate(prompt, max_tokens=max_tokens)
@@ -31,10 +42,16 @@ def run_demo(target: str, controller: str | None, *, max_tokens: int = 64) -> No
             f"accept lengths {result.accept_lengths} (mean {result.avg_accept_length:.2f}), "
             f"finish: {result.finish_reason}"
         )
+        if result.plain_rounds:
+            link = _draft_state(client.server_info())
+            print(
+                f"warning: {result.plain_rounds} of {result.rounds} rounds without drafts "
+                f"(the draft is {link}): output is the target's alone, only slower"
+            )
     if controller is None:
         return
     try:
-        state = ControllerClient(controller).state()
+        state = ControllerClient(controller, token=token).state()
     except SpecpairError as exc:
         print(f"demo: controller unavailable ({exc})")
         return

@@ -1,6 +1,7 @@
 """Container healthcheck: exit 0 when a server's grpc.health.v1 reports SERVING, else 1.
 
-    python -m specpair.healthcheck 127.0.0.1:50051 [--service NAME] [--timeout S] [--tls-ca PEM]
+    python -m specpair.healthcheck 127.0.0.1:50051 [--service NAME] [--timeout S]
+        [--tls-ca PEM [--tls-cert PEM --tls-key PEM]]
 
 Our servers report NOT_SERVING until the model is loaded and every runtime state is built, so
 this is what docker-compose's `depends_on: service_healthy` waits on. Imports no torch: it runs
@@ -16,14 +17,21 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specpair.config import TLSConfig
+from specpair.serving import channel_credentials
 
-def check(address: str, *, service: str = "", timeout: float = 3.0, ca: Path | None = None) -> bool:
-    """Whether the server at `address` reports `service` ("" = the whole server) SERVING."""
-    if ca is None:
-        channel = grpc.insecure_channel(address)
-    else:
-        creds = grpc.ssl_channel_credentials(root_certificates=ca.read_bytes())
-        channel = grpc.secure_channel(address, creds)
+
+def check(
+    address: str, *, service: str = "", timeout: float = 3.0, tls: TLSConfig | None = None
+) -> bool:
+    """Whether the server at `address` reports `service` ("" = the whole server) SERVING.
+
+    A server given a CA takes only clients with a certificate: pass the service's own in `tls`.
+    """
+    creds = channel_credentials(tls)
+    channel = (
+        grpc.insecure_channel(address) if creds is None else grpc.secure_channel(address, creds)
+    )
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
@@ -42,10 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--service", default="", help="service name; default: the whole server")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds")
     parser.add_argument("--tls-ca", type=Path, default=None, help="CA certificate (PEM) for TLS")
+    parser.add_argument("--tls-cert", type=Path, default=None, help="client certificate (mTLS)")
+    parser.add_argument("--tls-key", type=Path, default=None, help="its private key")
     args = parser.parse_args(argv)
-    return (
-        0 if check(args.address, service=args.service, timeout=args.timeout, ca=args.tls_ca) else 1
-    )
+    try:
+        tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return 0 if check(args.address, service=args.service, timeout=args.timeout, tls=tls) else 1
 
 
 if __name__ == "__main__":

@@ -7,12 +7,13 @@ import contextlib
 import io
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from specpair.config import MODELS_DIR, env_address
+from specpair.config import MODELS_DIR, env_address, split_address
 from specpair.healthcheck import check
 
 
@@ -47,6 +48,23 @@ def default_models(draft_kind: str) -> tuple[Path, Path, str]:
             f"({root}) — output is gibberish, acceptance is not meaningful"
         ),
     )
+
+
+def address_in_use(address: str) -> bool:
+    """Whether something already accepts connections at a gRPC address (HOST:PORT, unix:PATH)."""
+    if address.startswith("unix:"):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        target: str | tuple[str, int] = address.removeprefix("unix:")
+    else:
+        target = split_address(address)
+        probe = socket.socket(socket.AF_INET6 if ":" in target[0] else socket.AF_INET)
+    with probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(target)
+        except OSError:
+            return False
+    return True
 
 
 def wait_healthy(name: str, address: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
@@ -98,6 +116,13 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         for name, address, cmd in plan:
+            # Our service would fail to bind, but the health check could reach the other process
+            # first and report it as ours.
+            if address_in_use(address):
+                raise RuntimeError(
+                    f"{name}: {address} is already in use by another process "
+                    f"(stop it, or set SPECPAIR_{name.upper()}_ADDRESS)"
+                )
             print(f"specpair up: starting {name} on {address} …", flush=True)
             procs[name] = subprocess.Popen(cmd)
             wait_healthy(name, address, procs[name], timeout=300)
@@ -106,7 +131,8 @@ def run_up(args: argparse.Namespace) -> int:
         if args.demo:
             from specpair.demo import run_demo
 
-            run_demo(env_address("target"), env_address("controller"))
+            token = os.environ.get("SPECPAIR_OPS_TOKEN")  # the services read the same one
+            run_demo(env_address("target"), env_address("controller"), token=token)
         while True:
             for name, proc in procs.items():
                 if proc.poll() is not None:

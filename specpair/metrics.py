@@ -2,8 +2,24 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import socket
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+
+from specpair.serving import BindError
+
+# The families each service exports: a draft has no requests, hence no TTFT, and no tier of
+# its own (it drafts at the tier each round names), so neither reads a misleading 0.
+FAMILIES = {
+    "target": None,  # all
+    "draft": {"stage_latency"},
+    "controller": {"accept_length", "active_tier", "tier_switches"},
+}
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -12,7 +28,7 @@ class ServiceMetrics:
 
     def __init__(self, service: str) -> None:
         self.registry = CollectorRegistry()
-        r, p = self.registry, f"specpair_{service}"
+        r, p = None, f"specpair_{service}"  # registered below, those of FAMILIES[service]
         self.accept_length = Histogram(
             f"{p}_accept_length", "Accepted draft tokens per request per round (bonus excluded)",
             buckets=(0, 1, 2, 3, 4, 5, 6, 7, 8), registry=r,
@@ -39,8 +55,42 @@ class ServiceMetrics:
         self.fallback_rounds = Counter(
             f"{p}_plain_rounds", "Rounds decoded without speculation", ["reason"], registry=r
         )
+        exported = FAMILIES.get(service)
+        for name, metric in vars(self).items():
+            if name != "registry" and (exported is None or name in exported):
+                self.registry.register(metric)
 
     def serve(self, host: str, port: int) -> None:
-        """Exposes /metrics over HTTP (port 0: disabled)."""
-        if port:
-            start_http_server(port, addr=host, registry=self.registry)
+        """Exposes /metrics over HTTP on a daemon thread (port 0: disabled)."""
+        if not port:
+            return
+
+        class Server(ThreadingWSGIServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        try:
+            httpd = make_server(
+                host, port, _only_metrics(make_wsgi_app(self.registry)), Server, _QuietHandler
+            )
+        except OSError as exc:
+            raise BindError(
+                f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}"
+            ) from None
+        threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True).start()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # scrapes are not worth a log line
+        pass
+
+
+def _only_metrics(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
+    """The exporter answers every path; a typo'd scrape target should get 404, not metrics."""
+
+    def serve(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") in ("/metrics", "/metrics/"):
+            return app(environ, start_response)
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+        return [b"not found: the metrics are at /metrics\n"]
+
+    return serve

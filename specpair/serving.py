@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,20 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MESSAGE_LIMIT),
     ("grpc.max_receive_message_length", MESSAGE_LIMIT),
 ]
+SERVER_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    # gRPC binds with SO_REUSEPORT by default: a second service on a taken port would start
+    # and split the connections with the first. Ours bind exclusively.
+    ("grpc.so_reuseport", 0),
+    # Ping idle connections, so a peer whose host vanished (no FIN) is noticed and its calls
+    # cancelled, freeing what they hold, within keepalive_time + keepalive_timeout.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+]
+
+
+class BindError(RuntimeError):
+    """An address this service cannot listen on (taken, or not local); the message names it."""
 
 
 def compute_executor(name: str, threads: int) -> ThreadPoolExecutor:
@@ -82,6 +97,94 @@ async def busy_wait(awaitable: Awaitable[T], budget_s: float) -> T:
         task.cancel()  # only matters when we were cancelled while it was pending
 
 
+MAX_DETAILS_CHARS = 512  # an error names the field; echoing a 100k-item list overflows metadata
+
+
+def bounded(details: str) -> str:
+    """An error's details cut to MAX_DETAILS_CHARS, so a huge bad value is never echoed whole."""
+    if len(details) <= MAX_DETAILS_CHARS:
+        return details
+    return details[: MAX_DETAILS_CHARS - 1] + "…"
+
+
+class _Malformed:
+    """What a request deserializer yields for bytes that are not the method's message."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Bytes that do not parse as the method's request message answer INVALID_ARGUMENT.
+
+    Without it gRPC reports a failing deserializer as UNKNOWN, which clients (and retry
+    policies) cannot tell from a server bug.
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        return _checked(handler, details.method)
+
+
+def _checked(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    parse = handler.request_deserializer
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as exc:
+            return _Malformed(exc)
+
+    async def refuse(context: grpc.aio.ServicerContext) -> None:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid {method} request message"
+        )
+
+    async def requests(iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        async for message in iterator:
+            if isinstance(message, _Malformed):
+                await refuse(context)
+            yield message
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            await refuse(context)
+        return await handler.unary_unary(request, context)
+
+    # The wrapped handler is closed with its wrapper, so its `finally` (freeing a request's
+    # slots) runs when the call ends, not whenever the garbage collector gets to it.
+    async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            await refuse(context)
+        async with contextlib.aclosing(handler.unary_stream(request, context)) as responses:
+            async for response in responses:
+                yield response
+
+    async def stream_unary(iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await handler.stream_unary(requests(iterator, context), context)
+
+    async def stream_stream(iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        call = handler.stream_stream(requests(iterator, context), context)
+        async with contextlib.aclosing(call) as responses:
+            async for response in responses:
+                yield response
+
+    ser = handler.response_serializer
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(stream_stream, deserialize, ser)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(stream_unary, deserialize, ser)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(unary_stream, deserialize, ser)
+    return grpc.unary_unary_rpc_method_handler(unary, deserialize, ser)
+
+
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
@@ -126,23 +229,48 @@ def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 
 def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials | None:
+    """TLS with our certificate; with a CA, mutual: a client without a certificate that CA
+    signed is refused in the handshake."""
     if tls.cert is None or tls.key is None:
         return None
     ca = tls.ca.read_bytes() if tls.ca else None
     return grpc.ssl_server_credentials(
         [(tls.key.read_bytes(), tls.cert.read_bytes())],
         root_certificates=ca,
-        require_client_auth=False,
+        require_client_auth=ca is not None,
+    )
+
+
+def channel_credentials(tls: TLSConfig | None) -> grpc.ChannelCredentials | None:
+    """Channel credentials, or None for plaintext. Presents our certificate when one is
+    configured (what a server with a CA requires); without a CA the system roots verify the
+    server."""
+    if tls is None or not tls.enabled:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=tls.ca.read_bytes() if tls.ca else None,
+        private_key=tls.key.read_bytes() if tls.key else None,
+        certificate_chain=tls.cert.read_bytes() if tls.cert else None,
     )
 
 
 def open_channel(address: str, tls: TLSConfig | None = None) -> grpc.aio.Channel:
-    if tls is not None and tls.enabled:
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=tls.ca.read_bytes() if tls.ca else None
-        )
+    """A channel from one service to another: it presents the service's own certificate."""
+    creds = channel_credentials(tls)
+    if creds is not None:
         return grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def _unix_socket_live(path: str) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
 
 
 class GrpcServer:
@@ -154,11 +282,18 @@ class GrpcServer:
         service_names: Iterable[str],
         *,
         protected_methods: Iterable[str] = (),
+        max_request_bytes: int = MESSAGE_LIMIT,
     ) -> None:
-        interceptors = []
-        if config.ops_token:
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if config.ops_token:  # first: a caller without the token is refused before parsing
             interceptors.append(OpsTokenInterceptor(config.ops_token, protected_methods))
-        self.server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS)
+        interceptors.append(MalformedRequestInterceptor())
+        # Larger requests are refused (RESOURCE_EXHAUSTED) before a byte of them is parsed.
+        options = [
+            *(o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"),
+            ("grpc.max_receive_message_length", max_request_bytes),
+        ]
+        self.server = grpc.aio.server(interceptors=interceptors, options=options)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
@@ -166,10 +301,18 @@ class GrpcServer:
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
         )
         creds = server_credentials(config.tls)
-        if creds is None:
-            self.port = self.server.add_insecure_port(config.address)
-        else:
-            self.port = self.server.add_secure_port(config.address, creds)
+        if config.address.startswith("unix:") and _unix_socket_live(config.address[5:]):
+            # gRPC unlinks an existing socket file and binds anew: it would steal the path.
+            raise BindError(f"cannot listen on {config.address}: a server is listening there")
+        try:
+            if creds is None:
+                self.port = self.server.add_insecure_port(config.address)
+            else:
+                self.port = self.server.add_secure_port(config.address, creds)
+        except RuntimeError:
+            self.port = 0
+        if self.port == 0:
+            raise BindError(f"cannot listen on {config.address}: address in use or unavailable")
 
     async def start(self) -> None:
         await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)

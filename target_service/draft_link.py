@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specpair.config import TLSConfig
 from specpair.logging import get_logger
@@ -20,6 +21,7 @@ from specpair.serving import busy_wait, open_channel
 
 log = get_logger(__name__)
 State = target_pb2.DraftConnectionState
+DRAFT_SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 CLOSE_TIMEOUT_S = 2.0  # shutting down never waits on a peer longer than this
 
 
@@ -85,6 +87,13 @@ class DraftLink:
     async def _connect(self) -> None:
         self._channel = open_channel(self.address, self.tls)
         await asyncio.wait_for(self._channel.channel_ready(), timeout=self.timeout_s)
+        # A draft still loading its model answers GetServerInfo but aborts Speculate: wait for
+        # its health to say SERVING, or the first round fails on a stream already closed.
+        health = await health_pb2_grpc.HealthStub(self._channel).Check(
+            health_pb2.HealthCheckRequest(service=DRAFT_SERVICE), timeout=self.timeout_s
+        )
+        if health.status != health_pb2.HealthCheckResponse.SERVING:
+            raise ConnectionError("draft is not serving yet (loading its model)")
         stub = draft_pb2_grpc.DraftServiceStub(self._channel)
         info = await stub.GetServerInfo(
             draft_pb2.DraftServiceGetServerInfoRequest(), timeout=self.timeout_s

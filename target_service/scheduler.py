@@ -86,6 +86,11 @@ class ServedRequest:
     features: FeatureLog = field(default_factory=FeatureLog)
     accept_lengths: list[int] = field(default_factory=list)
     plain_rounds: int = 0
+    deadline: float | None = None  # time.monotonic() past which the client no longer waits
+
+    @property
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
     @property
     def tokens(self) -> list[int]:
@@ -195,6 +200,8 @@ class Scheduler:
                     t0 = time.perf_counter()
                     await self._admit()
                     if not self.running:
+                        if self.queue and self.worker.cache.free_slots == 0:
+                            await self._no_room()
                         continue
                     flight = await self._start(list(self.running), time.perf_counter() - t0)
                 flight = await self._round(flight)
@@ -208,6 +215,14 @@ class Scheduler:
                 for req in list(self.running):
                     req.events.put_nowait(RoundEvent([], -1, self.tier, "error"))
                     self._finish(req, "error")
+
+    async def _no_room(self) -> None:
+        """Requests wait, none runs, and no KV slot is free: slots leaked. Waiting for the next
+        submit or cancel keeps health and GetServerInfo answering; looping would starve the
+        event loop (it spun at 100 % CPU and ignored SIGTERM)."""
+        log.error("no free KV slot with an empty batch", queued=len(self.queue))
+        self._wakeup.clear()
+        await self._wakeup.wait()
 
     def _switch_tier(self) -> None:
         if self._pending_tier is None:
@@ -240,12 +255,27 @@ class Scheduler:
         new: list[ServedRequest] = []
         room = min(self.max_batch - len(self.running), self.worker.cache.free_slots)
         while self.queue and len(new) < room:
-            new.append(self.queue.popleft())
+            req = self.queue.popleft()
+            if req.expired:  # its client gave up while it queued: not worth a prefill
+                req.events.put_nowait(RoundEvent([], -1, self.tier, "expired"))
+                self.metrics.requests.labels("expired").inc()
+                continue
+            new.append(req)
         self.metrics.queued.set(len(self.queue))
         if not new:
             return
         seqs = [r.seq for r in new]
-        feats = await self.compute(self.worker.prefill, seqs)
+        try:
+            feats = await self.compute(self.worker.prefill, seqs)
+        except Exception:
+            # These requests are in neither the queue nor the batch: answer and free them
+            # here, or their clients wait forever and their KV slots are lost.
+            log.exception("prefill failed", requests=[s.request_id for s in seqs])
+            for req in new:
+                self.worker.release(req.seq)
+                req.events.put_nowait(RoundEvent([], -1, self.tier, "error"))
+                self.metrics.requests.labels("error").inc()
+            return
         for req, f in zip(new, feats, strict=True):
             if f is not None:
                 req.features.append(f)
@@ -392,8 +422,10 @@ class Scheduler:
         by_id = {t.request_id: t for t in response.trees}
         trees = []
         for req, n_sent in zip(batch, flight.sent, strict=True):
-            req.draft_seen = n_sent
-            trees.append(self._checked_tree(req, by_id.get(req.seq.request_id), state))
+            msg = by_id.get(req.seq.request_id)
+            # No tree: the draft could not hold this request and kept nothing of it.
+            req.draft_seen = n_sent if msg is not None else 0
+            trees.append(self._checked_tree(req, msg, state))
         return trees, response.timings, True
 
     def _checked_tree(

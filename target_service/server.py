@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -22,10 +23,15 @@ from specpair.runtime import state as runtime_state
 from specpair.runtime.build import build_target
 from specpair.runtime.state import build_states
 from specpair.runtime.target import TargetSequence
+from specpair.serving import bounded
 from target_service.detokenize import TextStream
 from target_service.draft_link import DraftLink
 from target_service.scheduler import MAX_TREE_NODES, QueueFullError, Scheduler, ServedRequest
-from target_service.validation import InvalidRequestError, validate_generate
+from target_service.validation import (
+    InvalidRequestError,
+    request_bytes_limit,
+    validate_generate,
+)
 
 log = get_logger(__name__)
 SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"]
@@ -66,26 +72,37 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     ) -> AsyncIterator[target_pb2.GenerateResponse]:
         scheduler = await self._ready(context)
         args = scheduler.worker.model.args
+        check = functools.partial(
+            validate_generate,
+            request,
+            tokenizer=self.tokenizer,
+            vocab_size=args.vocab_size,
+            max_len=self.config.max_len,
+        )
         try:
-            valid = validate_generate(
-                request,
-                tokenizer=self.tokenizer,
-                vocab_size=args.vocab_size,
-                max_len=self.config.max_len,
-            )
+            # Tokenizing takes milliseconds per 10 KB of text: on the loop it would stall every
+            # stream, so text goes to a worker thread.
+            valid = await asyncio.to_thread(check) if request.prompt else check()
         except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(exc)))
             return
         request_id = request.request_id or f"req-{next(self._ids)}"
         structlog.contextvars.bind_contextvars(request_id=request_id)
+        # Keyed by our own id on the draft link: clients may reuse a request_id (two at once
+        # would share draft state), and theirs may be long, ours rides in every round.
         seq = TargetSequence(
-            request_id,
+            f"r{next(self._ids)}",
             valid.prompt_ids,
             valid.sampling,
             valid.max_tokens,
             valid.stop_token_ids | self.eos,
         )
-        served = ServedRequest(seq)
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed on arrival")
+        served = ServedRequest(
+            seq, deadline=None if remaining is None else time.monotonic() + remaining
+        )
         try:
             scheduler.submit(served)
         except QueueFullError as exc:
@@ -104,11 +121,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 if event.finish_reason == "error":
                     finished = True
                     await context.abort(grpc.StatusCode.INTERNAL, "the round failed; see logs")
-                now = time.perf_counter()
-                hist = self.metrics.itl if completion else self.metrics.ttft
-                hist.observe(now - last if completion else now - start)
-                last = now
+                if event.finish_reason == "expired":
+                    finished = True
+                    await context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before admission"
+                    )
                 tokens, delta, stop_hit = text.push(event.token_ids)
+                if tokens:
+                    last = self._observe_latency(len(tokens), completion, start, last)
                 completion += len(tokens)
                 reason = "stop" if stop_hit else event.finish_reason
                 finished = reason is not None
@@ -129,6 +149,19 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 scheduler.cancel(served)
                 log.info("request cancelled")
             structlog.contextvars.unbind_contextvars("request_id")
+
+    def _observe_latency(self, n: int, streamed: int, start: float, last: float) -> float:
+        """TTFT for the first token; per later token its share of the wait for its message
+        (4 tokens 20 ms after the previous message: four 5 ms observations). Returns now."""
+        now = time.perf_counter()
+        if streamed == 0:
+            self.metrics.ttft.observe(now - start)
+            n, wait = n - 1, 0.0  # the first message's other tokens came with the first
+        else:
+            wait = now - last
+        for _ in range(n):
+            self.metrics.itl.observe(wait / n)
+        return now
 
     def _finalize(
         self, response: target_pb2.GenerateResponse, served: ServedRequest, reason: str, n: int
@@ -180,7 +213,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         try:
             previous = scheduler.apply_tier(request.speculative_num_steps, request.reason or "ops")
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(exc)))
         return target_pb2.ApplyTierResponse(
             previous_steps=previous,
             speculative_num_steps=request.speculative_num_steps,
@@ -249,10 +282,18 @@ async def start(config: TargetConfig) -> RunningTarget:
     """Binds the port (health NOT_SERVING), loads the model and states, then SERVING."""
     from specpair.serving import GrpcServer
 
-    server = GrpcServer(config.server, [SERVICE.full_name], protected_methods=OPS_METHODS)
+    server = GrpcServer(
+        config.server,
+        [SERVICE.full_name],
+        protected_methods=OPS_METHODS,
+        max_request_bytes=request_bytes_limit(config.max_len),
+    )
     metrics = ServiceMetrics("target")
     servicer = TargetServicer(config, metrics)
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server.server)
+    # Both ports are taken before the model loads: a taken one fails in a second, not later.
+    if config.server.metrics_address:
+        metrics.serve(*split_address(config.server.metrics_address))
     await server.start()
     log.info("target service listening", address=config.server.address, port=server.port)
     scheduler = await asyncio.to_thread(_build_scheduler, config, metrics)
@@ -272,8 +313,6 @@ async def start(config: TargetConfig) -> RunningTarget:
         scheduler.draft.start()
     servicer.scheduler = scheduler
     task = asyncio.create_task(scheduler.run(), name="scheduler")
-    if config.server.metrics_address:
-        metrics.serve(*split_address(config.server.metrics_address))
     await server.ready()
     log.info("target service ready", tiers=list(scheduler.states), draft=config.draft_address)
     return RunningTarget(server, servicer, task)

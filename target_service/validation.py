@@ -9,6 +9,17 @@ from specpair.proto.v1 import target_pb2
 from specpair.runtime.sampling import SamplingParams
 from specpair.wire import sampling_from_proto
 
+# A served context of max_len tokens holds at most this many bytes of prompt text; real
+# tokenizers average ~4 bytes a token, and a whitespace run is one token of up to ~32.
+MAX_BYTES_PER_TOKEN = 32
+
+
+def request_bytes_limit(max_len: int) -> int:
+    """The largest GenerateRequest worth reading: a prompt that fills the context, plus 64 KiB
+    for stop strings and the rest. A 64 MB prompt is refused before it is parsed, let alone
+    tokenized."""
+    return 64 * 1024 + MAX_BYTES_PER_TOKEN * max_len
+
 
 class InvalidRequestError(ValueError):
     """Bad client input; the message starts with the offending field."""
@@ -38,6 +49,11 @@ def validate_generate(
     elif request.prompt:
         if tokenizer is None:
             raise InvalidRequestError("prompt: this model has no tokenizer; send prompt_token_ids")
+        if len(request.prompt) > MAX_BYTES_PER_TOKEN * max_len:
+            raise InvalidRequestError(
+                f"prompt: {len(request.prompt)} characters cannot fit the context of "
+                f"{max_len} tokens"
+            )
         ids = list(tokenizer.encode(request.prompt, add_special_tokens=False))
     else:
         raise InvalidRequestError("prompt: empty (give prompt text or prompt_token_ids)")

@@ -22,7 +22,7 @@ from torch import Tensor
 from specpair.models.eagle import EagleHead
 from specpair.models.llama import AttendFn, LlamaModel, ModelArgs
 from specpair.runtime.kv_cache import BatchLayout, KVCache
-from specpair.runtime.sampling import SamplingParams, make_generator, warp
+from specpair.runtime.sampling import SamplingParams, derived_seed, make_generator, warp
 from specpair.runtime.state import SpecRuntimeState, TierCapture
 from specpair.runtime.tree import CandidateTree, chain
 
@@ -69,8 +69,9 @@ class Drafter(ABC):
         entry = self.requests.get(item.request_id)
         if entry is None:
             # Seeded apart from the target's generator: q need only be *some* distribution.
-            seed = None if item.sampling.seed is None else item.sampling.seed + 0x5EED
-            entry = DraftSlot(self.cache.alloc(), make_generator(seed))
+            generator = make_generator(derived_seed(item.sampling.seed, 0x5EED))
+            # Allocate last and record at once: nothing between can raise and strand the slot.
+            entry = DraftSlot(self.cache.alloc(), generator)
             self.requests[item.request_id] = entry
         return entry
 
@@ -143,6 +144,38 @@ class Drafter(ABC):
         return tokens, features, positions, layout, lengths
 
     def _extend(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor:
+        groups = self._extend_groups(inputs, slots)
+        if len(groups) == 1:
+            return self._extend_group(inputs, slots)
+        out: list[Tensor] = [torch.empty(0)] * len(inputs)
+        for group in groups:
+            hidden = self._extend_group([inputs[i] for i in group], [slots[i] for i in group])
+            for row, i in enumerate(group):
+                out[i] = hidden[row]
+        return torch.stack(out)
+
+    def _extend_groups(self, inputs: Sequence[DraftInput], slots: list[int]) -> list[list[int]]:
+        """Requests whose extend can share one padded forward, longest first.
+
+        Every row of a forward is padded to its longest: a 150-token prompt joining a request
+        at position 1000 would write that request's slot up to 1150, past a 1031-position
+        cache, though each alone fits. Usually one group holds the whole batch.
+        """
+        starts = [self.cache.lengths[s] for s in slots]
+        lengths = [len(item.appended) for item in inputs]  # EAGLE runs as many rows or one less
+        groups: list[list[int]] = []
+        for i in sorted(range(len(inputs)), key=lambda i: -lengths[i]):
+            for group in groups:  # its first member is its longest
+                if max(starts[i], *(starts[j] for j in group)) + lengths[group[0]] <= (
+                    self.cache.max_len
+                ):
+                    group.append(i)
+                    break
+            else:
+                groups.append([i])
+        return groups
+
+    def _extend_group(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor:
         tokens, features, positions, layout, lengths = self.extend_inputs(inputs, slots)
         hidden = self.forward(
             tokens.to(self.device),

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+# A temperature divides the logits: below ~1e-3 float32 logits overflow to inf (1e-45 makes
+# every row NaN after softmax), and past 100 the distribution is uniform to within 1e-2 for
+# logits spanning a few units, so neither end buys the client anything.
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 100.0
+SEED_LIMIT = 2**64  # seeds are uint64 on the wire and in torch.Generator.manual_seed
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,12 +24,19 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        t = self.temperature
+        if not (t == 0.0 or (math.isfinite(t) and MIN_TEMPERATURE <= t <= MAX_TEMPERATURE)):
+            raise ValueError(
+                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                f"got {t}"
+            )
+        # NaN fails every comparison, so the range check below refuses it too.
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -51,6 +66,11 @@ def warp(logits: Tensor, params: SamplingParams) -> Tensor:
 
 def sample(probs: Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def derived_seed(seed: int | None, salt: int) -> int | None:
+    """A second seed from `seed`, still a valid uint64: 2**64 - 1 with salt 1 wraps to 0."""
+    return None if seed is None else (seed + salt) % SEED_LIMIT
 
 
 def make_generator(seed: int | None) -> torch.Generator:

@@ -67,11 +67,37 @@ def validate_tree(
         if depth > max_depth:
             raise MalformedTreeError(f"node {i}: depth {depth} exceeds the limit {max_depth}")
         depths.append(depth)
-    if tree.draft_probs is not None and tuple(tree.draft_probs.shape) != (n, vocab_size):
-        raise MalformedTreeError(
-            f"draft_probs shape {tuple(tree.draft_probs.shape)} != ({n}, {vocab_size})"
-        )
+    if tree.draft_probs is not None:
+        if tuple(tree.draft_probs.shape) != (n, vocab_size):
+            raise MalformedTreeError(
+                f"draft_probs shape {tuple(tree.draft_probs.shape)} != ({n}, {vocab_size})"
+            )
+        check_draft_probs(tree.draft_probs, tree.tokens)
     return depths
+
+
+PROBS_TOLERANCE = 1e-3  # |row sum - 1|: float32 rows of a 1e5 vocabulary sum within ~1e-5
+
+
+def check_draft_probs(probs: Tensor, tokens: Sequence[int]) -> None:
+    """What rejection sampling assumes of q [n, V]: each row a distribution, q(token) > 0.
+
+    Acceptance is min(1, p(x) / q(x)): an all-zero, negative or NaN row, or a q that gives
+    its own drafted token no mass, would accept tokens the target would rarely sample.
+    """
+    if not torch.isfinite(probs).all():
+        raise MalformedTreeError("draft_probs: a value is NaN or infinite")
+    if (probs < 0).any():
+        raise MalformedTreeError("draft_probs: a probability is negative")
+    sums = probs.sum(-1)
+    bad = (sums - 1).abs() > PROBS_TOLERANCE
+    if bad.any():
+        row = int(bad.nonzero()[0])
+        raise MalformedTreeError(f"draft_probs[{row}]: sums to {float(sums[row]):.6g}, not 1")
+    drafted = probs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)]
+    if (drafted <= 0).any():
+        node = int((drafted <= 0).nonzero()[0])
+        raise MalformedTreeError(f"draft_probs[{node}]: its drafted token has probability 0")
 
 
 def full_parents(tree: CandidateTree) -> list[int]:

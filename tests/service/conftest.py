@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import draft_service.server as draft_server
 import target_service.server as target_server
@@ -18,6 +20,7 @@ from specpair.config import DraftConfig, ServerConfig, TargetConfig
 from specpair.proto.v1 import draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specpair.runtime.build import build_target
 from specpair.runtime.engine import SpeculativeEngine
+from target_service.draft_link import DRAFT_SERVICE
 
 
 class Stack:
@@ -79,12 +82,24 @@ async def fake_draft(servicer: draft_pb2_grpc.DraftServiceServicer) -> AsyncIter
     """A DraftService `servicer` (a test double) on an ephemeral port; yields its address."""
     server = grpc.aio.server()
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()  # the target waits for SERVING
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    await health_servicer.set(DRAFT_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     try:
         yield f"127.0.0.1:{port}"
     finally:
         await server.stop(0)
+
+
+async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Polls `predicate` until it holds; fails the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{predicate} did not hold within {timeout} s")
+        await asyncio.sleep(0.01)
 
 
 def target_config(target: Path, **kwargs: Any) -> TargetConfig:
@@ -119,3 +134,20 @@ def reference_greedy(target: Path, prompts: list[list[int]], max_tokens: int) ->
         prompts, max_new_tokens=max_tokens, state=None, stop_token_ids=frozenset({0})
     )
     return [r.token_ids for r in results]
+
+
+def self_signed(directory: Path, name: str = "specpair") -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1/localhost that is its own CA, and its key (needs openssl)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = directory / f"{name}-cert.pem", directory / f"{name}-key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", f"/CN={name}",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key

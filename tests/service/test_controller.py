@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import socket
-import subprocess
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from controller.server import RunningController, serve, start
 from specpair.config import ControllerConfig, ServerConfig, TLSConfig
 from specpair.proto.v1 import controller_pb2, controller_pb2_grpc, target_pb2, target_pb2_grpc
 from specpair.serving import GrpcServer, auth_metadata
+from tests.service.conftest import eventually, self_signed
 
 TARGET_SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 # Decide on every batch from the first one on, with an EMA that moves fast.
@@ -110,14 +109,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-async def eventually(predicate: Callable[[], bool], timeout: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 @dataclass
@@ -385,15 +376,7 @@ async def test_serve_runs_until_cancelled_then_stops() -> None:
 
 
 async def test_tls_on_the_ops_api_and_to_the_target(tmp_path: Path) -> None:
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command to make a certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    cert, key = self_signed(tmp_path)
     tls = TLSConfig(cert=cert, key=key, ca=cert)  # self-signed: its own CA
     fake = FakeTarget()
     target = await serve_target(fake, "127.0.0.1:0", tls=tls)
@@ -401,7 +384,13 @@ async def test_tls_on_the_ops_api_and_to_the_target(tmp_path: Path) -> None:
         ServerConfig("127.0.0.1:0", tls=tls), targets=(f"127.0.0.1:{target.port}",)
     )
     running = await start(config, policy=FAST)
-    creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+    # Given a CA, the controller takes only clients with a certificate it signed (mTLS).
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=cert.read_bytes(),
+        private_key=key.read_bytes(),
+        certificate_chain=cert.read_bytes(),
+    )
+    ca_only = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
     try:
         await eventually(lambda: running.controller.snapshot()[0].connected)
         async with grpc.aio.secure_channel(f"127.0.0.1:{running.port}", creds) as channel:
@@ -412,6 +401,46 @@ async def test_tls_on_the_ops_api_and_to_the_target(tmp_path: Path) -> None:
             stub = controller_pb2_grpc.ControllerServiceStub(channel)
             with pytest.raises(grpc.aio.AioRpcError):
                 await stub.GetState(controller_pb2.GetStateRequest(), timeout=1)
+        async with grpc.aio.secure_channel(f"127.0.0.1:{running.port}", ca_only) as channel:
+            stub = controller_pb2_grpc.ControllerServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # no client certificate
+                await stub.GetState(controller_pb2.GetStateRequest(), timeout=1)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         await running.stop(grace=0.1)
+        await target.stop(grace=0.1)
+
+
+async def test_pin_policy_and_ema_survive_a_controller_restart(tmp_path: Path) -> None:
+    fake = FakeTarget(steps=3)
+    target = await serve_target(fake, "127.0.0.1:0")
+    config = ControllerConfig(
+        ServerConfig("127.0.0.1:0"),
+        targets=(f"127.0.0.1:{target.port}",),
+        reconnect_s=0.1,
+        state_file=tmp_path / "controller-state.json",
+    )
+    try:
+        first = await start(config, policy=FAST)
+        await eventually(lambda: first.controller.snapshot()[0].connected)
+        await first.controller.update_policy(update_interval=2)
+        await first.controller.pin(7)
+        for _ in range(4):  # the EMA learns while pinned
+            fake.push(1, 1)
+        await eventually(lambda: first.controller.snapshot()[0].batches_counted == 4)
+        before = first.controller.snapshot()[0]
+        await first.stop(grace=0.1)
+        fake.applied.clear()
+
+        second = await start(config, policy=FAST)  # as `serve` would: the file's policy
+        try:
+            await eventually(lambda: second.controller.snapshot()[0].connected)
+            after = second.controller.snapshot()[0]
+            assert after.pinned_steps == 7 and after.active_steps == 7
+            assert (after.ema, after.batches_counted) == (before.ema, before.batches_counted)
+            assert second.controller.policy.update_interval == 2
+            assert fake.applied == [(7, "pin")] and fake.steps == 7  # the pin holds
+        finally:
+            await second.stop(grace=0.1)
+    finally:
         await target.stop(grace=0.1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -62,3 +64,35 @@ def test_malformed_trees_are_rejected(tree: CandidateTree, message: str) -> None
 def test_valid_tree_depths() -> None:
     tree = CandidateTree((1, 2, 3, 4), (-1, 0, 0, 1))
     assert validate_tree(tree, max_nodes=8, max_depth=4, vocab_size=10) == [1, 2, 2, 3]
+
+
+def _probs(rows: list[list[float]]) -> torch.Tensor:
+    """[n, 10] rows: each given prefix, zeros after."""
+    out = torch.zeros(len(rows), 10)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("probs", "message"),
+    [
+        (torch.zeros(2, 10), r"draft_probs\[0\]: sums to 0"),
+        (_probs([[0, 0.5, 0.5], [0, 0, 1.5, -0.5]]), "negative"),
+        (_probs([[0, 1], [math.nan, 0, 1]]), "NaN or infinite"),
+        (_probs([[0, 1], [0, 0, math.inf]]), "NaN or infinite"),
+        (_probs([[0, 1], [0, 0, 0.9]]), r"draft_probs\[1\]: sums to 0.9"),
+        (_probs([[0, 1], [0, 0, 0, 1]]), r"draft_probs\[1\]: its drafted token has probability 0"),
+    ],
+)
+def test_draft_probs_that_rejection_sampling_cannot_trust_are_refused(
+    probs: torch.Tensor, message: str
+) -> None:
+    tree = chain([1, 2], probs)  # node 0 drafted token 1, node 1 token 2
+    with pytest.raises(MalformedTreeError, match=message):
+        validate_tree(tree, max_nodes=8, max_depth=4, vocab_size=10)
+
+
+def test_honest_draft_probs_pass() -> None:
+    probs = torch.softmax(torch.randn(2, 10, generator=torch.Generator().manual_seed(0)), -1)
+    assert validate_tree(chain([1, 2], probs), max_nodes=8, max_depth=4, vocab_size=10) == [1, 2]

@@ -1,0 +1,81 @@
+"""`specpair ctl policy`: a bad KEY=VALUE is a one-line error and exit status 2, offline."""
+
+from __future__ import annotations
+
+import pytest
+
+from specpair.cli import main
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("bogus=1", "unknown policy key 'bogus'"),
+        ("update_interval=abc", "update_interval: expected int, got 'abc'"),
+        ("update_interval=2.5", "update_interval: expected int, got 2.5"),
+        ("warmup_batches=[1]", "warmup_batches: expected int"),
+        ("candidate_steps=1,x", "candidate_steps: expected int, got 'x'"),
+        ("ema_alpha", "must be KEY=VALUE"),
+        ("=3", "must be KEY=VALUE"),
+    ],
+)
+def test_bad_policy_change_is_one_line_and_exit_2(
+    change: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An address nothing listens on: the change must be refused before any connection.
+    argv = ["ctl", "--address", "unix:/nonexistent/specpair-ctl.sock", "policy", change]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("specpair ctl policy: error: ") and message in err, err
+
+
+def test_serve_on_a_taken_port_is_one_line_naming_it(
+    tmp_path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    import specpair.logging
+
+    monkeypatch.setattr(specpair.logging, "configure_logging", lambda *a, **k: None)
+    (tmp_path / "config.json").write_text("{}")  # a checkpoint directory that never loads
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        address = f"127.0.0.1:{holder.getsockname()[1]}"
+        argv = ["serve", "draft", "--model", str(tmp_path), "--address", address,
+                "--metrics-address", ""]  # fmt: skip
+        assert main(argv) == 1
+    err = capsys.readouterr().err
+    expected = f"cannot listen on {address}: address in use or unavailable"
+    assert err == f"specpair serve draft: error: {expected}\n"
+
+
+def test_up_refuses_an_address_another_process_serves(
+    tmp_path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import signal
+    import socket
+    import subprocess
+
+    from specpair.cli import build_parser
+    from specpair.launcher import run_up
+
+    handler = signal.getsignal(signal.SIGTERM)  # run_up takes SIGTERM over; pytest's returns
+
+    def no_start(*args: object, **kwargs: object) -> None:
+        raise AssertionError("started a service on a taken address")
+
+    monkeypatch.setattr(subprocess, "Popen", no_start)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # where a tiny pair may be generated
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        address = f"127.0.0.1:{other.getsockname()[1]}"
+        monkeypatch.setenv("SPECPAIR_DRAFT_ADDRESS", address)
+        try:
+            assert run_up(build_parser().parse_args(["up"])) == 1
+        finally:
+            signal.signal(signal.SIGTERM, handler)
+    err = capsys.readouterr().err
+    assert f"draft: {address} is already in use by another process" in err
