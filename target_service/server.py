@@ -20,6 +20,7 @@ from specpair.runtime.build import build_target
 from specpair.runtime.state import build_states
 from target_service.draft_link import DraftLink
 from target_service.frontend import Frontend, NotReadyError, RoundFailedError
+from target_service.http_api import HttpServer, OpenAIApp
 from target_service.scheduler import MAX_TREE_NODES, QueueFullError, Scheduler
 from target_service.validation import InvalidRequestError
 
@@ -128,12 +129,20 @@ class RunningTarget:
     server: Any  # GrpcServer
     servicer: TargetServicer
     task: asyncio.Task[None]
+    http: HttpServer | None = None
 
     @property
     def port(self) -> int:
         return int(self.server.port)
 
+    @property
+    def http_port(self) -> int:
+        assert self.http is not None, "the HTTP API is disabled (http_address '')"
+        return self.http.port
+
     async def stop(self, grace: float = 1.0) -> None:
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(grace)
         self.task.cancel()
         with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
@@ -180,6 +189,13 @@ async def start(config: TargetConfig) -> RunningTarget:
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server.server)
     await server.start()
     log.info("target service listening", address=config.server.address, port=server.port)
+    http = None
+    if config.http_address:  # answers 503 until the model is loaded, as health does
+        http = HttpServer(OpenAIApp(frontend, config.model_path.name), config.http_address)
+        await http.start()
+        log.info(
+            "OpenAI-compatible HTTP API listening", address=config.http_address, port=http.port
+        )
     scheduler = await asyncio.to_thread(_build_scheduler, config, metrics)
     frontend.tokenizer = await asyncio.to_thread(load_tokenizer, config.model_path)
     if config.eos_stop and frontend.tokenizer is not None:
@@ -201,7 +217,7 @@ async def start(config: TargetConfig) -> RunningTarget:
         metrics.serve(*split_address(config.server.metrics_address))
     await server.ready()
     log.info("target service ready", tiers=list(scheduler.states), draft=config.draft_address)
-    return RunningTarget(server, servicer, task)
+    return RunningTarget(server, servicer, task, http)
 
 
 async def serve(config: TargetConfig) -> None:
