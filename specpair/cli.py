@@ -22,6 +22,7 @@ from specpair.config import (
     TargetConfig,
     TLSConfig,
     env_address,
+    env_http_address,
 )
 
 TOKEN_ENV = "SPECPAIR_OPS_TOKEN"
@@ -93,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--max-batch", type=int, default=16)
     target.add_argument("--max-queue", type=int, default=256)
     target.add_argument("--draft-timeout", type=float, default=5.0, help="seconds per round")
+    target.add_argument(
+        "--http-address",
+        default=env_http_address(),
+        help="HOST:PORT of the OpenAI-compatible HTTP API ('' disables)",
+    )
 
     draft = serve.add_parser("draft", help="the draft service")
     _common(draft, "draft")
@@ -175,6 +181,7 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig | DraftConfig | C
             dtype=_dtype(args),
             threads=args.threads,
             busy_poll_ms=args.busy_poll_ms,
+            http_address=args.http_address,
         )
     if args.service == "draft":
         return DraftConfig(

@@ -31,6 +31,11 @@ def env_address(service: str) -> str:
     return os.environ.get(f"SPECPAIR_{service.upper()}_ADDRESS", defaults[service])
 
 
+def env_http_address() -> str:
+    """SPECPAIR_HTTP_ADDRESS or the default address of the target's HTTP API."""
+    return os.environ.get("SPECPAIR_HTTP_ADDRESS", DEFAULT_HTTP_ADDRESS)
+
+
 def compute_threads(requested: int) -> int:
     """Intra-op threads for a service's compute thread.
 

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from specpair.config import MODELS_DIR, env_address
+from specpair.config import MODELS_DIR, env_address, env_http_address
 from specpair.healthcheck import check
 
 
@@ -102,11 +102,15 @@ def run_up(args: argparse.Namespace) -> int:
             procs[name] = subprocess.Popen(cmd)
             wait_healthy(name, address, procs[name], timeout=300)
             print(f"specpair up: {name} is serving", flush=True)
-        print("specpair up: all services up (Ctrl-C stops them)", flush=True)
+        print(
+            f"specpair up: all services up, the OpenAI-compatible API at "
+            f"http://{env_http_address()}/v1 (Ctrl-C stops them)",
+            flush=True,
+        )
         if args.demo:
             from specpair.demo import run_demo
 
-            run_demo(env_address("target"), env_address("controller"))
+            run_demo(env_address("target"), env_address("controller"), env_http_address())
         while True:
             for name, proc in procs.items():
                 if proc.poll() is not None:

@@ -200,7 +200,7 @@ def parse_request(body: Any, *, chat: bool) -> ApiRequest:
     return ApiRequest(request, chat, bool(stream), include_usage, max_tokens_field)
 
 
-_FIELD = re.compile(r"^[A-Za-z_][\w.]*(\[\d+\])*")
+_FIELD = re.compile(r"^[A-Za-z_]\w*(?:\[\d+\]|\.\w+)*")  # messages[0].content[1].type
 
 
 def error_param(message: str, api: ApiRequest | None) -> tuple[str, str]:
