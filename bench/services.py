@@ -99,7 +99,7 @@ class ServiceGroup:
             ("draft", self.draft, draft_cmd, draft_env),
             ("target", self.target, [*serve, "target", "--address", self.target, "--model",
              str(target), "--draft", self.draft, "--initial-steps", str(initial_steps),
-             "--device", target_arg, *model, *quiet], target_env),
+             "--device", target_arg, "--http-address", "", *model, *quiet], target_env),
         ]  # fmt: skip
         if policy is not None:
             policy_file = log_dir / "policy.json"
