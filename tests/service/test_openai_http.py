@@ -25,7 +25,10 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 from specpair.client import AsyncSpecpairClient, SpecpairError
 from specpair.config import MODELS_DIR
 from specpair.demo import chat_over_http
+from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import target_pb2
+from target_service.frontend import Frontend
+from target_service.http_api import HttpServer, OpenAIApp
 from tests.service.conftest import Stack, draft_config, target_config
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -365,9 +368,11 @@ async def test_the_cli_chat_and_the_demo_turn_match_the_api(
     assert demo["choices"][0]["message"]["content"].startswith(a1)
 
 
-async def test_chat_without_a_template_is_invalid_argument(ckpts) -> None:
+async def test_chat_without_a_template_is_invalid_argument_and_a_full_queue_429(ckpts) -> None:
     # The tiny test checkpoint has a tokenizer but no chat template.
-    config = target_config(ckpts["target"], draft_address=None, http_address="127.0.0.1:0")
+    config = target_config(
+        ckpts["target"], draft_address=None, http_address="127.0.0.1:0", max_batch=1, max_queue=1
+    )
     tiny = await Stack(None, config).start()
     try:
         async with AsyncSpecpairClient(f"127.0.0.1:{tiny.target.port}") as sdk:
@@ -384,5 +389,35 @@ async def test_chat_without_a_template_is_invalid_argument(ckpts) -> None:
             await tiny.generate(**{f.name: v for f, v in request.ListFields()})
         assert both.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert both.value.details().startswith("messages: give either")
+
+        scheduler = tiny.target.servicer.scheduler
+        running = asyncio.create_task(tiny.generate(prompt_token_ids=[5, 6, 7], max_tokens=200))
+        while not scheduler.running:  # the first one holds the only slot
+            await asyncio.sleep(0.01)
+        queued = asyncio.create_task(tiny.generate(prompt_token_ids=[3], max_tokens=5))
+        while not scheduler.queue:
+            await asyncio.sleep(0.01)
+        body = {"model": "x", "prompt": [3], "max_tokens": 4}
+        status, reply = await asyncio.to_thread(post, tiny.target.http_port, COMPLETIONS, body)
+        assert status == 429 and "max_queue" in reply["error"]["message"]
+        (first, _), (second, _) = await asyncio.gather(running, queued)
+        assert (len(first), len(second)) == (200, 5)
     finally:
         await tiny.stop()
+
+
+async def test_before_the_model_is_loaded_health_and_requests_are_503() -> None:
+    frontend = Frontend(target_config(TARGET), ServiceMetrics("target"))  # no scheduler yet
+    server = HttpServer(OpenAIApp(frontend, "target"), "127.0.0.1:0")
+    await server.start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        await asyncio.to_thread(conn.request, "GET", "/health")
+        health = await asyncio.to_thread(conn.getresponse)
+        assert (health.status, json.loads(health.read())) == (503, {"status": "loading"})
+        conn.close()
+        body = {"model": "target", "messages": MESSAGES}
+        status, reply = await asyncio.to_thread(post, server.port, CHAT, body)
+        assert status == 503 and "loading" in reply["error"]["message"]
+    finally:
+        await server.stop()
