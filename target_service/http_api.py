@@ -32,6 +32,9 @@ from target_service.scheduler import QueueFullError
 from target_service.validation import InvalidRequestError
 
 log = get_logger(__name__)
+# A whole context (1024 tokens by default) is a few kB of JSON; this bounds what one request
+# may make the server buffer before validation sees it.
+MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 def error_response(
@@ -44,6 +47,20 @@ def error_response(
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")  # Python's json would accept NaN
+
+
+async def _read_body(request: Request) -> bytes | None:
+    """The body, or None past MAX_BODY_BYTES (read no further: the limit bounds memory)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -93,8 +110,12 @@ class OpenAIApp:
         return await self._complete(request, chat=True)
 
     async def _complete(self, request: Request, *, chat: bool) -> Response:
+        raw = await _read_body(request)
+        if raw is None:
+            message = f"body: larger than {MAX_BODY_BYTES} bytes"
+            return error_response(413, message, kind="invalid_request_error", param="body")
         try:
-            body = json.loads(await request.body(), parse_constant=_refuse_constant)
+            body = json.loads(raw, parse_constant=_refuse_constant)
         except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             return error_response(
                 400, f"body: not valid JSON ({exc})", kind="invalid_request_error", param="body"

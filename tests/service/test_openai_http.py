@@ -28,7 +28,7 @@ from specpair.demo import chat_over_http
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import target_pb2
 from target_service.frontend import Frontend
-from target_service.http_api import HttpServer, OpenAIApp
+from target_service.http_api import MAX_BODY_BYTES, HttpServer, OpenAIApp
 from tests.service.conftest import Stack, draft_config, target_config
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -267,6 +267,12 @@ async def test_bad_requests_get_400_naming_the_field(
 async def test_a_body_that_is_no_json_object_is_400(stack: Stack, raw: bytes) -> None:
     status, reply = await asyncio.to_thread(post, stack.target.http_port, COMPLETIONS, raw)
     assert status == 400 and reply["error"]["param"] == "body"
+
+
+async def test_a_body_past_the_limit_is_413(stack: Stack) -> None:
+    huge = {"model": "target", "prompt": "x" * MAX_BODY_BYTES}
+    status, reply = await asyncio.to_thread(post, stack.target.http_port, COMPLETIONS, huge)
+    assert status == 413 and reply["error"]["param"] == "body"
 
 
 async def test_the_openai_client_raises_bad_request_with_the_param(
