@@ -102,15 +102,13 @@ def run_up(args: argparse.Namespace) -> int:
             procs[name] = subprocess.Popen(cmd)
             wait_healthy(name, address, procs[name], timeout=300)
             print(f"specpair up: {name} is serving", flush=True)
-        print(
-            f"specpair up: all services up, the OpenAI-compatible API at "
-            f"http://{env_http_address()}/v1 (Ctrl-C stops them)",
-            flush=True,
-        )
+        http = env_http_address()  # the target's default, as it read it
+        api = f", the OpenAI-compatible API at http://{http}/v1" if http else ""
+        print(f"specpair up: all services up{api} (Ctrl-C stops them)", flush=True)
         if args.demo:
             from specpair.demo import run_demo
 
-            run_demo(env_address("target"), env_address("controller"), env_http_address())
+            run_demo(env_address("target"), env_address("controller"), http)
         while True:
             for name, proc in procs.items():
                 if proc.poll() is not None:

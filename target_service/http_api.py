@@ -121,7 +121,6 @@ class OpenAIApp:
                 400, f"body: not valid JSON ({exc})", kind="invalid_request_error", param="body"
             )
         api: ApiRequest | None = None
-        responses = None
         try:
             api = parse_request(body, chat=chat)
             responses = self.frontend.generate(api.generate)

@@ -8,6 +8,7 @@ field as the client sent it (`temperature`, not `sampling.temperature`).
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
@@ -158,7 +159,7 @@ def parse_request(body: Any, *, chat: bool) -> ApiRequest:
         if not _is_default(body.get(name), defaults):
             raise InvalidRequestError(
                 f"{name}: not supported (not applied exactly under speculative decoding); "
-                f"omit it or send {defaults[0]!r}"
+                f"omit it or send {json.dumps(defaults[0])}"
             )
     request = target_pb2.GenerateRequest()
     if chat:
