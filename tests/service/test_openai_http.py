@@ -296,13 +296,15 @@ def _cancelled(stack: Stack) -> float:
 
 
 async def _wait_cancelled(stack: Stack, before: float) -> None:
-    scheduler = stack.target.servicer.scheduler
+    """Until the target counts one more cancelled request and both services hold none."""
+    scheduler, draft = stack.target.servicer.scheduler, stack.draft.servicer.rounds
     for _ in range(200):
-        if _cancelled(stack) > before and not scheduler.running and not scheduler.queue:
+        if _cancelled(stack) > before and not scheduler.running and not draft.active_requests:
             break
         await asyncio.sleep(0.05)
-    assert _cancelled(stack) == before + 1
+    assert _cancelled(stack) == before + 1  # not "length": it did not run its 900 tokens
     assert scheduler.worker.cache.free_slots == scheduler.max_batch
+    assert draft.active_requests == 0
 
 
 async def test_a_client_that_disconnects_frees_its_request(stack: Stack) -> None:
