@@ -198,7 +198,10 @@ class HttpServer:
     def __init__(self, app: OpenAIApp, address: str) -> None:
         host, port = split_address(address)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.socket = socket.create_server((host, port), family=family)
+        try:
+            self.socket = socket.create_server((host, port), family=family)
+        except OSError as exc:
+            raise OSError(exc.errno, f"HTTP API address {address}: {exc.strerror}") from None
         self.port = int(self.socket.getsockname()[1])  # the real one for port 0
         config = uvicorn.Config(
             app.app,

@@ -417,6 +417,8 @@ async def test_chat_without_a_template_is_invalid_argument_and_a_full_queue_429(
 async def test_before_the_model_is_loaded_health_and_requests_are_503() -> None:
     frontend = Frontend(target_config(TARGET), ServiceMetrics("target"))  # no scheduler yet
     server = HttpServer(OpenAIApp(frontend, "target"), "127.0.0.1:0")
+    with pytest.raises(OSError, match=f"HTTP API address 127.0.0.1:{server.port}"):
+        HttpServer(OpenAIApp(frontend, "target"), f"127.0.0.1:{server.port}")  # taken
     await server.start()
     try:
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
