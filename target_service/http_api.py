@@ -19,7 +19,7 @@ from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -35,6 +35,7 @@ log = get_logger(__name__)
 # A whole context (1024 tokens by default) is a few kB of JSON; this bounds what one request
 # may make the server buffer before validation sees it.
 MAX_BODY_BYTES = 4 * 1024 * 1024
+CLIENT_CLOSED = 499  # nginx's status for a client that went away; nobody reads it
 
 
 def error_response(
@@ -110,7 +111,10 @@ class OpenAIApp:
         return await self._complete(request, chat=True)
 
     async def _complete(self, request: Request, *, chat: bool) -> Response:
-        raw = await _read_body(request)
+        try:
+            raw = await _read_body(request)
+        except ClientDisconnect:  # gone before its body arrived: nothing was submitted
+            return Response(status_code=CLIENT_CLOSED)
         if raw is None:
             message = f"body: larger than {MAX_BODY_BYTES} bytes"
             return error_response(413, message, kind="invalid_request_error", param="body")
@@ -151,7 +155,7 @@ class OpenAIApp:
             collect.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await collect
-            return Response(status_code=499)  # nobody reads it; nginx's "client closed"
+            return Response(status_code=CLIENT_CLOSED)
         try:
             return JSONResponse(writer.completion(collect.result()))
         except RoundFailedError as exc:

@@ -298,7 +298,7 @@ def _cancelled(stack: Stack) -> float:
 async def _wait_cancelled(stack: Stack, before: float) -> None:
     """Until the target counts one more cancelled request and both services hold none."""
     scheduler, draft = stack.target.servicer.scheduler, stack.draft.servicer.rounds
-    for _ in range(200):
+    for _ in range(400):
         if _cancelled(stack) > before and not scheduler.running and not draft.active_requests:
             break
         await asyncio.sleep(0.05)
@@ -328,7 +328,7 @@ async def test_a_client_that_disconnects_frees_its_request(stack: Stack) -> None
         payload = json.dumps(body).encode()
         head = f"POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(payload)}\r\n"
         sock.sendall(head.encode() + b"Content-Type: application/json\r\n\r\n" + payload)
-        for _ in range(100):  # until the request is running, then hang up
+        for _ in range(500):  # until the request is running, then hang up
             if stack.target.servicer.scheduler.running:
                 break
             await asyncio.sleep(0.02)
