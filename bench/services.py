@@ -89,7 +89,8 @@ class ServiceGroup:
                 model += [flag, str(value)]
         if busy_poll_ms is not None:
             model += ["--busy-poll-ms", str(busy_poll_ms)]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # No HTTP API: benchmarks speak gRPC, and groups side by side must not share port 8000.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPECPAIR_HTTP_ADDRESS": ""}
         draft_arg, draft_env = one_gpu(draft_device or device, env)
         target_arg, target_env = one_gpu(device, env)
         draft_cmd = [*serve, "draft", "--address", self.draft, "--model", str(draft),

@@ -1,4 +1,4 @@
-"""The `specpair` command: serve one service, bring all three up, generate, and ops (`ctl`)."""
+"""The `specpair` command: serve one service, bring all three up, generate, chat, ops (`ctl`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from specpair.config import (
     TargetConfig,
     TLSConfig,
     env_address,
+    env_http_address,
 )
 
 TOKEN_ENV = "SPECPAIR_OPS_TOKEN"
@@ -75,6 +76,18 @@ def _client_tls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> TL
         parser.error(str(exc))
 
 
+def _generation_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=None, help="target HOST:PORT")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help="print the GenerateResult as JSON")
+    _client_tls_opts(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specpair", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -94,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--max-batch", type=int, default=16)
     target.add_argument("--max-queue", type=int, default=256)
     target.add_argument("--draft-timeout", type=float, default=5.0, help="seconds per round")
+    target.add_argument(
+        "--http-address",
+        default=env_http_address(),
+        help="HOST:PORT of the OpenAI-compatible HTTP API ('' disables)",
+    )
 
     draft = serve.add_parser("draft", help="the draft service")
     _common(draft, "draft")
@@ -128,15 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate from a running target")
     gen.add_argument("prompt")
-    gen.add_argument("--address", default=None, help="target HOST:PORT")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int)
-    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--json", action="store_true", help="print the GenerateResult as JSON")
-    _client_tls_opts(gen)
+    _generation_opts(gen)
+
+    chat = sub.add_parser(
+        "chat", help="chat with a running target (its checkpoint's chat template)"
+    )
+    chat.add_argument("message", nargs="?", help="one turn; without it, an interactive loop")
+    chat.add_argument("--system", help="a system message before the conversation")
+    _generation_opts(chat)
 
     ctl = sub.add_parser("ctl", help="controller ops: status, pin, unpin, policy")
     ctl.add_argument("--address", default=None, help="controller HOST:PORT")
@@ -183,6 +200,7 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig | DraftConfig | C
             dtype=_dtype(args),
             threads=args.threads,
             busy_poll_ms=args.busy_poll_ms,
+            http_address=args.http_address,
         )
     if args.service == "draft":
         return DraftConfig(
@@ -245,11 +263,8 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from specpair.client import SpecpairClient, SpecpairError
-
-    client = SpecpairClient(args.address, tls=_client_tls(args, parser))
-    params = {
+def _generation_params(args: argparse.Namespace) -> dict[str, Any]:
+    return {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "top_p": args.top_p,
@@ -257,14 +272,64 @@ def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         "seed": args.seed,
         "stop": args.stop,
     }
+
+
+def _print_stream(deltas: Iterator[Any]) -> str:
+    """Writes the deltas' text as it arrives; returns all of it."""
+    parts = []
+    for delta in deltas:
+        parts.append(delta.text)
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return "".join(parts)
+
+
+def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from specpair.client import SpecpairClient, SpecpairError
+
+    client = SpecpairClient(args.address, tls=_client_tls(args, parser))
+    params = _generation_params(args)
     try:
         if args.json:
             print(json.dumps(client.generate(args.prompt, **params).to_dict(), indent=2))
         else:
-            for delta in client.stream(args.prompt, **params):
-                sys.stdout.write(delta.text)
-                sys.stdout.flush()
-            sys.stdout.write("\n")
+            _print_stream(client.stream(args.prompt, **params))
+    except SpecpairError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _read_turns() -> Iterator[str]:
+    """User turns from the terminal (or a pipe) until EOF or an empty line."""
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return
+        if not line.strip():
+            return
+        yield line
+
+
+def cmd_chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from specpair.client import SpecpairClient, SpecpairError
+
+    client = SpecpairClient(args.address, tls=_client_tls(args, parser))
+    params = _generation_params(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    turns = [args.message] if args.message is not None else _read_turns()
+    try:
+        for turn in turns:
+            history.append({"role": "user", "content": turn})
+            if args.json:
+                result = client.chat(history, **params)
+                print(json.dumps(result.to_dict(), indent=2))
+                reply = result.text
+            else:
+                reply = _print_stream(client.stream_chat(history, **params))
+            history.append({"role": "assistant", "content": reply})
     except SpecpairError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -329,6 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_up(args)
     if args.command == "generate":
         return cmd_generate(args, parser)
+    if args.command == "chat":
+        return cmd_chat(args, parser)
     return cmd_ctl(args, parser)
 
 

@@ -3,6 +3,7 @@
     with SpecpairClient() as client:              # 127.0.0.1:50051 or $SPECPAIR_TARGET_ADDRESS
         result = client.generate("Once upon a time", max_tokens=32)
         print(result.text, result.avg_accept_length)
+        reply = client.chat([{"role": "user", "content": "Hi"}], max_tokens=32)  # chat template
 
     async with AsyncSpecpairClient("host:50051", token=..., tls="ca.pem") as client:
         async for delta in client.stream([1, 2, 3], max_tokens=32, temperature=0.8, seed=0):
@@ -17,11 +18,11 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypedDict, Unpack
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
@@ -42,12 +43,15 @@ __all__ = [
     "AsyncSpecpairClient",
     "ControllerClient",
     "GenerateDelta",
+    "GenerateParams",
     "GenerateResult",
     "SpecpairClient",
     "SpecpairError",
 ]
 
 Prompt = str | Sequence[int]
+# [{"role": "system", "content": "…"}, {"role": "user", "content": "…"}, …]
+Messages = Sequence[Mapping[str, str]]
 TLSArg = TLSConfig | str | os.PathLike[str] | None
 
 _FINISH_REASONS = {
@@ -144,6 +148,31 @@ def build_generate_request(
             request.prompt_token_ids.extend([operator.index(t) for t in prompt])
         except TypeError:
             raise TypeError("prompt must be a str or a sequence of int token ids") from None
+    return request
+
+
+class GenerateParams(TypedDict, total=False):
+    """The keyword arguments of `chat` and `stream_chat`, as `generate` takes them."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: Sequence[str] | None
+    stop_token_ids: Sequence[int] | None
+    request_id: str | None
+
+
+def build_chat_request(
+    messages: Messages, *, max_tokens: int, **params: Unpack[GenerateParams]
+) -> target_pb2.GenerateRequest:
+    """A GenerateRequest with `messages` (no prompt): the server applies its chat template."""
+    request = build_generate_request((), max_tokens=max_tokens, **params)
+    for i, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise TypeError(f"messages[{i}] must map 'role' and 'content' to strings")
+        request.messages.add(role=role, content=content)
     return request
 
 
@@ -395,6 +424,24 @@ class SpecpairClient(_SyncBase):
         for response in self._responses(request):
             yield to_delta(response)
 
+    def chat(
+        self, messages: Messages, *, max_tokens: int, **params: Unpack[GenerateParams]
+    ) -> GenerateResult:
+        """The assistant's reply to `messages`, rendered by the server's chat template."""
+        request = build_chat_request(messages, max_tokens=max_tokens, **params)
+        fold = _Fold()
+        for response in self._responses(request):
+            fold.add(response)
+        return fold.result()
+
+    def stream_chat(
+        self, messages: Messages, *, max_tokens: int, **params: Unpack[GenerateParams]
+    ) -> Iterator[GenerateDelta]:
+        """The reply's deltas as rounds finish. Leaving the loop early cancels the request."""
+        request = build_chat_request(messages, max_tokens=max_tokens, **params)
+        for response in self._responses(request):
+            yield to_delta(response)
+
     def server_info(self) -> dict[str, Any]:
         """TargetService.GetServerInfo as a dict (SGLang's /server_info names)."""
         return self._unary(self._stub.GetServerInfo, target_pb2.TargetServiceGetServerInfoRequest())
@@ -567,6 +614,24 @@ class AsyncSpecpairClient(_AsyncBase):
             stop_token_ids=stop_token_ids,
             request_id=request_id,
         )
+        async for response in self._responses(request):
+            yield to_delta(response)
+
+    async def chat(
+        self, messages: Messages, *, max_tokens: int, **params: Unpack[GenerateParams]
+    ) -> GenerateResult:
+        """The assistant's reply to `messages`, rendered by the server's chat template."""
+        request = build_chat_request(messages, max_tokens=max_tokens, **params)
+        fold = _Fold()
+        async for response in self._responses(request):
+            fold.add(response)
+        return fold.result()
+
+    async def stream_chat(
+        self, messages: Messages, *, max_tokens: int, **params: Unpack[GenerateParams]
+    ) -> AsyncGenerator[GenerateDelta, None]:
+        """The reply's deltas as rounds finish. Leaving the loop early cancels the request."""
+        request = build_chat_request(messages, max_tokens=max_tokens, **params)
         async for response in self._responses(request):
             yield to_delta(response)
 

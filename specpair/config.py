@@ -14,6 +14,8 @@ DEFAULT_METRICS = {
     "draft": "127.0.0.1:9452",
     "controller": "127.0.0.1:9453",
 }
+# The target's OpenAI-compatible HTTP API (`specpair serve target --http-address`).
+DEFAULT_HTTP_ADDRESS = "127.0.0.1:8000"
 CANDIDATE_STEPS = (1, 3, 7)
 # The bundled model pair (issue 4); `specpair up` falls back to a generated tiny pair.
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -27,6 +29,11 @@ def env_address(service: str) -> str:
         "controller": DEFAULT_CONTROLLER_ADDRESS,
     }
     return os.environ.get(f"SPECPAIR_{service.upper()}_ADDRESS", defaults[service])
+
+
+def env_http_address() -> str:
+    """SPECPAIR_HTTP_ADDRESS or the default address of the target's HTTP API."""
+    return os.environ.get("SPECPAIR_HTTP_ADDRESS", DEFAULT_HTTP_ADDRESS)
 
 
 def compute_threads(requested: int) -> int:
@@ -139,10 +146,13 @@ class TargetConfig:
     threads: int = 0  # intra-op threads of the compute thread; 0: half the cores (see below)
     busy_poll_ms: float | None = None  # None: see busy_poll_s
     eos_stop: bool = True  # stop at the tokenizer's end-of-text token
+    http_address: str = ""  # HOST:PORT of the OpenAI-compatible HTTP API; "" disables it
 
     def __post_init__(self) -> None:
         if self.draft_address is not None:
             check_grpc_address(self.draft_address)
+        if self.http_address:
+            split_address(self.http_address)
         _check_steps(self.candidate_steps)
         if self.initial_steps not in self.candidate_steps:
             raise ValueError(

@@ -1,7 +1,12 @@
-"""The demo client: completes Python code through the running services and shows speculation."""
+"""The demo client: completes Python code through the running services and shows speculation,
+then one chat turn through the OpenAI-compatible HTTP API."""
 
 from __future__ import annotations
 
+import json
+import shlex
+import urllib.error
+import urllib.request
 from typing import Any
 
 from specpair.client import ControllerClient, SpecpairClient, SpecpairError
@@ -22,10 +27,41 @@ def _draft_state(info: dict[str, Any]) -> str:
     return str(info.get("draft_connection_state", "")).removeprefix("DRAFT_CONNECTION_STATE_")
 
 
+CHAT = "Write a function that adds two numbers."
+
+
+def chat_over_http(http_address: str, message: str, *, max_tokens: int = 48) -> dict[str, Any]:
+    """One chat turn through /v1/chat/completions (greedy); prints the equivalent curl."""
+    base = f"http://{http_address}/v1"
+    with urllib.request.urlopen(f"{base}/models", timeout=30) as response:
+        model = json.load(response)["data"][0]["id"]
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": message}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        }
+    )
+    json_header = "-H 'Content-Type: application/json'"
+    print(f"demo: curl {base}/chat/completions {json_header} -d {shlex.quote(body)}")
+    request = urllib.request.Request(
+        f"{base}/chat/completions", body.encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return dict(json.load(response))
+
+
 def run_demo(
-    target: str, controller: str | None, *, max_tokens: int = 64, token: str | None = None
+    target: str,
+    controller: str | None,
+    http: str = "",
+    *,
+    max_tokens: int = 64,
+    token: str | None = None,
 ) -> None:
-    """`token`: the ops token, which the controller's state call needs when one is set."""
+    """`http`: the target's OpenAI-compatible address ('' skips the chat turn); `token`: the ops
+    token, which the controller's state call needs when one is set."""
     client = SpecpairClient(target)
     info = client.server_info()
     print(
@@ -47,6 +83,20 @@ def run_demo(
             print(
                 f"warning: {result.plain_rounds} of {result.rounds} rounds without drafts "
                 f"(the draft is {link}): output is the target's alone, only slower"
+            )
+    if http:
+        print("=" * 72)
+        try:
+            reply = chat_over_http(http, CHAT)
+        except (urllib.error.URLError, OSError) as exc:
+            print(f"demo: HTTP API unavailable ({exc})")
+        else:
+            meta = reply["meta_info"]
+            print(f"user: {CHAT}\nassistant:{reply['choices'][0]['message']['content']}")
+            print("-" * 72)
+            print(
+                f"(the shipped code model is no assistant: the template only frames the turn) "
+                f"usage {reply['usage']}, accept lengths {tuple(meta['accept_lengths'])}"
             )
     if controller is None:
         return

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from specpair.config import MODELS_DIR, env_address, split_address
+from specpair.config import MODELS_DIR, env_address, env_http_address, split_address
 from specpair.healthcheck import check
 
 
@@ -127,12 +127,14 @@ def run_up(args: argparse.Namespace) -> int:
             procs[name] = subprocess.Popen(cmd)
             wait_healthy(name, address, procs[name], timeout=300)
             print(f"specpair up: {name} is serving", flush=True)
-        print("specpair up: all services up (Ctrl-C stops them)", flush=True)
+        http = env_http_address()  # the target's default, as it read it
+        api = f", the OpenAI-compatible API at http://{http}/v1" if http else ""
+        print(f"specpair up: all services up{api} (Ctrl-C stops them)", flush=True)
         if args.demo:
             from specpair.demo import run_demo
 
             token = os.environ.get("SPECPAIR_OPS_TOKEN")  # the services read the same one
-            run_demo(env_address("target"), env_address("controller"), token=token)
+            run_demo(env_address("target"), env_address("controller"), http, token=token)
         while True:
             for name, proc in procs.items():
                 if proc.poll() is not None:

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import itertools
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import structlog
 import torch
 
 from specpair.config import TargetConfig, busy_poll_s, compute_threads, split_address
@@ -22,24 +18,21 @@ from specpair.proto.v1 import target_pb2, target_pb2_grpc
 from specpair.runtime import state as runtime_state
 from specpair.runtime.build import build_target
 from specpair.runtime.state import build_states
-from specpair.runtime.target import TargetSequence
 from specpair.serving import bounded
-from target_service.detokenize import TextStream
 from target_service.draft_link import DraftLink
-from target_service.scheduler import MAX_TREE_NODES, QueueFullError, Scheduler, ServedRequest
-from target_service.validation import (
-    InvalidRequestError,
-    request_bytes_limit,
-    validate_generate,
+from target_service.frontend import (
+    DeadlineExceededError,
+    Frontend,
+    NotReadyError,
+    RoundFailedError,
 )
+from target_service.http_api import HttpServer, OpenAIApp
+from target_service.scheduler import MAX_TREE_NODES, QueueFullError, Scheduler
+from target_service.validation import InvalidRequestError, request_bytes_limit
 
 log = get_logger(__name__)
 SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"]
 OPS_METHODS = [f"/{SERVICE.full_name}/{m}" for m in ("ApplyTier", "WatchRounds")]
-FINISH = {
-    "length": target_pb2.FINISH_REASON_LENGTH,
-    "stop": target_pb2.FINISH_REASON_STOP,
-}
 
 
 def load_tokenizer(path: Any) -> Any:
@@ -53,13 +46,15 @@ def load_tokenizer(path: Any) -> Any:
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, config: TargetConfig, metrics: ServiceMetrics) -> None:
-        self.config = config
-        self.metrics = metrics
-        self.scheduler: Scheduler | None = None  # set once the model and states are built
-        self.tokenizer: Any = None
-        self.eos: frozenset[int] = frozenset()
-        self._ids = itertools.count()
+    """Maps the shared request path (`Frontend`) and the ops calls onto gRPC."""
+
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+        self.config = frontend.config
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        return self.frontend.scheduler
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> Scheduler:
         if self.scheduler is None:
@@ -70,115 +65,22 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Generate(
         self, request: target_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[target_pb2.GenerateResponse]:
-        scheduler = await self._ready(context)
-        args = scheduler.worker.model.args
-        check = functools.partial(
-            validate_generate,
-            request,
-            tokenizer=self.tokenizer,
-            vocab_size=args.vocab_size,
-            max_len=self.config.max_len,
-        )
+        remaining = context.time_remaining()
         try:
-            # Tokenizing takes milliseconds per 10 KB of text: on the loop it would stall every
-            # stream, so text goes to a worker thread.
-            valid = await asyncio.to_thread(check) if request.prompt else check()
+            responses = self.frontend.generate(request, time_remaining=remaining)
+            async with contextlib.aclosing(responses) as stream:
+                async for response in stream:
+                    yield response
+        except NotReadyError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(exc)))
-            return
-        request_id = request.request_id or f"req-{next(self._ids)}"
-        structlog.contextvars.bind_contextvars(request_id=request_id)
-        # Keyed by our own id on the draft link: clients may reuse a request_id (two at once
-        # would share draft state), and theirs may be long, ours rides in every round.
-        seq = TargetSequence(
-            f"r{next(self._ids)}",
-            valid.prompt_ids,
-            valid.sampling,
-            valid.max_tokens,
-            valid.stop_token_ids | self.eos,
-        )
-        remaining = context.time_remaining()
-        if remaining is not None and remaining <= 0:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed on arrival")
-        served = ServedRequest(
-            seq, deadline=None if remaining is None else time.monotonic() + remaining
-        )
-        try:
-            scheduler.submit(served)
         except QueueFullError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            return
-        log.info(
-            "request admitted", prompt_tokens=len(valid.prompt_ids), max_tokens=valid.max_tokens
-        )
-        text = TextStream(self.tokenizer, valid.stop)
-        start = last = time.perf_counter()
-        finished = False
-        completion = 0
-        try:
-            while not finished:
-                event = await served.events.get()
-                if event.finish_reason == "error":
-                    finished = True
-                    await context.abort(grpc.StatusCode.INTERNAL, "the round failed; see logs")
-                if event.finish_reason == "expired":
-                    finished = True
-                    await context.abort(
-                        grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before admission"
-                    )
-                tokens, delta, stop_hit = text.push(event.token_ids)
-                if tokens:
-                    last = self._observe_latency(len(tokens), completion, start, last)
-                completion += len(tokens)
-                reason = "stop" if stop_hit else event.finish_reason
-                finished = reason is not None
-                response = target_pb2.GenerateResponse(
-                    request_id=request_id,
-                    token_ids=tokens,
-                    text=delta,
-                    accept_length=event.accept_length,
-                    speculative_num_steps=event.tier,
-                )
-                if finished:
-                    if stop_hit and event.finish_reason is None:
-                        scheduler.cancel(served, "stop")
-                    self._finalize(response, served, reason or "length", completion)
-                yield response
-        finally:
-            if not finished:  # client cancelled or its deadline passed
-                scheduler.cancel(served)
-                log.info("request cancelled")
-            structlog.contextvars.unbind_contextvars("request_id")
-
-    def _observe_latency(self, n: int, streamed: int, start: float, last: float) -> float:
-        """TTFT for the first token; per later token its share of the wait for its message
-        (4 tokens 20 ms after the previous message: four 5 ms observations). Returns now."""
-        now = time.perf_counter()
-        if streamed == 0:
-            self.metrics.ttft.observe(now - start)
-            n, wait = n - 1, 0.0  # the first message's other tokens came with the first
-        else:
-            wait = now - last
-        for _ in range(n):
-            self.metrics.itl.observe(wait / n)
-        return now
-
-    def _finalize(
-        self, response: target_pb2.GenerateResponse, served: ServedRequest, reason: str, n: int
-    ) -> None:
-        accepts = served.accept_lengths
-        response.finish_reason = FINISH.get(reason, target_pb2.FINISH_REASON_STOP)
-        response.usage.CopyFrom(
-            target_pb2.Usage(prompt_tokens=len(served.seq.prompt), completion_tokens=n)
-        )
-        response.speculation.CopyFrom(
-            target_pb2.SpeculationStats(
-                accept_lengths=accepts,
-                rounds=len(accepts) + served.plain_rounds,
-                plain_rounds=served.plain_rounds,
-                avg_accept_length=sum(accepts) / len(accepts) if accepts else 0.0,
-            )
-        )
+        except DeadlineExceededError as exc:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        except RoundFailedError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
 
     async def GetServerInfo(
         self,
@@ -237,12 +139,20 @@ class RunningTarget:
     server: Any  # GrpcServer
     servicer: TargetServicer
     task: asyncio.Task[None]
+    http: HttpServer | None = None
 
     @property
     def port(self) -> int:
         return int(self.server.port)
 
+    @property
+    def http_port(self) -> int:
+        assert self.http is not None, "the HTTP API is disabled (http_address '')"
+        return self.http.port
+
     async def stop(self, grace: float = 1.0) -> None:
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(grace)
         self.task.cancel()
         with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
@@ -289,18 +199,26 @@ async def start(config: TargetConfig) -> RunningTarget:
         max_request_bytes=request_bytes_limit(config.max_len),
     )
     metrics = ServiceMetrics("target")
-    servicer = TargetServicer(config, metrics)
+    frontend = Frontend(config, metrics)
+    servicer = TargetServicer(frontend)
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server.server)
     # Both ports are taken before the model loads: a taken one fails in a second, not later.
     if config.server.metrics_address:
         metrics.serve(*split_address(config.server.metrics_address))
     await server.start()
     log.info("target service listening", address=config.server.address, port=server.port)
+    http = None
+    if config.http_address:  # answers 503 until the model is loaded, as health does
+        http = HttpServer(OpenAIApp(frontend, config.model_path.name), config.http_address)
+        await http.start()
+        log.info(
+            "OpenAI-compatible HTTP API listening", address=config.http_address, port=http.port
+        )
     scheduler = await asyncio.to_thread(_build_scheduler, config, metrics)
-    servicer.tokenizer = await asyncio.to_thread(load_tokenizer, config.model_path)
-    if config.eos_stop and servicer.tokenizer is not None:
-        eos = servicer.tokenizer.eos_token_id
-        servicer.eos = frozenset() if eos is None else frozenset({int(eos)})
+    frontend.tokenizer = await asyncio.to_thread(load_tokenizer, config.model_path)
+    if config.eos_stop and frontend.tokenizer is not None:
+        eos = frontend.tokenizer.eos_token_id
+        frontend.eos = frozenset() if eos is None else frozenset({int(eos)})
     if config.draft_address is not None:
         scheduler.draft = DraftLink(
             config.draft_address,
@@ -311,11 +229,11 @@ async def start(config: TargetConfig) -> RunningTarget:
             busy_poll_s=busy_poll_s(config.busy_poll_ms, config.device),
         )
         scheduler.draft.start()
-    servicer.scheduler = scheduler
+    frontend.scheduler = scheduler
     task = asyncio.create_task(scheduler.run(), name="scheduler")
     await server.ready()
     log.info("target service ready", tiers=list(scheduler.states), draft=config.draft_address)
-    return RunningTarget(server, servicer, task)
+    return RunningTarget(server, servicer, task, http)
 
 
 async def serve(config: TargetConfig) -> None:

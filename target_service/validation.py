@@ -8,6 +8,7 @@ from typing import Any
 from specpair.proto.v1 import target_pb2
 from specpair.runtime.sampling import SamplingParams
 from specpair.wire import sampling_from_proto
+from target_service.chat import chat_prompt_ids
 
 # A served context of max_len tokens holds at most this many bytes of prompt text; real
 # tokenizers average ~4 bytes a token, and a whitespace run is one token of up to ~32.
@@ -37,9 +38,16 @@ class ValidRequest:
 def validate_generate(
     request: target_pb2.GenerateRequest, *, tokenizer: Any, vocab_size: int, max_len: int
 ) -> ValidRequest:
-    if request.prompt and request.prompt_token_ids:
+    if request.messages:
+        if request.prompt or request.prompt_token_ids:
+            raise InvalidRequestError("messages: give either messages or a prompt, not both")
+        try:
+            ids = chat_prompt_ids(request.messages, tokenizer)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+    elif request.prompt and request.prompt_token_ids:
         raise InvalidRequestError("prompt: give either prompt or prompt_token_ids, not both")
-    if request.prompt_token_ids:
+    elif request.prompt_token_ids:
         ids = list(request.prompt_token_ids)
         for i, token in enumerate(ids):
             if not 0 <= token < vocab_size:

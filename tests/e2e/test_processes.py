@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -104,9 +105,11 @@ def test_three_processes(ckpts: dict[str, Path], procs: Processes, tmp_path: Pat
     policy.write_text(json.dumps(FAST_POLICY))
     target = str(ckpts["target"])
     procs.start("draft", "draft", "--address", draft_addr, "--model", target)
+    http_addr = f"127.0.0.1:{free_port()}"
     procs.start(
         "target", "target", "--address", target_addr, "--model", target,
         "--draft", draft_addr, "--initial-steps", "1", "--draft-timeout", "15",
+        "--http-address", http_addr,
     )  # fmt: skip
     procs.start(
         "controller", "controller", "--address", ctrl_addr, "--target", target_addr,
@@ -133,6 +136,17 @@ def test_three_processes(ckpts: dict[str, Path], procs: Processes, tmp_path: Pat
     # A. identical draft: lossless, and the tier climbs 1 → 3 → 7
     expected = reference_greedy(ckpts["target"], PROMPTS, 100)
     assert generate_all(100) == expected
+    # The same request through the process's OpenAI-compatible HTTP API: the same text.
+    body = {"model": "target", "prompt": PROMPTS[1], "max_tokens": 30, "temperature": 0}
+    request = urllib.request.Request(
+        f"http://{http_addr}/v1/completions", json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=60) as response:
+        completion = json.load(response)
+    grpc_result = client.generate(PROMPTS[1], max_tokens=30)
+    assert completion["choices"][0]["text"] == grpc_result.text
+    assert completion["usage"]["completion_tokens"] == len(grpc_result.token_ids) == 30
     for _ in range(10):
         if client.server_info()["speculative_num_steps"] == 7:
             break

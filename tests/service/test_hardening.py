@@ -454,7 +454,7 @@ async def test_prompt_larger_than_the_context_is_refused_unparsed(ckpts, make_st
 async def test_tokenizing_a_prompt_does_not_stall_other_calls(ckpts, make_stack) -> None:
     stack = await make_stack(None, target_config(ckpts["target"], draft_address=None))
     servicer = stack.target.servicer
-    real = servicer.tokenizer
+    real = servicer.frontend.tokenizer
 
     class SlowTokenizer:
         """The real tokenizer, as slow as a multi-megabyte prompt made it."""
@@ -466,7 +466,7 @@ async def test_tokenizing_a_prompt_does_not_stall_other_calls(ckpts, make_stack)
             time.sleep(1.0)
             return real.encode(text, **kwargs)
 
-    servicer.tokenizer = SlowTokenizer()
+    servicer.frontend.tokenizer = SlowTokenizer()
     t0 = time.perf_counter()
     slow = asyncio.create_task(stack.generate(prompt="def main(argv):", max_tokens=3))
     await asyncio.sleep(0.2)  # the slow encode is under way: on the loop, it would block it

@@ -52,7 +52,7 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
     ) -> AsyncIterator[target_pb2.GenerateResponse]:
         self.requests.append(request)
         self.metadata.append({m.key: m.value for m in context.invocation_metadata() or ()})
-        if not request.prompt and not request.prompt_token_ids:
+        if not (request.prompt or request.prompt_token_ids or request.messages):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
         if request.max_tokens <= 0:
             await context.abort(
@@ -320,6 +320,36 @@ def test_sync_client_generate_stream_info_and_errors(servers: Servers) -> None:
     assert info["rounds"] == 2**40 and info["running_requests"] == 0
     assert stream_error.value.code == "INVALID_ARGUMENT"
     assert "prompt" in stream_error.value.details
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+async def test_chat_sends_messages_and_no_prompt(servers: Servers) -> None:
+    async with AsyncSpecpairClient(servers.target_address) as client:
+        _check_result(await client.chat(CHAT, max_tokens=9, temperature=0.5, seed=3))
+        deltas = [d async for d in client.stream_chat(CHAT, max_tokens=9)]
+    with SpecpairClient(servers.target_address, timeout=10) as sync:
+        _check_result(sync.chat(CHAT, max_tokens=9, stop=["\n"]))
+        assert [d.token_ids for d in sync.stream_chat(CHAT, max_tokens=9)] == [
+            d.token_ids for d in deltas
+        ]
+    assert [d.token_ids for d in deltas] == [tuple(ids) for ids, _ in ROUNDS]
+    sent = servers.target.requests[-4]  # the async chat
+    assert [(m.role, m.content) for m in sent.messages] == [
+        ("system", "Be brief."),
+        ("user", "Hi"),
+    ]
+    assert sent.prompt == "" and not sent.prompt_token_ids and sent.max_tokens == 9
+    assert sent.sampling.temperature == pytest.approx(0.5) and sent.sampling.seed == 3
+    assert list(servers.target.requests[-2].stop) == ["\n"]
+
+
+def test_chat_message_without_content_is_refused_before_sending() -> None:
+    client = SpecpairClient("127.0.0.1:1")
+    with pytest.raises(TypeError, match=r"messages\[1\]"):
+        client.chat([{"role": "user", "content": "a"}, {"role": "user"}], max_tokens=4)
+    client.close()
 
 
 def test_unreachable_server_is_a_specpair_error() -> None:

@@ -247,18 +247,21 @@ def test_services_reach_each_other_by_name(config: dict[str, Any]) -> None:
     assert flags(services["controller"]["command"])["target"] == f"target:{target_port}"
 
 
-def test_grpc_and_metrics_ports_are_published_on_loopback(config: dict[str, Any]) -> None:
+def test_grpc_metrics_and_http_ports_are_published_on_loopback(config: dict[str, Any]) -> None:
     published: set[str] = set()
     for role, service in config["services"].items():
         args = flags(service["command"])
         want = {_port(args["address"]), _port(args["metrics-address"])}
+        if role == "target":  # the OpenAI-compatible HTTP API, listening beyond loopback inside
+            assert args["http-address"].startswith("0.0.0.0:")
+            want.add(_port(args["http-address"]))
         ports = {p.rpartition(":")[2]: p for p in service["ports"]}
         assert set(ports) == want, role
         for container_port, spec in ports.items():
             # host IP : host port : container port, same number on both sides
             assert spec == f"127.0.0.1:{container_port}:{container_port}", role
         published |= want
-    assert published == {"50051", "50052", "50053", "9451", "9452", "9453"}
+    assert published == {"50051", "50052", "50053", "9451", "9452", "9453", "8000"}
 
 
 def test_ops_token_comes_from_the_environment(config: dict[str, Any]) -> None:

@@ -30,3 +30,19 @@ def test_bad_grpc_address_is_named(address: str) -> None:
 def test_metrics_endpoint_stays_host_port() -> None:
     with pytest.raises(ValueError, match="HOST:PORT"):
         ServerConfig("127.0.0.1:0", metrics_address="unix:/tmp/metrics.sock")
+
+
+def test_http_api_address_defaults_on_for_the_cli_and_empty_disables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from specpair.cli import build_parser, config_from_args
+
+    monkeypatch.delenv("SPECPAIR_HTTP_ADDRESS", raising=False)
+    base = ["serve", "target", "--model", "m"]
+    config = config_from_args(build_parser().parse_args(base))
+    assert isinstance(config, TargetConfig) and config.http_address == "127.0.0.1:8000"
+    off = config_from_args(build_parser().parse_args([*base, "--http-address", ""]))
+    assert isinstance(off, TargetConfig) and off.http_address == ""
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        config_from_args(build_parser().parse_args([*base, "--http-address", "unix:/x.sock"]))
+    assert TargetConfig(ServerConfig("127.0.0.1:0"), Path("m")).http_address == ""

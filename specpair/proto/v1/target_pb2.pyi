@@ -74,8 +74,9 @@ class GenerateRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
-    """Exactly one of prompt (text) and prompt_token_ids must be given."""
+    """Exactly one of prompt (text), prompt_token_ids and messages must be given."""
     max_tokens: _builtins.int
     request_id: _builtins.str
     """Optional client-chosen id, echoed in logs and responses."""
@@ -87,6 +88,12 @@ class GenerateRequest(_message.Message):
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
+        """A conversation instead of a prompt: the target renders it with its checkpoint's chat
+        template and appends the generation prompt (the start of the assistant's turn).
+        """
+
     def __init__(
         self,
         *,
@@ -97,14 +104,40 @@ class GenerateRequest(_message.Message):
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
         request_id: _builtins.str = ...,
+        messages: _abc.Iterable[Global___ChatMessage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_tokens", b"max_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop", b"stop", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_tokens", b"max_tokens", "messages", b"messages", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop", b"stop", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class ChatMessage(_message.Message):
+    """One turn of a conversation."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    """"system", "user", "assistant", … as the checkpoint's chat template names them."""
+    content: _builtins.str
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        content: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
 
 @_typing.final
 class Usage(_message.Message):

@@ -1,0 +1,36 @@
+"""Chat: a conversation rendered into prompt token ids with the checkpoint's chat template."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from jinja2 import TemplateError
+
+from specpair.proto.v1 import target_pb2
+
+
+def chat_prompt_ids(messages: Sequence[target_pb2.ChatMessage], tokenizer: Any) -> list[int]:
+    """The template's text for `messages` plus the generation prompt, as token ids.
+
+    Raises ValueError naming the field. The text is encoded without special tokens: a template
+    writes its own (e.g. a bos), as `transformers`' `apply_chat_template(tokenize=True)` does.
+    """
+    if tokenizer is None:
+        raise ValueError("messages: this model has no tokenizer; send prompt_token_ids")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "messages: this model's checkpoint has no chat template (chat_template.jinja, or "
+            "chat_template in tokenizer_config.json); send a prompt instead"
+        )
+    for i, message in enumerate(messages):
+        if not message.role:
+            raise ValueError(f"messages[{i}].role: empty")
+    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=False
+        )
+    except TemplateError as exc:  # e.g. a template's raise_exception("roles must alternate")
+        raise ValueError(f"messages: the chat template refused them: {exc}") from None
+    return list(tokenizer.encode(text, add_special_tokens=False))

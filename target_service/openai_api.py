@@ -1,0 +1,312 @@
+"""OpenAI's completions and chat completions as GenerateRequests, and GenerateResponses back.
+
+Pure functions of JSON values and protos, no I/O: the HTTP door (`target_service/http.py`)
+parses a body into a `GenerateRequest` here, runs it through the same `Frontend.generate` as
+gRPC, and writes each `GenerateResponse` back as OpenAI's objects. Every error names the
+field as the client sent it (`temperature`, not `sampling.temperature`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from specpair.proto.v1 import target_pb2
+from target_service.validation import InvalidRequestError
+
+# OpenAI's documented default for completions; a chat request takes the same (a fixed default
+# keeps one request path: a "rest of the context" default would need the prompt's length
+# before validation). finish_reason "length" says when it cut a reply short.
+DEFAULT_MAX_TOKENS = 16
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send 0 for greedy decoding
+INT32_MAX = 2**31 - 1
+UINT64_LIMIT = 2**64
+
+# Parameters of OpenAI's API (and vLLM/SGLang extensions) that this server does not apply
+# exactly under speculative decoding, with the values that mean "off". Any other value is
+# refused naming the parameter, rather than silently ignored.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "best_of": (1,),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "min_p": (0,),
+    "min_tokens": (0,),
+    "logit_bias": ({},),
+    "echo": (False,),
+    "suffix": ("",),
+    "use_beam_search": (False,),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none",),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+}
+_FINISH = {target_pb2.FINISH_REASON_LENGTH: "length", target_pb2.FINISH_REASON_STOP: "stop"}
+
+
+@dataclass(frozen=True, slots=True)
+class ApiRequest:
+    """One parsed HTTP request: the GenerateRequest and how to answer it."""
+
+    generate: target_pb2.GenerateRequest
+    chat: bool
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
+    max_tokens_field: str = "max_tokens"  # the name the client used, for error messages
+
+
+def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
+    # bool is an int subclass: `n: true` must not pass as n == 1.
+    return value is None or any(
+        value == d and isinstance(value, bool) == isinstance(d, bool) for d in defaults
+    )
+
+
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidRequestError(f"{name}: expected a finite number, got {value!r}")
+    return float(value)
+
+
+def _integer(value: Any, name: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value < hi:
+        raise InvalidRequestError(f"{name}: expected an integer in [{lo}, {hi}), got {value!r}")
+    return value
+
+
+def _strings(value: Any, name: str) -> list[str]:
+    """null, a string, or a list of strings (OpenAI's `stop`)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InvalidRequestError(f"{name}: expected a string or a list of strings")
+    return value
+
+
+def _token_ids(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list):
+        raise InvalidRequestError(f"{name}: expected a list of token ids")
+    return [_integer(t, f"{name}[{i}]", 0, INT32_MAX + 1) for i, t in enumerate(value)]
+
+
+def _set_prompt(request: target_pb2.GenerateRequest, prompt: Any) -> None:
+    """A string, token ids, or a batch of exactly one of those."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        request.prompt_token_ids.extend(_token_ids(prompt, "prompt"))
+    elif isinstance(prompt, list):
+        raise InvalidRequestError("prompt: batches of prompts are not supported; send one each")
+    else:
+        raise InvalidRequestError("prompt: expected a string or a list of token ids")
+
+
+def _content(value: Any, name: str) -> str:
+    """A message's content: a string or a list of text parts (joined)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise InvalidRequestError(f"{name}: expected a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(value):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise InvalidRequestError(f"{name}[{j}].type: only text parts are supported")
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"{name}[{j}].text: expected a string")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _set_messages(request: target_pb2.GenerateRequest, messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages: expected a non-empty list of messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidRequestError(f"messages[{i}]: expected an object")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise InvalidRequestError(f"messages[{i}].role: expected a non-empty string")
+        if message.get("tool_calls"):
+            raise InvalidRequestError(f"messages[{i}].tool_calls: tools are not supported")
+        content = _content(message.get("content"), f"messages[{i}].content")
+        request.messages.add(role=role, content=content)
+
+
+def parse_request(body: Any, *, chat: bool) -> ApiRequest:
+    """A `/v1/chat/completions` (chat) or `/v1/completions` body as a GenerateRequest.
+
+    Unknown fields are ignored, as OpenAI's clients expect of a server; known ones are
+    type-checked here and range-checked by the shared validation (`validate_generate`).
+    """
+    if not isinstance(body, dict):
+        raise InvalidRequestError("body: expected a JSON object")
+    for name, defaults in UNSUPPORTED.items():
+        if not _is_default(body.get(name), defaults):
+            raise InvalidRequestError(
+                f"{name}: not supported (not applied exactly under speculative decoding); "
+                f"omit it or send {json.dumps(defaults[0])}"
+            )
+    request = target_pb2.GenerateRequest()
+    if chat:
+        _set_messages(request, body.get("messages"))
+    else:
+        if "prompt" not in body:
+            raise InvalidRequestError("prompt: required")
+        _set_prompt(request, body["prompt"])
+    max_tokens_field = "max_tokens"
+    if chat and body.get("max_completion_tokens") is not None:
+        max_tokens_field = "max_completion_tokens"  # OpenAI's newer name wins over max_tokens
+    max_tokens = body.get(max_tokens_field)
+    request.max_tokens = (
+        DEFAULT_MAX_TOKENS
+        if max_tokens is None
+        else _integer(max_tokens, max_tokens_field, -INT32_MAX, INT32_MAX + 1)
+    )
+    sampling = request.sampling
+    sampling.temperature = _number(body, "temperature", DEFAULT_TEMPERATURE)
+    sampling.top_p = _number(body, "top_p", 1.0)
+    top_k = body.get("top_k")
+    if top_k is not None:
+        top_k = _integer(top_k, "top_k", -INT32_MAX, INT32_MAX + 1)
+        sampling.top_k = 0 if top_k == -1 else top_k  # -1: vLLM's and SGLang's "off"
+    if body.get("seed") is not None:
+        sampling.seed = _integer(body["seed"], "seed", 0, UINT64_LIMIT)
+    request.stop.extend(_strings(body.get("stop"), "stop"))
+    if body.get("stop_token_ids") is not None:
+        request.stop_token_ids.extend(_token_ids(body["stop_token_ids"], "stop_token_ids"))
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise InvalidRequestError(f"stream: expected a boolean, got {stream!r}")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise InvalidRequestError("stream_options: expected an object")
+    include_usage = options.get("include_usage") or False
+    if not isinstance(include_usage, bool):
+        raise InvalidRequestError("stream_options.include_usage: expected a boolean")
+    return ApiRequest(request, chat, bool(stream), include_usage, max_tokens_field)
+
+
+_FIELD = re.compile(r"^[A-Za-z_]\w*(?:\[\d+\]|\.\w+)*")  # messages[0].content[1].type
+
+
+def error_param(message: str, api: ApiRequest | None) -> tuple[str, str]:
+    """(param, message) with the field as the client named it.
+
+    The shared validation names proto fields: "sampling.temperature must be >= 0" becomes
+    ("temperature", "temperature must be >= 0"), "prompt_token_ids[2]: …" becomes
+    ("prompt[2]", "prompt[2]: …"), and max_tokens becomes max_completion_tokens when the
+    client sent that.
+    """
+    match = _FIELD.match(message)
+    if match is None:
+        return "", message
+    head = match.group()
+    name = head.removeprefix("sampling.")
+    name = re.sub(r"^prompt_token_ids", "prompt", name)
+    if name == "max_tokens" and api is not None:
+        name = api.max_tokens_field
+    return name, name + message[len(head) :]
+
+
+@dataclass(slots=True)
+class ResponseWriter:
+    """Turns one request's GenerateResponses into OpenAI's response objects and chunks."""
+
+    api: ApiRequest
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    id: str = ""
+    tier: int = 0
+
+    def _base(self, response: target_pb2.GenerateResponse, *, chunk: bool) -> dict[str, Any]:
+        if not self.id:
+            self.id = ("chatcmpl-" if self.api.chat else "cmpl-") + response.request_id
+        if self.api.chat:
+            kind = "chat.completion.chunk" if chunk else "chat.completion"
+        else:
+            kind = "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def chunks(self, response: target_pb2.GenerateResponse, first: bool) -> list[dict[str, Any]]:
+        """The SSE events of one response (none for a round that added no text)."""
+        self.tier = response.speculative_num_steps or self.tier
+        finish = _FINISH.get(response.finish_reason)
+        if not response.text and finish is None and not first:
+            return []
+        choice: dict[str, Any] = {"index": 0}
+        if self.api.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if response.text or first:
+                delta["content"] = response.text
+            choice["delta"] = delta
+        else:
+            choice["text"] = response.text
+        choice["logprobs"] = None
+        choice["finish_reason"] = finish
+        chunk = self._base(response, chunk=True) | {"choices": [choice]}
+        if self.api.include_usage:
+            chunk["usage"] = None
+        if finish is None:
+            return [chunk]
+        chunk["meta_info"] = self.meta_info(response)
+        if not self.api.include_usage:
+            return [chunk]
+        usage_chunk = self._base(response, chunk=True) | {
+            "choices": [],
+            "usage": usage(response),
+        }
+        return [chunk, usage_chunk]
+
+    def completion(self, responses: list[target_pb2.GenerateResponse]) -> dict[str, Any]:
+        """The whole (non-streamed) response; the last GenerateResponse carries the totals."""
+        last = responses[-1]
+        self.tier = last.speculative_num_steps
+        text = "".join(r.text for r in responses)
+        choice: dict[str, Any] = {"index": 0}
+        if self.api.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = None
+        choice["finish_reason"] = _FINISH.get(last.finish_reason, "stop")
+        return self._base(last, chunk=False) | {
+            "choices": [choice],
+            "usage": usage(last),
+            "meta_info": self.meta_info(last),
+        }
+
+    def meta_info(self, last: target_pb2.GenerateResponse) -> dict[str, Any]:
+        """Speculation statistics, where SGLang's responses carry theirs."""
+        spec = last.speculation
+        return {
+            "request_id": last.request_id,
+            "accept_lengths": list(spec.accept_lengths),
+            "avg_accept_length": spec.avg_accept_length,
+            "rounds": spec.rounds,
+            "plain_rounds": spec.plain_rounds,
+            "speculative_num_steps": self.tier,
+        }
+
+
+def usage(last: target_pb2.GenerateResponse) -> dict[str, int]:
+    prompt, completion = last.usage.prompt_tokens, last.usage.completion_tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
