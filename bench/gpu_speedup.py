@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -307,6 +308,17 @@ def render(cells: list[Cell]) -> str:
     return format_table(headers, rows)
 
 
+def replot(path: Path) -> None:
+    """The PNG beside `path` and the table, from a written JSON (outputs are not kept there)."""
+    data = json.loads(path.read_text())
+    names = {f.name for f in fields(Cell)}
+    cells = [Cell(**{k: v for k, v in c.items() if k in names}, outputs=[]) for c in data["cells"]]
+    gpu = data["device"].get("gpu", data["device"]["cpu"])
+    title = f"{data['draft_kind']} draft, {data['shape']} pair, {gpu}: tokens/s by configuration"
+    plot(cells, path.with_suffix(".png"), title)
+    print(render(cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -325,7 +337,13 @@ def main() -> None:
     parser.add_argument("--phased", action="store_true", help="also the phased workload")
     parser.add_argument("--per-phase", type=int, default=8, help="requests per phase")
     parser.add_argument("--out", type=Path, help="JSON (default: bench/results/…_<kind>.json)")
+    parser.add_argument(
+        "--replot", type=Path, metavar="JSON", help="only redraw an earlier run's PNG and table"
+    )
     args = parser.parse_args()
+    if args.replot:
+        replot(args.replot)
+        return
     if max(args.batches) > args.requests:
         parser.error(f"--requests {args.requests} < the largest batch {max(args.batches)}")
     from transformers import AutoTokenizer
