@@ -21,6 +21,11 @@ tier vs the per-phase oracle).
     python -m bench.gpu_speedup --draft-kind model
     python -m bench.gpu_speedup --device cpu --shape shipped --batches 1 --requests 2 \\
         --new-tokens 8   # a CPU smoke run of the whole pipeline
+
+On an H100 a greedy-only run of one draft kind (both deployments, 32 tokens) takes ~4.5 min;
+sampled cells are several times slower (sampling runs on the host), so a device call of 10
+minutes holds one draft kind with both temperatures only in part: the JSON is rewritten after
+every cell, and `--replot` redraws what a cut-short run left.
 """
 
 from __future__ import annotations
