@@ -20,43 +20,53 @@ class TextStream:
         self.ids: list[int] = []
         self.prefix = 0  # ids[prefix:read]: the context chunk, already turned into text
         self.read = 0
-        self.text = ""  # all text decoded so far
+        self.committed = ""  # text up to the clean boundary `read`
+        self.text = ""  # all text shown so far: committed + the settled part after it
         self.streamed = 0  # characters of it already returned as deltas
 
     def _decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
-    def _advance(self) -> None:
-        """Appends the text of the ids since the last step (none while a character is split)."""
+    def _advance(self, final: bool = False) -> None:
+        """Brings `text` up to the ids so far. Text since the last clean boundary (`read`) is
+        shown up to a trailing run of U+FFFD — the bytes of a character still being split,
+        which the next ids may complete — and committed once it ends cleanly (or `final`).
+
+        Bytes E2 82 | AC (two rounds): "…\ufffd" shows "…" and waits; then "…€" commits."""
         if self.tokenizer is None:
             return
         context = self._decode(self.ids[self.prefix : self.read])
-        window = self._decode(self.ids[self.prefix :])
-        if len(window) > len(context) and not window.endswith("\ufffd"):
-            self.text += window[len(context) :]
+        tail = self._decode(self.ids[self.prefix :])[len(context) :]
+        if final or not tail.endswith("\ufffd"):
+            self.committed += tail
+            self.text = self.committed
             self.prefix, self.read = self.read, len(self.ids)
+        else:
+            self.text = self.committed + tail.rstrip("\ufffd")
 
-    def push(self, token_ids: list[int]) -> tuple[list[int], str, bool]:
-        """Adds a round's tokens. Returns (tokens kept, text delta, stop string hit).
+    def push(self, token_ids: list[int], final: bool = False) -> tuple[list[int], str, bool]:
+        """Adds a round's tokens (`final`: the request's last). Returns (tokens kept, text
+        delta, stop string hit).
 
         On a stop hit the tokens are cut after the one that completed the stop string and
         the text is cut before the stop string (as OpenAI-style APIs do).
         """
         kept: list[int] = []
-        for token in token_ids:
+        for n, token in enumerate(token_ids, 1):
             kept.append(token)
             self.ids.append(token)
             if not self.stop:
                 continue
             before = len(self.text)
-            self._advance()  # per token: the cut goes after the token that completes a stop
+            # per token: the cut goes after the token that completes a stop
+            self._advance(final and n == len(token_ids))
             start = max(0, before - self.longest_stop + 1)  # only new text can complete one
             hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
             if hits:
                 self.text = self.text[: min(hits)]
                 return kept, self._delta(), True
-        if not self.stop:
-            self._advance()
+        if not self.stop or (final and not token_ids):
+            self._advance(final)
         return kept, self._delta(), False
 
     def _delta(self) -> str:

@@ -112,7 +112,9 @@ class Frontend:
                 if event.finish_reason == "expired":
                     finished = True
                     raise DeadlineExceededError("deadline passed before admission")
-                tokens, delta, stop_hit = text.push(event.token_ids)
+                tokens, delta, stop_hit = text.push(
+                    event.token_ids, final=event.finish_reason is not None
+                )
                 if tokens:
                     last = self._observe_latency(len(tokens), completion, start, last)
                 completion += len(tokens)
