@@ -1,4 +1,5 @@
-"""A Llama-family decoder in plain torch: RMSNorm, RoPE (with Llama-3 scaling), GQA, SwiGLU.
+"""A Llama-family decoder in plain torch: RMSNorm, RoPE (Llama-3 or linear scaling), GQA, a gated
+MLP (SwiGLU by default), optional projection biases (Qwen2: q/k/v only).
 
 The model knows nothing about caches or batching: every forward takes an `attend` callable,
 bound by the runtime to one batch's KV layout (dense on CPU, paged on GPU), that stores the new
@@ -19,6 +20,16 @@ from torch import Tensor, nn
 # attend(layer_index, q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D]) -> [B, T, Hq, D]
 AttendFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
+# `hidden_act` values of a config, each computed as transformers' ACT2FN computes it.
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,  # erf form
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+
 
 @dataclass(frozen=True, slots=True)
 class ModelArgs:
@@ -34,17 +45,36 @@ class ModelArgs:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     rope_scaling: tuple[tuple[str, Any], ...] = ()  # frozen copy of HF's rope_parameters
+    hidden_act: str = "silu"
+    qkv_bias: bool = False  # Llama's attention_bias sets both; Qwen2 has q/k/v bias only
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None  # Mistral: attention sees only the last N positions
 
     def __post_init__(self) -> None:
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act {self.hidden_act!r} is not implemented "
+                f"(supported: {', '.join(ACTIVATIONS)})"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
 
+    @property
+    def plain(self) -> bool:
+        """Bias-free SwiGLU: the layer the fused GPU path implements."""
+        return self.hidden_act in ("silu", "swish") and not (
+            self.qkv_bias or self.o_bias or self.mlp_bias
+        )
+
     @classmethod
     def from_hf(cls, cfg: Any) -> ModelArgs:
-        """Reads a `transformers` LlamaConfig (v4 `rope_scaling` or v5 `rope_parameters`)."""
+        """Reads a `transformers` Llama, Mistral or Qwen2 config (v4 `rope_scaling` or v5
+        `rope_parameters`). Checking that specpair computes what the config asks is
+        `loading.read_args`'s job, which names the offending key."""
         rope = dict(
             getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
         )
@@ -65,7 +95,21 @@ class ModelArgs:
             max_position_embeddings=cfg.max_position_embeddings,
             tie_word_embeddings=bool(cfg.tie_word_embeddings),
             rope_scaling=tuple(sorted(rope.items())),
+            hidden_act=getattr(cfg, "hidden_act", "silu"),
+            qkv_bias=bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2",
+            o_bias=bool(getattr(cfg, "attention_bias", False)),
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            sliding_window=sliding_window(cfg),
         )
+
+
+def sliding_window(cfg: Any) -> int | None:
+    """The window of a config whose layers slide (Mistral, Qwen2 with use_sliding_window)."""
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if window is None or (layer_types and "sliding_attention" not in layer_types):
+        return None
+    return int(window)
 
 
 def rope_inv_freq(args: ModelArgs) -> Tensor:
@@ -76,8 +120,10 @@ def rope_inv_freq(args: ModelArgs) -> Tensor:
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind is None:
         return inv_freq
+    if kind == "linear":  # position interpolation: every angle divided by `factor`
+        return inv_freq / scaling["factor"]
     if kind != "llama3":
-        raise ValueError(f"unsupported rope_type {kind!r} (supported: default, llama3)")
+        raise ValueError(f"unsupported rope_type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
@@ -120,10 +166,11 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_index = layer_index
         self.n_heads, self.n_kv, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
-        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(args.hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(args.hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=False)
+        hidden, qkv_bias = args.hidden_size, args.qkv_bias
+        self.q_proj = nn.Linear(hidden, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.n_kv * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.n_kv * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=args.o_bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: AttendFn) -> Tensor:
         b, t, _ = x.shape
@@ -138,12 +185,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        hidden, inter, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.act = ACTIVATIONS[args.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

@@ -66,7 +66,7 @@ def build_target(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
 ) -> TargetWorker:
-    model = load_llama(path, dtype=dtype, device=device)
+    model = load_llama(path, dtype=dtype, device=device, context=max_len)
     cache = make_cache(
         model.args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device
     )
@@ -88,13 +88,13 @@ def build_drafter(
     if is_eagle_checkpoint(path):
         if target_path is None:
             raise ValueError(f"{path} is an EAGLE head: the target checkpoint path is required")
-        head = load_eagle(path, target_path, dtype=dtype, device=device)
+        head = load_eagle(path, target_path, dtype=dtype, device=device, context=max_len)
         cache = make_cache(
             head.args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device
         )
         drafter = EagleDrafter(head, cache)
     else:
-        model = load_llama(path, dtype=dtype, device=device)
+        model = load_llama(path, dtype=dtype, device=device, context=max_len)
         cache = make_cache(
             model.args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device
         )

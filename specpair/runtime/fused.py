@@ -130,6 +130,14 @@ class FusedDecoderLayer(nn.Module):
     def __init__(self, layer: DecoderLayer) -> None:
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
+        # The kernels below implement bias-free SwiGLU only; anything else would decode wrong.
+        biases = [name for name, _ in layer.named_parameters() if name.endswith(".bias")]
+        if biases or mlp.act is not F.silu:
+            raise NotImplementedError(
+                "the fused GPU decoder implements bias-free SwiGLU layers only; this model has "
+                f"biases {biases} and activation {getattr(mlp.act, '__name__', mlp.act)!r} "
+                "(serve it on the CPU)"
+            )
         self.layer_index = attn.layer_index
         self.n_q, self.n_kv, self.head_dim = attn.n_heads, attn.n_kv, attn.head_dim
         self.eps = layer.input_layernorm.eps

@@ -8,7 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import LlamaForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from specpair.models.loading import CheckpointError, load_llama
 from specpair.models.tiny import make_tiny_llama
@@ -76,7 +85,7 @@ def test_sharded_checkpoint_loads(tmp_path: Path) -> None:
 def test_other_architecture_is_refused(tmp_path: Path) -> None:
     path = make_tiny_llama(tmp_path / "m", seed=3)
     cfg = json.loads((path / "config.json").read_text())
-    cfg.update(model_type="mistral", architectures=["MistralForCausalLM"])
+    cfg.update(model_type="gemma", architectures=["GemmaForCausalLM"])
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="unsupported architecture"):
         load_llama(path)
@@ -89,3 +98,109 @@ def test_missing_weights_are_reported(tmp_path: Path) -> None:
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"model\.norm\.weight"):
         load_llama(path)
+
+
+def save_random(
+    path: Path, config_cls: type[PretrainedConfig], model_cls: type[PreTrainedModel], **cfg: object
+) -> Path:
+    """A small random checkpoint of any `transformers` causal LM, saved as the Hub has it."""
+    config = config_cls(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        **cfg,
+    )
+    torch.manual_seed(11)
+    model = model_cls(config)
+    with torch.no_grad():  # HF initializes biases to zero, which would test nothing
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("config_cls", "model_cls", "cfg"),
+    [
+        (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
+        (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+        (LlamaConfig, LlamaForCausalLM, {"attention_bias": True, "mlp_bias": True}),
+        (LlamaConfig, LlamaForCausalLM, {"hidden_act": "gelu"}),
+        (LlamaConfig, LlamaForCausalLM, {"hidden_act": "gelu_pytorch_tanh"}),
+        (LlamaConfig, LlamaForCausalLM, {"hidden_act": "relu"}),
+        (LlamaConfig, LlamaForCausalLM, {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    ],
+    ids=["qwen2", "mistral", "llama-biases", "gelu", "gelu-tanh", "relu", "linear-rope"],
+)
+def test_family_logits_match_transformers(
+    tmp_path: Path,
+    config_cls: type[PretrainedConfig],
+    model_cls: type[PreTrainedModel],
+    cfg: dict,
+) -> None:
+    path = save_random(tmp_path / "m", config_cls, model_cls, **cfg)
+    tokens = torch.randint(0, 320, (120,), generator=torch.Generator().manual_seed(0)).tolist()
+    hf = model_cls.from_pretrained(path).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    ours = our_logits_incremental(path, tokens, [100, 1, 19])
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_qwen2_biases_reach_the_model(tmp_path: Path) -> None:
+    """Qwen2 has q/k/v biases and no o_proj bias; each is loaded, none is silently dropped."""
+    path = save_random(tmp_path / "m", Qwen2Config, Qwen2ForCausalLM)
+    attn = load_llama(path).model.layers[0].self_attn
+    assert attn.q_proj.bias is not None and attn.q_proj.bias.abs().sum() > 0
+    assert attn.o_proj.bias is None
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"hidden_act": "quick_gelu"}, r"config\.json: hidden_act 'quick_gelu' is not implemented"),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
+            r"config\.json: rope_scaling type 'yarn' is not implemented",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+            r"config\.json: rope_parameters type 'dynamic'",
+        ),
+    ],
+    ids=["activation", "yarn", "dynamic-v5"],
+)
+def test_unimplemented_config_is_refused_by_key(tmp_path: Path, change: dict, match: str) -> None:
+    path = make_tiny_llama(tmp_path / "m", seed=3, tokenizer=False)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(change)
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=match):
+        load_llama(path)
+
+
+def test_mistral_window_shorter_than_context_is_refused(tmp_path: Path) -> None:
+    path = save_random(tmp_path / "m", MistralConfig, MistralForCausalLM, sliding_window=64)
+    with pytest.raises(CheckpointError, match=r"sliding_window 64 is shorter than .*256 tokens"):
+        load_llama(path)
+    with pytest.raises(CheckpointError, match=r"sliding_window 64 .*100 tokens"):
+        load_llama(path, context=100)
+    tokens = torch.randint(0, 320, (60,), generator=torch.Generator().manual_seed(0)).tolist()
+    model = load_llama(path, context=64)  # the window covers the context: plain attention
+    hf = MistralForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0]
+        cache = DenseKVCache.for_model(model.args, max_requests=1, max_len=64)
+        slot = cache.alloc()
+        hidden = model(
+            torch.tensor([tokens]),
+            torch.arange(60)[None],
+            cache.bind(BatchLayout.causal([slot], [0], [60])),
+        )
+    torch.testing.assert_close(model.logits(hidden)[0], ref, atol=1e-5, rtol=1e-5)
