@@ -28,6 +28,7 @@ from target_service.frontend import (
 )
 from target_service.http_api import HttpServer, OpenAIApp
 from target_service.scheduler import MAX_TREE_NODES, QueueFullError, Scheduler
+from target_service.special_tokens import eos_ids, prompt_bos
 from target_service.validation import InvalidRequestError, request_bytes_limit
 
 log = get_logger(__name__)
@@ -216,9 +217,9 @@ async def start(config: TargetConfig) -> RunningTarget:
         )
     scheduler = await asyncio.to_thread(_build_scheduler, config, metrics)
     frontend.tokenizer = await asyncio.to_thread(load_tokenizer, config.model_path)
-    if config.eos_stop and frontend.tokenizer is not None:
-        eos = frontend.tokenizer.eos_token_id
-        frontend.eos = frozenset() if eos is None else frozenset({int(eos)})
+    if config.eos_stop:
+        frontend.eos = eos_ids(config.model_path, frontend.tokenizer)
+    frontend.bos = prompt_bos(config.model_path, frontend.tokenizer)
     if config.draft_address is not None:
         scheduler.draft = DraftLink(
             config.draft_address,
