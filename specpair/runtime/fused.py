@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specpair.models.llama import AttendFn, DecoderLayer, LlamaBody, RMSNorm
+from specpair.models.loading import CheckpointError
 from specpair.runtime.paged_kv import PagedAttend
 
 _kernels: Any = None
@@ -133,10 +134,10 @@ class FusedDecoderLayer(nn.Module):
         # The kernels below implement bias-free SwiGLU only; anything else would decode wrong.
         biases = [name for name, _ in layer.named_parameters() if name.endswith(".bias")]
         if biases or mlp.act is not F.silu:
-            raise NotImplementedError(
+            raise CheckpointError(
                 "the fused GPU decoder implements bias-free SwiGLU layers only; this model has "
                 f"biases {biases} and activation {getattr(mlp.act, '__name__', mlp.act)!r} "
-                "(serve it on the CPU)"
+                "(serve it with --device cpu)"
             )
         self.layer_index = attn.layer_index
         self.n_q, self.n_kv, self.head_dim = attn.n_heads, attn.n_kv, attn.head_dim
