@@ -4,6 +4,10 @@ Row j of the head's input joins the embedding of token x[j+1] with the target's 
 hidden state f[j] (`fc(cat(embed(x[j+1]), f[j]))`), runs one Llama decoder layer at position j,
 and outputs a prediction of f[j+1]; the target's LM head turns it into draft logits. The head
 reuses the target's embedding and LM head, loaded from the target checkpoint.
+
+Two layouts of the same computation load into it (`loading.eagle_layout`): specpair's own, and
+SafeAILab's EAGLE-1/2 heads as published, whose layer 0 has no input norm (its `fc` output goes
+straight into attention) and whose `fc` has a bias only when config.json's `bias` says so.
 """
 
 from __future__ import annotations
@@ -15,7 +19,14 @@ from specpair.models.llama import AttendFn, DecoderLayer, ModelArgs, rope_cos_si
 
 
 class EagleHead(nn.Module):
-    def __init__(self, args: ModelArgs, target_args: ModelArgs) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        target_args: ModelArgs,
+        *,
+        fc_bias: bool = True,
+        input_norm: bool = True,
+    ) -> None:
         super().__init__()
         if args.hidden_size != target_args.hidden_size or args.vocab_size != target_args.vocab_size:
             raise ValueError(
@@ -27,8 +38,8 @@ class EagleHead(nn.Module):
         hidden = args.hidden_size
         self.embed_tokens = nn.Embedding(args.vocab_size, hidden)  # the target's
         self.lm_head = nn.Linear(hidden, args.vocab_size, bias=False)  # the target's
-        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
-        self.layers = nn.ModuleList([DecoderLayer(args, 0)])
+        self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
+        self.layers = nn.ModuleList([DecoderLayer(args, 0, input_norm=input_norm)])
         self.inv_freq: Tensor
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 

@@ -196,9 +196,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer_index: int) -> None:
+    def __init__(self, args: ModelArgs, layer_index: int, *, input_norm: bool = True) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        # EAGLE-1/2 heads as published skip the input norm of their layer 0 (`eagle.py`).
+        self.input_layernorm: nn.Module = (
+            RMSNorm(args.hidden_size, args.rms_norm_eps) if input_norm else nn.Identity()
+        )
         self.self_attn = Attention(args, layer_index)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)

@@ -86,9 +86,20 @@ def check_context(path: str | Path, args: ModelArgs, context: int) -> None:
         )
 
 
+def eagle_layout(path: str | Path) -> str | None:
+    """ "specpair" (our own head), "eagle" (SafeAILab's EAGLE-1/2 head as published: `fc` and
+    `layers.0.*`, no `model.*` prefix, a Llama config) or None (not an EAGLE head)."""
+    path = Path(path)
+    if EAGLE_ARCHITECTURE in (_read_json(path / "config.json").get("architectures") or []):
+        return "specpair"
+    names = weight_names(path)
+    if "fc.weight" in names and not any(n.startswith("model.") for n in names):
+        return "eagle"
+    return None
+
+
 def is_eagle_checkpoint(path: str | Path) -> bool:
-    cfg = _read_json(Path(path) / "config.json")
-    return EAGLE_ARCHITECTURE in (cfg.get("architectures") or [])
+    return eagle_layout(path) is not None
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -120,6 +131,26 @@ def weight_files(path: Path) -> list[Path]:
             else ")"
         )
     )
+
+
+def weight_names(path: Path) -> set[str]:
+    """The tensor names of a checkpoint, read from its index or file headers (cheap)."""
+    files = weight_files(path)
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (path / index).is_file():
+            return set(_read_json(path / index)["weight_map"])
+    if files[0].suffix == ".bin":
+        return {name for file in files for name in _read_file(file, None)}
+    names: set[str] = set()
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                names.update(f.keys())
+        except Exception as exc:
+            raise CheckpointError(
+                f"{file}: unreadable weights ({type(exc).__name__}: {exc})"
+            ) from None
+    return names
 
 
 def _read_file(file: Path, wanted: set[str] | None) -> dict[str, torch.Tensor]:
@@ -194,19 +225,30 @@ def load_eagle(
     device: str | torch.device = "cpu",
     context: int | None = None,
 ) -> EagleHead:
-    """The EAGLE head at `path`, with the embedding and LM head of the target at `target_path`."""
+    """The EAGLE head at `path` (either layout of `eagle_layout`), with the LM head of the
+    target at `target_path` and its embedding unless the head brings its own."""
     path, target_path = Path(path), Path(target_path)
     args, target_args = read_args(path, allow_eagle=True), read_args(target_path)
     check_context(path, args, context or args.max_position_embeddings)
-    if not is_eagle_checkpoint(path):
+    layout = eagle_layout(path)
+    if layout is None:
         raise CheckpointError(
-            f"{path}: not an EAGLE head (architectures lacks {EAGLE_ARCHITECTURE})"
+            f"{path}: not an EAGLE head (neither architectures [{EAGLE_ARCHITECTURE!r}] in "
+            "config.json nor the fc / layers.0 weights of a published EAGLE-1/2 head)"
         )
-    with torch.device("meta"):
-        head = EagleHead(args, target_args)
-    tensors = read_tensors(path)
+    public = layout == "eagle"
+    # SafeAILab's ea_model.py: `bias = config["bias"]`, True where the key is absent.
+    fc_bias = bool(_read_json(path / "config.json").get("bias", True)) if public else True
+    try:
+        with torch.device("meta"):
+            head = EagleHead(args, target_args, fc_bias=fc_bias, input_norm=not public)
+    except ValueError as exc:
+        raise CheckpointError(f"{path / 'config.json'}: {exc}") from None
+    # Older heads saved the rotary buffer; the frequencies are recomputed from the config.
+    tensors = {k: v for k, v in read_tensors(path).items() if not k.endswith("rotary_emb.inv_freq")}
     shared = read_tensors(target_path, {"model.embed_tokens.weight", "lm_head.weight"})
-    tensors["embed_tokens.weight"] = shared["model.embed_tokens.weight"]
+    # A published head may carry the embedding it was trained with; SafeAILab's code uses it.
+    tensors.setdefault("embed_tokens.weight", shared["model.embed_tokens.weight"])
     tensors["lm_head.weight"] = shared.get("lm_head.weight", shared["model.embed_tokens.weight"])
     _load_into(head, {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}, path)
     head.inv_freq = rope_inv_freq(args).to(device)

@@ -141,8 +141,9 @@ class FusedDecoderLayer(nn.Module):
             )
         self.layer_index = attn.layer_index
         self.n_q, self.n_kv, self.head_dim = attn.n_heads, attn.n_kv, attn.head_dim
-        self.eps = layer.input_layernorm.eps
-        self.input_norm = layer.input_layernorm.weight
+        self.eps = layer.post_attention_layernorm.eps
+        norm = layer.input_layernorm
+        self.input_norm = norm.weight if isinstance(norm, RMSNorm) else None  # None: EAGLE-1/2
         self.post_norm = layer.post_attention_layernorm.weight
         with torch.no_grad():
             qkv = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
@@ -160,11 +161,12 @@ class FusedDecoderLayer(nn.Module):
         shape = x.x.shape if isinstance(x, Pending) else x.shape
         b, t, h = shape
         n, d = b * t, self.head_dim
-        if isinstance(x, Pending):
+        if isinstance(x, Pending):  # inside a LlamaBody, whose layers all have an input norm
+            assert self.input_norm is not None
             resid, normed = add_rmsnorm(x.x.reshape(n, h), x.delta, self.input_norm, self.eps)
         else:
             resid = x.reshape(n, h)
-            normed = rmsnorm(resid, self.input_norm, self.eps)
+            normed = resid if self.input_norm is None else rmsnorm(resid, self.input_norm, self.eps)
         qkv = linear_parts(normed, self.qkv)
         out = self._attention(qkv, cos.reshape(n, d), sin.reshape(n, d), attend, b, t)
         resid, normed = add_rmsnorm(
