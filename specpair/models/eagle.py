@@ -15,7 +15,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from specpair.models.llama import AttendFn, DecoderLayer, ModelArgs, rope_cos_sin, rope_inv_freq
+from specpair.models.llama import (
+    AttendFn,
+    DecoderLayer,
+    ModelArgs,
+    rope_cos_sin,
+    rope_inv_freq,
+    rope_scale,
+)
 
 
 class EagleHead(nn.Module):
@@ -42,13 +49,14 @@ class EagleHead(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(args, 0, input_norm=input_norm)])
         self.inv_freq: Tensor
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.rope_scale = rope_scale(args)
 
     def forward(
         self, tokens: Tensor, features: Tensor, positions: Tensor, attend: AttendFn
     ) -> Tensor:
         # tokens: [B, T] (x[j+1]), features: [B, T, H] (f[j]), positions: [B, T] (j) -> [B, T, H]
         x = self.fc(torch.cat((self.embed_tokens(tokens), features.to(self.fc.weight.dtype)), -1))
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype, self.rope_scale)
         return self.layers[0](x, cos, sin, attend)
 
     def logits(self, hidden: Tensor) -> Tensor:

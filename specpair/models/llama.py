@@ -1,5 +1,5 @@
-"""A Llama-family decoder in plain torch: RMSNorm, RoPE (Llama-3 or linear scaling), GQA, a gated
-MLP (SwiGLU by default), optional projection biases (Qwen2: q/k/v only).
+"""A Llama-family decoder in plain torch: RMSNorm, RoPE (Llama-3, linear or YaRN scaling), GQA,
+a gated MLP (SwiGLU by default), optional projection biases (Qwen2: q/k/v only).
 
 The model knows nothing about caches or batching: every forward takes an `attend` callable,
 bound by the runtime to one batch's KV layout (dense on CPU, paged on GPU), that stores the new
@@ -28,7 +28,7 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
 }
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +122,8 @@ def rope_inv_freq(args: ModelArgs) -> Tensor:
         return inv_freq
     if kind == "linear":  # position interpolation: every angle divided by `factor`
         return inv_freq / scaling["factor"]
+    if kind == "yarn":
+        return _yarn(args)[0]
     if kind != "llama3":
         raise ValueError(f"unsupported rope_type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
     factor = scaling["factor"]
@@ -136,11 +138,49 @@ def rope_inv_freq(args: ModelArgs) -> Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    # positions: [B, T] -> cos, sin: [B, T, 1, D] (broadcast over heads)
+def rope_scale(args: ModelArgs) -> float:
+    """The factor on cos and sin: YaRN's attention factor (scales q·k by its square), else 1."""
+    return _yarn(args)[1] if dict(args.rope_scaling).get("rope_type") == "yarn" else 1.0
+
+
+def _yarn(args: ModelArgs) -> tuple[Tensor, float]:
+    """YaRN (arXiv 2309.00071) as `transformers` computes it: dimensions that turn fewer than
+    `beta_slow` times over the original context are interpolated (divided by `factor`), more
+    than `beta_fast` times kept, a linear ramp between; cos/sin are scaled by an attention
+    factor, 0.1 ln(factor) + 1 unless given."""
+    s, dim, base = dict(args.rope_scaling), args.head_dim, args.rope_theta
+    old_len = s["original_max_position_embeddings"]
+    factor = s.get("factor") or args.max_position_embeddings / old_len
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    attention = s.get("attention_factor")
+    if attention is None:
+        both = s.get("mscale") and s.get("mscale_all_dim")
+        attention = mscale(s["mscale"]) / mscale(s["mscale_all_dim"]) if both else mscale()
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(s.get("beta_fast") or 32), dim_of(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low or 0.001)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    return ramp / (factor * pos_freqs) + (1 - ramp) / pos_freqs, float(attention)
+
+
+def rope_cos_sin(
+    inv_freq: Tensor, positions: Tensor, dtype: torch.dtype, scale: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    # positions: [B, T] -> cos, sin: [B, T, 1, D] (broadcast over heads); scale: `rope_scale`
     freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    if scale == 1.0:
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -233,6 +273,7 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.inv_freq: Tensor
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.rope_scale = rope_scale(args)
 
     def forward(self, tokens: Tensor, positions: Tensor, attend: AttendFn) -> Tensor:
         # tokens, positions: [B, T] -> hidden: [B, T, H]
@@ -240,7 +281,7 @@ class LlamaModel(nn.Module):
         return self.run_layers(x, positions, attend)
 
     def run_layers(self, x: Tensor, positions: Tensor, attend: AttendFn) -> Tensor:
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype, self.rope_scale)
         for layer in self.model.layers:
             x = layer(x, cos, sin, attend)
         return self.model.norm(x)

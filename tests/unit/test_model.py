@@ -32,6 +32,10 @@ LLAMA3_ROPE = {
     "rope_theta": 10000.0,
 }
 
+# YaRN over 4x the original 64 positions: the 120-token test spans both the kept and the
+# interpolated band of dimensions.
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
 
 def our_logits_incremental(path: Path, tokens: list[int], chunks: list[int]) -> torch.Tensor:
     """Runs `tokens` through our model in chunks (prefill then incremental), returns logits."""
@@ -135,8 +139,30 @@ def save_random(
         (LlamaConfig, LlamaForCausalLM, {"hidden_act": "gelu_pytorch_tanh"}),
         (LlamaConfig, LlamaForCausalLM, {"hidden_act": "relu"}),
         (LlamaConfig, LlamaForCausalLM, {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+        (LlamaConfig, LlamaForCausalLM, {"rope_scaling": YARN}),
+        (
+            LlamaConfig,
+            LlamaForCausalLM,
+            {"rope_scaling": {**YARN, "beta_fast": 8, "truncate": False, "attention_factor": 1.3}},
+        ),
+        (
+            Qwen2Config,
+            Qwen2ForCausalLM,
+            {"rope_scaling": {**YARN, "mscale": 2, "mscale_all_dim": 1}},
+        ),
     ],
-    ids=["qwen2", "mistral", "llama-biases", "gelu", "gelu-tanh", "relu", "linear-rope"],
+    ids=[
+        "qwen2",
+        "mistral",
+        "llama-biases",
+        "gelu",
+        "gelu-tanh",
+        "relu",
+        "linear-rope",
+        "yarn",
+        "yarn-untruncated",
+        "yarn-mscale",
+    ],
 )
 def test_family_logits_match_transformers(
     tmp_path: Path,
@@ -166,15 +192,15 @@ def test_qwen2_biases_reach_the_model(tmp_path: Path) -> None:
     [
         ({"hidden_act": "quick_gelu"}, r"config\.json: hidden_act 'quick_gelu' is not implemented"),
         (
-            {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
-            r"config\.json: rope_scaling type 'yarn' is not implemented",
+            {"rope_scaling": {"rope_type": "longrope", "factor": 2.0}},
+            r"config\.json: rope_scaling type 'longrope' is not implemented",
         ),
         (
             {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
             r"config\.json: rope_parameters type 'dynamic'",
         ),
     ],
-    ids=["activation", "yarn", "dynamic-v5"],
+    ids=["activation", "longrope", "dynamic-v5"],
 )
 def test_unimplemented_config_is_refused_by_key(tmp_path: Path, change: dict, match: str) -> None:
     path = make_tiny_llama(tmp_path / "m", seed=3, tokenizer=False)
