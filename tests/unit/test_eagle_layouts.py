@@ -132,3 +132,18 @@ def test_config_bias_without_fc_bias_is_refused(tmp_path: Path) -> None:
     (path / "config.json").write_text(json.dumps({**cfg, "bias": True}))
     with pytest.raises(CheckpointError, match=r"missing \['fc\.bias'\]"):
         load_eagle(path, target)
+
+
+def test_draft_kind_must_match_the_checkpoint(tmp_path: Path) -> None:
+    from draft_service.rounds import DraftRounds
+    from specpair.config import DraftConfig, ServerConfig
+
+    target = make_tiny_llama(tmp_path / "target", seed=1, tokenizer=False)
+    head = public_head(tmp_path / "head", target, bias=True, own_embed=False, fmt="bin")
+    server = ServerConfig("127.0.0.1:0")
+    with pytest.raises(CheckpointError, match=r"head: an EAGLE head, but --draft-kind is 'model'"):
+        DraftRounds(DraftConfig(server, head))
+    with pytest.raises(CheckpointError, match=r"target: not an EAGLE head, but --draft-kind is"):
+        DraftRounds(DraftConfig(server, target, draft_kind="eagle", target_path=target))
+    rounds = DraftRounds(DraftConfig(server, head, draft_kind="eagle", target_path=target))
+    assert isinstance(rounds.drafter, EagleDrafter)
