@@ -12,7 +12,14 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from specpair.models.eagle import EagleHead
-from specpair.models.llama import ACTIVATIONS, ROPE_TYPES, LlamaModel, ModelArgs, rope_inv_freq
+from specpair.models.llama import (
+    ACTIVATIONS,
+    ROPE_TYPES,
+    LlamaModel,
+    ModelArgs,
+    rope_inv_freq,
+    rope_scale,
+)
 
 EAGLE_ARCHITECTURE = "SpecpairEagleHead"
 # model_type -> the architecture it is served as; each is a Llama decoder (Qwen2 adds q/k/v
@@ -70,9 +77,12 @@ def read_args(path: str | Path, *, allow_eagle: bool = False) -> ModelArgs:
             )
     try:
         cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-        return ModelArgs.from_hf(cfg)
+        args = ModelArgs.from_hf(cfg)
+        rope_inv_freq(args)  # a rope config lacking a key fails here, with the file named
+        rope_scale(args)
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise CheckpointError(f"{file}: {exc}") from None
+        raise CheckpointError(f"{file}: {type(exc).__name__}: {exc}") from None
+    return args
 
 
 def check_context(path: str | Path, args: ModelArgs, context: int) -> None:

@@ -199,8 +199,12 @@ def test_qwen2_biases_reach_the_model(tmp_path: Path) -> None:
             {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
             r"config\.json: rope_parameters type 'dynamic'",
         ),
+        (
+            {"rope_scaling": {k: v for k, v in LLAMA3_ROPE.items() if k != "low_freq_factor"}},
+            r"config\.json: KeyError: .*low_freq_factor",
+        ),
     ],
-    ids=["activation", "longrope", "dynamic-v5"],
+    ids=["activation", "longrope", "dynamic-v5", "llama3-without-factor"],
 )
 def test_unimplemented_config_is_refused_by_key(tmp_path: Path, change: dict, match: str) -> None:
     path = make_tiny_llama(tmp_path / "m", seed=3, tokenizer=False)
@@ -230,3 +234,14 @@ def test_mistral_window_shorter_than_context_is_refused(tmp_path: Path) -> None:
             cache.bind(BatchLayout.causal([slot], [0], [60])),
         )
     torch.testing.assert_close(model.logits(hidden)[0], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_qwen2_sliding_layers_are_refused(tmp_path: Path) -> None:
+    """Qwen2 slides only where use_sliding_window is set, from layer max_window_layers on."""
+    window = {"use_sliding_window": True, "sliding_window": 32}
+    path = save_random(tmp_path / "a", Qwen2Config, Qwen2ForCausalLM, **window, max_window_layers=1)
+    with pytest.raises(CheckpointError, match=r"sliding_window 32 is shorter"):
+        load_llama(path, context=64)
+    # Every layer below max_window_layers attends fully: nothing slides, nothing to refuse.
+    path = save_random(tmp_path / "b", Qwen2Config, Qwen2ForCausalLM, **window, max_window_layers=2)
+    assert load_llama(path, context=64).args.sliding_window is None
