@@ -63,13 +63,6 @@ class ModelArgs:
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
 
-    @property
-    def plain(self) -> bool:
-        """Bias-free SwiGLU: the layer the fused GPU path implements."""
-        return self.hidden_act in ("silu", "swish") and not (
-            self.qkv_bias or self.o_bias or self.mlp_bias
-        )
-
     @classmethod
     def from_hf(cls, cfg: Any) -> ModelArgs:
         """Reads a `transformers` Llama, Mistral or Qwen2 config (v4 `rope_scaling` or v5

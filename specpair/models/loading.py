@@ -97,8 +97,8 @@ def check_context(path: str | Path, args: ModelArgs, context: int) -> None:
 
 
 def eagle_layout(path: str | Path) -> str | None:
-    """ "specpair" (our own head), "eagle" (SafeAILab's EAGLE-1/2 head as published: `fc` and
-    `layers.0.*`, no `model.*` prefix, a Llama config) or None (not an EAGLE head)."""
+    """Which EAGLE head `path` holds: "specpair" (our own), "eagle" (SafeAILab's EAGLE-1/2 head
+    as published: `fc` and `layers.0.*`, no `model.*` prefix, a Llama config) or None."""
     path = Path(path)
     if EAGLE_ARCHITECTURE in (_read_json(path / "config.json").get("architectures") or []):
         return "specpair"
@@ -146,10 +146,11 @@ def weight_files(path: Path) -> list[Path]:
 def weight_names(path: Path) -> set[str]:
     """The tensor names of a checkpoint, read from its index or file headers (cheap)."""
     files = weight_files(path)
-    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        if (path / index).is_file():
-            return set(_read_json(path / index)["weight_map"])
-    if files[0].suffix == ".bin":
+    bin_files = files[0].suffix == ".bin"
+    index = path / ("pytorch_model.bin.index.json" if bin_files else "model.safetensors.index.json")
+    if index.is_file():  # weight_files checked its weight_map
+        return set(_read_json(index)["weight_map"])
+    if bin_files:
         return {name for file in files for name in _read_file(file, None)}
     names: set[str] = set()
     for file in files:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specpair.models.loading import CheckpointError, load_llama
+from specpair.models.loading import CheckpointError, load_llama, weight_names
 from specpair.models.tiny import make_tiny_llama
 
 
@@ -44,6 +44,7 @@ def test_safetensors_index_loads_only_listed_shards(tiny: tuple) -> None:
     # match the architecture.
     save_file({"model.stale.weight": torch.zeros(2)}, str(path / "model-old.safetensors"))
     assert_loaded(path, tensors)
+    assert weight_names(path) == set(tensors)
     (path / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"index\.json: lists model-00002-of-00002"):
         load_llama(path)
@@ -67,6 +68,7 @@ def test_pytorch_model_bin_loads(tiny: tuple) -> None:
     (path / "model.safetensors").unlink()
     torch.save(tensors, path / "pytorch_model.bin")
     assert_loaded(path, tensors)
+    assert weight_names(path) == set(tensors)
 
 
 def test_sharded_bin_loads_through_its_index(tiny: tuple) -> None:
@@ -80,6 +82,7 @@ def test_sharded_bin_loads_through_its_index(tiny: tuple) -> None:
     (path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
     torch.save({"junk": torch.zeros(1)}, path / "pytorch_model-unlisted.bin")
     assert_loaded(path, tensors)
+    assert weight_names(path) == set(tensors)
 
 
 def test_bin_with_code_is_refused(tiny: tuple) -> None:
