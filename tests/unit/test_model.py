@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from specpair.models.loading import CheckpointError, load_llama
-from specpair.models.tiny import make_tiny_llama
+from specpair.models.tiny import make_tiny_family, make_tiny_llama
 from specpair.runtime.kv_cache import BatchLayout, DenseKVCache
 
 LLAMA3_ROPE = {
@@ -104,31 +104,6 @@ def test_missing_weights_are_reported(tmp_path: Path) -> None:
         load_llama(path)
 
 
-def save_random(
-    path: Path, config_cls: type[PretrainedConfig], model_cls: type[PreTrainedModel], **cfg: object
-) -> Path:
-    """A small random checkpoint of any `transformers` causal LM, saved as the Hub has it."""
-    config = config_cls(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-        **cfg,
-    )
-    torch.manual_seed(11)
-    model = model_cls(config)
-    with torch.no_grad():  # HF initializes biases to zero, which would test nothing
-        for name, param in model.named_parameters():
-            if name.endswith(".bias"):
-                param.normal_(0, 0.1)
-    model.save_pretrained(path)
-    return path
-
-
 @pytest.mark.parametrize(
     ("config_cls", "model_cls", "cfg"),
     [
@@ -170,7 +145,7 @@ def test_family_logits_match_transformers(
     model_cls: type[PreTrainedModel],
     cfg: dict,
 ) -> None:
-    path = save_random(tmp_path / "m", config_cls, model_cls, **cfg)
+    path = make_tiny_family(tmp_path / "m", config_cls, model_cls, seed=11, **cfg)
     tokens = torch.randint(0, 320, (120,), generator=torch.Generator().manual_seed(0)).tolist()
     hf = model_cls.from_pretrained(path).eval()
     with torch.no_grad():
@@ -181,7 +156,7 @@ def test_family_logits_match_transformers(
 
 def test_qwen2_biases_reach_the_model(tmp_path: Path) -> None:
     """Qwen2 has q/k/v biases and no o_proj bias; each is loaded, none is silently dropped."""
-    path = save_random(tmp_path / "m", Qwen2Config, Qwen2ForCausalLM)
+    path = make_tiny_family(tmp_path / "m", Qwen2Config, Qwen2ForCausalLM, seed=11)
     attn = load_llama(path).model.layers[0].self_attn
     assert attn.q_proj.bias is not None and attn.q_proj.bias.abs().sum() > 0
     assert attn.o_proj.bias is None
@@ -216,7 +191,9 @@ def test_unimplemented_config_is_refused_by_key(tmp_path: Path, change: dict, ma
 
 
 def test_mistral_window_shorter_than_context_is_refused(tmp_path: Path) -> None:
-    path = save_random(tmp_path / "m", MistralConfig, MistralForCausalLM, sliding_window=64)
+    path = make_tiny_family(
+        tmp_path / "m", MistralConfig, MistralForCausalLM, seed=11, sliding_window=64
+    )
     with pytest.raises(CheckpointError, match=r"sliding_window 64 is shorter than .*256 tokens"):
         load_llama(path)
     with pytest.raises(CheckpointError, match=r"sliding_window 64 .*100 tokens"):
@@ -239,9 +216,13 @@ def test_mistral_window_shorter_than_context_is_refused(tmp_path: Path) -> None:
 def test_qwen2_sliding_layers_are_refused(tmp_path: Path) -> None:
     """Qwen2 slides only where use_sliding_window is set, from layer max_window_layers on."""
     window = {"use_sliding_window": True, "sliding_window": 32}
-    path = save_random(tmp_path / "a", Qwen2Config, Qwen2ForCausalLM, **window, max_window_layers=1)
+    path = make_tiny_family(
+        tmp_path / "a", Qwen2Config, Qwen2ForCausalLM, seed=11, **window, max_window_layers=1
+    )
     with pytest.raises(CheckpointError, match=r"sliding_window 32 is shorter"):
         load_llama(path, context=64)
     # Every layer below max_window_layers attends fully: nothing slides, nothing to refuse.
-    path = save_random(tmp_path / "b", Qwen2Config, Qwen2ForCausalLM, **window, max_window_layers=2)
+    path = make_tiny_family(
+        tmp_path / "b", Qwen2Config, Qwen2ForCausalLM, seed=11, **window, max_window_layers=2
+    )
     assert load_llama(path, context=64).args.sliding_window is None
