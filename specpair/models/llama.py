@@ -106,11 +106,11 @@ def sliding_window(cfg: Any) -> int | None:
 
 
 def rope_inv_freq(args: ModelArgs) -> Tensor:
-    """Inverse frequencies [head_dim / 2], with Llama-3 long-context scaling when configured."""
+    """Inverse frequencies [head_dim / 2], with the configured scaling (`ROPE_TYPES`)."""
     dim = args.head_dim
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = dict(args.rope_scaling)
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = rope_type(args)
     if kind is None:
         return inv_freq
     if kind == "linear":  # position interpolation: every angle divided by `factor`
@@ -133,7 +133,14 @@ def rope_inv_freq(args: ModelArgs) -> Tensor:
 
 def rope_scale(args: ModelArgs) -> float:
     """The factor on cos and sin: YaRN's attention factor (scales q·k by its square), else 1."""
-    return _yarn(args)[1] if dict(args.rope_scaling).get("rope_type") == "yarn" else 1.0
+    return _yarn(args)[1] if rope_type(args) == "yarn" else 1.0
+
+
+def rope_type(args: ModelArgs) -> str | None:
+    """None (plain RoPE) or the scaling: v5 configs say `rope_type`, Llama-2 era ones `type`."""
+    scaling = dict(args.rope_scaling)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    return None if kind is None else str(kind)
 
 
 def _yarn(args: ModelArgs) -> tuple[Tensor, float]:
