@@ -91,8 +91,8 @@ def check_context(path: str | Path, args: ModelArgs, context: int) -> None:
     if args.sliding_window is not None and args.sliding_window < context:
         raise CheckpointError(
             f"{Path(path) / 'config.json'}: sliding_window {args.sliding_window} is shorter than "
-            f"the served context ({context} tokens); serve with --max-len at most "
-            f"{args.sliding_window} or use a checkpoint without a window"
+            f"the served context ({context} tokens: --max-len, on the target plus room for a "
+            "draft tree); lower --max-len or use a checkpoint without a window"
         )
 
 
