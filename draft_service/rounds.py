@@ -12,6 +12,7 @@ import torch
 
 from specpair.config import DraftConfig
 from specpair.logging import get_logger
+from specpair.models.loading import CheckpointError, eagle_layout
 from specpair.proto.v1 import common_pb2, draft_pb2
 from specpair.runtime.build import build_drafter
 from specpair.runtime.draft import Drafter, DraftInput
@@ -31,6 +32,13 @@ class DraftRounds:
     def __init__(self, config: DraftConfig) -> None:
         self.config = config
         log.info("loading draft weights", path=str(config.model_path), kind=config.draft_kind)
+        layout = eagle_layout(config.model_path)
+        if (layout is not None) != (config.draft_kind == "eagle"):
+            what = "an EAGLE head" if layout else "not an EAGLE head"
+            raise CheckpointError(
+                f"{config.model_path}: {what}, but --draft-kind is {config.draft_kind!r} "
+                "(an EAGLE head is served with --draft-kind eagle --target-model TARGET)"
+            )
         self.drafter: Drafter = build_drafter(
             config.model_path,
             target_path=config.target_path if config.draft_kind == "eagle" else None,

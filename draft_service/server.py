@@ -125,7 +125,11 @@ async def start(config: DraftConfig) -> RunningDraft:
         metrics.serve(*split_address(config.server.metrics_address))
     await server.start()
     log.info("draft service listening", address=config.server.address, port=server.port)
-    rounds = await asyncio.to_thread(DraftRounds, config)
+    try:
+        rounds = await asyncio.to_thread(DraftRounds, config)
+    except BaseException:
+        await server.stop(0)  # on this loop: see target_service.server.start
+        raise
     servicer.rounds = rounds
     await server.ready()
     log.info("draft service ready", tiers=list(rounds.states), kind=config.draft_kind)

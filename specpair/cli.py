@@ -245,6 +245,7 @@ async def _serve(config: Any) -> None:
 
 def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specpair.logging import configure_logging
+    from specpair.models.loading import CheckpointError
     from specpair.serving import BindError
 
     try:
@@ -257,7 +258,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
             asyncio.run(_serve(config))
-    except BindError as exc:
+    except (BindError, CheckpointError) as exc:  # the user's to fix: one line, no traceback
         print(f"{parser.prog} serve {args.service}: error: {exc}", file=sys.stderr)
         return 1
     return 0

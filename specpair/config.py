@@ -145,7 +145,7 @@ class TargetConfig:
     dtype: str = "float32"
     threads: int = 0  # intra-op threads of the compute thread; 0: half the cores (see below)
     busy_poll_ms: float | None = None  # None: see busy_poll_s
-    eos_stop: bool = True  # stop at the tokenizer's end-of-text token
+    eos_stop: bool = True  # stop at the eos ids of generation_config.json and the tokenizer
     http_address: str = ""  # HOST:PORT of the OpenAI-compatible HTTP API; "" disables it
 
     def __post_init__(self) -> None:

@@ -50,7 +50,8 @@ class Frontend:
         self.metrics = metrics
         self.scheduler: Scheduler | None = None  # set once the model and states are built
         self.tokenizer: Any = None
-        self.eos: frozenset[int] = frozenset()
+        self.eos: frozenset[int] = frozenset()  # end every generation (`eos_ids`)
+        self.bos: int | None = None  # starts every text prompt (`prompt_bos`)
         self._ids = itertools.count()
 
     def ready(self) -> Scheduler:
@@ -78,6 +79,7 @@ class Frontend:
             tokenizer=self.tokenizer,
             vocab_size=scheduler.worker.model.args.vocab_size,
             max_len=self.config.max_len,
+            bos=self.bos,
         )
         # Tokenizing takes milliseconds per 10 KB of text: on the loop it would stall every
         # stream, so text (a prompt, or chat messages to template) goes to a worker thread.

@@ -14,6 +14,7 @@ import torch
 from specpair.config import TargetConfig, busy_poll_s, compute_threads, split_address
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
+from specpair.models.loading import CheckpointError
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
 from specpair.runtime import state as runtime_state
 from specpair.runtime.build import build_target
@@ -28,6 +29,7 @@ from target_service.frontend import (
 )
 from target_service.http_api import HttpServer, OpenAIApp
 from target_service.scheduler import MAX_TREE_NODES, QueueFullError, Scheduler
+from target_service.special_tokens import eos_ids, prompt_bos
 from target_service.validation import InvalidRequestError, request_bytes_limit
 
 log = get_logger(__name__)
@@ -42,7 +44,13 @@ def load_tokenizer(path: Any) -> Any:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # a library's internals would not tell the user which file
+        raise CheckpointError(
+            f"{Path(path) / 'tokenizer.json'}: cannot load the tokenizer ({type(exc).__name__}: "
+            f"{exc})"
+        ) from None
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -214,11 +222,22 @@ async def start(config: TargetConfig) -> RunningTarget:
         log.info(
             "OpenAI-compatible HTTP API listening", address=config.http_address, port=http.port
         )
-    scheduler = await asyncio.to_thread(_build_scheduler, config, metrics)
-    frontend.tokenizer = await asyncio.to_thread(load_tokenizer, config.model_path)
-    if config.eos_stop and frontend.tokenizer is not None:
-        eos = frontend.tokenizer.eos_token_id
-        frontend.eos = frozenset() if eos is None else frozenset({int(eos)})
+    scheduler: Scheduler | None = None
+    try:
+        scheduler = await asyncio.to_thread(_build_scheduler, config, metrics)
+        frontend.tokenizer = await asyncio.to_thread(load_tokenizer, config.model_path)
+        if config.eos_stop:
+            frontend.eos = eos_ids(config.model_path, frontend.tokenizer)
+        frontend.bos = prompt_bos(config.model_path, frontend.tokenizer)
+    except BaseException:
+        # Close the listeners on this loop: left to the garbage collector, grpc schedules
+        # their shutdown on a closed loop and prints a second traceback after the real error.
+        if http is not None:
+            await http.stop()
+        await server.stop(0)
+        if scheduler is not None:
+            scheduler.compute.shutdown()
+        raise
     if config.draft_address is not None:
         scheduler.draft = DraftLink(
             config.draft_address,

@@ -36,8 +36,15 @@ class ValidRequest:
 
 
 def validate_generate(
-    request: target_pb2.GenerateRequest, *, tokenizer: Any, vocab_size: int, max_len: int
+    request: target_pb2.GenerateRequest,
+    *,
+    tokenizer: Any,
+    vocab_size: int,
+    max_len: int,
+    bos: int | None = None,
 ) -> ValidRequest:
+    """`bos` (from `special_tokens.prompt_bos`) starts a text prompt; token ids are taken as
+    sent, and a chat template writes its own."""
     if request.messages:
         if request.prompt or request.prompt_token_ids:
             raise InvalidRequestError("messages: give either messages or a prompt, not both")
@@ -63,6 +70,8 @@ def validate_generate(
                 f"{max_len} tokens"
             )
         ids = list(tokenizer.encode(request.prompt, add_special_tokens=False))
+        if bos is not None:
+            ids.insert(0, bos)
     else:
         raise InvalidRequestError("prompt: empty (give prompt text or prompt_token_ids)")
     if not ids:

@@ -4,6 +4,10 @@ Row j of the head's input joins the embedding of token x[j+1] with the target's 
 hidden state f[j] (`fc(cat(embed(x[j+1]), f[j]))`), runs one Llama decoder layer at position j,
 and outputs a prediction of f[j+1]; the target's LM head turns it into draft logits. The head
 reuses the target's embedding and LM head, loaded from the target checkpoint.
+
+Two layouts of the same computation load into it (`loading.eagle_layout`): specpair's own, and
+SafeAILab's EAGLE-1/2 heads as published, whose layer 0 has no input norm (its `fc` output goes
+straight into attention) and whose `fc` has a bias only when config.json's `bias` says so.
 """
 
 from __future__ import annotations
@@ -11,11 +15,25 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from specpair.models.llama import AttendFn, DecoderLayer, ModelArgs, rope_cos_sin, rope_inv_freq
+from specpair.models.llama import (
+    AttendFn,
+    DecoderLayer,
+    ModelArgs,
+    rope_cos_sin,
+    rope_inv_freq,
+    rope_scale,
+)
 
 
 class EagleHead(nn.Module):
-    def __init__(self, args: ModelArgs, target_args: ModelArgs) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        target_args: ModelArgs,
+        *,
+        fc_bias: bool = True,
+        input_norm: bool = True,
+    ) -> None:
         super().__init__()
         if args.hidden_size != target_args.hidden_size or args.vocab_size != target_args.vocab_size:
             raise ValueError(
@@ -27,17 +45,18 @@ class EagleHead(nn.Module):
         hidden = args.hidden_size
         self.embed_tokens = nn.Embedding(args.vocab_size, hidden)  # the target's
         self.lm_head = nn.Linear(hidden, args.vocab_size, bias=False)  # the target's
-        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
-        self.layers = nn.ModuleList([DecoderLayer(args, 0)])
+        self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
+        self.layers = nn.ModuleList([DecoderLayer(args, 0, input_norm=input_norm)])
         self.inv_freq: Tensor
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.rope_scale = rope_scale(args)
 
     def forward(
         self, tokens: Tensor, features: Tensor, positions: Tensor, attend: AttendFn
     ) -> Tensor:
         # tokens: [B, T] (x[j+1]), features: [B, T, H] (f[j]), positions: [B, T] (j) -> [B, T, H]
         x = self.fc(torch.cat((self.embed_tokens(tokens), features.to(self.fc.weight.dtype)), -1))
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype, self.rope_scale)
         return self.layers[0](x, cos, sin, attend)
 
     def logits(self, hidden: Tensor) -> Tensor:

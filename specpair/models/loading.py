@@ -1,76 +1,221 @@
-"""Load Hugging Face Llama checkpoints (config via `transformers`, weights via `safetensors`)."""
+"""Load Hugging Face Llama-family checkpoints as published (config via `transformers`; weights
+from safetensors or `pytorch_model*.bin`, sharded through their index or not)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
 from specpair.models.eagle import EagleHead
-from specpair.models.llama import LlamaModel, ModelArgs, rope_inv_freq
+from specpair.models.llama import (
+    ACTIVATIONS,
+    ROPE_TYPES,
+    LlamaModel,
+    ModelArgs,
+    rope_inv_freq,
+    rope_scale,
+)
 
 EAGLE_ARCHITECTURE = "SpecpairEagleHead"
+# model_type -> the architecture it is served as; each is a Llama decoder (Qwen2 adds q/k/v
+# biases, Mistral a sliding window that specpair refuses when it is shorter than the context).
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
 
 
 class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be served: missing files, wrong architecture, bad keys."""
+    """A checkpoint directory that cannot be served: missing files, wrong architecture, bad keys.
+
+    The message starts with the file at fault and names the key, for a person to act on."""
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{file}: unreadable JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a JSON object")
+    return data
 
 
 def read_args(path: str | Path, *, allow_eagle: bool = False) -> ModelArgs:
     path = Path(path)
-    if not (path / "config.json").is_file():
+    file = path / "config.json"
+    if not file.is_file():
         raise CheckpointError(
             f"{path}: no config.json (expected a Hugging Face checkpoint directory)"
         )
-    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-    archs = list(getattr(cfg, "architectures", None) or [])
-    allowed = {"LlamaForCausalLM"} | ({EAGLE_ARCHITECTURE} if allow_eagle else set())
-    if cfg.model_type != "llama" or (archs and not set(archs) & allowed):
+    raw = _read_json(file)
+    archs = list(raw.get("architectures") or [])
+    allowed = set(ARCHITECTURES.values()) | ({EAGLE_ARCHITECTURE} if allow_eagle else set())
+    if raw.get("model_type") not in ARCHITECTURES or (archs and not set(archs) & allowed):
         raise CheckpointError(
-            f"{path}: unsupported architecture {archs or cfg.model_type!r}; "
+            f"{file}: unsupported architecture {archs or raw.get('model_type')!r}; "
             f"specpair serves Llama-family checkpoints ({', '.join(sorted(allowed))})"
         )
-    return ModelArgs.from_hf(cfg)
+    act = raw.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise CheckpointError(
+            f"{file}: hidden_act {act!r} is not implemented (supported: {', '.join(ACTIVATIONS)})"
+        )
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = raw.get(key) or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ROPE_TYPES:
+            raise CheckpointError(
+                f"{file}: {key} type {kind!r} is not implemented (supported: "
+                f"{', '.join(ROPE_TYPES)})"
+            )
+    try:
+        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+        args = ModelArgs.from_hf(cfg)
+        rope_inv_freq(args)  # a rope config lacking a key fails here, with the file named
+        rope_scale(args)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise CheckpointError(f"{file}: {type(exc).__name__}: {exc}") from None
+    return args
+
+
+def check_context(path: str | Path, args: ModelArgs, context: int) -> None:
+    """Refuses a sliding window shorter than the served context: specpair attends to every
+    earlier position, so past the window it would compute something the model never did."""
+    if args.sliding_window is not None and args.sliding_window < context:
+        raise CheckpointError(
+            f"{Path(path) / 'config.json'}: sliding_window {args.sliding_window} is shorter than "
+            f"the served context ({context} tokens: --max-len, on the target plus room for a "
+            "draft tree); lower --max-len or use a checkpoint without a window"
+        )
+
+
+def eagle_layout(path: str | Path) -> str | None:
+    """Which EAGLE head `path` holds: "specpair" (our own), "eagle" (SafeAILab's EAGLE-1/2 head
+    as published: `fc` and `layers.0.*`, no `model.*` prefix, a Llama config) or None."""
+    path = Path(path)
+    if EAGLE_ARCHITECTURE in (_read_json(path / "config.json").get("architectures") or []):
+        return "specpair"
+    names = weight_names(path)
+    if "fc.weight" in names and not any(n.startswith("model.") for n in names):
+        return "eagle"
+    return None
 
 
 def is_eagle_checkpoint(path: str | Path) -> bool:
-    cfg = json.loads((Path(path) / "config.json").read_text())
-    return EAGLE_ARCHITECTURE in (cfg.get("architectures") or [])
+    return eagle_layout(path) is not None
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The files holding a checkpoint's weights, in the order the Hub's tools look for them:
+    a safetensors index (only the shards it lists), `*.safetensors` (but not Mistral's
+    `consolidated.safetensors`, the same weights under other names), a `.bin` index, then
+    `pytorch_model*.bin`."""
+    for index, pattern in (
+        ("model.safetensors.index.json", "*.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model*.bin"),
+    ):
+        if (path / index).is_file():
+            weight_map = _read_json(path / index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CheckpointError(f"{path / index}: no weight_map")
+            files = [path / name for name in sorted(set(weight_map.values()))]
+            for file in files:
+                if not file.is_file():
+                    raise CheckpointError(f"{path / index}: lists {file.name}, which is missing")
+            return files
+        files = sorted(f for f in path.glob(pattern) if not f.name.startswith("consolidated"))
+        if files:
+            return files
+    raise CheckpointError(
+        f"{path}: no weights (model*.safetensors or pytorch_model*.bin"
+        + (
+            "; consolidated.* is Mistral's own layout, not served)"
+            if any(path.glob("consolidated*"))
+            else ")"
+        )
+    )
+
+
+def weight_names(path: Path) -> set[str]:
+    """The tensor names of a checkpoint, read from its index or file headers (cheap)."""
+    files = weight_files(path)
+    bin_files = files[0].suffix == ".bin"
+    index = path / ("pytorch_model.bin.index.json" if bin_files else "model.safetensors.index.json")
+    if index.is_file():  # weight_files checked its weight_map
+        return set(_read_json(index)["weight_map"])
+    if bin_files:
+        return {name for file in files for name in _read_file(file, None)}
+    names: set[str] = set()
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                names.update(f.keys())
+        except Exception as exc:
+            raise CheckpointError(
+                f"{file}: unreadable weights ({type(exc).__name__}: {exc})"
+            ) from None
+    return names
+
+
+def _read_file(file: Path, wanted: set[str] | None) -> dict[str, torch.Tensor]:
+    try:
+        if file.suffix == ".bin":  # a pickle: weights_only refuses anything but tensors
+            state = torch.load(file, map_location="cpu", weights_only=True)
+            if not isinstance(state, dict):
+                raise CheckpointError(f"{file}: expected a dict of tensors")
+            return {k: v for k, v in state.items() if wanted is None or k in wanted}
+        with safe_open(str(file), framework="pt") as f:
+            names = [n for n in f.keys() if wanted is None or n in wanted]  # noqa: SIM118
+            return {name: f.get_tensor(name) for name in names}
+    except CheckpointError:
+        raise
+    except Exception as exc:  # a truncated or foreign file: name it, not a library's internals
+        raise CheckpointError(f"{file}: unreadable weights ({type(exc).__name__}: {exc})") from None
 
 
 def read_tensors(path: Path, wanted: set[str] | None = None) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory, sharded or not (only `wanted` names if given)."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path}: no *.safetensors weights")
     tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if wanted is None or name in wanted:
-                    tensors[name] = f.get_tensor(name)
+    for file in weight_files(path):
+        tensors.update(_read_file(file, wanted))
     return tensors
 
 
 def _load_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor], path: Path) -> None:
-    expected = set(module.state_dict())
-    missing, unexpected = expected - set(tensors), set(tensors) - expected
+    expected = module.state_dict()
+    missing, unexpected = set(expected) - set(tensors), set(tensors) - set(expected)
     if missing or unexpected:
         raise CheckpointError(
             f"{path}: weights do not match the architecture: "
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
+    for name, want in expected.items():
+        if tensors[name].shape != want.shape:
+            raise CheckpointError(
+                f"{path}: {name} has shape {tuple(tensors[name].shape)}, "
+                f"config.json implies {tuple(want.shape)}"
+            )
     module.load_state_dict(tensors, strict=True, assign=True)
 
 
 def load_llama(
-    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    context: int | None = None,
 ) -> LlamaModel:
+    """The model at `path`; `context` (tokens served) is checked against a sliding window."""
     path = Path(path)
     args = read_args(path)
+    check_context(path, args, context or args.max_position_embeddings)
     with torch.device("meta"):
         model = LlamaModel(args)
     tensors = read_tensors(path)
@@ -89,19 +234,32 @@ def load_eagle(
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    context: int | None = None,
 ) -> EagleHead:
-    """The EAGLE head at `path`, with the embedding and LM head of the target at `target_path`."""
+    """The EAGLE head at `path` (either layout of `eagle_layout`), with the LM head of the
+    target at `target_path` and its embedding unless the head brings its own."""
     path, target_path = Path(path), Path(target_path)
     args, target_args = read_args(path, allow_eagle=True), read_args(target_path)
-    if not is_eagle_checkpoint(path):
+    check_context(path, args, context or args.max_position_embeddings)
+    layout = eagle_layout(path)
+    if layout is None:
         raise CheckpointError(
-            f"{path}: not an EAGLE head (architectures lacks {EAGLE_ARCHITECTURE})"
+            f"{path}: not an EAGLE head (neither architectures [{EAGLE_ARCHITECTURE!r}] in "
+            "config.json nor the fc / layers.0 weights of a published EAGLE-1/2 head)"
         )
-    with torch.device("meta"):
-        head = EagleHead(args, target_args)
-    tensors = read_tensors(path)
+    public = layout == "eagle"
+    # SafeAILab's ea_model.py: `bias = config["bias"]`, True where the key is absent.
+    fc_bias = bool(_read_json(path / "config.json").get("bias", True)) if public else True
+    try:
+        with torch.device("meta"):
+            head = EagleHead(args, target_args, fc_bias=fc_bias, input_norm=not public)
+    except ValueError as exc:
+        raise CheckpointError(f"{path / 'config.json'}: {exc}") from None
+    # Older heads saved the rotary buffer; the frequencies are recomputed from the config.
+    tensors = {k: v for k, v in read_tensors(path).items() if not k.endswith("rotary_emb.inv_freq")}
     shared = read_tensors(target_path, {"model.embed_tokens.weight", "lm_head.weight"})
-    tensors["embed_tokens.weight"] = shared["model.embed_tokens.weight"]
+    # A published head may carry the embedding it was trained with; SafeAILab's code uses it.
+    tensors.setdefault("embed_tokens.weight", shared["model.embed_tokens.weight"])
     tensors["lm_head.weight"] = shared.get("lm_head.weight", shared["model.embed_tokens.weight"])
     _load_into(head, {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}, path)
     head.inv_freq = rope_inv_freq(args).to(device)

@@ -23,6 +23,8 @@ SHARD_BYTES = 2 * 2**30
 def hf_config(args: ModelArgs, dtype: torch.dtype, architecture: str) -> dict[str, object]:
     """config.json as the Hub's Llama-3 checkpoints write it (`rope_scaling` + `rope_theta`, which
     transformers v4 reads as is and v5 folds into `rope_parameters`)."""
+    if args.qkv_bias != args.o_bias or args.sliding_window is not None:
+        raise ValueError("a Llama config.json cannot express Qwen2's biases or a sliding window")
     return {
         "architectures": [architecture],
         "model_type": "llama",
@@ -33,14 +35,14 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, architecture: str) -> dict[st
         "num_attention_heads": args.num_heads,
         "num_key_value_heads": args.num_kv_heads,
         "head_dim": args.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": args.hidden_act,
         "rms_norm_eps": args.rms_norm_eps,
         "rope_theta": args.rope_theta,
         "rope_scaling": dict(args.rope_scaling) or None,
         "max_position_embeddings": args.max_position_embeddings,
         "tie_word_embeddings": args.tie_word_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
+        "attention_bias": args.o_bias,
+        "mlp_bias": args.mlp_bias,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel
 
 from specpair.models.loading import EAGLE_ARCHITECTURE
 
@@ -81,6 +82,32 @@ def make_tiny_llama(
     if tokenizer:  # a byte-level BPE needs at least 257 entries
         write_tokenizer(directory, vocab_size)
     return directory
+
+
+def make_tiny_family(
+    directory: str | Path,
+    config_cls: type[PretrainedConfig],
+    model_cls: type[PreTrainedModel],
+    *,
+    seed: int,
+    **config: Any,
+) -> Path:
+    """A random checkpoint of another `transformers` causal LM of the Llama family (Qwen2,
+    Mistral, Llama with biases…) in the tiny shape; biases are drawn nonzero (HF starts them
+    at zero, which no test could tell from no bias)."""
+    shape: dict[str, Any] = dict(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        initializer_range=0.1,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**shape, **config}))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, 0.1)
+    model.save_pretrained(directory)
+    return Path(directory)
 
 
 def make_tiny_eagle(directory: str | Path, target: str | Path, *, seed: int) -> Path:

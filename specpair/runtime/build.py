@@ -12,7 +12,12 @@ from pathlib import Path
 import torch
 
 from specpair.models.llama import ModelArgs
-from specpair.models.loading import is_eagle_checkpoint, load_eagle, load_llama
+from specpair.models.loading import (
+    CheckpointError,
+    is_eagle_checkpoint,
+    load_eagle,
+    load_llama,
+)
 from specpair.runtime.draft import Drafter, EagleDrafter, LMDrafter
 from specpair.runtime.kv_cache import DenseKVCache, KVCache
 from specpair.runtime.target import TargetWorker
@@ -66,7 +71,7 @@ def build_target(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
 ) -> TargetWorker:
-    model = load_llama(path, dtype=dtype, device=device)
+    model = load_llama(path, dtype=dtype, device=device, context=max_len)
     cache = make_cache(
         model.args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device
     )
@@ -87,14 +92,14 @@ def build_drafter(
     drafter: Drafter
     if is_eagle_checkpoint(path):
         if target_path is None:
-            raise ValueError(f"{path} is an EAGLE head: the target checkpoint path is required")
-        head = load_eagle(path, target_path, dtype=dtype, device=device)
+            raise CheckpointError(f"{path}: an EAGLE head; the target checkpoint path is required")
+        head = load_eagle(path, target_path, dtype=dtype, device=device, context=max_len)
         cache = make_cache(
             head.args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device
         )
         drafter = EagleDrafter(head, cache)
     else:
-        model = load_llama(path, dtype=dtype, device=device)
+        model = load_llama(path, dtype=dtype, device=device, context=max_len)
         cache = make_cache(
             model.args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device
         )

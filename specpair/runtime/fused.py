@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specpair.models.llama import AttendFn, DecoderLayer, LlamaBody, RMSNorm
+from specpair.models.loading import CheckpointError
 from specpair.runtime.paged_kv import PagedAttend
 
 _kernels: Any = None
@@ -130,10 +131,19 @@ class FusedDecoderLayer(nn.Module):
     def __init__(self, layer: DecoderLayer) -> None:
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
+        # The kernels below implement bias-free SwiGLU only; anything else would decode wrong.
+        biases = [name for name, _ in layer.named_parameters() if name.endswith(".bias")]
+        if biases or mlp.act is not F.silu:
+            raise CheckpointError(
+                "the fused GPU decoder implements bias-free SwiGLU layers only; this model has "
+                f"biases {biases} and activation {getattr(mlp.act, '__name__', mlp.act)!r} "
+                "(serve it with --device cpu)"
+            )
         self.layer_index = attn.layer_index
         self.n_q, self.n_kv, self.head_dim = attn.n_heads, attn.n_kv, attn.head_dim
-        self.eps = layer.input_layernorm.eps
-        self.input_norm = layer.input_layernorm.weight
+        self.eps = layer.post_attention_layernorm.eps
+        norm = layer.input_layernorm
+        self.input_norm = norm.weight if isinstance(norm, RMSNorm) else None  # None: EAGLE-1/2
         self.post_norm = layer.post_attention_layernorm.weight
         with torch.no_grad():
             qkv = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
@@ -151,11 +161,12 @@ class FusedDecoderLayer(nn.Module):
         shape = x.x.shape if isinstance(x, Pending) else x.shape
         b, t, h = shape
         n, d = b * t, self.head_dim
-        if isinstance(x, Pending):
+        if isinstance(x, Pending):  # inside a LlamaBody, whose layers all have an input norm
+            assert self.input_norm is not None
             resid, normed = add_rmsnorm(x.x.reshape(n, h), x.delta, self.input_norm, self.eps)
         else:
             resid = x.reshape(n, h)
-            normed = rmsnorm(resid, self.input_norm, self.eps)
+            normed = resid if self.input_norm is None else rmsnorm(resid, self.input_norm, self.eps)
         qkv = linear_parts(normed, self.qkv)
         out = self._attention(qkv, cos.reshape(n, d), sin.reshape(n, d), attend, b, t)
         resid, normed = add_rmsnorm(
