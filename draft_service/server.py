@@ -14,6 +14,7 @@ from draft_service.rounds import DraftRounds
 from specpair.config import DraftConfig, busy_poll_s, compute_threads, split_address
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
+from specpair.models.loading import load_tokenizer, tokenizer_fingerprint
 from specpair.proto.v1 import draft_pb2, draft_pb2_grpc
 from specpair.runtime import state as runtime_state
 from specpair.serving import Compute, GrpcServer, busy_wait
@@ -31,6 +32,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.busy_poll_s = busy_poll_s(config.busy_poll_ms, config.device)
         self.open_streams: set[str] = set()
         self._ids = itertools.count()
+        self.vocab_size, self.tokenizer_fingerprint = 0, ""  # set with `rounds`
 
     async def Speculate(
         self,
@@ -97,6 +99,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             active_requests=self.rounds.active_requests if self.rounds else 0,
             runtime_state_builds=runtime_state.builds(),
             device=cfg.device,
+            vocab_size=self.vocab_size,
+            tokenizer_fingerprint=self.tokenizer_fingerprint,
         )
 
 
@@ -114,6 +118,15 @@ class RunningDraft:
         self.servicer.compute.shutdown()
 
 
+def tokenizer_identity(config: DraftConfig) -> str:
+    """The fingerprint the target checks at connect; a head shipped without a tokenizer is
+    known by its target's."""
+    tokenizer = load_tokenizer(config.model_path)
+    if tokenizer is None and config.target_path is not None:
+        tokenizer = load_tokenizer(config.target_path)
+    return tokenizer_fingerprint(tokenizer)
+
+
 async def start(config: DraftConfig) -> RunningDraft:
     """Binds the port (health NOT_SERVING), loads the model and states, then SERVING."""
     server = GrpcServer(config.server, [SERVICE_NAME])
@@ -127,10 +140,12 @@ async def start(config: DraftConfig) -> RunningDraft:
     log.info("draft service listening", address=config.server.address, port=server.port)
     try:
         rounds = await asyncio.to_thread(DraftRounds, config)
+        fingerprint = await asyncio.to_thread(tokenizer_identity, config)
     except BaseException:
         await server.stop(0)  # on this loop: see target_service.server.start
         raise
     servicer.rounds = rounds
+    servicer.vocab_size, servicer.tokenizer_fingerprint = rounds.vocab_size, fingerprint
     await server.ready()
     log.info("draft service ready", tiers=list(rounds.states), kind=config.draft_kind)
     return RunningDraft(server, servicer)

@@ -25,6 +25,10 @@ DRAFT_SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 CLOSE_TIMEOUT_S = 2.0  # shutting down never waits on a peer longer than this
 
 
+class IncompatibleDraftError(ConnectionError):
+    """The draft answers but cannot serve this target (another vocabulary or tokenizer)."""
+
+
 class DraftLink:
     def __init__(
         self,
@@ -35,8 +39,14 @@ class DraftLink:
         backoff_min_s: float = 0.2,
         backoff_max_s: float = 5.0,
         busy_poll_s: float = 0.0,
+        vocab_size: int = 0,
+        tokenizer_fingerprint: str = "",
     ) -> None:
         self.address = address
+        # What a draft must agree on (0 / "": not checked): its q ranges over our vocabulary
+        # and its token ids mean what ours mean.
+        self.vocab_size, self.tokenizer_fingerprint = vocab_size, tokenizer_fingerprint
+        self.incompatible = ""  # why the draft last refused, shown in GetServerInfo
         self.tls = tls
         self.timeout_s = timeout_s
         self.backoff = (backoff_min_s, backoff_max_s)
@@ -75,6 +85,15 @@ class DraftLink:
                 await self._lost.wait()
             except asyncio.CancelledError:
                 raise
+            except IncompatibleDraftError as exc:
+                # Not a network blip: say so once, keep decoding plainly, and look again at the
+                # slowest pace (a draft restarted with the right checkpoint is picked up).
+                if self.incompatible != str(exc):
+                    log.error("draft refused", address=self.address, reason=str(exc))
+                self.incompatible = str(exc)
+                self.state = State.DRAFT_CONNECTION_STATE_INCOMPATIBLE
+                await self._drop()
+                await asyncio.sleep(self.backoff[1])
             except Exception as exc:  # any failure: back off and try again
                 self.state = State.DRAFT_CONNECTION_STATE_DISCONNECTED
                 log.warning(
@@ -98,11 +117,29 @@ class DraftLink:
         info = await stub.GetServerInfo(
             draft_pb2.DraftServiceGetServerInfoRequest(), timeout=self.timeout_s
         )
+        if reason := self.mismatch(info):
+            raise IncompatibleDraftError(reason)
+        self.incompatible = ""
         self.draft_kind = info.draft_kind
         self._call = stub.Speculate()
         self.epoch += 1
         self.state = State.DRAFT_CONNECTION_STATE_CONNECTED
         log.info("draft connected", address=self.address, kind=info.draft_kind, epoch=self.epoch)
+
+    def mismatch(self, info: draft_pb2.DraftServiceGetServerInfoResponse) -> str:
+        """Why a draft reporting `info` cannot serve this target ("" when it can)."""
+        if self.vocab_size and info.vocab_size and info.vocab_size != self.vocab_size:
+            return (
+                f"draft vocab_size {info.vocab_size} != target vocab_size {self.vocab_size}: "
+                "its distributions would not range over the target's tokens"
+            )
+        ours, theirs = self.tokenizer_fingerprint, info.tokenizer_fingerprint
+        if ours and theirs and ours != theirs:
+            return (
+                f"draft tokenizer {theirs} != target tokenizer {ours} (vocabulary hashes): "
+                "the same id would mean different tokens"
+            )
+        return ""
 
     async def _drop(self) -> None:
         # Detach first: a failed round, the reconnect loop and close() may all drop at once,

@@ -14,7 +14,7 @@ import torch
 from specpair.config import TargetConfig, busy_poll_s, compute_threads, split_address
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
-from specpair.models.loading import CheckpointError
+from specpair.models.loading import load_tokenizer, tokenizer_fingerprint
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
 from specpair.runtime import state as runtime_state
 from specpair.runtime.build import build_target
@@ -35,22 +35,6 @@ from target_service.validation import InvalidRequestError, request_bytes_limit
 log = get_logger(__name__)
 SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"]
 OPS_METHODS = [f"/{SERVICE.full_name}/{m}" for m in ("ApplyTier", "WatchRounds")]
-
-
-def load_tokenizer(path: Any) -> Any:
-    from pathlib import Path
-
-    if not (Path(path) / "tokenizer.json").is_file():
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except Exception as exc:  # a library's internals would not tell the user which file
-        raise CheckpointError(
-            f"{Path(path) / 'tokenizer.json'}: cannot load the tokenizer ({type(exc).__name__}: "
-            f"{exc})"
-        ) from None
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -114,6 +98,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             device=cfg.device,
             max_context_length=cfg.max_len,
             vocab_size=s.worker.model.args.vocab_size if s else 0,
+            draft_incompatible_reason=link.incompatible if link else "",
         )
 
     async def ApplyTier(
@@ -246,6 +231,8 @@ async def start(config: TargetConfig) -> RunningTarget:
             backoff_min_s=config.reconnect_min_s,
             backoff_max_s=config.reconnect_max_s,
             busy_poll_s=busy_poll_s(config.busy_poll_ms, config.device),
+            vocab_size=scheduler.worker.model.args.vocab_size,
+            tokenizer_fingerprint=tokenizer_fingerprint(frontend.tokenizer),
         )
         scheduler.draft.start()
     frontend.scheduler = scheduler

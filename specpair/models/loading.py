@@ -3,6 +3,7 @@ from safetensors or `pytorch_model*.bin`, sharded through their index or not).""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -264,3 +265,27 @@ def load_eagle(
     _load_into(head, {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}, path)
     head.inv_freq = rope_inv_freq(args).to(device)
     return head.eval()
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The checkpoint's tokenizer (`AutoTokenizer`, local files only), None without one."""
+    if not (Path(path) / "tokenizer.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # a library's internals would not tell the user which file
+        raise CheckpointError(
+            f"{Path(path) / 'tokenizer.json'}: cannot load the tokenizer ({type(exc).__name__}: "
+            f"{exc})"
+        ) from None
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A short hash of a tokenizer's vocabulary (token → id); "" without a tokenizer. Two
+    services agree on what every token id means exactly when their fingerprints match."""
+    if tokenizer is None:
+        return ""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]

@@ -31,7 +31,7 @@ class Stack:
         self.draft: Any = None
         self.target: Any = None
 
-    async def start(self) -> Stack:
+    async def start(self, wait_connected: bool = True) -> Stack:
         if self.draft_cfg is not None:
             self.draft = await draft_server.start(self.draft_cfg)
             address = self.draft_cfg.server.address  # a unix: socket keeps its path
@@ -44,7 +44,7 @@ class Stack:
         self.target = await target_server.start(self.target_cfg)
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.target.port}")
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
-        if self.draft is not None:
+        if self.draft is not None and wait_connected:
             # The target serves before its draft link is up (plainly); tests that count
             # speculative rounds start from a connected pair.
             await self.wait_draft_connected()
@@ -117,8 +117,10 @@ def draft_config(draft: Path, **kwargs: Any) -> DraftConfig:
 async def make_stack() -> AsyncIterator[Any]:
     stacks: list[Stack] = []
 
-    async def make(draft_cfg: DraftConfig | None, target_cfg: TargetConfig) -> Stack:
-        stack = await Stack(draft_cfg, target_cfg).start()
+    async def make(
+        draft_cfg: DraftConfig | None, target_cfg: TargetConfig, wait_connected: bool = True
+    ) -> Stack:
+        stack = await Stack(draft_cfg, target_cfg).start(wait_connected)
         stacks.append(stack)
         return stack
 

@@ -184,12 +184,20 @@ class DraftServiceGetServerInfoResponse(_message.Message):
     ACTIVE_REQUESTS_FIELD_NUMBER: _builtins.int
     RUNTIME_STATE_BUILDS_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
+    VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     draft_kind: _builtins.str
     active_streams: _builtins.int
     active_requests: _builtins.int
     runtime_state_builds: _builtins.int
     device: _builtins.str
+    vocab_size: _builtins.int
+    """The vocabulary the draft's distributions range over, and its tokenizer's identity (a hash
+    of the vocabulary; empty when the draft ships no tokenizer): the target refuses a draft
+    that disagrees with it on either.
+    """
+    tokenizer_fingerprint: _builtins.str
     @_builtins.property
     def candidate_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -202,10 +210,12 @@ class DraftServiceGetServerInfoResponse(_message.Message):
         active_requests: _builtins.int = ...,
         runtime_state_builds: _builtins.int = ...,
         device: _builtins.str = ...,
+        vocab_size: _builtins.int = ...,
+        tokenizer_fingerprint: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "active_streams", b"active_streams", "candidate_steps", b"candidate_steps", "device", b"device", "draft_kind", b"draft_kind", "model_path", b"model_path", "runtime_state_builds", b"runtime_state_builds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "active_streams", b"active_streams", "candidate_steps", b"candidate_steps", "device", b"device", "draft_kind", b"draft_kind", "model_path", b"model_path", "runtime_state_builds", b"runtime_state_builds", "tokenizer_fingerprint", b"tokenizer_fingerprint", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

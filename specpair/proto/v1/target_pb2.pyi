@@ -51,6 +51,10 @@ class _DraftConnectionStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_
     DRAFT_CONNECTION_STATE_CONNECTED: _DraftConnectionState.ValueType  # 3
     DRAFT_CONNECTION_STATE_DISCONNECTED: _DraftConnectionState.ValueType  # 4
     """Lost; reconnecting with backoff, decoding without speculation meanwhile."""
+    DRAFT_CONNECTION_STATE_INCOMPATIBLE: _DraftConnectionState.ValueType  # 5
+    """Reachable, but its vocabulary or tokenizer differs from the target's: no speculation
+    (draft_incompatible_reason says why); checked again on every reconnect.
+    """
 
 class DraftConnectionState(_DraftConnectionState, metaclass=_DraftConnectionStateEnumTypeWrapper): ...
 
@@ -61,6 +65,10 @@ DRAFT_CONNECTION_STATE_CONNECTING: DraftConnectionState.ValueType  # 2
 DRAFT_CONNECTION_STATE_CONNECTED: DraftConnectionState.ValueType  # 3
 DRAFT_CONNECTION_STATE_DISCONNECTED: DraftConnectionState.ValueType  # 4
 """Lost; reconnecting with backoff, decoding without speculation meanwhile."""
+DRAFT_CONNECTION_STATE_INCOMPATIBLE: DraftConnectionState.ValueType  # 5
+"""Reachable, but its vocabulary or tokenizer differs from the target's: no speculation
+(draft_incompatible_reason says why); checked again on every reconnect.
+"""
 Global___DraftConnectionState: _TypeAlias = DraftConnectionState  # noqa: Y015
 
 @_typing.final
@@ -273,6 +281,7 @@ class TargetServiceGetServerInfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    DRAFT_INCOMPATIBLE_REASON_FIELD_NUMBER: _builtins.int
     speculative_num_steps: _builtins.int
     avg_spec_accept_length: _builtins.float
     target_model_path: _builtins.str
@@ -285,6 +294,7 @@ class TargetServiceGetServerInfoResponse(_message.Message):
     device: _builtins.str
     max_context_length: _builtins.int
     vocab_size: _builtins.int
+    draft_incompatible_reason: _builtins.str
     @_builtins.property
     def candidate_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -303,10 +313,11 @@ class TargetServiceGetServerInfoResponse(_message.Message):
         device: _builtins.str = ...,
         max_context_length: _builtins.int = ...,
         vocab_size: _builtins.int = ...,
+        draft_incompatible_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["avg_spec_accept_length", b"avg_spec_accept_length", "candidate_steps", b"candidate_steps", "device", b"device", "draft_address", b"draft_address", "draft_connection_state", b"draft_connection_state", "max_context_length", b"max_context_length", "queued_requests", b"queued_requests", "rounds", b"rounds", "running_requests", b"running_requests", "runtime_state_builds", b"runtime_state_builds", "speculative_num_steps", b"speculative_num_steps", "target_model_path", b"target_model_path", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["avg_spec_accept_length", b"avg_spec_accept_length", "candidate_steps", b"candidate_steps", "device", b"device", "draft_address", b"draft_address", "draft_connection_state", b"draft_connection_state", "draft_incompatible_reason", b"draft_incompatible_reason", "max_context_length", b"max_context_length", "queued_requests", b"queued_requests", "rounds", b"rounds", "running_requests", b"running_requests", "runtime_state_builds", b"runtime_state_builds", "speculative_num_steps", b"speculative_num_steps", "target_model_path", b"target_model_path", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
