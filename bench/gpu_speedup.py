@@ -92,6 +92,9 @@ class Cell:
     outputs: list[list[int]] = field(repr=False)
     device: str = ""
     speedup: float | None = None
+    # over the in-process engine's target-only (the same for both deployments): the services'
+    # own target-only under-batches at batch > 1 (bench/RESULTS.md), this one does not
+    speedup_vs_engine: float | None = None
     same_as_target_only: bool | None = None  # greedy: every output equals target-only's
 
     @property
@@ -244,17 +247,20 @@ def phased_workload(tokenizer: Any, per_phase: int, new_tokens: int) -> Callable
     return run
 
 
-def fill_ratios(cells: list[Cell], gpu: str) -> None:
-    """speedup over target-only and greedy agreement with it, per deployment/workload/batch."""
+def fill_ratios(cells: list[Cell], gpu: str, compare_outputs: bool = True) -> None:
+    """speedup over target-only and greedy agreement with it, per deployment/workload/batch
+    (`compare_outputs` False: a JSON read back, whose outputs were not kept)."""
     base = {(c.deployment, c.workload, c.batch): c for c in cells if c.config == "target-only"}
-    reference = {(c.workload, c.batch): c.outputs for c in cells
-                 if c.config == "target-only" and c.deployment == "in-process"}  # fmt: skip
+    engine = {(c.workload, c.batch): c for c in cells
+              if c.config == "target-only" and c.deployment == "in-process"}  # fmt: skip
     for c in cells:
         c.device = gpu
         if (key := (c.deployment, c.workload, c.batch)) in base:
             c.speedup = c.tokens_per_s / base[key].tokens_per_s
-        if "greedy" in c.workload and (c.workload, c.batch) in reference:
-            c.same_as_target_only = c.outputs == reference[c.workload, c.batch]
+        if (c.workload, c.batch) in engine:
+            c.speedup_vs_engine = c.tokens_per_s / engine[c.workload, c.batch].tokens_per_s
+        if compare_outputs and "greedy" in c.workload and (c.workload, c.batch) in engine:
+            c.same_as_target_only = c.outputs == engine[c.workload, c.batch].outputs
 
 
 def plot(cells: list[Cell], path: Path, title: str) -> None:
@@ -290,8 +296,8 @@ def plot(cells: list[Cell], path: Path, title: str) -> None:
 
 
 def render(cells: list[Cell]) -> str:
-    headers = ["workload", "batch", "config", "svc tok/s", "svc x", "svc accept", "in-proc tok/s",
-               "in-proc x", "in-proc accept", "greedy = t-o"]  # fmt: skip
+    headers = ["workload", "batch", "config", "svc tok/s", "svc x", "svc x eng", "svc accept",
+               "in-proc tok/s", "in-proc x", "in-proc accept", "greedy = t-o"]  # fmt: skip
     rows = []
     index = {(c.deployment, c.config, c.workload, c.batch): c for c in cells}
     keys = dict.fromkeys((c.workload, c.batch, c.config) for c in cells)
@@ -300,12 +306,14 @@ def render(cells: list[Cell]) -> str:
         same = []
         for deployment in ("services", "in-process"):
             c = index.get((deployment, config, wl, batch))
+            services = deployment == "services"
             if c is None:
-                row += ["-", "-", "-"]
+                row += ["-"] * (4 if services else 3)
                 continue
             accept = "-" if c.accept_mean is None else f"{c.accept_mean:.2f}"
-            speedup = "-" if c.speedup is None else f"{c.speedup:.2f}x"
-            row += [f"{c.tokens_per_s:.1f}", speedup, accept]
+            ratios = [c.speedup] + ([c.speedup_vs_engine] if services else [])
+            row += [f"{c.tokens_per_s:.1f}", *("-" if r is None else f"{r:.2f}x" for r in ratios)]
+            row.append(accept)
             if c.same_as_target_only is not None:
                 same.append(c.same_as_target_only)
         row.append("-" if not same else ("yes" if all(same) else "NO"))
@@ -319,6 +327,7 @@ def replot(path: Path) -> None:
     names = {f.name for f in fields(Cell)}
     cells = [Cell(**{k: v for k, v in c.items() if k in names}, outputs=[]) for c in data["cells"]]
     gpu = data["device"].get("gpu", data["device"]["cpu"])
+    fill_ratios(cells, gpu, compare_outputs=False)
     title = f"{data['draft_kind']} draft, {data['shape']} pair, {gpu}: tokens/s by configuration"
     plot(cells, path.with_suffix(".png"), title)
     print(render(cells))
@@ -423,7 +432,8 @@ def main() -> None:
               f"{tps['adaptive'] / phased['oracle']['tokens_per_s']:.3f}x")  # fmt: skip
     print(f"\n{args.draft_kind} draft on {gpu}, {args.shape} pair; {args.requests} requests × "
           f"{args.new_tokens} new tokens per cell; x = speedup over target-only (same "
-          f"deployment); accept = accepted drafts per round; JSON {out}\n")  # fmt: skip
+          f"deployment); x eng = over the in-process engine's target-only; accept = accepted "
+          f"drafts per round; JSON {out}\n")  # fmt: skip
     print(render(cells))
 
 
