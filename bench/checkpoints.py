@@ -13,31 +13,30 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from specpair.models.eagle import EagleHead
-from specpair.models.llama import LlamaModel, ModelArgs
+from specpair.models.llama import ModelArgs
 from specpair.models.loading import EAGLE_ARCHITECTURE
-from specpair.models.saving import SHARD_BYTES, hf_config, is_written, write_shards
-
-# The EAGLE head reads these from the target checkpoint.
-EAGLE_SHARED = frozenset({"embed_tokens.weight", "lm_head.weight"})
+from specpair.models.saving import (
+    SHARD_BYTES,
+    checkpoint_shapes,
+    hf_config,
+    is_written,
+    write_shards,
+)
 
 
 def write_random(
     directory: Path,
-    module: nn.Module,
+    shapes: dict[str, torch.Size],
     config: dict[str, object],
     *,
     seed: int,
     device: str,
     dtype: torch.dtype,
-    skip: frozenset[str] = frozenset(),
     shard_bytes: int = SHARD_BYTES,
     progress: Callable[[str], None] | None = None,
 ) -> Path:
-    """Writes `module`'s state dict (less `skip`) as random weights; `module` may be on "meta"."""
-    shapes = {k: v.shape for k, v in module.state_dict().items() if k not in skip}
+    """Writes random weights of `shapes` (`checkpoint_shapes`)."""
     gen = torch.Generator(device).manual_seed(seed)
 
     def make(name: str) -> torch.Tensor:
@@ -65,11 +64,8 @@ def write_llama(
     config = hf_config(args, dtype, "LlamaForCausalLM")
     if is_written(directory, config):
         return directory
-    with torch.device("meta"):
-        model = LlamaModel(args)
-    skip = frozenset({"lm_head.weight"}) if args.tie_word_embeddings else frozenset()
     return write_random(
-        directory, model, config, seed=seed, device=device, dtype=dtype, skip=skip,
+        directory, checkpoint_shapes(args), config, seed=seed, device=device, dtype=dtype,
         shard_bytes=shard_bytes, progress=progress,
     )  # fmt: skip
 
@@ -89,11 +85,9 @@ def write_eagle(
     config = hf_config(args, dtype, EAGLE_ARCHITECTURE)
     if is_written(directory, config):
         return directory
-    with torch.device("meta"):
-        head = EagleHead(args, target_args)
     return write_random(
-        directory, head, config, seed=seed, device=device, dtype=dtype, skip=EAGLE_SHARED,
-        progress=progress,
+        directory, checkpoint_shapes(args, eagle=True), config, seed=seed, device=device,
+        dtype=dtype, progress=progress,
     )  # fmt: skip
 
 

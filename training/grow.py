@@ -38,6 +38,7 @@ The construction (small h, d, … → big H, D, …), exact up to float rounding
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import shutil
@@ -51,7 +52,7 @@ from torch import Tensor
 
 from specpair.models.llama import ModelArgs
 from specpair.models.loading import is_eagle_checkpoint, read_args, read_tensors
-from specpair.models.saving import write_shards
+from specpair.models.saving import checkpoint_shapes, write_shards
 
 PAD_WEIGHT = 2.0**14  # exact in bf16
 INIT_STD = 0.02  # the random inputs of extra heads, units and layers
@@ -211,10 +212,8 @@ class Growth:
                 "self_attn.v_proj.weight": self.random(*self.kv_shape()),
                 "self_attn.o_proj.weight": self.o_proj(None),
                 "post_attention_layernorm.weight": self.norm(None),
-                "mlp.gate_proj.weight": self.random(
-                    self.big.intermediate_size, self.big.hidden_size
-                ),
-                "mlp.up_proj.weight": self.random(self.big.intermediate_size, self.big.hidden_size),
+                "mlp.gate_proj.weight": self.random(*self.mlp_shape()),
+                "mlp.up_proj.weight": self.random(*self.mlp_shape()),
                 "mlp.down_proj.weight": self.mlp_out(None),
             }
         v_dims = torch.arange(self.small.head_dim)
@@ -274,36 +273,11 @@ def big_args(small: ModelArgs, shape: Shape, *, eagle: bool) -> ModelArgs:
 def grown_tensors(
     growth: Growth, small: dict[str, Tensor], *, eagle: bool
 ) -> tuple[dict[str, torch.Size], Callable[[str], Tensor]]:
-    """(name -> shape, make(name)) of the grown checkpoint; layers are built on demand, so only
-    one big layer is alive at a time."""
+    """(name -> shape, make(name)) of the grown checkpoint; layers are built on demand, in
+    module order, so only one big layer is alive at a time."""
     big = growth.big
     prefix = "layers." if eagle else "model.layers."
     small_layers = growth.small.num_layers
-    names: dict[str, torch.Size] = {}
-    dd, hh = big.head_dim, big.hidden_size
-    layer_shapes = {
-        "input_layernorm.weight": (hh,),
-        "self_attn.q_proj.weight": (big.num_heads * dd, hh),
-        "self_attn.k_proj.weight": (big.num_kv_heads * dd, hh),
-        "self_attn.v_proj.weight": (big.num_kv_heads * dd, hh),
-        "self_attn.o_proj.weight": (hh, big.num_heads * dd),
-        "post_attention_layernorm.weight": (hh,),
-        "mlp.gate_proj.weight": (big.intermediate_size, hh),
-        "mlp.up_proj.weight": (big.intermediate_size, hh),
-        "mlp.down_proj.weight": (hh, big.intermediate_size),
-    }
-    if eagle:
-        names["fc.weight"] = torch.Size((hh, 2 * hh))
-        names["fc.bias"] = torch.Size((hh,))
-    else:
-        names["model.embed_tokens.weight"] = torch.Size((big.vocab_size, hh))
-    for i in range(big.num_layers):
-        for key, shape in layer_shapes.items():
-            names[f"{prefix}{i}.{key}"] = torch.Size(shape)
-    if not eagle:
-        names["model.norm.weight"] = torch.Size((hh,))
-        if not big.tie_word_embeddings:
-            names["lm_head.weight"] = torch.Size((big.vocab_size, hh))
     cached: dict[int, dict[str, Tensor]] = {}
 
     def layer(i: int) -> dict[str, Tensor]:
@@ -314,14 +288,17 @@ def grown_tensors(
             cached[i] = growth.layer(part if i < small_layers else None)
         return cached[i]
 
+    @functools.cache
+    def fc() -> tuple[Tensor, Tensor]:
+        return growth.fc(small["fc.weight"], small["fc.bias"])
+
     def make(name: str) -> Tensor:
         if name.startswith(prefix):
             index, _, key = name[len(prefix) :].partition(".")
             return layer(int(index))[key]
-        if name == "fc.weight":
-            return growth.fc(small["fc.weight"], small["fc.bias"])[0]
-        if name == "fc.bias":
-            return growth.fc(small["fc.weight"], small["fc.bias"])[1]
+        if name in ("fc.weight", "fc.bias"):
+            weight, bias = fc()  # built once for both
+            return bias if name == "fc.bias" else weight
         if name == "model.norm.weight":
             return growth.norm(small["model.norm.weight"], final=True)
         embed = small["model.embed_tokens.weight"]
@@ -329,7 +306,7 @@ def grown_tensors(
             return growth.embedding(embed, lm_head=big.tie_word_embeddings)
         return growth.embedding(small.get("lm_head.weight", embed), lm_head=True)
 
-    return names, make
+    return checkpoint_shapes(big, eagle=eagle), make
 
 
 def grown_config(src: Path, growth: Growth, dtype: torch.dtype) -> dict[str, object]:

@@ -15,9 +15,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from specpair.models.llama import ModelArgs
+from specpair.models.eagle import EagleHead
+from specpair.models.llama import LlamaModel, ModelArgs
 
 SHARD_BYTES = 2 * 2**30
+# An EAGLE head reads these from its target's checkpoint; its own stores neither.
+EAGLE_SHARED = frozenset({"embed_tokens.weight", "lm_head.weight"})
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype, architecture: str) -> dict[str, object]:
@@ -45,6 +48,17 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, architecture: str) -> dict[st
         "mlp_bias": args.mlp_bias,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+
+
+def checkpoint_shapes(args: ModelArgs, *, eagle: bool = False) -> dict[str, torch.Size]:
+    """Name -> shape of every tensor a checkpoint of `args` stores, in module order: a
+    `LlamaForCausalLM` (a tied LM head stored once, as HF does) or a specpair EAGLE head."""
+    with torch.device("meta"):
+        module = EagleHead(args, args) if eagle else LlamaModel(args)
+    skip = EAGLE_SHARED if eagle else frozenset()
+    if not eagle and args.tie_word_embeddings:
+        skip = frozenset({"lm_head.weight"})
+    return {k: v.shape for k, v in module.state_dict().items() if k not in skip}
 
 
 def is_written(directory: Path, config: Mapping[str, object]) -> bool:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from bench.checkpoints import EAGLE_SHARED, random_pair
+from bench.checkpoints import random_pair
 from bench.gpu_common import LLAMA3_8B
 from specpair.models.loading import read_args, read_tensors
-from specpair.models.saving import hf_config
+from specpair.models.saving import EAGLE_SHARED, hf_config
 from specpair.runtime.build import build_drafter, build_target
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.state import build_state
