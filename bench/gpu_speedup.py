@@ -45,7 +45,7 @@ import torch
 from bench.acceptance import code_prompts, prose_prompts
 from bench.adaptive import RUNS, build_phases, oracle_of, run_workload
 from bench.common import device_info, format_table, write_json
-from bench.services import ServiceGroup
+from bench.services import ServiceGroup, wait_draft_connected
 from controller.policy import PolicyConfig
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.config import MODELS_DIR, compute_threads
@@ -55,10 +55,10 @@ from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.state import build_states
 from specpair.serving import compute_executor
+from target_service.special_tokens import eos_ids
 from training.grow import SHAPES, grow
 
 TIERS = (1, 3, 7)
-EOT_ID = 0  # the shipped tokenizer's <|endoftext|>: bos, eos and pad
 TEMPERATURES = (0.0, 0.7)
 WARMUP_TOKENS = 8
 # draft kind -> (shipped folder, grown shape)
@@ -139,11 +139,13 @@ def accept_stats(per_request: Sequence[Sequence[int]]) -> tuple[float | None, in
 
 def in_process(
     target: Path, draft: Path, workloads: list[Workload], batches: list[int], *,
-    new_tokens: int, device: str, dtype: torch.dtype, max_len: int, record: Callable[[Cell], None],
+    new_tokens: int, device: str, dtype: torch.dtype, max_len: int, eos: frozenset[int],
+    record: Callable[[Cell], None],
 ) -> None:  # fmt: skip
     """Target-only and each static tier in the engine: the requests in groups of `batch`, each
-    group decoded to completion (static batching). Target-only replays tier 1's verify graph
-    with no drafts (one token per request, padded to two)."""
+    group decoded to completion (static batching) and stopped at `eos`, as the target service
+    stops them. Target-only replays tier 1's verify graph with no drafts (one token per
+    request, padded to two)."""
     size = max(batches)
     worker = build_target(target, max_requests=size, max_len=max_len, keep_features=True,
                           dtype=dtype, device=device)  # fmt: skip
@@ -163,12 +165,12 @@ def in_process(
                     results = engine.generate(
                         [wl.ids[i] for i in group], max_new_tokens=new_tokens, state=states[tier],
                         sampling=[wl.sampling(i) for i in group],
-                        stop_token_ids=frozenset({EOT_ID}),
+                        stop_token_ids=eos,
                     )  # fmt: skip
                     outputs += [r.token_ids for r in results]
                     accepts += [r.accept_lengths for r in results]
                 seconds = time.perf_counter() - t0
-                mean, rounds = accept_stats(accepts) if config != "target-only" else (None, 0)
+                mean, rounds = accept_stats(accepts)  # target-only rounds have none
                 tokens = sum(map(len, outputs))
                 record(Cell("in-process", config, wl.name, batch, tokens, seconds, mean, rounds,
                             outputs))  # fmt: skip
@@ -215,8 +217,7 @@ def services(
         draft=draft, draft_kind=draft_kind, policy=policy.to_dict(), **common
     ) as group:
         client = SpecpairClient(group.target, timeout=600)
-        while client.server_info()["draft_connection_state"] != "DRAFT_CONNECTION_STATE_CONNECTED":
-            time.sleep(0.1)
+        wait_draft_connected(client)
         ctl = ControllerClient(group.controller, timeout=30)
         for tier in TIERS:
             ctl.pin(tier)
@@ -404,7 +405,8 @@ def main() -> None:
         with compute_executor("bench-compute", compute_threads(0)) as pool:
             pool.submit(
                 in_process, target, draft, workloads, args.batches, new_tokens=args.new_tokens,
-                device=args.device, dtype=getattr(torch, dtype), max_len=max_len, record=record,
+                device=args.device, dtype=getattr(torch, dtype), max_len=max_len,
+                eos=eos_ids(target, tokenizer), record=record,
             ).result()  # fmt: skip
         gc.collect()
         if torch.cuda.is_available():

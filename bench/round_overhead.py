@@ -34,7 +34,7 @@ from bench import common
 from bench.checkpoints import random_pair
 from bench.common import add_output_args, device_info, format_table, percentile, write_json
 from bench.gpu_common import LLAMA3_8B
-from bench.services import LINKS, ServiceGroup, apply_tier, watch_rounds
+from bench.services import LINKS, ServiceGroup, apply_tier, wait_draft_connected, watch_rounds
 from specpair.client import SpecpairClient
 from specpair.config import CANDIDATE_STEPS, compute_threads
 from specpair.models.loading import is_eagle_checkpoint, read_args
@@ -127,8 +127,7 @@ def two_services(
         cpus=cpus, link=link,
     ) as group:  # fmt: skip
         client = SpecpairClient(group.target, timeout=600)
-        while client.server_info()["draft_connection_state"] != "DRAFT_CONNECTION_STATE_CONNECTED":
-            time.sleep(0.1)
+        wait_draft_connected(client)
         runs = {}
         with ThreadPoolExecutor(len(work)) as pool:
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -19,6 +20,7 @@ from typing import Any, Self
 
 import grpc
 
+from specpair.client import SpecpairClient
 from specpair.launcher import wait_healthy
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
 
@@ -93,19 +95,21 @@ class ServiceGroup:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPECPAIR_HTTP_ADDRESS": ""}
         draft_arg, draft_env = one_gpu(draft_device or device, env)
         target_arg, target_env = one_gpu(device, env)
-        draft_cmd = [*serve, "draft", "--address", self.draft, "--model", str(draft),
-                     "--draft-kind", draft_kind, "--device", draft_arg, *model, *quiet]  # fmt: skip
-        if draft_kind == "eagle":
-            draft_cmd += ["--target-model", str(target)]
-        draft_link = ["--draft", self.draft] if draft is not None else ["--no-draft"]
-        self.plan = [
-            ("draft", self.draft, draft_cmd, draft_env),
+        self.plan: list[tuple[str, str, list[str], dict[str, str]]] = []
+        draft_link = ["--no-draft"]
+        if draft is not None:
+            draft_cmd = [*serve, "draft", "--address", self.draft, "--model", str(draft),
+                         "--draft-kind", draft_kind, "--device", draft_arg, *model,
+                         *quiet]  # fmt: skip
+            if draft_kind == "eagle":
+                draft_cmd += ["--target-model", str(target)]
+            self.plan.append(("draft", self.draft, draft_cmd, draft_env))
+            draft_link = ["--draft", self.draft]
+        self.plan.append(
             ("target", self.target, [*serve, "target", "--address", self.target, "--model",
              str(target), *draft_link, "--initial-steps", str(initial_steps),
              "--device", target_arg, *model, *quiet], target_env),
-        ]  # fmt: skip
-        if draft is None:
-            self.plan.pop(0)
+        )  # fmt: skip
         if policy is not None:
             policy_file = log_dir / "policy.json"
             policy_file.write_text(json.dumps(policy))
@@ -160,6 +164,19 @@ def one_gpu(device: str, env: dict[str, str]) -> tuple[str, dict[str, str]]:
             raise ValueError(f"{device}: CUDA_VISIBLE_DEVICES={visible!r} has no GPU {index}")
         gpu = ids[int(index)]
     return "cuda", {**env, "CUDA_VISIBLE_DEVICES": gpu}
+
+
+def wait_draft_connected(client: SpecpairClient, timeout_s: float = 300.0) -> None:
+    """Until the target's link to its draft is up (speculation can start); a draft the target
+    refused, or none within `timeout_s`, fails with the target's reason."""
+    deadline = time.monotonic() + timeout_s
+    while (info := client.server_info())["draft_connection_state"] != (
+        "DRAFT_CONNECTION_STATE_CONNECTED"
+    ):
+        refused = info.get("draft_incompatible_reason")
+        if refused or time.monotonic() > deadline:
+            raise RuntimeError(f"the draft never connected: {refused or 'timed out'}")
+        time.sleep(0.1)
 
 
 def apply_tier(address: str, steps: int) -> None:
