@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,20 @@ from specpair.models.tiny import make_tiny_eagle, make_tiny_llama
 # three processes of the end-to-end test) spinning OpenMP workers slow every op by 10-100x.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def hf_greedy(model: Any, ids: list[int], max_new_tokens: int, eos: int = 0) -> list[int]:
+    """`transformers`' greedy continuation of `ids` (stopping at `eos`; the shipped and tiny
+    tokenizers' <|endoftext|> is 0): the reference speculative decoding must reproduce."""
+    out = model.generate(
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
+    return list(out[0, len(ids) :].tolist())
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ from specpair.config import MODELS_DIR
 from specpair.runtime.build import build_drafter, build_target
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.state import build_states
+from tests.conftest import hf_greedy
 
 TARGET = MODELS_DIR / "target"
 PROMPTS = [
@@ -29,16 +30,8 @@ def prompts_and_reference() -> tuple[list[list[int]], list[list[int]]]:
     prompts, reference = [], []
     for text in PROMPTS:
         ids = tok.encode(text, add_special_tokens=False)
-        out = model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=0,
-            pad_token_id=0,
-        )
         prompts.append(ids)
-        reference.append(out[0, len(ids) :].tolist())
+        reference.append(hf_greedy(model, ids, NEW_TOKENS))
     return prompts, reference
 
 

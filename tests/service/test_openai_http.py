@@ -29,6 +29,7 @@ from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import target_pb2
 from target_service.frontend import Frontend
 from target_service.http_api import MAX_BODY_BYTES, HttpServer, OpenAIApp
+from tests.conftest import hf_greedy
 from tests.service.conftest import Stack, draft_config, target_config
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -68,16 +69,8 @@ def hf() -> tuple[Any, LlamaForCausalLM]:
 def greedy(hf: tuple[Any, LlamaForCausalLM], ids: list[int], n: int) -> tuple[list[int], str]:
     """transformers' greedy continuation (stopping at <|endoftext|> = 0) and its text."""
     tok, model = hf
-    out = model.generate(
-        torch.tensor([ids]),
-        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-        max_new_tokens=n,
-        do_sample=False,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    new = out[0, len(ids) :].tolist()
-    return new, tok.decode(new, skip_special_tokens=True).rstrip("\ufffd")
+    new = hf_greedy(model, ids, n)
+    return new, tok.decode(new, skip_special_tokens=True)
 
 
 def templated(hf: tuple[Any, LlamaForCausalLM], messages: list[dict[str, str]]) -> list[int]:

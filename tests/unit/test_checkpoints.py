@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,19 @@ def tiny(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     return path, load_file(path / "model.safetensors")
 
 
-def shard(tensors: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
+def write_sharded(
+    path: Path, tensors: dict[str, torch.Tensor], n: int, stem: str, save: Callable[..., None]
+) -> dict[str, str]:
+    """`tensors` in `n` shards `{stem}-0000i-of-0000n{suffix}` written by `save`; the index's
+    weight map (tensor name -> shard file)."""
     names = sorted(tensors)
-    return [{k: tensors[k] for k in names[i::n]} for i in range(n)]
+    weight_map = {}
+    for i in range(n):
+        part = {k: tensors[k] for k in names[i::n]}
+        file = stem.format(i=i + 1, n=n)
+        save(part, str(path / file))
+        weight_map.update(dict.fromkeys(part, file))
+    return weight_map
 
 
 def assert_loaded(path: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -33,11 +44,7 @@ def assert_loaded(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 def test_safetensors_index_loads_only_listed_shards(tiny: tuple) -> None:
     path, tensors = tiny
     (path / "model.safetensors").unlink()
-    weight_map = {}
-    for i, part in enumerate(shard(tensors, 2), 1):
-        name = f"model-{i:05d}-of-00002.safetensors"
-        save_file(part, str(path / name))
-        weight_map.update(dict.fromkeys(part, name))
+    weight_map = write_sharded(path, tensors, 2, "model-{i:05d}-of-{n:05d}.safetensors", save_file)
     index = {"metadata": {}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     # A leftover shard the index does not list (an older revision): were it read, it would not
@@ -74,11 +81,7 @@ def test_pytorch_model_bin_loads(tiny: tuple) -> None:
 def test_sharded_bin_loads_through_its_index(tiny: tuple) -> None:
     path, tensors = tiny
     (path / "model.safetensors").unlink()
-    weight_map = {}
-    for i, part in enumerate(shard(tensors, 3), 1):
-        name = f"pytorch_model-{i:05d}-of-00003.bin"
-        torch.save(part, path / name)
-        weight_map.update(dict.fromkeys(part, name))
+    weight_map = write_sharded(path, tensors, 3, "pytorch_model-{i:05d}-of-{n:05d}.bin", torch.save)
     (path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
     torch.save({"junk": torch.zeros(1)}, path / "pytorch_model-unlisted.bin")
     assert_loaded(path, tensors)
