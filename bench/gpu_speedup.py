@@ -51,7 +51,7 @@ from specpair.client import ControllerClient, SpecpairClient
 from specpair.config import MODELS_DIR, compute_threads
 from specpair.models.loading import read_args
 from specpair.runtime.build import build_drafter, build_target
-from specpair.runtime.engine import SpeculativeEngine
+from specpair.runtime.engine import SpeculativeEngine, StageTimes
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.state import build_states
 from specpair.serving import compute_executor
@@ -96,6 +96,9 @@ class Cell:
     # own target-only under-batches at batch > 1 (bench/RESULTS.md), this one does not
     speedup_vs_engine: float | None = None
     same_as_target_only: bool | None = None  # greedy: every output equals target-only's
+    # in-process only: where a round's time goes, ms per batch round (wall: draft, verify,
+    # accept; GPU: the draft and verify graphs) and the ms outside rounds (prefill, set-up)
+    stage_ms: dict[str, float] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -159,6 +162,7 @@ def in_process(
         for wl in workloads:
             for batch in batches:
                 outputs, accepts = [], []
+                engine.times = StageTimes()
                 t0 = time.perf_counter()
                 for lo in range(0, len(wl.ids), batch):
                     group = range(lo, min(lo + batch, len(wl.ids)))
@@ -173,7 +177,22 @@ def in_process(
                 mean, rounds = accept_stats(accepts)  # target-only rounds have none
                 tokens = sum(map(len, outputs))
                 record(Cell("in-process", config, wl.name, batch, tokens, seconds, mean, rounds,
-                            outputs))  # fmt: skip
+                            outputs, stage_ms=stage_ms(engine.times, seconds)))  # fmt: skip
+
+
+def stage_ms(times: StageTimes, seconds: float) -> dict[str, float]:
+    """Mean ms per batch round of each stage, and the ms spent outside rounds in total."""
+    n = max(times.rounds, 1)
+    gpu = [sum(col) / n for col in zip(*times.gpu_ms, strict=True)] or [0.0, 0.0]
+    return {
+        "draft": 1e3 * times.draft / n,
+        "verify": 1e3 * times.verify / n,
+        "accept": 1e3 * times.accept / n,
+        "draft_gpu": gpu[0],
+        "verify_gpu": gpu[1],
+        "outside_rounds": 1e3 * (seconds - times.draft - times.verify - times.accept),
+        "rounds": times.rounds,
+    }
 
 
 def serve_cells(
@@ -322,6 +341,19 @@ def render(cells: list[Cell]) -> str:
     return format_table(headers, rows)
 
 
+def render_stages(cells: list[Cell]) -> str:
+    """Where an in-process round's time goes, per cell (ms per batch round)."""
+    keys = ["draft", "draft_gpu", "verify", "verify_gpu", "accept"]
+    rows = [
+        [c.workload, str(c.batch), c.config, f"{c.stage_ms['rounds']:.0f}",
+         *(f"{c.stage_ms[k]:.2f}" for k in keys), f"{c.stage_ms['outside_rounds']:.0f}"]
+        for c in cells if c.stage_ms is not None
+    ]  # fmt: skip
+    headers = ["workload", "batch", "config", "batch rounds", *(f"{k} ms" for k in keys),
+               "outside ms"]  # fmt: skip
+    return format_table(headers, rows) if rows else ""
+
+
 def replot(path: Path) -> None:
     """The PNG beside `path` and the table, from a written JSON (outputs are not kept there)."""
     data = json.loads(path.read_text())
@@ -331,6 +363,8 @@ def replot(path: Path) -> None:
     fill_ratios(cells, gpu, compare_outputs=False)
     title = f"{data['draft_kind']} draft, {data['shape']} pair, {gpu}: tokens/s by configuration"
     plot(cells, path.with_suffix(".png"), title)
+    if stages := render_stages(cells):
+        print(f"{stages}\n")
     print(render(cells))
 
 
@@ -436,6 +470,8 @@ def main() -> None:
           f"{args.new_tokens} new tokens per cell; x = speedup over target-only (same "
           f"deployment); x eng = over the in-process engine's target-only; accept = accepted "
           f"drafts per round; JSON {out}\n")  # fmt: skip
+    if stages := render_stages(cells):
+        print(f"in-process: ms per batch round by stage\n{stages}\n")
     print(render(cells))
 
 
