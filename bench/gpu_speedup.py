@@ -345,7 +345,7 @@ def render_stages(cells: list[Cell]) -> str:
     """Where an in-process round's time goes, per cell (ms per batch round)."""
     keys = ["draft", "draft_gpu", "verify", "verify_gpu", "accept"]
     rows = [
-        [c.workload, str(c.batch), c.config, f"{c.stage_ms['rounds']:.0f}",
+        [c.workload, str(c.batch), c.config, f"{c.stage_ms.get('rounds', 0):.0f}",
          *(f"{c.stage_ms[k]:.2f}" for k in keys), f"{c.stage_ms['outside_rounds']:.0f}"]
         for c in cells if c.stage_ms is not None
     ]  # fmt: skip
