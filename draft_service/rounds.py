@@ -17,7 +17,7 @@ from specpair.proto.v1 import common_pb2, draft_pb2
 from specpair.runtime.build import build_drafter
 from specpair.runtime.draft import Drafter, DraftInput
 from specpair.runtime.kv_cache import CacheFullError
-from specpair.runtime.state import SpecRuntimeState, build_states, gpu_ms
+from specpair.runtime.state import SpecRuntimeState, StateBuilder, gpu_ms
 from specpair.wire import draft_input_from_proto, tree_into
 
 log = get_logger(__name__)
@@ -48,9 +48,8 @@ class DraftRounds:
             device=config.device,
         )
         self.vocab_size = self.drafter.args.vocab_size
-        self.states: dict[int, SpecRuntimeState] = build_states(
-            config.candidate_steps, [self.drafter]
-        )
+        self.builder = StateBuilder(drafter=self.drafter)
+        self.states: dict[int, SpecRuntimeState] = self.builder.build_all(config.candidate_steps)
 
     @property
     def active_requests(self) -> int:
@@ -102,7 +101,7 @@ class DraftRounds:
     @property
     def plans_ahead(self) -> bool:
         """Whether `prepare` does anything: the drafter runs CUDA graphs."""
-        return self.drafter.graphs is not None
+        return any(state.extend_stage().plans_ahead for state in self.states.values())
 
     def prepare(self, stream_id: str, request: draft_pb2.SpeculateRequest) -> None:
         """Plans the next round of this round's requests at its tier (see Drafter.prepare)."""

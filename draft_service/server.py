@@ -16,7 +16,6 @@ from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.models.loading import load_tokenizer, tokenizer_fingerprint
 from specpair.proto.v1 import draft_pb2, draft_pb2_grpc
-from specpair.runtime import state as runtime_state
 from specpair.serving import Compute, GrpcServer, busy_wait
 
 log = get_logger(__name__)
@@ -97,7 +96,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             candidate_steps=list(cfg.candidate_steps),
             active_streams=self.streams,
             active_requests=self.rounds.active_requests if self.rounds else 0,
-            runtime_state_builds=runtime_state.builds(),
+            runtime_state_builds=self.rounds.builder.builds if self.rounds else 0,
             device=cfg.device,
             vocab_size=self.vocab_size,
             tokenizer_fingerprint=self.tokenizer_fingerprint,

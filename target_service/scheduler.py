@@ -315,7 +315,7 @@ class Scheduler:
         self._released = []
         flight.epoch = await link.send(message)
         flight.sent = sent
-        if flight.epoch is not None and self.worker.graphs is not None:
+        if flight.epoch is not None and flight.state.verify_stage().plans_ahead:
             # While the draft service drafts: plan this round's verify graph (see prepare).
             await self.compute(self.worker.prepare, [r.seq for r in batch], flight.state)
         return flight

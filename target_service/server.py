@@ -16,9 +16,8 @@ from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.models.loading import load_tokenizer, tokenizer_fingerprint
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
-from specpair.runtime import state as runtime_state
 from specpair.runtime.build import build_target
-from specpair.runtime.state import build_states
+from specpair.runtime.state import StateBuilder
 from specpair.serving import bounded
 from target_service.draft_link import DraftLink
 from target_service.frontend import (
@@ -43,6 +42,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
         self.config = frontend.config
+        self.builder: StateBuilder | None = None  # set once the states are built
 
     @property
     def scheduler(self) -> Scheduler | None:
@@ -94,7 +94,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             running_requests=len(s.running) if s else 0,
             queued_requests=len(s.queue) if s else 0,
             rounds=s.round_id if s else 0,
-            runtime_state_builds=runtime_state.builds(),
+            runtime_state_builds=self.builder.builds if self.builder else 0,
             device=cfg.device,
             max_context_length=cfg.max_len,
             vocab_size=s.worker.model.args.vocab_size if s else 0,
@@ -157,7 +157,9 @@ class RunningTarget:
             scheduler.compute.shutdown()
 
 
-def _build_scheduler(config: TargetConfig, metrics: ServiceMetrics) -> Scheduler:
+def _build_scheduler(
+    config: TargetConfig, metrics: ServiceMetrics
+) -> tuple[Scheduler, StateBuilder]:
     log.info("loading target weights", path=str(config.model_path), device=config.device)
     worker = build_target(
         config.model_path,
@@ -167,10 +169,10 @@ def _build_scheduler(config: TargetConfig, metrics: ServiceMetrics) -> Scheduler
         dtype=getattr(torch, config.dtype),
         device=config.device,
     )
-    states = build_states(config.candidate_steps, [worker])
-    return Scheduler(
+    builder = StateBuilder(worker)
+    scheduler = Scheduler(
         worker,
-        states,
+        builder.build_all(config.candidate_steps),
         initial_steps=config.initial_steps,
         max_batch=config.max_batch,
         max_queue=config.max_queue,
@@ -179,6 +181,7 @@ def _build_scheduler(config: TargetConfig, metrics: ServiceMetrics) -> Scheduler
         threads=compute_threads(config.threads),
         device=config.device,
     )
+    return scheduler, builder
 
 
 async def start(config: TargetConfig) -> RunningTarget:
@@ -209,7 +212,8 @@ async def start(config: TargetConfig) -> RunningTarget:
         )
     scheduler: Scheduler | None = None
     try:
-        scheduler = await asyncio.to_thread(_build_scheduler, config, metrics)
+        built = await asyncio.to_thread(_build_scheduler, config, metrics)
+        scheduler, servicer.builder = built
         frontend.tokenizer = await asyncio.to_thread(load_tokenizer, config.model_path)
         if config.eos_stop:
             frontend.eos = eos_ids(config.model_path, frontend.tokenizer)

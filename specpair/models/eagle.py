@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from specpair.models.llama import (
-    AttendFn,
+    Attend,
     DecoderLayer,
     ModelArgs,
     rope_cos_sin,
@@ -52,7 +52,7 @@ class EagleHead(nn.Module):
         self.rope_scale = rope_scale(args)
 
     def forward(
-        self, tokens: Tensor, features: Tensor, positions: Tensor, attend: AttendFn
+        self, tokens: Tensor, features: Tensor, positions: Tensor, attend: Attend
     ) -> Tensor:
         # tokens: [B, T] (x[j+1]), features: [B, T, H] (f[j]), positions: [B, T] (j) -> [B, T, H]
         x = self.fc(torch.cat((self.embed_tokens(tokens), features.to(self.fc.weight.dtype)), -1))

@@ -1,9 +1,9 @@
 """A Llama-family decoder in plain torch: RMSNorm, RoPE (Llama-3, linear or YaRN scaling), GQA,
 a gated MLP (SwiGLU by default), optional projection biases (Qwen2: q/k/v only).
 
-The model knows nothing about caches or batching: every forward takes an `attend` callable,
-bound by the runtime to one batch's KV layout (dense on CPU, paged on GPU), that stores the new
-keys/values of a layer and returns the attention output.
+The model knows nothing about caches or batching: every forward takes an `Attend`, bound by the
+runtime to one batch's KV layout, that stores the new keys/values of a layer and returns the
+attention output.
 """
 
 from __future__ import annotations
@@ -11,14 +11,30 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# attend(layer_index, q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D]) -> [B, T, Hq, D]
-AttendFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+class Attend(Protocol):
+    """One forward's attention over the KV cache (`runtime.attention.PagedAttend`)."""
+
+    # True where `rope_write` + `run` serve (the fused GPU layer's split form)
+    fused_write: bool
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q [B, T, Hq, D], k, v [B, T, Hkv, D]: stores k, v, returns [B, T, Hq, D]."""
+
+    def rope_write(self, layer: int, qkv: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """qkv partials [S, N, (Hq + 2 Hkv) D], cos/sin [N, D]: rotates q and k, stores k and
+        v, returns q [N, Hq, D]."""
+
+    def run(self, layer: int, q: Tensor) -> Tensor:
+        """q [B, T, Hq, D] -> [B, T, Hq, D] over the K/V already stored."""
+
 
 # `hidden_act` values of a config, each computed as transformers' ACT2FN computes it.
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -212,7 +228,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.n_kv * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=args.o_bias)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: AttendFn) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
@@ -246,7 +262,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: AttendFn) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -275,12 +291,12 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
         self.rope_scale = rope_scale(args)
 
-    def forward(self, tokens: Tensor, positions: Tensor, attend: AttendFn) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Tensor, attend: Attend) -> Tensor:
         # tokens, positions: [B, T] -> hidden: [B, T, H]
         x = self.model.embed_tokens(tokens)
         return self.run_layers(x, positions, attend)
 
-    def run_layers(self, x: Tensor, positions: Tensor, attend: AttendFn) -> Tensor:
+    def run_layers(self, x: Tensor, positions: Tensor, attend: Attend) -> Tensor:
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype, self.rope_scale)
         for layer in self.model.layers:
             x = layer(x, cos, sin, attend)

@@ -1,8 +1,8 @@
 """Assemble the in-process pieces from checkpoint paths (engine demo, tests, benchmarks).
 
-On a CUDA device the model is fused (`fused.py`), the cache is paged (flashinfer) and the
-worker gets its CUDA-graph builder (`worker.graphs`): build the workers first, then the states
-with them (`build_states(tiers, [worker, drafter])`), as the services do.
+On a CUDA device the model is fused (`fused.py`); the cache is the same paged cache on every
+device. Build the workers first, then the states with them (`StateBuilder(worker, drafter)`,
+which captures CUDA graphs for a GPU worker), as the services do.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from specpair.models.loading import (
     load_llama,
 )
 from specpair.runtime.draft import Drafter, EagleDrafter, LMDrafter
-from specpair.runtime.kv_cache import DenseKVCache, KVCache
+from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.target import TargetWorker
 
 
@@ -30,35 +30,27 @@ def _is_cuda(device: str | torch.device) -> bool:
 def make_cache(
     args: ModelArgs, *, max_requests: int, max_len: int, dtype: torch.dtype, device: str
 ) -> KVCache:
-    if _is_cuda(device):
-        from specpair.runtime.paged_kv import PagedKVCache
-
-        return PagedKVCache.for_model(
-            args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device
-        )
-    return DenseKVCache.for_model(
+    return KVCache.for_model(
         args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device
     )
 
 
-def gpu_target(
-    worker: TargetWorker, max_batch: int, buckets: list[int] | None = None
-) -> TargetWorker:
-    """Fuses the model and gives the worker its verify-graph builder (`build_states`)."""
-    from specpair.runtime.cuda_graphs import TargetGraphs
+def gpu_target(worker: TargetWorker) -> TargetWorker:
+    """Fuses the target's decoder for the GPU."""
     from specpair.runtime.fused import fuse_decoder
 
     fuse_decoder(worker.model)
-    worker.graphs = TargetGraphs(worker, max_batch, buckets)
     return worker
 
 
-def gpu_drafter(drafter: Drafter, max_batch: int, buckets: list[int] | None = None) -> Drafter:
-    from specpair.runtime.cuda_graphs import DraftGraphs
+def gpu_drafter(drafter: Drafter) -> Drafter:
+    """Fuses the drafter's decoder (an EAGLE head's layer, or the LM) for the GPU."""
     from specpair.runtime.fused import fuse_decoder
 
-    fuse_decoder(drafter.head if isinstance(drafter, EagleDrafter) else drafter.model)  # type: ignore[attr-defined]
-    drafter.graphs = DraftGraphs(drafter, max_batch, buckets)
+    if isinstance(drafter, EagleDrafter):
+        fuse_decoder(drafter.head)
+    elif isinstance(drafter, LMDrafter):
+        fuse_decoder(drafter.model)
     return drafter
 
 
@@ -76,7 +68,7 @@ def build_target(
         model.args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device
     )
     worker = TargetWorker(model, cache, keep_features=keep_features)
-    return gpu_target(worker, max_requests) if _is_cuda(device) else worker
+    return gpu_target(worker) if _is_cuda(device) else worker
 
 
 def build_drafter(
@@ -104,4 +96,4 @@ def build_drafter(
             model.args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device
         )
         drafter = LMDrafter(model, cache)
-    return gpu_drafter(drafter, max_requests) if _is_cuda(device) else drafter
+    return gpu_drafter(drafter) if _is_cuda(device) else drafter

@@ -12,6 +12,7 @@ Two drafters share the loop and differ in one forward:
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,10 +21,12 @@ import torch
 from torch import Tensor
 
 from specpair.models.eagle import EagleHead
-from specpair.models.llama import AttendFn, LlamaModel, ModelArgs
-from specpair.runtime.kv_cache import BatchLayout, KVCache
+from specpair.models.llama import Attend, LlamaModel, ModelArgs
+from specpair.runtime.kv_cache import KVCache
+from specpair.runtime.layout import BatchLayout
 from specpair.runtime.sampling import SamplingParams, derived_seed, make_generator, warp
-from specpair.runtime.state import SpecRuntimeState, TierCapture
+from specpair.runtime.stages import DraftStage, ExtendStage
+from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.tree import CandidateTree, chain
 
 
@@ -53,7 +56,9 @@ class Drafter(ABC):
         self.device = device
         self.args = args
         self.requests: dict[str, DraftSlot] = {}
-        self.graphs: TierCapture | None = None  # the GPU's graph builder (build_states)
+        self.last_gpu_ms = 0.0  # GPU time of the last round's graph replays (0: none ran)
+        self.profile = False  # when set, a greedy round synchronizes to time its stages apart
+        self.last_times = (0.0, 0.0)  # (extend s, draft s) of the last greedy round
 
     def release(self, request_id: str) -> None:
         """Frees a finished or cancelled request's draft state (unknown ids are ignored)."""
@@ -77,42 +82,72 @@ class Drafter(ABC):
 
     @torch.inference_mode()
     def round(self, inputs: Sequence[DraftInput], state: SpecRuntimeState) -> list[CandidateTree]:
-        """Extend every request, then draft `state.tier` chain steps for the whole batch."""
+        """Extend every request, then draft `state.tier` chain steps for the whole batch:
+        greedy rounds through the tier's stages, sampling rounds eagerly (their warps and
+        generators live on the host)."""
         entries = [self._slot(item) for item in inputs]
         slots = [e.slot for e in entries]
-        graphs = state.extras.get(f"draft/{id(self)}")
-        if graphs is not None and all(item.sampling.greedy for item in inputs):
-            steps_ = graphs.round(self, inputs, slots)  # type: ignore[attr-defined]
-            return [chain(tokens) for tokens in steps_]
-        hidden = self._extend(inputs, slots)  # [B, H] at each request's last row
+        if not all(item.sampling.greedy for item in inputs):
+            self.last_gpu_ms = 0.0
+            hidden = self.extend(inputs, slots)
+            samplers = [(item.sampling, e.generator) for item, e in zip(inputs, entries, strict=True)]
+            steps, probs = self.draft_steps(hidden, slots, state.tier, samplers)
+            return [
+                chain(tokens, torch.stack(p) if p else None)
+                for tokens, p in zip(steps, probs, strict=True)
+            ]
+        extend, draft = self._stages(state)
+        t0 = time.perf_counter()
+        hidden = extend.run(inputs, slots)  # [B', 1, H] at each request's last row
+        if self.profile and hidden.is_cuda:  # to time extend and draft apart
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        draft.plan(slots)
+        drafts = draft.run(hidden, slots)
+        self.last_gpu_ms = draft.read_gpu_ms()
+        self.last_times = (t1 - t0, time.perf_counter() - t1)
+        return [chain(tokens) for tokens in drafts]
+
+    def draft_steps(
+        self,
+        hidden: Tensor,
+        slots: list[int],
+        tier: int,
+        samplers: Sequence[tuple[SamplingParams, torch.Generator]] | None = None,
+    ) -> tuple[list[list[int]], list[list[Tensor]]]:
+        """`tier` steps after the committed lengths from hidden [B, 1, H]: per request its
+        tokens and, where it samples (`samplers`), the warped distributions q it drew from."""
         starts = [self.cache.lengths[s] for s in slots]
-        steps: list[list[int]] = [[] for _ in inputs]
-        probs: list[list[Tensor]] = [[] for _ in inputs]
-        for k in range(state.tier):
-            logits = self._logits(hidden).cpu()  # [B, V]
+        steps: list[list[int]] = [[] for _ in slots]
+        probs: list[list[Tensor]] = [[] for _ in slots]
+        for k in range(tier):
+            logits = self.logits(hidden).cpu()  # [B, V]
             tokens = logits.argmax(-1).tolist()
-            for b, item in enumerate(inputs):
-                if not item.sampling.greedy:
-                    q = warp(logits[b], item.sampling)
-                    tokens[b] = int(torch.multinomial(q, 1, generator=entries[b].generator))
+            for b, (params, generator) in enumerate(samplers or ()):
+                if not params.greedy:
+                    q = warp(logits[b], params)
+                    tokens[b] = int(torch.multinomial(q, 1, generator=generator))
                     probs[b].append(q)
-                steps[b].append(tokens[b])
-            if k + 1 < state.tier:
+            for b, token in enumerate(tokens):
+                steps[b].append(token)
+            if k + 1 < tier:
                 layout = BatchLayout.causal(slots, [s + k for s in starts], [1] * len(slots))
                 hidden = self._step(torch.tensor(tokens)[:, None], hidden, layout)
-        return [
-            chain(tokens, torch.stack(p) if p else None)
-            for tokens, p in zip(steps, probs, strict=True)
-        ]
+        return steps, probs
 
     @torch.inference_mode()
     def prepare(self, request_ids: Sequence[str], state: SpecRuntimeState) -> None:
         """Plans these requests' next extend at `state`'s tier ahead of their tokens (a no-op
-        without graphs, or for an unknown request)."""
-        graphs = state.extras.get(f"draft/{id(self)}")
+        for eager stages, or for an unknown request)."""
         entries = [self.requests.get(rid) for rid in request_ids]
-        if graphs is not None and entries and all(entries):
-            graphs.prepare([e.slot for e in entries if e is not None])  # type: ignore[attr-defined]
+        if entries and all(entries):
+            self._stages(state)[0].prepare([e.slot for e in entries if e is not None])
+
+    def _stages(self, state: SpecRuntimeState) -> tuple[ExtendStage, DraftStage]:
+        extend = state.extend_stage()
+        if extend.cache is not self.cache:
+            raise RuntimeError("this state's draft stages were built for another drafter")
+        return extend, state.draft_stage()
 
     @abstractmethod
     def extend_rows(
@@ -122,7 +157,7 @@ class Drafter(ABC):
 
     @abstractmethod
     def forward(
-        self, tokens: Tensor, features: Tensor | None, positions: Tensor, attend: AttendFn
+        self, tokens: Tensor, features: Tensor | None, positions: Tensor, attend: Attend
     ) -> Tensor:
         """tokens, positions: [B, T] (+ features [B, T, H]) on the device -> hidden [B, T, H]."""
 
@@ -143,7 +178,8 @@ class Drafter(ABC):
                 features[b, : len(f)] = f
         return tokens, features, positions, layout, lengths
 
-    def _extend(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor:
+    def extend(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor:
+        """Eager extend: commits the rows, returns each request's last hidden [B, 1, H]."""
         groups = self._extend_groups(inputs, slots)
         if len(groups) == 1:
             return self._extend_group(inputs, slots)
@@ -176,23 +212,30 @@ class Drafter(ABC):
         return groups
 
     def _extend_group(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor:
-        tokens, features, positions, layout, lengths = self.extend_inputs(inputs, slots)
+        return self.extend_forward(*self.extend_inputs(inputs, slots))
+
+    def extend_forward(
+        self,
+        tokens: Tensor,
+        features: Tensor | None,
+        positions: Tensor,
+        layout: BatchLayout,
+        lengths: list[int],
+    ) -> Tensor:
+        """The eager forward of `extend_inputs`' rows: each request's last hidden [B, 1, H]."""
         hidden = self.forward(
             tokens.to(self.device),
             None if features is None else features.to(self.device),
             positions.to(self.device),
             self.cache.bind(layout),
         )
-        return _last(hidden, lengths)
+        return hidden[torch.arange(len(lengths)), torch.tensor(lengths) - 1][:, None]
 
     def _step(self, tokens: Tensor, hidden: Tensor, layout: BatchLayout) -> Tensor:
         positions = layout.starts[:, None]
         return self.forward(
             tokens.to(self.device), hidden, positions.to(self.device), self.cache.bind(layout)
         )
-
-    def _logits(self, hidden: Tensor) -> Tensor:
-        return self.logits(hidden)
 
     def _commit_rows(
         self, rows: Sequence[Sequence[int]], slots: list[int]
@@ -212,10 +255,6 @@ class Drafter(ABC):
         return tokens, positions, layout, lengths
 
 
-def _last(hidden: Tensor, lengths: list[int]) -> Tensor:
-    return hidden[torch.arange(len(lengths)), torch.tensor(lengths) - 1][:, None]  # [B, 1, H]
-
-
 class LMDrafter(Drafter):
     def __init__(self, model: LlamaModel, cache: KVCache) -> None:
         super().__init__(cache, model.lm_head.weight.device, model.args)
@@ -227,7 +266,7 @@ class LMDrafter(Drafter):
         return [i.appended for i in inputs], None
 
     def forward(
-        self, tokens: Tensor, features: Tensor | None, positions: Tensor, attend: AttendFn
+        self, tokens: Tensor, features: Tensor | None, positions: Tensor, attend: Attend
     ) -> Tensor:
         return self.model(tokens, positions, attend)
 
@@ -261,7 +300,7 @@ class EagleDrafter(Drafter):
         return rows, feats
 
     def forward(
-        self, tokens: Tensor, features: Tensor | None, positions: Tensor, attend: AttendFn
+        self, tokens: Tensor, features: Tensor | None, positions: Tensor, attend: Attend
     ) -> Tensor:
         assert features is not None, "EAGLE rows need features"
         return self.head(tokens, features, positions, attend)

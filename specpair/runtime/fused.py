@@ -27,9 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specpair.models.llama import AttendFn, DecoderLayer, LlamaBody, RMSNorm
+from specpair.models.llama import Attend, DecoderLayer, LlamaBody, RMSNorm
 from specpair.models.loading import CheckpointError
-from specpair.runtime.paged_kv import PagedAttend
 
 _kernels: Any = None
 GEMV_MAX_ROWS = 16
@@ -155,7 +154,7 @@ class FusedDecoderLayer(nn.Module):
         self.defer_residual = False  # set inside a LlamaBody, whose next layer or norm adds it
 
     def forward(
-        self, x: Tensor | Pending, cos: Tensor, sin: Tensor, attend: AttendFn
+        self, x: Tensor | Pending, cos: Tensor, sin: Tensor, attend: Attend
     ) -> Tensor | Pending:
         # x: [B, T, H] (or pending), cos/sin: [B, T, 1, D] -> [B, T, H] (or pending)
         shape = x.x.shape if isinstance(x, Pending) else x.shape
@@ -178,11 +177,11 @@ class FusedDecoderLayer(nn.Module):
         return add_rmsnorm(resid, down, self.post_norm, self.eps)[0].view(shape)
 
     def _attention(
-        self, qkv: Tensor, cos: Tensor, sin: Tensor, attend: AttendFn, b: int, t: int
+        self, qkv: Tensor, cos: Tensor, sin: Tensor, attend: Attend, b: int, t: int
     ) -> Tensor:
         # qkv: partials [S, N, (Hq + 2 Hkv) D] -> attention output [B, T, Hq, D]
         n_q, n_kv, d = self.n_q, self.n_kv, self.head_dim
-        if isinstance(attend, PagedAttend) and qkv.is_cuda:
+        if attend.fused_write:  # the Triton rope_write: a GPU cache, a fused backend
             q = attend.rope_write(self.layer_index, qkv, cos, sin)
             return attend.run(self.layer_index, q.view(b, t, n_q, d))
         full = (qkv.sum(0) if qkv.shape[0] > 1 else qkv[0]).to(cos.dtype)

@@ -1,65 +1,47 @@
 """Per-tier runtime states, all built at start-up; a tier switch swaps a reference.
 
 A `SpecRuntimeState` holds everything shape-dependent for one tier (speculative_num_steps = s,
-chains of s drafts, s + 1 verified tokens). On CPU that is the chain's parents, tree mask and
-depth offsets, precomputed once; on a GPU each worker passed to `build_states` captures its
-CUDA graphs per batch bucket into the same object. `builds()` counts constructions so tests can
-assert that none happen after start-up.
+chains of s drafts, s + 1 verified tokens): the chain's parents, tree mask and depth offsets,
+and this process's stages of the round — `verify` where it runs the target, `extend` and
+`draft` where it runs the drafter — eager on the CPU, CUDA graphs per batch bucket on a GPU.
+A `StateBuilder` builds them and counts what it built (`builds`, `captures`): the services
+report those, and tests assert that nothing is built after start-up.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from torch import Tensor
 
 from specpair.logging import get_logger
-from specpair.runtime.kv_cache import BatchLayout
+from specpair.runtime.stages import (
+    DraftStage, EagerDraft, EagerExtend, EagerVerify, ExtendStage, VerifyStage,
+)  # fmt: skip
 from specpair.runtime.tree import tree_depths, tree_mask
+
+if TYPE_CHECKING:
+    from specpair.runtime.draft import Drafter
+    from specpair.runtime.graphs.capture import GraphCapture
+    from specpair.runtime.graphs.draft import DraftGraphs
+    from specpair.runtime.target import TargetWorker
 
 log = get_logger(__name__)
 
-_builds = 0
+
+class Timed(Protocol):
+    """A target worker or drafter: the GPU time of its last call's graph replays."""
+
+    last_gpu_ms: float
 
 
-class TierCapture(Protocol):
-    """A worker's CUDA graphs: captures its stages of one tier into a state, times replays."""
-
-    last_gpu_ms: float  # GPU time of the last call's replays (0: none ran)
-
-    def capture_tier(self, state: SpecRuntimeState) -> None: ...
-
-    def read_gpu_ms(self) -> float: ...
-
-
-class VerifyPlan(Protocol):
-    """A tier's verify graphs: `plan` the layout (once ahead, or per call), then `replay`."""
-
-    def plan(self, positions: Tensor, layout: BatchLayout, key: object = None) -> bool: ...
-
-    def planned_for(self, key: object) -> bool: ...
-
-    def replay(self, tokens: Tensor) -> tuple[Tensor, Tensor]: ...
-
-
-class GraphOwner(Protocol):
-    """A target worker or drafter: `graphs` is its TierCapture on a GPU, None on the CPU."""
-
-    graphs: TierCapture | None
-
-
-def gpu_ms(worker: GraphOwner | None) -> float:
-    """GPU time of the worker's last graph replays (0 on the CPU, or when none ran)."""
-    graphs = None if worker is None else worker.graphs
-    return 0.0 if graphs is None else graphs.last_gpu_ms
-
-
-def builds() -> int:
-    """How many runtime states this process has built so far."""
-    return _builds
+def gpu_ms(worker: Timed | None) -> float:
+    """GPU time of the worker's last graph replays (0 without a worker, on the CPU, or when
+    none ran)."""
+    return 0.0 if worker is None else worker.last_gpu_ms
 
 
 @dataclass(frozen=True)
@@ -68,36 +50,103 @@ class SpecRuntimeState:
     chain_parents: tuple[int, ...]  # full chain (root + s drafts): [-1, 0, 1, …, s-1]
     chain_mask: Tensor  # [s + 1, s + 1] bool, lower-triangular
     chain_depths: tuple[int, ...]  # [0, 1, …, s]
-    extras: dict[str, object] = field(default_factory=dict)  # backend-specific (graphs, plans)
+    verify: VerifyStage | None = None  # None: built without a target worker
+    extend: ExtendStage | None = None  # None: built without a drafter
+    draft: DraftStage | None = None
 
     @property
     def num_draft_tokens(self) -> int:
         return self.tier + 1
 
+    def verify_stage(self) -> VerifyStage:
+        if self.verify is None:
+            raise RuntimeError(f"tier {self.tier}: state built without a target worker")
+        return self.verify
 
-def build_state(tier: int, workers: Iterable[GraphOwner] = ()) -> SpecRuntimeState:
-    """The tier's state; each GPU worker in `workers` captures its graphs into it."""
-    global _builds
-    if tier < 1:
-        raise ValueError(f"a tier (speculative_num_steps) must be >= 1, got {tier}")
-    parents = tuple(range(-1, tier))
-    _builds += 1
-    state = SpecRuntimeState(tier, parents, tree_mask(parents), tuple(tree_depths(parents)))
-    for worker in workers:
-        if worker.graphs is not None:
-            worker.graphs.capture_tier(state)
-    return state
+    def extend_stage(self) -> ExtendStage:
+        if self.extend is None:
+            raise RuntimeError(f"tier {self.tier}: state built without a drafter")
+        return self.extend
+
+    def draft_stage(self) -> DraftStage:
+        if self.draft is None:
+            raise RuntimeError(f"tier {self.tier}: state built without a drafter")
+        return self.draft
+
+
+class StateBuilder:
+    """Builds the states of `target` and/or `drafter` (a worker whose cache is on a GPU gets
+    CUDA graphs per bucket: `buckets`, or powers of two up to its cache's slots)."""
+
+    def __init__(
+        self,
+        target: TargetWorker | None = None,
+        drafter: Drafter | None = None,
+        *,
+        buckets: Sequence[int] | None = None,
+    ) -> None:
+        self.target, self.drafter = target, drafter
+        self.builds = 0
+        self.target_graphs: GraphCapture | None = None
+        self.draft_graphs: DraftGraphs | None = None
+        if target is not None and target.cache.device.type == "cuda":
+            from specpair.runtime.graphs.capture import GraphCapture
+
+            slots = len(target.cache.lengths)
+            self.target_graphs = GraphCapture(target.cache, slots, "target", buckets)
+        if drafter is not None and drafter.cache.device.type == "cuda":
+            from specpair.runtime.graphs.capture import GraphCapture
+            from specpair.runtime.graphs.draft import DraftGraphs
+
+            slots = len(drafter.cache.lengths)
+            capture = GraphCapture(drafter.cache, slots, "draft", buckets)
+            self.draft_graphs = DraftGraphs(capture, drafter)
+
+    @property
+    def captures(self) -> int:
+        """CUDA graphs captured so far."""
+        draft = None if self.draft_graphs is None else self.draft_graphs.capture
+        return sum(g.captures for g in (self.target_graphs, draft) if g is not None)
+
+    def build(self, tier: int) -> SpecRuntimeState:
+        """The tier's state, its stages complete (graphs captured)."""
+        if tier < 1:
+            raise ValueError(f"a tier (speculative_num_steps) must be >= 1, got {tier}")
+        parents = tuple(range(-1, tier))
+        verify: VerifyStage | None = None
+        extend: ExtendStage | None = None
+        draft: DraftStage | None = None
+        if self.target_graphs is not None and self.target is not None:
+            from specpair.runtime.graphs.verify import VerifyGraphs
+
+            verify = VerifyGraphs(self.target_graphs, self.target.model, tier)
+        elif self.target is not None:
+            verify = EagerVerify(self.target.model, self.target.cache)
+        if self.draft_graphs is not None:
+            extend, draft = self.draft_graphs.tier(tier)
+        elif self.drafter is not None:
+            extend, draft = EagerExtend(self.drafter), EagerDraft(self.drafter, tier)
+        self.builds += 1
+        return SpecRuntimeState(
+            tier, parents, tree_mask(parents), tuple(tree_depths(parents)), verify, extend, draft
+        )
+
+    def build_all(self, tiers: Iterable[int]) -> dict[int, SpecRuntimeState]:
+        """One state per candidate tier — called once, at start-up; logs each one's build time."""
+        states = {}
+        for tier in sorted(set(tiers)):
+            t0 = time.perf_counter()
+            states[tier] = self.build(tier)
+            log.info("built runtime state", tier=tier, ms=round(1e3 * (time.perf_counter() - t0), 2))
+        return states
 
 
 def build_states(
-    tiers: Iterable[int], workers: Iterable[GraphOwner] = ()
+    tiers: Iterable[int],
+    target: TargetWorker | None = None,
+    drafter: Drafter | None = None,
+    *,
+    buckets: Sequence[int] | None = None,
 ) -> dict[int, SpecRuntimeState]:
-    """One state per candidate tier, with `workers`' graphs — called once, at start-up; logs
-    each tier's build time."""
-    workers = list(workers)
-    states = {}
-    for tier in sorted(set(tiers)):
-        t0 = time.perf_counter()
-        states[tier] = build_state(tier, workers)
-        log.info("built runtime state", tier=tier, ms=round(1e3 * (time.perf_counter() - t0), 2))
-    return states
+    """`StateBuilder(target, drafter).build_all(tiers)`, for callers that count nothing."""
+    return StateBuilder(target, drafter, buckets=buckets).build_all(tiers)

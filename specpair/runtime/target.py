@@ -16,9 +16,11 @@ from torch import Tensor
 
 from specpair.models.llama import LlamaModel
 from specpair.runtime.accept import Acceptance, accept_greedy_argmax, accept_sampling
-from specpair.runtime.kv_cache import BatchLayout, CacheFullError, KVCache, eye_mask
+from specpair.runtime.kv_cache import CacheFullError, KVCache
+from specpair.runtime.layout import BatchLayout, eye_mask
 from specpair.runtime.sampling import SamplingParams, make_generator, sample, warp
-from specpair.runtime.state import SpecRuntimeState, TierCapture, VerifyPlan
+from specpair.runtime.stages import EagerVerify, VerifyStage
+from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.tree import CandidateTree, full_parents, tree_depths, tree_mask
 
 
@@ -79,7 +81,8 @@ class TargetWorker:
         self.cache = cache
         self.keep_features = keep_features
         self.device = model.lm_head.weight.device
-        self.graphs: TierCapture | None = None  # the GPU's graph builder (build_states)
+        self.plain = EagerVerify(model, cache)  # the verify of plain decoding (no state)
+        self.last_gpu_ms = 0.0  # GPU time of the last verify's graph replays (0: none ran)
 
     def _choose(self, seq: TargetSequence, logits: Tensor) -> int:
         if seq.sampling.greedy:
@@ -116,22 +119,22 @@ class TargetWorker:
 
     @torch.inference_mode()
     def prepare(self, seqs: Sequence[TargetSequence], state: SpecRuntimeState) -> None:
-        """Plans the next verify of `seqs` before its drafts exist (a no-op without graphs).
+        """Plans the next verify of `seqs` before its drafts exist (a no-op for eager stages).
 
         Everything but the tokens is known once the previous round is accepted: positions,
         pages and the tier's chain mask. The target service calls this while the draft service
         computes the drafts, so the plan leaves the round's critical path; the verify that
         follows uses it when its trees are full chains of the tier (the usual round).
         """
-        graphs = self._graphs(state)
-        if graphs is None:
+        stage = self._stage(state)
+        if not stage.plans_ahead:
             return
         parents = [list(state.chain_parents)] * len(seqs)
         try:
             positions, layout = self._layout(seqs, parents, state)
         except CacheFullError:
             return  # the verify itself reports it
-        graphs.plan(positions, layout, key=self._plan_key(seqs, parents))
+        stage.prepare(positions, layout, self._plan_key(seqs, parents))
 
     @torch.inference_mode()
     def verify(
@@ -142,22 +145,22 @@ class TargetWorker:
     ) -> list[VerifyResult]:
         """One forward over every request's full tree (pending root + drafts), then accept.
 
-        `state` supplies the precomputed chain mask of its tier; other trees get their own.
+        `state` supplies the tier's verify stage and precomputed chain mask (other trees get
+        their own); without one (plain decoding) the forward runs eagerly.
         """
         parents = [full_parents(tree) for tree in trees]
         t = max(len(p) for p in parents)
         tokens = torch.zeros(len(seqs), t, dtype=torch.long)
         for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
             tokens[i, : len(tree) + 1] = torch.tensor((seq.pending, *tree.tokens))
-        graphs = self._graphs(state)
-        if graphs is not None and graphs.planned_for(self._plan_key(seqs, parents)):
-            hidden, logits = graphs.replay(tokens)  # planned by `prepare`
+        stage = self._stage(state)
+        if stage.planned_for(self._plan_key(seqs, parents)):
+            hidden, logits = stage.run(tokens)  # planned by `prepare`
         else:
             positions, layout = self._layout(seqs, parents, state)
             hidden, logits = self._forward_tree(tokens, positions, layout, state)
         argmax = logits.argmax(-1).cpu()  # [B, T]: all greedy acceptance needs
-        if self.graphs is not None:
-            self.graphs.read_gpu_ms()  # the replay is done: its GPU time is readable
+        self.last_gpu_ms = stage.read_gpu_ms()  # the replay is done: its GPU time is readable
         sampled = None if all(s.sampling.greedy for s in seqs) else logits.cpu()
         results = []
         for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
@@ -206,22 +209,21 @@ class TargetWorker:
     ) -> tuple[object, ...]:
         """What a verify plan depends on: slots, committed lengths, tree shapes, page tables."""
         spots = tuple((s.slot, s.committed) for s in seqs)
-        return spots, tuple(map(tuple, parents)), getattr(self.cache, "generation", 0)
+        return spots, tuple(map(tuple, parents)), self.cache.generation
 
-    def _graphs(self, state: SpecRuntimeState | None) -> VerifyPlan | None:
-        return None if state is None else state.extras.get(f"verify/{id(self)}")  # type: ignore[return-value]
+    def _stage(self, state: SpecRuntimeState | None) -> VerifyStage:
+        stage = self.plain if state is None else state.verify_stage()
+        if stage.cache is not self.cache:
+            raise RuntimeError("this state's verify stage was built for another target worker")
+        return stage
 
     def _forward_tree(
         self, tokens: Tensor, positions: Tensor, layout: BatchLayout, state: SpecRuntimeState | None
     ) -> tuple[Tensor, Tensor]:
         """hidden [B, T, H] and float logits [B, T, V]: a captured graph of the tier if one fits."""
-        graphs = self._graphs(state)
-        if graphs is not None and graphs.plan(positions, layout):
-            return graphs.replay(tokens)
-        hidden = self.model(
-            tokens.to(self.device), positions.to(self.device), self.cache.bind(layout)
-        )
-        return hidden, self.model.logits(hidden)
+        stage = self._stage(state)
+        stage.plan(positions, layout)
+        return stage.run(tokens)
 
     def release(self, seq: TargetSequence) -> None:
         if seq.slot >= 0:

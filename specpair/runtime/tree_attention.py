@@ -6,7 +6,7 @@ batch 1 whatever q ≤ 8 is (split-KV prefill + merge; an H100/H200 measurement 
 multi-step run at most a few tokens per request, so their graphs use this split-KV kernel
 instead (flash-decoding: every program streams one chunk of one request's keys for all of a
 KV head's query rows, a second kernel merges the chunks). Prefill and long extends stay on
-flashinfer (`PagedKVCache.bind`).
+flashinfer (`KVCache.bind`).
 
 Visibility of key position p to new token i of request b (start = its committed length):
 
@@ -14,22 +14,22 @@ Visibility of key position p to new token i of request b (start = its committed 
     start ≤ p < start + T     → tree_mask[b, i, p - start]
     otherwise                 → never
 
-It has flashinfer's wrapper interface (`plan` through `PagedKVCache.plan`, `run(q, (k, v),
-out=)`), and its metadata lives in static buffers so a graph replays it with a new layout.
+It is an `attention.AttentionBackend` (`plan`, `attend`; `run(q, (k, v), out=)` is the bare
+kernel pair), and its metadata lives in static buffers so a graph replays it with a new layout.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from specpair.runtime.kv_cache import BatchLayout
+from specpair.runtime.graphs.staging import Staging
+from specpair.runtime.layout import BatchLayout
 from specpair.runtime.triton_kernels import await_previous, pdl
 
 MAX_ROWS = 64  # query rows per KV head (tokens x GQA group) the kernel holds at once
@@ -167,7 +167,11 @@ def tree_config(batch: int, n_kv: int, tokens: int) -> TreeConfig:
 
 
 class TreeAttention:
-    """A graph-friendly stand-in for flashinfer's paged prefill wrapper at few query tokens."""
+    """A graph-friendly stand-in for flashinfer's paged prefill at few query tokens. Its
+    `pages` and `starts` are plain device buffers: a graph may fill them itself
+    (`graphs.capture.GraphAttention.follow`)."""
+
+    fused_write = True
 
     def __init__(
         self, *, batch: int, tokens: int, heads: tuple[int, int, int], page_size: int,
@@ -193,15 +197,22 @@ class TreeAttention:
         n_q, n_kv, d = heads
         return tokens * (n_q // n_kv) <= MAX_ROWS and d % 2 == 0 and d <= 256
 
-    def plan(self, layout: BatchLayout, page_table: Tensor, staging: Any = None) -> None:
+    def plan(self, layout: BatchLayout, page_table: Tensor, staging: Staging | None = None) -> None:
         """Copies one padded layout's pages, starts and tree mask into the static buffers
-        (through `staging`'s pinned twins when given: cuda_graphs.Staging)."""
+        (through `staging`'s pinned twins when given)."""
         sources = (page_table[layout.slots], layout.starts, layout.new_mask)
         for dst, src in zip((self.pages, self.starts, self.mask), sources, strict=True):
             if staging is None:
                 dst.copy_(src, non_blocking=True)
             else:
                 staging.copy(dst, src)
+
+    def attend(self, q: Tensor, kv: tuple[Tensor, Tensor]) -> Tensor:
+        # q: [B, T, Hq, D] -> [B, T, Hq, D]
+        b, t, n_q, d = q.shape
+        out = torch.empty(b * t, n_q, d, dtype=q.dtype, device=q.device)
+        self.run(q.reshape(b * t, n_q, d), kv, out=out)
+        return out.view(b, t, n_q, d)
 
     def run(self, q: Tensor, kv: tuple[Tensor, Tensor], out: Tensor) -> Tensor:
         # q: [B * T, Hq, D]; kv: the layer's pages [P, page, Hkv, D] each -> out [B * T, Hq, D]

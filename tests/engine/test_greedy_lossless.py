@@ -14,7 +14,6 @@ from specpair.runtime.state import build_states
 
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3], [100, 200, 50, 60, 70]]
 NEW_TOKENS = 24
-STATES = build_states([1, 3, 7])
 
 
 def hf_greedy(path: Path, prompt: list[int]) -> list[int]:
@@ -42,7 +41,8 @@ def run(target: Path, draft: Path | None, tier: int, prompts: list[list[int]]):
     if draft is not None:
         drafter = build_drafter(draft, target_path=target, max_requests=4, max_len=128)
     engine = SpeculativeEngine(worker, drafter)
-    return engine.generate(prompts, max_new_tokens=NEW_TOKENS, state=STATES[tier])
+    state = build_states([tier], worker, drafter)[tier]
+    return engine.generate(prompts, max_new_tokens=NEW_TOKENS, state=state)
 
 
 @pytest.mark.parametrize("tier", [1, 3, 7])

@@ -54,7 +54,7 @@ def speculative_samples(target: Path, draft: Path, params: SamplingParams) -> Co
     worker = build_target(target, max_requests=BATCH, max_len=32)
     drafter = build_drafter(draft, target_path=None, max_requests=BATCH, max_len=32)
     engine = SpeculativeEngine(worker, drafter)
-    state = build_states([DEPTH])[DEPTH]
+    state = build_states([DEPTH], worker, drafter)[DEPTH]
     counts: Counter = Counter()
     for start in range(0, RUNS, BATCH):
         sampling = [

@@ -46,7 +46,7 @@ def test_shipped_pair_is_lossless(prompts_and_reference, draft: str, tier: int) 
     results = SpeculativeEngine(worker, drafter).generate(
         prompts,
         max_new_tokens=NEW_TOKENS,
-        state=build_states([tier])[tier],
+        state=build_states([tier], worker, drafter)[tier],
         stop_token_ids=frozenset({0}),
     )
     assert [r.token_ids for r in results] == reference

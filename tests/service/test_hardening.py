@@ -183,7 +183,7 @@ async def test_more_requests_than_draft_slots_keeps_the_others_speculating(
 async def test_request_expired_in_the_queue_is_not_prefilled(ckpts) -> None:
     worker = build_target(ckpts["target"], max_requests=2, max_len=64)
     scheduler = Scheduler(
-        worker, build_states([3]), initial_steps=3, max_batch=2, max_queue=4, draft=None,
+        worker, build_states([3], worker), initial_steps=3, max_batch=2, max_queue=4, draft=None,
         metrics=ServiceMetrics("target"),
     )  # fmt: skip
     prefilled: list[str] = []

@@ -61,7 +61,7 @@ async def test_next_round_goes_out_before_the_results_stream(tmp_path: Path) -> 
     worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=2, max_len=64)
     link = RecordingLink()
     scheduler = Scheduler(
-        worker, build_states([3]), initial_steps=3, max_batch=2, max_queue=4,
+        worker, build_states([3], worker), initial_steps=3, max_batch=2, max_queue=4,
         draft=link, metrics=ServiceMetrics("target"),  # type: ignore[arg-type]
     )  # fmt: skip
     seq = TargetSequence("r", [5, 6, 7], SamplingParams(), max_new_tokens=NEW_TOKENS)
@@ -93,7 +93,7 @@ async def test_requests_join_a_running_batch_without_a_draft(tmp_path: Path) -> 
     request submitted while another decodes joins its batch (the loop yields each round)."""
     worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=2, max_len=96)
     scheduler = Scheduler(
-        worker, build_states([1]), initial_steps=1, max_batch=2, max_queue=4, draft=None,
+        worker, build_states([1], worker), initial_steps=1, max_batch=2, max_queue=4, draft=None,
         metrics=ServiceMetrics("target"),
     )  # fmt: skip
     scheduler.compute.shutdown()

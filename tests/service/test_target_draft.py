@@ -13,7 +13,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specpair.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
-from specpair.runtime import state as runtime_state
 from tests.service.conftest import draft_config, fake_draft, reference_greedy, target_config
 
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3], [100, 200, 50, 60, 70]]
@@ -135,7 +134,13 @@ async def test_bad_input_names_the_field_and_spares_others(ckpts, make_stack) ->
 
 async def test_apply_tier_between_rounds_without_builds(ckpts, make_stack) -> None:
     stack = await make_stack(draft_config(ckpts["target"]), target_config(ckpts["target"]))
-    builds = runtime_state.builds()
+
+    def builds() -> tuple[int, int]:
+        target, draft = stack.target.servicer.builder, stack.draft.servicer.rounds.builder
+        return target.builds + target.captures, draft.builds + draft.captures
+
+    before = builds()
+    assert before[0] == before[1] == 3  # one state per candidate tier, at start-up
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stack.stub.ApplyTier(target_pb2.ApplyTierRequest(speculative_num_steps=4))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -154,7 +159,7 @@ async def test_apply_tier_between_rounds_without_builds(ckpts, make_stack) -> No
     assert {1, 3, 7} <= set(seen)
     for r_tier, r in zip(seen[1:], seen[1:], strict=True):
         assert r_tier in (1, 3, 7) and r in (1, 3, 7)
-    assert runtime_state.builds() == builds  # switching swapped references, built nothing
+    assert builds() == before  # switching swapped references, built nothing
 
 
 async def test_cancelled_request_frees_state_on_both_services(ckpts, make_stack) -> None:

@@ -14,7 +14,7 @@ from specpair.models.loading import read_args, read_tensors
 from specpair.models.saving import EAGLE_SHARED, hf_config
 from specpair.runtime.build import build_drafter, build_target
 from specpair.runtime.engine import SpeculativeEngine
-from specpair.runtime.state import build_state
+from specpair.runtime.state import build_states
 
 # The Llama-3-8B code path (llama3 rope, GQA, untied head) at hidden 64.
 SMALL = replace(
@@ -53,7 +53,7 @@ def test_random_pair_decodes_with_its_eagle_head_losslessly(tmp_path: Path) -> N
     worker = build_target(target, max_requests=2, max_len=64, keep_features=True)
     drafter = build_drafter(eagle, target_path=target, max_requests=2, max_len=64)
     spec = SpeculativeEngine(worker, drafter).generate(
-        prompts, max_new_tokens=6, state=build_state(3)
+        prompts, max_new_tokens=6, state=build_states([3], worker, drafter)[3]
     )
     plain = SpeculativeEngine(worker, None).generate(prompts, max_new_tokens=6, state=None)
     assert [len(r.token_ids) for r in spec] == [6, 6]

@@ -22,7 +22,8 @@ from specpair.models.tiny import make_tiny_llama
 from specpair.runtime.build import build_drafter
 from specpair.runtime.draft import EagleDrafter
 from specpair.runtime.fused import fuse_decoder
-from specpair.runtime.kv_cache import BatchLayout, DenseKVCache
+from specpair.runtime.kv_cache import KVCache
+from specpair.runtime.layout import BatchLayout
 
 T = 12
 
@@ -94,7 +95,7 @@ def reference(
 
 
 def ours(head: nn.Module, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-    cache = DenseKVCache.for_model(head.args, max_requests=1, max_len=T)  # type: ignore[arg-type]
+    cache = KVCache.for_model(head.args, max_requests=1, max_len=T)  # type: ignore[arg-type]
     layout = BatchLayout.causal([cache.alloc()], [0], [T])
     hidden = head(tokens, features, torch.arange(T)[None], cache.bind(layout))
     return head.logits(hidden)  # type: ignore[operator]

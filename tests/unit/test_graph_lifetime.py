@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from specpair.runtime import cuda_graphs
+from specpair.runtime.graphs import capture as graphs
+from specpair.runtime.kv_cache import KVCache
 
 
 class _Stub:
@@ -29,15 +30,19 @@ class _Stub:
 
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    cuda = cuda_graphs.torch.cuda
+    cuda = graphs.torch.cuda
     monkeypatch.setattr(cuda, "Stream", _Stub)
+    monkeypatch.setattr(cuda, "Event", _Stub)
     monkeypatch.setattr(cuda, "current_stream", lambda *a, **k: _Stub())
     monkeypatch.setattr(cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(cuda, "CUDAGraph", _Stub)
     monkeypatch.setattr(cuda, "graph", lambda g, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(cuda, "graph_pool_handle", lambda: None)
 
 
-def _captured_gather() -> tuple[cuda_graphs.StageGraph, weakref.ref[torch.Tensor]]:
+def _captured_gather(
+    builder: graphs.GraphCapture,
+) -> tuple[graphs.StageGraph, weakref.ref[torch.Tensor]]:
     hidden = torch.arange(12.0).view(2, 3, 2)
     last = torch.tensor([2, 0])
     rows = torch.arange(2)  # made outside the capture, read only by the closure
@@ -45,17 +50,22 @@ def _captured_gather() -> tuple[cuda_graphs.StageGraph, weakref.ref[torch.Tensor
     def body() -> dict[str, torch.Tensor]:
         return {"hidden": hidden[rows, last][:, None]}
 
-    graph = cuda_graphs.capture(body, {"last": last}, [], pool=None)
+    graph = builder.capture(body, {"last": last}, [])
     return graph, weakref.ref(rows)
 
 
 def test_captured_graph_keeps_closure_tensors_alive(fake_cuda: None) -> None:
-    before = cuda_graphs.captures()
-    graph, rows = _captured_gather()
+    cache = KVCache(
+        num_layers=1, num_qo_heads=1, num_kv_heads=1, head_dim=2, max_requests=2, max_len=8
+    )
+    builder = graphs.GraphCapture(cache, max_batch=2, owner="test")
+    assert builder.buckets == [1, 2] and builder.captures == 0
+    graph, rows = _captured_gather(builder)
     gc.collect()
     assert rows() is not None, "a tensor the graph reads was freed after capture"
-    assert cuda_graphs.captures() == before + 1
+    assert builder.captures == 1  # counted on the builder the services report from
     assert graph.outputs["hidden"].shape == (2, 1, 2)
+    assert graph.staging is builder.staging  # one pinned staging per builder
     del graph
     gc.collect()
     assert rows() is None  # and released with the graph

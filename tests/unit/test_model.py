@@ -21,7 +21,8 @@ from transformers import (
 
 from specpair.models.loading import CheckpointError, load_llama
 from specpair.models.tiny import make_tiny_family, make_tiny_llama
-from specpair.runtime.kv_cache import BatchLayout, DenseKVCache
+from specpair.runtime.kv_cache import KVCache
+from specpair.runtime.layout import BatchLayout
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -40,7 +41,7 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 def our_logits_incremental(path: Path, tokens: list[int], chunks: list[int]) -> torch.Tensor:
     """Runs `tokens` through our model in chunks (prefill then incremental), returns logits."""
     model = load_llama(path)
-    cache = DenseKVCache.for_model(model.args, max_requests=2, max_len=256)
+    cache = KVCache.for_model(model.args, max_requests=2, max_len=256)
     slot, out, pos = cache.alloc(), [], 0
     for n in chunks:
         ids = torch.tensor([tokens[pos : pos + n]])
@@ -203,7 +204,7 @@ def test_mistral_window_shorter_than_context_is_refused(tmp_path: Path) -> None:
     hf = MistralForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0]
-        cache = DenseKVCache.for_model(model.args, max_requests=1, max_len=64)
+        cache = KVCache.for_model(model.args, max_requests=1, max_len=64)
         slot = cache.alloc()
         hidden = model(
             torch.tensor([tokens]),

@@ -1,4 +1,5 @@
-"""Paged KV cache bookkeeping and the fused decoder, on CPU (the GPU attention is in tests/gpu)."""
+"""Paged KV cache bookkeeping, flashinfer's page metadata, the fused decoder, on CPU (the GPU
+attention is in tests/gpu)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,17 @@ from pathlib import Path
 
 import torch
 
-from specpair.models.loading import load_llama
-from specpair.runtime.build import build_drafter, build_target
-from specpair.runtime.cuda_graphs import bucket_of, buckets_for, pad_layout
+from specpair.models.loading import load_eagle, load_llama
+from specpair.models.llama import ModelArgs
+from specpair.runtime.draft import EagleDrafter
+from specpair.runtime.attention import flat_mask, page_metadata
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.fused import fuse_decoder
-from specpair.runtime.kv_cache import BatchLayout, DenseKVCache
-from specpair.runtime.paged_kv import PagedKVCache, flat_index, flat_mask, page_metadata
+from specpair.runtime.graphs.capture import bucket_of, buckets_for, pad_layout
+from specpair.runtime.kv_cache import KVCache
+from specpair.runtime.layout import BatchLayout, attention_mask, flat_index
 from specpair.runtime.state import build_states
+from specpair.runtime.target import TargetWorker
 
 
 def test_page_metadata_worked_example() -> None:
@@ -29,8 +33,6 @@ def test_page_metadata_worked_example() -> None:
 
 
 def test_flat_mask_equals_the_dense_attention_mask_rows() -> None:
-    from specpair.runtime.kv_cache import attention_mask
-
     torch.manual_seed(0)
     starts = torch.tensor([0, 7, 3, 20])
     new_mask = torch.rand(4, 5, 5) > 0.5
@@ -48,8 +50,8 @@ def test_flat_mask_concatenates_rows_of_each_request() -> None:
     assert flat_mask(layout).int().tolist() == [1, 1, 0, 1, 0, 1, 1, 0, 0, 1]
 
 
-def paged(max_requests: int = 2, max_len: int = 16) -> PagedKVCache:
-    return PagedKVCache(
+def paged(max_requests: int = 2, max_len: int = 16) -> KVCache:
+    return KVCache(
         num_layers=2,
         num_qo_heads=1,
         num_kv_heads=1,
@@ -60,7 +62,7 @@ def paged(max_requests: int = 2, max_len: int = 16) -> PagedKVCache:
     )
 
 
-def write(cache: PagedKVCache, slot: int, start: int, values: list[float]) -> None:
+def write(cache: KVCache, slot: int, start: int, values: list[float]) -> None:
     n = len(values)
     layout = BatchLayout(
         torch.tensor([slot]), torch.tensor([start]), torch.eye(n, dtype=torch.bool)[None]
@@ -71,8 +73,9 @@ def write(cache: PagedKVCache, slot: int, start: int, values: list[float]) -> No
         attend(layer, torch.zeros(1, n, 1, 2), kv, kv)
 
 
-def values(cache: PagedKVCache, slot: int, n: int) -> list[float]:
+def values(cache: KVCache, slot: int, n: int) -> list[float]:
     rows = flat_index(cache.page_table, torch.tensor([slot]), torch.arange(n)[None], 4)[0]
+    assert torch.equal(cache.k[1].view(-1, 1, 2)[rows], cache.read(1, slot, n)[0])
     return cache.k[1].view(-1, 1, 2)[rows, 0, 0].tolist()
 
 
@@ -86,9 +89,9 @@ def test_commit_moves_non_contiguous_path_across_pages_and_free_returns_pages() 
     write(cache, slot, 3, [10, 11, 12, 13, 14, 15])  # spans pages 0..2 of the slot
     assert cache.commit(slot, 3, [0, 2, 5]) == 6
     assert values(cache, slot, 6) == [1, 2, 3, 10, 12, 15]
-    free_before = len(cache._free_pages)
+    free_before = len(cache.pages.free)
     cache.free(slot)
-    assert len(cache._free_pages) == free_before + 3 and cache.free_slots == 1
+    assert len(cache.pages.free) == free_before + 3 and cache.free_slots == 1
 
 
 def test_buckets_and_padding() -> None:
@@ -108,28 +111,27 @@ def test_fused_decoder_matches_reference(ckpts: dict[str, Path]) -> None:
     positions = torch.arange(4).expand(2, 4)
     outs = []
     for model in (ref, fused):
-        cache = DenseKVCache.for_model(model.args, max_requests=2, max_len=8)  # type: ignore[arg-type]
+        cache = KVCache.for_model(model.args, max_requests=2, max_len=8)  # type: ignore[arg-type]
         layout = BatchLayout.causal([cache.alloc(), cache.alloc()], [0, 0], [4, 4])
         outs.append(model(tokens, positions, cache.bind(layout)))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
-def test_speculative_engine_on_paged_cache_matches_dense(ckpts: dict[str, Path]) -> None:
-    states = build_states([3])
+def cache(args: ModelArgs, page_size: int) -> KVCache:
+    return KVCache.for_model(args, max_requests=2, max_len=96, page_size=page_size)
+
+
+def test_speculative_engine_is_the_same_whatever_the_page_size(ckpts: dict[str, Path]) -> None:
+    """Pages of 4 positions (commits and steps cross page boundaries every round) decode what
+    one page per request does."""
     prompts = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27]]
     outputs = []
-    for use_paged in (False, True):
-        worker = build_target(ckpts["target"], max_requests=2, max_len=96, keep_features=True)
-        drafter = build_drafter(
-            ckpts["eagle"], target_path=ckpts["target"], max_requests=2, max_len=96
-        )
-        if use_paged:
-            worker.cache = PagedKVCache.for_model(
-                worker.model.args, max_requests=2, max_len=96, page_size=4
-            )
-            drafter.cache = PagedKVCache.for_model(
-                drafter.args, max_requests=2, max_len=96, page_size=4
-            )
+    for page_size in (96, 4):
+        model = load_llama(ckpts["target"])
+        head = load_eagle(ckpts["eagle"], ckpts["target"])
+        worker = TargetWorker(model, cache(model.args, page_size), keep_features=True)
+        drafter = EagleDrafter(head, cache(head.args, page_size))
+        states = build_states([3], worker, drafter)
         results = SpeculativeEngine(worker, drafter).generate(
             prompts, max_new_tokens=20, state=states[3]
         )

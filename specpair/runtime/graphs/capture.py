@@ -1,0 +1,221 @@
+"""Capturing a stage's CUDA graphs: buckets, padding, static attention, one pool, timing.
+
+Each graph runs over static input/output buffers and an attention whose metadata lives in
+static buffers (the Triton tree attention of `tree_attention.py`, or flashinfer in CUDA-graph
+mode with `graph_attention="flashinfer"`); before a replay the host *plans* (page table rows,
+starts, tree mask, write rows → static buffers) and copies the inputs in:
+
+    batch 3 at tier 3 → bucket 4: verify graph [4, 4] tokens, row 3 = the padding slot
+
+Lifetime: a graph bakes in the *addresses* of every tensor its kernels read. A tensor made
+outside the capture and referenced only by the captured closure (e.g. the extend graph's row
+index `arange(B)` for `hidden[rows, last]`) would be freed once capture returns, its memory
+handed to later allocations, and the replay would then gather with whatever lands there (the
+LM drafter's extend graph tripped `index out of bounds` that way). `StageGraph.keep` therefore
+holds the captured closure, and with it every tensor the graph reads, as long as the graph.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+from torch import Tensor
+
+from specpair.logging import get_logger
+from specpair.runtime.attention import AttentionBackend
+from specpair.runtime.graphs.staging import Staging
+from specpair.runtime.kv_cache import KVCache
+from specpair.runtime.layout import BatchLayout, eye_mask
+
+log = get_logger(__name__)
+T = TypeVar("T")
+
+
+def buckets_for(max_batch: int) -> list[int]:
+    """1, 2, 4, … up to max_batch (max_batch itself included)."""
+    out = [1]
+    while out[-1] < max_batch:
+        out.append(min(2 * out[-1], max_batch))
+    return out
+
+
+def bucket_of(batch: int, buckets: Sequence[int]) -> int | None:
+    return next((b for b in buckets if b >= batch), None)
+
+
+def pad_layout(layout: BatchLayout, batch: int, tokens: int, pad_slot: int) -> BatchLayout:
+    """Pads a layout to [batch, tokens]: extra rows go to the padding slot, extra columns are
+    invisible to real tokens (identity rows), so real outputs are unchanged."""
+    b, t = layout.new_mask.shape[:2]
+    mask = eye_mask(tokens).expand(batch, -1, -1).clone()
+    mask[:b, :t, :t] = layout.new_mask
+    slots = torch.full((batch,), pad_slot, dtype=torch.long)
+    slots[:b] = layout.slots
+    starts = torch.zeros(batch, dtype=torch.long)
+    starts[:b] = layout.starts
+    return BatchLayout(slots, starts, mask)
+
+
+def pad2d(x: Tensor, rows: int, cols: int) -> Tensor:
+    out = torch.zeros(rows, cols, *x.shape[2:], dtype=x.dtype)
+    out[: x.shape[0], : x.shape[1]] = x
+    return out
+
+
+def pad_rows(x: Tensor, rows: int) -> Tensor:
+    """x [B, ...] on its device, zero rows appended up to `rows`."""
+    out = torch.zeros(rows, *x.shape[1:], dtype=x.dtype, device=x.device)
+    out[: x.shape[0]] = x
+    return out
+
+
+class GraphAttention:
+    """A graph's attention backend and write rows for [batch, tokens]: the Triton tree kernel
+    where it serves (`tree`, whose page rows and starts a graph may fill itself), else
+    flashinfer in CUDA-graph mode."""
+
+    def __init__(self, cache: KVCache, batch: int, tokens: int, staging: Staging) -> None:
+        self.cache, self.batch, self.tokens = cache, batch, tokens
+        self.staging = staging
+        self.tree = cache.attention.tree(batch, tokens)
+        self.backend: AttentionBackend = (
+            self.tree if self.tree is not None else cache.attention.flashinfer_graph(batch, tokens)
+        )
+        self.rows = torch.zeros(batch * tokens, dtype=torch.long, device=cache.device)
+        self.attend = cache.attend(self.backend, self.rows)
+        idle = torch.ones(tokens, tokens, dtype=torch.bool).tril().expand(batch, -1, -1)
+        self.idle = BatchLayout(
+            torch.full((batch,), cache.pad_slot), torch.zeros(batch, dtype=torch.long), idle
+        )
+        self.plan(self.idle)
+
+    def plan(self, layout: BatchLayout) -> None:
+        self.staging.copy(self.rows, self.cache.write_index(layout))
+        self.backend.plan(layout, self.cache.page_table, self.staging)
+
+    @property
+    def on_device(self) -> bool:
+        """The Triton tree attention's metadata is plain buffers: a graph can fill them."""
+        return self.tree is not None
+
+    def plan_pages(self, slots: list[int]) -> None:
+        """Only the page rows of `slots` (padded): an `on_device` step's whole host plan."""
+        assert self.tree is not None, "plan_pages: the tree kernel's graphs only"
+        padded = torch.full((self.batch,), self.cache.pad_slot, dtype=torch.long)
+        padded[: len(slots)] = torch.tensor(slots)
+        self.staging.copy(self.tree.pages, self.cache.page_table[padded])
+
+    def follow(self, starts: Tensor) -> None:
+        """Inside a graph: starts and write rows of one new token per request at device
+        positions `starts` [B] (`on_device` only), through the planned page rows."""
+        assert self.tree is not None, "follow: the tree kernel's graphs only"
+        page = self.cache.page_size
+        self.tree.starts.copy_(starts)
+        pages = self.tree.pages.gather(1, (starts // page)[:, None])[:, 0]
+        self.rows.copy_(pages.long() * page + starts % page)
+
+
+@dataclass
+class StageGraph:
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, Tensor]
+    outputs: dict[str, Tensor]
+    attention: list[GraphAttention]
+    keep: object = None  # the captured closure: keeps every tensor the graph reads alive
+    staging: Staging = field(default_factory=Staging)  # its builder's (GraphCapture.staging)
+
+    def load(self, name: str, src: Tensor) -> None:
+        """Host tensor `src` into the static input `name` (asynchronously, see Staging)."""
+        self.staging.copy(self.inputs[name], src)
+
+
+def capture(
+    body: Callable[[], dict[str, Tensor]],
+    inputs: dict[str, Tensor],
+    attention: list[GraphAttention],
+    pool: torch.cuda._POOL_HANDLE | None,
+    staging: Staging,
+) -> StageGraph:
+    """Warms `body` up on a side stream (JIT, cuBLAS handles), then captures it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = body()
+    return StageGraph(graph, inputs, outputs, attention, keep=body, staging=staging)
+
+
+class GraphCapture:
+    """One worker's graph builder, shared by its tiers: buckets, one memory pool, the pinned
+    staging of every graph, replay timing, and how many graphs it captured (`captures`)."""
+
+    def __init__(
+        self, cache: KVCache, max_batch: int, owner: str, buckets: Sequence[int] | None = None
+    ) -> None:
+        self.cache = cache
+        self.buckets = sorted(buckets) if buckets else buckets_for(max_batch)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.owner = owner
+        self.captures = 0
+        self.stats: dict[int, dict[str, float]] = {}
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(8)]
+        self._spans = 0
+        self.staging = Staging()
+
+    def capture(
+        self,
+        body: Callable[[], dict[str, Tensor]],
+        inputs: dict[str, Tensor],
+        attention: list[GraphAttention],
+    ) -> StageGraph:
+        graph = capture(body, inputs, attention, self.pool, self.staging)
+        self.captures += 1
+        return graph
+
+    def attention(self, batch: int, tokens: int) -> GraphAttention:
+        return GraphAttention(self.cache, batch, tokens, self.staging)
+
+    def replay(self, g: StageGraph) -> None:
+        """Replays `g` between two CUDA events (four per call; older ones unread are dropped)."""
+        self._spans %= len(self._events) // 2
+        start, end = self._events[2 * self._spans], self._events[2 * self._spans + 1]
+        self.staging.flush()
+        start.record()
+        g.graph.replay()
+        end.record()
+        self._spans += 1
+
+    def read_gpu_ms(self) -> float:
+        """GPU time of the replays since the last read; the caller has synchronized on their
+        outputs."""
+        ev = self._events
+        ms = sum(ev[2 * i].elapsed_time(ev[2 * i + 1]) for i in range(self._spans))
+        self._spans = 0
+        return ms
+
+    def timed(self, tier: int, build: Callable[[], T]) -> T:
+        # Capturing empties the allocator's cache (torch.cuda.graph does): empty it first, or
+        # memory left cached by loading counts against the first tier (-8.7 GiB on an H100).
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.empty_cache()
+        t0, mem0 = time.perf_counter(), torch.cuda.memory_reserved()
+        built = build()
+        torch.cuda.synchronize()
+        stats = {
+            "seconds": time.perf_counter() - t0,
+            "graph_mib": (torch.cuda.memory_reserved() - mem0) / 2**20,
+            "graphs": float(len(self.buckets)),
+        }
+        self.stats[tier] = stats
+        log.info("captured CUDA graphs", owner=self.owner, tier=tier, buckets=self.buckets, **stats)
+        return built

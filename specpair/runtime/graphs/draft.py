@@ -1,0 +1,221 @@
+"""The draft's stages in CUDA graphs, per batch bucket: extend, then s steps.
+
+- extend: B × (s + 1) appended tokens (accepted + bonus; longer rows, e.g. a first round's
+  prompt, run eagerly) → hidden of each request's last row [B, 1, H];
+- draft: s greedy steps of one token per request, argmax inside the graph → tokens [s, B].
+  Sampling rounds run the drafter's eager loop: their per-request warps and generators stay on
+  the host (`Drafter.round`).
+The graphs of every tier share one `DraftGraphs` (the extend graphs, the steps' attention and
+the plan made ahead), so a tier switch stays a reference swap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from specpair.runtime.draft import Drafter, DraftInput
+from specpair.runtime.graphs.capture import (
+    GraphAttention, GraphCapture, StageGraph, bucket_of, pad2d, pad_layout, pad_rows,
+)  # fmt: skip
+from specpair.runtime.kv_cache import CacheFullError
+from specpair.runtime.layout import BatchLayout, tril_mask
+
+
+class DraftGraphs:
+    """A drafter's graphs of every tier: extends by (bucket, tokens), step attention by bucket
+    (step k's is the same whatever the tier), the extend planned ahead."""
+
+    def __init__(self, capture: GraphCapture, drafter: Drafter) -> None:
+        self.capture, self.drafter, self.cache = capture, drafter, capture.cache
+        self.steps: dict[int, list[GraphAttention]] = {b: [] for b in capture.buckets}
+        self.extends: dict[tuple[int, int], StageGraph] = {}
+        self.planned: tuple[object, StageGraph] | None = None  # (key, extend) from `prepare`
+        self.steps_paged = False  # the extend ran on a plan ahead, which paged the steps too
+
+    def tier(self, s: int) -> tuple[ExtendGraphs, StepGraphs]:
+        def build() -> dict[int, StageGraph]:
+            for b in self.capture.buckets:
+                self.extends[(b, s + 1)] = self._extend(b, s + 1)
+            return {b: self._multi_step(b, s) for b in self.capture.buckets}
+
+        steps = self.capture.timed(s, build)
+        return ExtendGraphs(self, s), StepGraphs(self, s, steps)
+
+    def _extend(self, batch: int, tokens: int) -> StageGraph:
+        d, dev = self.drafter, self.cache.device
+        inputs = {
+            "tokens": torch.zeros(batch, tokens, dtype=torch.long, device=dev),
+            "positions": torch.zeros(batch, tokens, dtype=torch.long, device=dev),
+            "last": torch.zeros(batch, dtype=torch.long, device=dev),
+        }
+        if d.needs_features:
+            inputs["features"] = torch.zeros(batch, tokens, d.args.hidden_size, device=dev)
+        attn = self.capture.attention(batch, tokens)
+        inputs["rows"] = torch.arange(batch, device=dev)  # static: read by the graph's gather
+        rows = inputs["rows"]
+
+        def body() -> dict[str, Tensor]:
+            feats = inputs.get("features")
+            hidden = d.forward(inputs["tokens"], feats, inputs["positions"], attn.attend)
+            return {"hidden": hidden[rows, inputs["last"]][:, None]}  # [B, 1, H]
+
+        return self.capture.capture(body, inputs, [attn])
+
+    def _multi_step(self, batch: int, s: int) -> StageGraph:
+        d, dev = self.drafter, self.cache.device
+        attns = self.steps[batch]
+        while len(attns) < s - 1:
+            attns.append(self.capture.attention(batch, 1))
+            first, last = attns[0].tree, attns[-1].tree
+            if first is not None and last is not None:  # one request's page row serves all
+                last.pages = first.pages
+        inputs = {
+            "hidden": torch.zeros(batch, 1, d.args.hidden_size, dtype=self.cache.dtype, device=dev),
+            "starts": torch.zeros(batch, dtype=torch.long, device=dev),
+        }
+
+        def body() -> dict[str, Tensor]:
+            hidden, out = inputs["hidden"], []
+            for k in range(s):
+                token = d.logits(hidden).argmax(-1)  # [B]
+                out.append(token)
+                if k + 1 < s:
+                    pos = inputs["starts"] + k  # [B]
+                    if attns[k].on_device:
+                        attns[k].follow(pos)
+                    hidden = d.forward(token[:, None], hidden, pos[:, None], attns[k].attend)
+            return {"tokens": torch.stack(out)}  # [s, B]
+
+        return self.capture.capture(body, inputs, attns[: s - 1])
+
+    def plan_step_pages(self, bucket: int, slots: list[int], ends: list[int]) -> None:
+        """Pages up to `ends` and their rows, for steps that place themselves (`on_device`)."""
+        attns = self.steps[bucket]
+        if not attns or not attns[0].on_device:
+            return
+        for slot, end in zip(slots, ends, strict=True):
+            self.cache.reserve(slot, end)
+        attns[0].plan_pages(slots)
+
+    def plan_extend(self, ext: StageGraph, slots: list[int], starts: list[int]) -> None:
+        """An extend graph's attention and positions for requests appending after `starts`: a
+        causal block of the graph's width per request (rows past a request's own are padding
+        whose K/V the draft steps overwrite), positions start + [0, width)."""
+        bucket, width = ext.inputs["tokens"].shape
+        b = len(slots)
+        layout = BatchLayout(
+            torch.tensor(slots), torch.tensor(starts), tril_mask(width).expand(b, -1, -1)
+        )
+        ext.attention[0].plan(pad_layout(layout, bucket, width, self.cache.pad_slot))
+        ext.load("positions", pad2d(layout.starts[:, None] + torch.arange(width), bucket, width))
+
+
+class ExtendGraphs:
+    """One tier's extend stage: the bucket's graph of s + 1 rows (or the narrowest wider one
+    that fits), planned ahead by `prepare` or in line; else the drafter's eager extend."""
+
+    plans_ahead = True
+
+    def __init__(self, graphs: DraftGraphs, tier: int) -> None:
+        self.graphs, self.tier, self.cache = graphs, tier, graphs.cache
+        self.ahead = 0  # extends that ran on a plan made ahead
+
+    def prepare(self, slots: list[int]) -> None:
+        """Plans the next round's extend of `slots` before its tokens arrive: pages, starts
+        and positions follow from the committed lengths; only tokens (and features) and each
+        request's last row depend on the target's verdict. The draft service calls this while
+        the target verifies; the next round uses the plan when its slots and starts match."""
+        o, cache, s = self.graphs, self.graphs.cache, self.tier
+        o.planned = None
+        bucket = bucket_of(len(slots), o.capture.buckets)
+        if bucket is None:
+            return
+        ext = o.extends.get((bucket, s + 1))
+        starts = [cache.lengths[slot] for slot in slots]
+        if ext is None or max(starts) + 2 * s + 1 > cache.max_len:
+            return  # the round runs eagerly
+        try:
+            with o.capture.staging.deferred():
+                o.plan_extend(ext, slots, starts)
+                # the steps write after the extend's rows: at most s + 1 + s past the start
+                o.plan_step_pages(bucket, slots, [st + 2 * s + 1 for st in starts])
+        except CacheFullError:
+            return  # the round itself reports it
+        o.planned = ((s, tuple(slots), tuple(starts), cache.generation), ext)
+
+    def run(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor:
+        o, cache, d = self.graphs, self.graphs.cache, self.graphs.drafter
+        bucket = bucket_of(len(inputs), o.capture.buckets)
+        planned, o.planned = o.planned, None
+        o.steps_paged = False
+        if bucket is None:
+            return d.extend(inputs, slots)
+        tokens, feats, positions, layout, lengths = d.extend_inputs(inputs, slots)
+        before = layout.starts.tolist()  # committed lengths before this round's rows
+        t = tokens.shape[1]
+        ext = None
+        key = (self.tier, tuple(slots), tuple(before), cache.generation)
+        if planned is not None and planned[0] == key and planned[1].inputs["tokens"].shape[1] >= t:
+            ext = planned[1]  # planned by `prepare`, with the steps' pages
+            self.ahead += 1
+            o.steps_paged = True
+        fits = sorted(k[1] for k in o.extends if k[0] == bucket and k[1] >= t)
+        if ext is None and fits and max(before) + fits[0] <= cache.max_len:
+            ext = o.extends[(bucket, fits[0])]
+            o.plan_extend(ext, slots, before)
+        if ext is None:
+            return d.extend_forward(tokens, feats, positions, layout, lengths)
+        tg = ext.inputs["tokens"].shape[1]
+        ext.load("tokens", pad2d(tokens, bucket, tg))
+        last = torch.zeros(bucket, dtype=torch.long)
+        last[: len(lengths)] = torch.tensor(lengths) - 1
+        ext.load("last", last)
+        if feats is not None:
+            ext.load("features", pad2d(feats, bucket, tg))
+        o.capture.replay(ext)
+        return ext.outputs["hidden"]
+
+
+class StepGraphs:
+    """One tier's draft stage: the bucket's graph of s steps; else the drafter's eager steps."""
+
+    def __init__(self, graphs: DraftGraphs, tier: int, steps: dict[int, StageGraph]) -> None:
+        self.graphs, self.tier, self.steps = graphs, tier, steps
+        self._planned: tuple[StageGraph, list[int]] | None = None  # graph, starts
+
+    def plan(self, slots: list[int]) -> None:
+        o, cache, s = self.graphs, self.graphs.cache, self.tier
+        self._planned = None
+        bucket = bucket_of(len(slots), o.capture.buckets)
+        starts = [cache.lengths[slot] for slot in slots]
+        if bucket is None or max(starts) + s > cache.max_len:
+            return  # the steps run eagerly
+        if not o.steps_paged:  # else `prepare` planned the steps' pages
+            o.plan_step_pages(bucket, slots, [st + s for st in starts])
+        g = self.steps[bucket]
+        for k, attn in enumerate(g.attention):
+            if not attn.on_device:
+                step = BatchLayout.causal(slots, [st + k for st in starts], [1] * len(slots))
+                attn.plan(pad_layout(step, bucket, 1, cache.pad_slot))
+        self._planned = (g, starts)
+
+    def run(self, hidden: Tensor, slots: list[int]) -> list[list[int]]:
+        if self._planned is None:
+            return self.graphs.drafter.draft_steps(hidden[: len(slots)], slots, self.tier)[0]
+        (g, starts), self._planned = self._planned, None
+        bucket, b = len(g.inputs["starts"]), len(slots)
+        if hidden.shape[0] != bucket:  # from the eager extend
+            hidden = pad_rows(hidden, bucket)
+        g.inputs["hidden"].copy_(hidden)  # on the device: queued after the extend graph
+        padded = torch.zeros(bucket, dtype=torch.long)
+        padded[:b] = torch.tensor(starts)
+        g.load("starts", padded)
+        self.graphs.capture.replay(g)
+        drafts: list[list[int]] = g.outputs["tokens"][:, :b].T.tolist()
+        return drafts
+
+    def read_gpu_ms(self) -> float:
+        return self.graphs.capture.read_gpu_ms()

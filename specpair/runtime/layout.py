@@ -1,0 +1,71 @@
+"""Where one forward's new tokens go in the KV cache, and which keys each of them sees.
+
+Every forward writes its new tokens' keys/values *tentatively* after each request's committed
+length; the cache's `commit` then keeps a subset of them (the accepted path).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@functools.cache
+def tril_mask(t: int) -> Tensor:
+    """[t, t] causal mask (shared: read it, expand it, never write it)."""
+    return torch.ones(t, t, dtype=torch.bool).tril()
+
+
+@functools.cache
+def eye_mask(t: int) -> Tensor:
+    """[t, t] identity mask (shared: read it, expand it, never write it)."""
+    return torch.eye(t, dtype=torch.bool)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLayout:
+    """Where one forward's new tokens go: per request a slot, a start position and a mask."""
+
+    slots: Tensor  # [B] long
+    starts: Tensor  # [B] long: position of each request's first new token
+    new_mask: Tensor  # [B, T, T] bool: which new tokens each new token sees (causal or tree)
+
+    @staticmethod
+    def causal(slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int]) -> BatchLayout:
+        """Extend/prefill layout: request b appends lengths[b] tokens (padded to the longest)."""
+        t = max(lengths)
+        mask = tril_mask(t).expand(len(slots), t, t).clone()
+        for b, n in enumerate(lengths):
+            if n < t:
+                # Padding rows see only themselves so softmax stays finite; output unused.
+                mask[b, n:, :] = eye_mask(t)[n:]
+        return BatchLayout(_long(slots), _long(starts), mask)
+
+
+def attention_mask(layout: BatchLayout) -> Tensor:
+    """[B, T, K] bool over key positions 0..K-1, K = max(starts) + T.
+
+    Prefix keys (< start) are visible to every new token; new keys follow the tree/causal mask.
+    """
+    b, t = layout.new_mask.shape[:2]
+    steps = torch.arange(t)
+    write_pos = layout.starts[:, None] + steps  # [B, T]
+    keys = torch.arange(int(layout.starts.max()) + t)
+    mask = (keys[None, None, :] < layout.starts[:, None, None]).expand(b, t, len(keys)).clone()
+    rows = torch.arange(b)[:, None, None]
+    mask[rows, steps[None, :, None], write_pos[:, None, :]] = layout.new_mask
+    return mask
+
+
+def flat_index(page_table: Tensor, slots: Tensor, positions: Tensor, page_size: int) -> Tensor:
+    # page_table: [R, P] long, slots: [B], positions: [B, T] -> flat cache rows [B, T]
+    pages = page_table[slots[:, None], positions // page_size]
+    return pages * page_size + positions % page_size
+
+
+def _long(values: Sequence[int]) -> Tensor:
+    return torch.tensor(list(values), dtype=torch.long)

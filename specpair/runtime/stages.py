@@ -1,0 +1,134 @@
+"""A round's stages as each tier's state holds them: verify (target), extend and draft (draft).
+
+Every stage is *planned* for one batch — in line (`plan`), or ahead by a service while its peer
+computes (`prepare`; only CUDA graphs have anything to plan ahead) — then *run*. The eager
+stages here serve the CPU, and the GPU where no graph fits (`graphs/` falls back to them); the
+CUDA-graph stages of `graphs/verify.py` and `graphs/draft.py` have the same interfaces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from torch import Tensor
+
+from specpair.models.llama import LlamaModel
+from specpair.runtime.kv_cache import KVCache
+from specpair.runtime.layout import BatchLayout
+
+if TYPE_CHECKING:
+    from specpair.runtime.draft import Drafter, DraftInput
+
+
+class VerifyStage(Protocol):
+    """The target's forward over a batch of candidate trees."""
+
+    cache: KVCache  # the target worker's: a stage serves that worker only
+    plans_ahead: bool  # whether `prepare` does anything
+    ahead: int  # verifies that ran on a plan made ahead
+
+    def prepare(self, positions: Tensor, layout: BatchLayout, key: object) -> None:
+        """Plans ahead the verify whose plan key will be `key` (see `planned_for`)."""
+
+    def plan(self, positions: Tensor, layout: BatchLayout) -> None:
+        """Plans the next `run` for positions [B, T] placed by `layout`."""
+
+    def planned_for(self, key: object) -> bool:
+        """Whether a plan made ahead serves the verify of `key` (then it needs no `plan`)."""
+
+    def run(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Host tokens [B, T] -> hidden [B, T, H], float logits [B, T, V] (device)."""
+
+    def read_gpu_ms(self) -> float:
+        """GPU time of the graph replays since the last read (0: none ran)."""
+
+
+class ExtendStage(Protocol):
+    """The draft's forward over what the target appended; commits the rows to its cache."""
+
+    cache: KVCache  # the drafter's: a stage serves that drafter only
+    plans_ahead: bool
+    ahead: int  # extends that ran on a plan made ahead
+
+    def prepare(self, slots: list[int]) -> None:
+        """Plans the next extend of `slots` before its tokens arrive."""
+
+    def run(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor:
+        """Hidden of each request's last appended row, [B', 1, H] with B' >= B (rows past B:
+        a graph's padding) on the device."""
+
+
+class DraftStage(Protocol):
+    """s greedy draft steps of one token per request after the extend (s = the tier)."""
+
+    def plan(self, slots: list[int]) -> None:
+        """Plans the steps after each slot's committed length."""
+
+    def run(self, hidden: Tensor, slots: list[int]) -> list[list[int]]:
+        """hidden [B', 1, H] from the extend -> per request its s draft tokens."""
+
+    def read_gpu_ms(self) -> float:
+        """GPU time of the extend's and the steps' graph replays since the last read."""
+
+
+class EagerVerify:
+    """The verify forward run eagerly through `KVCache.bind`."""
+
+    plans_ahead = False
+    ahead = 0
+
+    def __init__(self, model: LlamaModel, cache: KVCache) -> None:
+        self.model, self.cache = model, cache
+        self._planned: tuple[Tensor, BatchLayout] | None = None
+
+    def prepare(self, positions: Tensor, layout: BatchLayout, key: object) -> None:
+        return None  # nothing to plan ahead: bind plans at run time
+
+    def plan(self, positions: Tensor, layout: BatchLayout) -> None:
+        self._planned = (positions, layout)
+
+    def planned_for(self, key: object) -> bool:
+        return False
+
+    def run(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        assert self._planned is not None, "run without a plan"
+        (positions, layout), self._planned = self._planned, None
+        dev = self.cache.device
+        hidden = self.model(tokens.to(dev), positions.to(dev), self.cache.bind(layout))
+        return hidden, self.model.logits(hidden)
+
+    def read_gpu_ms(self) -> float:
+        return 0.0
+
+
+class EagerExtend:
+    """The drafter's own extend (`Drafter.extend`)."""
+
+    plans_ahead = False
+    ahead = 0
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter, self.cache = drafter, drafter.cache
+
+    def prepare(self, slots: list[int]) -> None:
+        return None
+
+    def run(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor:
+        return self.drafter.extend(inputs, slots)
+
+
+class EagerDraft:
+    """The drafter's own step loop (`Drafter.draft_steps`), greedy."""
+
+    def __init__(self, drafter: Drafter, tier: int) -> None:
+        self.drafter, self.tier = drafter, tier
+
+    def plan(self, slots: list[int]) -> None:
+        return None
+
+    def run(self, hidden: Tensor, slots: list[int]) -> list[list[int]]:
+        return self.drafter.draft_steps(hidden[: len(slots)], slots, self.tier)[0]
+
+    def read_gpu_ms(self) -> float:
+        return 0.0
