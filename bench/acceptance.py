@@ -274,7 +274,7 @@ def main() -> None:
         kind: build_drafter(args.models / kind, target_path=target_path, **sizes)
         for kind in DRAFT_KINDS
     }
-    states = build_states(args.tiers)
+    states = {kind: build_states(args.tiers, target, d) for kind, d in drafters.items()}
 
     cells: list[Cell] = []
     start = time.perf_counter()
@@ -284,7 +284,7 @@ def main() -> None:
         for kind, drafter in drafters.items():
             for temperature in TEMPERATURES:
                 sampling = sampling_for(prompts, temperature, args.seed)
-                for tier, state in states.items():
+                for tier, state in states[kind].items():
                     t0 = time.perf_counter()
                     outputs, per_request = generate(
                         target, drafter, state, prompts, sampling, args.new_tokens

@@ -238,7 +238,6 @@ def main() -> None:
         }
         print(f"target: {target_path}  draft: {draft_path}")
         prompts = make_prompts(args.batch, models["target"]["vocab_size"], args.seed)
-        states = build_states(args.tiers)
         sizes = dict(
             max_requests=args.batch,
             max_len=max(map(len, prompts)) + args.new_tokens + max(args.tiers) + 1,
@@ -249,6 +248,7 @@ def main() -> None:
 
         configs = [Config("target-only", None, None)]
         for label, drafter in (("(a) identical", identical), (draft_label, draft)):
+            states = build_states(args.tiers, target, drafter)
             configs += [Config(label, drafter, state) for state in states.values()]
         print(f"{len(configs)} configurations, batch {args.batch}, {args.new_tokens} new tokens")
         rows = measure(target, configs, prompts, args.new_tokens, args.repeats)

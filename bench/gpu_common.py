@@ -136,21 +136,31 @@ def median(xs: list[float]) -> float:
 
 def build_pair(draft: str, max_batch: int, buckets: list[int], tiers: list[int], max_len: int):  # type: ignore[no-untyped-def]
     """8B target + a drafter ("eagle", "1b", "identical", "none"), graphs captured per tier."""
+    from specpair.runtime.state import build_states
+
+    worker, drafter = pair_workers(draft, max_batch, max_len)
+    t0 = time.perf_counter()
+    states = build_states(tiers, worker, drafter, buckets=buckets)
+    capture_s = time.perf_counter() - t0
+    return worker, drafter, states, capture_s
+
+
+def pair_workers(draft: str, max_batch: int, max_len: int):  # type: ignore[no-untyped-def]
+    """The workers of `build_pair`, fused, before any state is built."""
     from specpair.runtime.build import gpu_drafter, gpu_target
     from specpair.runtime.draft import EagleDrafter, LMDrafter
     from specpair.runtime.fused import fuse_decoder
-    from specpair.runtime.paged_kv import PagedKVCache
-    from specpair.runtime.state import build_states
+    from specpair.runtime.kv_cache import KVCache
     from specpair.runtime.target import TargetWorker
 
-    def cache(args: ModelArgs) -> PagedKVCache:
-        return PagedKVCache.for_model(
+    def cache(args: ModelArgs) -> KVCache:
+        return KVCache.for_model(
             args, max_requests=max_batch, max_len=max_len, dtype=torch.bfloat16, device="cuda"
         )
 
     model = random_llama(LLAMA3_8B)
     worker = TargetWorker(model, cache(LLAMA3_8B), keep_features=draft == "eagle")
-    gpu_target(worker, max_batch, buckets)
+    gpu_target(worker)
     drafter: Any = None
     if draft == "eagle":
         fuse_decoder(model)
@@ -162,11 +172,8 @@ def build_pair(draft: str, max_batch: int, buckets: list[int], tiers: list[int],
     elif draft == "identical":
         drafter = LMDrafter(model, cache(LLAMA3_8B))
     if drafter is not None:
-        gpu_drafter(drafter, max_batch, buckets)
-    t0 = time.perf_counter()
-    states = build_states(tiers, [worker] if drafter is None else [worker, drafter])
-    capture_s = time.perf_counter() - t0
-    return worker, drafter, states, capture_s
+        gpu_drafter(drafter)
+    return worker, drafter
 
 
 @dataclass
@@ -206,7 +213,7 @@ class RoundLoop:
             for s, f in zip(self.seqs, feats, strict=True)
         }
         if drafter is not None:
-            drafter.graphs.profile = True
+            drafter.profile = True
 
     def step(self, state: Any) -> tuple[float, float, float, float, int]:
         """One round: (extend s, draft s, verify s, accept s, tokens produced)."""
@@ -219,7 +226,7 @@ class RoundLoop:
         ext = 0.0
         if self.drafter is not None:
             trees = self.drafter.round([self.pending[s.request_id] for s in self.seqs], state)
-            ext = self.drafter.graphs.last_times[0]
+            ext = self.drafter.last_times[0]
         else:
             trees = [EMPTY_TREE] * len(self.seqs)
         t1 = time.perf_counter()

@@ -22,11 +22,11 @@ import torch
 from bench.common import device_info, format_table, write_json
 from bench.gpu_common import LLAMA3_8B, copy_bandwidth, median, time_cuda, weight_bytes
 from specpair.models.llama import LlamaModel, rope_inv_freq
-from specpair.runtime.cuda_graphs import TargetGraphs
 from specpair.runtime.fused import fuse_decoder
-from specpair.runtime.kv_cache import BatchLayout
-from specpair.runtime.paged_kv import PagedKVCache
-from specpair.runtime.target import TargetWorker
+from specpair.runtime.graphs.capture import GraphCapture
+from specpair.runtime.graphs.verify import verify_graph
+from specpair.runtime.kv_cache import KVCache
+from specpair.runtime.layout import BatchLayout
 
 
 def hf_model() -> Any:
@@ -129,11 +129,10 @@ def main() -> None:
     print(f"weights {wbytes / 1e9:.2f} GB, copy {bw / 1e12:.2f} TB/s, floor {1e3 * floor:.2f} ms")
     model = ours_from(hf)
     max_ctx = max(args.contexts)
-    cache = PagedKVCache.for_model(
+    cache = KVCache.for_model(
         LLAMA3_8B, max_requests=1, max_len=max_ctx + 16, dtype=torch.bfloat16, device="cuda"
     )
-    worker = TargetWorker(model, cache)
-    graphs = TargetGraphs(worker, 1)
+    graphs = GraphCapture(cache, 1, "target")
     rows, table = [], []
     for ctx in args.contexts:
         slot = cache.alloc()
@@ -148,7 +147,7 @@ def main() -> None:
         for q in args.queries:
             t0 = time.perf_counter()
             with torch.inference_mode():
-                g = graphs._verify(1, q)
+                g = verify_graph(graphs, model, 1, q)
             capture_s = time.perf_counter() - t0
             mask = torch.ones(q, q, dtype=torch.bool).tril()[None]
             layout = BatchLayout(torch.tensor([slot]), torch.tensor([ctx]), mask)
@@ -164,12 +163,12 @@ def main() -> None:
             replay = median(time_cuda(g.graph.replay, args.iters))
             with_plan = median(time_cuda(planned, args.iters))
             # the same graph with flashinfer's paged prefill as its attention
-            cache.graph_attention = "flashinfer"
-            replay_fi = variant_time(graphs, layout, tokens, args.iters)
-            cache.graph_attention = "triton"
+            cache.attention.graph_attention = "flashinfer"
+            replay_fi = variant_time(graphs, model, layout, tokens, args.iters)
+            cache.attention.graph_attention = "triton"
             # and without programmatic dependent launch (each kernel waits for the last)
             triton_kernels.set_pdl(False)
-            replay_serial = variant_time(graphs, layout, tokens, args.iters)
+            replay_serial = variant_time(graphs, model, layout, tokens, args.iters)
             triton_kernels.set_pdl(True)
             print(
                 f"ours ctx {ctx} q {q}: graph {1e3 * replay:.3f} ms ({replay / floor:.3f}× floor),"
@@ -249,13 +248,13 @@ def main() -> None:
 
 
 def variant_time(
-    graphs: TargetGraphs, layout: BatchLayout, tokens: torch.Tensor, iters: int
+    graphs: GraphCapture, model: LlamaModel, layout: BatchLayout, tokens: torch.Tensor, iters: int
 ) -> float:
     """Captures a fresh verify graph under the current settings, times its replay (seconds)."""
     q = tokens.shape[1]
     start = int(layout.starts[0])
     with torch.inference_mode():
-        g = graphs._verify(1, q)
+        g = verify_graph(graphs, model, 1, q)
     g.inputs["tokens"].copy_(tokens)
     g.inputs["positions"].copy_(torch.arange(start, start + q)[None])
     g.attention[0].plan(layout)

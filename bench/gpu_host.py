@@ -49,7 +49,7 @@ def main() -> None:
     state = states[args.tier]
     prompt = [torch.randint(0, 128256, (args.prompt,)).tolist()]
     loop = RoundLoop(worker, drafter, prompt)
-    drafter.graphs.profile = False  # no sync between extend and steps: time it as served
+    drafter.profile = False  # no sync between extend and steps: time it as served
     for _ in range(5):
         loop.step(state)
     pending = loop.pending

@@ -27,8 +27,9 @@ from torch import Tensor
 
 from bench.common import device_info, format_table, write_json
 from bench.gpu_common import LLAMA3_8B, copy_bandwidth, median, time_cuda
-from specpair.runtime.kv_cache import BatchLayout
-from specpair.runtime.paged_kv import PagedKVCache, flat_mask, page_metadata
+from specpair.runtime.attention import flat_mask, page_metadata
+from specpair.runtime.kv_cache import KVCache
+from specpair.runtime.layout import BatchLayout
 
 SHAPES = {
     "qkv": (6144, 4096),
@@ -99,13 +100,13 @@ def gemm_rows(bw: float, pool_bytes: float = 2e9) -> list[dict[str, Any]]:
     return rows
 
 
-def attention_time(cache: PagedKVCache, layout: BatchLayout, qs: Tensor, variant: str) -> float:
+def attention_time(cache: KVCache, layout: BatchLayout, qs: Tensor, variant: str) -> float:
     """Seconds per layer of flashinfer paged prefill, planned as `variant`, 32 layers a replay."""
     a, q = LLAMA3_8B, qs.shape[0]
     indptr, indices, last = page_metadata(
         cache.page_table, layout.slots, layout.starts + q, cache.page_size
     )
-    wrapper = cache.make_wrapper(cache.graph_buffers(1, q))
+    wrapper = cache.attention.flashinfer_wrapper(cache.attention.graph_buffers(1, q))
     wrapper.plan(
         torch.tensor([0, q], dtype=torch.int32), indptr, indices, last,
         a.num_heads, a.num_kv_heads, a.head_dim, cache.page_size,
@@ -123,12 +124,12 @@ def attention_time(cache: PagedKVCache, layout: BatchLayout, qs: Tensor, variant
 
 def attention_cases(
     queries: tuple[int, ...],
-) -> Iterator[tuple[int, int, PagedKVCache, BatchLayout, Tensor]]:
+) -> Iterator[tuple[int, int, KVCache, BatchLayout, Tensor]]:
     """(ctx, q, cache, layout, queries [q, Hq, D]) for ctx 512 and 2048: random K/V pages for
     every layer, q causal tree tokens after the context."""
     a = LLAMA3_8B
     for ctx in (512, 2048):
-        cache = PagedKVCache.for_model(
+        cache = KVCache.for_model(
             a, max_requests=1, max_len=ctx + 16, dtype=torch.bfloat16, device="cuda"
         )
         cache.k.normal_()
@@ -157,7 +158,7 @@ def attention_rows() -> list[dict[str, Any]]:
     return rows
 
 
-def all_layers(attn: Any, cache: PagedKVCache, qs: Tensor, out: Tensor) -> None:
+def all_layers(attn: Any, cache: KVCache, qs: Tensor, out: Tensor) -> None:
     for layer in range(cache.k.shape[0]):
         attn.run(qs, (cache.k[layer], cache.v[layer]), out)
 

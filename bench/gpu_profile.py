@@ -24,11 +24,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.common import device_info, format_table, write_json
 from bench.gpu_common import LLAMA3_8B, copy_bandwidth, median, random_llama, time_cuda
-from specpair.runtime.cuda_graphs import TargetGraphs
 from specpair.runtime.fused import fuse_decoder
-from specpair.runtime.kv_cache import BatchLayout
-from specpair.runtime.paged_kv import PagedKVCache
-from specpair.runtime.target import TargetWorker
+from specpair.runtime.graphs.capture import GraphCapture
+from specpair.runtime.graphs.verify import verify_graph
+from specpair.runtime.kv_cache import KVCache
+from specpair.runtime.layout import BatchLayout
 
 
 def kind_of(name: str) -> str:
@@ -136,11 +136,12 @@ def main() -> None:
     info = device_info()
     print(f"device: {info.get('gpu')}")
     bw = copy_bandwidth()
-    model = fuse_decoder(random_llama(LLAMA3_8B))
-    cache = PagedKVCache.for_model(
+    model = random_llama(LLAMA3_8B)
+    fuse_decoder(model)
+    cache = KVCache.for_model(
         LLAMA3_8B, max_requests=1, max_len=args.ctx + 16, dtype=torch.bfloat16, device="cuda"
     )
-    graphs = TargetGraphs(TargetWorker(model, cache), 1)  # type: ignore[arg-type]
+    graphs = GraphCapture(cache, 1, "target")
     slot = cache.alloc()
     prompt = torch.randint(0, LLAMA3_8B.vocab_size, (1, args.ctx), device="cuda")
     pos = torch.arange(args.ctx, device="cuda")[None]
@@ -148,7 +149,7 @@ def main() -> None:
     cache.commit(slot, 0, range(args.ctx))
     profiles, gemms, table = {}, [], []
     for q in args.queries:
-        g = graphs._verify(1, q)
+        g = verify_graph(graphs, model, 1, q)
         mask = torch.ones(q, q, dtype=torch.bool).tril()[None]
         g.attention[0].plan(BatchLayout(torch.tensor([slot]), torch.tensor([args.ctx]), mask))
         g.inputs["positions"].copy_(torch.arange(args.ctx, args.ctx + q)[None])

@@ -154,7 +154,7 @@ def in_process(
                           dtype=dtype, device=device)  # fmt: skip
     drafter = build_drafter(draft, target_path=target, max_requests=size, max_len=max_len,
                             dtype=dtype, device=device)  # fmt: skip
-    states = build_states(TIERS, [worker, drafter])
+    states = build_states(TIERS, worker, drafter)
     for config, tier in (("target-only", 1), *((f"tier {t}", t) for t in TIERS)):
         engine = SpeculativeEngine(worker, None if config == "target-only" else drafter)
         engine.generate(workloads[0].ids[:size], max_new_tokens=WARMUP_TOKENS,

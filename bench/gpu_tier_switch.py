@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from bench.common import device_info, format_table, write_json
-from bench.gpu_common import RoundLoop, build_pair, run_rounds
-from specpair.runtime import cuda_graphs, state
+from bench.gpu_common import RoundLoop, pair_workers, run_rounds
+from specpair.runtime.state import StateBuilder
 
 
 def main() -> None:
@@ -27,9 +27,11 @@ def main() -> None:
     info = device_info()
     print(f"device: {info.get('gpu')}")
     tiers = [1, 3, 7]
-    worker, drafter, states, _ = build_pair("eagle", 1, [1], tiers, 1024)
+    worker, drafter = pair_workers("eagle", 1, 1024)
+    builder = StateBuilder(worker, drafter, buckets=[1])
+    states = builder.build_all(tiers)
     prompt = [list(torch.randint(0, 128256, (256,)).tolist())]
-    before = cuda_graphs.captures(), state.builds()
+    before = builder.captures, builder.builds
     steady = {t: run_rounds(worker, drafter, states[t], prompt, 12).round_s() for t in tiers}
     rows, table = [], []
     loop = RoundLoop(worker, drafter, prompt)
@@ -65,7 +67,7 @@ def main() -> None:
                 ]
             )
     loop.close()
-    after = cuda_graphs.captures(), state.builds()
+    after = builder.captures, builder.builds
     write_json(
         args.out,
         {

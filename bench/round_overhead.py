@@ -77,7 +77,7 @@ def in_process(
         device=device,
     )  # fmt: skip
     engine = SpeculativeEngine(worker, drafter)
-    states = build_states(tiers, [worker, drafter])
+    states = build_states(tiers, worker, drafter)
     runs = {}
     for tier in tiers:
         engine.generate(work, max_new_tokens=WARMUP_TOKENS, state=states[tier])

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
-
 class Attend(Protocol):
     """One forward's attention over the KV cache (`runtime.attention.PagedAttend`)."""
 

@@ -90,7 +90,7 @@ class Drafter(ABC):
         if not all(item.sampling.greedy for item in inputs):
             self.last_gpu_ms = 0.0
             hidden = self.extend(inputs, slots)
-            samplers = [(item.sampling, e.generator) for item, e in zip(inputs, entries, strict=True)]
+            samplers = [(i.sampling, e.generator) for i, e in zip(inputs, entries, strict=True)]
             steps, probs = self.draft_steps(hidden, slots, state.tier, samplers)
             return [
                 chain(tokens, torch.stack(p) if p else None)

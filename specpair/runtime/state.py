@@ -19,7 +19,12 @@ from torch import Tensor
 
 from specpair.logging import get_logger
 from specpair.runtime.stages import (
-    DraftStage, EagerDraft, EagerExtend, EagerVerify, ExtendStage, VerifyStage,
+    DraftStage,
+    EagerDraft,
+    EagerExtend,
+    EagerVerify,
+    ExtendStage,
+    VerifyStage,
 )  # fmt: skip
 from specpair.runtime.tree import tree_depths, tree_mask
 
@@ -137,7 +142,8 @@ class StateBuilder:
         for tier in sorted(set(tiers)):
             t0 = time.perf_counter()
             states[tier] = self.build(tier)
-            log.info("built runtime state", tier=tier, ms=round(1e3 * (time.perf_counter() - t0), 2))
+            ms = round(1e3 * (time.perf_counter() - t0), 2)
+            log.info("built runtime state", tier=tier, ms=ms)
         return states
 
 

@@ -86,7 +86,10 @@ def test_stop_token_ends_request(ckpts: dict[str, Path], references) -> None:
     stop = expected[5]
     first = expected.index(stop)
     results = SpeculativeEngine(worker, drafter).generate(
-        PROMPTS[:1], max_new_tokens=NEW_TOKENS, state=STATES[7], stop_token_ids=frozenset({stop})
+        PROMPTS[:1],
+        max_new_tokens=NEW_TOKENS,
+        state=build_states([7], worker, drafter)[7],
+        stop_token_ids=frozenset({stop}),
     )
     assert results[0].token_ids == expected[: first + 1]
     assert results[0].finish_reason == "stop"

@@ -19,11 +19,14 @@ pytest.importorskip("flashinfer")
 from transformers import LlamaForCausalLM
 
 from specpair.models.tiny import make_tiny_eagle, make_tiny_llama
-from specpair.runtime import cuda_graphs, state
 from specpair.runtime.build import build_drafter, build_target
 from specpair.runtime.draft import DraftInput
 from specpair.runtime.engine import SpeculativeEngine
-from specpair.runtime.kv_cache import BatchLayout
+from specpair.runtime.graphs.capture import GraphAttention
+from specpair.runtime.graphs.draft import ExtendGraphs, StepGraphs
+from specpair.runtime.graphs.verify import VerifyGraphs
+from specpair.runtime.layout import BatchLayout
+from specpair.runtime.state import SpecRuntimeState, StateBuilder, build_states
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.target import TargetSequence
 from specpair.runtime.tree import chain
@@ -46,7 +49,7 @@ def gpu_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def target(path: Path, max_requests: int = 4):
-    gc.collect()  # workers of earlier tests must not capture into this test's states
+    gc.collect()  # earlier tests' graphs and caches go before this test captures
     return build_target(
         path, max_requests=max_requests, max_len=256, keep_features=True, dtype=BF16, device="cuda"
     )
@@ -124,9 +127,13 @@ def test_greedy_speculative_equals_gpu_target_only(gpu_ckpts: dict[str, Path], d
         dtype=BF16,
         device="cuda",
     )
-    states = state.build_states([1, 3, 7], [worker, drafter])  # verify/extend/draft graphs
+    builder = StateBuilder(worker, drafter)
+    states = builder.build_all([1, 3, 7])  # verify/extend/draft graphs
+    assert all(isinstance(st.verify, VerifyGraphs) for st in states.values())
+    assert all(isinstance(st.draft, StepGraphs) for st in states.values())
     plain = SpeculativeEngine(worker, None).generate(PROMPTS, max_new_tokens=32, state=None)
-    before = cuda_graphs.captures(), state.builds()
+    before = builder.captures, builder.builds
+    assert before == (3 * 3 * 3, 3), before  # verify, extend, steps x buckets 1, 2, 4 x 3 tiers
     worst, identical, total = 0.0, 0, 0
     for tier in (3, 1, 7, 3):  # tier switches: reference swaps only
         engine = SpeculativeEngine(worker, drafter)
@@ -173,7 +180,7 @@ def test_greedy_speculative_equals_gpu_target_only(gpu_ckpts: dict[str, Path], d
         f"largest argmax deficit {worst:.2f} of the tie tolerance"
     )
     assert identical >= total // 2, "most generations must equal target-only exactly"
-    assert (cuda_graphs.captures(), state.builds()) == before, "captured/built after start-up"
+    assert (builder.captures, builder.builds) == before, "captured/built after start-up"
 
 
 def test_graph_replay_equals_eager(gpu_ckpts: dict[str, Path]) -> None:
@@ -185,8 +192,8 @@ def test_graph_replay_equals_eager(gpu_ckpts: dict[str, Path]) -> None:
     worker = target(gpu_ckpts["target"])
     graph_states = {}
     for backend in ("flashinfer", "triton"):  # the graphs' attention: see tree_attention.py
-        worker.cache.graph_attention = backend
-        graph_states[backend] = state.build_states([3], [worker])[3]
+        worker.cache.attention.graph_attention = backend
+        graph_states[backend] = build_states([3], worker)[3]
     starts = [0, 5, 9]
     slots = [worker.cache.alloc() for _ in starts]
     ctx = torch.randint(0, 320, (3, max(starts)))
@@ -229,8 +236,9 @@ def test_plans_made_ahead_give_the_same_rounds(gpu_ckpts: dict[str, Path]) -> No
         dtype=BF16,
         device="cuda",
     )
-    tier = state.build_states([3], [worker, drafter])[3]
-    verify, extend = tier.extras[f"verify/{id(worker)}"], drafter.graphs
+    tier = build_states([3], worker, drafter)[3]
+    verify, extend = tier.verify, tier.extend
+    assert isinstance(verify, VerifyGraphs) and isinstance(extend, ExtendGraphs)
     runs = {}
     for ahead in (False, True):
         if not ahead:  # plans in line only
@@ -238,10 +246,10 @@ def test_plans_made_ahead_give_the_same_rounds(gpu_ckpts: dict[str, Path]) -> No
         else:
             del worker.prepare, drafter.prepare
         engine = SpeculativeEngine(worker, drafter)
-        before = verify.ahead, extend.ahead  # type: ignore[attr-defined,union-attr]
+        before = verify.ahead, extend.ahead
         results = engine.generate(PROMPTS[:3], max_new_tokens=24, state=tier)
         runs[ahead] = [(r.token_ids, r.accept_lengths) for r in results]
-        hits = verify.ahead - before[0], extend.ahead - before[1]  # type: ignore[attr-defined,union-attr]
+        hits = verify.ahead - before[0], extend.ahead - before[1]
         rounds = engine.times.rounds
         if ahead:  # every verify; every extend but the first (the draft meets the requests)
             assert hits == (rounds, rounds - 1), (hits, rounds)
@@ -253,9 +261,9 @@ def test_plans_made_ahead_give_the_same_rounds(gpu_ckpts: dict[str, Path]) -> No
     worker.prefill(seqs)
     worker.prepare(seqs, tier)
     worker.cache.free(worker.cache.alloc())
-    hits = verify.ahead  # type: ignore[attr-defined]
+    before_hits = verify.ahead
     worker.verify(seqs, [chain([4, 5, 6])], tier)
-    assert verify.ahead == hits  # type: ignore[attr-defined]
+    assert verify.ahead == before_hits
     worker.release(seqs[0])
 
 
@@ -276,21 +284,25 @@ def test_draft_steps_placed_on_device_equal_host_plans(
             dtype=BF16,
             device="cuda",
         )
-        return d, state.build_states([3], [d])[3]
+        return d, build_states([3], drafter=d)[3]
+
+    def steps(tier: SpecRuntimeState) -> list[GraphAttention]:
+        assert isinstance(tier.draft, StepGraphs)
+        return tier.draft.graphs.steps[4]
 
     on_device, tier = drafter()
     with monkeypatch.context() as m:
-        m.setattr(cuda_graphs.GraphAttention, "on_device", property(lambda self: False))
+        m.setattr(GraphAttention, "on_device", property(lambda self: False))
         on_host, host_tier = drafter()
-        assert not on_host.graphs.steps[4][0].on_device  # type: ignore[union-attr]
-    assert on_device.graphs.steps[4][0].on_device  # type: ignore[union-attr]
+        assert not steps(host_tier)[0].on_device
+    assert steps(tier)[0].on_device
     gen = torch.Generator().manual_seed(0)
     appended = {f"r{i}": tuple(p) for i, p in enumerate(PROMPTS[:3])}
     for _ in range(12):
         inputs = [DraftInput(rid, rows, SamplingParams()) for rid, rows in appended.items()]
         drafts = on_device.round(inputs, tier)
         with monkeypatch.context() as m:
-            m.setattr(cuda_graphs.GraphAttention, "on_device", property(lambda self: False))
+            m.setattr(GraphAttention, "on_device", property(lambda self: False))
             assert on_host.round(inputs, host_tier) == drafts
         for rid, tree in zip(appended, drafts, strict=True):
             accepted = int(torch.randint(0, 4, (1,), generator=gen))

@@ -88,13 +88,13 @@ def test_silu_mul_sums_partials() -> None:
      ((32, 64, True, 8), 128), (None, 40), ((8, 64, True), 40), (None, 32), (None, 80)],
 )  # fmt: skip
 def test_tree_attention_equals_masked_sdpa_over_the_pages(config: tuple | None, d: int) -> None:
-    from specpair.runtime.kv_cache import BatchLayout, attention_mask
-    from specpair.runtime.paged_kv import PagedKVCache
+    from specpair.runtime.kv_cache import KVCache
+    from specpair.runtime.layout import BatchLayout, attention_mask, flat_index
     from specpair.runtime.tree_attention import TreeAttention, TreeConfig
 
     torch.manual_seed(4)
     n_q, n_kv, t = 8, 2, 4
-    cache = PagedKVCache(
+    cache = KVCache(
         num_layers=1, num_qo_heads=n_q, num_kv_heads=n_kv, head_dim=d, max_requests=3,
         max_len=700, page_size=16, dtype=BF16, device="cuda",
     )  # fmt: skip
@@ -112,13 +112,14 @@ def test_tree_attention_equals_masked_sdpa_over_the_pages(config: tuple | None, 
         pages_per_slot=cache.pages_per_slot, device=torch.device("cuda"),
         config=None if config is None else TreeConfig(*config),
     )  # fmt: skip
-    cache.plan(attn, layout)
+    attn.plan(layout, cache.page_table)
     q = torch.randn(3 * t, n_q, d, dtype=BF16, device="cuda")
     out = attn.run(q, (cache.k[0], cache.v[0]), out=torch.empty_like(q))
+    # the backend interface's `attend` is the same kernel pair over [B, T, Hq, D]
+    attended = attn.attend(q.view(3, t, n_q, d), (cache.k[0], cache.v[0]))
+    assert torch.equal(attended, out.view(3, t, n_q, d))
     mask = attention_mask(layout).cuda()  # [B, T, K]
     keys = torch.arange(mask.shape[-1]).expand(3, -1)
-    from specpair.runtime.paged_kv import flat_index
-
     rows = flat_index(cache.page_table, layout.slots, keys, 16).cuda()
     kk = cache.k[0].view(-1, n_kv, d)[rows].transpose(1, 2).float()  # [B, Hkv, K, D]
     vv = cache.v[0].view(-1, n_kv, d)[rows].transpose(1, 2).float()

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from specpair.models.loading import load_eagle, load_llama
 from specpair.models.llama import ModelArgs
-from specpair.runtime.draft import EagleDrafter
+from specpair.models.loading import load_eagle, load_llama
 from specpair.runtime.attention import flat_mask, page_metadata
+from specpair.runtime.draft import EagleDrafter
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.fused import fuse_decoder
 from specpair.runtime.graphs.capture import bucket_of, buckets_for, pad_layout

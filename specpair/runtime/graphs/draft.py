@@ -18,7 +18,13 @@ from torch import Tensor
 
 from specpair.runtime.draft import Drafter, DraftInput
 from specpair.runtime.graphs.capture import (
-    GraphAttention, GraphCapture, StageGraph, bucket_of, pad2d, pad_layout, pad_rows,
+    GraphAttention,
+    GraphCapture,
+    StageGraph,
+    bucket_of,
+    pad2d,
+    pad_layout,
+    pad_rows,
 )  # fmt: skip
 from specpair.runtime.kv_cache import CacheFullError
 from specpair.runtime.layout import BatchLayout, tril_mask
@@ -70,7 +76,8 @@ class DraftGraphs:
         while len(attns) < s - 1:
             attns.append(self.capture.attention(batch, 1))
             first, last = attns[0].tree, attns[-1].tree
-            if first is not None and last is not None:  # one request's page row serves all
+            if attns[-1].on_device and first is not None and last is not None:
+                # one request's page row serves every step
                 last.pages = first.pages
         inputs = {
             "hidden": torch.zeros(batch, 1, d.args.hidden_size, dtype=self.cache.dtype, device=dev),
