@@ -26,8 +26,8 @@ from specpair.runtime.graphs.capture import GraphAttention
 from specpair.runtime.graphs.draft import ExtendGraphs, StepGraphs
 from specpair.runtime.graphs.verify import VerifyGraphs
 from specpair.runtime.layout import BatchLayout
-from specpair.runtime.state import SpecRuntimeState, StateBuilder, build_states
 from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.state import SpecRuntimeState, StateBuilder, build_states
 from specpair.runtime.target import TargetSequence
 from specpair.runtime.tree import chain
 
