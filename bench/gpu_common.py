@@ -181,7 +181,7 @@ class RoundTimes:
     extend: list[float] = field(default_factory=list)
     draft: list[float] = field(default_factory=list)
     verify: list[float] = field(default_factory=list)
-    other: list[float] = field(default_factory=list)  # acceptance bookkeeping, next inputs
+    other: list[float] = field(default_factory=list)  # bookkeeping after verify (features)
     tokens: list[int] = field(default_factory=list)  # tokens produced per round (all requests)
 
     def round_s(self) -> float:
@@ -197,46 +197,50 @@ class RoundLoop:
     """The engine's loop one round at a time, timed per stage (perf_counter around synced work).
 
     Requests are prefilled at construction and never finish, so a tier can change between any
-    two rounds of the same requests, as ApplyTier does.
+    two rounds of the same requests, as ApplyTier does. Rounds go through a `DraftSession` and
+    `draft_in_process`, as the engine's do.
     """
 
     def __init__(self, worker: Any, drafter: Any, prompts: list[list[int]]) -> None:
-        from specpair.runtime.draft import DraftInput
+        from specpair.runtime.draft_session import DraftSession
         from specpair.runtime.engine import GREEDY
         from specpair.runtime.target import TargetSequence
 
         self.worker, self.drafter = worker, drafter
         self.seqs = [TargetSequence(f"r{i}", p, GREEDY, 10**9) for i, p in enumerate(prompts)]
-        feats = worker.prefill(self.seqs)
-        self.pending = {
-            s.request_id: DraftInput(s.request_id, (*s.prompt, *s.output), GREEDY, f)
-            for s, f in zip(self.seqs, feats, strict=True)
-        }
+        self.session = DraftSession(worker.model.args.vocab_size, in_process=True)
+        for seq, features in zip(self.seqs, worker.prefill(self.seqs), strict=True):
+            self.session.add(seq, features)
+        self.round_id = 0
         if drafter is not None:
             drafter.profile = True
 
-    def step(self, state: Any) -> tuple[float, float, float, float, int]:
-        """One round: (extend s, draft s, verify s, accept s, tokens produced)."""
-        from specpair.runtime.draft import DraftInput
-        from specpair.runtime.engine import GREEDY
+    def draft(self, state: Any) -> Any:
+        """The round's trees: its RoundRequest extended and drafted in process."""
+        from specpair.runtime.engine import draft_in_process
         from specpair.runtime.tree import EMPTY_TREE
 
+        if self.drafter is None:
+            return [EMPTY_TREE] * len(self.seqs)
+        self.round_id += 1
+        return draft_in_process(self.drafter, self.session, self.round_id, self.seqs, state)
+
+    def record(self, results: Any) -> None:
+        """After verify: the committed rows' features, for the next round's request."""
+        for seq, res in zip(self.seqs, results, strict=True):
+            self.session.verified(seq, res.features)
+
+    def step(self, state: Any) -> tuple[float, float, float, float, int]:
+        """One round: (extend s, draft s, verify s, accept s, tokens produced)."""
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        ext = 0.0
-        if self.drafter is not None:
-            trees = self.drafter.round([self.pending[s.request_id] for s in self.seqs], state)
-            ext = self.drafter.last_times[0]
-        else:
-            trees = [EMPTY_TREE] * len(self.seqs)
+        trees = self.draft(state)
+        ext = self.drafter.last_times[0] if self.drafter is not None else 0.0
         t1 = time.perf_counter()
         results = self.worker.verify(self.seqs, trees, state)
         torch.cuda.synchronize()
         t2 = time.perf_counter()
-        for seq, res in zip(self.seqs, results, strict=True):
-            self.pending[seq.request_id] = DraftInput(
-                seq.request_id, tuple(res.new_tokens), GREEDY, res.features
-            )
+        self.record(results)
         t3 = time.perf_counter()
         produced = sum(len(r.new_tokens) for r in results)
         return ext, t1 - t0 - ext, t2 - t1, t3 - t2, produced

@@ -52,18 +52,16 @@ def main() -> None:
     drafter.profile = False  # no sync between extend and steps: time it as served
     for _ in range(5):
         loop.step(state)
-    pending = loop.pending
     wall: dict[str, list[float]] = {"draft": [], "verify": []}
     gpu: dict[str, list[float]] = {"draft": [], "verify": []}
     profiles = {"draft": cProfile.Profile(), "verify": cProfile.Profile()}
     for profiled in (False, True):
         for _ in range(args.rounds):
-            inputs = [pending[s.request_id] for s in loop.seqs]
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             if profiled:
                 profiles["draft"].enable()
-            trees = drafter.round(inputs, state)
+            trees = loop.draft(state)  # the round's request built and drafted, as served
             if profiled:
                 profiles["draft"].disable()
                 profiles["verify"].enable()
@@ -77,10 +75,7 @@ def main() -> None:
                 wall["verify"].append(1e3 * (t2 - t1))
                 gpu["draft"].append(gpu_ms(drafter))
                 gpu["verify"].append(gpu_ms(worker))
-            for seq, res in zip(loop.seqs, results, strict=True):
-                pending[seq.request_id] = type(inputs[0])(
-                    seq.request_id, tuple(res.new_tokens), inputs[0].sampling, res.features
-                )
+            loop.record(results)
     loop.close()
     stages: dict[str, dict[str, Any]] = {
         k: {"wall_ms": median(wall[k]), "gpu_ms": median(gpu[k]),

@@ -1,6 +1,7 @@
-"""The draft rounds: decode a RoundRequest, extend + draft at its tier, encode the trees.
+"""The draft service's side of the round: decode a RoundRequest, extend + draft at its tier,
+answer a RoundResponse.
 
-Request ids are namespaced per Speculate stream, so two targets (or a reconnecting one) never
+Request ids are namespaced per Round stream, so two targets (or a reconnecting one) never
 share draft state; a stream's requests are freed when it ends.
 """
 
@@ -13,19 +14,20 @@ import torch
 from specpair.config import DraftConfig
 from specpair.logging import get_logger
 from specpair.models.loading import CheckpointError, eagle_layout
-from specpair.proto.v1 import common_pb2, draft_pb2
+from specpair.proto.v1 import draft_pb2
 from specpair.runtime.build import build_drafter
-from specpair.runtime.draft import Drafter, DraftInput
+from specpair.runtime.draft import Drafter
 from specpair.runtime.kv_cache import CacheFullError
+from specpair.runtime.round import DraftInput, RoundRequest, RoundResponse, StageTimings
 from specpair.runtime.state import SpecRuntimeState, StateBuilder, gpu_ms
-from specpair.wire import draft_input_from_proto, tree_into
+from specpair.wire import request_from_proto, response_to_proto, timings_into
 
 log = get_logger(__name__)
 MAX_ERROR_CHARS = 500  # an error names the field; it never echoes a whole message back
 
 
 class RoundError(ValueError):
-    """A round the draft cannot serve; sent back in SpeculateResponse.error."""
+    """A round the draft cannot serve; sent back in RoundResponse.error."""
 
 
 class DraftRounds:
@@ -60,50 +62,53 @@ class DraftRounds:
         for key in [k for k in self.drafter.requests if k.startswith(prefix)]:
             self.drafter.release(key)
 
-    def run(
-        self, stream_id: str, request: draft_pb2.SpeculateRequest
-    ) -> draft_pb2.SpeculateResponse:
-        """One round; errors in the request come back in `error`, never as an exception."""
+    def run(self, stream_id: str, message: draft_pb2.RoundRequest) -> draft_pb2.RoundResponse:
+        """One round off the wire; errors in it come back in `error`, never as an exception."""
         t0 = time.perf_counter()
-        for rid in request.released_request_ids:
+        for rid in message.released_request_ids:
             self.drafter.release(f"{stream_id}/{rid}")
-        response = draft_pb2.SpeculateResponse(round_id=request.round_id)
-        if not request.inputs:
-            return response
+        if not message.inputs:
+            return draft_pb2.RoundResponse(round_id=message.round_id)
         try:
-            state = self._state(request.speculative_num_steps)
-            self._check_ids(request)
-            decoded = [(msg.request_id, self._decode(stream_id, msg)) for msg in request.inputs]
-            drafted = self._with_room(decoded, request.round_id)
-            trees = self.drafter.round([item for _, item in drafted], state) if drafted else []
+            response = response_to_proto(self.draft(stream_id, request_from_proto(message)))
         except Exception as exc:
             # Bad input (RoundError, ValueError), no room (CacheFullError) or a bug: the target
             # decodes this round plainly and re-sends these requests' full tokens, so their
             # state here is dropped either way, and the stream and its other requests go on.
-            for msg in request.inputs:
+            for msg in message.inputs:
                 self.drafter.release(f"{stream_id}/{msg.request_id}")
             if isinstance(exc, ValueError | CacheFullError):
-                log.warning("round rejected", round_id=request.round_id, error=str(exc))
+                log.warning("round rejected", round_id=message.round_id, error=str(exc))
             else:
-                log.exception("round failed", round_id=request.round_id)
-            response.error = str(exc)[:MAX_ERROR_CHARS] or type(exc).__name__
-            return response
-        for (rid, _), tree in zip(drafted, trees, strict=True):
-            tree_into(response.trees.add(), rid, tree)
-        total = 1e3 * (time.perf_counter() - t0)
-        response.timings.CopyFrom(
-            common_pb2.StageTimings(
-                draft_ms=total, total_ms=total, draft_gpu_ms=gpu_ms(self.drafter)
-            )
-        )
+                log.exception("round failed", round_id=message.round_id)
+            error = str(exc)[:MAX_ERROR_CHARS] or type(exc).__name__
+            return draft_pb2.RoundResponse(round_id=message.round_id, error=error)
+        total = 1e3 * (time.perf_counter() - t0)  # encoding the trees included
+        timings = StageTimings(draft_ms=total, total_ms=total, draft_gpu_ms=gpu_ms(self.drafter))
+        timings_into(response.timings, timings)
         return response
+
+    def draft(self, stream_id: str, request: RoundRequest) -> RoundResponse:
+        """Extends and drafts the requests this cache can hold, at the request's tier."""
+        state = self._state(request.speculative_num_steps)
+        self._check(request)
+        keyed = [
+            DraftInput(f"{stream_id}/{i.request_id}", i.appended, i.sampling, i.features)
+            for i in request.inputs
+        ]
+        drafted = self._with_room(list(zip(request.inputs, keyed, strict=True)), request.round_id)
+        trees = self.drafter.draft([key for _, key in drafted], state) if drafted else []
+        return RoundResponse(
+            request.round_id,
+            {item.request_id: tree for (item, _), tree in zip(drafted, trees, strict=True)},
+        )
 
     @property
     def plans_ahead(self) -> bool:
         """Whether `prepare` does anything: the drafter runs CUDA graphs."""
         return any(state.extend_stage().plans_ahead for state in self.states.values())
 
-    def prepare(self, stream_id: str, request: draft_pb2.SpeculateRequest) -> None:
+    def prepare(self, stream_id: str, request: draft_pb2.RoundRequest) -> None:
         """Plans the next round of this round's requests at its tier (see Drafter.prepare)."""
         state = self.states.get(request.speculative_num_steps)
         if state is not None:
@@ -118,20 +123,29 @@ class DraftRounds:
             )
         return state
 
-    def _check_ids(self, request: draft_pb2.SpeculateRequest) -> None:
-        ids = [msg.request_id for msg in request.inputs]
+    def _check(self, request: RoundRequest) -> None:
+        """Raises RoundError naming the first field this draft cannot serve."""
+        ids = [item.request_id for item in request.inputs]
         if len(set(ids)) != len(ids):
             raise RoundError("inputs: a request_id appears twice in one round")
+        for item in request.inputs:
+            if not item.appended:
+                raise RoundError(f"inputs[{item.request_id}].appended_token_ids is empty")
+            bad = [t for t in item.appended if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RoundError(
+                    f"inputs[{item.request_id}].appended_token_ids: {bad[0]} outside the vocabulary"
+                )
 
     def _with_room(
-        self, decoded: list[tuple[str, DraftInput]], round_id: int
-    ) -> list[tuple[str, DraftInput]]:
-        """The requests this cache can hold; the rest get no tree (the target then decodes
-        them plainly and re-sends their tokens later), so one request over the cache's length,
-        or more requests than slots, never costs the others their drafts."""
+        self, decoded: list[tuple[DraftInput, DraftInput]], round_id: int
+    ) -> list[tuple[DraftInput, DraftInput]]:
+        """The (sent, keyed) requests this cache can hold; the rest get no tree (the target
+        then decodes them plainly and re-sends their tokens later), so one request over the
+        cache's length, or more requests than slots, never costs the others their drafts."""
         free = self.drafter.cache.free_slots
         kept = []
-        for rid, item in decoded:
+        for sent, item in decoded:
             entry = self.drafter.requests.get(item.request_id)
             length = self.drafter.cache.lengths[entry.slot] if entry else 0
             need = length + len(item.appended) + max(self.states)
@@ -142,26 +156,10 @@ class DraftRounds:
             else:
                 if entry is None:
                     free -= 1
-                kept.append((rid, item))
+                kept.append((sent, item))
                 continue
             self.drafter.release(item.request_id)
-            log.warning("request not drafted", round_id=round_id, request=rid, reason=reason)
-        return kept
-
-    def _decode(self, stream_id: str, msg: draft_pb2.DraftInput) -> DraftInput:
-        try:
-            item = draft_input_from_proto(msg)
-        except ValueError as exc:
-            field = str(exc)
-            if not field.startswith("inputs["):  # sampling_from_proto names only its field
-                field = f"inputs[{msg.request_id}].sampling.{field}"
-            raise RoundError(field) from None
-        if not item.appended:
-            raise RoundError(f"inputs[{msg.request_id}].appended_token_ids is empty")
-        bad = [t for t in item.appended if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RoundError(
-                f"inputs[{msg.request_id}].appended_token_ids: {bad[0]} outside the vocabulary"
+            log.warning(
+                "request not drafted", round_id=round_id, request=sent.request_id, reason=reason
             )
-        key = f"{stream_id}/{msg.request_id}"
-        return DraftInput(key, item.appended, item.sampling, item.features)
+        return kept

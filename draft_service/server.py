@@ -1,4 +1,4 @@
-"""gRPC front of the draft service: one Speculate stream per target, rounds through `Compute`."""
+"""gRPC front of the draft service: one Round stream per target, rounds through `Compute`."""
 
 from __future__ import annotations
 
@@ -33,18 +33,18 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self._ids = itertools.count()
         self.vocab_size, self.tokenizer_fingerprint = 0, ""  # set with `rounds`
 
-    async def Speculate(
+    async def Round(
         self,
-        request_iterator: AsyncIterator[draft_pb2.SpeculateRequest],
+        request_iterator: AsyncIterator[draft_pb2.RoundRequest],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[draft_pb2.SpeculateResponse]:
+    ) -> AsyncIterator[draft_pb2.RoundResponse]:
         rounds = self.rounds
         if rounds is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "draft model is still loading")
         assert rounds is not None
         stream_id = f"s{next(self._ids)}"
         self.open_streams.add(stream_id)
-        log.info("speculate stream opened", stream=stream_id, peer=context.peer())
+        log.info("round stream opened", stream=stream_id, peer=context.peer())
         # However the call ends gRPC runs its done callbacks, also when the peer vanishes while
         # this generator is suspended at a yield and nothing resumes it.
         context.add_done_callback(
@@ -74,7 +74,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if stream_id not in self.open_streams:
             return
         self.open_streams.discard(stream_id)
-        log.info("speculate stream closed", stream=stream_id)
+        log.info("round stream closed", stream=stream_id)
         # Queued behind any round of the stream still computing, so it frees that one's too.
         # Shielded: gRPC cancels a dead peer's handler again while this waits, and cancelling
         # an executor job that has not started yet drops it (8 slots per killed target).

@@ -1,17 +1,29 @@
-"""Conversions between the wire messages (protos) and the runtime's typed messages."""
+"""Conversions between the wire messages (protos) and the round's typed messages.
+
+Whole messages cross here: `request_to_proto` / `request_from_proto` (RoundRequest),
+`response_to_proto` / `response_from_proto` (RoundResponse), `stats_to_proto` (RoundStats).
+Decoding names the field of anything malformed.
+"""
 
 from __future__ import annotations
 
 import math
 import sys
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from specpair.proto.v1 import common_pb2, draft_pb2
-from specpair.runtime.draft import DraftInput
+from specpair.proto.v1 import common_pb2, draft_pb2, target_pb2
+from specpair.runtime.round import (
+    DraftInput,
+    RoundRequest,
+    RoundResponse,
+    RoundStats,
+    StageTimings,
+)
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.tree import CandidateTree
 
@@ -33,7 +45,7 @@ def tensor_into(msg: common_pb2.Tensor, t: Tensor) -> None:
 
     The `*_into` writers fill a message in place (`repeated.add()`): building a round's
     messages is per-request host work on the critical path, and a CopyFrom/append per
-    sub-message doubled it (`bench/RESULTS.md`, 4b sixth session)."""
+    sub-message doubled it (`bench/RESULTS.md`, 4b)."""
     t = t.detach().contiguous().cpu()
     if t.dtype not in _CODES:
         t = t.float()
@@ -76,7 +88,73 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     )
 
 
-def draft_input_into(msg: draft_pb2.DraftInput, item: DraftInput) -> None:
+def request_to_proto(request: RoundRequest) -> draft_pb2.RoundRequest:
+    msg = draft_pb2.RoundRequest(
+        round_id=request.round_id,
+        speculative_num_steps=request.speculative_num_steps,
+        released_request_ids=request.released_request_ids,
+    )
+    for item in request.inputs:
+        _draft_input_into(msg.inputs.add(), item)
+    return msg
+
+
+def request_from_proto(msg: draft_pb2.RoundRequest) -> RoundRequest:
+    """Raises ValueError naming the malformed field (`inputs[r7].sampling.top_p: ...`)."""
+    return RoundRequest(
+        msg.round_id,
+        msg.speculative_num_steps,
+        tuple(_draft_input_from_proto(m) for m in msg.inputs),
+        tuple(msg.released_request_ids),
+    )
+
+
+def response_to_proto(response: RoundResponse) -> draft_pb2.RoundResponse:
+    msg = draft_pb2.RoundResponse(round_id=response.round_id, error=response.error)
+    for request_id, tree in response.trees.items():
+        _tree_into(msg.trees.add(), request_id, tree)
+    timings_into(msg.timings, response.timings)
+    return msg
+
+
+def response_from_proto(msg: draft_pb2.RoundResponse) -> RoundResponse:
+    """Never raises: a tree that cannot be decoded lands in `malformed` with why, so that it
+    costs only its request's speculation."""
+    trees, malformed = {}, {}
+    for t in msg.trees:
+        try:
+            trees[t.request_id] = _tree_from_proto(t)
+        except ValueError as exc:
+            malformed[t.request_id] = str(exc)
+    return RoundResponse(msg.round_id, trees, timings_from_proto(msg.timings), msg.error, malformed)
+
+
+_TIMINGS = tuple(f.name for f in fields(StageTimings))
+
+
+def timings_into(msg: common_pb2.StageTimings, timings: StageTimings) -> None:
+    for name in _TIMINGS:
+        setattr(msg, name, getattr(timings, name))
+
+
+def timings_from_proto(msg: common_pb2.StageTimings) -> StageTimings:
+    return StageTimings(**{name: getattr(msg, name) for name in _TIMINGS})
+
+
+def stats_to_proto(stats: RoundStats) -> target_pb2.RoundStats:
+    msg = target_pb2.RoundStats(
+        round_id=stats.round_id,
+        speculative_num_steps=stats.speculative_num_steps,
+        batch_size=stats.batch_size,
+        accept_lengths=stats.accept_lengths,
+        speculative=stats.speculative,
+        unix_time=stats.unix_time,
+    )
+    timings_into(msg.timings, stats.timings)
+    return msg
+
+
+def _draft_input_into(msg: draft_pb2.DraftInput, item: DraftInput) -> None:
     msg.request_id = item.request_id
     msg.appended_token_ids.extend(item.appended)
     sampling_into(msg.sampling, item.sampling)
@@ -84,19 +162,18 @@ def draft_input_into(msg: draft_pb2.DraftInput, item: DraftInput) -> None:
         tensor_into(msg.features, item.features)
 
 
-def draft_input_from_proto(msg: draft_pb2.DraftInput) -> DraftInput:
+def _draft_input_from_proto(msg: draft_pb2.DraftInput) -> DraftInput:
     features = None
     if msg.HasField("features"):
         features = tensor_from_proto(msg.features, f"inputs[{msg.request_id}].features")
-    return DraftInput(
-        msg.request_id,
-        tuple(msg.appended_token_ids),
-        sampling_from_proto(msg.sampling),
-        features,
-    )
+    try:
+        sampling = sampling_from_proto(msg.sampling)
+    except ValueError as exc:  # it names only its own field
+        raise ValueError(f"inputs[{msg.request_id}].sampling.{exc}") from None
+    return DraftInput(msg.request_id, tuple(msg.appended_token_ids), sampling, features)
 
 
-def tree_into(msg: draft_pb2.CandidateTree, request_id: str, tree: CandidateTree) -> None:
+def _tree_into(msg: draft_pb2.CandidateTree, request_id: str, tree: CandidateTree) -> None:
     msg.request_id = request_id
     msg.token_ids.extend(tree.tokens)
     msg.parents.extend(tree.parents)
@@ -104,7 +181,7 @@ def tree_into(msg: draft_pb2.CandidateTree, request_id: str, tree: CandidateTree
         tensor_into(msg.draft_probs, tree.draft_probs)
 
 
-def tree_from_proto(msg: draft_pb2.CandidateTree) -> CandidateTree:
+def _tree_from_proto(msg: draft_pb2.CandidateTree) -> CandidateTree:
     probs = None
     if msg.HasField("draft_probs"):
         probs = tensor_from_proto(msg.draft_probs, f"trees[{msg.request_id}].draft_probs").float()

@@ -1,9 +1,10 @@
-"""The target's one long-lived Speculate stream to the draft service, with reconnects.
+"""The target's one long-lived Round stream to the draft service, with reconnects.
 
+It carries typed rounds (`RoundRequest` out, `RoundResponse` back; `specpair.wire` converts).
 `send()`, `receive()` and `round()` never raise: a failed, late or broken round returns None,
 the stream is dropped, and a background task reconnects with exponential backoff. Each new
 stream is a new *epoch*: the draft lost every request's state, so the scheduler re-sends their
-full token history.
+full token history (`DraftSession` sees the new epoch).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specpair.config import TLSConfig
 from specpair.logging import get_logger
 from specpair.proto.v1 import draft_pb2, draft_pb2_grpc, target_pb2
+from specpair.runtime.round import RoundRequest, RoundResponse
 from specpair.serving import busy_wait, open_channel
+from specpair.wire import request_to_proto, response_from_proto
 
 log = get_logger(__name__)
 State = target_pb2.DraftConnectionState
@@ -106,7 +109,7 @@ class DraftLink:
     async def _connect(self) -> None:
         self._channel = open_channel(self.address, self.tls)
         await asyncio.wait_for(self._channel.channel_ready(), timeout=self.timeout_s)
-        # A draft still loading its model answers GetServerInfo but aborts Speculate: wait for
+        # A draft still loading its model answers GetServerInfo but aborts Round: wait for
         # its health to say SERVING, or the first round fails on a stream already closed.
         health = await health_pb2_grpc.HealthStub(self._channel).Check(
             health_pb2.HealthCheckRequest(service=DRAFT_SERVICE), timeout=self.timeout_s
@@ -121,7 +124,7 @@ class DraftLink:
             raise IncompatibleDraftError(reason)
         self.incompatible = ""
         self.draft_kind = info.draft_kind
-        self._call = stub.Speculate()
+        self._call = stub.Round()
         self.epoch += 1
         self.state = State.DRAFT_CONNECTION_STATE_CONNECTED
         log.info("draft connected", address=self.address, kind=info.draft_kind, epoch=self.epoch)
@@ -152,14 +155,15 @@ class DraftLink:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(channel.close(grace=None), CLOSE_TIMEOUT_S)
 
-    async def send(self, request: draft_pb2.SpeculateRequest) -> int | None:
+    async def send(self, request: RoundRequest) -> int | None:
         """Writes one round, at most `timeout_s`; the stream's epoch, or None on any failure."""
         call = self._call
         if not self.connected or call is None:
             return None
+        message = request_to_proto(request)
         try:
             async with asyncio.timeout(self.timeout_s):
-                await call.write(request)
+                await call.write(message)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -167,7 +171,7 @@ class DraftLink:
             return None
         return self.epoch
 
-    async def receive(self, round_id: int, epoch: int) -> draft_pb2.SpeculateResponse | None:
+    async def receive(self, round_id: int, epoch: int) -> RoundResponse | None:
         """The trees of the round sent in `epoch`, at most `timeout_s`; None on any failure."""
         call = self._call
         if not self.connected or call is None or epoch != self.epoch:
@@ -184,11 +188,9 @@ class DraftLink:
         except Exception as exc:
             await self._fail(round_id, exc)
             return None
-        return response  # type: ignore[no-any-return]
+        return response_from_proto(response)
 
-    async def round(
-        self, request: draft_pb2.SpeculateRequest
-    ) -> draft_pb2.SpeculateResponse | None:
+    async def round(self, request: RoundRequest) -> RoundResponse | None:
         """Sends one round and waits for its trees; None on any failure."""
         epoch = await self.send(request)
         return None if epoch is None else await self.receive(request.round_id, epoch)

@@ -17,8 +17,10 @@ from specpair.metrics import ServiceMetrics
 from specpair.models.loading import load_tokenizer, tokenizer_fingerprint
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
 from specpair.runtime.build import build_target
+from specpair.runtime.draft_session import MAX_TREE_NODES
 from specpair.runtime.state import StateBuilder
 from specpair.serving import bounded
+from specpair.wire import stats_to_proto
 from target_service.draft_link import DraftLink
 from target_service.frontend import (
     DeadlineExceededError,
@@ -27,7 +29,7 @@ from target_service.frontend import (
     RoundFailedError,
 )
 from target_service.http_api import HttpServer, OpenAIApp
-from target_service.scheduler import MAX_TREE_NODES, QueueFullError, Scheduler
+from target_service.scheduler import QueueFullError, Scheduler
 from target_service.special_tokens import eos_ids, prompt_bos
 from target_service.validation import InvalidRequestError, request_bytes_limit
 
@@ -119,12 +121,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self, request: target_pb2.WatchRoundsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[target_pb2.WatchRoundsResponse]:
         scheduler = await self._ready(context)
-        queue = scheduler.watch()
+        queue = scheduler.feed.watch()
         try:
             while True:
-                yield target_pb2.WatchRoundsResponse(round=await queue.get())
+                yield target_pb2.WatchRoundsResponse(round=stats_to_proto(await queue.get()))
         finally:
-            scheduler.unwatch(queue)
+            scheduler.feed.unwatch(queue)
 
 
 @dataclass

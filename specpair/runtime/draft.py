@@ -24,22 +24,11 @@ from specpair.models.eagle import EagleHead
 from specpair.models.llama import Attend, LlamaModel, ModelArgs
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
+from specpair.runtime.round import DraftInput
 from specpair.runtime.sampling import SamplingParams, derived_seed, make_generator, warp
 from specpair.runtime.stages import DraftStage, ExtendStage
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.tree import CandidateTree, chain
-
-
-@dataclass(frozen=True, slots=True)
-class DraftInput:
-    """One request of a round: what the target appended since the previous round."""
-
-    request_id: str
-    appended: tuple[int, ...]  # ends with the pending (bonus) token
-    sampling: SamplingParams
-    # [n, H] target hidden states of the positions committed since the last round; row i
-    # predicted appended[len(appended) - n + i]. EAGLE only.
-    features: Tensor | None = None
 
 
 @dataclass
@@ -66,10 +55,6 @@ class Drafter(ABC):
         if entry is not None:
             self.cache.free(entry.slot)
 
-    def release_all(self) -> None:
-        for request_id in list(self.requests):
-            self.release(request_id)
-
     def _slot(self, item: DraftInput) -> DraftSlot:
         entry = self.requests.get(item.request_id)
         if entry is None:
@@ -81,8 +66,9 @@ class Drafter(ABC):
         return entry
 
     @torch.inference_mode()
-    def round(self, inputs: Sequence[DraftInput], state: SpecRuntimeState) -> list[CandidateTree]:
-        """Extend every request, then draft `state.tier` chain steps for the whole batch:
+    def draft(self, inputs: Sequence[DraftInput], state: SpecRuntimeState) -> list[CandidateTree]:
+        """The draft's round: *extend* every request, then *draft* `state.tier` chain steps for
+        the whole batch:
         greedy rounds through the tier's stages, sampling rounds eagerly (their warps and
         generators live on the host)."""
         entries = [self._slot(item) for item in inputs]

@@ -1,7 +1,9 @@
 """In-process speculative generation: draft s steps → verify → accept → roll the draft back.
 
 The services run the same stages split across processes; this loop is the reference they are
-measured against (bench/round_overhead.py) and the engine of the offline demo.
+measured against (bench/round_overhead.py) and the engine of the offline demo. It speaks the
+round protocol in process: a `DraftSession` builds each RoundRequest, the drafter answers it
+here (`draft_in_process`) instead of over gRPC.
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specpair.runtime.draft import Drafter, DraftInput
+from specpair.runtime.draft import Drafter
+from specpair.runtime.draft_session import DraftSession
+from specpair.runtime.round import RoundResponse
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.state import SpecRuntimeState, gpu_ms
 from specpair.runtime.target import TargetSequence, TargetWorker
-from specpair.runtime.tree import EMPTY_TREE
+from specpair.runtime.tree import EMPTY_TREE, CandidateTree
 
 GREEDY = SamplingParams()
 
@@ -25,12 +29,30 @@ class StageTimes:
 
     draft: float = 0.0
     verify: float = 0.0
-    accept: float = 0.0  # bookkeeping: finished requests, appended tokens, next inputs
+    accept: float = 0.0  # bookkeeping: accept lengths, finished requests, EAGLE features
     rounds: int = 0
     per_round: list[tuple[float, float, float]] = field(
         default_factory=list
     )  # (draft, verify, accept)
     gpu_ms: list[tuple[float, float]] = field(default_factory=list)  # (draft, verify) graphs
+
+
+def draft_in_process(
+    drafter: Drafter,
+    session: DraftSession,
+    round_id: int,
+    seqs: Sequence[TargetSequence],
+    state: SpecRuntimeState,
+) -> list[CandidateTree]:
+    """One round's draft side without a service: the RoundRequest the draft service would get
+    (releases first), extended and drafted here; the trees align with `seqs`."""
+    request = session.request(round_id, seqs, state.tier, features=drafter.needs_features)
+    for request_id in request.released_request_ids:
+        drafter.release(request_id)
+    trees = drafter.draft(request.inputs, state)
+    ids = [item.request_id for item in request.inputs]
+    response = RoundResponse(round_id, dict(zip(ids, trees, strict=True)))
+    return session.drafts(request, response).trees
 
 
 @dataclass
@@ -64,19 +86,19 @@ class SpeculativeEngine:
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
         ]
         accept_lengths: dict[str, list[int]] = {s.request_id: [] for s in seqs}
-        features = self.target.prefill(seqs)
-        # What each request appended since the draft last saw it: prompt + first token.
-        pending = {
-            s.request_id: DraftInput(s.request_id, (*s.prompt, *s.output), s.sampling, f)
-            for s, f in zip(seqs, features, strict=True)
-        }
+        session = DraftSession(self.target.model.args.vocab_size, in_process=True)
+        eagle = self.drafter is not None and self.drafter.needs_features
+        for seq, features in zip(seqs, self.target.prefill(seqs), strict=True):
+            session.add(seq, features if eagle else None)
         running = [s for s in seqs if s.finish_reason is None]
+        round_id = 0
         while running:
             t0 = time.perf_counter()
-            # The plans a service makes while its peer computes (`prepare`), made in line here.
             if self.drafter is not None and state is not None:
+                round_id += 1
+                # The plans a service makes while its peer computes (`prepare`), made in line.
                 self.drafter.prepare([s.request_id for s in running], state)
-                trees = self.drafter.round([pending[s.request_id] for s in running], state)
+                trees = draft_in_process(self.drafter, session, round_id, running, state)
             else:
                 trees = [EMPTY_TREE] * len(running)
             t1 = time.perf_counter()
@@ -88,13 +110,11 @@ class SpeculativeEngine:
             for seq, res in zip(running, results, strict=True):
                 if self.drafter is not None:
                     accept_lengths[seq.request_id].append(res.acceptance.accept_length)
+                session.verified(seq, res.features if eagle else None)
                 if seq.finish_reason is None:
-                    pending[seq.request_id] = DraftInput(
-                        seq.request_id, tuple(res.new_tokens), seq.sampling, res.features
-                    )
                     still.append(seq)
-                elif self.drafter is not None:
-                    self.drafter.release(seq.request_id)
+                else:
+                    session.release(seq.request_id)
             running = still
             t3 = time.perf_counter()
             self.times.draft += t1 - t0

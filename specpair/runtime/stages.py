@@ -18,7 +18,8 @@ from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
 
 if TYPE_CHECKING:
-    from specpair.runtime.draft import Drafter, DraftInput
+    from specpair.runtime.draft import Drafter
+    from specpair.runtime.round import DraftInput
 
 
 class VerifyStage(Protocol):

@@ -20,12 +20,12 @@ from transformers import LlamaForCausalLM
 
 from specpair.models.tiny import make_tiny_eagle, make_tiny_llama
 from specpair.runtime.build import build_drafter, build_target
-from specpair.runtime.draft import DraftInput
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.graphs.capture import GraphAttention
 from specpair.runtime.graphs.draft import ExtendGraphs, StepGraphs
 from specpair.runtime.graphs.verify import VerifyGraphs
 from specpair.runtime.layout import BatchLayout
+from specpair.runtime.round import DraftInput
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.state import SpecRuntimeState, StateBuilder, build_states
 from specpair.runtime.target import TargetSequence
@@ -300,10 +300,10 @@ def test_draft_steps_placed_on_device_equal_host_plans(
     appended = {f"r{i}": tuple(p) for i, p in enumerate(PROMPTS[:3])}
     for _ in range(12):
         inputs = [DraftInput(rid, rows, SamplingParams()) for rid, rows in appended.items()]
-        drafts = on_device.round(inputs, tier)
+        drafts = on_device.draft(inputs, tier)
         with monkeypatch.context() as m:
             m.setattr(GraphAttention, "on_device", property(lambda self: False))
-            assert on_host.round(inputs, host_tier) == drafts
+            assert on_host.draft(inputs, host_tier) == drafts
         for rid, tree in zip(appended, drafts, strict=True):
             accepted = int(torch.randint(0, 4, (1,), generator=gen))
             bonus = int(torch.randint(0, 320, (1,), generator=gen))

@@ -202,10 +202,10 @@ def generate_requests(draw: st.DrawFn) -> target_pb2.GenerateRequest:
 
 
 @st.composite
-def speculate_rounds(draw: st.DrawFn) -> list[draft_pb2.SpeculateRequest]:
+def round_requests(draw: st.DrawFn) -> list[draft_pb2.RoundRequest]:
     rounds = []
     for _ in range(draw(st.integers(1, 3))):
-        msg = draft_pb2.SpeculateRequest(
+        msg = draft_pb2.RoundRequest(
             round_id=draw(UINT64),
             speculative_num_steps=draw(st.one_of(st.sampled_from([0, 1, 3, 7, 8]), INT32)),
             released_request_ids=draw(st.lists(st.text(max_size=4), max_size=2)),
@@ -261,7 +261,7 @@ def _generate(temperature: float, seed: int | None = None) -> target_pb2.Generat
     return target_pb2.GenerateRequest(prompt_token_ids=[1, 2], max_tokens=4, sampling=sampling)
 
 
-def _speculate(n: int, **sampling: Any) -> list[draft_pb2.SpeculateRequest]:
+def _rounds(n: int, **sampling: Any) -> list[draft_pb2.RoundRequest]:
     inputs = [
         draft_pb2.DraftInput(
             request_id=f"r{i}",
@@ -270,7 +270,7 @@ def _speculate(n: int, **sampling: Any) -> list[draft_pb2.SpeculateRequest]:
         )
         for i in range(n)
     ]
-    return [draft_pb2.SpeculateRequest(round_id=1, speculative_num_steps=3, inputs=inputs)]
+    return [draft_pb2.RoundRequest(round_id=1, speculative_num_steps=3, inputs=inputs)]
 
 
 @FUZZ
@@ -293,17 +293,17 @@ def test_generate_answers_every_request(
 
 
 @FUZZ
-@given(rounds=speculate_rounds())
-@example(rounds=_speculate(1, temperature=math.nan))
-@example(rounds=_speculate(1, temperature=0.9, seed=2**64 - 1))
-@example(rounds=_speculate(70))  # more requests than the draft has slots
-def test_speculate_answers_every_round_and_frees_the_stream(
-    services: Services, good_traffic: Any, rounds: list[draft_pb2.SpeculateRequest]
+@given(rounds=round_requests())
+@example(rounds=_rounds(1, temperature=math.nan))
+@example(rounds=_rounds(1, temperature=0.9, seed=2**64 - 1))
+@example(rounds=_rounds(70))  # more requests than the draft has slots
+def test_round_stream_answers_every_round_and_frees_it(
+    services: Services, good_traffic: Any, rounds: list[draft_pb2.RoundRequest]
 ) -> None:
     stub = draft_pb2_grpc.DraftServiceStub(services.channel(services.draft_port))
-    responses: list[draft_pb2.SpeculateResponse] = []
-    code = _code(lambda: responses.extend(stub.Speculate(iter(rounds), timeout=CALL_TIMEOUT_S)))
-    assert code == grpc.StatusCode.OK  # errors travel in SpeculateResponse.error
+    responses: list[draft_pb2.RoundResponse] = []
+    code = _code(lambda: responses.extend(stub.Round(iter(rounds), timeout=CALL_TIMEOUT_S)))
+    assert code == grpc.StatusCode.OK  # errors travel in RoundResponse.error
     assert [r.round_id for r in responses] == [r.round_id for r in rounds]
     streams = services.draft.servicer.open_streams
     # The stream's requests are freed once it ends; the target's own stream is untouched.

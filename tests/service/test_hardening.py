@@ -18,11 +18,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specpair.runtime.build import build_target
+from specpair.runtime.round import RoundResponse
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.state import build_states
 from specpair.runtime.target import TargetSequence
 from specpair.runtime.tree import chain
-from specpair.wire import tree_into
+from specpair.wire import response_to_proto
 from target_service.scheduler import Scheduler, ServedRequest
 from tests.service.conftest import (
     draft_config,
@@ -44,19 +45,17 @@ def draft_input(rid: str, tokens: list[int], **sampling: Any) -> draft_pb2.Draft
 
 
 class DraftStream:
-    """One Speculate stream straight to a draft service, a round at a time."""
+    """One Round stream straight to a draft service, a round at a time."""
 
     def __init__(self, port: int) -> None:
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        self.call = draft_pb2_grpc.DraftServiceStub(self.channel).Speculate()
+        self.call = draft_pb2_grpc.DraftServiceStub(self.channel).Round()
         self.round_id = 0
 
-    async def round(
-        self, *inputs: draft_pb2.DraftInput, tier: int = 3
-    ) -> draft_pb2.SpeculateResponse:
+    async def round(self, *inputs: draft_pb2.DraftInput, tier: int = 3) -> draft_pb2.RoundResponse:
         self.round_id += 1
         await self.call.write(
-            draft_pb2.SpeculateRequest(
+            draft_pb2.RoundRequest(
                 round_id=self.round_id, speculative_num_steps=tier, inputs=inputs
             )
         )
@@ -236,15 +235,14 @@ class DishonestDraft(draft_pb2_grpc.DraftServiceServicer):
         self.kind = kind
         self.trees = 0
 
-    async def Speculate(self, request_iterator: Any, context: Any) -> Any:
+    async def Round(self, request_iterator: Any, context: Any) -> Any:
         async for req in request_iterator:
-            response = draft_pb2.SpeculateResponse(round_id=req.round_id)
             n = req.speculative_num_steps
-            for item in req.inputs:
-                probs = _bad_rows(self.kind, n, 320, token=5)
-                tree_into(response.trees.add(), item.request_id, chain([5] * n, probs))
-                self.trees += 1
-            yield response
+            trees = {
+                i.request_id: chain([5] * n, _bad_rows(self.kind, n, 320, 5)) for i in req.inputs
+            }
+            self.trees += len(trees)
+            yield response_to_proto(RoundResponse(req.round_id, trees))
 
     async def GetServerInfo(self, request: Any, context: Any) -> Any:
         return draft_pb2.DraftServiceGetServerInfoResponse(draft_kind="model")
@@ -276,13 +274,13 @@ from specpair.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 async def main():
     channel = grpc.aio.insecure_channel(sys.argv[1])
-    call = draft_pb2_grpc.DraftServiceStub(channel).Speculate()
+    call = draft_pb2_grpc.DraftServiceStub(channel).Round()
     inputs = [draft_pb2.DraftInput(request_id=f"r{i}", appended_token_ids=[1, 2, 3],
               sampling=common_pb2.SamplingParams()) for i in range(8)]
-    await call.write(draft_pb2.SpeculateRequest(round_id=1, speculative_num_steps=3, inputs=inputs))
+    await call.write(draft_pb2.RoundRequest(round_id=1, speculative_num_steps=3, inputs=inputs))
     await call.read()
     if sys.argv[2] == "mid-round":
-        await call.write(draft_pb2.SpeculateRequest(round_id=2, speculative_num_steps=7,
+        await call.write(draft_pb2.RoundRequest(round_id=2, speculative_num_steps=7,
                          inputs=[draft_pb2.DraftInput(request_id=f"r{i}", appended_token_ids=[4])
                                  for i in range(8)]))
     print("holding", flush=True)
@@ -293,7 +291,7 @@ asyncio.run(main())
 
 
 @pytest.mark.parametrize("when", ["between-rounds", "mid-round"])
-async def test_killed_speculate_peer_releases_its_draft_slots(ckpts, make_stack, when) -> None:
+async def test_killed_round_peer_releases_its_draft_slots(ckpts, make_stack, when) -> None:
     import os
     import signal
     import sys

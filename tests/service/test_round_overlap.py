@@ -10,8 +10,8 @@ from pathlib import Path
 
 from specpair.metrics import ServiceMetrics
 from specpair.models.tiny import make_tiny_llama
-from specpair.proto.v1 import draft_pb2
 from specpair.runtime.build import build_target
+from specpair.runtime.round import RoundRequest, RoundResponse
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.state import build_states
 from specpair.runtime.target import TargetSequence
@@ -42,17 +42,17 @@ class RecordingLink:
         self.events = CountingQueue()
         self.sends: list[tuple[int, int]] = []  # (round id, results streamed so far)
 
-    async def send(self, message: draft_pb2.SpeculateRequest) -> int:
+    async def send(self, message: RoundRequest) -> int:
         if message.inputs:
             self.sends.append((message.round_id, self.events.puts))
         await asyncio.sleep(SEND_S)  # a write that takes a while
         return self.epoch
 
-    async def receive(self, round_id: int, epoch: int) -> draft_pb2.SpeculateResponse:
+    async def receive(self, round_id: int, epoch: int) -> RoundResponse:
         await asyncio.sleep(0)
-        return draft_pb2.SpeculateResponse(round_id=round_id)
+        return RoundResponse(round_id)
 
-    async def round(self, message: draft_pb2.SpeculateRequest) -> draft_pb2.SpeculateResponse:
+    async def round(self, message: RoundRequest) -> RoundResponse:
         await self.send(message)
         return await self.receive(message.round_id, self.epoch)
 
@@ -66,7 +66,7 @@ async def test_next_round_goes_out_before_the_results_stream(tmp_path: Path) -> 
     )  # fmt: skip
     seq = TargetSequence("r", [5, 6, 7], SamplingParams(), max_new_tokens=NEW_TOKENS)
     served = ServedRequest(seq, events=link.events)
-    watch = scheduler.watch()
+    watch = scheduler.feed.watch()
     task = asyncio.create_task(scheduler.run())
     start = time.perf_counter()
     scheduler.submit(served)

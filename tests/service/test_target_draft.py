@@ -13,7 +13,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specpair.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
-from tests.service.conftest import draft_config, fake_draft, reference_greedy, target_config
+from tests.service.conftest import (
+    draft_config,
+    eventually,
+    fake_draft,
+    reference_greedy,
+    target_config,
+)
 
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3], [100, 200, 50, 60, 70]]
 MAX_TOKENS = 30
@@ -133,32 +139,54 @@ async def test_bad_input_names_the_field_and_spares_others(ckpts, make_stack) ->
 
 
 async def test_apply_tier_between_rounds_without_builds(ckpts, make_stack) -> None:
+    """Each ApplyTier takes effect in the next round to start and no earlier: every round runs
+    at one tier, drafting and verifying that many tokens, and switching builds nothing."""
     stack = await make_stack(draft_config(ckpts["target"]), target_config(ckpts["target"]))
 
     def builds() -> tuple[int, int]:
         target, draft = stack.target.servicer.builder, stack.draft.servicer.rounds.builder
         return target.builds + target.captures, draft.builds + draft.captures
 
+    await stack.wait_draft_connected()
     before = builds()
     assert before[0] == before[1] == 3  # one state per candidate tier, at start-up
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stack.stub.ApplyTier(target_pb2.ApplyTierRequest(speculative_num_steps=4))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "speculative_num_steps" in err.value.details()
+    rounds: dict[int, target_pb2.RoundStats] = {}
+
+    async def watch() -> None:
+        async for update in stack.stub.WatchRounds(target_pb2.WatchRoundsRequest()):
+            rounds[update.round.round_id] = update.round
+
+    watcher = asyncio.create_task(watch())
+    await asyncio.sleep(0.2)  # the watch is open before the first round
     expected = reference_greedy(ckpts["target"], PROMPTS[:1], 80)[0]
-    seen: list[int] = []
     tokens: list[int] = []
+    applied: list[tuple[int, int]] = []  # (the round last started when it landed, tier)
     async for r in stack.stub.Generate(
         target_pb2.GenerateRequest(prompt_token_ids=PROMPTS[0], max_tokens=80)
     ):
         tokens += r.token_ids
-        seen.append(r.speculative_num_steps)
+        # A round at tier s verifies at most s drafts: accepted drafts + the bonus token.
+        assert r.accept_length <= r.speculative_num_steps
+        assert len(r.token_ids) <= r.speculative_num_steps + 1 or r.accept_length == -1
         tier = {3: 7, 7: 1, 1: 3}[r.speculative_num_steps]
-        await stack.stub.ApplyTier(target_pb2.ApplyTierRequest(speculative_num_steps=tier))
+        reply = await stack.stub.ApplyTier(target_pb2.ApplyTierRequest(speculative_num_steps=tier))
+        applied.append((reply.current_round, tier))
+    await eventually(lambda: max(rounds, default=0) >= max(c for c, _ in applied))
+    watcher.cancel()
     assert tokens == expected
-    assert {1, 3, 7} <= set(seen)
-    for r_tier, r in zip(seen[1:], seen[1:], strict=True):
-        assert r_tier in (1, 3, 7) and r in (1, 3, 7)
+    # The round that starts next runs at the tier last asked for before it started.
+    asked = dict(applied)  # of several calls that landed in the same round, the last wins
+    followed = {c: t for c, t in asked.items() if c + 1 in rounds}
+    assert len(followed) > 5
+    assert {c: rounds[c + 1].speculative_num_steps for c in followed} == followed
+    assert {1, 3, 7} <= {s.speculative_num_steps for s in rounds.values()}
+    for stats in rounds.values():
+        assert stats.speculative and stats.accept_lengths
+        assert max(stats.accept_lengths) <= stats.speculative_num_steps
     assert builds() == before  # switching swapped references, built nothing
 
 
@@ -207,9 +235,9 @@ class GarbageDraft(draft_pb2_grpc.DraftServiceServicer):
     def __init__(self) -> None:
         self.rounds = 0
 
-    async def Speculate(
-        self, request_iterator: AsyncIterator[draft_pb2.SpeculateRequest], context
-    ) -> AsyncIterator[draft_pb2.SpeculateResponse]:
+    async def Round(
+        self, request_iterator: AsyncIterator[draft_pb2.RoundRequest], context
+    ) -> AsyncIterator[draft_pb2.RoundResponse]:
         async for req in request_iterator:
             self.rounds += 1
             bad = [
@@ -223,7 +251,7 @@ class GarbageDraft(draft_pb2_grpc.DraftServiceServicer):
                 tree.CopyFrom(bad[(self.rounds + i) % len(bad)])
                 tree.request_id = item.request_id
                 trees.append(tree)
-            yield draft_pb2.SpeculateResponse(round_id=req.round_id, trees=trees)
+            yield draft_pb2.RoundResponse(round_id=req.round_id, trees=trees)
 
     async def GetServerInfo(self, request, context):
         return draft_pb2.DraftServiceGetServerInfoResponse(draft_kind="model")
@@ -268,14 +296,14 @@ async def test_health_serving_and_ops_token(ckpts, make_stack, monkeypatch) -> N
 class SlowReleaseDraft(GarbageDraft):
     """Drafts nothing; answers release-only messages late, as a busy draft might."""
 
-    async def Speculate(
-        self, request_iterator: AsyncIterator[draft_pb2.SpeculateRequest], context
-    ) -> AsyncIterator[draft_pb2.SpeculateResponse]:
+    async def Round(
+        self, request_iterator: AsyncIterator[draft_pb2.RoundRequest], context
+    ) -> AsyncIterator[draft_pb2.RoundResponse]:
         async for req in request_iterator:
             if not req.inputs:
                 self.rounds += 1
                 await asyncio.sleep(0.3)
-            yield draft_pb2.SpeculateResponse(round_id=req.round_id)
+            yield draft_pb2.RoundResponse(round_id=req.round_id)
 
 
 async def test_request_submitted_while_releases_flush_is_served(ckpts, make_stack) -> None:

@@ -2,7 +2,7 @@
 
 import torch
 
-from target_service.scheduler import FeatureLog
+from specpair.runtime.draft_session import FeatureLog
 
 
 def test_rows_since_a_position_match_the_concatenated_history() -> None:

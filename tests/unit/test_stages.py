@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from specpair.runtime.build import build_drafter, build_target
-from specpair.runtime.draft import DraftInput
 from specpair.runtime.engine import GREEDY
+from specpair.runtime.round import DraftInput
 from specpair.runtime.stages import EagerDraft, EagerExtend, EagerVerify
 from specpair.runtime.state import StateBuilder, build_states
 from specpair.runtime.target import TargetSequence
@@ -38,7 +38,7 @@ def test_a_state_serves_only_the_workers_it_was_built_for(ckpts: dict[str, Path]
     assert target_only.extend is None and target_only.draft is None
     item = DraftInput("r", (5, 6, 7), GREEDY)
     with pytest.raises(RuntimeError, match="without a drafter"):
-        drafter.round([item], target_only)
+        drafter.draft([item], target_only)
     seq = TargetSequence("r", [5, 6, 7], GREEDY, max_new_tokens=4)
     other.prefill([seq])
     with pytest.raises(RuntimeError, match="another target worker"):

@@ -1,21 +1,26 @@
-"""Wire conversions: messages filled in place decode back to what was sent."""
+"""Wire conversions: whole round messages decode back to what was sent."""
 
 from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
 
 import pytest
 import torch
 
-from specpair.proto.v1 import common_pb2, draft_pb2
-from specpair.runtime.draft import DraftInput
+from specpair.proto.v1 import common_pb2, draft_pb2, target_pb2
+from specpair.runtime.round import DraftInput, RoundRequest, RoundResponse, RoundStats, StageTimings
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.tree import CandidateTree
 from specpair.wire import (
-    draft_input_from_proto,
-    draft_input_into,
+    request_from_proto,
+    request_to_proto,
+    response_from_proto,
+    response_to_proto,
+    stats_to_proto,
     tensor_from_proto,
     tensor_into,
-    tree_from_proto,
-    tree_into,
+    timings_from_proto,
 )
 
 
@@ -30,38 +35,72 @@ def test_tensor_round_trip_is_bit_exact(dtype: torch.dtype) -> None:
     assert list(msg.shape) == [5] and torch.equal(tensor_from_proto(msg, "x"), t[0])
 
 
-def test_draft_inputs_filled_in_place_decode_back() -> None:
+def test_round_request_decodes_back_to_what_was_sent() -> None:
     feats = torch.randn(2, 8).to(torch.bfloat16)
-    sent = [
-        DraftInput("a", (5, 6), SamplingParams(), feats),
-        DraftInput(
-            "b", (7,), SamplingParams(temperature=0.5, top_p=0.75, top_k=4, seed=11)
-        ),  # exact in float32
+    sent = RoundRequest(
+        3,
+        7,
+        (
+            DraftInput("a", (5, 6), SamplingParams(), feats),
+            # exact in float32
+            DraftInput("b", (7,), SamplingParams(temperature=0.5, top_p=0.75, top_k=4, seed=11)),
+        ),
+        ("gone", "left"),
+    )
+    wire = draft_pb2.RoundRequest.FromString(request_to_proto(sent).SerializeToString())
+    got = request_from_proto(wire)
+    assert (got.round_id, got.speculative_num_steps, got.released_request_ids) == (
+        3, 7, ("gone", "left")
+    )  # fmt: skip
+    assert [(g.request_id, g.appended, g.sampling) for g in got.inputs] == [
+        (s.request_id, s.appended, s.sampling) for s in sent.inputs
     ]
-    message = draft_pb2.SpeculateRequest(round_id=3, speculative_num_steps=3)
-    for item in sent:
-        draft_input_into(message.inputs.add(), item)
-    parsed = draft_pb2.SpeculateRequest.FromString(message.SerializeToString())
-    got = [draft_input_from_proto(m) for m in parsed.inputs]
-    assert [(g.request_id, g.appended, g.sampling) for g in got] == [
-        (s.request_id, s.appended, s.sampling) for s in sent
-    ]
-    assert got[0].features is not None and torch.equal(got[0].features, feats)
-    assert got[1].features is None
+    assert got.inputs[0].features is not None and torch.equal(got.inputs[0].features, feats)
+    assert got.inputs[1].features is None
 
 
-def test_trees_filled_in_place_decode_back() -> None:
+def test_bad_sampling_in_a_request_names_its_input_and_field() -> None:
+    msg = request_to_proto(RoundRequest(1, 3, (DraftInput("r7", (1,), SamplingParams()),)))
+    msg.inputs[0].sampling.top_p = 1.5
+    with pytest.raises(ValueError, match=r"^inputs\[r7\]\.sampling\.top_p"):
+        request_from_proto(msg)
+
+
+def test_round_response_decodes_back_and_keeps_bad_trees_apart() -> None:
     probs = torch.softmax(torch.randn(3, 10), -1)
-    trees = [CandidateTree((4, 2, 9), (-1, 0, 0), probs), CandidateTree((1,), (-1,), None)]
-    response = draft_pb2.SpeculateResponse(round_id=1)
-    for rid, tree in zip(("a", "b"), trees, strict=True):
-        tree_into(response.trees.add(), rid, tree)
-    parsed = draft_pb2.SpeculateResponse.FromString(response.SerializeToString())
-    assert [t.request_id for t in parsed.trees] == ["a", "b"]
-    back = [tree_from_proto(t) for t in parsed.trees]
-    assert back[0].tokens == (4, 2, 9) and back[0].parents == (-1, 0, 0)
-    assert back[0].draft_probs is not None and torch.equal(back[0].draft_probs, probs)
-    assert back[1] == CandidateTree((1,), (-1,), None)
+    trees = {"a": CandidateTree((4, 2, 9), (-1, 0, 0), probs), "b": CandidateTree((1,), (-1,))}
+    timings = StageTimings(draft_ms=1.5, total_ms=2.0, draft_gpu_ms=0.25)
+    msg = response_to_proto(RoundResponse(1, trees, timings))
+    bad = msg.trees.add(request_id="c", token_ids=[1], parents=[-1])
+    bad.draft_probs.data, bad.draft_probs.dtype = bytes(3), common_pb2.D_TYPE_FLOAT32
+    back = response_from_proto(draft_pb2.RoundResponse.FromString(msg.SerializeToString()))
+    assert list(back.trees) == ["a", "b"] and back.timings == timings and back.error == ""
+    assert back.trees["a"].tokens == (4, 2, 9) and back.trees["a"].parents == (-1, 0, 0)
+    assert back.trees["a"].draft_probs is not None
+    assert torch.equal(back.trees["a"].draft_probs, probs)
+    assert back.trees["b"] == trees["b"]
+    assert list(back.malformed) == ["c"] and "trees[c].draft_probs" in back.malformed["c"]
+
+
+@pytest.mark.parametrize(
+    ("ours", "proto"),
+    [
+        (StageTimings, common_pb2.StageTimings),
+        (RoundStats, target_pb2.RoundStats),
+        (RoundRequest, draft_pb2.RoundRequest),
+    ],
+)
+def test_typed_messages_have_the_protos_fields(ours: type, proto: Any) -> None:
+    names = {f.name for f in fields(ours)}
+    assert names == set(proto.DESCRIPTOR.fields_by_name)
+
+
+def test_round_stats_travel_whole() -> None:
+    stats = RoundStats(9, 3, 2, (3, 1), True, StageTimings(verify_ms=4.0), unix_time=1.0)
+    msg = stats_to_proto(stats)
+    assert (msg.round_id, msg.speculative_num_steps, msg.batch_size) == (9, 3, 2)
+    assert list(msg.accept_lengths) == [3, 1] and msg.speculative and msg.unix_time == 1.0
+    assert timings_from_proto(msg.timings) == stats.timings
 
 
 @pytest.mark.parametrize("shape", [[3, 4], [-2, -6], [13]])

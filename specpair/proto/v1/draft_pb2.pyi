@@ -60,7 +60,11 @@ class DraftInput(_message.Message):
 Global___DraftInput: _TypeAlias = DraftInput  # noqa: Y015
 
 @_typing.final
-class SpeculateRequest(_message.Message):
+class RoundRequest(_message.Message):
+    """target -> draft, one per round: extend each request with its appended tokens, then draft
+    speculative_num_steps tokens for it.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ROUND_ID_FIELD_NUMBER: _builtins.int
@@ -90,7 +94,7 @@ class SpeculateRequest(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___SpeculateRequest: _TypeAlias = SpeculateRequest  # noqa: Y015
+Global___RoundRequest: _TypeAlias = RoundRequest  # noqa: Y015
 
 @_typing.final
 class CandidateTree(_message.Message):
@@ -128,7 +132,11 @@ class CandidateTree(_message.Message):
 Global___CandidateTree: _TypeAlias = CandidateTree  # noqa: Y015
 
 @_typing.final
-class SpeculateResponse(_message.Message):
+class RoundResponse(_message.Message):
+    """draft -> target: a tree per request it drafted. A request without a tree was not kept (no
+    room): the target decodes it plainly and re-sends its whole history later.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ROUND_ID_FIELD_NUMBER: _builtins.int
@@ -156,7 +164,7 @@ class SpeculateResponse(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___SpeculateResponse: _TypeAlias = SpeculateResponse  # noqa: Y015
+Global___RoundResponse: _TypeAlias = RoundResponse  # noqa: Y015
 
 @_typing.final
 class DraftServiceGetServerInfoRequest(_message.Message):

@@ -27,7 +27,8 @@ if _version_not_supported:
 
 
 class DraftServiceStub:
-    """The draft side: answers rounds on one long-lived stream per target.
+    """The draft side: answers rounds on one long-lived stream per target, a RoundResponse per
+    RoundRequest, in order.
     """
 
     def __init__(self, channel):
@@ -36,10 +37,10 @@ class DraftServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Speculate = channel.stream_stream(
-                '/specpair.v1.DraftService/Speculate',
-                request_serializer=specpair_dot_v1_dot_draft__pb2.SpeculateRequest.SerializeToString,
-                response_deserializer=specpair_dot_v1_dot_draft__pb2.SpeculateResponse.FromString,
+        self.Round = channel.stream_stream(
+                '/specpair.v1.DraftService/Round',
+                request_serializer=specpair_dot_v1_dot_draft__pb2.RoundRequest.SerializeToString,
+                response_deserializer=specpair_dot_v1_dot_draft__pb2.RoundResponse.FromString,
                 _registered_method=True)
         self.GetServerInfo = channel.unary_unary(
                 '/specpair.v1.DraftService/GetServerInfo',
@@ -49,10 +50,11 @@ class DraftServiceStub:
 
 
 class DraftServiceServicer:
-    """The draft side: answers rounds on one long-lived stream per target.
+    """The draft side: answers rounds on one long-lived stream per target, a RoundResponse per
+    RoundRequest, in order.
     """
 
-    def Speculate(self, request_iterator, context):
+    def Round(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -67,10 +69,10 @@ class DraftServiceServicer:
 
 def add_DraftServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Speculate': grpc.stream_stream_rpc_method_handler(
-                    servicer.Speculate,
-                    request_deserializer=specpair_dot_v1_dot_draft__pb2.SpeculateRequest.FromString,
-                    response_serializer=specpair_dot_v1_dot_draft__pb2.SpeculateResponse.SerializeToString,
+            'Round': grpc.stream_stream_rpc_method_handler(
+                    servicer.Round,
+                    request_deserializer=specpair_dot_v1_dot_draft__pb2.RoundRequest.FromString,
+                    response_serializer=specpair_dot_v1_dot_draft__pb2.RoundResponse.SerializeToString,
             ),
             'GetServerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerInfo,
@@ -86,11 +88,12 @@ def add_DraftServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class DraftService:
-    """The draft side: answers rounds on one long-lived stream per target.
+    """The draft side: answers rounds on one long-lived stream per target, a RoundResponse per
+    RoundRequest, in order.
     """
 
     @staticmethod
-    def Speculate(request_iterator,
+    def Round(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -103,9 +106,9 @@ class DraftService:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/specpair.v1.DraftService/Speculate',
-            specpair_dot_v1_dot_draft__pb2.SpeculateRequest.SerializeToString,
-            specpair_dot_v1_dot_draft__pb2.SpeculateResponse.FromString,
+            '/specpair.v1.DraftService/Round',
+            specpair_dot_v1_dot_draft__pb2.RoundRequest.SerializeToString,
+            specpair_dot_v1_dot_draft__pb2.RoundResponse.FromString,
             options,
             channel_credentials,
             insecure,

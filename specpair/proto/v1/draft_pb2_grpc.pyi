@@ -28,32 +28,38 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class DraftServiceStub:
-    """The draft side: answers rounds on one long-lived stream per target."""
+    """The draft side: answers rounds on one long-lived stream per target, a RoundResponse per
+    RoundRequest, in order.
+    """
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> DraftServiceAsyncStub: ...
-    Speculate: _grpc.StreamStreamMultiCallable[_draft_pb2.SpeculateRequest, _draft_pb2.SpeculateResponse]
+    Round: _grpc.StreamStreamMultiCallable[_draft_pb2.RoundRequest, _draft_pb2.RoundResponse]
     GetServerInfo: _grpc.UnaryUnaryMultiCallable[_draft_pb2.DraftServiceGetServerInfoRequest, _draft_pb2.DraftServiceGetServerInfoResponse]
 
 @_typing.type_check_only
 class DraftServiceAsyncStub(DraftServiceStub):
-    """The draft side: answers rounds on one long-lived stream per target."""
+    """The draft side: answers rounds on one long-lived stream per target, a RoundResponse per
+    RoundRequest, in order.
+    """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
-    Speculate: _aio.StreamStreamMultiCallable[_draft_pb2.SpeculateRequest, _draft_pb2.SpeculateResponse]  # type: ignore[assignment]
+    Round: _aio.StreamStreamMultiCallable[_draft_pb2.RoundRequest, _draft_pb2.RoundResponse]  # type: ignore[assignment]
     GetServerInfo: _aio.UnaryUnaryMultiCallable[_draft_pb2.DraftServiceGetServerInfoRequest, _draft_pb2.DraftServiceGetServerInfoResponse]  # type: ignore[assignment]
 
 class DraftServiceServicer(metaclass=_abc_1.ABCMeta):
-    """The draft side: answers rounds on one long-lived stream per target."""
+    """The draft side: answers rounds on one long-lived stream per target, a RoundResponse per
+    RoundRequest, in order.
+    """
 
     @_abc_1.abstractmethod
-    def Speculate(
+    def Round(
         self,
-        request_iterator: _MaybeAsyncIterator[_draft_pb2.SpeculateRequest],
+        request_iterator: _MaybeAsyncIterator[_draft_pb2.RoundRequest],
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_draft_pb2.SpeculateResponse], _abc.AsyncIterator[_draft_pb2.SpeculateResponse]]: ...
+    ) -> _typing.Union[_abc.Iterator[_draft_pb2.RoundResponse], _abc.AsyncIterator[_draft_pb2.RoundResponse]]: ...
 
     @_abc_1.abstractmethod
     def GetServerInfo(

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from specpair.runtime.draft import Drafter, DraftInput
+from specpair.runtime.draft import Drafter
 from specpair.runtime.graphs.capture import (
     GraphAttention,
     GraphCapture,
@@ -28,6 +28,7 @@ from specpair.runtime.graphs.capture import (
 )  # fmt: skip
 from specpair.runtime.kv_cache import CacheFullError
 from specpair.runtime.layout import BatchLayout, tril_mask
+from specpair.runtime.round import DraftInput
 
 
 class DraftGraphs:

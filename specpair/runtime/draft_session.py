@@ -1,0 +1,224 @@
+"""The target's side of the round protocol: what the draft has seen of each request.
+
+`DraftSession` is the one place that decides what goes to the draft next and what comes back
+is worth verifying. The target service's scheduler, the in-process engine and the GPU
+benchmarks' round loop all drive their rounds through it:
+
+    session.add(seq, prefill_features)              # a prefilled request joins
+    request = session.request(round_id, seqs, tier)  # RoundRequest: each one's new tokens
+    drafts = session.drafts(request, response)       # checked trees, aligned with the batch
+    ... verify + accept ...
+    session.verified(seq, result.features)           # EAGLE features of the committed rows
+    session.release(request_id)                      # it left: freed with the next request
+
+Per request it counts the tokens (prompt + output) the draft holds. Sent tokens count once the
+draft answers with a tree for them; no tree, a refused round or a new stream (epoch: a
+reconnected draft lost everything) sets the count to 0, so the draft re-prefills from the
+request's whole history (tokens, and features from the `FeatureLog`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from specpair.logging import get_logger
+from specpair.runtime.round import DraftInput, RoundRequest, RoundResponse, StageTimings
+from specpair.runtime.target import TargetSequence
+from specpair.runtime.tree import EMPTY_TREE, CandidateTree, validate_tree
+
+log = get_logger(__name__)
+MAX_TREE_NODES = 64
+
+
+class FeatureLog:
+    """The target's hidden states of one request, a row per committed position (EAGLE features).
+
+    Rows append into one buffer that grows by doubling, so a round reads the rows it sends as a
+    view: the cost per round is the rows appended, not the context. The whole history stays
+    because a reconnected draft re-prefills from it.
+    """
+
+    def __init__(self) -> None:
+        self._rows: Tensor | None = None
+        self.length = 0
+
+    def append(self, rows: Tensor) -> None:
+        end = self.length + len(rows)
+        if self._rows is None or end > len(self._rows):
+            grown = rows.new_empty((max(end, 2 * self.length, 64), rows.shape[-1]))
+            if self._rows is not None:
+                grown[: self.length] = self._rows[: self.length]
+            self._rows = grown
+        self._rows[self.length : end] = rows
+        self.length = end
+
+    def since(self, start: int) -> Tensor:
+        """Rows from position `start` (clamped at 0) to the last committed one."""
+        assert self._rows is not None, "no features recorded"
+        return self._rows[max(start, 0) : self.length]
+
+
+class LastRows:
+    """`FeatureLog`'s interface for a drafter in this process: it never loses a request's
+    state, so each round needs only the rows appended since the previous one, and they are
+    passed on as they are instead of copied into a history (a copy per request per round)."""
+
+    def __init__(self) -> None:
+        self._rows: Tensor | None = None
+        self._first = 0  # the position of _rows[0]
+        self.length = 0
+
+    def append(self, rows: Tensor) -> None:
+        self._rows, self._first = rows, self.length
+        self.length += rows.shape[0]  # not len(): a Python call per request per round
+
+    def since(self, start: int) -> Tensor:
+        assert self._rows is not None, "no features recorded"
+        if max(start, 0) != self._first:
+            raise ValueError(
+                f"features from position {start} asked, but only the last round's rows from "
+                f"{self._first} are kept (a drafter in this process)"
+            )
+        return self._rows
+
+
+@dataclass(eq=False, slots=True)
+class DraftView:
+    """What the draft holds of one request."""
+
+    seq: TargetSequence
+    features: FeatureLog | LastRows
+    seen: int = 0  # tokens (prompt + output) the draft has been sent and processed
+    epoch: int = -1  # the draft stream `seen` counts on
+
+
+@dataclass(frozen=True, slots=True)
+class Drafts:
+    """A round's trees, aligned with its request's inputs; empty ones are decoded plainly."""
+
+    trees: list[CandidateTree]
+    timings: StageTimings  # the draft service's own (zero without an answer)
+    speculative: bool  # False: the round got no drafts at all
+    fallbacks: list[str] = field(default_factory=list)  # why speculation was lost, per case
+
+
+class DraftSession:
+    def __init__(
+        self, vocab_size: int, *, in_process: bool = False, max_tree_nodes: int = MAX_TREE_NODES
+    ) -> None:
+        # A draft service may be buggy or another build, and may lose every request's state
+        # (a reconnect): its trees are checked and each request's features kept whole. A
+        # drafter in this process (the engine, the benchmarks) is this code and never forgets:
+        # both would cost its rounds for nothing.
+        self.vocab_size = vocab_size
+        self.in_process = in_process
+        self.max_tree_nodes = max_tree_nodes
+        self.views: dict[str, DraftView] = {}
+        self._released: list[str] = []
+
+    def add(self, seq: TargetSequence, features: Tensor | None) -> None:
+        """A prefilled request; `features`: its prompt's hidden states [P, H] (EAGLE) or None."""
+        view = DraftView(seq, LastRows() if self.in_process else FeatureLog())
+        if features is not None:
+            view.features.append(features)
+        self.views[seq.request_id] = view
+
+    def verified(self, seq: TargetSequence, features: Tensor | None) -> None:
+        """A verify committed rows of `seq`; `features` [n, H] are theirs (EAGLE) or None."""
+        view = self.views.get(seq.request_id)
+        if features is not None and view is not None:
+            view.features.append(features)
+
+    def release(self, request_id: str) -> None:
+        """The request left: the draft frees its state when the next request goes out."""
+        self.views.pop(request_id, None)
+        self._released.append(request_id)
+
+    def no_stream(self) -> None:
+        """No draft stream is open: it holds nothing, so there is nothing to release."""
+        self._released.clear()
+
+    def request(
+        self,
+        round_id: int,
+        seqs: Sequence[TargetSequence],
+        tier: int,
+        *,
+        epoch: int = 0,
+        features: bool = False,
+    ) -> RoundRequest:
+        """The next round for `seqs` on the draft stream `epoch`: per request the tokens the
+        draft has not seen (and, with `features`, the hidden states that predicted them).
+
+        Worked example: prompt [5, 6, 7], output [8] (pending), nothing seen → appended
+        (5, 6, 7, 8) and the prompt's 3 feature rows; the draft answers, seen = 4; verify
+        accepts 2 drafts + bonus, output [8, 9, 4, 2] → next appended (9, 4, 2) with the 3
+        feature rows from position 3 (those of 8, 9, 4, which predicted 9, 4, 2).
+        """
+        inputs = []
+        for seq in seqs:
+            view = self.views[seq.request_id]
+            if view.epoch != epoch:  # a new stream: the draft re-prefills from scratch
+                view.seen, view.epoch = 0, epoch
+            seen, prompt = view.seen, len(seq.prompt)
+            if seen >= prompt:
+                appended = tuple(seq.output[seen - prompt :])
+            else:
+                appended = (*seq.prompt[seen:], *seq.output)
+            rows = view.features.since(seen - 1) if features else None
+            inputs.append(DraftInput(seq.request_id, appended, seq.sampling, rows))
+        released = tuple(self._released)
+        self._released.clear()
+        return RoundRequest(round_id, tier, tuple(inputs), released)
+
+    def releases(self, round_id: int) -> RoundRequest | None:
+        """A request that only frees state (when no round follows), or None: nothing to free."""
+        if not self._released:
+            return None
+        request = RoundRequest(round_id, 0, (), tuple(self._released))
+        self._released.clear()
+        return request
+
+    def drafts(self, request: RoundRequest, response: RoundResponse | None) -> Drafts:
+        """The trees `response` brings for `request`'s inputs (None: the draft failed to
+        answer). A tree that breaks the rules costs only its request's speculation."""
+        empty = [EMPTY_TREE] * len(request.inputs)
+        if response is None:
+            return Drafts(empty, StageTimings(), False, ["draft_failed"])
+        if response.error:
+            log.warning("draft refused the round", round_id=request.round_id, error=response.error)
+            for item in request.inputs:  # it dropped their state: re-send everything
+                if (view := self.views.get(item.request_id)) is not None:
+                    view.seen = 0
+            return Drafts(empty, response.timings, False, ["draft_error"])
+        trees, fallbacks = [], []
+        for item in request.inputs:
+            tree = response.trees.get(item.request_id)
+            why = response.malformed.get(item.request_id)
+            view = self.views.get(item.request_id)
+            if view is not None:  # no tree: the draft could not hold it and kept nothing
+                kept = tree is not None or why is not None
+                view.seen = view.seen + len(item.appended) if kept else 0
+            if tree is not None and not self.in_process:
+                why = self._fault(tree, item, request.speculative_num_steps)
+            if why is not None:
+                log.warning("malformed candidate tree", request_id=item.request_id, error=why)
+                fallbacks.append("malformed_tree")
+                tree = None
+            trees.append(EMPTY_TREE if tree is None else tree)
+        return Drafts(trees, response.timings, True, fallbacks)
+
+    def _fault(self, tree: CandidateTree, item: DraftInput, tier: int) -> str | None:
+        """Why `tree` cannot be verified for `item` at `tier`, or None when it can."""
+        try:
+            validate_tree(
+                tree, max_nodes=self.max_tree_nodes, max_depth=tier, vocab_size=self.vocab_size
+            )
+        except ValueError as exc:  # MalformedTreeError, or a shape torch refuses
+            return str(exc)
+        if len(tree) and not item.sampling.greedy and tree.draft_probs is None:
+            return "sampling round without draft_probs"
+        return None

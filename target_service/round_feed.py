@@ -1,0 +1,67 @@
+"""Each finished round's account: stage timings to the metrics, RoundStats to every watcher.
+
+WatchRounds (the controller, the benchmarks) reads a queue per watcher; a slow watcher loses
+the oldest rounds and never holds the round loop up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from specpair.metrics import ServiceMetrics
+from specpair.runtime.round import RoundStats, StageTimings
+
+QUEUE_ROUNDS = 1024
+
+
+class RoundFeed:
+    def __init__(self, metrics: ServiceMetrics) -> None:
+        self.metrics = metrics
+        self._watchers: set[asyncio.Queue[RoundStats]] = set()
+
+    def watch(self) -> asyncio.Queue[RoundStats]:
+        queue: asyncio.Queue[RoundStats] = asyncio.Queue(maxsize=QUEUE_ROUNDS)
+        self._watchers.add(queue)
+        return queue
+
+    def unwatch(self, queue: asyncio.Queue[RoundStats]) -> None:
+        self._watchers.discard(queue)
+
+    def publish(
+        self,
+        round_id: int,
+        tier: int,
+        batch_size: int,
+        accepts: list[int],
+        speculative: bool,
+        draft: StageTimings,
+        *,
+        rtt_s: float,
+        verify_s: float,
+        verify_gpu_ms: float,
+        total_s: float,
+    ) -> None:
+        """One round: `draft` is the draft service's own account, `rtt_s` the time from its
+        request going out to its trees, `total_s` the round's share of the wall time."""
+        rpc_ms = 1e3 * rtt_s - draft.total_ms - draft.draft_host_ms
+        timings = StageTimings(
+            draft_ms=draft.draft_ms,
+            draft_host_ms=draft.draft_host_ms,
+            draft_gpu_ms=draft.draft_gpu_ms,
+            verify_ms=1e3 * verify_s,
+            verify_gpu_ms=verify_gpu_ms,
+            rpc_ms=max(rpc_ms, 0.0) if speculative else 0.0,
+            schedule_ms=1e3 * max(total_s - rtt_s - verify_s, 0.0),
+            total_ms=1e3 * total_s,
+        )
+        for stage, ms in (("draft", timings.draft_ms), ("verify", timings.verify_ms),
+                          ("rpc", timings.rpc_ms), ("schedule", timings.schedule_ms)):  # fmt: skip
+            self.metrics.stage_latency.labels(stage).observe(ms / 1e3)
+        stats = RoundStats(
+            round_id, tier, batch_size, tuple(accepts), speculative, timings, time.time()
+        )
+        for queue in list(self._watchers):
+            if queue.full():
+                queue.get_nowait()  # the oldest round goes
+            queue.put_nowait(stats)

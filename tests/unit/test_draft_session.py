@@ -1,0 +1,124 @@
+"""The target's draft session: what goes to the draft each round, and which trees come back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specpair.runtime.draft_session import DraftSession
+from specpair.runtime.round import RoundResponse
+from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.target import TargetSequence
+from specpair.runtime.tree import EMPTY_TREE, CandidateTree, chain
+
+H = 4
+
+
+def rows(first: int, n: int) -> torch.Tensor:
+    """[n, H] feature rows whose values name their positions first .. first + n - 1."""
+    return torch.arange(first, first + n, dtype=torch.float32)[:, None].expand(n, H).clone()
+
+
+def joined(prompt: list[int], first: int, rid: str = "a", **sampling: float) -> TargetSequence:
+    seq = TargetSequence(rid, prompt, SamplingParams(**sampling), max_new_tokens=100)
+    seq.output.append(first)  # what prefill samples
+    return seq
+
+
+@pytest.mark.parametrize("in_process", [False, True])
+def test_each_round_sends_what_the_draft_has_not_seen_with_its_features(in_process: bool) -> None:
+    session = DraftSession(vocab_size=50, in_process=in_process)
+    seq = joined([5, 6, 7], 8)
+    session.add(seq, rows(0, 3))
+    first = session.request(1, [seq], 3, features=True)
+    (item,) = first.inputs
+    assert item.appended == (5, 6, 7, 8) and item.features is not None
+    assert item.features[:, 0].tolist() == [0, 1, 2]  # one row fewer than tokens at first
+    drafts = session.drafts(first, RoundResponse(1, {"a": chain([9, 4, 1])}))
+    assert drafts.speculative and drafts.trees == [chain([9, 4, 1])] and not drafts.fallbacks
+    seq.append([9, 4, 2])  # 2 drafts accepted + the bonus
+    session.verified(seq, rows(3, 3))  # the committed rows: 8, 9, 4 (positions 3, 4, 5)
+    (item,) = session.request(2, [seq], 3, features=True).inputs
+    assert item.appended == (9, 4, 2)
+    assert item.features is not None and item.features[:, 0].tolist() == [3, 4, 5]
+
+
+def test_a_new_stream_a_refusal_or_a_missing_tree_resends_everything() -> None:
+    session = DraftSession(vocab_size=50)
+    a, b = joined([1, 2], 3, "a"), joined([4], 5, "b")
+    for seq in (a, b):
+        session.add(seq, None)
+    request = session.request(1, [a, b], 1, epoch=1)
+    drafts = session.drafts(request, RoundResponse(1, {"a": chain([7])}))  # b was not kept
+    assert drafts.trees == [chain([7]), EMPTY_TREE]
+    a.append([7, 9])
+    b.append([6])
+    request = session.request(2, [a, b], 1, epoch=1)
+    assert [i.appended for i in request.inputs] == [(7, 9), (4, 5, 6)]
+    refused = session.drafts(request, RoundResponse(2, error="unknown tier"))
+    assert not refused.speculative and refused.fallbacks == ["draft_error"]
+    assert [i.appended for i in session.request(3, [a], 1, epoch=1).inputs] == [(1, 2, 3, 7, 9)]
+    session.drafts(session.request(3, [a], 1, epoch=1), RoundResponse(3, {"a": chain([1])}))
+    assert session.request(4, [a], 1, epoch=1).inputs[0].appended == ()  # all seen
+    # a reconnected draft (stream 2) holds nothing
+    assert session.request(4, [a], 1, epoch=2).inputs[0].appended == (1, 2, 3, 7, 9)
+    failed = session.drafts(request, None)
+    assert failed.fallbacks == ["draft_failed"] and failed.trees == [EMPTY_TREE] * 2
+
+
+def test_a_bad_tree_costs_only_its_request() -> None:
+    session = DraftSession(vocab_size=50)
+    seqs = [joined([1], 2, r) for r in "abcd"] + [joined([1], 2, "e", temperature=0.7)]
+    for seq in seqs:
+        session.add(seq, None)
+    request = session.request(1, seqs, 2)
+    response = RoundResponse(
+        1,
+        {
+            "a": chain([3, 4]),
+            "b": chain([3, 4, 5]),  # deeper than the tier
+            "c": CandidateTree((60,), (-1,)),  # outside the vocabulary
+            "e": chain([3]),  # sampled without draft_probs
+        },
+        malformed={"d": "trees[d].draft_probs: 3 bytes do not hold shape []"},
+    )
+    drafts = session.drafts(request, response)
+    assert drafts.speculative and drafts.trees == [chain([3, 4])] + [EMPTY_TREE] * 4
+    assert drafts.fallbacks == ["malformed_tree"] * 4
+    # the draft did process every request's tokens, malformed tree or not
+    assert [i.appended for i in session.request(2, seqs, 2).inputs] == [()] * 5
+    trusted = DraftSession(vocab_size=50, in_process=True)
+    trusted.add(seqs[1], None)
+    request = trusted.request(1, seqs[1:2], 2)
+    assert trusted.drafts(request, RoundResponse(1, {"b": chain([3, 4, 5])})).trees == [
+        chain([3, 4, 5])
+    ]
+
+
+def test_released_requests_go_with_the_next_request_once() -> None:
+    session = DraftSession(vocab_size=50)
+    a, b = joined([1], 2, "a"), joined([3], 4, "b")
+    session.add(a, None)
+    session.add(b, None)
+    session.release("a")
+    assert session.request(1, [b], 3).released_request_ids == ("a",)
+    assert session.request(2, [b], 3).released_request_ids == ()
+    assert session.releases(2) is None
+    session.release("b")
+    only = session.releases(3)
+    assert only is not None and only.released_request_ids == ("b",) and not only.inputs
+    session.add(a, None)
+    session.release("a")
+    session.no_stream()  # nobody holds it: nothing to free
+    assert session.releases(4) is None
+
+
+def test_an_in_process_session_keeps_only_the_last_rows() -> None:
+    session = DraftSession(vocab_size=50, in_process=True)
+    seq = joined([5, 6, 7], 8)
+    session.add(seq, rows(0, 3))
+    session.request(1, [seq], 3, features=True)  # no answer: the draft has seen nothing
+    seq.append([9])
+    session.verified(seq, rows(3, 1))
+    with pytest.raises(ValueError, match="only the last round's rows from 3"):
+        session.request(2, [seq], 3, features=True)
