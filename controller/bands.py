@@ -135,7 +135,10 @@ class PolicySpec:
 def _construct(
     policy_class: type, kind: str, options: dict[str, Any], initial_steps: int
 ) -> SpeculationPolicy:
-    policy = policy_class(dict(options), initial_steps)
+    try:
+        policy = policy_class(dict(options), initial_steps)
+    except TypeError as exc:
+        raise ValueError(f"policy class {kind} (options, initial_steps) failed: {exc}") from None
     if not isinstance(policy, SpeculationPolicy):
         raise ValueError(f"policy class {kind} does not implement SpeculationPolicy")
     return policy

@@ -121,7 +121,17 @@ def test_cost_model_profile_seeds_and_spikes_are_clipped() -> None:
 
 
 def test_batch_buckets() -> None:
-    assert [batch_bucket(b) for b in (0, 1, 2, 3, 4, 7, 8, 64, 100)] == [1, 1, 2, 2, 4, 4, 8, 64, 64]
+    assert [batch_bucket(b) for b in (0, 1, 2, 3, 4, 7, 8, 64, 100)] == [
+        1,
+        1,
+        2,
+        2,
+        4,
+        4,
+        8,
+        64,
+        64,
+    ]
 
 
 def test_docstring_example_picks_tier_1() -> None:
