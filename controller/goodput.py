@@ -24,15 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from controller.goodput_model import AcceptanceModel, CostModel
-from controller.interface import DecisionGate, RoundSample, TierEstimate
-from controller.policy import (
-    PolicyKeys,
-    check_gates,
-    check_steps,
-    finite_float,
-    is_int,
-    snap_to_candidate,
-)
+from controller.interface import GatedPolicy, RoundSample, TierEstimate
+from controller.policy import PolicyKeys, check_gates, check_steps, finite_float, is_int
 
 ProfileMs = tuple[tuple[int, int, float], ...]  # (batch size, tier, round ms)
 
@@ -96,13 +89,11 @@ def parse_profile(raw: object) -> ProfileMs:
     return tuple(sorted(out))
 
 
-class GoodputPolicy:
+class GoodputPolicy(GatedPolicy[GoodputConfig]):
     """Chooses the tier with the highest predicted tokens/s; see the module docstring."""
 
     def __init__(self, config: GoodputConfig, initial_steps: int) -> None:
-        self.config = config
-        self._steps = snap_to_candidate(initial_steps, config.candidate_steps)
-        self._gate = DecisionGate(config.warmup_batches, config.update_interval)
+        super().__init__(config, initial_steps)  # counts every round, tier 0's included
         self.acceptance = AcceptanceModel(config.ema_alpha)
         self.cost = CostModel(config.ema_alpha, config.profile_ms)
         self._batch = 1
@@ -110,21 +101,9 @@ class GoodputPolicy:
         self._probe_rounds: int | None = None  # rounds with drafts so far while probing
 
     @property
-    def candidate_steps(self) -> tuple[int, ...]:
-        return self.config.candidate_steps
-
-    @property
-    def current_steps(self) -> int:
-        return self._steps
-
-    @property
     def ema(self) -> float:
         """Predicted accepted drafts per request per round at the current tier."""
         return self.acceptance.tokens_per_round(self._steps) - 1.0
-
-    @property
-    def count(self) -> int:
-        return self._gate.count
 
     @property
     def probing(self) -> bool:
@@ -136,14 +115,10 @@ class GoodputPolicy:
 
     def reconfigure(self, config: GoodputConfig) -> bool:
         """New guards and candidates keep the learnt models; a new profile reseeds the cost."""
-        old = self._steps
         if config.profile_ms != self.config.profile_ms:
             self.cost = CostModel(config.ema_alpha, config.profile_ms)
         self.acceptance.decay = self.cost.alpha = config.ema_alpha
-        self.config = config
-        self._gate.retune(config.warmup_batches, config.update_interval)
-        self._steps = snap_to_candidate(old, config.candidate_steps)
-        return self._steps != old
+        return self._swap_config(config)
 
     def observe(self, sample: RoundSample) -> bool:
         self.cost.observe(sample)

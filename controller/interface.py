@@ -7,9 +7,9 @@ the target verifies one token per request (a plain decode round).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,3 +116,50 @@ class DecisionGate:
 
     def retune(self, warmup: int, interval: int) -> None:
         self.warmup, self.interval = warmup, interval
+
+
+def snap_to_candidate(steps: int, candidates: Sequence[int]) -> int:
+    """Nearest candidate, ties to the larger: with [1, 3, 7], 2 → 3 and 5 → 7."""
+    return min(candidates, key=lambda c: (abs(c - steps), -c))
+
+
+class GateConfig(Protocol):
+    @property
+    def candidate_steps(self) -> tuple[int, ...]: ...
+    @property
+    def warmup_batches(self) -> int: ...
+    @property
+    def update_interval(self) -> int: ...
+
+
+C = TypeVar("C", bound=GateConfig)
+
+
+class GatedPolicy(Generic[C]):
+    """What the built-in kinds share: their config, the tier, and the gate."""
+
+    def __init__(self, config: C, initial_steps: int) -> None:
+        self.config = config
+        self._steps = snap_to_candidate(initial_steps, config.candidate_steps)
+        self._gate = DecisionGate(config.warmup_batches, config.update_interval)
+
+    @property
+    def candidate_steps(self) -> tuple[int, ...]:
+        return self.config.candidate_steps
+
+    @property
+    def current_steps(self) -> int:
+        return self._steps
+
+    @property
+    def count(self) -> int:
+        """Rounds counted toward the gate."""
+        return self._gate.count
+
+    def _swap_config(self, config: C) -> bool:
+        """Takes `config`; the tier snaps to its candidates. True if the tier changed."""
+        old = self._steps
+        self.config = config
+        self._gate.retune(config.warmup_batches, config.update_interval)
+        self._steps = snap_to_candidate(old, config.candidate_steps)
+        return self._steps != old

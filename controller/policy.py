@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from controller.interface import DecisionGate, RoundSample, TierEstimate
+from controller.interface import GatedPolicy, RoundSample, TierEstimate, snap_to_candidate
 
 
 class PolicyKeys:
@@ -115,12 +115,20 @@ def finite_float(name: str, value: object) -> float:
     return float(value)
 
 
-def snap_to_candidate(steps: int, candidates: Sequence[int]) -> int:
-    """Nearest candidate, ties to the larger: with [1, 3, 7], 2 → 3 and 5 → 7."""
-    return min(candidates, key=lambda c: (abs(c - steps), -c))
+__all__ = [
+    "FIELD_NAMES",
+    "AdaptiveSpeculativeParams",
+    "PolicyConfig",
+    "PolicyKeys",
+    "check_gates",
+    "check_steps",
+    "finite_float",
+    "is_int",
+    "snap_to_candidate",  # defined beside the gate both kinds share
+]
 
 
-class AdaptiveSpeculativeParams:
+class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
     """EMA of accepted draft tokens per request → `speculative_num_steps`, one decision per
     `update_interval` batches after `warmup_batches`.
 
@@ -129,28 +137,13 @@ class AdaptiveSpeculativeParams:
     """
 
     def __init__(self, config: PolicyConfig, initial_steps: int) -> None:
-        self.config = config
-        self._steps = snap_to_candidate(initial_steps, config.candidate_steps)
+        super().__init__(config, initial_steps)  # counts non-empty batches only
         # Neutral start: a tier of s drafts is "right" when about s − 1 of them are accepted.
         self._ema = float(self._steps - 1)
-        self._gate = DecisionGate(config.warmup_batches, config.update_interval)
-
-    @property
-    def candidate_steps(self) -> tuple[int, ...]:
-        return self.config.candidate_steps
-
-    @property
-    def current_steps(self) -> int:
-        return self._steps
 
     @property
     def ema(self) -> float:
         return self._ema
-
-    @property
-    def count(self) -> int:
-        """Non-empty batches fed so far."""
-        return self._gate.count
 
     def resume(self, ema: float, count: int) -> None:
         """Continues from a saved EMA and batch count (a restarted controller)."""
@@ -198,8 +191,4 @@ class AdaptiveSpeculativeParams:
     def reconfigure(self, config: PolicyConfig) -> bool:
         """Swaps in `config`, keeping the EMA and batch count; the tier snaps to the new
         candidates. True if the tier changed."""
-        old = self._steps
-        self.config = config
-        self._gate.retune(config.warmup_batches, config.update_interval)
-        self._steps = snap_to_candidate(old, config.candidate_steps)
-        return self._steps != old
+        return self._swap_config(config)
