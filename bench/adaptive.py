@@ -1,17 +1,18 @@
 """Adaptive vs static tiers on a phased workload, against the running services (CPU).
 
-The same requests run four times through real draft, target and controller processes: once
-under the controller's adaptive policy and once with each static tier (1, 3, 7) pinned through
-the ops API. The workload alternates phases where the draft is rarely right (prose sampled at
+The same requests run five times through real draft, target and controller processes: under
+the controller's two policy kinds (`sglang`, SGLang's EMA rule; `goodput`, tokens/s from cost
+and acceptance models), switched live through the ops API, and with each static tier (1, 3, 7)
+pinned. The workload alternates phases where the draft is rarely right (prose sampled at
 temperature 1.0) and phases where it often is (held-out code, greedy):
 
     low → high → low → high
 
 Per phase and overall it reports tokens/s of each run, the per-phase oracle (the best static tier
 in each phase, stitched together), the number of tier switches, and draws a timeline PNG (EMA
-accept length and active tier over rounds, phase boundaries marked).
+accept length and active tier over rounds, phase boundaries marked, one panel per kind).
 
-    python -m bench.adaptive [--requests-per-phase 12] [--new-tokens 48]
+    python -m bench.adaptive [--requests-per-phase 12] [--new-tokens 48] [--runs goodput,...]
 """
 
 from __future__ import annotations
@@ -27,12 +28,19 @@ from typing import Any
 from bench.acceptance import code_prompts, prose_prompts
 from bench.common import device_info, format_table, write_json
 from bench.services import ServiceGroup, watch_rounds
-from controller.policy import AdaptiveSpeculativeParams, PolicyConfig
+from controller.bands import PolicySpec
+from controller.controller import round_sample
+from controller.interface import RoundSample
+from controller.policy import PolicyConfig
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.config import MODELS_DIR
 from specpair.proto.v1 import target_pb2
 
-RUNS = ("adaptive", "static-1", "static-3", "static-7")
+KINDS = ("sglang", "goodput")  # runs under a policy; the others pin a tier
+RUNS = (*KINDS, "static-1", "static-3", "static-7")
+STATIC = RUNS[len(KINDS) :]
+ROUND_KEYS = ("steps", "batch_size", "accept_lengths", "total_ms", "verify_ms", "draft_ms",
+              "schedule_ms")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -48,7 +56,7 @@ class RunResult:
     phase_seconds: list[float] = field(default_factory=list)
     phase_tokens: list[int] = field(default_factory=list)
     phase_first_round: list[int] = field(default_factory=list)
-    rounds: list[dict[str, Any]] = field(default_factory=list)  # tier, accept lengths per round
+    rounds: list[dict[str, Any]] = field(default_factory=list)  # RoundSample fields + tier
     switches: int = 0
 
     def tokens_per_s(self, i: int | None = None) -> float:
@@ -71,11 +79,19 @@ def build_phases(tokenizer: Any, per_phase: int) -> list[Phase]:
 
 
 def run_workload(
-    name: str, group: ServiceGroup, phases: list[Phase], new_tokens: int, concurrency: int
+    name: str,
+    group: ServiceGroup,
+    phases: list[Phase],
+    new_tokens: int,
+    concurrency: int,
+    policy: PolicySpec,
 ) -> RunResult:
     client = SpecpairClient(group.target, timeout=120)
     ctl = ControllerClient(group.controller, timeout=30)
-    if name == "adaptive":
+    if name in KINDS:
+        # A kind switch starts the policy afresh at the running tier; 3 for every run.
+        ctl.pin(3)
+        ctl.update_policy(**kind_policy(policy, name))
         ctl.unpin()
     else:
         ctl.pin(int(name.split("-")[1]))
@@ -106,13 +122,26 @@ def run_workload(
     call.cancel()
     # Every round (plain ones carry no accept lengths and leave the EMA alone).
     result.rounds = [
-        {"tier": r.speculative_num_steps, "accepts": list(r.accept_lengths)} for r in rounds
+        {"tier": r.speculative_num_steps, **{k: getattr(round_sample(r), k) for k in ROUND_KEYS}}
+        for r in rounds
     ]
     state = ctl.state()["targets"][0]
     result.switches = sum(
         1 for s in state["recent_switches"][switches_before:] if s["reason"] == "policy"
     )
+    if name in KINDS:
+        print(f"  {name}: {state['model']}", flush=True)
     return result
+
+
+def kind_policy(policy: PolicySpec, kind: str) -> dict[str, Any]:
+    """The ops update that runs `kind`: `policy`'s keys if it is of that kind, else that kind's
+    defaults over `policy`'s tiers."""
+    if policy.kind != kind:
+        return {"kind": kind, "candidate_steps": policy.candidate_steps}
+    values = policy.to_dict()
+    values.pop("profile_ms", None)  # a start-up seed (GetState shows it in options_json)
+    return values
 
 
 def oracle_of(results: dict[str, RunResult], n_phases: int) -> tuple[float, list[str]]:
@@ -120,45 +149,57 @@ def oracle_of(results: dict[str, RunResult], n_phases: int) -> tuple[float, list
     phase, stitched together."""
     seconds, tokens, best_runs = 0.0, 0, []
     for i in range(n_phases):
-        best = max(RUNS[1:], key=lambda n: results[n].tokens_per_s(i))
+        best = max(results.keys() & set(STATIC), key=lambda n: results[n].tokens_per_s(i))
         best_runs.append(best)
         seconds += results[best].phase_seconds[i]
         tokens += results[best].phase_tokens[i]
     return tokens / seconds, best_runs
 
 
-def ema_timeline(result: RunResult, policy: PolicyConfig, initial: int) -> list[float]:
-    """The controller's EMA over the run's rounds (the same pure policy, replayed)."""
-    params = AdaptiveSpeculativeParams(policy, initial)
+def ema_timeline(result: RunResult, policy: PolicySpec, initial: int) -> list[float]:
+    """The policy's headline estimate over the run's rounds (the same pure policy, replayed):
+    sglang's EMA accept length, goodput's predicted accepted drafts at its tier."""
+    replay = policy.build(initial)
     out = []
     for r in result.rounds:
-        params.update(r["accepts"])
-        out.append(params.ema)
+        replay.observe(RoundSample(**{k: r[k] for k in ROUND_KEYS}))
+        out.append(replay.ema)
     return out
 
 
-def plot(results: dict[str, RunResult], policy: PolicyConfig, path: Path) -> None:
+def plot(results: dict[str, RunResult], policy: PolicySpec, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    adaptive = results["adaptive"]
-    fig, ax = plt.subplots(figsize=(11, 4.5))
-    rounds = range(len(adaptive.rounds))
-    ax.plot(rounds, ema_timeline(adaptive, policy, 3), label="EMA accept length", color="C0")
-    ax.step(rounds, [r["tier"] for r in adaptive.rounds], where="post", label="active tier",
-            color="C1")  # fmt: skip
-    for i, start in enumerate(adaptive.phase_first_round):
-        ax.axvline(start, color="grey", ls="--", lw=0.8)
-        ax.text(start + 1, 7.3, f"phase {i + 1}", fontsize=8)
-    ax.set_xlabel("round")
-    ax.set_ylabel("tokens")
-    ax.set_ylim(0, 8)
-    ax.set_title("adaptive speculation on a phased workload (low → high → low → high)")
-    ax.legend(loc="lower right")
+    kinds = [k for k in KINDS if k in results]
+    fig, axes = plt.subplots(len(kinds), 1, figsize=(11, 3.6 * len(kinds)), squeeze=False)
+    for ax, kind in zip(axes[:, 0], kinds, strict=True):
+        run = results[kind]
+        rounds = range(len(run.rounds))
+        spec = PolicySpec.from_mapping(kind_policy(policy, kind))
+        label = "EMA accept length" if kind == "sglang" else "predicted accepted drafts"
+        ax.plot(rounds, ema_timeline(run, spec, 3), label=label, color="C0")
+        ax.step(rounds, [r["tier"] for r in run.rounds], where="post", label="active tier",
+                color="C1")  # fmt: skip
+        for i, start in enumerate(run.phase_first_round):
+            ax.axvline(start, color="grey", ls="--", lw=0.8)
+            ax.text(start + 1, 7.3, f"phase {i + 1}", fontsize=8)
+        ax.set_ylabel("tokens")
+        ax.set_ylim(0, 8)
+        ax.set_title(f"{kind} policy on a phased workload (low → high → low → high), "
+                     f"{run.tokens_per_s():.1f} tokens/s")  # fmt: skip
+        ax.legend(loc="lower right")
+    axes[-1, 0].set_xlabel("round")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def load_policy(path: Path | None) -> PolicySpec:
+    if path is None:
+        return PolicySpec.of(PolicyConfig())
+    return PolicySpec.from_mapping(json.loads(path.read_text()))
 
 
 def main() -> None:
@@ -172,6 +213,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--policy", type=Path, help="policy JSON (default: SGLang's defaults)")
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"some of {','.join(RUNS)}")
     parser.add_argument("--out", type=Path, default=Path("bench/out/adaptive.json"))
     parser.add_argument("--log-dir", type=Path, default=Path("bench/out/adaptive-logs"))
     parser.add_argument("--png", type=Path, default=Path("bench/out/adaptive_timeline.png"))
@@ -180,7 +222,10 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.target))
     phases = build_phases(tokenizer, args.requests_per_phase)
-    policy = PolicyConfig.from_json_file(args.policy) if args.policy else PolicyConfig()
+    policy = load_policy(args.policy)
+    runs = [r for r in args.runs.split(",") if r]
+    if not runs or set(runs) - set(RUNS) or not set(STATIC) & set(runs):
+        parser.error(f"--runs: some of {','.join(RUNS)}, at least one static-N")
     print(f"device: {device_info()}", flush=True)
     results: dict[str, RunResult] = {}
     args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -191,10 +236,11 @@ def main() -> None:
         policy=policy.to_dict(),
         log_dir=args.log_dir,
     ) as group:  # fmt: skip
-        for name in RUNS:
-            results[name] = run_workload(name, group, phases, args.new_tokens, args.concurrency)
+        for name in runs:
+            results[name] = run_workload(name, group, phases, args.new_tokens, args.concurrency,
+                                         policy)  # fmt: skip
     oracle, oracle_tiers = oracle_of(results, len(phases))
-    best_static = max(RUNS[1:], key=lambda n: results[n].tokens_per_s())
+    best_static = max(results.keys() & set(STATIC), key=lambda n: results[n].tokens_per_s())
     args.png.parent.mkdir(parents=True, exist_ok=True)
     plot(results, policy, args.png)
     write_json(args.out, {
@@ -207,16 +253,18 @@ def main() -> None:
     headers = ["run", *[f"phase {i + 1}" for i in range(len(phases))], "overall", "switches"]
     rows = [
         [n, *[f"{r.tokens_per_s(i):.1f}" for i in range(len(phases))],
-         f"{r.tokens_per_s():.1f}", str(r.switches) if n == "adaptive" else "-"]
+         f"{r.tokens_per_s():.1f}", str(r.switches) if n in KINDS else "-"]
         for n, r in results.items()
     ]  # fmt: skip
     rows.append(["oracle (best static per phase)", *[f"{results[t].tokens_per_s(i):.1f}"
                  for i, t in enumerate(oracle_tiers)], f"{oracle:.1f}", "-"])  # fmt: skip
-    a = results["adaptive"].tokens_per_s()
-    vs_static = a / results[best_static].tokens_per_s()
     print(f"\nphases: {json.dumps([p.name for p in phases])}; oracle tiers {oracle_tiers}")
-    print(f"adaptive / best static ({best_static}) = {vs_static:.3f}x; "
-          f"adaptive / oracle = {a / oracle:.3f}x; timeline: {args.png}")  # fmt: skip
+    for kind in (k for k in KINDS if k in results):
+        a = results[kind].tokens_per_s()
+        vs_static = a / results[best_static].tokens_per_s()
+        print(f"{kind} / best static ({best_static}) = {vs_static:.3f}x; "
+              f"{kind} / oracle = {a / oracle:.3f}x")  # fmt: skip
+    print(f"timeline: {args.png}")
     print(f"tokens/s per phase ({args.requests_per_phase} requests × {args.new_tokens} tokens, "
           f"concurrency {args.concurrency})\n")  # fmt: skip
     print(format_table(headers, rows))

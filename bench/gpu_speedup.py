@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from bench.acceptance import code_prompts, prose_prompts
-from bench.adaptive import RUNS, build_phases, oracle_of, run_workload
+from bench.adaptive import KINDS, RUNS, STATIC, build_phases, load_policy, oracle_of, run_workload
 from bench.common import device_info, format_table, write_json
 from bench.services import ServiceGroup, wait_draft_connected
 from controller.policy import PolicyConfig
@@ -252,7 +252,11 @@ def phased_workload(tokenizer: Any, per_phase: int, new_tokens: int) -> Callable
     phases = build_phases(tokenizer, per_phase)
 
     def run(group: ServiceGroup) -> dict[str, Any]:
-        results = {n: run_workload(n, group, phases, new_tokens, concurrency=1) for n in RUNS}
+        policy = load_policy(None)
+        results = {
+            n: run_workload(n, group, phases, new_tokens, concurrency=1, policy=policy)
+            for n in RUNS
+        }
         oracle, oracle_tiers = oracle_of(results, len(phases))
         return {
             "phases": [p.name for p in phases], "requests_per_phase": per_phase,
@@ -260,7 +264,7 @@ def phased_workload(tokenizer: Any, per_phase: int, new_tokens: int) -> Callable
             "phase_tokens_per_s": {
                 n: [r.tokens_per_s(i) for i in range(len(phases))] for n, r in results.items()
             },
-            "switches": results["adaptive"].switches,
+            "switches": {k: results[k].switches for k in KINDS},
             "oracle": {"tokens_per_s": oracle, "tiers": oracle_tiers},
         }  # fmt: skip
 
@@ -460,12 +464,12 @@ def main() -> None:
     plot(cells, out.with_suffix(".png"), title)
     if phased is not None:
         tps = phased["tokens_per_s"]
-        best = max(RUNS[1:], key=lambda n: tps[n])
+        best = max(STATIC, key=lambda n: tps[n])
         print(f"\nphased workload ({', '.join(phased['phases'])}): tokens/s "
               + ", ".join(f"{n} {v:.1f}" for n, v in tps.items())
-              + f", oracle {phased['oracle']['tokens_per_s']:.1f}; adaptive / best static "
-              f"({best}) = {tps['adaptive'] / tps[best]:.3f}x, adaptive / oracle = "
-              f"{tps['adaptive'] / phased['oracle']['tokens_per_s']:.3f}x")  # fmt: skip
+              + f", oracle {phased['oracle']['tokens_per_s']:.1f}; " + "; ".join(
+                  f"{k} / best static ({best}) = {tps[k] / tps[best]:.3f}x, {k} / oracle = "
+                  f"{tps[k] / phased['oracle']['tokens_per_s']:.3f}x" for k in KINDS))  # fmt: skip
     print(f"\n{args.draft_kind} draft on {gpu}, {args.shape} pair; {args.requests} requests × "
           f"{args.new_tokens} new tokens per cell; x = speedup over target-only (same "
           f"deployment); x eng = over the in-process engine's target-only; accept = accepted "

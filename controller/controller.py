@@ -13,7 +13,9 @@ from typing import Any
 import grpc
 
 from controller import memory
-from controller.policy import AdaptiveSpeculativeParams, PolicyConfig
+from controller.bands import PolicySpec
+from controller.interface import RoundSample, SpeculationPolicy, TierEstimate
+from controller.policy import PolicyConfig
 from specpair.config import ControllerConfig
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
@@ -50,6 +52,8 @@ class TargetSnapshot:
     rounds_seen: int
     batches_counted: int
     recent_switches: tuple[TierSwitch, ...]
+    estimates: tuple[TierEstimate, ...] = ()
+    model: str = ""
 
 
 @dataclass(slots=True)
@@ -60,7 +64,7 @@ class _Target:
     # The tier last commanded (or reported by GetServerInfo on connect); 0 before first contact.
     active_steps: int = 0
     # Created at first contact, from the tier the target reports (GetServerInfo).
-    policy: AdaptiveSpeculativeParams | None = None
+    policy: SpeculationPolicy | None = None
     target_candidates: tuple[int, ...] = ()
     stub: Any = None  # TargetServiceStub while connected
     rounds_seen: int = 0
@@ -75,7 +79,7 @@ class AdaptiveController:
     def __init__(
         self,
         config: ControllerConfig,
-        policy: PolicyConfig,
+        policy: PolicySpec | PolicyConfig,
         *,
         metrics: ServiceMetrics | None = None,
     ) -> None:
@@ -83,7 +87,9 @@ class AdaptiveController:
         self.metrics = metrics or ServiceMetrics("controller")
         saved = memory.load(config.state_file) if config.state_file else memory.Memory()
         # What the operator changed live outlasts the policy file the controller started with.
-        self.policy = PolicyConfig.from_mapping(saved.policy) if saved.policy else policy
+        if isinstance(policy, PolicyConfig):
+            policy = PolicySpec.of(policy)
+        self.policy = PolicySpec.from_mapping(saved.policy) if saved.policy else policy
         self.pinned_steps: int | None = saved.pinned_steps
         self._remembered = saved.targets
         if config.state_file and (saved.pinned_steps is not None or saved.targets):
@@ -134,13 +140,15 @@ class AdaptiveController:
                 rounds_seen=t.rounds_seen,
                 batches_counted=t.policy.count if t.policy else 0,
                 recent_switches=tuple(t.switches),
+                estimates=t.policy.estimates() if t.policy else (),
+                model=t.policy.describe() if t.policy else "",
             )
             for t in self._targets
         ]
 
     # --- ops ---------------------------------------------------------------------------------
 
-    async def update_policy(self, **changes: Any) -> PolicyConfig:
+    async def update_policy(self, **changes: Any) -> PolicySpec:
         """Validates and swaps in a partial update; ValueError names the bad field."""
         new = self.policy.replace_partial(**changes)
         if self.pinned_steps is not None and self.pinned_steps not in new.candidate_steps:
@@ -156,12 +164,20 @@ class AdaptiveController:
                     f"candidate_steps {sorted(missing)} are not tiers of target {t.address} "
                     f"(it has {list(t.target_candidates)})"
                 )
-        self.policy = new
+        old_kind, self.policy = self.policy.kind, new
         log.info("policy updated", policy=new.to_dict())
         self._save()
         for t in self._targets:
             async with t.lock:
-                if t.policy is not None and t.policy.reconfigure(new) and self.pinned_steps is None:
+                if t.policy is None:
+                    continue
+                if new.kind != old_kind:
+                    # Another kind learns from scratch, starting where the target runs.
+                    t.policy = new.build(t.policy.current_steps)
+                    changed = False
+                else:
+                    changed = t.policy.reconfigure(new.policy_options())
+                if changed and self.pinned_steps is None:
                     await self._apply(t, t.policy.current_steps, "policy")
         return new
 
@@ -252,7 +268,7 @@ class AdaptiveController:
             if t.policy is None:
                 saved = self._remembered.get(t.address)
                 steps = saved.steps if saved else info.speculative_num_steps
-                t.policy = AdaptiveSpeculativeParams(self.policy, steps)
+                t.policy = self.policy.build(steps)
                 if saved:
                     t.policy.resume(saved.ema, saved.count)
             desired = t.policy.current_steps if self.pinned_steps is None else self.pinned_steps
@@ -275,18 +291,17 @@ class AdaptiveController:
 
     async def _on_round(self, t: _Target, stats: target_pb2.RoundStats) -> None:
         t.rounds_seen += 1
-        if not stats.speculative or not stats.accept_lengths:
-            return
         accept_lengths: Sequence[int] = list(stats.accept_lengths)
         if any(a < 0 for a in accept_lengths):
             log.warning("round with negative accept lengths ignored", round_id=stats.round_id)
             return
-        for a in accept_lengths:
+        sample = round_sample(stats)
+        for a in sample.accept_lengths:
             self.metrics.accept_length.observe(a)
         async with t.lock:
             assert t.policy is not None  # set by _connect before the stream starts
-            # While pinned the EMA keeps learning, but its decisions are not applied.
-            if t.policy.update(accept_lengths) and self.pinned_steps is None:
+            # While pinned the policy keeps learning, but its decisions are not applied.
+            if t.policy.observe(sample) and self.pinned_steps is None:
                 await self._apply(t, t.policy.current_steps, "policy")
 
     async def _apply(
@@ -341,3 +356,19 @@ class AdaptiveController:
                 round_id=response.current_round,
             )
         return True
+
+
+def round_sample(stats: target_pb2.RoundStats) -> RoundSample:
+    """What a policy sees of a round: a round without drafts (the draft was away, or tier 0) is
+    a tier-0 sample, whatever tier was active."""
+    speculative = stats.speculative and bool(stats.accept_lengths)
+    timings = stats.timings
+    return RoundSample(
+        steps=stats.speculative_num_steps if speculative else 0,
+        batch_size=stats.batch_size,
+        accept_lengths=tuple(stats.accept_lengths) if speculative else (),
+        total_ms=timings.total_ms,
+        verify_ms=timings.verify_ms,
+        draft_ms=timings.draft_ms,
+        schedule_ms=timings.schedule_ms,
+    )

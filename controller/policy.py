@@ -8,11 +8,55 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
+
+from controller.interface import GatedPolicy, RoundSample, TierEstimate, snap_to_candidate
+
+
+class PolicyKeys:
+    """JSON-object plumbing shared by the policy kinds' frozen config dataclasses."""
+
+    __slots__ = ()
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> Self:
+        """Omitted keys take their defaults; unknown keys are an error naming them."""
+        if not isinstance(values, Mapping):
+            raise ValueError(f"policy config must be a JSON object, got {type(values).__name__}")
+        names = cls.field_names()
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise ValueError(
+                f"unknown policy key(s) {', '.join(unknown)}; known: {', '.join(names)}"
+            )
+        # JSON lists arrive as lists; the frozen configs hold tuples.
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> Self:
+        try:
+            values = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read policy config {path}: {exc}") from exc
+        try:
+            return cls.from_mapping(values)
+        except ValueError as exc:
+            raise ValueError(f"policy config {path}: {exc}") from exc
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+
+    def replace_partial(self, **changes: Any) -> Self:
+        """A validated copy with `changes` applied (a live UpdatePolicy)."""
+        return self.from_mapping({**self.to_dict(), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.field_names()}
 
 
 @dataclass(frozen=True, slots=True)
-class PolicyConfig:
+class PolicyConfig(PolicyKeys):
     """SGLang's adaptive parameters; every key may be omitted in a JSON file or an update."""
 
     candidate_steps: tuple[int, ...] = (1, 3, 7)
@@ -24,83 +68,67 @@ class PolicyConfig:
 
     def __post_init__(self) -> None:
         steps = self.candidate_steps
-        if isinstance(steps, str | bytes) or not isinstance(steps, Sequence):
-            raise ValueError(f"candidate_steps must be a list of ints, got {steps!r}")
-        if not all(_is_int(s) and s >= 1 for s in steps):
-            raise ValueError(f"candidate_steps must be positive ints, got {list(steps)}")
-        # Sorted and deduplicated as SGLang does, so [7, 1, 3, 3] means tiers 1 < 3 < 7.
-        normalized = tuple(sorted(set(steps)))
+        normalized = check_steps(steps, minimum=1)
         if len(normalized) < 2:
             raise ValueError(
                 f"candidate_steps needs at least two distinct tiers, got {list(steps)}"
             )
         object.__setattr__(self, "candidate_steps", normalized)
-
-        alpha = _float("ema_alpha", self.ema_alpha)
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
-        object.__setattr__(self, "ema_alpha", alpha)
-        if not _is_int(self.update_interval) or self.update_interval < 1:
-            raise ValueError(f"update_interval must be an int >= 1, got {self.update_interval!r}")
-        if not _is_int(self.warmup_batches) or self.warmup_batches < 0:
-            raise ValueError(f"warmup_batches must be an int >= 0, got {self.warmup_batches!r}")
+        check_gates(self)
         for name in ("down_hysteresis", "up_hysteresis"):
-            object.__setattr__(self, name, _float(name, getattr(self, name)))
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> PolicyConfig:
-        """Omitted keys take their defaults; unknown keys are an error naming them."""
-        if not isinstance(values, Mapping):
-            raise ValueError(f"policy config must be a JSON object, got {type(values).__name__}")
-        unknown = sorted(set(values) - set(FIELD_NAMES))
-        if unknown:
-            raise ValueError(
-                f"unknown policy key(s) {', '.join(unknown)}; known: {', '.join(FIELD_NAMES)}"
-            )
-        kwargs = dict(values)
-        if "candidate_steps" in kwargs and isinstance(kwargs["candidate_steps"], list):
-            kwargs["candidate_steps"] = tuple(kwargs["candidate_steps"])
-        return cls(**kwargs)
-
-    @classmethod
-    def from_json_file(cls, path: str | Path) -> PolicyConfig:
-        try:
-            values = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"cannot read policy config {path}: {exc}") from exc
-        try:
-            return cls.from_mapping(values)
-        except ValueError as exc:
-            raise ValueError(f"policy config {path}: {exc}") from exc
-
-    def replace_partial(self, **changes: Any) -> PolicyConfig:
-        """A validated copy with `changes` applied (a live UpdatePolicy)."""
-        return PolicyConfig.from_mapping({**self.to_dict(), **changes})
-
-    def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in FIELD_NAMES}
+            object.__setattr__(self, name, finite_float(name, getattr(self, name)))
 
 
-FIELD_NAMES = tuple(f.name for f in dataclasses.fields(PolicyConfig))
+FIELD_NAMES = PolicyConfig.field_names()
 
 
-def _is_int(value: object) -> bool:
+def check_steps(steps: object, *, minimum: int) -> tuple[int, ...]:
+    """Sorted and deduplicated as SGLang does, so [7, 1, 3, 3] means tiers 1 < 3 < 7."""
+    if isinstance(steps, str | bytes) or not isinstance(steps, Sequence):
+        raise ValueError(f"candidate_steps must be a list of ints, got {steps!r}")
+    if not all(is_int(s) and s >= minimum for s in steps):
+        kind = "positive ints" if minimum == 1 else f"ints >= {minimum}"
+        raise ValueError(f"candidate_steps must be {kind}, got {list(steps)}")
+    return tuple(sorted(set(steps)))
+
+
+def check_gates(config: Any) -> None:
+    """ema_alpha, update_interval and warmup_batches, which every built-in kind has."""
+    alpha = finite_float("ema_alpha", config.ema_alpha)
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"ema_alpha must be in (0, 1], got {config.ema_alpha}")
+    object.__setattr__(config, "ema_alpha", alpha)
+    if not is_int(config.update_interval) or config.update_interval < 1:
+        raise ValueError(f"update_interval must be an int >= 1, got {config.update_interval!r}")
+    if not is_int(config.warmup_batches) or config.warmup_batches < 0:
+        raise ValueError(f"warmup_batches must be an int >= 0, got {config.warmup_batches!r}")
+
+
+def is_int(value: object) -> bool:
     # JSON `true` must not pass for 1.
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _float(name: str, value: object) -> float:
+def finite_float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     return float(value)
 
 
-def snap_to_candidate(steps: int, candidates: Sequence[int]) -> int:
-    """Nearest candidate, ties to the larger: with [1, 3, 7], 2 → 3 and 5 → 7."""
-    return min(candidates, key=lambda c: (abs(c - steps), -c))
+__all__ = [
+    "FIELD_NAMES",
+    "AdaptiveSpeculativeParams",
+    "PolicyConfig",
+    "PolicyKeys",
+    "check_gates",
+    "check_steps",
+    "finite_float",
+    "is_int",
+    "snap_to_candidate",  # defined beside the gate both kinds share
+]
 
 
-class AdaptiveSpeculativeParams:
+class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
     """EMA of accepted draft tokens per request → `speculative_num_steps`, one decision per
     `update_interval` batches after `warmup_batches`.
 
@@ -109,28 +137,33 @@ class AdaptiveSpeculativeParams:
     """
 
     def __init__(self, config: PolicyConfig, initial_steps: int) -> None:
-        self.config = config
-        self._steps = snap_to_candidate(initial_steps, config.candidate_steps)
+        super().__init__(config, initial_steps)  # counts non-empty batches only
         # Neutral start: a tier of s drafts is "right" when about s − 1 of them are accepted.
         self._ema = float(self._steps - 1)
-        self._count = 0
-
-    @property
-    def current_steps(self) -> int:
-        return self._steps
 
     @property
     def ema(self) -> float:
         return self._ema
 
-    @property
-    def count(self) -> int:
-        """Non-empty batches fed so far."""
-        return self._count
-
     def resume(self, ema: float, count: int) -> None:
         """Continues from a saved EMA and batch count (a restarted controller)."""
-        self._ema, self._count = float(ema), max(int(count), 0)
+        self._ema, self._gate.count = float(ema), max(int(count), 0)
+
+    def observe(self, sample: RoundSample) -> bool:
+        """`update` with a round's accept lengths; rounds without drafts leave the EMA alone."""
+        return self.update(sample.accept_lengths) if sample.speculative else False
+
+    def estimates(self) -> tuple[TierEstimate, ...]:
+        return ()  # the rule reads acceptance only: it predicts no speed
+
+    def describe(self) -> str:
+        c, i = self.config.candidate_steps, self.config.candidate_steps.index(self._steps)
+        down = c[i - 1] - 0.5 + self.config.down_hysteresis if i > 0 else None
+        up = c[i] - 0.5 + self.config.up_hysteresis if i < len(c) - 1 else None
+        return (
+            f"sglang: EMA accept length {self._ema:.2f} over {self.count} batches; "
+            f"at {self._steps}: down when EMA <= {down}, up when EMA > {up}"
+        )
 
     def update(self, accept_lengths: Sequence[int]) -> bool:
         """Feeds one batch (per request, accepted drafts without the bonus); True if the tier
@@ -142,12 +175,7 @@ class AdaptiveSpeculativeParams:
         cfg = self.config
         mean = sum(accept_lengths) / len(accept_lengths)
         self._ema = (1.0 - cfg.ema_alpha) * self._ema + cfg.ema_alpha * mean
-        self._count += 1
-        if self._count <= cfg.warmup_batches:
-            return False
-        if (self._count - cfg.warmup_batches) % cfg.update_interval != 0:
-            return False
-        return self._decide()
+        return self._gate.tick() and self._decide()
 
     def _decide(self) -> bool:
         c, old = self.config.candidate_steps, self._steps
@@ -163,7 +191,4 @@ class AdaptiveSpeculativeParams:
     def reconfigure(self, config: PolicyConfig) -> bool:
         """Swaps in `config`, keeping the EMA and batch count; the tier snaps to the new
         candidates. True if the tier changed."""
-        old = self._steps
-        self.config = config
-        self._steps = snap_to_candidate(old, config.candidate_steps)
-        return self._steps != old
+        return self._swap_config(config)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import grpc
 
+from controller.bands import PolicySpec
 from controller.controller import AdaptiveController, TargetSnapshot
-from controller.policy import PolicyConfig
+from controller.policy import FIELD_NAMES, PolicyConfig
 from specpair.config import ControllerConfig, split_address
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
@@ -37,8 +40,13 @@ _OPTIONAL_FIELDS: tuple[_OptionalField, ...] = (
 )
 
 
-def policy_to_pb(policy: PolicyConfig) -> controller_pb2.PolicyConfig:
-    return controller_pb2.PolicyConfig(**policy.to_dict())
+def policy_to_pb(policy: PolicySpec) -> controller_pb2.PolicyConfig:
+    """SGLang's keys by name, the kind, and every other key as one JSON object."""
+    values = policy.to_dict()
+    kind = values.pop("kind")
+    named = {k: values.pop(k) for k in FIELD_NAMES if k in values}
+    options = json.dumps(values) if values else ""
+    return controller_pb2.PolicyConfig(**named, kind=kind, options_json=options)
 
 
 def target_to_pb(t: TargetSnapshot) -> controller_pb2.TargetState:
@@ -62,6 +70,17 @@ def target_to_pb(t: TargetSnapshot) -> controller_pb2.TargetState:
             )
             for s in t.recent_switches
         ],
+        estimates=[
+            controller_pb2.TierEstimate(
+                steps=e.steps,
+                tokens_per_s=e.tokens_per_s,
+                round_ms=e.round_ms,
+                tokens_per_round=e.tokens_per_round,
+                observed_rounds=e.observed_rounds,
+            )
+            for e in t.estimates
+        ],
+        model=t.model,
     )
 
 
@@ -72,6 +91,16 @@ def policy_changes(request: controller_pb2.UpdatePolicyRequest) -> dict[str, Any
     }
     if request.candidate_steps:
         changes["candidate_steps"] = tuple(request.candidate_steps)
+    if request.HasField("kind"):
+        changes["kind"] = request.kind
+    if request.options_json:
+        try:
+            options = json.loads(request.options_json)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"options_json is not JSON: {exc}") from None
+        if not isinstance(options, dict):
+            raise ValueError(f"options_json must be a JSON object, got {request.options_json!r}")
+        changes.update(options)
     return changes
 
 
@@ -133,20 +162,17 @@ class RunningController:
 async def start(
     config: ControllerConfig,
     *,
-    policy: PolicyConfig | None = None,
+    policy: PolicySpec | PolicyConfig | None = None,
     metrics: ServiceMetrics | None = None,
 ) -> RunningController:
     """Starts the controller in this event loop ("127.0.0.1:0" binds an ephemeral port).
 
-    The policy is `policy`, else `config.policy_file`, else the defaults; a bad file raises
-    ValueError naming the key.
+    The policy is `policy`, else `config.policy_file` (its kind replaced by
+    `config.policy_class` when set), else the defaults; a bad file raises ValueError naming the
+    key.
     """
     if policy is None:
-        policy = (
-            PolicyConfig.from_json_file(config.policy_file)
-            if config.policy_file is not None
-            else PolicyConfig()
-        )
+        policy = load_policy(config.policy_file, config.policy_class)
     log.info("controller starting", targets=list(config.targets), policy=policy.to_dict())
     metrics = metrics or ServiceMetrics("controller")
     if config.server.metrics_address:
@@ -173,6 +199,23 @@ async def start(
         tls=config.server.tls.enabled,
     )
     return RunningController(server=server, controller=controller, port=server.port)
+
+
+def load_policy(path: Path | None, policy_class: str | None = None) -> PolicySpec:
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            values = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read policy config {path}: {exc}") from exc
+        if not isinstance(values, dict):
+            raise ValueError(f"policy config {path} must be a JSON object")
+    if policy_class is not None:
+        values["kind"] = policy_class
+    try:
+        return PolicySpec.from_mapping(values)
+    except ValueError as exc:
+        raise ValueError(f"policy config {path or policy_class}: {exc}") from exc
 
 
 async def serve(config: ControllerConfig, *, ready_event: asyncio.Event | None = None) -> None:

@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ctrl.add_argument("--policy", type=Path, help="policy JSON file (omitted keys: defaults)")
     ctrl.add_argument(
+        "--policy-class",
+        metavar="MODULE:CLASS",
+        help="a SpeculationPolicy class to run instead of the kind (the policy file's keys are "
+        "its options)",
+    )
+    ctrl.add_argument(
         "--state-file",
         type=Path,
         default=os.environ.get("SPECPAIR_CONTROLLER_STATE") or None,
@@ -220,6 +226,7 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig | DraftConfig | C
         server=server,
         targets=tuple(args.target or [env_address("target")]),
         policy_file=args.policy,
+        policy_class=args.policy_class,
         state_file=args.state_file,
     )
 

@@ -16,6 +16,7 @@ in how they wait on the channel.
 
 from __future__ import annotations
 
+import json
 import operator
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
@@ -271,6 +272,15 @@ _POLICY_FIELDS: dict[str, type] = {
     "down_hysteresis": float,
     "up_hysteresis": float,
 }
+# Keys beyond SGLang's, sent as UpdatePolicyRequest.options_json; None: any JSON value (a
+# string is parsed as JSON, `bands='[{"min_batch_size": 16, "candidate_steps": [0, 1]}]'`).
+_POLICY_OPTIONS: dict[str, type | None] = {
+    "min_gain": float,
+    "probe_interval": int,
+    "probe_rounds": int,
+    "profile_ms": None,
+    "bands": None,
+}
 
 
 def build_policy_update(**changes: Any) -> controller_pb2.UpdatePolicyRequest:
@@ -279,16 +289,33 @@ def build_policy_update(**changes: Any) -> controller_pb2.UpdatePolicyRequest:
     if not changes:
         raise ValueError("a policy update needs at least one KEY=VALUE")
     request = controller_pb2.UpdatePolicyRequest()
+    options: dict[str, Any] = {}
     for key, value in changes.items():
         if key == "candidate_steps":
             items = value.split(",") if isinstance(value, str) else value
             request.candidate_steps.extend([_coerce(key, int, item) for item in items])
+        elif key == "kind":
+            request.kind = _coerce(key, str, value)
         elif key in _POLICY_FIELDS:
             setattr(request, key, _coerce(key, _POLICY_FIELDS[key], value))
+        elif key in _POLICY_OPTIONS:
+            kind = _POLICY_OPTIONS[key]
+            options[key] = _coerce(key, kind, value) if kind else _json_value(key, value)
         else:
-            known = ", ".join(["candidate_steps", *_POLICY_FIELDS])
+            known = ", ".join(["candidate_steps", "kind", *_POLICY_FIELDS, *_POLICY_OPTIONS])
             raise ValueError(f"unknown policy key {key!r} (known: {known})")
+    if options:
+        request.options_json = json.dumps(options)
     return request
+
+
+def _json_value(key: str, value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{key}: expected JSON, got {value!r} ({exc})") from None
 
 
 def _coerce(key: str, kind: type, value: Any) -> Any:

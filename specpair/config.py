@@ -192,6 +192,7 @@ class ControllerConfig:
     server: ServerConfig
     targets: tuple[str, ...] = (DEFAULT_TARGET_ADDRESS,)
     policy_file: Path | None = None
+    policy_class: str | None = None  # "module:Class", a SpeculationPolicy instead of the kind
     reconnect_s: float = 1.0
     state_file: Path | None = None  # pin, live policy and EMAs kept across restarts
 

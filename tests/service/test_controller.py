@@ -438,7 +438,7 @@ async def test_pin_policy_and_ema_survive_a_controller_restart(tmp_path: Path) -
             after = second.controller.snapshot()[0]
             assert after.pinned_steps == 7 and after.active_steps == 7
             assert (after.ema, after.batches_counted) == (before.ema, before.batches_counted)
-            assert second.controller.policy.update_interval == 2
+            assert second.controller.policy.to_dict()["update_interval"] == 2
             assert fake.applied == [(7, "pin")] and fake.steps == 7  # the pin holds
         finally:
             await second.stop(grace=0.1)

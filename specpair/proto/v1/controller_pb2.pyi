@@ -21,7 +21,11 @@ DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
 class PolicyConfig(_message.Message):
-    """AdaptiveSpeculativeParams, as SGLang names them."""
+    """The policy: SGLang's AdaptiveSpeculativeParams by name (fields 1-6, those the kind has), its
+    kind ("sglang", "goodput", or a "module:Class" chosen at start-up) and every other key of the
+    policy file as a JSON object (goodput's min_gain, probe_interval, probe_rounds, profile_ms;
+    "bands").
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -31,11 +35,15 @@ class PolicyConfig(_message.Message):
     WARMUP_BATCHES_FIELD_NUMBER: _builtins.int
     DOWN_HYSTERESIS_FIELD_NUMBER: _builtins.int
     UP_HYSTERESIS_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    OPTIONS_JSON_FIELD_NUMBER: _builtins.int
     ema_alpha: _builtins.float
     update_interval: _builtins.int
     warmup_batches: _builtins.int
     down_hysteresis: _builtins.float
     up_hysteresis: _builtins.float
+    kind: _builtins.str
+    options_json: _builtins.str
     @_builtins.property
     def candidate_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -47,14 +55,51 @@ class PolicyConfig(_message.Message):
         warmup_batches: _builtins.int = ...,
         down_hysteresis: _builtins.float = ...,
         up_hysteresis: _builtins.float = ...,
+        kind: _builtins.str = ...,
+        options_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidate_steps", b"candidate_steps", "down_hysteresis", b"down_hysteresis", "ema_alpha", b"ema_alpha", "up_hysteresis", b"up_hysteresis", "update_interval", b"update_interval", "warmup_batches", b"warmup_batches"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidate_steps", b"candidate_steps", "down_hysteresis", b"down_hysteresis", "ema_alpha", b"ema_alpha", "kind", b"kind", "options_json", b"options_json", "up_hysteresis", b"up_hysteresis", "update_interval", b"update_interval", "warmup_batches", b"warmup_batches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PolicyConfig: _TypeAlias = PolicyConfig  # noqa: Y015
+
+@_typing.final
+class TierEstimate(_message.Message):
+    """A policy's prediction for one tier at the target's current batch size."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEPS_FIELD_NUMBER: _builtins.int
+    TOKENS_PER_S_FIELD_NUMBER: _builtins.int
+    ROUND_MS_FIELD_NUMBER: _builtins.int
+    TOKENS_PER_ROUND_FIELD_NUMBER: _builtins.int
+    OBSERVED_ROUNDS_FIELD_NUMBER: _builtins.int
+    steps: _builtins.int
+    tokens_per_s: _builtins.float
+    round_ms: _builtins.float
+    tokens_per_round: _builtins.float
+    """Per request: accepted drafts + the bonus token."""
+    observed_rounds: _builtins.int
+    """Rounds measured at this tier and batch bucket; 0: the time is predicted."""
+    def __init__(
+        self,
+        *,
+        steps: _builtins.int = ...,
+        tokens_per_s: _builtins.float = ...,
+        round_ms: _builtins.float = ...,
+        tokens_per_round: _builtins.float = ...,
+        observed_rounds: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["observed_rounds", b"observed_rounds", "round_ms", b"round_ms", "steps", b"steps", "tokens_per_round", b"tokens_per_round", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TierEstimate: _TypeAlias = TierEstimate  # noqa: Y015
 
 @_typing.final
 class TierSwitch(_message.Message):
@@ -104,6 +149,8 @@ class TargetState(_message.Message):
     ROUNDS_SEEN_FIELD_NUMBER: _builtins.int
     BATCHES_COUNTED_FIELD_NUMBER: _builtins.int
     RECENT_SWITCHES_FIELD_NUMBER: _builtins.int
+    ESTIMATES_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
     target_address: _builtins.str
     connected: _builtins.bool
     active_steps: _builtins.int
@@ -112,8 +159,14 @@ class TargetState(_message.Message):
     pinned_steps: _builtins.int
     rounds_seen: _builtins.int
     batches_counted: _builtins.int
+    model: _builtins.str
+    """One line on the model behind the decisions."""
     @_builtins.property
     def recent_switches(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierSwitch]: ...
+    @_builtins.property
+    def estimates(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierEstimate]:
+        """Per candidate tier (empty for a rule without a cost model, such as "sglang")."""
+
     def __init__(
         self,
         *,
@@ -126,10 +179,12 @@ class TargetState(_message.Message):
         rounds_seen: _builtins.int = ...,
         batches_counted: _builtins.int = ...,
         recent_switches: _abc.Iterable[Global___TierSwitch] | None = ...,
+        estimates: _abc.Iterable[Global___TierEstimate] | None = ...,
+        model: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_steps", b"active_steps", "batches_counted", b"batches_counted", "connected", b"connected", "ema", b"ema", "pinned", b"pinned", "pinned_steps", b"pinned_steps", "recent_switches", b"recent_switches", "rounds_seen", b"rounds_seen", "target_address", b"target_address"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_steps", b"active_steps", "batches_counted", b"batches_counted", "connected", b"connected", "ema", b"ema", "estimates", b"estimates", "model", b"model", "pinned", b"pinned", "pinned_steps", b"pinned_steps", "recent_switches", b"recent_switches", "rounds_seen", b"rounds_seen", "target_address", b"target_address"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -186,11 +241,16 @@ class UpdatePolicyRequest(_message.Message):
     WARMUP_BATCHES_FIELD_NUMBER: _builtins.int
     DOWN_HYSTERESIS_FIELD_NUMBER: _builtins.int
     UP_HYSTERESIS_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    OPTIONS_JSON_FIELD_NUMBER: _builtins.int
     ema_alpha: _builtins.float
     update_interval: _builtins.int
     warmup_batches: _builtins.int
     down_hysteresis: _builtins.float
     up_hysteresis: _builtins.float
+    kind: _builtins.str
+    options_json: _builtins.str
+    """Further keys as a JSON object, e.g. {"min_gain": 0.05, "bands": [...]}."""
     @_builtins.property
     def candidate_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -202,15 +262,19 @@ class UpdatePolicyRequest(_message.Message):
         warmup_batches: _builtins.int | None = ...,
         down_hysteresis: _builtins.float | None = ...,
         up_hysteresis: _builtins.float | None = ...,
+        kind: _builtins.str | None = ...,
+        options_json: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_down_hysteresis", b"_down_hysteresis", "_ema_alpha", b"_ema_alpha", "_up_hysteresis", b"_up_hysteresis", "_update_interval", b"_update_interval", "_warmup_batches", b"_warmup_batches", "down_hysteresis", b"down_hysteresis", "ema_alpha", b"ema_alpha", "up_hysteresis", b"up_hysteresis", "update_interval", b"update_interval", "warmup_batches", b"warmup_batches"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_down_hysteresis", b"_down_hysteresis", "_ema_alpha", b"_ema_alpha", "_kind", b"_kind", "_up_hysteresis", b"_up_hysteresis", "_update_interval", b"_update_interval", "_warmup_batches", b"_warmup_batches", "down_hysteresis", b"down_hysteresis", "ema_alpha", b"ema_alpha", "kind", b"kind", "up_hysteresis", b"up_hysteresis", "update_interval", b"update_interval", "warmup_batches", b"warmup_batches"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_down_hysteresis", b"_down_hysteresis", "_ema_alpha", b"_ema_alpha", "_up_hysteresis", b"_up_hysteresis", "_update_interval", b"_update_interval", "_warmup_batches", b"_warmup_batches", "candidate_steps", b"candidate_steps", "down_hysteresis", b"down_hysteresis", "ema_alpha", b"ema_alpha", "up_hysteresis", b"up_hysteresis", "update_interval", b"update_interval", "warmup_batches", b"warmup_batches"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_down_hysteresis", b"_down_hysteresis", "_ema_alpha", b"_ema_alpha", "_kind", b"_kind", "_up_hysteresis", b"_up_hysteresis", "_update_interval", b"_update_interval", "_warmup_batches", b"_warmup_batches", "candidate_steps", b"candidate_steps", "down_hysteresis", b"down_hysteresis", "ema_alpha", b"ema_alpha", "kind", b"kind", "options_json", b"options_json", "up_hysteresis", b"up_hysteresis", "update_interval", b"update_interval", "warmup_batches", b"warmup_batches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__down_hysteresis: _TypeAlias = _typing.Literal["down_hysteresis"]  # noqa: Y015
     _WhichOneofArgType__down_hysteresis: _TypeAlias = _typing.Literal["_down_hysteresis", b"_down_hysteresis"]  # noqa: Y015
     _WhichOneofReturnType__ema_alpha: _TypeAlias = _typing.Literal["ema_alpha"]  # noqa: Y015
     _WhichOneofArgType__ema_alpha: _TypeAlias = _typing.Literal["_ema_alpha", b"_ema_alpha"]  # noqa: Y015
+    _WhichOneofReturnType__kind: _TypeAlias = _typing.Literal["kind"]  # noqa: Y015
+    _WhichOneofArgType__kind: _TypeAlias = _typing.Literal["_kind", b"_kind"]  # noqa: Y015
     _WhichOneofReturnType__up_hysteresis: _TypeAlias = _typing.Literal["up_hysteresis"]  # noqa: Y015
     _WhichOneofArgType__up_hysteresis: _TypeAlias = _typing.Literal["_up_hysteresis", b"_up_hysteresis"]  # noqa: Y015
     _WhichOneofReturnType__update_interval: _TypeAlias = _typing.Literal["update_interval"]  # noqa: Y015
@@ -221,6 +285,8 @@ class UpdatePolicyRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__down_hysteresis) -> _WhichOneofReturnType__down_hysteresis | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__ema_alpha) -> _WhichOneofReturnType__ema_alpha | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__kind) -> _WhichOneofReturnType__kind | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__up_hysteresis) -> _WhichOneofReturnType__up_hysteresis | None: ...
     @_typing.overload

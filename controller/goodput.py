@@ -1,0 +1,190 @@
+"""The goodput policy: the tier with the most expected tokens per second, tier 0 included.
+
+For each candidate tier s at the current batch size b the policy predicts
+
+    tokens/s(s) = b · E[tokens per round](s) / T(s, b)
+
+from an acceptance model (E, per-position acceptance learnt from accept lengths) and a cost
+model (T, round time per tier and batch size, profiled at start-up and learnt from the rounds'
+timings): see goodput_model.py. E.g. α = 0.6 → E = 1.6, 2.18, 2.46 at tiers 1, 3, 7; with
+T = 22, 30, 38 ms and T(0) = 20 ms at batch 1 that is 72.7, 72.5, 64.7 and 50 tokens/s: tier 1
+(but by 0.3 %, inside the default margin: from tier 3 the policy would stay).
+
+Guards, shared with the sglang kind: no decision in the first `warmup_batches` rounds, then one
+every `update_interval` rounds; a move needs a predicted gain over the current tier of more than
+`min_gain` (3 %: noise must not flip a near tie). At tier 0 nothing is learnt about drafts, so
+every `probe_interval` rounds the policy tries the smallest positive tier for at least
+`probe_rounds` rounds with drafts, then decides again from tier 0's standpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from controller.goodput_model import AcceptanceModel, CostModel
+from controller.interface import GatedPolicy, RoundSample, TierEstimate
+from controller.policy import PolicyKeys, check_gates, check_steps, finite_float, is_int
+
+ProfileMs = tuple[tuple[int, int, float], ...]  # (batch size, tier, round ms)
+
+
+@dataclass(frozen=True, slots=True)
+class GoodputConfig(PolicyKeys):
+    """`profile_ms` seeds the cost model, in vLLM's batch_stats shape: {"1": {"0": 20.1,
+    "3": 30.4}, "16": {...}} (batch size → tier → round ms); tiers it omits are predicted."""
+
+    candidate_steps: tuple[int, ...] = (1, 3, 7)
+    ema_alpha: float = 0.1
+    update_interval: int = 5
+    warmup_batches: int = 10
+    min_gain: float = 0.03
+    probe_interval: int = 64
+    probe_rounds: int = 8
+    profile_ms: ProfileMs = ()
+
+    def __post_init__(self) -> None:
+        steps = check_steps(self.candidate_steps, minimum=0)
+        if not steps:
+            raise ValueError("candidate_steps needs at least one tier")
+        object.__setattr__(self, "candidate_steps", steps)
+        check_gates(self)
+        gain = finite_float("min_gain", self.min_gain)
+        if gain < 0.0:
+            raise ValueError(f"min_gain must be >= 0, got {self.min_gain}")
+        object.__setattr__(self, "min_gain", gain)
+        for name in ("probe_interval", "probe_rounds"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        object.__setattr__(self, "profile_ms", parse_profile(self.profile_ms))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = PolicyKeys.to_dict(self)
+        profile: dict[str, dict[str, float]] = {}
+        for batch, steps, ms in self.profile_ms:
+            profile.setdefault(str(batch), {})[str(steps)] = ms
+        out["profile_ms"] = profile
+        return out
+
+
+def parse_profile(raw: object) -> ProfileMs:
+    """{batch: {tier: ms}} (JSON keys are strings) or (batch, tier, ms) triples → triples."""
+    if isinstance(raw, Mapping):
+        if not all(isinstance(v, Mapping) for v in raw.values()):
+            raise ValueError(f"profile_ms must map batch size → {{tier: ms}}, got {raw!r}")
+        raw = [(b, s, ms) for b, tiers in raw.items() for s, ms in tiers.items()]
+    if not isinstance(raw, list | tuple):
+        raise ValueError(f"profile_ms must be an object, got {raw!r}")
+    out = []
+    for item in raw:
+        try:
+            batch, steps, ms = (int(item[0]), int(item[1]), float(item[2]))
+        except (TypeError, ValueError, IndexError, KeyError):
+            raise ValueError(f"profile_ms entry {item!r} is not (batch, tier, ms)") from None
+        if batch < 1 or steps < 0 or not ms > 0.0:
+            raise ValueError(f"profile_ms: batch {batch} tier {steps} needs batch >= 1, ms > 0")
+        out.append((batch, steps, ms))
+    return tuple(sorted(out))
+
+
+class GoodputPolicy(GatedPolicy[GoodputConfig]):
+    """Chooses the tier with the highest predicted tokens/s; see the module docstring."""
+
+    def __init__(self, config: GoodputConfig, initial_steps: int) -> None:
+        super().__init__(config, initial_steps)  # counts every round, tier 0's included
+        self.acceptance = AcceptanceModel(config.ema_alpha)
+        self.cost = CostModel(config.ema_alpha, config.profile_ms)
+        self._batch = 1
+        self._rounds_at_zero = 0
+        self._probe_rounds: int | None = None  # rounds with drafts so far while probing
+
+    @property
+    def ema(self) -> float:
+        """Predicted accepted drafts per request per round at the current tier."""
+        return self.acceptance.tokens_per_round(self._steps) - 1.0
+
+    @property
+    def probing(self) -> bool:
+        return self._probe_rounds is not None
+
+    def resume(self, ema: float, count: int) -> None:
+        # The models are relearnt in a few rounds; the count keeps the warm-up from repeating.
+        self._gate.count = max(int(count), 0)
+
+    def reconfigure(self, config: GoodputConfig) -> bool:
+        """New guards and candidates keep the learnt models; a new profile reseeds the cost."""
+        if config.profile_ms != self.config.profile_ms:
+            self.cost = CostModel(config.ema_alpha, config.profile_ms)
+        self.acceptance.decay = self.cost.alpha = config.ema_alpha
+        return self._swap_config(config)
+
+    def observe(self, sample: RoundSample) -> bool:
+        self.cost.observe(sample)
+        self.acceptance.observe(sample.steps, sample.accept_lengths)
+        self._batch = sample.batch_size
+        if self._probe_rounds is not None and sample.speculative:
+            self._probe_rounds += 1
+        elif self._steps == 0:
+            self._rounds_at_zero += 1
+        return self._gate.tick() and self._decide()
+
+    def tokens_per_s(self, steps: int, batch_size: int | None = None) -> float | None:
+        b = batch_size or self._batch
+        round_ms = self.cost.round_ms(steps, b)
+        if round_ms is None:
+            return None
+        return 1e3 * b * self.acceptance.tokens_per_round(steps) / round_ms
+
+    def _decide(self) -> bool:
+        old, baseline = self._steps, self._steps
+        if self._probe_rounds is not None:
+            if self._probe_rounds < self.config.probe_rounds:
+                return False
+            self._probe_rounds, baseline = None, 0  # the probe must earn its way off tier 0
+        elif self._steps == 0 and self._rounds_at_zero >= self.config.probe_interval:
+            positive = [s for s in self.config.candidate_steps if s > 0]
+            if positive:
+                self._steps, self._probe_rounds, self._rounds_at_zero = positive[0], 0, 0
+                return True
+        rates = {s: r for s in self.config.candidate_steps if (r := self.tokens_per_s(s))}
+        if not rates:
+            return False
+        best = max(rates, key=lambda s: (rates[s], -s))  # a tie goes to the cheaper tier
+        base_rate = rates.get(baseline)
+        if base_rate is None or rates[best] > base_rate * (1.0 + self.config.min_gain):
+            self._steps = best
+        else:
+            self._steps = baseline
+        if self._steps == 0 and old != 0:
+            self._rounds_at_zero = 0
+        return self._steps != old
+
+    def estimates(self) -> tuple[TierEstimate, ...]:
+        out = []
+        for s in self.config.candidate_steps:
+            round_ms = self.cost.round_ms(s, self._batch)
+            if round_ms is None:
+                continue
+            e = self.acceptance.tokens_per_round(s)
+            out.append(
+                TierEstimate(
+                    steps=s,
+                    tokens_per_s=1e3 * self._batch * e / round_ms,
+                    round_ms=round_ms,
+                    tokens_per_round=e,
+                    observed_rounds=self.cost.measured_rounds(s, self._batch),
+                )
+            )
+        return tuple(out)
+
+    def describe(self) -> str:
+        a = self.acceptance
+        rates = ", ".join(f"{p:.2f}" for p in a.position_rates(max(self.candidate_steps)))
+        state = " (probing)" if self.probing else ""
+        return (
+            f"goodput at batch {self._batch}{state}: acceptance α {a.alpha:.3f} "
+            f"({a.trials:.0f} decayed trials), per position [{rates}]; tokens/s = batch · "
+            f"E[tokens/round] / round time; switch on > {self.config.min_gain:.0%} gain"
+        )

@@ -1,0 +1,206 @@
+"""The two models behind the goodput policy: what a round at tier s yields (acceptance) and
+what it costs (time), each learnt online from RoundSamples and decayed so that it follows a
+workload that changes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from controller.interface import RoundSample
+
+
+class AcceptanceModel:
+    """Per-position acceptance of a chain draft, from accept lengths.
+
+    p[i] is the chance that draft position i is accepted given that positions 1..i−1 were. A
+    request that accepted a of s drafts tried positions 1..min(a + 1, s) and passed 1..a; so
+    tier 3 with accept lengths [3, 1, 0] tried position 1 three times (passed 2), position 2
+    twice (passed 1), position 3 once (passed 1): p = [2/3, 1/2, 1], pooled α = 4/6.
+
+    Assumption (tested): p[i] does not depend on the tier the round ran at — a chain draft
+    proposes the same first i tokens whatever s — so what tier 3 teaches predicts tier 1 and,
+    for positions it never tries, the pooled rate α stands in (geometric acceptance):
+
+        E[tokens per round](s) = 1 + Σ_{k=1..s} Π_{i≤k} p[i];  with p[i] = α: Σ_{k=0..s} α^k.
+
+    Counts decay by (1 − decay) per round with drafts, so the estimate follows a phase change
+    within about 1 / decay rounds; rounds without drafts teach nothing and decay nothing.
+    Each p[i] is shrunk toward α by `prior` pseudo-trials, and α toward `prior_alpha`.
+    """
+
+    def __init__(self, decay: float, *, prior: float = 2.0, prior_alpha: float = 0.5) -> None:
+        self.decay, self.prior, self.prior_alpha = decay, prior, prior_alpha
+        self._tried: list[float] = []  # index i − 1: decayed trials of position i
+        self._passed: list[float] = []
+
+    def observe(self, steps: int, accept_lengths: Sequence[int]) -> None:
+        if steps < 1 or not accept_lengths:
+            return
+        keep = 1.0 - self.decay
+        self._tried = [x * keep for x in self._tried]
+        self._passed = [x * keep for x in self._passed]
+        while len(self._tried) < steps:
+            self._tried.append(0.0)
+            self._passed.append(0.0)
+        for a in accept_lengths:
+            a = min(a, steps)
+            for i in range(min(a + 1, steps)):
+                self._tried[i] += 1.0
+                self._passed[i] += 1.0 if i < a else 0.0
+
+    @property
+    def alpha(self) -> float:
+        """Pooled per-position acceptance."""
+        tried, passed = sum(self._tried), sum(self._passed)
+        return (passed + self.prior * self.prior_alpha) / (tried + self.prior)
+
+    @property
+    def trials(self) -> float:
+        return sum(self._tried)
+
+    def position_rates(self, steps: int) -> list[float]:
+        alpha = self.alpha
+        return [
+            (self._passed[i] + self.prior * alpha) / (self._tried[i] + self.prior)
+            if i < len(self._tried)
+            else alpha
+            for i in range(steps)
+        ]
+
+    def tokens_per_round(self, steps: int) -> float:
+        """Expected tokens a request gains per round at tier `steps` (0: exactly 1)."""
+        total, reach = 1.0, 1.0
+        for p in self.position_rates(steps):
+            reach *= p
+            total += reach
+        return total
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Batch sizes share a cost estimate within a power of two: 1 | 2–3 | 4–7 | 8–15 | …"""
+    return 1 << (max(batch_size, 1).bit_length() - 1)
+
+
+@dataclass
+class _Ema:
+    value: float = 0.0
+    n: int = 0  # samples measured (a profiled seed counts 0)
+    seeded: bool = False
+
+    @property
+    def known(self) -> bool:
+        return self.n > 0 or self.seeded
+
+    def add(self, x: float, alpha: float) -> None:
+        if self.n >= 3:
+            # A round that also admitted a request carries its prefill; clipping at twice the
+            # estimate keeps one such spike from moving it far, a real slow-down still wins.
+            x = min(x, 2.0 * self.value)
+        self.value = x if not self.known else (1.0 - alpha) * self.value + alpha * x
+        self.n += 1
+
+
+@dataclass
+class _Bucket:
+    round_ms: dict[int, _Ema] = field(default_factory=dict)  # per tier: the round's wall time
+    verify_ms: dict[int, _Ema] = field(default_factory=dict)
+    draft_step_ms: _Ema = field(default_factory=_Ema)  # draft time / tier
+    fixed_ms: _Ema = field(default_factory=_Ema)  # round trip − draft: wire + extend + host
+
+
+class CostModel:
+    """Round time vs tier and batch size: measured where measured, predicted elsewhere.
+
+    Per batch bucket it keeps, per tier, the round's wall time, and for the differences between
+    tiers a stage model: verify(s) per tier, plus for s > 0 a fixed draft round trip (wire,
+    extend) and a draft time per step. An unmeasured tier s is predicted from the nearest
+    measured tier r as T(r) + D(s) − D(r), D(s) = verify(s) + [s > 0]·(fixed + step·s). E.g.
+    T(3) = 30 ms measured with verify 18, fixed 4, step 2: T(0) = 30 − (4 + 3·2) = 20 ms and
+    T(7) = 30 + 4·2 = 38 ms (verify(s) held flat until two tiers are measured, then a line).
+    A bucket with nothing measured borrows the nearest one that has.
+    """
+
+    def __init__(self, alpha: float, profile_ms: Iterable[tuple[int, int, float]] = ()) -> None:
+        self.alpha = alpha
+        self._buckets: dict[int, _Bucket] = {}
+        for batch, steps, ms in profile_ms:
+            entry = self._bucket(batch_bucket(batch)).round_ms.setdefault(steps, _Ema())
+            entry.value, entry.seeded = ms, True
+
+    def _bucket(self, key: int) -> _Bucket:
+        return self._buckets.setdefault(key, _Bucket())
+
+    def observe(self, sample: RoundSample) -> None:
+        if sample.total_ms <= 0.0 or sample.batch_size < 1:
+            return  # a target that reports no timings teaches nothing
+        b, s, a = self._bucket(batch_bucket(sample.batch_size)), sample.steps, self.alpha
+        b.round_ms.setdefault(s, _Ema()).add(sample.total_ms, a)
+        b.verify_ms.setdefault(s, _Ema()).add(sample.verify_ms, a)
+        if s > 0:
+            b.draft_step_ms.add(sample.draft_ms / s, a)
+            b.fixed_ms.add(max(sample.round_trip_ms - sample.draft_ms, 0.0), a)
+
+    def measured_rounds(self, steps: int, batch_size: int) -> int:
+        bucket = self._buckets.get(batch_bucket(batch_size))
+        entry = bucket.round_ms.get(steps) if bucket else None
+        return entry.n if entry else 0
+
+    def round_ms(self, steps: int, batch_size: int) -> float | None:
+        """Predicted wall time of a round at `steps` for `batch_size`; None if unknown."""
+        key = self._nearest_bucket(batch_bucket(batch_size))
+        if key is None:
+            return None
+        b = self._buckets[key]
+        known = {s: e.value for s, e in b.round_ms.items() if e.known}
+        if steps in known:
+            return known[steps]
+        ref = min(known, key=lambda s: (abs(s - steps), s))
+        d_steps, d_ref = self._stage_ms(b, steps), self._stage_ms(b, ref)
+        if d_steps is None or d_ref is None:
+            return None
+        return max(known[ref] + d_steps - d_ref, 1e-3)
+
+    def _nearest_bucket(self, key: int) -> int | None:
+        keys = [k for k, b in self._buckets.items() if any(e.known for e in b.round_ms.values())]
+        if not keys:
+            return None
+        return min(keys, key=lambda k: (abs(k.bit_length() - key.bit_length()), k))
+
+    def _stage_ms(self, b: _Bucket, steps: int) -> float | None:
+        verify = _line_at({s: e.value for s, e in b.verify_ms.items() if e.n}, steps)
+        if steps == 0:
+            return verify
+        fixed, step = self._draft_terms(b)
+        if fixed is None or step is None:
+            return None
+        return verify + fixed + step * steps
+
+    def _draft_terms(self, b: _Bucket) -> tuple[float | None, float | None]:
+        """This bucket's draft terms, else the nearest bucket's that has them."""
+        have = [k for k, o in self._buckets.items() if o.draft_step_ms.n]
+        if b.draft_step_ms.n:
+            return b.fixed_ms.value, b.draft_step_ms.value
+        if not have:
+            return None, None
+        own = next(k for k, o in self._buckets.items() if o is b)
+        near = self._buckets[min(have, key=lambda k: abs(k.bit_length() - own.bit_length()))]
+        return near.fixed_ms.value, near.draft_step_ms.value
+
+
+def _line_at(points: dict[int, float], x: int) -> float:
+    """Least-squares line through `points` at x; flat with one point, 0 with none.
+
+    {1: 10, 3: 14} at 7 → 22 (slope 2).
+    """
+    if not points:
+        return 0.0
+    if x in points:
+        return points[x]
+    if len(points) == 1:
+        return next(iter(points.values()))
+    n = len(points)
+    mx, my = sum(points) / n, sum(points.values()) / n
+    sxx = sum((p - mx) ** 2 for p in points)
+    slope = sum((p - mx) * (v - my) for p, v in points.items()) / sxx
+    return my + slope * (x - mx)

@@ -1,0 +1,165 @@
+"""What every speculation policy sees (a round) and answers (a tier), and the guards they share.
+
+A policy is pure: the controller turns each RoundStats into a `RoundSample`, feeds it to
+`observe`, and sends ApplyTier when `observe` says the tier changed. Tier 0 means no drafts:
+the target verifies one token per request (a plain decode round).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+
+
+@dataclass(frozen=True, slots=True)
+class RoundSample:
+    """One round of the running batch, as the target reported it (times in ms).
+
+    `steps` is the tier the round ran at, 0 for a round without drafts (`accept_lengths` empty);
+    `accept_lengths` are accepted drafts per request, bonus excluded. The round's wall time is
+    `total_ms`; its speculation overhead is `total_ms − verify_ms − schedule_ms` (the round trip
+    to the draft: wire, extend and draft), of which `draft_ms` grows with the tier.
+    """
+
+    steps: int
+    batch_size: int
+    accept_lengths: tuple[int, ...] = ()
+    total_ms: float = 0.0
+    verify_ms: float = 0.0
+    draft_ms: float = 0.0
+    schedule_ms: float = 0.0
+
+    @property
+    def speculative(self) -> bool:
+        return self.steps > 0 and bool(self.accept_lengths)
+
+    @property
+    def round_trip_ms(self) -> float:
+        """Draft round trip (wire + extend + draft); 0 for a round without drafts."""
+        if not self.speculative:
+            return 0.0
+        return max(self.total_ms - self.verify_ms - self.schedule_ms, self.draft_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class TierEstimate:
+    """A policy's prediction for one tier at the current batch size (status only)."""
+
+    steps: int
+    tokens_per_s: float  # batch · tokens_per_round / round time
+    round_ms: float
+    tokens_per_round: float  # per request: accepted drafts + the bonus token
+    observed_rounds: int  # rounds measured at this tier and batch bucket (0: predicted)
+
+
+@runtime_checkable
+class SpeculationPolicy(Protocol):
+    """The interface behind `--policy-class module:Class` (constructed as
+    `Class(options: Mapping[str, Any], initial_steps: int)`, `options` being the policy file's
+    keys); the built-in kinds implement it too."""
+
+    @property
+    def candidate_steps(self) -> tuple[int, ...]:
+        """Every tier the policy may choose; the target must have built each."""
+        ...
+
+    @property
+    def current_steps(self) -> int: ...
+
+    @property
+    def ema(self) -> float:
+        """The headline estimate the status shows (accepted drafts per request per round)."""
+        ...
+
+    @property
+    def count(self) -> int:
+        """Rounds counted toward the warm-up and interval gates."""
+        ...
+
+    def observe(self, sample: RoundSample) -> bool:
+        """Feeds one round; True if `current_steps` changed."""
+        ...
+
+    def resume(self, ema: float, count: int) -> None:
+        """Continues from a saved headline estimate and count (a restarted controller)."""
+        ...
+
+    def reconfigure(self, options: Mapping[str, Any]) -> bool:
+        """Swaps in new options keeping what was learnt; True if `current_steps` changed."""
+        ...
+
+    def estimates(self) -> tuple[TierEstimate, ...]:
+        """Per candidate tier, predicted tokens/s (empty for a rule without a cost model)."""
+        ...
+
+    def describe(self) -> str:
+        """One line on the model behind the decisions, for the status."""
+        ...
+
+
+class DecisionGate:
+    """The warm-up and interval guards: no decision in the first `warmup` counted rounds, then
+    one every `interval`. With warmup 10 and interval 5, counts 15, 20, 25, … decide."""
+
+    def __init__(self, warmup: int, interval: int, count: int = 0) -> None:
+        self.warmup, self.interval, self.count = warmup, interval, count
+
+    def tick(self) -> bool:
+        """Counts one round; True when this one may decide."""
+        self.count += 1
+        return self.due()
+
+    def due(self) -> bool:
+        past = self.count - self.warmup
+        return past > 0 and past % self.interval == 0
+
+    def retune(self, warmup: int, interval: int) -> None:
+        self.warmup, self.interval = warmup, interval
+
+
+def snap_to_candidate(steps: int, candidates: Sequence[int]) -> int:
+    """Nearest candidate, ties to the larger: with [1, 3, 7], 2 → 3 and 5 → 7."""
+    return min(candidates, key=lambda c: (abs(c - steps), -c))
+
+
+class GateConfig(Protocol):
+    @property
+    def candidate_steps(self) -> tuple[int, ...]: ...
+    @property
+    def warmup_batches(self) -> int: ...
+    @property
+    def update_interval(self) -> int: ...
+
+
+C = TypeVar("C", bound=GateConfig)
+
+
+class GatedPolicy(Generic[C]):
+    """What the built-in kinds share: their config, the tier, and the gate."""
+
+    def __init__(self, config: C, initial_steps: int) -> None:
+        self.config = config
+        self._steps = snap_to_candidate(initial_steps, config.candidate_steps)
+        self._gate = DecisionGate(config.warmup_batches, config.update_interval)
+
+    @property
+    def candidate_steps(self) -> tuple[int, ...]:
+        return self.config.candidate_steps
+
+    @property
+    def current_steps(self) -> int:
+        return self._steps
+
+    @property
+    def count(self) -> int:
+        """Rounds counted toward the gate."""
+        return self._gate.count
+
+    def _swap_config(self, config: C) -> bool:
+        """Takes `config`; the tier snaps to its candidates. True if the tier changed."""
+        old = self._steps
+        self.config = config
+        self._gate.retune(config.warmup_batches, config.update_interval)
+        self._steps = snap_to_candidate(old, config.candidate_steps)
+        return self._steps != old

@@ -1,0 +1,101 @@
+"""The goodput kind behind the real controller: switched to live, fed timed rounds by a fake
+target, it turns speculation off and shows its estimates; a policy class loads by path."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import grpc
+
+from controller.server import start
+from specpair.client import build_policy_update
+from specpair.config import ControllerConfig, ServerConfig
+from specpair.proto.v1 import common_pb2, controller_pb2, controller_pb2_grpc, target_pb2
+from tests.service.conftest import eventually
+from tests.service.test_controller import FakeTarget, serve_target
+
+
+def push_timed(fake: FakeTarget, accepts: tuple[int, ...], total_ms: float) -> None:
+    """A round where verify costs 10 ms and the draft round trip the rest (3 ms a step)."""
+    fake.round_id += 1
+    stats = target_pb2.RoundStats(
+        round_id=fake.round_id,
+        speculative_num_steps=fake.steps,
+        batch_size=len(accepts),
+        accept_lengths=accepts if fake.steps else (),
+        speculative=fake.steps > 0,
+        timings=common_pb2.StageTimings(
+            total_ms=total_ms, verify_ms=10.0, draft_ms=3.0 * fake.steps, schedule_ms=1.0
+        ),
+        unix_time=time.time(),
+    )
+    for queue in fake.watchers:
+        queue.put_nowait(stats)
+
+
+async def test_goodput_turns_speculation_off_when_drafts_are_never_accepted() -> None:
+    fake = FakeTarget(steps=3, candidates=(0, 1, 3, 7))
+    target = await serve_target(fake, "127.0.0.1:0")
+    config = ControllerConfig(ServerConfig("127.0.0.1:0"), targets=(f"127.0.0.1:{target.port}",))
+    running = await start(config)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    stub = controller_pb2_grpc.ControllerServiceStub(channel)
+    try:
+        await eventually(lambda: bool(fake.watchers) and running.controller.snapshot()[0].connected)
+        request = build_policy_update(
+            kind="goodput", candidate_steps="0,1,3,7", warmup_batches=0, update_interval=1
+        )
+        response = await stub.UpdatePolicy(request)
+        assert response.policy.kind == "goodput"
+        assert json.loads(response.policy.options_json)["min_gain"] == 0.03
+        for _ in range(100):
+            if fake.steps == 0:
+                break
+            push_timed(fake, (0,), total_ms=12.0 + 3.0 * fake.steps)
+            await asyncio.sleep(0.02)
+        assert fake.steps == 0 and fake.applied[-1] == (0, "policy")
+        state = (await stub.GetState(controller_pb2.GetStateRequest())).targets[0]
+        by_tier = {e.steps: e for e in state.estimates}
+        assert sorted(by_tier) == [0, 1, 3, 7]
+        assert by_tier[0].tokens_per_s > by_tier[1].tokens_per_s > by_tier[7].tokens_per_s
+        assert by_tier[3].observed_rounds >= 1 and by_tier[7].observed_rounds == 0
+        assert state.model.startswith("goodput at batch 1")
+        # Back to SGLang's rule: tier 0 is not one of its tiers, so the update is refused.
+        bad = build_policy_update(kind="sglang")
+        try:
+            await stub.UpdatePolicy(bad)
+            raise AssertionError("tier 0 passed for the sglang kind")
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "candidate_steps must be positive" in (exc.details() or "")
+    finally:
+        await channel.close()
+        await running.stop(grace=0.1)
+        await target.stop(grace=0.1)
+
+
+async def test_policy_class_and_file_at_start_up(tmp_path: Path) -> None:
+    fake = FakeTarget(steps=3)
+    target = await serve_target(fake, "127.0.0.1:0")
+    policy_file = tmp_path / "policy.json"
+    policy_file.write_text(json.dumps({"steps": 7}))
+    config = ControllerConfig(
+        ServerConfig("127.0.0.1:0"),
+        targets=(f"127.0.0.1:{target.port}",),
+        policy_file=policy_file,
+        policy_class="tests.unit.test_bands:FixedPolicy",
+    )
+    running = await start(config)
+    try:
+        await eventually(lambda: fake.applied == [(7, "policy")])
+        assert running.controller.snapshot()[0].model == "fixed at 7"
+        assert running.controller.policy.to_dict() == {
+            "kind": "tests.unit.test_bands:FixedPolicy",
+            "steps": 7,
+        }
+    finally:
+        await running.stop(grace=0.1)
+        await target.stop(grace=0.1)
