@@ -295,10 +295,28 @@ class LlamaModel(nn.Module):
         x = self.model.embed_tokens(tokens)
         return self.run_layers(x, positions, attend)
 
-    def run_layers(self, x: Tensor, positions: Tensor, attend: Attend) -> Tensor:
+    def forward_aux(
+        self, tokens: Tensor, positions: Tensor, attend: Attend, layers: tuple[int, ...]
+    ) -> tuple[Tensor, Tensor]:
+        """`forward` and the features an EAGLE draft reads: the outputs of `layers`
+        (pre-norm residual stream) concatenated in that order, [B, T, len(layers) * H], an
+        EAGLE-3 head's input; without layers the final hidden state itself."""
+        aux: dict[int, Tensor] | None = {} if layers else None
+        hidden = self.run_layers(self.model.embed_tokens(tokens), positions, attend, aux)
+        if aux is None:
+            return hidden, hidden
+        return hidden, torch.cat([aux[i] for i in layers], dim=-1)
+
+    def run_layers(
+        self, x: Tensor, positions: Tensor, attend: Attend, aux: dict[int, Tensor] | None = None
+    ) -> Tensor:
+        """The decoder layers and final norm; each layer's output lands in `aux` if given
+        (unfused layers only: a fused one defers its residual add)."""
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype, self.rope_scale)
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, attend)
+            if aux is not None:
+                aux[i] = x
         return self.model.norm(x)
 
     def logits(self, hidden: Tensor) -> Tensor:

@@ -23,6 +23,8 @@ from specpair.models.llama import (
 )
 
 EAGLE_ARCHITECTURE = "SpecpairEagleHead"
+# SGLang's and SafeAILab's name for an EAGLE-3 head, and vLLM / speculators' (eagle3_loading.py).
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # model_type -> the architecture it is served as; each is a Llama decoder (Qwen2 adds q/k/v
 # biases, Mistral a sliding window that specpair refuses when it is shorter than the context).
 ARCHITECTURES = {
@@ -57,7 +59,8 @@ def read_args(path: str | Path, *, allow_eagle: bool = False) -> ModelArgs:
         )
     raw = _read_json(file)
     archs = list(raw.get("architectures") or [])
-    allowed = set(ARCHITECTURES.values()) | ({EAGLE_ARCHITECTURE} if allow_eagle else set())
+    eagle = {EAGLE_ARCHITECTURE, *EAGLE3_ARCHITECTURES} if allow_eagle else set()
+    allowed = set(ARCHITECTURES.values()) | eagle
     if raw.get("model_type") not in ARCHITECTURES or (archs and not set(archs) & allowed):
         raise CheckpointError(
             f"{file}: unsupported architecture {archs or raw.get('model_type')!r}; "
@@ -98,12 +101,16 @@ def check_context(path: str | Path, args: ModelArgs, context: int) -> None:
 
 
 def eagle_layout(path: str | Path) -> str | None:
-    """Which EAGLE head `path` holds: "specpair" (our own), "eagle" (SafeAILab's EAGLE-1/2 head
-    as published: `fc` and `layers.0.*`, no `model.*` prefix, a Llama config) or None."""
+    """Which EAGLE head `path` holds: "specpair" (our own), "eagle3" (an EAGLE-3 head:
+    `fc`, `midlayer.*`), "eagle" (SafeAILab's EAGLE-1/2 head as published: `fc` and
+    `layers.0.*`, no `model.*` prefix, a Llama config) or None."""
     path = Path(path)
-    if EAGLE_ARCHITECTURE in (_read_json(path / "config.json").get("architectures") or []):
+    archs = set(_read_json(path / "config.json").get("architectures") or [])
+    if EAGLE_ARCHITECTURE in archs:
         return "specpair"
     names = weight_names(path)
+    if archs & set(EAGLE3_ARCHITECTURES) or "midlayer.self_attn.q_proj.weight" in names:
+        return "eagle3"
     if "fc.weight" in names and not any(n.startswith("model.") for n in names):
         return "eagle"
     return None
@@ -243,6 +250,8 @@ def load_eagle(
     args, target_args = read_args(path, allow_eagle=True), read_args(target_path)
     check_context(path, args, context or args.max_position_embeddings)
     layout = eagle_layout(path)
+    if layout == "eagle3":
+        raise CheckpointError(f"{path}: an EAGLE-3 head (eagle3_loading.load_eagle3 loads it)")
     if layout is None:
         raise CheckpointError(
             f"{path}: not an EAGLE head (neither architectures [{EAGLE_ARCHITECTURE!r}] in "

@@ -143,3 +143,62 @@ def make_tiny_eagle(directory: str | Path, target: str | Path, *, seed: int) -> 
     }
     save_file(tensors, str(directory / "model.safetensors"))
     return directory
+
+
+def make_tiny_eagle3(
+    directory: str | Path,
+    target: str | Path,
+    *,
+    seed: int,
+    draft_vocab: int,
+    layers: list[int] | None = None,
+) -> Path:
+    """A random EAGLE-3 head (SafeAILab / SGLang layout) for the tiny target at `target`: its
+    lm_head covers `draft_vocab` random target ids through d2t / t2d; `layers` goes to
+    `eagle_config.eagle_aux_hidden_state_layer_ids` (None: no key, the default layers)."""
+    from safetensors.torch import save_file
+
+    from specpair.models.loading import read_args
+
+    directory, target = Path(directory), Path(target)
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((target / "config.json").read_text())
+    cfg.update(
+        num_hidden_layers=1, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab
+    )
+    if layers is not None:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": layers}
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2))
+    args = read_args(target)
+    gen = torch.Generator().manual_seed(seed)
+    h, inter, hd = args.hidden_size, args.intermediate_size, args.head_dim
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.1
+
+    used = torch.randperm(args.vocab_size, generator=gen)[:draft_vocab].sort().values
+    t2d = torch.zeros(args.vocab_size, dtype=torch.bool)
+    t2d[used] = True
+    mid = "midlayer."
+    tensors = {
+        "fc.weight": rand(h, 3 * h),
+        f"{mid}hidden_norm.weight": 1 + rand(h),
+        f"{mid}input_layernorm.weight": 1 + rand(h),
+        f"{mid}post_attention_layernorm.weight": 1 + rand(h),
+        f"{mid}self_attn.q_proj.weight": rand(args.num_heads * hd, 2 * h),
+        f"{mid}self_attn.k_proj.weight": rand(args.num_kv_heads * hd, 2 * h),
+        f"{mid}self_attn.v_proj.weight": rand(args.num_kv_heads * hd, 2 * h),
+        f"{mid}self_attn.o_proj.weight": rand(h, args.num_heads * hd),
+        f"{mid}mlp.gate_proj.weight": rand(inter, h),
+        f"{mid}mlp.up_proj.weight": rand(inter, h),
+        f"{mid}mlp.down_proj.weight": rand(h, inter),
+        "norm.weight": 1 + rand(h),
+        "lm_head.weight": rand(draft_vocab, h),
+        "d2t": used - torch.arange(draft_vocab),
+        "t2d": t2d,
+    }
+    save_file(tensors, str(directory / "model.safetensors"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (target / name).is_file():
+            (directory / name).write_bytes((target / name).read_bytes())
+    return directory

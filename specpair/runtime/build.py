@@ -11,16 +11,21 @@ from pathlib import Path
 
 import torch
 
+from specpair.models.eagle3_loading import aux_layers, load_eagle3
 from specpair.models.llama import ModelArgs
 from specpair.models.loading import (
     CheckpointError,
-    is_eagle_checkpoint,
+    eagle_layout,
     load_eagle,
     load_llama,
+    read_args,
 )
 from specpair.runtime.draft import Drafter, EagleDrafter, LMDrafter
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.target import TargetWorker
+
+# No fused layer or CUDA graphs for EAGLE-3 yet: refused on a GPU rather than half-served.
+EAGLE3_ON_CPU = "EAGLE-3 drafting is served on the CPU only for now (--device cpu)"
 
 
 def _is_cuda(device: str | torch.device) -> bool:
@@ -60,15 +65,29 @@ def build_target(
     max_requests: int,
     max_len: int,
     keep_features: bool = False,
+    feature_layers: tuple[int, ...] = (),
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
 ) -> TargetWorker:
+    """`feature_layers`: an EAGLE-3 draft's (`eagle3_loading.aux_layers`). Such a target is
+    refused on a GPU: its fused layers defer their residual add and its verify graphs return
+    only the final hidden state."""
+    if feature_layers and _is_cuda(device):
+        raise CheckpointError(f"{path}: {EAGLE3_ON_CPU} (feature layers {list(feature_layers)})")
     model = load_llama(path, dtype=dtype, device=device, context=max_len)
     cache = make_cache(
         model.args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device
     )
-    worker = TargetWorker(model, cache, keep_features=keep_features)
+    worker = TargetWorker(model, cache, keep_features=keep_features, feature_layers=feature_layers)
     return gpu_target(worker) if _is_cuda(device) else worker
+
+
+def feature_layers(draft_path: str | Path, target_path: str | Path) -> tuple[int, ...]:
+    """The target layers whose outputs an EAGLE-3 draft reads; () for any other draft (an
+    EAGLE-1/2 head reads the final hidden state, a draft LM nothing)."""
+    if eagle_layout(draft_path) != "eagle3":
+        return ()
+    return aux_layers(draft_path, read_args(target_path).num_layers)
 
 
 def build_drafter(
@@ -82,10 +101,14 @@ def build_drafter(
 ) -> Drafter:
     """An EAGLE drafter when `path` is an EAGLE head (needs `target_path`), else a standalone LM."""
     drafter: Drafter
-    if is_eagle_checkpoint(path):
+    layout = eagle_layout(path)
+    if layout is not None:
         if target_path is None:
             raise CheckpointError(f"{path}: an EAGLE head; the target checkpoint path is required")
-        head = load_eagle(path, target_path, dtype=dtype, device=device, context=max_len)
+        if layout == "eagle3" and _is_cuda(device):
+            raise CheckpointError(f"{path}: an EAGLE-3 head; {EAGLE3_ON_CPU}")
+        load = load_eagle3 if layout == "eagle3" else load_eagle
+        head = load(path, target_path, dtype=dtype, device=device, context=max_len)
         cache = make_cache(
             head.args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device
         )

@@ -7,7 +7,9 @@ appended tokens (accepted drafts + bonus) overwrite them, which is the rollback.
 Two drafters share the loop and differ in one forward:
 - `LMDrafter`: a standalone causal LM; extend runs the appended tokens.
 - `EagleDrafter`: an EAGLE head; extend runs rows (token x[j+1], target feature f[j]) and each
-  draft step feeds the head its own previous output as the feature.
+  draft step feeds the head its own previous output as the feature. An EAGLE-3 head
+  (`eagle3.py`) drafts the same way from three target layers; its logits come back on the
+  target's vocabulary, so tokens and q are the target's.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from torch import Tensor
 
 from specpair.models.eagle import EagleHead
+from specpair.models.eagle3 import Eagle3Head
 from specpair.models.llama import Attend, LlamaModel, ModelArgs
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
@@ -263,7 +266,7 @@ class LMDrafter(Drafter):
 class EagleDrafter(Drafter):
     needs_features = True
 
-    def __init__(self, head: EagleHead, cache: KVCache) -> None:
+    def __init__(self, head: EagleHead | Eagle3Head, cache: KVCache) -> None:
         super().__init__(cache, head.fc.weight.device, head.args)
         self.head = head
 

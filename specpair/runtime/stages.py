@@ -74,13 +74,16 @@ class DraftStage(Protocol):
 
 
 class EagerVerify:
-    """The verify forward run eagerly through `KVCache.bind`."""
+    """The verify forward run eagerly through `KVCache.bind`; `run` returns the features an
+    EAGLE draft reads (the final hidden states, or `feature_layers`' outputs for EAGLE-3)."""
 
     plans_ahead = False
     ahead = 0
 
-    def __init__(self, model: LlamaModel, cache: KVCache) -> None:
-        self.model, self.cache = model, cache
+    def __init__(
+        self, model: LlamaModel, cache: KVCache, feature_layers: tuple[int, ...] = ()
+    ) -> None:
+        self.model, self.cache, self.feature_layers = model, cache, feature_layers
         self._planned: tuple[Tensor, BatchLayout] | None = None
 
     def prepare(self, positions: Tensor, layout: BatchLayout, key: object) -> None:
@@ -96,8 +99,10 @@ class EagerVerify:
         assert self._planned is not None, "run without a plan"
         (positions, layout), self._planned = self._planned, None
         dev = self.cache.device
-        hidden = self.model(tokens.to(dev), positions.to(dev), self.cache.bind(layout))
-        return hidden, self.model.logits(hidden)
+        hidden, features = self.model.forward_aux(
+            tokens.to(dev), positions.to(dev), self.cache.bind(layout), self.feature_layers
+        )
+        return features, self.model.logits(hidden)
 
     def read_gpu_ms(self) -> float:
         return 0.0

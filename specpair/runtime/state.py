@@ -126,7 +126,7 @@ class StateBuilder:
 
             verify = VerifyGraphs(self.target_graphs, self.target.model, tier)
         elif self.target is not None:
-            verify = EagerVerify(self.target.model, self.target.cache)
+            verify = EagerVerify(self.target.model, self.target.cache, self.target.feature_layers)
         if self.draft_graphs is not None:
             extend, draft = self.draft_graphs.tier(tier)
         elif self.drafter is not None:

@@ -70,18 +70,31 @@ class TargetSequence:
 class VerifyResult:
     acceptance: Acceptance
     new_tokens: list[int]  # accepted drafts + bonus, after stop/length truncation
-    features: Tensor | None  # [len(keep), H] hidden states of the committed positions (EAGLE)
+    # [len(keep), F] features of the committed positions (EAGLE): the final hidden state
+    # (F = H), or the outputs of the worker's `feature_layers` concatenated (EAGLE-3: F = 3H)
+    features: Tensor | None
 
 
 class TargetWorker:
     """Target model + KV cache; the stages are synchronous (services call them via `Compute`)."""
 
-    def __init__(self, model: LlamaModel, cache: KVCache, *, keep_features: bool = False):
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: KVCache,
+        *,
+        keep_features: bool = False,
+        feature_layers: tuple[int, ...] = (),
+    ):
         self.model = model
         self.cache = cache
-        self.keep_features = keep_features
+        self.keep_features = keep_features or bool(feature_layers)
+        self.feature_layers = feature_layers  # EAGLE-3: features are these layers' outputs
         self.device = model.lm_head.weight.device
-        self.plain = EagerVerify(model, cache)  # the verify of plain decoding (no state)
+        if feature_layers and cache.device.type == "cuda":
+            raise ValueError("a target sending EAGLE-3 features is served on the CPU only")
+        # the verify of plain decoding (no state)
+        self.plain = EagerVerify(model, cache, feature_layers)
         self.last_gpu_ms = 0.0  # GPU time of the last verify's graph replays (0: none ran)
 
     def _choose(self, seq: TargetSequence, logits: Tensor) -> int:
@@ -105,16 +118,14 @@ class TargetWorker:
         for b, seq in enumerate(seqs):
             tokens[b, : lengths[b]] = torch.tensor(seq.prompt)
         positions = torch.arange(t).expand(len(seqs), t)
-        hidden = self.model(
-            tokens.to(self.device), positions.to(self.device), self.cache.bind(layout)
-        )
+        hidden, feats = self._forward(tokens, positions, layout)
         last = hidden[torch.arange(len(seqs)), torch.tensor(lengths) - 1]
         logits = self.model.logits(last).cpu()
         features: list[Tensor | None] = []
         for b, seq in enumerate(seqs):
             self.cache.commit(seq.slot, 0, range(lengths[b]))
             seq.append([self._choose(seq, logits[b])])
-            features.append(hidden[b, : lengths[b]].cpu() if self.keep_features else None)
+            features.append(feats[b, : lengths[b]].cpu() if self.keep_features else None)
         return features
 
     @torch.inference_mode()
@@ -224,6 +235,13 @@ class TargetWorker:
         stage = self._stage(state)
         stage.plan(positions, layout)
         return stage.run(tokens)
+
+    def _forward(
+        self, tokens: Tensor, positions: Tensor, layout: BatchLayout
+    ) -> tuple[Tensor, Tensor]:
+        """Final hidden states [B, T, H] and features (`LlamaModel.forward_aux`)."""
+        args = (tokens.to(self.device), positions.to(self.device), self.cache.bind(layout))
+        return self.model.forward_aux(*args, self.feature_layers)
 
     def release(self, seq: TargetSequence) -> None:
         if seq.slot >= 0:
