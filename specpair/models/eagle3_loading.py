@@ -40,16 +40,16 @@ def aux_layers(path: str | Path, target_layers: int) -> tuple[int, ...]:
     ids = eagle_config.get(
         "eagle_aux_hidden_state_layer_ids", raw.get("eagle_aux_hidden_state_layer_ids")
     )
+    key = "eagle_aux_hidden_state_layer_ids"
     if ids is None:
-        return default_aux_layers(target_layers)
+        ids, key = list(default_aux_layers(target_layers)), f"no {key}: the default"
     if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids) or not ids:
-        raise CheckpointError(f"{file}: eagle_aux_hidden_state_layer_ids must be a list of ints")
+        raise CheckpointError(f"{file}: {key} must be a list of ints")
     bad = [i for i in ids if not 0 <= i <= target_layers - 2]
     if bad:
         raise CheckpointError(
-            f"{file}: eagle_aux_hidden_state_layer_ids {ids}: {bad[0]} is not a layer whose "
-            f"output a later layer reads (0 .. {target_layers - 2} for a {target_layers}-layer "
-            "target)"
+            f"{file}: {key} {ids}: {bad[0]} is not a layer whose output a later layer reads "
+            f"(0 .. {target_layers - 2} for a {target_layers}-layer target)"
         )
     return tuple(ids)
 

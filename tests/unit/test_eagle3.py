@@ -114,6 +114,9 @@ def test_layout_detected_and_layers_read(pair, tmp_path: Path) -> None:
         else:
             with pytest.raises(CheckpointError, match=r"config\.json: eagle_aux.*3 is not"):
                 aux_layers(tmp_path, 4)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"the default \[1, 0, -1\]: -1 is not a layer"):
+        aux_layers(tmp_path, 3)  # SGLang's default needs 5 layers
 
 
 def test_head_matches_cnets_reference(pair) -> None:
