@@ -3,7 +3,8 @@
     python -m bench.acceptance [--models models] [--code-prompts 16] [--new-tokens 64]
 
 Runs the in-process engine on CPU with the shipped pair (`models/target` with `models/draft`, a
-standalone LM, and with `models/eagle`, an EAGLE head on the target's features). One `generate`
+standalone LM, `models/eagle`, an EAGLE head on the target's last hidden state, and `models/eagle3`,
+an EAGLE-3 head on three of its layers; `--drafts` picks). One `generate`
 call per cell batches every prompt of a set; sampling seeds are fixed per prompt, so each cell
 is reproducible and every tier and draft kind sees the same requests.
 
@@ -28,7 +29,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from bench.common import device_info, format_table, write_json
-from specpair.runtime.build import build_drafter, build_target
+from specpair.runtime.build import build_drafter, build_target, feature_layers
 from specpair.runtime.draft import Drafter
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.sampling import SamplingParams
@@ -38,7 +39,7 @@ from training.corpus import MAX_FILE_BYTES, is_heldout
 
 EOT_ID = 0  # <|endoftext|>: bos, eos and pad of the shared tokenizer
 TEMPERATURES = (0.0, 0.7, 1.0)
-DRAFT_KINDS = ("draft", "eagle")  # folder names under --models
+DRAFT_KINDS = ("draft", "eagle", "eagle3")  # folder names under --models
 # Same folders the training corpus skipped: packaging trees are not the standard library.
 _SKIP_DIRS = {"__pycache__", "site-packages", "dist-packages"}
 # Held out by name, trained as text: setuptools vendors distutils as `setuptools/_distutils`,
@@ -87,7 +88,7 @@ class Prompt:
 @dataclass(frozen=True, slots=True)
 class Cell:
     prompts: str  # "code" | "prose"
-    draft: str  # "draft" | "eagle"
+    draft: str  # one of DRAFT_KINDS
     temperature: float
     tier: int
     mean_accept: float
@@ -228,7 +229,8 @@ def render(cells: Sequence[Cell], tiers: Sequence[int]) -> str:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", type=Path, default=Path("models"), help="target/draft/eagle")
+    parser.add_argument("--models", type=Path, default=Path("models"), help="target + drafts")
+    parser.add_argument("--drafts", nargs="+", choices=DRAFT_KINDS, default=list(DRAFT_KINDS))
     parser.add_argument("--code-prompts", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=[96, 128], metavar="N")
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -268,26 +270,33 @@ def main() -> None:
     batch = max(len(p) for p in prompt_sets.values())
     longest = max(len(p.ids) for ps in prompt_sets.values() for p in ps)
     sizes = dict(max_requests=batch, max_len=longest + args.new_tokens + max(args.tiers) + 1)
-    # keep_features: the EAGLE head drafts from the target's last hidden states.
-    target = build_target(target_path, keep_features=True, **sizes)
+    # An EAGLE head drafts from the target's last hidden states, an EAGLE-3 head from three of
+    # its layers: one target per kind of features.
+    layers = {kind: feature_layers(args.models / kind, target_path) for kind in args.drafts}
+    targets = {
+        f: build_target(target_path, keep_features=True, feature_layers=f, **sizes)
+        for f in {(), *layers.values()}
+    }
     drafters = {
         kind: build_drafter(args.models / kind, target_path=target_path, **sizes)
-        for kind in DRAFT_KINDS
+        for kind in args.drafts
     }
-    states = {kind: build_states(args.tiers, target, d) for kind, d in drafters.items()}
+    states = {
+        kind: build_states(args.tiers, targets[layers[kind]], d) for kind, d in drafters.items()
+    }
 
     cells: list[Cell] = []
     start = time.perf_counter()
     for set_name, prompts in prompt_sets.items():
         greedy = sampling_for(prompts, 0.0, args.seed)
-        reference, _ = generate(target, None, None, prompts, greedy, args.new_tokens)
+        reference, _ = generate(targets[()], None, None, prompts, greedy, args.new_tokens)
         for kind, drafter in drafters.items():
             for temperature in TEMPERATURES:
                 sampling = sampling_for(prompts, temperature, args.seed)
                 for tier, state in states[kind].items():
                     t0 = time.perf_counter()
                     outputs, per_request = generate(
-                        target, drafter, state, prompts, sampling, args.new_tokens
+                        targets[layers[kind]], drafter, state, prompts, sampling, args.new_tokens
                     )
                     accepts = [a for request in per_request for a in request]
                     cell = Cell(
@@ -304,7 +313,7 @@ def main() -> None:
                     )
                     cells.append(cell)
                     print(
-                        f"  {set_name:5} {kind:5} T={temperature:g} s={tier}: accept "
+                        f"  {set_name:5} {kind:6} T={temperature:g} s={tier}: accept "
                         f"{cell.mean_accept:.2f}, {cell.rounds} rounds, {cell.tokens} tokens, "
                         f"{cell.seconds:.1f}s"
                     )

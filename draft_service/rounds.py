@@ -15,7 +15,7 @@ from specpair.config import DraftConfig
 from specpair.logging import get_logger
 from specpair.models.loading import CheckpointError, eagle_layout
 from specpair.proto.v1 import draft_pb2
-from specpair.runtime.build import build_drafter
+from specpair.runtime.build import build_drafter, feature_layers
 from specpair.runtime.draft import Drafter
 from specpair.runtime.kv_cache import CacheFullError
 from specpair.runtime.round import DraftInput, RoundRequest, RoundResponse, StageTimings
@@ -50,6 +50,12 @@ class DraftRounds:
             device=config.device,
         )
         self.vocab_size = self.drafter.args.vocab_size
+        # What the target must send as features (GetServerInfo): () unless an EAGLE-3 head.
+        self.feature_layers = (
+            list(feature_layers(config.model_path, config.target_path))
+            if layout is not None and config.target_path is not None
+            else []
+        )
         self.builder = StateBuilder(drafter=self.drafter)
         self.states: dict[int, SpecRuntimeState] = self.builder.build_all(config.candidate_steps)
 

@@ -100,6 +100,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             device=cfg.device,
             vocab_size=self.vocab_size,
             tokenizer_fingerprint=self.tokenizer_fingerprint,
+            feature_layers=self.rounds.feature_layers if self.rounds else [],
         )
 
 

@@ -108,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--max-queue", type=int, default=256)
     target.add_argument("--draft-timeout", type=float, default=5.0, help="seconds per round")
     target.add_argument(
+        "--feature-layers",
+        type=lambda s: tuple(int(i) for i in s.split(",")),
+        default=(),
+        help="an EAGLE-3 draft's target layers, e.g. 1,2,4 (its config's "
+        "eagle_aux_hidden_state_layer_ids); default: the final hidden state",
+    )
+    target.add_argument(
         "--http-address",
         default=env_http_address(),
         help="HOST:PORT of the OpenAI-compatible HTTP API ('' disables)",
@@ -202,6 +209,7 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig | DraftConfig | C
             max_len=args.max_len,
             max_queue=args.max_queue,
             draft_timeout_s=args.draft_timeout,
+            feature_layers=args.feature_layers,
             device=args.device,
             dtype=_dtype(args),
             threads=args.threads,

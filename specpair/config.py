@@ -147,6 +147,7 @@ class TargetConfig:
     busy_poll_ms: float | None = None  # None: see busy_poll_s
     eos_stop: bool = True  # stop at the eos ids of generation_config.json and the tokenizer
     http_address: str = ""  # HOST:PORT of the OpenAI-compatible HTTP API; "" disables it
+    feature_layers: tuple[int, ...] = ()  # EAGLE-3 draft: send these layers' outputs as features
 
     def __post_init__(self) -> None:
         if self.draft_address is not None:
@@ -163,6 +164,10 @@ class TargetConfig:
                 raise ValueError(f"{name} must be >= 1")
         if not 0 < self.reconnect_min_s <= self.reconnect_max_s:
             raise ValueError("need 0 < reconnect_min_s <= reconnect_max_s")
+        if any(i < 0 for i in self.feature_layers):
+            raise ValueError(
+                f"feature_layers must be layer indices >= 0, got {self.feature_layers}"
+            )
 
 
 @dataclass(frozen=True, slots=True)

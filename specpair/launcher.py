@@ -106,9 +106,14 @@ def run_up(args: argparse.Namespace) -> int:
     controller_cmd = [*serve, "controller", "--target", env_address("target")]
     if args.policy:
         controller_cmd += ["--policy", str(args.policy)]
+    from specpair.runtime.build import feature_layers  # torch: only when starting services
+
+    target_cmd = [*serve, "target", "--model", str(target), *device]
+    if args.draft_kind == "eagle" and (layers := feature_layers(draft, target)):
+        target_cmd += ["--feature-layers", ",".join(map(str, layers))]  # an EAGLE-3 head's
     plan = [
         ("draft", env_address("draft"), draft_cmd),
-        ("target", env_address("target"), [*serve, "target", "--model", str(target), *device]),
+        ("target", env_address("target"), target_cmd),
         ("controller", env_address("controller"), controller_cmd),
     ]
     procs: dict[str, subprocess.Popen[bytes]] = {}

@@ -44,11 +44,13 @@ class DraftLink:
         busy_poll_s: float = 0.0,
         vocab_size: int = 0,
         tokenizer_fingerprint: str = "",
+        feature_layers: tuple[int, ...] = (),
     ) -> None:
         self.address = address
         # What a draft must agree on (0 / "": not checked): its q ranges over our vocabulary
         # and its token ids mean what ours mean.
         self.vocab_size, self.tokenizer_fingerprint = vocab_size, tokenizer_fingerprint
+        self.feature_layers = feature_layers  # the layers our features come from ((): final)
         self.incompatible = ""  # why the draft last refused, shown in GetServerInfo
         self.tls = tls
         self.timeout_s = timeout_s
@@ -141,6 +143,14 @@ class DraftLink:
             return (
                 f"draft tokenizer {theirs} != target tokenizer {ours} (vocabulary hashes): "
                 "the same id would mean different tokens"
+            )
+        wanted = tuple(info.feature_layers)
+        if info.draft_kind == "eagle" and wanted != self.feature_layers:
+            flag = ",".join(map(str, wanted))
+            return (
+                f"the draft's EAGLE-3 head reads target layers {list(wanted)}, this target sends "
+                f"{list(self.feature_layers) or 'its final hidden state'}: start the target with "
+                + (f"--feature-layers {flag}" if wanted else "no --feature-layers")
             )
         return ""
 

@@ -168,6 +168,7 @@ def _build_scheduler(
         max_requests=config.max_batch,
         max_len=config.max_len + MAX_TREE_NODES + 1,  # headroom for a tree past the context
         keep_features=config.draft_address is not None,
+        feature_layers=config.feature_layers,
         dtype=getattr(torch, config.dtype),
         device=config.device,
     )
@@ -239,6 +240,7 @@ async def start(config: TargetConfig) -> RunningTarget:
             busy_poll_s=busy_poll_s(config.busy_poll_ms, config.device),
             vocab_size=scheduler.worker.model.args.vocab_size,
             tokenizer_fingerprint=tokenizer_fingerprint(frontend.tokenizer),
+            feature_layers=config.feature_layers,
         )
         scheduler.draft.start()
     frontend.scheduler = scheduler

@@ -194,6 +194,7 @@ class DraftServiceGetServerInfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    FEATURE_LAYERS_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     draft_kind: _builtins.str
     active_streams: _builtins.int
@@ -208,6 +209,13 @@ class DraftServiceGetServerInfoResponse(_message.Message):
     tokenizer_fingerprint: _builtins.str
     @_builtins.property
     def candidate_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def feature_layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The target layers whose outputs, concatenated, an EAGLE-3 draft reads as features; empty
+        for an EAGLE-1/2 head (the final hidden state) or a draft LM. The target refuses a draft
+        whose layers differ from the ones it sends (its --feature-layers).
+        """
+
     def __init__(
         self,
         *,
@@ -220,10 +228,11 @@ class DraftServiceGetServerInfoResponse(_message.Message):
         device: _builtins.str = ...,
         vocab_size: _builtins.int = ...,
         tokenizer_fingerprint: _builtins.str = ...,
+        feature_layers: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "active_streams", b"active_streams", "candidate_steps", b"candidate_steps", "device", b"device", "draft_kind", b"draft_kind", "model_path", b"model_path", "runtime_state_builds", b"runtime_state_builds", "tokenizer_fingerprint", b"tokenizer_fingerprint", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "active_streams", b"active_streams", "candidate_steps", b"candidate_steps", "device", b"device", "draft_kind", b"draft_kind", "feature_layers", b"feature_layers", "model_path", b"model_path", "runtime_state_builds", b"runtime_state_builds", "tokenizer_fingerprint", b"tokenizer_fingerprint", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,66 @@
+"""An EAGLE-3 head over the two services: the target sends the layers the head reads, output
+equals target-only greedy decoding, and a target sending other features refuses the draft at
+connect, naming the flag that fixes it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from specpair.models.tiny import make_tiny_eagle3
+from specpair.proto.v1 import target_pb2
+from tests.service.conftest import draft_config, reference_greedy, target_config
+
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42]]
+INFO = target_pb2.TargetServiceGetServerInfoRequest()
+
+
+@pytest.fixture(scope="module")
+def head(ckpts: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # The tiny target has 2 layers: layer 0 is the only one a later layer reads.
+    root = tmp_path_factory.mktemp("eagle3_served")
+    return make_tiny_eagle3(
+        root / "head", ckpts["target"], seed=7, draft_vocab=160, layers=[0, 0, 0]
+    )
+
+
+def eagle3_draft(head: Path, target: Path) -> Any:
+    return draft_config(head, draft_kind="eagle", target_path=target, candidate_steps=(1, 3, 7))
+
+
+@pytest.mark.parametrize("tier", [1, 7])
+async def test_eagle3_greedy_over_services(
+    ckpts: Any, make_stack: Any, head: Path, tier: int
+) -> None:
+    stack = await make_stack(
+        eagle3_draft(head, ckpts["target"]),
+        target_config(ckpts["target"], feature_layers=(0, 0, 0), initial_steps=tier),
+    )
+    expected = reference_greedy(ckpts["target"], PROMPTS, 20)
+    for prompt, want in zip(PROMPTS, expected, strict=True):
+        tokens, responses = await stack.generate(prompt_token_ids=prompt, max_tokens=20)
+        assert tokens == want
+        accepts = [a for r in responses for a in r.speculation.accept_lengths]
+        assert accepts and all(0 <= a <= tier for a in accepts)  # rounds were drafted
+
+
+async def test_target_sending_other_features_refuses_the_draft(
+    ckpts: Any, make_stack: Any, head: Path
+) -> None:
+    stack = await make_stack(
+        eagle3_draft(head, ckpts["target"]), target_config(ckpts["target"]), wait_connected=False
+    )
+    deadline = time.monotonic() + 10
+    while (await stack.stub.GetServerInfo(INFO)).draft_connection_state != (
+        target_pb2.DRAFT_CONNECTION_STATE_INCOMPATIBLE
+    ):
+        assert time.monotonic() < deadline, "the draft was never refused"
+        await asyncio.sleep(0.05)
+    reason = (await stack.stub.GetServerInfo(INFO)).draft_incompatible_reason
+    assert "reads target layers [0, 0, 0]" in reason and "--feature-layers 0,0,0" in reason
+    tokens, _ = await stack.generate(prompt_token_ids=PROMPTS[0], max_tokens=12)
+    assert tokens == reference_greedy(ckpts["target"], PROMPTS[:1], 12)[0]
