@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from specpair.config import MODELS_DIR
-from specpair.runtime.build import build_drafter, build_target
+from specpair.runtime.build import build_drafter, build_target, feature_layers
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.state import build_states
 from tests.conftest import hf_greedy
@@ -35,11 +35,15 @@ def prompts_and_reference() -> tuple[list[list[int]], list[list[int]]]:
     return prompts, reference
 
 
-@pytest.mark.parametrize("draft", ["draft", "eagle"])
+@pytest.mark.parametrize("draft", ["draft", "eagle", "eagle3"])
 @pytest.mark.parametrize("tier", [3, 7])
 def test_shipped_pair_is_lossless(prompts_and_reference, draft: str, tier: int) -> None:
     prompts, reference = prompts_and_reference
-    worker = build_target(TARGET, max_requests=len(prompts), max_len=512, keep_features=True)
+    layers = feature_layers(MODELS_DIR / draft, TARGET)  # the EAGLE-3 head's: (1, 2, 4)
+    assert (draft == "eagle3") == (layers == (1, 2, 4))
+    worker = build_target(
+        TARGET, max_requests=len(prompts), max_len=512, keep_features=True, feature_layers=layers
+    )
     drafter = build_drafter(
         MODELS_DIR / draft, target_path=TARGET, max_requests=len(prompts), max_len=512
     )
@@ -57,4 +61,4 @@ def test_shipped_pair_is_lossless(prompts_and_reference, draft: str, tier: int) 
 
 def test_shipped_checkpoints_fit_the_budget() -> None:
     total = sum(p.stat().st_size for p in Path(MODELS_DIR).rglob("*") if p.is_file())
-    assert total <= 25_000_000
+    assert total <= 32_000_000
