@@ -25,7 +25,7 @@ from specpair.models.eagle3 import Eagle3Head
 from specpair.models.eagle3_loading import aux_layers, default_aux_layers, load_eagle3
 from specpair.models.loading import CheckpointError, eagle_layout, load_llama
 from specpair.models.tiny import make_tiny_eagle3, make_tiny_llama
-from specpair.runtime.build import build_drafter
+from specpair.runtime.build import build_drafter, build_target
 from specpair.runtime.draft import EagleDrafter
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
@@ -194,3 +194,12 @@ def test_bad_checkpoints_are_refused(pair, tmp_path: Path) -> None:
         load_eagle3(tmp_path, target)
     drafter = build_drafter(path, target_path=target, max_requests=1, max_len=32)
     assert isinstance(drafter, EagleDrafter) and isinstance(drafter.head, Eagle3Head)
+
+
+def test_refused_on_a_gpu_before_loading(pair) -> None:
+    """No fused EAGLE-3 layer or graphs yet: a clear refusal, not features from the wrong layer."""
+    target, head = pair
+    with pytest.raises(CheckpointError, match="EAGLE-3 drafting is served on the CPU only"):
+        build_drafter(head, target_path=target, max_requests=1, max_len=32, device="cuda")
+    with pytest.raises(CheckpointError, match=r"CPU only.*feature layers \[1, 1, 0\]"):
+        build_target(target, max_requests=1, max_len=32, feature_layers=(1, 1, 0), device="cuda")
