@@ -83,7 +83,7 @@ def run_workload(
     rounds: list[target_pb2.RoundStats] = []
     call = watch_rounds(group.target, rounds)
     time.sleep(0.3)
-    switches_before = len(ctl.state()["targets"][0]["recent_switches"])
+    switches_before = len(ctl.state().targets[0].recent_switches)
     result = RunResult(name)
     for p_index, phase in enumerate(phases):
         result.phase_first_round.append(len(rounds))
@@ -108,9 +108,9 @@ def run_workload(
     result.rounds = [
         {"tier": r.speculative_num_steps, "accepts": list(r.accept_lengths)} for r in rounds
     ]
-    state = ctl.state()["targets"][0]
+    state = ctl.state().targets[0]
     result.switches = sum(
-        1 for s in state["recent_switches"][switches_before:] if s["reason"] == "policy"
+        1 for s in state.recent_switches[switches_before:] if s.reason == "policy"
     )
     return result
 

@@ -14,11 +14,11 @@ import grpc
 
 from controller import memory
 from controller.policy import AdaptiveSpeculativeParams, PolicyConfig
+from specpair.channels import auth_metadata, open_channel
 from specpair.config import ControllerConfig
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
-from specpair.serving import auth_metadata, open_channel
 
 log = get_logger("controller")
 

@@ -369,14 +369,15 @@ def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     tls = _client_tls(args, parser)
     client = ControllerClient(args.address, token=os.environ.get(args.token_env), tls=tls)
     try:
+        result: dict[str, Any]
         if args.op == "status":
-            result = client.state()
+            result = client.state().to_dict()
         elif args.op == "pin":
-            result = client.pin(args.steps)
+            result = {"targets": [t.to_dict() for t in client.pin(args.steps)]}
         elif args.op == "unpin":
-            result = client.unpin()
+            result = {"targets": [t.to_dict() for t in client.unpin()]}
         else:
-            result = client.update_policy(**changes)
+            result = {"policy": client.update_policy(**changes)}
     except SpecpairError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -1,4 +1,4 @@
-"""gRPC plumbing shared by the three servers and their clients: TLS, ops token, health."""
+"""gRPC server plumbing shared by the three services: TLS, ops token, health, compute."""
 
 from __future__ import annotations
 
@@ -13,17 +13,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specpair.channels import CHANNEL_OPTIONS, MESSAGE_LIMIT
 from specpair.config import ServerConfig, TLSConfig
 from specpair.logging import get_logger
 
 log = get_logger(__name__)
 T = TypeVar("T")
-# Large enough for sampling rounds that carry draft distributions [s, vocab] per request.
-MESSAGE_LIMIT = 256 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MESSAGE_LIMIT),
-    ("grpc.max_receive_message_length", MESSAGE_LIMIT),
-]
 SERVER_OPTIONS = [
     *CHANNEL_OPTIONS,
     # gRPC binds with SO_REUSEPORT by default: a second service on a taken port would start
@@ -185,10 +180,6 @@ def _checked(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
     return grpc.unary_unary_rpc_method_handler(unary, deserialize, ser)
 
 
-def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {token}"),) if token else ()
-
-
 class OpsTokenInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls to `protected` methods without `authorization: Bearer <token>`."""
 
@@ -239,27 +230,6 @@ def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials | None:
         root_certificates=ca,
         require_client_auth=ca is not None,
     )
-
-
-def channel_credentials(tls: TLSConfig | None) -> grpc.ChannelCredentials | None:
-    """Channel credentials, or None for plaintext. Presents our certificate when one is
-    configured (what a server with a CA requires); without a CA the system roots verify the
-    server."""
-    if tls is None or not tls.enabled:
-        return None
-    return grpc.ssl_channel_credentials(
-        root_certificates=tls.ca.read_bytes() if tls.ca else None,
-        private_key=tls.key.read_bytes() if tls.key else None,
-        certificate_chain=tls.cert.read_bytes() if tls.cert else None,
-    )
-
-
-def open_channel(address: str, tls: TLSConfig | None = None) -> grpc.aio.Channel:
-    """A channel from one service to another: it presents the service's own certificate."""
-    creds = channel_credentials(tls)
-    if creds is not None:
-        return grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
 def _unix_socket_live(path: str) -> bool:

@@ -14,10 +14,11 @@ import contextlib
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specpair.channels import open_channel
 from specpair.config import TLSConfig
 from specpair.logging import get_logger
 from specpair.proto.v1 import draft_pb2, draft_pb2_grpc, target_pb2
-from specpair.serving import busy_wait, open_channel
+from specpair.serving import busy_wait
 
 log = get_logger(__name__)
 State = target_pb2.DraftConnectionState

@@ -152,8 +152,8 @@ def test_three_processes(ckpts: dict[str, Path], procs: Processes, tmp_path: Pat
             break
         generate_all(40)
     assert client.server_info()["speculative_num_steps"] == 7
-    switches = ctl.state()["targets"][0]["recent_switches"]
-    assert [s["to_steps"] for s in switches if s["reason"] == "policy"][-1] == 7
+    switches = ctl.state().targets[0].recent_switches
+    assert [s.to_steps for s in switches if s.reason == "policy"][-1] == 7
 
     # B. kill -9 the draft while requests run: same outputs, nothing lost
     long = reference_greedy(ckpts["target"], PROMPTS, 400)
