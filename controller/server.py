@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import grpc
 
@@ -23,17 +23,6 @@ CONTROLLER_REQUEST_BYTES = 1024 * 1024  # a policy update is a few numbers
 SERVICE_NAME = controller_pb2.DESCRIPTOR.services_by_name["ControllerService"].full_name
 PROTECTED_METHODS = tuple(
     f"/{SERVICE_NAME}/{method}" for method in ("GetState", "UpdatePolicy", "PinTier", "Unpin")
-)
-# UpdatePolicyRequest's optional scalars; candidate_steps (repeated) is "set" when non-empty.
-_OptionalField = Literal[
-    "ema_alpha", "update_interval", "warmup_batches", "down_hysteresis", "up_hysteresis"
-]
-_OPTIONAL_FIELDS: tuple[_OptionalField, ...] = (
-    "ema_alpha",
-    "update_interval",
-    "warmup_batches",
-    "down_hysteresis",
-    "up_hysteresis",
 )
 
 
@@ -66,12 +55,15 @@ def target_to_pb(t: TargetSnapshot) -> controller_pb2.TargetState:
 
 
 def policy_changes(request: controller_pb2.UpdatePolicyRequest) -> dict[str, Any]:
-    """The fields a partial UpdatePolicy sets."""
-    changes: dict[str, Any] = {
-        name: getattr(request, name) for name in _OPTIONAL_FIELDS if request.HasField(name)
-    }
-    if request.candidate_steps:
-        changes["candidate_steps"] = tuple(request.candidate_steps)
+    """The fields a partial UpdatePolicy sets: optional scalars that are present, lists that
+    are non-empty (the request's fields are the policy's keys)."""
+    changes: dict[str, Any] = {}
+    for fd in request.DESCRIPTOR.fields:
+        if fd.is_repeated:
+            if values := getattr(request, fd.name):
+                changes[fd.name] = tuple(values)
+        elif request.HasField(fd.name):  # type: ignore[arg-type]
+            changes[fd.name] = getattr(request, fd.name)
     return changes
 
 

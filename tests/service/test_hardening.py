@@ -157,8 +157,8 @@ async def test_draft_round_errors_name_the_field_and_keep_the_stream(ckpts, make
         assert not crowd.error
         assert [t.request_id for t in crowd.trees] == ["a", "n0", "n1"]
         assert drafter.cache.free_slots == 0 and len(drafter.requests) == 4
-        too_long = await stream.round(draft_input("n0", [1] * 1020))
-        assert not too_long.error and not too_long.trees  # 2 + 1020 + 7 > 1024 positions
+        too_long = await stream.round(draft_input("n0", [1] * 1023))
+        assert not too_long.error and not too_long.trees  # 2 + 1023 > the 1024 served (+ 7 drafts)
         assert "s1/n0" not in drafter.requests and len(drafter.requests) == 3
     finally:
         await stream.close()

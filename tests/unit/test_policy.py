@@ -225,3 +225,13 @@ def test_json_file_errors_name_the_file_and_key(tmp_path: Path) -> None:
         PolicyConfig.from_json_file(path)
     with pytest.raises(ValueError, match="cannot read policy config"):
         PolicyConfig.from_json_file(tmp_path / "missing.json")
+
+
+def test_the_wire_carries_every_policy_key() -> None:
+    # The dataclass is where the keys are declared; the SDK and the servicer read them off
+    # these messages, so a key added to one side only fails here.
+    from controller.policy import FIELD_NAMES
+    from specpair.proto.v1 import controller_pb2
+
+    for message in (controller_pb2.PolicyConfig, controller_pb2.UpdatePolicyRequest):
+        assert [f.name for f in message.DESCRIPTOR.fields] == list(FIELD_NAMES), message
