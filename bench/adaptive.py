@@ -26,7 +26,7 @@ from typing import Any
 
 from bench.acceptance import code_prompts, prose_prompts
 from bench.common import device_info, format_table, write_json
-from bench.services import ServiceGroup, watch_rounds
+from bench.services import BenchServices, watch_rounds
 from controller.policy import AdaptiveSpeculativeParams, PolicyConfig
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.config import MODELS_DIR
@@ -71,7 +71,7 @@ def build_phases(tokenizer: Any, per_phase: int) -> list[Phase]:
 
 
 def run_workload(
-    name: str, group: ServiceGroup, phases: list[Phase], new_tokens: int, concurrency: int
+    name: str, group: BenchServices, phases: list[Phase], new_tokens: int, concurrency: int
 ) -> RunResult:
     client = SpecpairClient(group.target, timeout=120)
     ctl = ControllerClient(group.controller, timeout=30)
@@ -184,7 +184,7 @@ def main() -> None:
     print(f"device: {device_info()}", flush=True)
     results: dict[str, RunResult] = {}
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    with ServiceGroup(
+    with BenchServices(
         target=args.target,
         draft=args.draft or MODELS_DIR / ("eagle" if args.draft_kind == "eagle" else "draft"),
         draft_kind=args.draft_kind,
