@@ -15,6 +15,7 @@ import grpc
 from controller import memory
 from controller.policy import AdaptiveSpeculativeParams, PolicyConfig
 from controller.target_link import NotConnectedError, TargetLink
+from specpair.client.results import TargetState, TierSwitch
 from specpair.config import ControllerConfig
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
@@ -23,30 +24,6 @@ from specpair.proto.v1 import target_pb2
 log = get_logger("controller")
 
 RECENT_SWITCHES = 32
-
-
-@dataclass(frozen=True, slots=True)
-class TierSwitch:
-    round_id: int
-    from_steps: int
-    to_steps: int
-    reason: str  # "policy", "pin", "unpin" or "reconnect"
-    ema: float
-    unix_time: float
-
-
-@dataclass(frozen=True, slots=True)
-class TargetSnapshot:
-    """What GetState reports for one target; active_steps 0 until first contact."""
-
-    target_address: str
-    connected: bool
-    active_steps: int
-    ema: float
-    pinned_steps: int | None
-    rounds_seen: int
-    batches_counted: int
-    recent_switches: tuple[TierSwitch, ...]
 
 
 @dataclass(slots=True)
@@ -125,9 +102,9 @@ class AdaptiveController:
                 "cannot save controller state", path=str(self.config.state_file), error=str(exc)
             )
 
-    def snapshot(self) -> list[TargetSnapshot]:
+    def snapshot(self) -> list[TargetState]:
         return [
-            TargetSnapshot(
+            TargetState(
                 target_address=t.address,
                 connected=t.connected,
                 active_steps=t.active_steps,

@@ -9,8 +9,9 @@ from typing import Any
 
 import grpc
 
-from controller.controller import AdaptiveController, TargetSnapshot
+from controller.controller import AdaptiveController
 from controller.policy import PolicyConfig
+from specpair.client.results import TargetState
 from specpair.config import ControllerConfig, split_address
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
@@ -30,7 +31,7 @@ def policy_to_pb(policy: PolicyConfig) -> controller_pb2.PolicyConfig:
     return controller_pb2.PolicyConfig(**policy.to_dict())
 
 
-def target_to_pb(t: TargetSnapshot) -> controller_pb2.TargetState:
+def target_to_pb(t: TargetState) -> controller_pb2.TargetState:
     return controller_pb2.TargetState(
         target_address=t.target_address,
         connected=t.connected,

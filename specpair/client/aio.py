@@ -6,7 +6,7 @@ import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self, Unpack
+from typing import Any, Self, TypedDict, Unpack
 
 import grpc
 from google.protobuf.message import Message
@@ -38,29 +38,28 @@ from specpair.proto.v1 import controller_pb2, controller_pb2_grpc, target_pb2, t
 TLSArg = TLSConfig | str | os.PathLike[str] | None
 
 
+class ConnectionOptions(TypedDict, total=False):
+    token: str | None  # the ops bearer token (the controller's ops API, a target's ApplyTier)
+    tls: TLSArg
+    timeout: float | None  # seconds per call (a whole stream for Generate); None: no limit
+
+
 def tls_config(tls: TLSArg) -> TLSConfig | None:
     if tls is None or isinstance(tls, TLSConfig):
         return tls
     return TLSConfig(ca=Path(tls))
 
 
-class _Connection:
+class Connection:
     """A lazily opened channel, the call metadata and the per-call timeout."""
 
     service = ""  # whose SPECPAIR_<SERVICE>_ADDRESS (or default) an omitted address means
 
-    def __init__(
-        self,
-        address: str | None = None,
-        *,
-        token: str | None = None,
-        tls: TLSArg = None,
-        timeout: float | None = None,
-    ) -> None:
+    def __init__(self, address: str | None = None, **options: Unpack[ConnectionOptions]) -> None:
         self.address = address or env_address(self.service)
-        self.timeout = timeout  # seconds per call (a whole stream for Generate); None: no limit
-        self._metadata = auth_metadata(token)
-        self._tls = tls_config(tls)
+        self.timeout = options.get("timeout")
+        self._metadata = auth_metadata(options.get("token"))
+        self._tls = tls_config(options.get("tls"))
         # Opened on first use: a grpc.aio channel belongs to the event loop it was created on.
         self._channel: grpc.aio.Channel | None = None
 
@@ -93,7 +92,7 @@ class _Connection:
             raise SpecpairError.from_rpc(e) from None
 
 
-class AsyncSpecpairClient(_Connection):
+class AsyncSpecpairClient(Connection):
     """asyncio client of a target service; use as `async with`."""
 
     service = "target"
@@ -154,7 +153,7 @@ class AsyncSpecpairClient(_Connection):
             call.cancel()
 
 
-class AsyncControllerClient(_Connection):
+class AsyncControllerClient(Connection):
     """asyncio client of the controller's ops API (bearer token when the server has one)."""
 
     service = "controller"

@@ -13,13 +13,19 @@ import threading
 import weakref
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from types import TracebackType
-from typing import Any, Self, TypeVar, Unpack
+from typing import Any, Generic, Self, TypeVar, Unpack
 
-from specpair.client.aio import AsyncControllerClient, AsyncSpecpairClient, TLSArg
+from specpair.client.aio import (
+    AsyncControllerClient,
+    AsyncSpecpairClient,
+    Connection,
+    ConnectionOptions,
+)
 from specpair.client.requests import GenerateParams, Messages, Prompt
 from specpair.client.results import ControllerState, GenerateDelta, GenerateResult, TargetState
 
 T = TypeVar("T")
+C = TypeVar("C", bound=Connection)
 
 
 class _LoopThread:
@@ -63,19 +69,21 @@ def _stop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
     loop.close()
 
 
-class _Blocking:
-    def __init__(self, client: AsyncSpecpairClient | AsyncControllerClient) -> None:
+class _Blocking(Generic[C]):
+    _async_class: type[C]
+
+    def __init__(self, address: str | None = None, **options: Unpack[ConnectionOptions]) -> None:
         self._loop = _LoopThread()
-        self._client = client
-        self.address = client.address
+        self._async: C = self._async_class(address, **options)
+        self.address: str = self._async.address
 
     @property
     def timeout(self) -> float | None:
-        return self._client.timeout
+        return self._async.timeout
 
     def close(self) -> None:
         with contextlib.suppress(RuntimeError):  # a loop already stopped (interpreter exit)
-            self._loop.run(self._client.close())
+            self._loop.run(self._async.close())
         self._loop.close()
 
     def __enter__(self) -> Self:
@@ -90,19 +98,10 @@ class _Blocking:
         self.close()
 
 
-class SpecpairClient(_Blocking):
+class SpecpairClient(_Blocking[AsyncSpecpairClient]):
     """Blocking client of a target service; `AsyncSpecpairClient` documents each method."""
 
-    def __init__(
-        self,
-        address: str | None = None,
-        *,
-        token: str | None = None,
-        tls: TLSArg = None,
-        timeout: float | None = None,
-    ) -> None:
-        self._async = AsyncSpecpairClient(address, token=token, tls=tls, timeout=timeout)
-        super().__init__(self._async)
+    _async_class = AsyncSpecpairClient
 
     def generate(
         self, prompt: Prompt, *, max_tokens: int, **params: Unpack[GenerateParams]
@@ -129,19 +128,10 @@ class SpecpairClient(_Blocking):
         return self._loop.run(self._async.server_info())
 
 
-class ControllerClient(_Blocking):
+class ControllerClient(_Blocking[AsyncControllerClient]):
     """Blocking client of the controller's ops API; `AsyncControllerClient` documents it."""
 
-    def __init__(
-        self,
-        address: str | None = None,
-        *,
-        token: str | None = None,
-        tls: TLSArg = None,
-        timeout: float | None = None,
-    ) -> None:
-        self._async = AsyncControllerClient(address, token=token, tls=tls, timeout=timeout)
-        super().__init__(self._async)
+    _async_class = AsyncControllerClient
 
     def state(self) -> ControllerState:
         return self._loop.run(self._async.state())

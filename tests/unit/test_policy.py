@@ -135,7 +135,7 @@ def test_custom_hysteresis_shifts_thresholds() -> None:
 def test_up_pass_runs_after_a_down_move() -> None:
     # down_hysteresis > up_hysteresis overlaps the bands: at 3 with ema 1.0 the down pass goes
     # to 1 (1.0 ≤ 1.0), then the up pass goes back to 3 (1.0 > 0.5). Newer SGLang skips the up
-    # pass after a down move; the rule we follow (issue 3, SGLang's original) does not.
+    # pass after a down move; we follow SGLang's original rule, which does not.
     cfg = PolicyConfig(ema_alpha=1.0, warmup_batches=0, update_interval=1, down_hysteresis=0.5)
     policy = AdaptiveSpeculativeParams(cfg, 3)
     assert policy.update([1]) is False
