@@ -27,7 +27,7 @@ from typing import Any
 
 from bench.acceptance import code_prompts, prose_prompts
 from bench.common import device_info, format_table, write_json
-from bench.services import ServiceGroup, watch_rounds
+from bench.services import BenchServices, watch_rounds
 from controller.bands import PolicySpec
 from controller.controller import round_sample
 from controller.interface import RoundSample
@@ -80,7 +80,7 @@ def build_phases(tokenizer: Any, per_phase: int) -> list[Phase]:
 
 def run_workload(
     name: str,
-    group: ServiceGroup,
+    group: BenchServices,
     phases: list[Phase],
     new_tokens: int,
     concurrency: int,
@@ -99,7 +99,7 @@ def run_workload(
     rounds: list[target_pb2.RoundStats] = []
     call = watch_rounds(group.target, rounds)
     time.sleep(0.3)
-    switches_before = len(ctl.state()["targets"][0]["recent_switches"])
+    switches_before = len(ctl.state().targets[0].recent_switches)
     result = RunResult(name)
     for p_index, phase in enumerate(phases):
         result.phase_first_round.append(len(rounds))
@@ -125,12 +125,12 @@ def run_workload(
         {"tier": r.speculative_num_steps, **{k: getattr(round_sample(r), k) for k in ROUND_KEYS}}
         for r in rounds
     ]
-    state = ctl.state()["targets"][0]
+    state = ctl.state().targets[0]
     result.switches = sum(
-        1 for s in state["recent_switches"][switches_before:] if s["reason"] == "policy"
+        1 for s in state.recent_switches[switches_before:] if s.reason == "policy"
     )
     if name in KINDS:
-        print(f"  {name}: {state['model']}", flush=True)
+        print(f"  {name}: {state.model}", flush=True)
     return result
 
 
@@ -229,7 +229,7 @@ def main() -> None:
     print(f"device: {device_info()}", flush=True)
     results: dict[str, RunResult] = {}
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    with ServiceGroup(
+    with BenchServices(
         target=args.target,
         draft=args.draft or MODELS_DIR / ("eagle" if args.draft_kind == "eagle" else "draft"),
         draft_kind=args.draft_kind,

@@ -45,7 +45,7 @@ import torch
 from bench.acceptance import code_prompts, prose_prompts
 from bench.adaptive import KINDS, RUNS, STATIC, build_phases, load_policy, oracle_of, run_workload
 from bench.common import device_info, format_table, write_json
-from bench.services import ServiceGroup, wait_draft_connected
+from bench.services import BenchServices, wait_draft_connected
 from controller.policy import PolicyConfig
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.config import MODELS_DIR, compute_threads
@@ -221,18 +221,18 @@ def serve_cells(
 def services(
     target: Path, draft: Path, draft_kind: str, workloads: list[Workload], batches: list[int],
     *, new_tokens: int, device: str, dtype: str, max_len: int, log_dir: Path,
-    phased: Callable[[ServiceGroup], dict[str, Any]] | None, record: Callable[[Cell], None],
+    phased: Callable[[BenchServices], dict[str, Any]] | None, record: Callable[[Cell], None],
 ) -> dict[str, Any] | None:  # fmt: skip
     """Target-only (`--no-draft`), then static tiers and adaptive through the controller."""
     common: dict[str, Any] = dict(
         target=target, log_dir=log_dir, device=device, dtype=dtype, max_len=max_len,
         candidate_steps=TIERS,
     )  # fmt: skip
-    with ServiceGroup(draft=None, initial_steps=1, **common) as group:
+    with BenchServices(draft=None, initial_steps=1, **common) as group:
         serve_cells(SpecpairClient(group.target, timeout=600), "target-only", workloads, batches,
                     new_tokens, record)  # fmt: skip
     policy = PolicyConfig(candidate_steps=TIERS)
-    with ServiceGroup(
+    with BenchServices(
         draft=draft, draft_kind=draft_kind, policy=policy.to_dict(), **common
     ) as group:
         client = SpecpairClient(group.target, timeout=600)
@@ -251,7 +251,7 @@ def services(
 def phased_workload(tokenizer: Any, per_phase: int, new_tokens: int) -> Callable[..., Any]:
     phases = build_phases(tokenizer, per_phase)
 
-    def run(group: ServiceGroup) -> dict[str, Any]:
+    def run(group: BenchServices) -> dict[str, Any]:
         policy = load_policy(None)
         results = {
             n: run_workload(n, group, phases, new_tokens, concurrency=1, policy=policy)

@@ -34,7 +34,7 @@ from bench import common
 from bench.checkpoints import random_pair
 from bench.common import add_output_args, device_info, format_table, percentile, write_json
 from bench.gpu_common import LLAMA3_8B
-from bench.services import LINKS, ServiceGroup, apply_tier, wait_draft_connected, watch_rounds
+from bench.services import LINKS, BenchServices, apply_tier, wait_draft_connected, watch_rounds
 from specpair.client import SpecpairClient
 from specpair.config import CANDIDATE_STEPS, compute_threads
 from specpair.models.loading import is_eagle_checkpoint, read_args
@@ -120,7 +120,7 @@ def two_services(
     link: str = "tcp",
 ) -> dict[int, dict]:
     kind = "eagle" if is_eagle_checkpoint(draft) else "model"
-    with ServiceGroup(
+    with BenchServices(
         target=target, draft=draft, log_dir=log_dir, initial_steps=tiers[0], draft_kind=kind,
         threads=threads, device=device, draft_device=draft_device, dtype=dtype, max_len=max_len,
         candidate_steps=sorted(set(CANDIDATE_STEPS) | set(tiers)), busy_poll_ms=busy_poll_ms,

@@ -6,22 +6,18 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import grpc
 
 from specpair.client import SpecpairClient
-from specpair.launcher import wait_healthy
+from specpair.group import Service, ServiceGroup
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
 
 LINKS = ("tcp", "unix")
@@ -44,19 +40,14 @@ def link_address(link: str, name: str) -> tuple[str, str | None]:
     return f"unix:{sockets}/{name}.sock", sockets
 
 
-def pinned(cpus: set[int] | None) -> Callable[[], None] | None:
-    """A child's preexec_fn that keeps it on `cpus` (None: anywhere)."""
-    return None if cpus is None else lambda: os.sched_setaffinity(0, cpus)
-
-
-class ServiceGroup:
-    """draft + target (+ controller when `policy` is given) via `specpair serve …`; with
+class BenchServices(ServiceGroup):
+    """draft + target (+ controller when `policy` is given) on free loopback ports; with
     `draft=None` the target alone (`--no-draft`), for a target-only baseline.
 
     `device`/`dtype` go to both model services, `draft_device` (default: `device`) to the draft
     alone, e.g. target on cuda:0 and draft on cuda:1; `max_len` and `candidate_steps` to both
-    (None: the CLI's defaults). `link` is the target's wire to the draft: loopback "tcp" or a
-    "unix" domain socket.
+    (None: the command's defaults). `link` is the target's wire to the draft: loopback "tcp" or
+    a "unix" domain socket.
     """
 
     def __init__(
@@ -80,72 +71,43 @@ class ServiceGroup:
     ) -> None:
         self.draft, self.socket_dir = link_address(link, "draft")
         self.target, self.controller = free_address(), free_address()
-        self.log_dir = log_dir
-        serve = [sys.executable, "-m", "specpair.cli", "serve"]
-        quiet = ["--metrics-address", "", "--log-level", "INFO"]
-        model = ["--threads", str(threads)]  # options of both model services
+        quiet = ("--metrics-address", "", "--log-level", "INFO")
+        model: tuple[str, ...] = ("--threads", str(threads), *quiet)  # both model services
         steps = ",".join(map(str, candidate_steps or ()))
         options = {"--dtype": dtype, "--max-len": max_len, "--candidate-steps": steps}
         for flag, value in options.items():
             if value:
-                model += [flag, str(value)]
+                model += (flag, str(value))
         if busy_poll_ms is not None:
-            model += ["--busy-poll-ms", str(busy_poll_ms)]
+            model += ("--busy-poll-ms", str(busy_poll_ms))
         # No HTTP API: benchmarks speak gRPC, and groups side by side must not share port 8000.
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPECPAIR_HTTP_ADDRESS": ""}
+        env = {**os.environ, "SPECPAIR_HTTP_ADDRESS": ""}
         draft_arg, draft_env = one_gpu(draft_device or device, env)
         target_arg, target_env = one_gpu(device, env)
-        self.plan: list[tuple[str, str, list[str], dict[str, str]]] = []
-        draft_link = ["--no-draft"]
+        pins = {name: frozenset(ids) for name, ids in (cpus or {}).items()}
+        services = []
+        draft_link: tuple[str, ...] = ("--no-draft",)
         if draft is not None:
-            draft_cmd = [*serve, "draft", "--address", self.draft, "--model", str(draft),
-                         "--draft-kind", draft_kind, "--device", draft_arg, *model,
-                         *quiet]  # fmt: skip
+            draft_args = ("draft", "--address", self.draft, "--model", str(draft),
+                          "--draft-kind", draft_kind, "--device", draft_arg, *model)  # fmt: skip
             if draft_kind == "eagle":
-                draft_cmd += ["--target-model", str(target)]
-            self.plan.append(("draft", self.draft, draft_cmd, draft_env))
-            draft_link = ["--draft", self.draft]
-        self.plan.append(
-            ("target", self.target, [*serve, "target", "--address", self.target, "--model",
-             str(target), *draft_link, "--initial-steps", str(initial_steps),
-             "--device", target_arg, *model, *quiet], target_env),
-        )  # fmt: skip
+                draft_args += ("--target-model", str(target))
+            services.append(Service("draft", self.draft, draft_args, draft_env, pins.get("draft")))
+            draft_link = ("--draft", self.draft)
+        target_args = ("target", "--address", self.target, "--model", str(target),
+                       *draft_link, "--initial-steps", str(initial_steps),
+                       "--device", target_arg, *model)  # fmt: skip
+        services.append(Service("target", self.target, target_args, target_env, pins.get("target")))
         if policy is not None:
             policy_file = log_dir / "policy.json"
             policy_file.write_text(json.dumps(policy))
-            self.plan.append(("controller", self.controller, [*serve, "controller", "--address",
-                              self.controller, "--target", self.target, "--policy",
-                              str(policy_file), *quiet], env))  # fmt: skip
-        self.cpus = cpus or {}  # service name -> the CPUs it may run on (default: any)
-        self.procs: list[subprocess.Popen[bytes]] = []
+            controller_args = ("controller", "--address", self.controller, "--target",
+                               self.target, "--policy", str(policy_file), *quiet)  # fmt: skip
+            services.append(Service("controller", self.controller, controller_args, env))
+        super().__init__(services, log_dir=log_dir)
 
-    def __enter__(self) -> Self:
-        try:
-            for name, address, cmd, env in self.plan:
-                log = open(self.log_dir / f"{name}.log", "ab")
-                pin = pinned(self.cpus.get(name))
-                proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, preexec_fn=pin)
-                self.procs.append(proc)
-                wait_healthy(name, address, proc, timeout=300)
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    def stop(self) -> None:
+        super().stop()
         if self.socket_dir is not None:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
 

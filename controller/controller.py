@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -14,46 +14,18 @@ import grpc
 
 from controller import memory
 from controller.bands import PolicySpec
-from controller.interface import RoundSample, SpeculationPolicy, TierEstimate
+from controller.interface import RoundSample, SpeculationPolicy
 from controller.policy import PolicyConfig
+from controller.target_link import NotConnectedError, TargetLink
+from specpair.client.results import TargetState, TierSwitch
 from specpair.config import ControllerConfig
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
-from specpair.proto.v1 import target_pb2, target_pb2_grpc
-from specpair.serving import auth_metadata, open_channel
+from specpair.proto.v1 import target_pb2
 
 log = get_logger("controller")
 
 RECENT_SWITCHES = 32
-RPC_TIMEOUT_S = 5.0
-# First retry after a failure; doubles up to ControllerConfig.reconnect_s.
-FIRST_BACKOFF_S = 0.05
-
-
-@dataclass(frozen=True, slots=True)
-class TierSwitch:
-    round_id: int
-    from_steps: int
-    to_steps: int
-    reason: str  # "policy", "pin", "unpin" or "reconnect"
-    ema: float
-    unix_time: float
-
-
-@dataclass(frozen=True, slots=True)
-class TargetSnapshot:
-    """What GetState reports for one target; active_steps 0 until first contact."""
-
-    target_address: str
-    connected: bool
-    active_steps: int
-    ema: float
-    pinned_steps: int | None
-    rounds_seen: int
-    batches_counted: int
-    recent_switches: tuple[TierSwitch, ...]
-    estimates: tuple[TierEstimate, ...] = ()
-    model: str = ""
 
 
 @dataclass(slots=True)
@@ -66,7 +38,7 @@ class _Target:
     # Created at first contact, from the tier the target reports (GetServerInfo).
     policy: SpeculationPolicy | None = None
     target_candidates: tuple[int, ...] = ()
-    stub: Any = None  # TargetServiceStub while connected
+    link: TargetLink | None = None
     rounds_seen: int = 0
     switches: deque[TierSwitch] = field(default_factory=lambda: deque(maxlen=RECENT_SWITCHES))
     # Serializes ApplyTier between the round stream and the ops RPCs.
@@ -94,22 +66,27 @@ class AdaptiveController:
         self._remembered = saved.targets
         if config.state_file and (saved.pinned_steps is not None or saved.targets):
             log.info("state restored", path=str(config.state_file), pinned=saved.pinned_steps)
-        self._metadata = auth_metadata(config.server.ops_token)
         self._targets = [_Target(address) for address in config.targets]
-        self._tasks: list[asyncio.Task[None]] = []
+        for t in self._targets:
+            t.link = TargetLink(
+                t.address,
+                on_connect=functools.partial(self._connect, t),
+                on_round=functools.partial(self._on_round, t),
+                on_lost=functools.partial(self._lost, t),
+                tls=config.server.tls,
+                token=config.server.ops_token,
+                backoff_max_s=config.reconnect_s,
+            )
 
     async def start(self) -> None:
-        for target in self._targets:
-            task = asyncio.create_task(self._follow(target), name=f"follow {target.address}")
-            self._tasks.append(task)
+        for t in self._targets:
+            assert t.link is not None
+            t.link.start()
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks.clear()
+        for t in self._targets:
+            if t.link is not None:
+                await t.link.close()
         self._save()
 
     def _save(self) -> None:
@@ -129,9 +106,9 @@ class AdaptiveController:
                 "cannot save controller state", path=str(self.config.state_file), error=str(exc)
             )
 
-    def snapshot(self) -> list[TargetSnapshot]:
+    def snapshot(self) -> list[TargetState]:
         return [
-            TargetSnapshot(
+            TargetState(
                 target_address=t.address,
                 connected=t.connected,
                 active_steps=t.active_steps,
@@ -211,51 +188,10 @@ class AdaptiveController:
 
     # --- per target --------------------------------------------------------------------------
 
-    async def _follow(self, t: _Target) -> None:
-        """Connect, watch rounds, and on any failure reconnect with backoff, forever."""
-        delay = FIRST_BACKOFF_S
-        while True:
-            try:
-                async with open_channel(t.address, self.config.server.tls) as channel:
-                    stub = target_pb2_grpc.TargetServiceStub(channel)
-                    await self._connect(t, stub)
-                    delay = FIRST_BACKOFF_S
-                    rounds = stub.WatchRounds(
-                        target_pb2.WatchRoundsRequest(), metadata=self._metadata
-                    )
-                    async for response in rounds:
-                        await self._on_round(t, response.round)
-                    log.warning("round stream ended", target=t.address)
-            except grpc.aio.AioRpcError as exc:
-                # Warn on the first failure only: a target still loading would flood the log.
-                lost = t.connected
-                retrying = not lost and delay > FIRST_BACKOFF_S
-                (log.debug if retrying else log.warning)(
-                    "target connection lost" if lost else "target unavailable",
-                    target=t.address,
-                    code=exc.code().name,
-                    details=exc.details(),
-                    retry_in_s=round(delay, 3),
-                )
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                # A bug or a malformed message must not end the controller's watch of a target.
-                log.exception("target watch failed", target=t.address, retry_in_s=round(delay, 3))
-            finally:
-                t.connected = False
-                t.stub = None
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self.config.reconnect_s)
-
-    async def _connect(self, t: _Target, stub: Any) -> None:
-        info = await stub.GetServerInfo(
-            target_pb2.TargetServiceGetServerInfoRequest(),
-            metadata=self._metadata,
-            timeout=RPC_TIMEOUT_S,
-        )
+    async def _connect(
+        self, t: _Target, info: target_pb2.TargetServiceGetServerInfoResponse
+    ) -> None:
         async with t.lock:
-            t.stub = stub
             t.active_steps = info.speculative_num_steps
             t.target_candidates = tuple(info.candidate_steps)
             if not set(self.policy.candidate_steps) <= set(t.target_candidates or ()):
@@ -289,6 +225,9 @@ class AdaptiveController:
             ema=round(t.policy.ema, 4),
         )
 
+    def _lost(self, t: _Target) -> None:
+        t.connected = False
+
     async def _on_round(self, t: _Target, stats: target_pb2.RoundStats) -> None:
         t.rounds_seen += 1
         accept_lengths: Sequence[int] = list(stats.accept_lengths)
@@ -308,13 +247,11 @@ class AdaptiveController:
         self, t: _Target, steps: int, reason: str, *, raise_errors: bool = False
     ) -> bool:
         """ApplyTier on `t` (caller holds t.lock); False if it is not connected or refused."""
-        if t.stub is None:
-            return False
-        request = target_pb2.ApplyTierRequest(speculative_num_steps=steps, reason=reason)
+        assert t.link is not None
         try:
-            response = await t.stub.ApplyTier(
-                request, metadata=self._metadata, timeout=RPC_TIMEOUT_S
-            )
+            response = await t.link.apply_tier(steps, reason)
+        except NotConnectedError:
+            return False
         except grpc.aio.AioRpcError as exc:
             # A refused tier is a config mismatch worth logging, not a reason to reconnect.
             if raise_errors and exc.code() != grpc.StatusCode.INVALID_ARGUMENT:

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
+from specpair.tiers import TierEstimate
+
 
 @dataclass(frozen=True, slots=True)
 class RoundSample:
@@ -40,17 +42,6 @@ class RoundSample:
         if not self.speculative:
             return 0.0
         return max(self.total_ms - self.verify_ms - self.schedule_ms, self.draft_ms)
-
-
-@dataclass(frozen=True, slots=True)
-class TierEstimate:
-    """A policy's prediction for one tier at the current batch size (status only)."""
-
-    steps: int
-    tokens_per_s: float  # batch · tokens_per_round / round time
-    round_ms: float
-    tokens_per_round: float  # per request: accepted drafts + the bonus token
-    observed_rounds: int  # rounds measured at this tier and batch bucket (0: predicted)
 
 
 @runtime_checkable

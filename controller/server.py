@@ -7,13 +7,14 @@ import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import grpc
 
 from controller.bands import PolicySpec
-from controller.controller import AdaptiveController, TargetSnapshot
+from controller.controller import AdaptiveController
 from controller.policy import FIELD_NAMES, PolicyConfig
+from specpair.client.results import TargetState
 from specpair.config import ControllerConfig, split_address
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
@@ -27,17 +28,6 @@ SERVICE_NAME = controller_pb2.DESCRIPTOR.services_by_name["ControllerService"].f
 PROTECTED_METHODS = tuple(
     f"/{SERVICE_NAME}/{method}" for method in ("GetState", "UpdatePolicy", "PinTier", "Unpin")
 )
-# UpdatePolicyRequest's optional scalars; candidate_steps (repeated) is "set" when non-empty.
-_OptionalField = Literal[
-    "ema_alpha", "update_interval", "warmup_batches", "down_hysteresis", "up_hysteresis"
-]
-_OPTIONAL_FIELDS: tuple[_OptionalField, ...] = (
-    "ema_alpha",
-    "update_interval",
-    "warmup_batches",
-    "down_hysteresis",
-    "up_hysteresis",
-)
 
 
 def policy_to_pb(policy: PolicySpec) -> controller_pb2.PolicyConfig:
@@ -49,7 +39,7 @@ def policy_to_pb(policy: PolicySpec) -> controller_pb2.PolicyConfig:
     return controller_pb2.PolicyConfig(**named, kind=kind, options_json=options)
 
 
-def target_to_pb(t: TargetSnapshot) -> controller_pb2.TargetState:
+def target_to_pb(t: TargetState) -> controller_pb2.TargetState:
     return controller_pb2.TargetState(
         target_address=t.target_address,
         connected=t.connected,
@@ -85,14 +75,17 @@ def target_to_pb(t: TargetSnapshot) -> controller_pb2.TargetState:
 
 
 def policy_changes(request: controller_pb2.UpdatePolicyRequest) -> dict[str, Any]:
-    """The fields a partial UpdatePolicy sets."""
-    changes: dict[str, Any] = {
-        name: getattr(request, name) for name in _OPTIONAL_FIELDS if request.HasField(name)
-    }
-    if request.candidate_steps:
-        changes["candidate_steps"] = tuple(request.candidate_steps)
-    if request.HasField("kind"):
-        changes["kind"] = request.kind
+    """The fields a partial UpdatePolicy sets: optional scalars that are present, lists that
+    are non-empty (the request's fields are the policy's keys), and the keys of `options_json`."""
+    changes: dict[str, Any] = {}
+    for fd in request.DESCRIPTOR.fields:
+        if fd.name == "options_json":
+            continue
+        if fd.is_repeated:
+            if values := getattr(request, fd.name):
+                changes[fd.name] = tuple(values)
+        elif request.HasField(fd.name):  # type: ignore[arg-type]
+            changes[fd.name] = getattr(request, fd.name)
     if request.options_json:
         try:
             options = json.loads(request.options_json)

@@ -38,14 +38,14 @@ class DraftRounds:
         if (layout is not None) != (config.draft_kind == "eagle"):
             what = "an EAGLE head" if layout else "not an EAGLE head"
             raise CheckpointError(
-                f"{config.model_path}: {what}, but --draft-kind is {config.draft_kind!r} "
+                f"{config.model_path}: {what}, but --draft-kind is {str(config.draft_kind)!r} "
                 "(an EAGLE head is served with --draft-kind eagle --target-model TARGET)"
             )
         self.drafter: Drafter = build_drafter(
             config.model_path,
             target_path=config.target_path if config.draft_kind == "eagle" else None,
             max_requests=config.max_requests,
-            max_len=config.max_len,
+            max_len=config.cache_len,
             dtype=getattr(torch, config.dtype),
             device=config.device,
         )
@@ -155,8 +155,8 @@ class DraftRounds:
             entry = self.drafter.requests.get(item.request_id)
             length = self.drafter.cache.lengths[entry.slot] if entry else 0
             need = length + len(item.appended) + max(self.states)
-            if need > self.config.max_len:
-                reason = f"{need} positions exceed max_len {self.config.max_len}"
+            if need > self.config.cache_len:
+                reason = f"{need} positions exceed the draft cache's {self.config.cache_len}"
             elif entry is None and free == 0:
                 reason = "no free draft slot"
             else:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import grpc
 
 from draft_service.rounds import DraftRounds
-from specpair.config import DraftConfig, busy_poll_s, compute_threads, split_address
+from specpair.config import DraftConfig, split_address
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.models.loading import load_tokenizer, tokenizer_fingerprint
@@ -27,8 +27,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.config = config
         self.rounds: DraftRounds | None = None  # set once weights and states are built
         self.metrics = metrics
-        self.compute = Compute("draft-compute", compute_threads(config.threads), config.device)
-        self.busy_poll_s = busy_poll_s(config.busy_poll_ms, config.device)
+        self.compute = Compute("draft-compute", config.threads, config.device)
+        self.busy_poll_s = config.busy_poll_s
         self.open_streams: set[str] = set()
         self._ids = itertools.count()
         self.vocab_size, self.tokenizer_fingerprint = 0, ""  # set with `rounds`

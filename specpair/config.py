@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 DEFAULT_TARGET_ADDRESS = "127.0.0.1:50051"
@@ -17,7 +18,7 @@ DEFAULT_METRICS = {
 # The target's OpenAI-compatible HTTP API (`specpair serve target --http-address`).
 DEFAULT_HTTP_ADDRESS = "127.0.0.1:8000"
 CANDIDATE_STEPS = (1, 3, 7)
-# The bundled model pair (issue 4); `specpair up` falls back to a generated tiny pair.
+# The bundled model pair; `specpair up` falls back to a generated tiny pair without it.
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 
 
@@ -34,32 +35,6 @@ def env_address(service: str) -> str:
 def env_http_address() -> str:
     """SPECPAIR_HTTP_ADDRESS or the default address of the target's HTTP API."""
     return os.environ.get("SPECPAIR_HTTP_ADDRESS", DEFAULT_HTTP_ADDRESS)
-
-
-def compute_threads(requested: int) -> int:
-    """Intra-op threads for a service's compute thread.
-
-    Draft and target usually share the machine, and torch ops launched from a non-main thread
-    with more than one OpenMP thread ran ~1.8x slower on a 2-core CPU (bench/RESULTS.md), so
-    the default gives each service half the cores.
-    """
-    return requested if requested > 0 else max(1, (os.cpu_count() or 2) // 2)
-
-
-BUSY_POLL_MS_CUDA = 20.0
-
-
-def busy_poll_s(requested_ms: float | None, device: str) -> float:
-    """How long a service keeps its event loop polling for the peer's next message, in seconds.
-
-    A loop that sleeps in epoll while the peer computes wakes up cold: on the lent H100 host
-    (a VM) each one-way message took ~0.46 ms against ~0.15 ms between two loops that never
-    sleep, and the compute right after ran slower. Polling costs a core while a round is out,
-    so it is on by default only on a CUDA device (where compute does not need that core).
-    """
-    if requested_ms is None:
-        requested_ms = BUSY_POLL_MS_CUDA if device.startswith("cuda") else 0.0
-    return max(requested_ms, 0.0) / 1e3
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -99,16 +74,6 @@ class TLSConfig:
     def enabled(self) -> bool:
         return self.cert is not None or self.ca is not None
 
-    @staticmethod
-    def from_env() -> TLSConfig:
-        def path(name: str) -> Path | None:
-            value = os.environ.get(name)
-            return Path(value) if value else None
-
-        return TLSConfig(
-            path("SPECPAIR_TLS_CERT"), path("SPECPAIR_TLS_KEY"), path("SPECPAIR_TLS_CA")
-        )
-
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
@@ -128,38 +93,138 @@ def _check_steps(steps: tuple[int, ...]) -> None:
         raise ValueError(f"candidate_steps must be sorted distinct positive ints, got {steps}")
 
 
+def _help(text: str, **cli: object) -> dict[str, object]:
+    """Field metadata: a field with help is a `specpair serve` option (specpair.options)."""
+    return {"help": text, **cli}
+
+
+class DType(StrEnum):
+    AUTO = "auto"  # float32 on the CPU, bfloat16 on CUDA
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class DraftKind(StrEnum):
+    MODEL = "model"  # a standalone small LM sharing the target's tokenizer
+    EAGLE = "eagle"  # an EAGLE head over the target's features (needs the target checkpoint)
+
+
+def check_device(device: str) -> str:
+    kind, sep, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (sep and (kind != "cuda" or not index.isdigit())):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+    return device
+
+
+BUSY_POLL_MS_CUDA = 20.0
+
+
+def compute_threads(requested: int) -> int:
+    """`requested` intra-op threads, or for 0 half the cores (ModelServiceConfig says why)."""
+    return requested if requested > 0 else max(1, (os.cpu_count() or 2) // 2)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelServiceConfig:
+    """What the draft and the target both take; every "auto" is resolved here, at construction.
+
+    threads 0 → half the cores: draft and target usually share the machine, and torch ops
+    launched from a non-main thread with more than one OpenMP thread ran ~1.8x slower on a
+    2-core CPU (bench/RESULTS.md).
+
+    busy_poll_ms None → 20 on CUDA, 0 on the CPU: a loop that sleeps in epoll while the peer
+    computes wakes up cold (on the lent H100 host each one-way message took ~0.46 ms against
+    ~0.15 ms between two loops that never sleep, and the compute right after ran slower).
+    Polling costs a core while a round is out, so only a CUDA service, whose compute does not
+    need that core, polls by default.
+    """
+
+    candidate_steps: tuple[int, ...] = field(
+        default=CANDIDATE_STEPS, metadata=_help("tiers (speculative_num_steps) to build")
+    )
+    max_len: int = field(
+        default=1024,
+        metadata=_help("context length served: prompt + max_tokens must fit"),
+    )
+    device: str = field(default="cpu", metadata=_help("cpu | cuda | cuda:N"))
+    dtype: DType = field(default=DType.AUTO, metadata=_help("weights and activations"))
+    threads: int = field(
+        default=0, metadata=_help("intra-op threads of the compute thread (0: half the cores)")
+    )
+    busy_poll_ms: float | None = field(
+        default=None,
+        metadata=_help("poll for the peer's next message this long before sleeping "
+                       f"(default: {BUSY_POLL_MS_CUDA:g} on CUDA, 0 on the CPU)"),
+    )  # fmt: skip
+
+    def _resolve(self) -> None:
+        _check_steps(self.candidate_steps)
+        check_device(self.device)
+        if self.max_len < 1:
+            raise ValueError("max_len must be >= 1")
+        cuda = self.device.startswith("cuda")
+        dtype = DType(self.dtype)  # ValueError names the bad value
+        if dtype is DType.AUTO:
+            dtype = DType.BFLOAT16 if cuda else DType.FLOAT32
+        object.__setattr__(self, "dtype", dtype)
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads}")
+        object.__setattr__(self, "threads", compute_threads(self.threads))
+        poll = self.busy_poll_ms
+        if poll is None:
+            poll = BUSY_POLL_MS_CUDA if cuda else 0.0
+        object.__setattr__(self, "busy_poll_ms", max(float(poll), 0.0))
+
+    @property
+    def busy_poll_s(self) -> float:
+        return (self.busy_poll_ms or 0.0) / 1e3
+
+
 @dataclass(frozen=True, slots=True)
-class TargetConfig:
+class TargetConfig(ModelServiceConfig):
     server: ServerConfig
-    model_path: Path
-    draft_address: str | None = DEFAULT_DRAFT_ADDRESS  # None: no speculation
-    candidate_steps: tuple[int, ...] = CANDIDATE_STEPS
-    initial_steps: int = 3
-    max_batch: int = 16
-    max_len: int = 1024  # context length served: prompt + max_tokens must fit
-    max_queue: int = 256
-    draft_timeout_s: float = 5.0  # a round whose drafts come later is decoded without them
+    model_path: Path = field(metadata=_help("target checkpoint directory", flag="--model"))
+    draft_address: str | None = field(
+        default=DEFAULT_DRAFT_ADDRESS,
+        metadata=_help("draft service HOST:PORT or unix:PATH", flag="--draft",
+                       env="SPECPAIR_DRAFT_ADDRESS", off_flag="--no-draft",
+                       off_help="decode without speculation"),
+    )  # fmt: skip
+    initial_steps: int = field(default=3, metadata=_help("tier of the first rounds"))
+    max_batch: int = field(default=16, metadata=_help("requests decoded together"))
+    max_queue: int = field(default=256, metadata=_help("requests waiting beyond the batch"))
+    draft_timeout_s: float = field(
+        default=5.0,
+        metadata=_help("seconds per round; a round whose drafts come later is decoded "
+                       "without them", flag="--draft-timeout"),
+    )  # fmt: skip
     reconnect_min_s: float = 0.2
     reconnect_max_s: float = 5.0
-    device: str = "cpu"
-    dtype: str = "float32"
-    threads: int = 0  # intra-op threads of the compute thread; 0: half the cores (see below)
-    busy_poll_ms: float | None = None  # None: see busy_poll_s
     eos_stop: bool = True  # stop at the eos ids of generation_config.json and the tokenizer
-    http_address: str = ""  # HOST:PORT of the OpenAI-compatible HTTP API; "" disables it
-    feature_layers: tuple[int, ...] = ()  # EAGLE-3 draft: send these layers' outputs as features
+    # "" (the library's default) disables the HTTP API; the command serves it by default.
+    http_address: str = field(
+        default="",
+        metadata=_help("HOST:PORT of the OpenAI-compatible HTTP API ('' disables)",
+                       env="SPECPAIR_HTTP_ADDRESS", cli_default=DEFAULT_HTTP_ADDRESS),
+    )  # fmt: skip
+    feature_layers: tuple[int, ...] = field(
+        default=(),
+        metadata=_help("an EAGLE-3 draft's target layers, e.g. 1,2,4 (its config's "
+                       "eagle_aux_hidden_state_layer_ids); default: the final hidden state"),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
+        self._resolve()
         if self.draft_address is not None:
             check_grpc_address(self.draft_address)
         if self.http_address:
             split_address(self.http_address)
-        _check_steps(self.candidate_steps)
         if self.initial_steps not in self.candidate_steps:
             raise ValueError(
                 f"initial_steps {self.initial_steps} is not a candidate {self.candidate_steps}"
             )
-        for name in ("max_batch", "max_len", "max_queue"):
+        for name in ("max_batch", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if not 0 < self.reconnect_min_s <= self.reconnect_max_s:
@@ -171,35 +236,52 @@ class TargetConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class DraftConfig:
+class DraftConfig(ModelServiceConfig):
     server: ServerConfig
-    model_path: Path
-    draft_kind: str = "model"  # "model" (standalone LM) | "eagle" (needs target_path)
-    target_path: Path | None = None
-    candidate_steps: tuple[int, ...] = CANDIDATE_STEPS
-    max_requests: int = 64
-    max_len: int = 1024
-    device: str = "cpu"
-    dtype: str = "float32"
-    threads: int = 0  # intra-op threads of the compute thread; 0: half the cores (see below)
-    busy_poll_ms: float | None = None  # None: see busy_poll_s
+    model_path: Path = field(metadata=_help("draft LM or EAGLE head dir", flag="--model"))
+    draft_kind: DraftKind = field(default=DraftKind.MODEL, metadata=_help("what --model is"))
+    target_path: Path | None = field(
+        default=None, metadata=_help("target checkpoint (EAGLE only)", flag="--target-model")
+    )
+    max_requests: int = field(default=64, metadata=_help("requests drafted for at once"))
 
     def __post_init__(self) -> None:
-        _check_steps(self.candidate_steps)
-        if self.draft_kind not in ("model", "eagle"):
-            raise ValueError(f"draft_kind must be 'model' or 'eagle', got {self.draft_kind!r}")
-        if self.draft_kind == "eagle" and self.target_path is None:
+        self._resolve()
+        object.__setattr__(self, "draft_kind", DraftKind(self.draft_kind))
+        if self.draft_kind is DraftKind.EAGLE and self.target_path is None:
             raise ValueError("draft_kind 'eagle' needs the target checkpoint (--target-model)")
+        if self.max_requests < 1:
+            raise ValueError("max_requests must be >= 1")
+
+    @property
+    def cache_len(self) -> int:
+        """Positions a request may hold: the context served plus the deepest tier's drafts."""
+        return self.max_len + max(self.candidate_steps)
 
 
 @dataclass(frozen=True, slots=True)
 class ControllerConfig:
     server: ServerConfig
-    targets: tuple[str, ...] = (DEFAULT_TARGET_ADDRESS,)
-    policy_file: Path | None = None
-    policy_class: str | None = None  # "module:Class", a SpeculationPolicy instead of the kind
+    targets: tuple[str, ...] = field(
+        default=(DEFAULT_TARGET_ADDRESS,),
+        metadata=_help("target HOST:PORT (repeatable)", flag="--target",
+                       env="SPECPAIR_TARGET_ADDRESS"),
+    )  # fmt: skip
+    policy_file: Path | None = field(
+        default=None,
+        metadata=_help("policy JSON file (omitted keys: defaults)", flag="--policy"),
+    )
+    policy_class: str | None = field(
+        default=None,
+        metadata=_help("MODULE:CLASS, a SpeculationPolicy class to run instead of the kind (the "
+                       "policy file's keys are its options)"),
+    )  # fmt: skip
     reconnect_s: float = 1.0
-    state_file: Path | None = None  # pin, live policy and EMAs kept across restarts
+    state_file: Path | None = field(
+        default=None,
+        metadata=_help("JSON file keeping the pin, the live policy and each target's EMA "
+                       "across restarts", env="SPECPAIR_CONTROLLER_STATE"),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if not self.targets:

@@ -105,15 +105,14 @@ def run_demo(
     except SpecpairError as exc:
         print(f"demo: controller unavailable ({exc})")
         return
-    for target_state in state.get("targets", []):
-        switches = target_state.get("recent_switches", [])
+    for target_state in state.targets:
+        switches = target_state.recent_switches
         print(
-            f"controller: {target_state.get('target_address')} tier "
-            f"{target_state.get('active_steps')}, EMA {target_state.get('ema', 0.0):.2f}, "
+            f"controller: {target_state.target_address} tier "
+            f"{target_state.active_steps}, EMA {target_state.ema:.2f}, "
             f"{len(switches)} tier switches"
         )
         for s in switches:
             print(
-                f"  round {s.get('round_id')}: {s.get('from_steps')} → {s.get('to_steps')} "
-                f"({s.get('reason')}, EMA {s.get('ema', 0.0):.2f})"
+                f"  round {s.round_id}: {s.from_steps} → {s.to_steps} ({s.reason}, EMA {s.ema:.2f})"
             )

@@ -17,8 +17,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specpair.channels import open_blocking_channel
 from specpair.config import TLSConfig
-from specpair.serving import channel_credentials
 
 
 def check(
@@ -28,11 +28,7 @@ def check(
 
     A server given a CA takes only clients with a certificate: pass the service's own in `tls`.
     """
-    creds = channel_credentials(tls)
-    channel = (
-        grpc.insecure_channel(address) if creds is None else grpc.secure_channel(address, creds)
-    )
-    with channel:
+    with open_blocking_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)

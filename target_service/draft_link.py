@@ -2,15 +2,14 @@
 
 It carries typed rounds (`RoundRequest` out, `RoundResponse` back; `specpair.wire` converts).
 `send()`, `receive()` and `round()` never raise: a failed, late or broken round returns None,
-the stream is dropped, and a background task reconnects with exponential backoff. Each new
-stream is a new *epoch*: the draft lost every request's state, so the scheduler re-sends their
-full token history (`DraftSession` sees the new epoch).
+the stream is dropped, and the link reconnects with exponential backoff (specpair.reconnect).
+Each new stream is a new *epoch*: the draft lost every request's state, so the scheduler
+re-sends their full token history (`DraftSession` sees the new epoch).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -18,21 +17,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specpair.config import TLSConfig
 from specpair.logging import get_logger
 from specpair.proto.v1 import draft_pb2, draft_pb2_grpc, target_pb2
+from specpair.reconnect import ReconnectingLink
 from specpair.runtime.round import RoundRequest, RoundResponse
-from specpair.serving import busy_wait, open_channel
+from specpair.serving import busy_wait
 from specpair.wire import request_to_proto, response_from_proto
 
 log = get_logger(__name__)
 State = target_pb2.DraftConnectionState
 DRAFT_SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
-CLOSE_TIMEOUT_S = 2.0  # shutting down never waits on a peer longer than this
 
 
 class IncompatibleDraftError(ConnectionError):
     """The draft answers but cannot serve this target (another vocabulary or tokenizer)."""
 
 
-class DraftLink:
+class DraftLink(ReconnectingLink):
     def __init__(
         self,
         address: str,
@@ -46,79 +45,57 @@ class DraftLink:
         tokenizer_fingerprint: str = "",
         feature_layers: tuple[int, ...] = (),
     ) -> None:
-        self.address = address
+        super().__init__(
+            address, name="draft-link", tls=tls, backoff_min_s=backoff_min_s,
+            backoff_max_s=backoff_max_s,
+        )  # fmt: skip
         # What a draft must agree on (0 / "": not checked): its q ranges over our vocabulary
         # and its token ids mean what ours mean.
         self.vocab_size, self.tokenizer_fingerprint = vocab_size, tokenizer_fingerprint
         self.feature_layers = feature_layers  # the layers our features come from ((): final)
         self.incompatible = ""  # why the draft last refused, shown in GetServerInfo
-        self.tls = tls
         self.timeout_s = timeout_s
-        self.backoff = (backoff_min_s, backoff_max_s)
         self.busy_poll_s = busy_poll_s  # poll for the trees this long (serving.busy_wait)
         self.state: target_pb2.DraftConnectionState.ValueType = (
             State.DRAFT_CONNECTION_STATE_CONNECTING
         )
         self.epoch = 0
         self.draft_kind = ""
-        self._channel: grpc.aio.Channel | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
         self._lost = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
 
     @property
     def connected(self) -> bool:
         return self.state == State.DRAFT_CONNECTION_STATE_CONNECTED
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._keep_connected(), name="draft-link")
+    async def _hold(self) -> None:
+        await self._lost.wait()
 
-    async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self._drop()
-
-    async def _keep_connected(self) -> None:
-        delay = self.backoff[0]
-        while True:
-            try:
-                await self._connect()
-                delay = self.backoff[0]
-                self._lost.clear()
-                await self._lost.wait()
-            except asyncio.CancelledError:
-                raise
-            except IncompatibleDraftError as exc:
-                # Not a network blip: say so once, keep decoding plainly, and look again at the
-                # slowest pace (a draft restarted with the right checkpoint is picked up).
-                if self.incompatible != str(exc):
-                    log.error("draft refused", address=self.address, reason=str(exc))
-                self.incompatible = str(exc)
-                self.state = State.DRAFT_CONNECTION_STATE_INCOMPATIBLE
-                await self._drop()
-                await asyncio.sleep(self.backoff[1])
-            except Exception as exc:  # any failure: back off and try again
-                self.state = State.DRAFT_CONNECTION_STATE_DISCONNECTED
-                log.warning(
-                    "draft unreachable", address=self.address, error=str(exc), retry_s=delay
-                )
-                await self._drop()
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.backoff[1])
+    def _failed(self, exc: Exception, retry_s: float) -> float:
+        if isinstance(exc, IncompatibleDraftError):
+            # Not a network blip: say so once, keep decoding plainly, and look again at the
+            # slowest pace (a draft restarted with the right checkpoint is picked up).
+            if self.incompatible != str(exc):
+                log.error("draft refused", address=self.address, reason=str(exc))
+            self.incompatible = str(exc)
+            self.state = State.DRAFT_CONNECTION_STATE_INCOMPATIBLE
+            return self.backoff[1]
+        self.state = State.DRAFT_CONNECTION_STATE_DISCONNECTED
+        log.warning("draft unreachable", address=self.address, error=str(exc), retry_s=retry_s)
+        return retry_s
 
     async def _connect(self) -> None:
-        self._channel = open_channel(self.address, self.tls)
-        await asyncio.wait_for(self._channel.channel_ready(), timeout=self.timeout_s)
+        self._lost.clear()
+        channel = self._open()
+        await asyncio.wait_for(channel.channel_ready(), timeout=self.timeout_s)
         # A draft still loading its model answers GetServerInfo but aborts Round: wait for
         # its health to say SERVING, or the first round fails on a stream already closed.
-        health = await health_pb2_grpc.HealthStub(self._channel).Check(
+        health = await health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service=DRAFT_SERVICE), timeout=self.timeout_s
         )
         if health.status != health_pb2.HealthCheckResponse.SERVING:
             raise ConnectionError("draft is not serving yet (loading its model)")
-        stub = draft_pb2_grpc.DraftServiceStub(self._channel)
+        stub = draft_pb2_grpc.DraftServiceStub(channel)
         info = await stub.GetServerInfo(
             draft_pb2.DraftServiceGetServerInfoRequest(), timeout=self.timeout_s
         )
@@ -154,16 +131,10 @@ class DraftLink:
             )
         return ""
 
-    async def _drop(self) -> None:
-        # Detach first: a failed round, the reconnect loop and close() may all drop at once,
-        # and each channel must be closed exactly once.
-        call, channel = self._call, self._channel
-        self._call = self._channel = None
+    def _detach(self) -> None:
+        call, self._call = self._call, None
         if call is not None:
             call.cancel()
-        if channel is not None:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(channel.close(grace=None), CLOSE_TIMEOUT_S)
 
     async def send(self, request: RoundRequest) -> int | None:
         """Writes one round, at most `timeout_s`; the stream's epoch, or None on any failure."""

@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import torch
 
-from specpair.config import TargetConfig, busy_poll_s, compute_threads, split_address
+from specpair.config import TargetConfig, split_address
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.models.loading import load_tokenizer, tokenizer_fingerprint
@@ -181,7 +181,7 @@ def _build_scheduler(
         max_queue=config.max_queue,
         draft=None,
         metrics=metrics,
-        threads=compute_threads(config.threads),
+        threads=config.threads,
         device=config.device,
     )
     return scheduler, builder
@@ -237,7 +237,7 @@ async def start(config: TargetConfig) -> RunningTarget:
             timeout_s=config.draft_timeout_s,
             backoff_min_s=config.reconnect_min_s,
             backoff_max_s=config.reconnect_max_s,
-            busy_poll_s=busy_poll_s(config.busy_poll_ms, config.device),
+            busy_poll_s=config.busy_poll_s,
             vocab_size=scheduler.worker.model.args.vocab_size,
             tokenizer_fingerprint=tokenizer_fingerprint(frontend.tokenizer),
             feature_layers=config.feature_layers,

@@ -11,14 +11,8 @@ Throughout, neither service builds a runtime state after start-up.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -28,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from specpair.client import ControllerClient, SpecpairClient
-from specpair.healthcheck import check
+from specpair.group import Service, ServiceGroup
 from tests.service.conftest import reference_greedy
 
 pytestmark = pytest.mark.slow
@@ -43,44 +37,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class Processes:
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - lives with the process
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "specpair.cli", "serve", *args, "--metrics-address", ""]
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
-        return self.procs[name]
-
-    def wait_healthy(self, name: str, address: str, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            proc = self.procs[name]
-            assert proc.poll() is None, f"{name} died: {self.logs(name)}"
-            with (
-                contextlib.redirect_stderr(io.StringIO()),
-                contextlib.redirect_stdout(io.StringIO()),
-            ):
-                if check(address, timeout=1.0):
-                    return
-            time.sleep(0.2)
-        raise AssertionError(f"{name} not healthy: {self.logs(name)}")
-
-    def logs(self, name: str) -> str:
-        return (self.log_dir / f"{name}.log").read_text()[-3000:]
-
-    def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+def service(name: str, address: str, *args: str) -> Service:
+    return Service(name, address, (*args, "--address", address, "--metrics-address", ""))
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
@@ -93,34 +51,30 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 @pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Processes]:
-    p = Processes(tmp_path)
-    yield p
-    p.stop_all()
+def procs(tmp_path: Path) -> Iterator[ServiceGroup]:
+    with ServiceGroup(log_dir=tmp_path, health_timeout_s=120) as group:
+        yield group
 
 
-def test_three_processes(ckpts: dict[str, Path], procs: Processes, tmp_path: Path) -> None:
+def test_three_processes(ckpts: dict[str, Path], procs: ServiceGroup, tmp_path: Path) -> None:
     draft_addr, target_addr, ctrl_addr = (f"127.0.0.1:{free_port()}" for _ in range(3))
     policy = tmp_path / "policy.json"
     policy.write_text(json.dumps(FAST_POLICY))
     target = str(ckpts["target"])
-    procs.start("draft", "draft", "--address", draft_addr, "--model", target)
     http_addr = f"127.0.0.1:{free_port()}"
-    procs.start(
-        "target", "target", "--address", target_addr, "--model", target,
-        "--draft", draft_addr, "--initial-steps", "1", "--draft-timeout", "15",
-        "--http-address", http_addr,
-    )  # fmt: skip
-    procs.start(
-        "controller", "controller", "--address", ctrl_addr, "--target", target_addr,
-        "--policy", str(policy),
-    )  # fmt: skip
-    for name, address in (
-        ("draft", draft_addr),
-        ("target", target_addr),
-        ("controller", ctrl_addr),
-    ):
-        procs.wait_healthy(name, address)
+    # Launched together, then waited on: the target and controller come up while peers load.
+    for s in (
+        service("draft", draft_addr, "draft", "--model", target),
+        service(
+            "target", target_addr, "target", "--model", target, "--draft", draft_addr,
+            "--initial-steps", "1", "--draft-timeout", "15", "--http-address", http_addr,
+        ),
+        service("controller", ctrl_addr, "controller", "--target", target_addr,
+                "--policy", str(policy)),
+    ):  # fmt: skip
+        procs.launch(s)
+    for name in ("draft", "target", "controller"):
+        procs.wait_healthy(name)
     client = SpecpairClient(target_addr, timeout=120)
     ctl = ControllerClient(ctrl_addr, timeout=10)
     wait_for(lambda: client.server_info().get("draft_connection_state") == CONNECTED,
@@ -152,8 +106,8 @@ def test_three_processes(ckpts: dict[str, Path], procs: Processes, tmp_path: Pat
             break
         generate_all(40)
     assert client.server_info()["speculative_num_steps"] == 7
-    switches = ctl.state()["targets"][0]["recent_switches"]
-    assert [s["to_steps"] for s in switches if s["reason"] == "policy"][-1] == 7
+    switches = ctl.state().targets[0].recent_switches
+    assert [s.to_steps for s in switches if s.reason == "policy"][-1] == 7
 
     # B. kill -9 the draft while requests run: same outputs, nothing lost
     long = reference_greedy(ckpts["target"], PROMPTS, 400)
@@ -166,8 +120,7 @@ def test_three_processes(ckpts: dict[str, Path], procs: Processes, tmp_path: Pat
     assert client.server_info()["draft_connection_state"] != CONNECTED
 
     # C. an unrelated draft on the same address: reconnect, then the tier falls to 1
-    procs.start("draft2", "draft", "--address", draft_addr, "--model", str(ckpts["draft"]))
-    procs.wait_healthy("draft2", draft_addr)
+    procs.start(service("draft2", draft_addr, "draft", "--model", str(ckpts["draft"])))
     wait_for(lambda: client.server_info()["draft_connection_state"] == CONNECTED,
              30, "the target to reconnect")  # fmt: skip
     for _ in range(10):

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("flashinfer")
 
-from bench.services import ServiceGroup, apply_tier
+from bench.services import BenchServices, apply_tier
 from specpair.client import SpecpairClient
 from specpair.config import MODELS_DIR
 from specpair.runtime.build import build_target
@@ -47,7 +47,7 @@ def test_shipped_pair_served_on_cuda_equals_cpu(tmp_path: Path, kind: str) -> No
         MODELS_DIR / "target", max_requests=1, max_len=256, dtype=torch.bfloat16, device="cuda"
     )
     draft = MODELS_DIR / ("eagle" if kind == "eagle" else "draft")
-    with ServiceGroup(
+    with BenchServices(
         target=MODELS_DIR / "target", draft=draft, draft_kind=kind, log_dir=tmp_path,
         device="cuda", dtype="bfloat16", max_len=256,
     ) as group:  # fmt: skip

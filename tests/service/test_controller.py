@@ -14,12 +14,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from controller.controller import TargetSnapshot
 from controller.policy import PolicyConfig
 from controller.server import RunningController, serve, start
+from specpair.channels import auth_metadata
+from specpair.client.results import TargetState
 from specpair.config import ControllerConfig, ServerConfig, TLSConfig
 from specpair.proto.v1 import controller_pb2, controller_pb2_grpc, target_pb2, target_pb2_grpc
-from specpair.serving import GrpcServer, auth_metadata
+from specpair.serving import GrpcServer
 from tests.service.conftest import eventually, self_signed
 
 TARGET_SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
@@ -119,7 +120,7 @@ class ControllerStack:
     stub: controller_pb2_grpc.ControllerServiceStub
     metadata: tuple[tuple[str, str], ...]
 
-    def snapshot(self) -> TargetSnapshot:
+    def snapshot(self) -> TargetState:
         return self.controller.controller.snapshot()[0]
 
     async def get_state(self) -> controller_pb2.GetStateResponse:

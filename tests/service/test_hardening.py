@@ -1,4 +1,4 @@
-"""Issue 17: bad input, failing rounds and vanished peers never crash, hang or leak a slot."""
+"""Bad input, failing rounds and vanished peers never crash, hang or leak a slot."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ async def test_nan_or_tiny_temperature_is_refused_and_spares_others(
     stack = await make_stack(draft_config(ckpts["target"]), target_config(ckpts["target"]))
     good = asyncio.create_task(stack.generate(prompt_token_ids=PROMPT, max_tokens=40))
     bad = common_pb2.SamplingParams(temperature=temperature)
-    for _ in range(20):  # past the 16 KV slots that each such request used to leak
+    for _ in range(20):  # more than the 16 KV slots: one leaked per request would run out
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await asyncio.wait_for(
                 stack.generate(prompt_token_ids=[1, 2], max_tokens=5, sampling=bad), 10
@@ -156,8 +156,8 @@ async def test_draft_round_errors_name_the_field_and_keep_the_stream(ckpts, make
         assert not crowd.error
         assert [t.request_id for t in crowd.trees] == ["a", "n0", "n1"]
         assert drafter.cache.free_slots == 0 and len(drafter.requests) == 4
-        too_long = await stream.round(draft_input("n0", [1] * 1020))
-        assert not too_long.error and not too_long.trees  # 2 + 1020 + 7 > 1024 positions
+        too_long = await stream.round(draft_input("n0", [1] * 1023))
+        assert not too_long.error and not too_long.trees  # 2 + 1023 > the 1024 served (+ 7 drafts)
         assert "s1/n0" not in drafter.requests and len(drafter.requests) == 3
     finally:
         await stream.close()
@@ -176,7 +176,7 @@ async def test_more_requests_than_draft_slots_keeps_the_others_speculating(
     )
     assert [t for t, _ in outputs] == reference_greedy(ckpts["target"], prompts, 30)
     drafted = [len(r[-1].speculation.accept_lengths) for _, r in outputs]
-    assert sum(drafted) >= 10, drafted  # a round no longer fails whole for want of slots
+    assert sum(drafted) >= 10, drafted  # requests without a slot must not cost the others
 
 
 async def test_request_expired_in_the_queue_is_not_prefilled(ckpts) -> None:
@@ -300,7 +300,7 @@ async def test_killed_round_peer_releases_its_draft_slots(ckpts, make_stack, whe
     drafter = stack.draft.servicer.rounds.drafter
     streams = stack.draft.servicer.streams  # the target's own
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    for _ in range(3):  # each kill used to strand its 8 slots
+    for _ in range(3):  # a kill that stranded its 8 slots would show by the third
         peer = await asyncio.create_subprocess_exec(
             sys.executable, "-c", PEER, f"127.0.0.1:{stack.draft.port}", when,
             stdout=asyncio.subprocess.PIPE, env=env,

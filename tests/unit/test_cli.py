@@ -79,3 +79,59 @@ def test_up_refuses_an_address_another_process_serves(
             signal.signal(signal.SIGTERM, handler)
     err = capsys.readouterr().err
     assert f"draft: {address} is already in use by another process" in err
+
+
+def test_serve_options_come_from_the_config_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pathlib import Path
+
+    from specpair.cli import build_parser, config_from_args
+    from specpair.config import DraftConfig, DraftKind, DType, ServerConfig, TargetConfig
+
+    monkeypatch.delenv("SPECPAIR_DRAFT_ADDRESS", raising=False)
+    parse = build_parser().parse_args
+    base = ["serve", "target", "--model", "m"]
+    target = config_from_args(parse(base))
+    library = TargetConfig(ServerConfig("127.0.0.1:0"), Path("m"))
+    assert isinstance(target, TargetConfig)
+    shared = ("max_len", "initial_steps", "max_batch", "max_queue", "draft_timeout_s",
+              "candidate_steps", "draft_address", "threads", "dtype", "busy_poll_ms")  # fmt: skip
+    for name in shared:
+        assert getattr(target, name) == getattr(library, name), name
+    off = config_from_args(parse([*base, "--no-draft", "--draft-timeout", "2.5"]))
+    assert isinstance(off, TargetConfig)
+    assert off.draft_address is None and off.draft_timeout_s == 2.5
+    with pytest.raises(ValueError, match="initial_steps 4"):
+        config_from_args(parse([*base, "--initial-steps", "4"]))
+
+    argv = ["serve", "draft", "--model", "h", "--draft-kind", "eagle", "--target-model", "t",
+            "--max-len", "100", "--candidate-steps", "1,2", "--device", "cuda:1"]  # fmt: skip
+    draft = config_from_args(parse(argv))
+    assert isinstance(draft, DraftConfig)
+    # max_len is the context served, as the target's; the draft adds its own headroom.
+    assert draft.max_len == 100 and draft.cache_len == 102
+    assert draft.draft_kind is DraftKind.EAGLE and draft.dtype is DType.BFLOAT16
+    assert draft.busy_poll_s > 0  # "auto" resolved for a CUDA device
+    with pytest.raises(SystemExit):
+        parse(["serve", "draft", "--model", "h", "--draft-kind", "medusa"])
+
+
+def test_controller_targets_repeat_and_default_to_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from specpair.cli import build_parser, config_from_args
+    from specpair.config import ControllerConfig
+
+    monkeypatch.setenv("SPECPAIR_TARGET_ADDRESS", "10.0.0.2:7000")
+    parse = build_parser().parse_args
+    config = config_from_args(parse(["serve", "controller"]))
+    assert isinstance(config, ControllerConfig) and config.targets == ("10.0.0.2:7000",)
+    both = config_from_args(parse(["serve", "controller", "--target", "a:1", "--target", "b:2"]))
+    assert isinstance(both, ControllerConfig) and both.targets == ("a:1", "b:2")
+
+
+def test_controller_policy_imports_without_grpc() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, controller.policy; assert 'grpc' not in sys.modules, 'grpc imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

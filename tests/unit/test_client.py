@@ -361,13 +361,14 @@ def test_unreachable_server_is_a_specpair_error() -> None:
 def test_sync_controller_client(servers: Servers) -> None:
     with ControllerClient(servers.controller_address, token=TOKEN) as ctl:
         state = ctl.state()
-        assert state["policy"]["candidate_steps"] == [1, 3, 7]
-        assert state["targets"][0]["pinned"] is False
+        assert state.policy["candidate_steps"] == [1, 3, 7]
+        assert state.targets[0].pinned_steps is None
+        assert state.to_dict()["targets"][0]["recent_switches"] == []
         # CLI-style strings are coerced to the field's type.
         policy = ctl.update_policy(ema_alpha="0.5", update_interval=2, candidate_steps="1,3")
-        assert policy["policy"]["ema_alpha"] == 0.5
-        assert policy["policy"]["update_interval"] == 2
-        assert policy["policy"]["candidate_steps"] == [1, 3]
+        assert policy["ema_alpha"] == 0.5
+        assert policy["update_interval"] == 2
+        assert policy["candidate_steps"] == [1, 3]
         with pytest.raises(SpecpairError, match="ema_alpha") as bad:
             ctl.update_policy(ema_alpha=3)
         assert bad.value.code == "INVALID_ARGUMENT"
@@ -387,15 +388,15 @@ def test_sync_controller_client(servers: Servers) -> None:
 async def test_async_controller_client_pins_and_unpins(servers: Servers) -> None:
     async with AsyncControllerClient(servers.controller_address, token=TOKEN) as ctl:
         pinned = await ctl.pin(3)
-        assert pinned["targets"][0]["pinned"] is True
-        assert pinned["targets"][0]["active_steps"] == 3
+        assert pinned[0].pinned_steps == 3
+        assert pinned[0].active_steps == 3
         with pytest.raises(SpecpairError) as bad:
             await ctl.pin(4)
         assert bad.value.code == "INVALID_ARGUMENT"
         assert "speculative_num_steps" in bad.value.details
         unpinned = await ctl.unpin()
-        assert unpinned["targets"][0]["pinned"] is False
-        assert (await ctl.state())["targets"][0]["pinned_steps"] == 0
+        assert unpinned[0].pinned_steps is None
+        assert (await ctl.state()).targets[0].pinned_steps is None
 
 
 def test_default_address_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

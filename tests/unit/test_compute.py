@@ -3,10 +3,11 @@
 import asyncio
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from specpair.config import busy_poll_s
+from specpair.config import DraftConfig, ServerConfig
 from specpair.serving import Compute, busy_wait
 
 
@@ -44,6 +45,11 @@ def test_busy_wait_polls_only_within_its_budget() -> None:
 
 
 def test_busy_poll_defaults_to_cuda_only() -> None:
-    assert busy_poll_s(None, "cuda:0") > 0
-    assert busy_poll_s(None, "cpu") == 0
-    assert busy_poll_s(5, "cpu") == 0.005
+    def poll(ms: float | None, device: str) -> float:
+        return DraftConfig(
+            ServerConfig("127.0.0.1:0"), Path("m"), busy_poll_ms=ms, device=device
+        ).busy_poll_s
+
+    assert poll(None, "cuda:0") > 0
+    assert poll(None, "cpu") == 0
+    assert poll(5, "cpu") == 0.005

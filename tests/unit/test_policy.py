@@ -135,7 +135,7 @@ def test_custom_hysteresis_shifts_thresholds() -> None:
 def test_up_pass_runs_after_a_down_move() -> None:
     # down_hysteresis > up_hysteresis overlaps the bands: at 3 with ema 1.0 the down pass goes
     # to 1 (1.0 ≤ 1.0), then the up pass goes back to 3 (1.0 > 0.5). Newer SGLang skips the up
-    # pass after a down move; the rule we follow (issue 3, SGLang's original) does not.
+    # pass after a down move; we follow SGLang's original rule, which does not.
     cfg = PolicyConfig(ema_alpha=1.0, warmup_batches=0, update_interval=1, down_hysteresis=0.5)
     policy = AdaptiveSpeculativeParams(cfg, 3)
     assert policy.update([1]) is False
@@ -225,3 +225,15 @@ def test_json_file_errors_name_the_file_and_key(tmp_path: Path) -> None:
         PolicyConfig.from_json_file(path)
     with pytest.raises(ValueError, match="cannot read policy config"):
         PolicyConfig.from_json_file(tmp_path / "missing.json")
+
+
+def test_the_wire_carries_every_policy_key() -> None:
+    # The dataclass is where SGLang's keys are declared; the SDK and the servicer read them off
+    # these messages, so a key added to one side only fails here. The kind travels beside them,
+    # and other kinds' keys (goodput, bands) in options_json.
+    from controller.policy import FIELD_NAMES
+    from specpair.proto.v1 import controller_pb2
+
+    for message in (controller_pb2.PolicyConfig, controller_pb2.UpdatePolicyRequest):
+        names = [f.name for f in message.DESCRIPTOR.fields]
+        assert names == [*FIELD_NAMES, "kind", "options_json"], message

@@ -1,0 +1,132 @@
+"""`specpair serve` options generated from the config dataclasses' fields.
+
+A field with `help` in its metadata is an option: `--max-len` for `max_len` unless `flag` names
+another; `env` names a variable that overrides the command's default, `cli_default` gives the
+command a default other than the library's, `off_flag` adds a switch that sets the field to
+None (`--no-draft`). The field's type gives the parser: an enum becomes choices, a tuple of
+ints a comma-separated list, a tuple of strings a repeatable option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from specpair.config import DEFAULT_METRICS, ServerConfig, TLSConfig, env_address
+
+
+def steps(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def _options(cls: type) -> list[tuple[dataclasses.Field[Any], Any]]:
+    hints = typing.get_type_hints(cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls) if "help" in f.metadata]
+
+
+def _flag(f: dataclasses.Field[Any]) -> str:
+    return str(f.metadata.get("flag") or "--" + f.name.replace("_", "-"))
+
+
+def _parser_type(hint: Any) -> tuple[Any, dict[str, Any]]:
+    """(argparse type, extra add_argument kwargs) of a field type; Optional is unwrapped."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+        hint = args[0]
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return hint, {"choices": list(hint)}
+    if typing.get_origin(hint) is tuple:
+        item = typing.get_args(hint)[0]
+        return (steps, {}) if item is int else (item, {"action": "append"})
+    if hint in (int, float, str, Path):
+        return hint, {}
+    raise TypeError(f"no option type for {hint!r}")
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    default = f.metadata.get("cli_default", f.default)
+    env = f.metadata.get("env")
+    if env and (value := os.environ.get(str(env))) is not None:
+        return value
+    return default
+
+
+def add_config_options(parser: argparse.ArgumentParser, cls: type) -> None:
+    for f, hint in _options(cls):
+        kind, extra = _parser_type(hint)
+        default = _default(f)
+        text = str(f.metadata["help"])
+        if extra.get("action") == "append":
+            # argparse appends to a list default: the default is applied after parsing.
+            parser.add_argument(_flag(f), dest=f.name, type=kind, default=None, help=text,
+                                **extra)  # fmt: skip
+            continue
+        required = f.default is dataclasses.MISSING and "cli_default" not in f.metadata
+        if not required and default not in (None, ""):
+            shown = ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
+            text += f" (default: {shown})"
+        metavar = None if "choices" in extra else _flag(f)[2:].upper().replace("-", "_")
+        parser.add_argument(_flag(f), dest=f.name, type=kind, required=required, metavar=metavar,
+                            default=None if required else default, help=text, **extra)  # fmt: skip
+        if off := f.metadata.get("off_flag"):
+            parser.add_argument(
+                str(off), dest=f"{f.name}_off", action="store_true", help=f.metadata["off_help"]
+            )
+
+
+def config_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The parsed options of `cls`'s fields, as its constructor takes them."""
+    values: dict[str, Any] = {}
+    for f, _ in _options(cls):
+        value = getattr(args, f.name)
+        if getattr(args, f"{f.name}_off", False):
+            value = None
+        elif isinstance(f.default, tuple) and isinstance(value, list | type(None)):
+            value = tuple(value) if value else _tuple_default(f)
+        values[f.name] = value
+    return values
+
+
+def _tuple_default(f: dataclasses.Field[Any]) -> tuple[Any, ...]:
+    env = f.metadata.get("env")
+    if env and (value := os.environ.get(str(env))):
+        return (value,)
+    return tuple(f.default)  # type: ignore[arg-type]
+
+
+TOKEN_ENV = "SPECPAIR_OPS_TOKEN"
+
+
+def add_server_options(p: argparse.ArgumentParser, service: str) -> None:
+    """ServerConfig's options; the defaults are the service's (SPECPAIR_<SERVICE>_…)."""
+    p.add_argument(
+        "--address", default=env_address(service), help="HOST:PORT (or unix:PATH) to bind"
+    )
+    p.add_argument(
+        "--metrics-address",
+        default=os.environ.get(f"SPECPAIR_{service.upper()}_METRICS", DEFAULT_METRICS[service]),
+        help="HOST:PORT for Prometheus /metrics ('' disables)",
+    )
+    p.add_argument("--ops-token-env", default=TOKEN_ENV, help="env var holding the ops token")
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate (enables TLS)")
+    p.add_argument("--tls-key", type=Path, help="PEM private key")
+    p.add_argument("--tls-ca", type=Path, help="PEM CA for verifying peers")
+    p.add_argument("--log-level", default="INFO")
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        address=args.address,
+        metrics_address=args.metrics_address,
+        ops_token=os.environ.get(args.ops_token_env) or None,
+        tls=TLSConfig(args.tls_cert, args.tls_key, args.tls_ca),
+    )

@@ -1,0 +1,96 @@
+"""A link to one peer that keeps itself connected: the target's to its draft, the controller's
+to each target.
+
+    connect ──ok──► hold (until the session ends) ──► drop ──► wait ──► connect …
+       └──fails──────────────────────────────────────► drop ──► wait (doubling, capped) ──┘
+
+The wait starts at `backoff_min_s` after every successful connect and doubles up to
+`backoff_max_s` while attempts keep failing; a subclass may ask for another wait for a failure
+it understands (a draft that refused this target is looked at again only every max seconds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+
+from specpair.channels import open_channel
+from specpair.config import TLSConfig
+
+CLOSE_TIMEOUT_S = 2.0  # shutting down never waits on a peer longer than this
+
+
+class ReconnectingLink:
+    """Subclasses give `_connect` (open a session on `self._channel`, raise on failure),
+    `_hold` (return when the session ended) and `_failed` (log; how long to wait)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        name: str,
+        tls: TLSConfig | None = None,
+        backoff_min_s: float = 0.2,
+        backoff_max_s: float = 5.0,
+    ) -> None:
+        if not 0 < backoff_min_s <= backoff_max_s:
+            raise ValueError("need 0 < backoff_min_s <= backoff_max_s")
+        self.address = address
+        self.tls = tls
+        self.backoff = (backoff_min_s, backoff_max_s)
+        self._name = name
+        self._channel: grpc.aio.Channel | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._keep_connected(), name=self._name)
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._drop()
+
+    def _open(self) -> grpc.aio.Channel:
+        self._channel = open_channel(self.address, self.tls)
+        return self._channel
+
+    async def _keep_connected(self) -> None:
+        delay = self.backoff[0]
+        while True:
+            try:
+                await self._connect()
+                delay = self.backoff[0]
+                await self._hold()
+                wait = delay
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # any failure: back off and try again
+                wait = self._failed(exc, delay)
+            await self._drop()
+            await asyncio.sleep(wait)
+            delay = min(delay * 2, self.backoff[1])
+
+    async def _connect(self) -> None:
+        raise NotImplementedError
+
+    async def _hold(self) -> None:
+        raise NotImplementedError
+
+    def _failed(self, exc: Exception, retry_s: float) -> float:
+        raise NotImplementedError
+
+    def _detach(self) -> None:
+        """Forgets the session's calls (the channel is closed right after)."""
+
+    async def _drop(self) -> None:
+        # Detach first: a failed call, the reconnect loop and close() may all drop at once,
+        # and each channel must be closed exactly once.
+        self._detach()
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(channel.close(grace=None), CLOSE_TIMEOUT_S)

@@ -1,0 +1,16 @@
+"""A policy's estimate for one tier: made by the controller's policies, reported by the SDK."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class TierEstimate:
+    """A policy's prediction for one tier at the current batch size (status only)."""
+
+    steps: int
+    tokens_per_s: float  # batch · tokens_per_round / round time
+    round_ms: float
+    tokens_per_round: float  # per request: accepted drafts + the bonus token
+    observed_rounds: int  # rounds measured at this tier and batch bucket (0: predicted)

@@ -1,0 +1,68 @@
+"""The reconnect core shared by the target's DraftLink and the controller's TargetLink."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specpair.reconnect import ReconnectingLink
+
+
+class ScriptedLink(ReconnectingLink):
+    """Connects per a script of outcomes; records each wait the core asks for."""
+
+    def __init__(self, outcomes: list[str], refuse_wait: float) -> None:
+        super().__init__("127.0.0.1:1", name="scripted", backoff_min_s=0.01, backoff_max_s=0.04)
+        self.outcomes = outcomes
+        self.refuse_wait = refuse_wait
+        self.events: list[str] = []
+        self.done = asyncio.Event()
+
+    async def _connect(self) -> None:
+        if not self.outcomes:
+            self.done.set()
+            await asyncio.Event().wait()  # stays "connecting" until cancelled
+        outcome = self.outcomes.pop(0)
+        self.events.append(outcome)
+        if outcome != "ok":
+            raise ConnectionError(outcome)
+
+    async def _hold(self) -> None:
+        self.events.append("session ended")
+
+    def _failed(self, exc: Exception, retry_s: float) -> float:
+        wait = self.refuse_wait if str(exc) == "refused" else retry_s
+        self.events.append(f"wait {wait:g}")
+        return wait
+
+    def _detach(self) -> None:
+        self.events.append("dropped")
+
+
+async def test_backoff_doubles_while_failing_and_resets_on_connect(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    waits: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        await real_sleep(0)
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    link = ScriptedLink(["down", "down", "down", "down", "ok", "down", "refused"], 9.0)
+    link.start()
+    await asyncio.wait_for(link.done.wait(), 5)
+    await link.close()
+    # 0.01 doubling to the 0.04 cap; a connect resets it; a failure the link understands
+    # waits what the link says.
+    assert waits == [0.01, 0.02, 0.04, 0.04, 0.01, 0.02, 9.0]
+    assert link.events[:9] == ["down", "wait 0.01", "dropped", "down", "wait 0.02", "dropped",
+                               "down", "wait 0.04", "dropped"]  # fmt: skip
+    assert link.events[-2:] == ["dropped", "dropped"]  # the last attempt's, then close()'s
+
+
+def test_backoff_bounds_are_checked() -> None:
+    with pytest.raises(ValueError, match="backoff_min_s"):
+        ReconnectingLink("a:1", name="x", backoff_min_s=0)
