@@ -103,7 +103,9 @@ class DraftLink(ReconnectingLink):
             raise IncompatibleDraftError(reason)
         self.incompatible = ""
         self.draft_kind = info.draft_kind
-        self._call = stub.Round()
+        call = stub.Round()
+        call.add_done_callback(self._stream_ended)
+        self._call = call
         self.epoch += 1
         self.state = State.DRAFT_CONNECTION_STATE_CONNECTED
         log.info("draft connected", address=self.address, kind=info.draft_kind, epoch=self.epoch)
@@ -131,6 +133,13 @@ class DraftLink(ReconnectingLink):
             )
         return ""
 
+    def _stream_ended(self, call: grpc.aio.Call) -> None:
+        # The draft closed or lost the stream between rounds (a restart): notice it now, so
+        # the link reconnects at once instead of failing the next round on a finished call.
+        if call is self._call:
+            self.state = State.DRAFT_CONNECTION_STATE_DISCONNECTED
+            self._lost.set()
+
     def _detach(self) -> None:
         call, self._call = self._call, None
         if call is not None:
@@ -148,7 +157,7 @@ class DraftLink(ReconnectingLink):
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            await self._fail(request.round_id, exc)
+            await self._fail(request.round_id, exc, call)
             return None
         return self.epoch
 
@@ -167,7 +176,7 @@ class DraftLink(ReconnectingLink):
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            await self._fail(round_id, exc)
+            await self._fail(round_id, exc, call)
             return None
         return response_from_proto(response)
 
@@ -176,7 +185,12 @@ class DraftLink(ReconnectingLink):
         epoch = await self.send(request)
         return None if epoch is None else await self.receive(request.round_id, epoch)
 
-    async def _fail(self, round_id: int, exc: Exception) -> None:
+    async def _fail(self, round_id: int, exc: Exception, call: grpc.aio.StreamStreamCall) -> None:
+        if call is not self._call:
+            # A round still out on a stream already replaced: dropping now would cut the new
+            # stream (and every round on it) for a failure that is already handled.
+            log.info("round on a replaced stream failed", round_id=round_id, error=repr(exc))
+            return
         # Late, broken or crashed: drop the stream (its state is unknown) and reconnect.
         log.warning("draft round failed", round_id=round_id, error=repr(exc))
         self.state = State.DRAFT_CONNECTION_STATE_DISCONNECTED
