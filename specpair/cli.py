@@ -7,8 +7,9 @@ import asyncio
 import contextlib
 import signal
 import sys
+import tomllib
 from collections.abc import Callable, Coroutine, Sequence
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any
 
@@ -112,12 +113,21 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig | DraftConfig | C
 
 def _service_entry(service: str) -> Callable[[Any], Coroutine[Any, Any, None]]:
     found = entry_points(group=SERVICES_GROUP, name=service)
-    if not found:
+    if found:
+        return next(iter(found)).load()  # type: ignore[no-any-return]
+    # A source checkout run through PYTHONPATH (a GPU machine with no installer) has no
+    # installed metadata: read the same table from the checkout's pyproject.toml.
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    table: dict[str, str] = {}
+    if pyproject.is_file():
+        project = tomllib.loads(pyproject.read_text()).get("project", {})
+        table = project.get("entry-points", {}).get(SERVICES_GROUP, {})
+    if service not in table:
         raise RuntimeError(
             f"no {service!r} service registered under the {SERVICES_GROUP!r} entry points: "
             "install the package (pip install -e .) so its metadata lists them"
         )
-    return next(iter(found)).load()  # type: ignore[no-any-return]
+    return EntryPoint(service, table[service], SERVICES_GROUP).load()  # type: ignore[no-any-return]
 
 
 async def _serve(service: Callable[[Any], Coroutine[Any, Any, None]], config: Any) -> None:

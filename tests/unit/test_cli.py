@@ -135,3 +135,15 @@ def test_controller_policy_imports_without_grpc() -> None:
 
     code = "import sys, controller.policy; assert 'grpc' not in sys.modules, 'grpc imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_serve_finds_services_in_a_checkout_without_installed_metadata(monkeypatch) -> None:
+    # Run from a source tree through PYTHONPATH (no `pip install`), the entry points come from
+    # the checkout's pyproject.toml; a name in neither place is refused by name.
+    import specpair.cli as cli
+    from draft_service.server import serve as serve_draft
+
+    monkeypatch.setattr(cli, "entry_points", lambda **_: [])
+    assert cli._service_entry("draft") is serve_draft
+    with pytest.raises(RuntimeError, match="no 'nope' service"):
+        cli._service_entry("nope")
