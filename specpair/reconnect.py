@@ -4,9 +4,10 @@ to each target.
     connect ──ok──► hold (until the session ends) ──► drop ──► wait ──► connect …
        └──fails──────────────────────────────────────► drop ──► wait (doubling, capped) ──┘
 
-The wait starts at `backoff_min_s` after every successful connect and doubles up to
-`backoff_max_s` while attempts keep failing; a subclass may ask for another wait for a failure
-it understands (a draft that refused this target is looked at again only every max seconds).
+A session that ended is retried at once; after that the wait starts at `backoff_min_s` and
+doubles up to `backoff_max_s` while attempts keep failing; a subclass may ask for another wait
+for a failure it understands (a draft that refused this target is looked at again only every
+max seconds).
 """
 
 from __future__ import annotations
@@ -65,14 +66,16 @@ class ReconnectingLink:
                 await self._connect()
                 delay = self.backoff[0]
                 await self._hold()
-                wait = delay
+                # A session that held ended (the peer restarted, a round failed): try again at
+                # once, and back off only while connecting fails.
+                wait = 0.0
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # any failure: back off and try again
                 wait = self._failed(exc, delay)
+                delay = min(delay * 2, self.backoff[1])
             await self._drop()
             await asyncio.sleep(wait)
-            delay = min(delay * 2, self.backoff[1])
 
     async def _connect(self) -> None:
         raise NotImplementedError

@@ -103,9 +103,7 @@ class DraftLink(ReconnectingLink):
             raise IncompatibleDraftError(reason)
         self.incompatible = ""
         self.draft_kind = info.draft_kind
-        call = stub.Round()
-        call.add_done_callback(self._stream_ended)
-        self._call = call
+        self._call = stub.Round()
         self.epoch += 1
         self.state = State.DRAFT_CONNECTION_STATE_CONNECTED
         log.info("draft connected", address=self.address, kind=info.draft_kind, epoch=self.epoch)
@@ -132,13 +130,6 @@ class DraftLink(ReconnectingLink):
                 + (f"--feature-layers {flag}" if wanted else "no --feature-layers")
             )
         return ""
-
-    def _stream_ended(self, call: grpc.aio.Call) -> None:
-        # The draft closed or lost the stream between rounds (a restart): notice it now, so
-        # the link reconnects at once instead of failing the next round on a finished call.
-        if call is self._call:
-            self.state = State.DRAFT_CONNECTION_STATE_DISCONNECTED
-            self._lost.set()
 
     def _detach(self) -> None:
         call, self._call = self._call, None

@@ -55,9 +55,9 @@ async def test_backoff_doubles_while_failing_and_resets_on_connect(
     link.start()
     await asyncio.wait_for(link.done.wait(), 5)
     await link.close()
-    # 0.01 doubling to the 0.04 cap; a connect resets it; a failure the link understands
-    # waits what the link says.
-    assert waits == [0.01, 0.02, 0.04, 0.04, 0.01, 0.02, 9.0]
+    # 0.01 doubling to the 0.04 cap; a session that ended is retried at once and resets it;
+    # a failure the link understands waits what the link says.
+    assert waits == [0.01, 0.02, 0.04, 0.04, 0.0, 0.01, 9.0]
     assert link.events[:9] == ["down", "wait 0.01", "dropped", "down", "wait 0.02", "dropped",
                                "down", "wait 0.04", "dropped"]  # fmt: skip
     assert link.events[-2:] == ["dropped", "dropped"]  # the last attempt's, then close()'s
