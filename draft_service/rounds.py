@@ -90,7 +90,12 @@ class DraftRounds:
             error = str(exc)[:MAX_ERROR_CHARS] or type(exc).__name__
             return draft_pb2.RoundResponse(round_id=message.round_id, error=error)
         total = 1e3 * (time.perf_counter() - t0)  # encoding the trees included
-        timings = StageTimings(draft_ms=total, total_ms=total, draft_gpu_ms=gpu_ms(self.drafter))
+        timings = StageTimings(
+            draft_ms=total,
+            extend_ms=1e3 * self.drafter.last_times[0],
+            total_ms=total,
+            draft_gpu_ms=gpu_ms(self.drafter),
+        )
         timings_into(response.timings, timings)
         return response
 
@@ -99,7 +104,7 @@ class DraftRounds:
         state = self._state(request.speculative_num_steps)
         self._check(request)
         keyed = [
-            DraftInput(f"{stream_id}/{i.request_id}", i.appended, i.sampling, i.features)
+            DraftInput(f"{stream_id}/{i.request_id}", i.appended, i.sampling, i.features, i.steps)
             for i in request.inputs
         ]
         drafted = self._with_room(list(zip(request.inputs, keyed, strict=True)), request.round_id)
@@ -135,6 +140,11 @@ class DraftRounds:
         if len(set(ids)) != len(ids):
             raise RoundError("inputs: a request_id appears twice in one round")
         for item in request.inputs:
+            if not 0 <= item.steps <= request.speculative_num_steps:
+                raise RoundError(
+                    f"inputs[{item.request_id}].speculative_num_steps {item.steps} must be in "
+                    f"[0, {request.speculative_num_steps}] (the round's; 0: the round's)"
+                )
             if not item.appended:
                 raise RoundError(f"inputs[{item.request_id}].appended_token_ids is empty")
             bad = [t for t in item.appended if not 0 <= t < self.vocab_size]

@@ -89,8 +89,11 @@ class ServerConfig:
 
 
 def _check_steps(steps: tuple[int, ...]) -> None:
-    if len(steps) < 1 or any(s < 1 for s in steps) or list(steps) != sorted(set(steps)):
-        raise ValueError(f"candidate_steps must be sorted distinct positive ints, got {steps}")
+    """Tier 0 (no drafts: target-only rounds) is a tier like any other, built when listed."""
+    if len(steps) < 1 or any(s < 0 for s in steps) or list(steps) != sorted(set(steps)):
+        raise ValueError(
+            f"candidate_steps must be sorted distinct ints >= 0 (0: no drafts), got {steps}"
+        )
 
 
 def _help(text: str, **cli: object) -> dict[str, object]:

@@ -149,6 +149,8 @@ def stats_to_proto(stats: RoundStats) -> target_pb2.RoundStats:
         accept_lengths=stats.accept_lengths,
         speculative=stats.speculative,
         unix_time=stats.unix_time,
+        request_ids=stats.request_ids,
+        request_steps=stats.request_steps,
     )
     timings_into(msg.timings, stats.timings)
     return msg
@@ -157,6 +159,7 @@ def stats_to_proto(stats: RoundStats) -> target_pb2.RoundStats:
 def _draft_input_into(msg: draft_pb2.DraftInput, item: DraftInput) -> None:
     msg.request_id = item.request_id
     msg.appended_token_ids.extend(item.appended)
+    msg.speculative_num_steps = item.steps
     sampling_into(msg.sampling, item.sampling)
     if item.features is not None:
         tensor_into(msg.features, item.features)
@@ -170,7 +173,9 @@ def _draft_input_from_proto(msg: draft_pb2.DraftInput) -> DraftInput:
         sampling = sampling_from_proto(msg.sampling)
     except ValueError as exc:  # it names only its own field
         raise ValueError(f"inputs[{msg.request_id}].sampling.{exc}") from None
-    return DraftInput(msg.request_id, tuple(msg.appended_token_ids), sampling, features)
+    return DraftInput(
+        msg.request_id, tuple(msg.appended_token_ids), sampling, features, msg.speculative_num_steps
+    )
 
 
 def _tree_into(msg: draft_pb2.CandidateTree, request_id: str, tree: CandidateTree) -> None:

@@ -41,12 +41,15 @@ class RoundFeed:
         verify_s: float,
         verify_gpu_ms: float,
         total_s: float,
+        request_ids: list[str] | None = None,
+        request_steps: list[int] | None = None,
     ) -> None:
         """One round: `draft` is the draft service's own account, `rtt_s` the time from its
         request going out to its trees, `total_s` the round's share of the wall time."""
         rpc_ms = 1e3 * rtt_s - draft.total_ms - draft.draft_host_ms
         timings = StageTimings(
             draft_ms=draft.draft_ms,
+            extend_ms=draft.extend_ms,
             draft_host_ms=draft.draft_host_ms,
             draft_gpu_ms=draft.draft_gpu_ms,
             verify_ms=1e3 * verify_s,
@@ -59,8 +62,9 @@ class RoundFeed:
                           ("rpc", timings.rpc_ms), ("schedule", timings.schedule_ms)):  # fmt: skip
             self.metrics.stage_latency.labels(stage).observe(ms / 1e3)
         stats = RoundStats(
-            round_id, tier, batch_size, tuple(accepts), speculative, timings, time.time()
-        )
+            round_id, tier, batch_size, tuple(accepts), speculative, timings, time.time(),
+            tuple(request_ids or ()), tuple(request_steps or ()),
+        )  # fmt: skip
         for queue in list(self._watchers):
             if queue.full():
                 queue.get_nowait()  # the oldest round goes

@@ -8,6 +8,12 @@ wire is the `DraftLink`'s. A round starts when its RoundRequest goes out: right 
 previous round's verify when nobody waits for admission, so that streaming results, metrics and
 round statistics overlap the draft's work instead of delaying it. A tier command takes effect
 when the next round starts, never inside one.
+
+Tiers: the batch's tier, and optionally a tier per request (`apply_tier`'s `request_steps`).
+A round runs at the state of the largest tier among its requests; each request's chain is drafted
+to its own tier (a shorter tree in the same verify). A request at tier 0 is not sent to the draft
+(the `DraftSession` sends what it missed when its tier turns positive), and a round whose
+requests are all at tier 0 decodes without calling the draft at all.
 """
 
 from __future__ import annotations
@@ -68,7 +74,8 @@ class Flight:
     state: SpecRuntimeState
     started: float  # perf_counter at the start
     admit_s: float  # admission (prefill) just before the start
-    request: RoundRequest | None = None  # None: no draft stream was open
+    steps: list[int] = field(default_factory=list)  # each request's tier, aligned with batch
+    request: RoundRequest | None = None  # None: no draft stream was open, or tier 0
     epoch: int | None = None  # the draft stream the request went out on; None: it did not
 
 
@@ -99,7 +106,8 @@ class Scheduler:
         self.running: list[ServedRequest] = []
         self.round_id = 0
         self.recent_accepts: collections.deque[int] = collections.deque(maxlen=256)
-        self._pending_tier: tuple[int, str] | None = None
+        self.request_tiers: dict[str, int] = {}  # request id → its own tier, where set
+        self._pending_tier: tuple[int, str, dict[str, int]] | None = None
         self._wakeup = asyncio.Event()
         self.feed = RoundFeed(metrics)  # each round's RoundStats, for WatchRounds
         metrics.active_tier.set(initial_steps)
@@ -118,13 +126,17 @@ class Scheduler:
         request.cancelled = outcome
         self._wakeup.set()
 
-    def apply_tier(self, tier: int, reason: str) -> int:
-        """Queues a tier switch for the next round; returns the tier active now."""
-        if tier not in self.states:
-            raise ValueError(
-                f"speculative_num_steps {tier} is not a candidate tier {sorted(self.states)}"
-            )
-        self._pending_tier = (tier, reason)
+    def apply_tier(
+        self, tier: int, reason: str, request_steps: dict[str, int] | None = None
+    ) -> int:
+        """Queues a tier switch for the next round, with per-request tiers that replace the
+        previous ones (ids not running are ignored); returns the batch tier active now."""
+        asked = {"speculative_num_steps": tier}
+        asked.update({f"request_steps[{r}]": s for r, s in (request_steps or {}).items()})
+        for name, steps in asked.items():
+            if steps not in self.states:
+                raise ValueError(f"{name} {steps} is not a candidate tier {sorted(self.states)}")
+        self._pending_tier = (tier, reason, dict(request_steps or {}))
         return self.tier
 
     @property
@@ -180,7 +192,7 @@ class Scheduler:
     def _switch_tier(self) -> None:
         if self._pending_tier is None:
             return
-        tier, reason = self._pending_tier
+        tier, reason, self.request_tiers = self._pending_tier
         self._pending_tier = None
         if tier != self.tier:
             log.info("tier switch", round_id=self.round_id, frm=self.tier, to=tier, reason=reason)
@@ -199,6 +211,7 @@ class Scheduler:
 
     def _finish(self, req: ServedRequest, outcome: str) -> None:
         self.running.remove(req)
+        self.request_tiers.pop(req.seq.request_id, None)
         self.worker.release(req.seq)
         self.session.release(req.seq.request_id)
         self.metrics.requests.labels(outcome).inc()
@@ -242,20 +255,25 @@ class Scheduler:
     async def _start(self, batch: list[ServedRequest], admit_s: float) -> Flight:
         """Starts a round: its RoundRequest goes out (when a draft is connected)."""
         self.round_id += 1
-        flight = Flight(self.round_id, batch, self.states[self.tier], time.perf_counter(), admit_s)
+        steps = [self.request_tiers.get(r.seq.request_id, self.tier) for r in batch]
+        state = self.states[max(steps)]
+        flight = Flight(self.round_id, batch, state, time.perf_counter(), admit_s, steps)
         link = self.draft
         if link is None or not link.connected:
             self.session.no_stream()
             return flight
+        if state.tier == 0:
+            return flight  # target-only: the draft is not called (releases wait for a round)
         seqs = [r.seq for r in batch]
         flight.request = self.session.request(
-            self.round_id, seqs, flight.state.tier,
-            epoch=link.epoch, features=link.draft_kind == "eagle",
+            self.round_id, seqs, state.tier,
+            epoch=link.epoch, features=link.draft_kind == "eagle", steps=steps,
         )  # fmt: skip
         flight.epoch = await link.send(flight.request)
-        if flight.epoch is not None and flight.state.verify_stage().plans_ahead:
+        if flight.epoch is not None and state.verify_stage().plans_ahead:
             # While the draft service drafts: plan this round's verify graph (see prepare).
-            await self.compute(self.worker.prepare, seqs, flight.state)
+            depths = None if min(steps) == state.tier else steps
+            await self.compute(self.worker.prepare, seqs, state, depths)
         return flight
 
     async def _verify(self, flight: Flight) -> Flight | None:
@@ -263,7 +281,7 @@ class Scheduler:
         before streaming this one's results, so that work overlaps the draft's. Returns it."""
         batch, state = flight.batch, flight.state
         drafts = await self._drafts(flight)
-        trees, speculative = drafts.trees, drafts.speculative
+        trees, speculative = drafts.aligned([r.seq.request_id for r in batch]), drafts.speculative
         t1 = time.perf_counter()
         results = await self.compute(self.worker.verify, [r.seq for r in batch], trees, state)
         t2 = time.perf_counter()
@@ -273,18 +291,20 @@ class Scheduler:
         ready = [r for r in batch if r.seq.finish_reason is None and not r.cancelled]
         following = await self._start(ready, 0.0) if ready and not self.queue else None
         accepts: list[int] = []
-        for req, tree, res in zip(batch, trees, results, strict=True):
+        drafted_ids: list[str] = []
+        drafted_steps: list[int] = []
+        for req, tree, res, steps in zip(batch, trees, results, flight.steps, strict=True):
             drafted = speculative and len(tree) > 0
             if drafted:
                 accepts.append(res.acceptance.accept_length)
+                drafted_ids.append(req.seq.request_id)
+                drafted_steps.append(steps)
                 req.accept_lengths.append(res.acceptance.accept_length)
                 self.metrics.accept_length.observe(res.acceptance.accept_length)
             else:
                 req.plain_rounds += 1
             accept = res.acceptance.accept_length if drafted else -1
-            req.events.put_nowait(
-                RoundEvent(res.new_tokens, accept, flight.state.tier, req.seq.finish_reason)
-            )
+            req.events.put_nowait(RoundEvent(res.new_tokens, accept, steps, req.seq.finish_reason))
             if req.seq.finish_reason is not None and req in self.running:
                 self._finish(req, req.seq.finish_reason)
         self._drop_cancelled(keep=following)
@@ -295,6 +315,7 @@ class Scheduler:
             flight.round_id, state.tier, len(batch), accepts, speculative, drafts.timings,
             rtt_s=t1 - flight.started, verify_s=t2 - t1, verify_gpu_ms=gpu_ms(self.worker),
             total_s=flight.admit_s + end - flight.started,
+            request_ids=drafted_ids, request_steps=drafted_steps,
         )  # fmt: skip
         return following
 
@@ -302,8 +323,11 @@ class Scheduler:
         """The round's checked trees from the draft service (and its timings); empty trees when
         it is unavailable, with the reason counted."""
         link = self.draft
+        ids = tuple(r.seq.request_id for r in flight.batch)
         if flight.request is None or link is None:
-            drafts = Drafts([EMPTY_TREE] * len(flight.batch), StageTimings(), False, ["no_draft"])
+            # A round at tier 0 went without drafts by choice: no fallback to count.
+            why = [] if flight.state.tier == 0 and link is not None else ["no_draft"]
+            drafts = Drafts([EMPTY_TREE] * len(ids), StageTimings(), False, why, ids)
         else:
             response = None
             if flight.epoch is not None:

@@ -108,7 +108,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     ) -> target_pb2.ApplyTierResponse:
         scheduler = await self._ready(context)
         try:
-            previous = scheduler.apply_tier(request.speculative_num_steps, request.reason or "ops")
+            previous = scheduler.apply_tier(
+                request.speculative_num_steps, request.reason or "ops", dict(request.request_steps)
+            )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(exc)))
         return target_pb2.ApplyTierResponse(

@@ -50,7 +50,7 @@ class Drafter(ABC):
         self.requests: dict[str, DraftSlot] = {}
         self.last_gpu_ms = 0.0  # GPU time of the last round's graph replays (0: none ran)
         self.profile = False  # when set, a greedy round synchronizes to time its stages apart
-        self.last_times = (0.0, 0.0)  # (extend s, draft s) of the last greedy round
+        self.last_times = (0.0, 0.0)  # (extend s, draft s) of the last round (host clock)
 
     def release(self, request_id: str) -> None:
         """Frees a finished or cancelled request's draft state (unknown ids are ignored)."""
@@ -70,32 +70,42 @@ class Drafter(ABC):
 
     @torch.inference_mode()
     def draft(self, inputs: Sequence[DraftInput], state: SpecRuntimeState) -> list[CandidateTree]:
-        """The draft's round: *extend* every request, then *draft* `state.tier` chain steps for
-        the whole batch:
-        greedy rounds through the tier's stages, sampling rounds eagerly (their warps and
-        generators live on the host)."""
+        """The draft's round: *extend* every request, then *draft* a chain for each, of its own
+        `steps` (0: `state.tier`, never more): greedy rounds through the tier's stages, sampling
+        rounds eagerly (their warps and generators live on the host). At tier 0 it only
+        extends: its cache follows the target, and every chain is empty."""
+        depths = [item.steps or state.tier for item in inputs]
+        if any(d > state.tier for d in depths):
+            raise ValueError(f"a request asks for more than the round's {state.tier} steps")
         entries = [self._slot(item) for item in inputs]
         slots = [e.slot for e in entries]
+        self.last_gpu_ms = 0.0
+        t0 = time.perf_counter()
+        if state.tier == 0:
+            self.extend(inputs, slots)
+            self.last_times = (time.perf_counter() - t0, 0.0)
+            return [chain(())] * len(inputs)
         if not all(item.sampling.greedy for item in inputs):
-            self.last_gpu_ms = 0.0
             hidden = self.extend(inputs, slots)
+            t1 = time.perf_counter()
             samplers = [(i.sampling, e.generator) for i, e in zip(inputs, entries, strict=True)]
-            steps, probs = self.draft_steps(hidden, slots, state.tier, samplers)
+            steps, probs = self.draft_steps(hidden, slots, state.tier, samplers, depths)
+            self.last_times = (t1 - t0, time.perf_counter() - t1)
             return [
                 chain(tokens, torch.stack(p) if p else None)
                 for tokens, p in zip(steps, probs, strict=True)
             ]
         extend, draft = self._stages(state)
-        t0 = time.perf_counter()
         hidden = extend.run(inputs, slots)  # [B', 1, H] at each request's last row
         if self.profile and hidden.is_cuda:  # to time extend and draft apart
             torch.cuda.synchronize()
         t1 = time.perf_counter()
         draft.plan(slots)
-        drafts = draft.run(hidden, slots)
+        drafts = draft.run(hidden, slots, depths)
         self.last_gpu_ms = draft.read_gpu_ms()
         self.last_times = (t1 - t0, time.perf_counter() - t1)
-        return [chain(tokens) for tokens in drafts]
+        # A graph drafts every row to the tier: a shorter request's chain is cut to its depth.
+        return [chain(tokens[:d]) for tokens, d in zip(drafts, depths, strict=True)]
 
     def draft_steps(
         self,
@@ -103,24 +113,35 @@ class Drafter(ABC):
         slots: list[int],
         tier: int,
         samplers: Sequence[tuple[SamplingParams, torch.Generator]] | None = None,
+        depths: Sequence[int] | None = None,
     ) -> tuple[list[list[int]], list[list[Tensor]]]:
-        """`tier` steps after the committed lengths from hidden [B, 1, H]: per request its
-        tokens and, where it samples (`samplers`), the warped distributions q it drew from."""
+        """Up to `tier` steps after the committed lengths from hidden [B, 1, H]: per request
+        its tokens (`depths[b]` of them, default `tier`) and, where it samples (`samplers`), the
+        warped distributions q it drew from. A request leaves the batch at its depth:
+        depths [1, 3] run step 1 for both rows, steps 2 and 3 for the second alone."""
         starts = [self.cache.lengths[s] for s in slots]
+        depth = list(depths) if depths is not None else [tier] * len(slots)
         steps: list[list[int]] = [[] for _ in slots]
         probs: list[list[Tensor]] = [[] for _ in slots]
+        rows = list(range(len(slots)))  # the requests still drafting; `hidden` holds theirs
         for k in range(tier):
-            logits = self.logits(hidden).cpu()  # [B, V]
+            going = [i for i, b in enumerate(rows) if depth[b] > k]
+            if len(going) < len(rows):
+                hidden, rows = hidden[going], [rows[i] for i in going]
+            if not rows:
+                break
+            logits = self.logits(hidden).cpu()  # [rows, V]
             tokens = logits.argmax(-1).tolist()
-            for b, (params, generator) in enumerate(samplers or ()):
-                if not params.greedy:
-                    q = warp(logits[b], params)
-                    tokens[b] = int(torch.multinomial(q, 1, generator=generator))
+            for i, b in enumerate(rows):
+                if samplers is not None and not samplers[b][0].greedy:
+                    q = warp(logits[i], samplers[b][0])
+                    tokens[i] = int(torch.multinomial(q, 1, generator=samplers[b][1]))
                     probs[b].append(q)
-            for b, token in enumerate(tokens):
-                steps[b].append(token)
+                steps[b].append(tokens[i])
             if k + 1 < tier:
-                layout = BatchLayout.causal(slots, [s + k for s in starts], [1] * len(slots))
+                layout = BatchLayout.causal(
+                    [slots[b] for b in rows], [starts[b] + k for b in rows], [1] * len(rows)
+                )
                 hidden = self._step(torch.tensor(tokens)[:, None], hidden, layout)
         return steps, probs
 

@@ -103,6 +103,14 @@ class Drafts:
     timings: StageTimings  # the draft service's own (zero without an answer)
     speculative: bool  # False: the round got no drafts at all
     fallbacks: list[str] = field(default_factory=list)  # why speculation was lost, per case
+    request_ids: tuple[str, ...] = ()  # whose each tree is (the request's inputs)
+
+    def aligned(self, request_ids: Sequence[str]) -> list[CandidateTree]:
+        """The trees of a batch, empty for a request that was not sent (its tier was 0)."""
+        if tuple(request_ids) == self.request_ids:
+            return self.trees
+        by_id = dict(zip(self.request_ids, self.trees, strict=True))
+        return [by_id.get(rid, EMPTY_TREE) for rid in request_ids]
 
 
 class DraftSession:
@@ -149,9 +157,12 @@ class DraftSession:
         *,
         epoch: int = 0,
         features: bool = False,
+        steps: Sequence[int] | None = None,
     ) -> RoundRequest:
         """The next round for `seqs` on the draft stream `epoch`: per request the tokens the
         draft has not seen (and, with `features`, the hidden states that predicted them).
+        `steps` (per request, at most `tier`): each one's own tier; one at 0 is not sent, and
+        what it appends meanwhile goes out with its next round at a positive tier.
 
         Worked example: prompt [5, 6, 7], output [8] (pending), nothing seen → appended
         (5, 6, 7, 8) and the prompt's 3 feature rows; the draft answers, seen = 4; verify
@@ -159,7 +170,10 @@ class DraftSession:
         feature rows from position 3 (those of 8, 9, 4, which predicted 9, 4, 2).
         """
         inputs = []
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
+            own = tier if steps is None else steps[i]
+            if own == 0:
+                continue
             view = self.views[seq.request_id]
             if view.epoch != epoch:  # a new stream: the draft re-prefills from scratch
                 view.seen, view.epoch = 0, epoch
@@ -169,7 +183,8 @@ class DraftSession:
             else:
                 appended = (*seq.prompt[seen:], *seq.output)
             rows = view.features.since(seen - 1) if features else None
-            inputs.append(DraftInput(seq.request_id, appended, seq.sampling, rows))
+            own = 0 if own == tier else own  # 0 on the wire: the round's tier
+            inputs.append(DraftInput(seq.request_id, appended, seq.sampling, rows, own))
         released = tuple(self._released)
         self._released.clear()
         return RoundRequest(round_id, tier, tuple(inputs), released)
@@ -186,14 +201,15 @@ class DraftSession:
         """The trees `response` brings for `request`'s inputs (None: the draft failed to
         answer). A tree that breaks the rules costs only its request's speculation."""
         empty = [EMPTY_TREE] * len(request.inputs)
+        ids = tuple(item.request_id for item in request.inputs)
         if response is None:
-            return Drafts(empty, StageTimings(), False, ["draft_failed"])
+            return Drafts(empty, StageTimings(), False, ["draft_failed"], ids)
         if response.error:
             log.warning("draft refused the round", round_id=request.round_id, error=response.error)
             for item in request.inputs:  # it dropped their state: re-send everything
                 if (view := self.views.get(item.request_id)) is not None:
                     view.seen = 0
-            return Drafts(empty, response.timings, False, ["draft_error"])
+            return Drafts(empty, response.timings, False, ["draft_error"], ids)
         trees, fallbacks = [], []
         for item in request.inputs:
             tree = response.trees.get(item.request_id)
@@ -203,13 +219,13 @@ class DraftSession:
                 kept = tree is not None or why is not None
                 view.seen = view.seen + len(item.appended) if kept else 0
             if tree is not None and not self.in_process:
-                why = self._fault(tree, item, request.speculative_num_steps)
+                why = self._fault(tree, item, item.steps or request.speculative_num_steps)
             if why is not None:
                 log.warning("malformed candidate tree", request_id=item.request_id, error=why)
                 fallbacks.append("malformed_tree")
                 tree = None
             trees.append(EMPTY_TREE if tree is None else tree)
-        return Drafts(trees, response.timings, True, fallbacks)
+        return Drafts(trees, response.timings, True, fallbacks, ids)
 
     def _fault(self, tree: CandidateTree, item: DraftInput, tier: int) -> str | None:
         """Why `tree` cannot be verified for `item` at `tier`, or None when it can."""

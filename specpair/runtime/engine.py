@@ -43,16 +43,20 @@ def draft_in_process(
     round_id: int,
     seqs: Sequence[TargetSequence],
     state: SpecRuntimeState,
+    steps: Sequence[int] | None = None,
 ) -> list[CandidateTree]:
     """One round's draft side without a service: the RoundRequest the draft service would get
-    (releases first), extended and drafted here; the trees align with `seqs`."""
-    request = session.request(round_id, seqs, state.tier, features=drafter.needs_features)
+    (releases first), extended and drafted here; the trees align with `seqs` (`steps`: each
+    one's tier, at most the state's; 0: not drafted)."""
+    request = session.request(
+        round_id, seqs, state.tier, features=drafter.needs_features, steps=steps
+    )
     for request_id in request.released_request_ids:
         drafter.release(request_id)
-    trees = drafter.draft(request.inputs, state)
+    trees = drafter.draft(request.inputs, state) if request.inputs else []
     ids = [item.request_id for item in request.inputs]
     response = RoundResponse(round_id, dict(zip(ids, trees, strict=True)))
-    return session.drafts(request, response).trees
+    return session.drafts(request, response).aligned([s.request_id for s in seqs])
 
 
 @dataclass
@@ -79,13 +83,18 @@ class SpeculativeEngine:
         state: SpecRuntimeState | None,
         sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
         stop_token_ids: frozenset[int] = frozenset(),
+        request_steps: Sequence[int] | None = None,
     ) -> list[GenerationResult]:
+        """`request_steps`: per prompt its own tier, at most `state`'s (the round's)."""
         params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else sampling
         seqs = [
             TargetSequence(f"r{i}", list(p), sp, max_new_tokens, stop_token_ids)
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
         ]
         accept_lengths: dict[str, list[int]] = {s.request_id: [] for s in seqs}
+        if request_steps is not None and len(request_steps) != len(seqs):
+            raise ValueError(f"request_steps: {len(request_steps)} tiers for {len(seqs)} prompts")
+        own = dict(zip((s.request_id for s in seqs), request_steps or (), strict=False))
         session = DraftSession(self.target.model.args.vocab_size, in_process=True)
         eagle = self.drafter is not None and self.drafter.needs_features
         for seq, features in zip(seqs, self.target.prefill(seqs), strict=True):
@@ -98,7 +107,8 @@ class SpeculativeEngine:
                 round_id += 1
                 # The plans a service makes while its peer computes (`prepare`), made in line.
                 self.drafter.prepare([s.request_id for s in running], state)
-                trees = draft_in_process(self.drafter, session, round_id, running, state)
+                steps = [own.get(s.request_id, state.tier) for s in running]
+                trees = draft_in_process(self.drafter, session, round_id, running, state, steps)
             else:
                 trees = [EMPTY_TREE] * len(running)
             t1 = time.perf_counter()

@@ -31,15 +31,17 @@ class DraftInput:
     # [n, H] target hidden states of the positions committed since the last round; row i
     # predicted appended[len(appended) - n + i]. EAGLE only.
     features: Tensor | None = None
+    steps: int = 0  # tokens to draft for this request; 0: the round's speculative_num_steps
 
 
 @dataclass(frozen=True, slots=True)
 class RoundRequest:
     """target → draft: extend each request with its appended tokens, then draft
-    `speculative_num_steps` tokens for it. Releases come first, also without inputs."""
+    `speculative_num_steps` tokens for it (or its own `steps`, never more). Releases come first,
+    also without inputs."""
 
     round_id: int
-    speculative_num_steps: int  # the tier of this round
+    speculative_num_steps: int  # the tier of this round: its state, the largest input's steps
     inputs: tuple[DraftInput, ...] = ()
     released_request_ids: tuple[str, ...] = ()  # finished or cancelled: free their state
 
@@ -84,3 +86,6 @@ class RoundStats:
     speculative: bool
     timings: StageTimings
     unix_time: float
+    # Parallel to accept_lengths: whose each one is, and the tier that request ran at.
+    request_ids: tuple[str, ...] = ()
+    request_steps: tuple[int, ...] = ()

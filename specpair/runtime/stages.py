@@ -66,8 +66,11 @@ class DraftStage(Protocol):
     def plan(self, slots: list[int]) -> None:
         """Plans the steps after each slot's committed length."""
 
-    def run(self, hidden: Tensor, slots: list[int]) -> list[list[int]]:
-        """hidden [B', 1, H] from the extend -> per request its s draft tokens."""
+    def run(
+        self, hidden: Tensor, slots: list[int], depths: Sequence[int] | None = None
+    ) -> list[list[int]]:
+        """hidden [B', 1, H] from the extend -> per request its draft tokens: s, or at least
+        `depths[b]` (an eager stage stops each request there; a graph runs all s)."""
 
     def read_gpu_ms(self) -> float:
         """GPU time of the extend's and the steps' graph replays since the last read."""
@@ -133,8 +136,10 @@ class EagerDraft:
     def plan(self, slots: list[int]) -> None:
         return None
 
-    def run(self, hidden: Tensor, slots: list[int]) -> list[list[int]]:
-        return self.drafter.draft_steps(hidden[: len(slots)], slots, self.tier)[0]
+    def run(
+        self, hidden: Tensor, slots: list[int], depths: Sequence[int] | None = None
+    ) -> list[list[int]]:
+        return self.drafter.draft_steps(hidden[: len(slots)], slots, self.tier, None, depths)[0]
 
     def read_gpu_ms(self) -> float:
         return 0.0

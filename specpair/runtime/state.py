@@ -4,6 +4,9 @@ A `SpecRuntimeState` holds everything shape-dependent for one tier (speculative_
 chains of s drafts, s + 1 verified tokens): the chain's parents, tree mask and depth offsets,
 and this process's stages of the round — `verify` where it runs the target, `extend` and
 `draft` where it runs the drafter — eager on the CPU, CUDA graphs per batch bucket on a GPU.
+Tier 0 (no drafts) is a state too: the target verifies the pending token alone (a
+one-token graph per bucket on a GPU); a draft at tier 0 only extends, eagerly (see
+`Drafter.draft`), and the target does not call it for such rounds at all.
 A `StateBuilder` builds them and counts what it built (`builds`, `captures`): the services
 report those, and tests assert that nothing is built after start-up.
 """
@@ -115,8 +118,8 @@ class StateBuilder:
 
     def build(self, tier: int) -> SpecRuntimeState:
         """The tier's state, its stages complete (graphs captured)."""
-        if tier < 1:
-            raise ValueError(f"a tier (speculative_num_steps) must be >= 1, got {tier}")
+        if tier < 0:
+            raise ValueError(f"a tier (speculative_num_steps) must be >= 0, got {tier}")
         parents = tuple(range(-1, tier))
         verify: VerifyStage | None = None
         extend: ExtendStage | None = None
@@ -127,7 +130,7 @@ class StateBuilder:
             verify = VerifyGraphs(self.target_graphs, self.target.model, tier)
         elif self.target is not None:
             verify = EagerVerify(self.target.model, self.target.cache, self.target.feature_layers)
-        if self.draft_graphs is not None:
+        if self.draft_graphs is not None and tier > 0:
             extend, draft = self.draft_graphs.tier(tier)
         elif self.drafter is not None:
             extend, draft = EagerExtend(self.drafter), EagerDraft(self.drafter, tier)

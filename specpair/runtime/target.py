@@ -129,8 +129,14 @@ class TargetWorker:
         return features
 
     @torch.inference_mode()
-    def prepare(self, seqs: Sequence[TargetSequence], state: SpecRuntimeState) -> None:
-        """Plans the next verify of `seqs` before its drafts exist (a no-op for eager stages).
+    def prepare(
+        self,
+        seqs: Sequence[TargetSequence],
+        state: SpecRuntimeState,
+        depths: Sequence[int] | None = None,
+    ) -> None:
+        """Plans the next verify of `seqs` before its drafts exist (a no-op for eager stages);
+        `depths`: each one's chain length where per-request tiers differ (default the tier's).
 
         Everything but the tokens is known once the previous round is accepted: positions,
         pages and the tier's chain mask. The target service calls this while the draft service
@@ -140,7 +146,10 @@ class TargetWorker:
         stage = self._stage(state)
         if not stage.plans_ahead:
             return
-        parents = [list(state.chain_parents)] * len(seqs)
+        if depths is None:
+            parents = [list(state.chain_parents)] * len(seqs)
+        else:
+            parents = [list(range(-1, d)) for d in depths]
         try:
             positions, layout = self._layout(seqs, parents, state)
         except CacheFullError:

@@ -19,15 +19,16 @@ def test_builder_builds_complete_eager_states_and_counts_them(ckpts: dict[str, P
     worker = build_target(ckpts["target"], max_requests=2, max_len=64)
     drafter = build_drafter(ckpts["draft"], target_path=None, max_requests=2, max_len=64)
     builder = StateBuilder(worker, drafter)
-    states = builder.build_all([3, 1, 3])
-    assert sorted(states) == [1, 3] and builder.builds == 2 and builder.captures == 0
+    states = builder.build_all([3, 0, 1, 3])
+    assert sorted(states) == [0, 1, 3] and builder.builds == 3 and builder.captures == 0
     for tier, state in states.items():
         assert isinstance(state.verify, EagerVerify) and state.verify.cache is worker.cache
         assert isinstance(state.extend, EagerExtend) and state.extend.cache is drafter.cache
         assert isinstance(state.draft, EagerDraft) and state.draft.tier == tier
         assert state.chain_parents == tuple(range(-1, tier))
+    assert states[0].chain_parents == (-1,) and states[0].chain_mask.tolist() == [[True]]
     with pytest.raises(ValueError, match="tier"):
-        builder.build(0)
+        builder.build(-1)
 
 
 def test_a_state_serves_only_the_workers_it_was_built_for(ckpts: dict[str, Path]) -> None:

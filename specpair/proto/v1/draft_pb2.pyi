@@ -30,7 +30,12 @@ class DraftInput(_message.Message):
     APPENDED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     FEATURES_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_NUM_STEPS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
+    speculative_num_steps: _builtins.int
+    """How many tokens to draft for this request; 0: the round's speculative_num_steps. Never
+    more than the round's (its state), which is the largest of its requests'.
+    """
     @_builtins.property
     def appended_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """First round: the prompt + the first token. Later: accepted drafts + the bonus token."""
@@ -50,10 +55,11 @@ class DraftInput(_message.Message):
         appended_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         features: _common_pb2.Tensor | None = ...,
+        speculative_num_steps: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["features", b"features", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["appended_token_ids", b"appended_token_ids", "features", b"features", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["appended_token_ids", b"appended_token_ids", "features", b"features", "request_id", b"request_id", "sampling", b"sampling", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -73,7 +79,9 @@ class RoundRequest(_message.Message):
     RELEASED_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     round_id: _builtins.int
     speculative_num_steps: _builtins.int
-    """The tier for this round; the draft switches to its pre-built state before drafting."""
+    """The tier for this round; the draft switches to its pre-built state before drafting. With
+    per-request tiers, the largest of its inputs' (a request at tier 0 is not sent at all).
+    """
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___DraftInput]: ...
     @_builtins.property

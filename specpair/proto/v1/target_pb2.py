@@ -26,17 +26,19 @@ _sym_db = _symbol_database.Default()
 from specpair.proto.v1 import common_pb2 as specpair_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specpair/v1/target.proto\x12\x0bspecpair.v1\x1a\x18specpair/v1/common.proto\"\xe4\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specpair.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12*\n\x08messages\x18\x08 \x03(\x0b\x32\x18.specpair.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"k\n\x10SpeculationStats\x12\x16\n\x0e\x61\x63\x63\x65pt_lengths\x18\x01 \x03(\x05\x12\x0e\n\x06rounds\x18\x02 \x01(\x05\x12\x14\n\x0cplain_rounds\x18\x03 \x01(\x05\x12\x19\n\x11\x61vg_accept_length\x18\x04 \x01(\x01\"\x86\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\raccept_length\x18\x04 \x01(\x05\x12\x1d\n\x15speculative_num_steps\x18\x05 \x01(\x05\x12\x30\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x19.specpair.v1.FinishReason\x12!\n\x05usage\x18\x07 \x01(\x0b\x32\x12.specpair.v1.Usage\x12\x32\n\x0bspeculation\x18\x08 \x01(\x0b\x32\x1d.specpair.v1.SpeculationStats\"#\n!TargetServiceGetServerInfoRequest\"\xb5\x03\n\"TargetServiceGetServerInfoResponse\x12\x1d\n\x15speculative_num_steps\x18\x01 \x01(\x05\x12\x1e\n\x16\x61vg_spec_accept_length\x18\x02 \x01(\x01\x12\x17\n\x0f\x63\x61ndidate_steps\x18\x03 \x03(\x05\x12\x19\n\x11target_model_path\x18\x04 \x01(\t\x12\x15\n\rdraft_address\x18\x05 \x01(\t\x12\x41\n\x16\x64raft_connection_state\x18\x06 \x01(\x0e\x32!.specpair.v1.DraftConnectionState\x12\x18\n\x10running_requests\x18\x07 \x01(\x05\x12\x17\n\x0fqueued_requests\x18\x08 \x01(\x05\x12\x0e\n\x06rounds\x18\t \x01(\x04\x12\x1c\n\x14runtime_state_builds\x18\n \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x1a\n\x12max_context_length\x18\x0c \x01(\x05\x12\x12\n\nvocab_size\x18\r \x01(\x05\x12!\n\x19\x64raft_incompatible_reason\x18\x0e \x01(\t\"A\n\x10\x41pplyTierRequest\x12\x1d\n\x15speculative_num_steps\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\"a\n\x11\x41pplyTierResponse\x12\x16\n\x0eprevious_steps\x18\x01 \x01(\x05\x12\x1d\n\x15speculative_num_steps\x18\x02 \x01(\x05\x12\x15\n\rcurrent_round\x18\x03 \x01(\x04\"\x14\n\x12WatchRoundsRequest\"\xbd\x01\n\nRoundStats\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12\x1d\n\x15speculative_num_steps\x18\x02 \x01(\x05\x12\x12\n\nbatch_size\x18\x03 \x01(\x05\x12\x16\n\x0e\x61\x63\x63\x65pt_lengths\x18\x04 \x03(\x05\x12\x13\n\x0bspeculative\x18\x05 \x01(\x08\x12*\n\x07timings\x18\x06 \x01(\x0b\x32\x19.specpair.v1.StageTimings\x12\x11\n\tunix_time\x18\x07 \x01(\x01\"=\n\x13WatchRoundsResponse\x12&\n\x05round\x18\x01 \x01(\x0b\x32\x17.specpair.v1.RoundStats*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02*\xfe\x01\n\x14\x44raftConnectionState\x12&\n\"DRAFT_CONNECTION_STATE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x44RAFT_CONNECTION_STATE_NONE\x10\x01\x12%\n!DRAFT_CONNECTION_STATE_CONNECTING\x10\x02\x12$\n DRAFT_CONNECTION_STATE_CONNECTED\x10\x03\x12\'\n#DRAFT_CONNECTION_STATE_DISCONNECTED\x10\x04\x12\'\n#DRAFT_CONNECTION_STATE_INCOMPATIBLE\x10\x05\x32\xec\x02\n\rTargetService\x12I\n\x08Generate\x12\x1c.specpair.v1.GenerateRequest\x1a\x1d.specpair.v1.GenerateResponse0\x01\x12p\n\rGetServerInfo\x12..specpair.v1.TargetServiceGetServerInfoRequest\x1a/.specpair.v1.TargetServiceGetServerInfoResponse\x12J\n\tApplyTier\x12\x1d.specpair.v1.ApplyTierRequest\x1a\x1e.specpair.v1.ApplyTierResponse\x12R\n\x0bWatchRounds\x12\x1f.specpair.v1.WatchRoundsRequest\x1a .specpair.v1.WatchRoundsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specpair/v1/target.proto\x12\x0bspecpair.v1\x1a\x18specpair/v1/common.proto\"\xe4\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specpair.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12*\n\x08messages\x18\x08 \x03(\x0b\x32\x18.specpair.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"k\n\x10SpeculationStats\x12\x16\n\x0e\x61\x63\x63\x65pt_lengths\x18\x01 \x03(\x05\x12\x0e\n\x06rounds\x18\x02 \x01(\x05\x12\x14\n\x0cplain_rounds\x18\x03 \x01(\x05\x12\x19\n\x11\x61vg_accept_length\x18\x04 \x01(\x01\"\x86\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\raccept_length\x18\x04 \x01(\x05\x12\x1d\n\x15speculative_num_steps\x18\x05 \x01(\x05\x12\x30\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x19.specpair.v1.FinishReason\x12!\n\x05usage\x18\x07 \x01(\x0b\x32\x12.specpair.v1.Usage\x12\x32\n\x0bspeculation\x18\x08 \x01(\x0b\x32\x1d.specpair.v1.SpeculationStats\"#\n!TargetServiceGetServerInfoRequest\"\xb5\x03\n\"TargetServiceGetServerInfoResponse\x12\x1d\n\x15speculative_num_steps\x18\x01 \x01(\x05\x12\x1e\n\x16\x61vg_spec_accept_length\x18\x02 \x01(\x01\x12\x17\n\x0f\x63\x61ndidate_steps\x18\x03 \x03(\x05\x12\x19\n\x11target_model_path\x18\x04 \x01(\t\x12\x15\n\rdraft_address\x18\x05 \x01(\t\x12\x41\n\x16\x64raft_connection_state\x18\x06 \x01(\x0e\x32!.specpair.v1.DraftConnectionState\x12\x18\n\x10running_requests\x18\x07 \x01(\x05\x12\x17\n\x0fqueued_requests\x18\x08 \x01(\x05\x12\x0e\n\x06rounds\x18\t \x01(\x04\x12\x1c\n\x14runtime_state_builds\x18\n \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x1a\n\x12max_context_length\x18\x0c \x01(\x05\x12\x12\n\nvocab_size\x18\r \x01(\x05\x12!\n\x19\x64raft_incompatible_reason\x18\x0e \x01(\t\"\xbe\x01\n\x10\x41pplyTierRequest\x12\x1d\n\x15speculative_num_steps\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x46\n\rrequest_steps\x18\x03 \x03(\x0b\x32/.specpair.v1.ApplyTierRequest.RequestStepsEntry\x1a\x33\n\x11RequestStepsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"a\n\x11\x41pplyTierResponse\x12\x16\n\x0eprevious_steps\x18\x01 \x01(\x05\x12\x1d\n\x15speculative_num_steps\x18\x02 \x01(\x05\x12\x15\n\rcurrent_round\x18\x03 \x01(\x04\"\x14\n\x12WatchRoundsRequest\"\xe9\x01\n\nRoundStats\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12\x1d\n\x15speculative_num_steps\x18\x02 \x01(\x05\x12\x12\n\nbatch_size\x18\x03 \x01(\x05\x12\x16\n\x0e\x61\x63\x63\x65pt_lengths\x18\x04 \x03(\x05\x12\x13\n\x0bspeculative\x18\x05 \x01(\x08\x12*\n\x07timings\x18\x06 \x01(\x0b\x32\x19.specpair.v1.StageTimings\x12\x11\n\tunix_time\x18\x07 \x01(\x01\x12\x13\n\x0brequest_ids\x18\x08 \x03(\t\x12\x15\n\rrequest_steps\x18\t \x03(\x05\"=\n\x13WatchRoundsResponse\x12&\n\x05round\x18\x01 \x01(\x0b\x32\x17.specpair.v1.RoundStats*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02*\xfe\x01\n\x14\x44raftConnectionState\x12&\n\"DRAFT_CONNECTION_STATE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x44RAFT_CONNECTION_STATE_NONE\x10\x01\x12%\n!DRAFT_CONNECTION_STATE_CONNECTING\x10\x02\x12$\n DRAFT_CONNECTION_STATE_CONNECTED\x10\x03\x12\'\n#DRAFT_CONNECTION_STATE_DISCONNECTED\x10\x04\x12\'\n#DRAFT_CONNECTION_STATE_INCOMPATIBLE\x10\x05\x32\xec\x02\n\rTargetService\x12I\n\x08Generate\x12\x1c.specpair.v1.GenerateRequest\x1a\x1d.specpair.v1.GenerateResponse0\x01\x12p\n\rGetServerInfo\x12..specpair.v1.TargetServiceGetServerInfoRequest\x1a/.specpair.v1.TargetServiceGetServerInfoResponse\x12J\n\tApplyTier\x12\x1d.specpair.v1.ApplyTierRequest\x1a\x1e.specpair.v1.ApplyTierResponse\x12R\n\x0bWatchRounds\x12\x1f.specpair.v1.WatchRoundsRequest\x1a .specpair.v1.WatchRoundsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specpair.v1.target_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1697
-  _globals['_FINISHREASON']._serialized_end=1792
-  _globals['_DRAFTCONNECTIONSTATE']._serialized_start=1795
-  _globals['_DRAFTCONNECTIONSTATE']._serialized_end=2049
+  _globals['_APPLYTIERREQUEST_REQUESTSTEPSENTRY']._loaded_options = None
+  _globals['_APPLYTIERREQUEST_REQUESTSTEPSENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1867
+  _globals['_FINISHREASON']._serialized_end=1962
+  _globals['_DRAFTCONNECTIONSTATE']._serialized_start=1965
+  _globals['_DRAFTCONNECTIONSTATE']._serialized_end=2219
   _globals['_GENERATEREQUEST']._serialized_start=68
   _globals['_GENERATEREQUEST']._serialized_end=296
   _globals['_CHATMESSAGE']._serialized_start=298
@@ -51,16 +53,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TARGETSERVICEGETSERVERINFOREQUEST']._serialized_end=812
   _globals['_TARGETSERVICEGETSERVERINFORESPONSE']._serialized_start=815
   _globals['_TARGETSERVICEGETSERVERINFORESPONSE']._serialized_end=1252
-  _globals['_APPLYTIERREQUEST']._serialized_start=1254
-  _globals['_APPLYTIERREQUEST']._serialized_end=1319
-  _globals['_APPLYTIERRESPONSE']._serialized_start=1321
-  _globals['_APPLYTIERRESPONSE']._serialized_end=1418
-  _globals['_WATCHROUNDSREQUEST']._serialized_start=1420
-  _globals['_WATCHROUNDSREQUEST']._serialized_end=1440
-  _globals['_ROUNDSTATS']._serialized_start=1443
-  _globals['_ROUNDSTATS']._serialized_end=1632
-  _globals['_WATCHROUNDSRESPONSE']._serialized_start=1634
-  _globals['_WATCHROUNDSRESPONSE']._serialized_end=1695
-  _globals['_TARGETSERVICE']._serialized_start=2052
-  _globals['_TARGETSERVICE']._serialized_end=2416
+  _globals['_APPLYTIERREQUEST']._serialized_start=1255
+  _globals['_APPLYTIERREQUEST']._serialized_end=1445
+  _globals['_APPLYTIERREQUEST_REQUESTSTEPSENTRY']._serialized_start=1394
+  _globals['_APPLYTIERREQUEST_REQUESTSTEPSENTRY']._serialized_end=1445
+  _globals['_APPLYTIERRESPONSE']._serialized_start=1447
+  _globals['_APPLYTIERRESPONSE']._serialized_end=1544
+  _globals['_WATCHROUNDSREQUEST']._serialized_start=1546
+  _globals['_WATCHROUNDSREQUEST']._serialized_end=1566
+  _globals['_ROUNDSTATS']._serialized_start=1569
+  _globals['_ROUNDSTATS']._serialized_end=1802
+  _globals['_WATCHROUNDSRESPONSE']._serialized_start=1804
+  _globals['_WATCHROUNDSRESPONSE']._serialized_end=1865
+  _globals['_TARGETSERVICE']._serialized_start=2222
+  _globals['_TARGETSERVICE']._serialized_end=2586
 # @@protoc_insertion_point(module_scope)

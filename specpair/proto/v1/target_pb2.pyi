@@ -327,19 +327,47 @@ Global___TargetServiceGetServerInfoResponse: _TypeAlias = TargetServiceGetServer
 class ApplyTierRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class RequestStepsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SPECULATIVE_NUM_STEPS_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    REQUEST_STEPS_FIELD_NUMBER: _builtins.int
     speculative_num_steps: _builtins.int
     reason: _builtins.str
+    @_builtins.property
+    def request_steps(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Per-request tiers (request id -> tier, each a candidate; 0: no drafts for it); a request
+        not named runs at speculative_num_steps. Replaces the previous map; empty clears it.
+        """
+
     def __init__(
         self,
         *,
         speculative_num_steps: _builtins.int = ...,
         reason: _builtins.str = ...,
+        request_steps: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "request_steps", b"request_steps", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -397,6 +425,8 @@ class RoundStats(_message.Message):
     SPECULATIVE_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
     UNIX_TIME_FIELD_NUMBER: _builtins.int
+    REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    REQUEST_STEPS_FIELD_NUMBER: _builtins.int
     round_id: _builtins.int
     speculative_num_steps: _builtins.int
     batch_size: _builtins.int
@@ -408,6 +438,14 @@ class RoundStats(_message.Message):
 
     @_builtins.property
     def timings(self) -> _common_pb2.StageTimings: ...
+    @_builtins.property
+    def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Parallel to accept_lengths: the drafted request each one is of, and the tier it ran at
+        (below speculative_num_steps when per-request tiers differ).
+        """
+
+    @_builtins.property
+    def request_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -418,10 +456,12 @@ class RoundStats(_message.Message):
         speculative: _builtins.bool = ...,
         timings: _common_pb2.StageTimings | None = ...,
         unix_time: _builtins.float = ...,
+        request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        request_steps: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_lengths", b"accept_lengths", "batch_size", b"batch_size", "round_id", b"round_id", "speculative", b"speculative", "speculative_num_steps", b"speculative_num_steps", "timings", b"timings", "unix_time", b"unix_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_lengths", b"accept_lengths", "batch_size", b"batch_size", "request_ids", b"request_ids", "request_steps", b"request_steps", "round_id", b"round_id", "speculative", b"speculative", "speculative_num_steps", b"speculative_num_steps", "timings", b"timings", "unix_time", b"unix_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -210,9 +210,12 @@ class StepGraphs:
                 attn.plan(pad_layout(step, bucket, 1, cache.pad_slot))
         self._planned = (g, starts)
 
-    def run(self, hidden: Tensor, slots: list[int]) -> list[list[int]]:
+    def run(
+        self, hidden: Tensor, slots: list[int], depths: Sequence[int] | None = None
+    ) -> list[list[int]]:
         if self._planned is None:
-            return self.graphs.drafter.draft_steps(hidden[: len(slots)], slots, self.tier)[0]
+            d = self.graphs.drafter
+            return d.draft_steps(hidden[: len(slots)], slots, self.tier, None, depths)[0]
         (g, starts), self._planned = self._planned, None
         bucket, b = len(g.inputs["starts"]), len(slots)
         if hidden.shape[0] != bucket:  # from the eager extend
