@@ -151,6 +151,7 @@ def stats_to_proto(stats: RoundStats) -> target_pb2.RoundStats:
         unix_time=stats.unix_time,
         request_ids=stats.request_ids,
         request_steps=stats.request_steps,
+        plain_request_ids=stats.plain_request_ids,
     )
     timings_into(msg.timings, stats.timings)
     return msg

@@ -43,6 +43,7 @@ class RoundFeed:
         total_s: float,
         request_ids: list[str] | None = None,
         request_steps: list[int] | None = None,
+        plain_request_ids: list[str] | None = None,
     ) -> None:
         """One round: `draft` is the draft service's own account, `rtt_s` the time from its
         request going out to its trees, `total_s` the round's share of the wall time."""
@@ -63,7 +64,7 @@ class RoundFeed:
             self.metrics.stage_latency.labels(stage).observe(ms / 1e3)
         stats = RoundStats(
             round_id, tier, batch_size, tuple(accepts), speculative, timings, time.time(),
-            tuple(request_ids or ()), tuple(request_steps or ()),
+            tuple(request_ids or ()), tuple(request_steps or ()), tuple(plain_request_ids or ()),
         )  # fmt: skip
         for queue in list(self._watchers):
             if queue.full():

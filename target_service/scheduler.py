@@ -293,6 +293,7 @@ class Scheduler:
         accepts: list[int] = []
         drafted_ids: list[str] = []
         drafted_steps: list[int] = []
+        plain_ids: list[str] = []
         for req, tree, res, steps in zip(batch, trees, results, flight.steps, strict=True):
             drafted = speculative and len(tree) > 0
             if drafted:
@@ -303,6 +304,7 @@ class Scheduler:
                 self.metrics.accept_length.observe(res.acceptance.accept_length)
             else:
                 req.plain_rounds += 1
+                plain_ids.append(req.seq.request_id)
             accept = res.acceptance.accept_length if drafted else -1
             req.events.put_nowait(RoundEvent(res.new_tokens, accept, steps, req.seq.finish_reason))
             if req.seq.finish_reason is not None and req in self.running:
@@ -315,7 +317,7 @@ class Scheduler:
             flight.round_id, state.tier, len(batch), accepts, speculative, drafts.timings,
             rtt_s=t1 - flight.started, verify_s=t2 - t1, verify_gpu_ms=gpu_ms(self.worker),
             total_s=flight.admit_s + end - flight.started,
-            request_ids=drafted_ids, request_steps=drafted_steps,
+            request_ids=drafted_ids, request_steps=drafted_steps, plain_request_ids=plain_ids,
         )  # fmt: skip
         return following
 

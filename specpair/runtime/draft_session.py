@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from specpair.logging import get_logger
@@ -64,19 +65,26 @@ class FeatureLog:
 class LastRows:
     """`FeatureLog`'s interface for a drafter in this process: it never loses a request's
     state, so each round needs only the rows appended since the previous one, and they are
-    passed on as they are instead of copied into a history (a copy per request per round)."""
+    passed on as they are instead of copied into a history (a copy per request per round).
+    Rows no round has read yet (its tier was 0) are kept until one does."""
 
     def __init__(self) -> None:
         self._rows: Tensor | None = None
         self._first = 0  # the position of _rows[0]
+        self._read = True  # `since` has returned _rows
         self.length = 0
 
     def append(self, rows: Tensor) -> None:
-        self._rows, self._first = rows, self.length
+        if self._read or self._rows is None:
+            self._rows, self._first = rows, self.length
+        else:
+            self._rows = torch.cat([self._rows, rows])
+        self._read = False
         self.length += rows.shape[0]  # not len(): a Python call per request per round
 
     def since(self, start: int) -> Tensor:
         assert self._rows is not None, "no features recorded"
+        self._read = True
         if max(start, 0) != self._first:
             raise ValueError(
                 f"features from position {start} asked, but only the last round's rows from "

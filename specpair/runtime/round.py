@@ -89,3 +89,4 @@ class RoundStats:
     # Parallel to accept_lengths: whose each one is, and the tier that request ran at.
     request_ids: tuple[str, ...] = ()
     request_steps: tuple[int, ...] = ()
+    plain_request_ids: tuple[str, ...] = ()  # the batch's requests that got no draft

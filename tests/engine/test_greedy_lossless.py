@@ -35,14 +35,22 @@ def references(ckpts: dict[str, Path]) -> dict[str, list[list[int]]]:
     return {t: [hf_greedy(ckpts[t], p) for p in PROMPTS] for t in ("target", "target_b")}
 
 
-def run(target: Path, draft: Path | None, tier: int, prompts: list[list[int]]):
+def run(
+    target: Path,
+    draft: Path | None,
+    tier: int,
+    prompts: list[list[int]],
+    request_steps: list[int] | None = None,
+):
     worker = build_target(target, max_requests=4, max_len=128, keep_features=True)
     drafter = None
     if draft is not None:
         drafter = build_drafter(draft, target_path=target, max_requests=4, max_len=128)
     engine = SpeculativeEngine(worker, drafter)
     state = build_states([tier], worker, drafter)[tier]
-    return engine.generate(prompts, max_new_tokens=NEW_TOKENS, state=state)
+    return engine.generate(
+        prompts, max_new_tokens=NEW_TOKENS, state=state, request_steps=request_steps
+    )
 
 
 @pytest.mark.parametrize("tier", [1, 3, 7])
@@ -93,3 +101,19 @@ def test_stop_token_ends_request(ckpts: dict[str, Path], references) -> None:
     )
     assert results[0].token_ids == expected[: first + 1]
     assert results[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("draft", ["target", "draft", "eagle"])
+def test_per_request_tiers_in_one_batch_match_transformers(
+    ckpts: dict[str, Path], references, draft: str
+) -> None:
+    """One batch, tiers 0, 1, 3, 7 (the state of 7): each request drafts to its own depth."""
+    steps = [0, 1, 3, 7]
+    results = run(ckpts["target"], ckpts[draft], 7, PROMPTS, steps)
+    assert [r.token_ids for r in results] == references["target"]
+    for r, s in zip(results, steps, strict=True):
+        assert all(0 <= a <= s for a in r.accept_lengths)
+        if draft == "target":
+            assert all(a == s for a in r.accept_lengths[:-1])
+            # the prefill gave the first token; each round s drafts + the bonus
+            assert len(r.accept_lengths) == -(-(NEW_TOKENS - 1) // (s + 1))

@@ -50,7 +50,10 @@ def exact_joint(target: Path, params: SamplingParams) -> dict[tuple[int, ...], f
     return {o: float(p) for o, p in zip(outcomes, picked.prod(-1), strict=True)}
 
 
-def speculative_samples(target: Path, draft: Path, params: SamplingParams) -> Counter:
+def speculative_samples(
+    target: Path, draft: Path, params: SamplingParams, mixed: bool = False
+) -> Counter:
+    """`mixed`: the batch's requests at tiers 0, 1 and 3 in turn, in the same rounds."""
     worker = build_target(target, max_requests=BATCH, max_len=32)
     drafter = build_drafter(draft, target_path=None, max_requests=BATCH, max_len=32)
     engine = SpeculativeEngine(worker, drafter)
@@ -61,8 +64,13 @@ def speculative_samples(target: Path, draft: Path, params: SamplingParams) -> Co
             SamplingParams(params.temperature, params.top_p, params.top_k, seed=start + i)
             for i in range(BATCH)
         ]
+        steps = [(0, 1, DEPTH)[i % 3] for i in range(BATCH)] if mixed else None
         results = engine.generate(
-            [PROMPT] * BATCH, max_new_tokens=DEPTH, state=state, sampling=sampling
+            [PROMPT] * BATCH,
+            max_new_tokens=DEPTH,
+            state=state,
+            sampling=sampling,
+            request_steps=steps,
         )
         counts.update(tuple(r.token_ids) for r in results)
     return counts
@@ -81,6 +89,11 @@ def fit_pvalue(counts: Counter, expected: dict[tuple[int, ...], float]) -> float
 def test_speculative_sampling_matches_target_distribution(pair, params) -> None:
     counts = speculative_samples(*pair, params)
     assert fit_pvalue(counts, exact_joint(pair[0], params)) > 1e-3
+
+
+def test_mixed_request_tiers_in_one_batch_match_the_target_distribution(pair) -> None:
+    counts = speculative_samples(*pair, PARAMS[0], mixed=True)
+    assert fit_pvalue(counts, exact_joint(pair[0], PARAMS[0])) > 1e-3
 
 
 def test_accept_everything_verifier_fails_the_same_test(pair, monkeypatch) -> None:

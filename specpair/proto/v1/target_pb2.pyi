@@ -427,6 +427,7 @@ class RoundStats(_message.Message):
     UNIX_TIME_FIELD_NUMBER: _builtins.int
     REQUEST_IDS_FIELD_NUMBER: _builtins.int
     REQUEST_STEPS_FIELD_NUMBER: _builtins.int
+    PLAIN_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     round_id: _builtins.int
     speculative_num_steps: _builtins.int
     batch_size: _builtins.int
@@ -446,6 +447,10 @@ class RoundStats(_message.Message):
 
     @_builtins.property
     def request_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def plain_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The round's other requests: not drafted (their tier was 0, or the draft sent no tree)."""
+
     def __init__(
         self,
         *,
@@ -458,10 +463,11 @@ class RoundStats(_message.Message):
         unix_time: _builtins.float = ...,
         request_ids: _abc.Iterable[_builtins.str] | None = ...,
         request_steps: _abc.Iterable[_builtins.int] | None = ...,
+        plain_request_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_lengths", b"accept_lengths", "batch_size", b"batch_size", "request_ids", b"request_ids", "request_steps", b"request_steps", "round_id", b"round_id", "speculative", b"speculative", "speculative_num_steps", b"speculative_num_steps", "timings", b"timings", "unix_time", b"unix_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_lengths", b"accept_lengths", "batch_size", b"batch_size", "plain_request_ids", b"plain_request_ids", "request_ids", b"request_ids", "request_steps", b"request_steps", "round_id", b"round_id", "speculative", b"speculative", "speculative_num_steps", b"speculative_num_steps", "timings", b"timings", "unix_time", b"unix_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
