@@ -14,7 +14,7 @@ import grpc
 
 from controller import memory
 from controller.bands import PolicySpec
-from controller.interface import RoundSample, SpeculationPolicy
+from controller.interface import PerRequestPolicy, RoundSample, SpeculationPolicy
 from controller.policy import PolicyConfig
 from controller.target_link import NotConnectedError, TargetLink
 from specpair.client.results import TargetState, TierSwitch
@@ -248,8 +248,10 @@ class AdaptiveController:
     ) -> bool:
         """ApplyTier on `t` (caller holds t.lock); False if it is not connected or refused."""
         assert t.link is not None
+        # A per-request policy's tiers ride along; a pin (or any other reason) clears them.
+        own = t.policy.request_steps if isinstance(t.policy, PerRequestPolicy) else {}
         try:
-            response = await t.link.apply_tier(steps, reason)
+            response = await t.link.apply_tier(steps, reason, own if reason == "policy" else {})
         except NotConnectedError:
             return False
         except grpc.aio.AioRpcError as exc:
@@ -304,6 +306,9 @@ def round_sample(stats: target_pb2.RoundStats) -> RoundSample:
         steps=stats.speculative_num_steps if speculative else 0,
         batch_size=stats.batch_size,
         accept_lengths=tuple(stats.accept_lengths) if speculative else (),
+        request_ids=tuple(stats.request_ids) if speculative else (),
+        request_steps=tuple(stats.request_steps) if speculative else (),
+        plain_request_ids=tuple(stats.plain_request_ids),
         total_ms=timings.total_ms,
         verify_ms=timings.verify_ms,
         draft_ms=timings.draft_ms,

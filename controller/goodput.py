@@ -122,7 +122,7 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
 
     def observe(self, sample: RoundSample) -> bool:
         self.cost.observe(sample)
-        self.acceptance.observe(sample.steps, sample.accept_lengths)
+        self.acceptance.observe(sample.steps, sample.accept_lengths, sample.request_steps)
         self._batch = sample.batch_size
         if self._probe_rounds is not None and sample.speculative:
             self._probe_rounds += 1

@@ -34,7 +34,11 @@ class AcceptanceModel:
         self._tried: list[float] = []  # index i − 1: decayed trials of position i
         self._passed: list[float] = []
 
-    def observe(self, steps: int, accept_lengths: Sequence[int]) -> None:
+    def observe(
+        self, steps: int, accept_lengths: Sequence[int], request_steps: Sequence[int] = ()
+    ) -> None:
+        """`request_steps`: each length's own tier where per-request tiers differ (a request
+        at tier 1 that accepted 1 never tried position 2), else every one ran at `steps`."""
         if steps < 1 or not accept_lengths:
             return
         keep = 1.0 - self.decay
@@ -43,9 +47,11 @@ class AcceptanceModel:
         while len(self._tried) < steps:
             self._tried.append(0.0)
             self._passed.append(0.0)
-        for a in accept_lengths:
-            a = min(a, steps)
-            for i in range(min(a + 1, steps)):
+        own = request_steps if len(request_steps) == len(accept_lengths) else ()
+        for j, a in enumerate(accept_lengths):
+            s = own[j] if own else steps
+            a = min(a, s)
+            for i in range(min(a + 1, s)):
                 self._tried[i] += 1.0
                 self._passed[i] += 1.0 if i < a else 0.0
 
@@ -135,11 +141,12 @@ class CostModel:
         if sample.total_ms <= 0.0 or sample.batch_size < 1:
             return  # a target that reports no timings teaches nothing
         b, s, a = self._bucket(batch_bucket(sample.batch_size)), sample.steps, self.alpha
-        b.round_ms.setdefault(s, _Ema()).add(sample.total_ms, a)
+        total, draft, fixed = uniform_round(sample)
+        b.round_ms.setdefault(s, _Ema()).add(total, a)
         b.verify_ms.setdefault(s, _Ema()).add(sample.verify_ms, a)
         if s > 0:
-            b.draft_step_ms.add(sample.draft_ms / s, a)
-            b.fixed_ms.add(max(sample.round_trip_ms - sample.draft_ms, 0.0), a)
+            b.draft_step_ms.add(draft / s, a)
+            b.fixed_ms.add(fixed, a)
 
     def measured_rounds(self, steps: int, batch_size: int) -> int:
         bucket = self._buckets.get(batch_bucket(batch_size))
@@ -160,6 +167,27 @@ class CostModel:
         if d_steps is None or d_ref is None:
             return None
         return max(known[ref] + d_steps - d_ref, 1e-3)
+
+    def mixed_round_ms(self, steps: Sequence[int]) -> float | None:
+        """Predicted wall time of one round whose requests run at `steps` (one per request).
+
+        The round runs at the largest tier m: its verify is m's (trees padded to m + 1), while
+        the draft's work is each request's own: a request below m saves its share of the draft
+        steps, one at 0 its share of the round trip too. With b = 4, m = 7, T(7) = 40 ms, a
+        fixed round trip of 8 ms and 2 ms per draft step (batch-wide): steps [7, 7, 1, 0] take
+        40 − 8·1/4 − 2·(7·4 − 15)/4 = 31.5 ms.
+        """
+        b, m = len(steps), max(steps, default=0)
+        full = self.round_ms(m, b)
+        key = self._nearest_bucket(batch_bucket(b))
+        if full is None or key is None or m == 0:
+            return full
+        fixed, step = self._draft_terms(self._buckets[key])
+        if fixed is None or step is None:
+            return full
+        idle = sum(1 for s in steps if s == 0)
+        saved = fixed * idle / b + step * (b * m - sum(steps)) / b
+        return max(full - saved, 1e-3)
 
     def _nearest_bucket(self, key: int) -> int | None:
         keys = [k for k, b in self._buckets.items() if any(e.known for e in b.round_ms.values())]
@@ -186,6 +214,22 @@ class CostModel:
         own = next(k for k, o in self._buckets.items() if o is b)
         near = self._buckets[min(have, key=lambda k: abs(k.bit_length() - own.bit_length()))]
         return near.fixed_ms.value, near.draft_step_ms.value
+
+
+def uniform_round(sample: RoundSample) -> tuple[float, float, float]:
+    """(total, draft, fixed round trip) ms of `sample` as if every request had run at its
+    tier: the inverse of `CostModel.mixed_round_ms`, so that a round of mixed per-request tiers
+    teaches the same terms. b = 4 at tier 7 with steps [7, 7, 1] and one plain request: draft
+    6 ms did 15 of 28 request-steps → 11.2 ms; a fixed 6 ms for 3 requests → 8 ms."""
+    fixed = max(sample.round_trip_ms - sample.draft_ms, 0.0)
+    steps = (*sample.request_steps, *(0 for _ in sample.plain_request_ids))
+    b, s, done = sample.batch_size, sample.steps, sum(sample.request_steps)
+    if s < 1 or len(steps) != b or not sample.request_steps or done >= b * s:
+        return sample.total_ms, sample.draft_ms, fixed
+    draft = sample.draft_ms * b * s / done
+    full_fixed = fixed * b / len(sample.request_steps)
+    total = sample.total_ms + (draft - sample.draft_ms) + (full_fixed - fixed)
+    return total, draft, full_fixed
 
 
 def _line_at(points: dict[int, float], x: int) -> float:

@@ -31,6 +31,11 @@ class RoundSample:
     verify_ms: float = 0.0
     draft_ms: float = 0.0
     schedule_ms: float = 0.0
+    # Per-request tiers: parallel to accept_lengths, whose each one is and its own tier; the
+    # round's other requests (not drafted) in plain_request_ids. Empty from an older target.
+    request_ids: tuple[str, ...] = ()
+    request_steps: tuple[int, ...] = ()
+    plain_request_ids: tuple[str, ...] = ()
 
     @property
     def speculative(self) -> bool:
@@ -86,6 +91,17 @@ class SpeculationPolicy(Protocol):
 
     def describe(self) -> str:
         """One line on the model behind the decisions, for the status."""
+        ...
+
+
+@runtime_checkable
+class PerRequestPolicy(SpeculationPolicy, Protocol):
+    """A policy that also tiers each request (`controller.request_tiers:RequestTiers`): the
+    controller sends `request_steps` with every ApplyTier the policy asks for."""
+
+    @property
+    def request_steps(self) -> Mapping[str, int]:
+        """Request id → its tier where it differs from `current_steps` (ids as in RoundStats)."""
         ...
 
 

@@ -3,7 +3,7 @@ with backoff (specpair.reconnect) for as long as the controller runs."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
 
@@ -51,11 +51,16 @@ class TargetLink(ReconnectingLink):
         self._stub: target_pb2_grpc.TargetServiceStub | None = None
         self._rounds: grpc.aio.UnaryStreamCall | None = None
 
-    async def apply_tier(self, steps: int, reason: str) -> target_pb2.ApplyTierResponse:
-        """ApplyTier on the connected target; raises NotConnectedError or grpc.aio.AioRpcError."""
+    async def apply_tier(
+        self, steps: int, reason: str, request_steps: Mapping[str, int] | None = None
+    ) -> target_pb2.ApplyTierResponse:
+        """ApplyTier on the connected target (with per-request tiers, where given); raises
+        NotConnectedError or grpc.aio.AioRpcError."""
         if self._stub is None:
             raise NotConnectedError(f"target {self.address} is not connected")
-        request = target_pb2.ApplyTierRequest(speculative_num_steps=steps, reason=reason)
+        request = target_pb2.ApplyTierRequest(
+            speculative_num_steps=steps, reason=reason, request_steps=dict(request_steps or {})
+        )
         return await self._stub.ApplyTier(  # type: ignore[no-any-return]
             request, metadata=self.metadata, timeout=RPC_TIMEOUT_S
         )

@@ -35,6 +35,7 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
         self.steps = steps
         self.candidates = candidates
         self.applied: list[tuple[int, str]] = []
+        self.request_steps: dict[str, int] = {}  # of the last ApplyTier
         self.round_id = 0
         self.watchers: list[asyncio.Queue[target_pb2.RoundStats]] = []
 
@@ -73,6 +74,7 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "speculative_num_steps")
         previous, self.steps = self.steps, request.speculative_num_steps
         self.applied.append((request.speculative_num_steps, request.reason))
+        self.request_steps = dict(request.request_steps)
         return target_pb2.ApplyTierResponse(
             previous_steps=previous,
             speculative_num_steps=self.steps,

@@ -99,3 +99,58 @@ async def test_policy_class_and_file_at_start_up(tmp_path: Path) -> None:
     finally:
         await running.stop(grace=0.1)
         await target.stop(grace=0.1)
+
+
+async def test_request_tiers_reach_the_target_through_apply_tier(tmp_path: Path) -> None:
+    """Loaded by path, the per-request policy parks a request whose drafts are never accepted
+    and keeps the other drafting; the controller sends the map with the batch tier."""
+    fake = FakeTarget(steps=3, candidates=(0, 1, 3, 7))
+    target = await serve_target(fake, "127.0.0.1:0")
+    policy_file = tmp_path / "policy.json"
+    policy_file.write_text(json.dumps({"candidate_steps": [0, 1, 3, 7]}))
+    config = ControllerConfig(
+        ServerConfig("127.0.0.1:0"),
+        targets=(f"127.0.0.1:{target.port}",),
+        policy_file=policy_file,
+        policy_class="controller.request_tiers:RequestTiers",
+    )
+    running = await start(config)
+    try:
+        await eventually(lambda: bool(fake.watchers) and running.controller.snapshot()[0].connected)
+        for _ in range(100):
+            if fake.request_steps.get("hard") == 0:
+                break
+            own = fake.request_steps
+            drafted = [r for r in ("easy", "hard") if own.get(r, fake.steps) > 0]
+            steps = [own.get(r, fake.steps) for r in drafted]
+            # verify 18 ms, schedule 1; per drafted request 2 ms of round trip, 1 ms a step
+            draft_ms, fixed_ms = 1.0 * sum(steps), 2.0 * len(drafted)
+            fake.round_id += 1
+            stats = target_pb2.RoundStats(
+                round_id=fake.round_id,
+                speculative_num_steps=max(steps or [0]),
+                batch_size=2,
+                accept_lengths=[
+                    s if r == "easy" else 0 for r, s in zip(drafted, steps, strict=True)
+                ],
+                request_ids=drafted,
+                request_steps=steps,
+                plain_request_ids=[r for r in ("easy", "hard") if r not in drafted],
+                speculative=bool(drafted),
+                timings=common_pb2.StageTimings(
+                    total_ms=19.0 + fixed_ms + draft_ms,
+                    verify_ms=18.0,
+                    draft_ms=draft_ms,
+                    schedule_ms=1.0,
+                ),
+                unix_time=time.time(),
+            )
+            for queue in fake.watchers:
+                queue.put_nowait(stats)
+            await asyncio.sleep(0.02)
+        assert fake.request_steps.get("hard") == 0 and fake.steps > 0
+        assert "easy" not in fake.request_steps  # it runs at the batch tier
+        assert running.controller.snapshot()[0].model.startswith("per-request tiers")
+    finally:
+        await running.stop(grace=0.1)
+        await target.stop(grace=0.1)
