@@ -132,7 +132,7 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
 
     def tokens_per_s(self, steps: int, batch_size: int | None = None) -> float | None:
         b = batch_size or self._batch
-        round_ms = self.cost.round_ms(steps, b)
+        round_ms = self.cost.round_ms(steps, b, self.acceptance.tokens_per_round)
         if round_ms is None:
             return None
         return 1e3 * b * self.acceptance.tokens_per_round(steps) / round_ms
@@ -164,7 +164,7 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
     def estimates(self) -> tuple[TierEstimate, ...]:
         out = []
         for s in self.config.candidate_steps:
-            round_ms = self.cost.round_ms(s, self._batch)
+            round_ms = self.cost.round_ms(s, self._batch, self.acceptance.tokens_per_round)
             if round_ms is None:
                 continue
             e = self.acceptance.tokens_per_round(s)

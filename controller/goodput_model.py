@@ -4,7 +4,7 @@ workload that changes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from controller.interface import RoundSample
@@ -113,6 +113,9 @@ class _Bucket:
     verify_ms: dict[int, _Ema] = field(default_factory=dict)
     draft_step_ms: _Ema = field(default_factory=_Ema)  # draft time / tier
     fixed_ms: _Ema = field(default_factory=_Ema)  # round trip − draft: wire + extend + host
+    # schedule (admission, prefill, streaming) per token the round gave: a tier that gives
+    # more tokens a round finishes, and so admits, more requests a round
+    sched_token_ms: _Ema = field(default_factory=_Ema)
 
 
 class CostModel:
@@ -125,6 +128,13 @@ class CostModel:
     T(3) = 30 ms measured with verify 18, fixed 4, step 2: T(0) = 30 − (4 + 3·2) = 20 ms and
     T(7) = 30 + 4·2 = 38 ms (verify(s) held flat until two tiers are measured, then a line).
     A bucket with nothing measured borrows the nearest one that has.
+
+    Given the tokens a request gains per round at each tier (`per_request`, the acceptance
+    model's), D(s) also carries the schedule's share: sched per token · b · E(s). Measured at
+    batch 16 on the CPU, tier 3: T = 174 ms (verify 31, draft 102 = 3 steps of 34, fixed 2.5,
+    schedule 38.5 for 16 · 2.82 tokens: 0.85 ms a token) → T(0) = 174 − 2.5 − 102 − 0.85·16·1.82
+    = 44.7 ms (27 measured; 69.5 without the schedule term, which kept tier 3 at 0.26 tokens/ms
+    against tier 0's measured 0.59).
     """
 
     def __init__(self, alpha: float, profile_ms: Iterable[tuple[int, int, float]] = ()) -> None:
@@ -147,14 +157,20 @@ class CostModel:
         if s > 0:
             b.draft_step_ms.add(draft / s, a)
             b.fixed_ms.add(fixed, a)
+        tokens = sample.batch_size + sum(sample.accept_lengths)
+        b.sched_token_ms.add(sample.schedule_ms / tokens, a)
 
     def measured_rounds(self, steps: int, batch_size: int) -> int:
         bucket = self._buckets.get(batch_bucket(batch_size))
         entry = bucket.round_ms.get(steps) if bucket else None
         return entry.n if entry else 0
 
-    def round_ms(self, steps: int, batch_size: int) -> float | None:
-        """Predicted wall time of a round at `steps` for `batch_size`; None if unknown."""
+    def round_ms(
+        self, steps: int, batch_size: int, per_request: Callable[[int], float] | None = None
+    ) -> float | None:
+        """Predicted wall time of a round at `steps` for `batch_size`; None if unknown.
+        `per_request(s)`: tokens a request gains per round at tier s (then the schedule's
+        share follows the tokens)."""
         key = self._nearest_bucket(batch_bucket(batch_size))
         if key is None:
             return None
@@ -166,7 +182,11 @@ class CostModel:
         d_steps, d_ref = self._stage_ms(b, steps), self._stage_ms(b, ref)
         if d_steps is None or d_ref is None:
             return None
-        return max(known[ref] + d_steps - d_ref, 1e-3)
+        sched = 0.0
+        if per_request is not None and b.sched_token_ms.n:
+            gained = batch_size * (per_request(steps) - per_request(ref))
+            sched = b.sched_token_ms.value * gained
+        return max(known[ref] + d_steps - d_ref + sched, 1e-3)
 
     def mixed_round_ms(self, steps: Sequence[int]) -> float | None:
         """Predicted wall time of one round whose requests run at `steps` (one per request).

@@ -27,32 +27,22 @@ from typing import Any
 
 from controller.goodput import GoodputConfig, GoodputPolicy
 from controller.goodput_model import AcceptanceModel
-from controller.interface import DecisionGate, RoundSample, TierEstimate
+from controller.interface import GatedPolicy, RoundSample, TierEstimate
 
 SWEEPS = 2
 REQUEST_PRIOR = 4.0  # pseudo-trials at the batch's pooled rate behind each request's estimate
 
 
-class RequestTiers:
+class RequestTiers(GatedPolicy[GoodputConfig]):
     def __init__(self, options: Mapping[str, Any], initial_steps: int) -> None:
-        self.config = GoodputConfig.from_mapping(options)
+        super().__init__(GoodputConfig.from_mapping(options), initial_steps)
         self.batch = GoodputPolicy(self.config, initial_steps)  # pooled acceptance + cost
-        self._gate = DecisionGate(self.config.warmup_batches, self.config.update_interval)
-        self._steps = self.batch.current_steps
         self._own: dict[str, int] = {}  # request id → its tier, where not _steps
         self._models: dict[str, AcceptanceModel] = {}
         self._at_zero: dict[str, int] = {}  # rounds each request has spent at tier 0
         self._live: tuple[str, ...] = ()
 
     # ---- SpeculationPolicy ----------------------------------------------------------------
-
-    @property
-    def candidate_steps(self) -> tuple[int, ...]:
-        return self.config.candidate_steps
-
-    @property
-    def current_steps(self) -> int:
-        return self._steps
 
     @property
     def request_steps(self) -> Mapping[str, int]:
@@ -62,22 +52,18 @@ class RequestTiers:
     def ema(self) -> float:
         return self.batch.ema
 
-    @property
-    def count(self) -> int:
-        return self._gate.count
-
     def resume(self, ema: float, count: int) -> None:
         self._gate.count = max(int(count), 0)
         self.batch.resume(ema, count)
 
     def reconfigure(self, options: Mapping[str, Any]) -> bool:
-        self.config = GoodputConfig.from_mapping(options)
-        self._gate.retune(self.config.warmup_batches, self.config.update_interval)
-        self.batch.reconfigure(self.config)
-        old = (self._steps, dict(self._own))
-        if self._steps not in self.config.candidate_steps:
-            self._steps, self._own = self.batch.current_steps, {}
-        return (self._steps, self._own) != old
+        """New keys keep what was learnt; the batch tier snaps to the new candidates and a
+        request whose tier is no longer one runs at it."""
+        config = GoodputConfig.from_mapping(options)
+        self.batch.reconfigure(config)
+        own = dict(self._own)
+        self._own = {r: s for r, s in own.items() if s in config.candidate_steps}
+        return self._swap_config(config) or self._own != own
 
     def estimates(self) -> tuple[TierEstimate, ...]:
         return self.batch.estimates()

@@ -240,3 +240,17 @@ def test_config_round_trips_through_json_shape() -> None:
     assert cfg.to_dict()["profile_ms"] == {"1": {"3": 9.0}, "16": {"0": 30.5}}
     assert GoodputConfig.from_mapping(cfg.to_dict()) == cfg
     assert cfg.replace_partial(min_gain=0.1).profile_ms == cfg.profile_ms
+
+
+def test_the_schedule_follows_the_tokens_a_tier_gives() -> None:
+    """The docstring's CPU measurement at batch 16: tier 3 rounds of 174 ms, 38.5 of them
+    admission and streaming for 45 tokens; tier 0 gives 16 tokens a round, so it schedules less."""
+    cost = CostModel(1.0)
+    accepts = (2,) * 13 + (1,) * 3  # 29 accepted drafts + 16 bonus tokens
+    sample = RoundSample(3, 16, accepts, total_ms=174.0, verify_ms=31.0, draft_ms=102.0,
+                         schedule_ms=38.5)  # fmt: skip
+    cost.observe(sample)
+    e = {0: 1.0, 3: 45 / 16}.__getitem__
+    assert cost.round_ms(0, 16) == pytest.approx(174 - 2.5 - 102)  # without acceptance
+    assert cost.round_ms(0, 16, e) == pytest.approx(69.5 - 38.5 / 45 * 16 * (45 / 16 - 1))
+    assert cost.round_ms(3, 16, e) == 174.0  # measured stays measured

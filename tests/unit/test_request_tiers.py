@@ -107,3 +107,10 @@ def test_a_mixed_round_teaches_the_uniform_costs() -> None:
     cost.observe(mixed)
     assert cost.round_ms(7, 4) == pytest.approx(40.0)
     assert cost.mixed_round_ms([7, 7, 1, 0]) == pytest.approx(mixed.total_ms)
+
+
+def test_new_candidates_drop_the_tiers_they_lack() -> None:
+    policy = RequestTiers(OPTIONS, 7)
+    policy._own = {"a": 0, "b": 1}
+    assert policy.reconfigure({"candidate_steps": [1, 3]})
+    assert policy.current_steps == 3 and policy.request_steps == {"b": 1}

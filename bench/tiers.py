@@ -1,0 +1,188 @@
+"""Tier 0 and per-request tiers against the running services (CPU).
+
+Each configuration runs in fresh service processes (a policy class is chosen at start-up), on
+the same requests, closed loop: `clients` threads each send their next request when the last
+one finished. Two workloads:
+
+- `load`: many concurrent clients (64) of held-out code, greedy. The target alone
+  (`--no-draft`) vs the full stack under the goodput kind with tier 0 among its candidates
+  (the issue's goal: no worse than the target alone), and static tier 3 beside them.
+- `mixed`: code greedy beside prose sampled at T = 1.0, alternating, so that every batch holds
+  both: one batch tier (goodput) vs per-request tiers (`controller.request_tiers`), static 3.
+
+It reports tokens/s per configuration, the share of request-rounds at each tier (from
+RoundStats: drafted requests at their own tier, the rest at 0) and writes JSON.
+
+    python -m bench.tiers [--workloads load,mixed] [--load-requests 192] [--new-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.acceptance import code_prompts, prose_prompts
+from bench.common import device_info, format_table, write_json
+from bench.services import ServiceGroup, wait_draft_connected, watch_rounds
+from specpair.client import SpecpairClient
+from specpair.config import MODELS_DIR
+from specpair.proto.v1 import target_pb2
+
+STEPS = (0, 1, 3, 7)
+CODE_PROMPTS = 24  # held-out stdlib windows this Python's stdlib gives (bench.acceptance)
+GOODPUT = {"kind": "goodput", "candidate_steps": list(STEPS)}
+PER_REQUEST = {"kind": "controller.request_tiers:RequestTiers", "candidate_steps": list(STEPS)}
+# name → (draft?, controller policy or None: the initial tier stays)
+CONFIGS: dict[str, dict[str, tuple[bool, dict[str, Any] | None]]] = {
+    "load": {"target alone": (False, None), "static 3": (True, None), "goodput": (True, GOODPUT)},
+    "mixed": {
+        "static 3": (True, None),
+        "goodput (batch tier)": (True, GOODPUT),
+        "per-request tiers": (True, PER_REQUEST),
+    },
+}
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: list[int]
+    temperature: float
+    seed: int
+
+
+@dataclass
+class RunResult:
+    name: str
+    seconds: float = 0.0
+    tokens: int = 0
+    tiers: dict[int, int] = field(default_factory=dict)  # tier → request-rounds there
+    rounds: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    def tier_share(self) -> str:
+        total = sum(self.tiers.values()) or 1
+        return " ".join(f"{s}:{100 * n / total:.0f}%" for s, n in sorted(self.tiers.items()))
+
+
+def jobs_of(workload: str, tokenizer: Any, requests: int) -> list[Job]:
+    # Held-out code windows repeat across requests (as bench.adaptive's 24): there is no
+    # prefix cache, so a repeat costs what a new prompt would.
+    code = [p.ids for p in code_prompts(tokenizer, min(requests, CODE_PROMPTS), 96, 128)]
+    code = [code[i % len(code)] for i in range(requests)]
+    if workload == "load":
+        return [Job(ids, 0.0, i) for i, ids in enumerate(code)]
+    prose = [p.ids for p in prose_prompts(tokenizer)]
+    return [
+        Job(code[i], 0.0, i) if i % 2 == 0 else Job(prose[i % len(prose)], 1.0, i)
+        for i in range(requests)
+    ]
+
+
+def run_config(
+    name: str, draft: bool, policy: dict[str, Any] | None, jobs: list[Job], args: argparse.Namespace
+) -> RunResult:
+    log_dir = args.log_dir / name.replace(" ", "_").replace("(", "").replace(")", "")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with ServiceGroup(
+        target=args.target, draft=args.draft if draft else None, draft_kind=args.draft_kind,
+        policy=policy, log_dir=log_dir, initial_steps=3,
+        candidate_steps=STEPS if draft else None,
+    ) as group:  # fmt: skip
+        client = SpecpairClient(group.target, timeout=600)
+        if draft:
+            wait_draft_connected(client)
+        for job in jobs[:4]:  # warm-up: first calls, allocator
+            client.generate(job.prompt, max_tokens=8, temperature=job.temperature, seed=job.seed)
+        rounds: list[target_pb2.RoundStats] = []
+        call = watch_rounds(group.target, rounds)
+        time.sleep(0.3)
+
+        def one(job: Job) -> int:
+            r = client.generate(
+                job.prompt, max_tokens=args.new_tokens, temperature=job.temperature, seed=job.seed
+            )
+            return len(r.token_ids)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(min(args.clients, len(jobs))) as pool:
+            tokens = sum(pool.map(one, jobs))
+        seconds = time.perf_counter() - t0
+        time.sleep(0.3)
+        call.cancel()
+    tiers: Counter[int] = Counter()
+    for r in rounds:
+        tiers.update(r.request_steps)
+        tiers[0] += r.batch_size - len(r.request_steps)
+    result = RunResult(name, seconds, tokens, dict(tiers), len(rounds))
+    print(f"  {name:22s} {result.tokens_per_s:7.1f} tok/s  {result.tier_share()}", flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--target", type=Path, default=MODELS_DIR / "target")
+    parser.add_argument("--draft", type=Path, default=MODELS_DIR / "eagle")
+    parser.add_argument("--draft-kind", choices=["model", "eagle"], default="eagle")
+    parser.add_argument("--workloads", default="load,mixed")
+    parser.add_argument("--load-requests", type=int, default=192)
+    parser.add_argument("--mixed-requests", type=int, default=96)
+    parser.add_argument("--clients", type=int, default=64, help="concurrent clients (load)")
+    parser.add_argument("--mixed-clients", type=int, default=8, help="concurrent clients (mixed)")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=Path("bench/out/tiers.json"))
+    parser.add_argument("--log-dir", type=Path, default=Path("bench/out/tiers-logs"))
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(args.target))
+    workloads = [w for w in args.workloads.split(",") if w]
+    if not workloads or set(workloads) - set(CONFIGS):
+        parser.error(f"--workloads: some of {','.join(CONFIGS)}")
+    print(f"device: {device_info()}", flush=True)
+    results: dict[str, dict[str, RunResult]] = {}
+    for workload in workloads:
+        requests = args.load_requests if workload == "load" else args.mixed_requests
+        jobs = jobs_of(workload, tokenizer, requests)
+        clients = args.clients if workload == "load" else args.mixed_clients
+        run_args = argparse.Namespace(**{**vars(args), "clients": clients})
+        print(f"{workload}: {len(jobs)} requests × {args.new_tokens} tokens, {clients} clients")
+        results[workload] = {
+            name: run_config(name, draft, policy, jobs, run_args)
+            for name, (draft, policy) in CONFIGS[workload].items()
+        }
+    write_json(args.out, {
+        "device": device_info(), "new_tokens": args.new_tokens, "draft_kind": args.draft_kind,
+        "clients": {"load": args.clients, "mixed": args.mixed_clients},
+        "requests": {"load": args.load_requests, "mixed": args.mixed_requests},
+        "policies": {"goodput": GOODPUT, "per-request": PER_REQUEST},
+        "results": {w: {n: {**r.__dict__, "tokens_per_s": r.tokens_per_s} for n, r in rs.items()}
+                    for w, rs in results.items()},
+    })  # fmt: skip
+    rows = []
+    for workload, runs in results.items():
+        base = next(iter(runs.values())).tokens_per_s
+        for name, r in runs.items():
+            ratio = f"{r.tokens_per_s / base:.3f}"
+            rows.append(
+                [
+                    f"{workload}: {name}",
+                    f"{r.tokens_per_s:.1f}",
+                    ratio,
+                    str(r.rounds),
+                    r.tier_share(),
+                ]
+            )
+    print(f"\ntokens/s, closed loop; ratio vs each workload's first row; written {args.out}\n")
+    print(format_table(["workload: config", "tokens/s", "ratio", "rounds", "tiers"], rows))
+
+
+if __name__ == "__main__":
+    main()
