@@ -39,7 +39,13 @@ GOODPUT = {"kind": "goodput", "candidate_steps": list(STEPS)}
 PER_REQUEST = {"kind": "controller.request_tiers:RequestTiers", "candidate_steps": list(STEPS)}
 # name → (draft?, controller policy or None: the initial tier stays)
 CONFIGS: dict[str, dict[str, tuple[bool, dict[str, Any] | None]]] = {
-    "load": {"target alone": (False, None), "static 3": (True, None), "goodput": (True, GOODPUT)},
+    "load": {
+        "target alone": (False, None),
+        "static 3": (True, None),
+        "goodput": (True, GOODPUT),
+        # each probe of tier 1 costs a catch-up extend of everything since the last one
+        "goodput probe-512": (True, {**GOODPUT, "probe_interval": 512}),
+    },
     "mixed": {
         "static 3": (True, None),
         "goodput (batch tier)": (True, GOODPUT),
@@ -132,6 +138,7 @@ def main() -> None:
     parser.add_argument("--draft", type=Path, default=MODELS_DIR / "eagle")
     parser.add_argument("--draft-kind", choices=["model", "eagle"], default="eagle")
     parser.add_argument("--workloads", default="load,mixed")
+    parser.add_argument("--configs", default="", help="only configs named so (comma-separated)")
     parser.add_argument("--load-requests", type=int, default=192)
     parser.add_argument("--mixed-requests", type=int, default=96)
     parser.add_argument("--clients", type=int, default=64, help="concurrent clients (load)")
@@ -154,9 +161,11 @@ def main() -> None:
         clients = args.clients if workload == "load" else args.mixed_clients
         run_args = argparse.Namespace(**{**vars(args), "clients": clients})
         print(f"{workload}: {len(jobs)} requests × {args.new_tokens} tokens, {clients} clients")
+        only = {c for c in args.configs.split(",") if c}
         results[workload] = {
             name: run_config(name, draft, policy, jobs, run_args)
             for name, (draft, policy) in CONFIGS[workload].items()
+            if not only or name in only
         }
     write_json(args.out, {
         "device": device_info(), "new_tokens": args.new_tokens, "draft_kind": args.draft_kind,
