@@ -28,7 +28,7 @@ from typing import Any
 
 from bench.acceptance import code_prompts, prose_prompts
 from bench.common import device_info, format_table, write_json
-from bench.services import ServiceGroup, wait_draft_connected, watch_rounds
+from bench.services import BenchServices, wait_draft_connected, watch_rounds
 from specpair.client import SpecpairClient
 from specpair.config import MODELS_DIR
 from specpair.proto.v1 import target_pb2
@@ -97,7 +97,7 @@ def run_config(
 ) -> RunResult:
     log_dir = args.log_dir / name.replace(" ", "_").replace("(", "").replace(")", "")
     log_dir.mkdir(parents=True, exist_ok=True)
-    with ServiceGroup(
+    with BenchServices(
         target=args.target, draft=args.draft if draft else None, draft_kind=args.draft_kind,
         policy=policy, log_dir=log_dir, initial_steps=3,
         candidate_steps=STEPS if draft else None,
