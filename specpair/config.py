@@ -144,7 +144,8 @@ class ModelServiceConfig:
     """
 
     candidate_steps: tuple[int, ...] = field(
-        default=CANDIDATE_STEPS, metadata=_help("tiers (speculative_num_steps) to build")
+        default=CANDIDATE_STEPS,
+        metadata=_help("tiers (speculative_num_steps) to build; 0: no drafts"),
     )
     max_len: int = field(
         default=1024,

@@ -9,11 +9,11 @@ previous round's verify when nobody waits for admission, so that streaming resul
 round statistics overlap the draft's work instead of delaying it. A tier command takes effect
 when the next round starts, never inside one.
 
-Tiers: the batch's tier, and optionally a tier per request (`apply_tier`'s `request_steps`).
-A round runs at the state of the largest tier among its requests; each request's chain is drafted
-to its own tier (a shorter tree in the same verify). A request at tier 0 is not sent to the draft
-(the `DraftSession` sends what it missed when its tier turns positive), and a round whose
-requests are all at tier 0 decodes without calling the draft at all.
+Tiers (`target_service/tiers.py`): the batch's, and optionally each request's. A round runs at
+the state of the largest tier among its requests; each request's chain is drafted to its own
+tier (a shorter tree in the same verify). A request at tier 0 is not sent to the draft (the
+`DraftSession` sends what it missed when its tier turns positive), and a round whose requests
+are all at tier 0 decodes without calling the draft at all.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from specpair.runtime.tree import EMPTY_TREE
 from specpair.serving import Compute
 from target_service.draft_link import DraftLink
 from target_service.round_feed import RoundFeed
+from target_service.tiers import Tiers
 
 log = get_logger(__name__)
 
@@ -95,7 +96,7 @@ class Scheduler:
     ) -> None:
         self.worker = worker
         self.states = states
-        self.tier = initial_steps
+        self.tiers = Tiers(states, initial_steps, metrics)
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.draft = draft
@@ -106,11 +107,8 @@ class Scheduler:
         self.running: list[ServedRequest] = []
         self.round_id = 0
         self.recent_accepts: collections.deque[int] = collections.deque(maxlen=256)
-        self.request_tiers: dict[str, int] = {}  # request id → its own tier, where set
-        self._pending_tier: tuple[int, str, dict[str, int]] | None = None
         self._wakeup = asyncio.Event()
         self.feed = RoundFeed(metrics)  # each round's RoundStats, for WatchRounds
-        metrics.active_tier.set(initial_steps)
 
     # ---- called from the servicer -------------------------------------------------------
 
@@ -129,15 +127,13 @@ class Scheduler:
     def apply_tier(
         self, tier: int, reason: str, request_steps: dict[str, int] | None = None
     ) -> int:
-        """Queues a tier switch for the next round, with per-request tiers that replace the
-        previous ones (ids not running are ignored); returns the batch tier active now."""
-        asked = {"speculative_num_steps": tier}
-        asked.update({f"request_steps[{r}]": s for r, s in (request_steps or {}).items()})
-        for name, steps in asked.items():
-            if steps not in self.states:
-                raise ValueError(f"{name} {steps} is not a candidate tier {sorted(self.states)}")
-        self._pending_tier = (tier, reason, dict(request_steps or {}))
-        return self.tier
+        """Queues a tier switch (and per-request tiers) for the next round; returns the batch
+        tier active now."""
+        return self.tiers.ask(tier, reason, request_steps)
+
+    @property
+    def tier(self) -> int:
+        return self.tiers.batch
 
     @property
     def avg_accept_length(self) -> float:
@@ -150,7 +146,7 @@ class Scheduler:
         flight: Flight | None = None  # a round already started: its RoundRequest is out
         while True:
             if flight is None:
-                self._switch_tier()
+                self.tiers.switch(self.round_id)
                 self._drop_cancelled()
                 if not self.running and not self.queue:
                     await self._flush_releases()
@@ -189,17 +185,6 @@ class Scheduler:
         self._wakeup.clear()
         await self._wakeup.wait()
 
-    def _switch_tier(self) -> None:
-        if self._pending_tier is None:
-            return
-        tier, reason, self.request_tiers = self._pending_tier
-        self._pending_tier = None
-        if tier != self.tier:
-            log.info("tier switch", round_id=self.round_id, frm=self.tier, to=tier, reason=reason)
-            self.tier = tier  # a reference swap to the state built at start-up
-            self.metrics.active_tier.set(tier)
-            self.metrics.tier_switches.inc()
-
     def _drop_cancelled(self, keep: Flight | None = None) -> None:
         """Cancelled requests leave, except those in `keep`'s batch: they leave after its round."""
         for req in [r for r in self.queue if r.cancelled]:
@@ -211,7 +196,7 @@ class Scheduler:
 
     def _finish(self, req: ServedRequest, outcome: str) -> None:
         self.running.remove(req)
-        self.request_tiers.pop(req.seq.request_id, None)
+        self.tiers.forget(req.seq.request_id)
         self.worker.release(req.seq)
         self.session.release(req.seq.request_id)
         self.metrics.requests.labels(outcome).inc()
@@ -255,7 +240,7 @@ class Scheduler:
     async def _start(self, batch: list[ServedRequest], admit_s: float) -> Flight:
         """Starts a round: its RoundRequest goes out (when a draft is connected)."""
         self.round_id += 1
-        steps = [self.request_tiers.get(r.seq.request_id, self.tier) for r in batch]
+        steps = self.tiers.of([r.seq.request_id for r in batch])
         state = self.states[max(steps)]
         flight = Flight(self.round_id, batch, state, time.perf_counter(), admit_s, steps)
         link = self.draft
@@ -287,7 +272,7 @@ class Scheduler:
         t2 = time.perf_counter()
         for req, res in zip(batch, results, strict=True):
             self.session.verified(req.seq, res.features)
-        self._switch_tier()
+        self.tiers.switch(self.round_id)
         ready = [r for r in batch if r.seq.finish_reason is None and not r.cancelled]
         following = await self._start(ready, 0.0) if ready and not self.queue else None
         accepts: list[int] = []

@@ -55,7 +55,7 @@ async def no_slots_left(stack: Any) -> None:
     assert [s for s in fallbacks if s.value] == []
     await eventually(lambda: stack.draft.servicer.rounds.active_requests == 0)
     assert scheduler.worker.cache.free_slots == len(scheduler.worker.cache.lengths)
-    assert not scheduler.session.views and not scheduler.request_tiers
+    assert not scheduler.session.views and not scheduler.tiers.own
 
 
 async def generate_switching(

@@ -46,3 +46,13 @@ def test_http_api_address_defaults_on_for_the_cli_and_empty_disables(
     with pytest.raises(ValueError, match="HOST:PORT"):
         config_from_args(build_parser().parse_args([*base, "--http-address", "unix:/x.sock"]))
     assert TargetConfig(ServerConfig("127.0.0.1:0"), Path("m")).http_address == ""
+
+
+def test_tier_zero_is_a_candidate_when_asked_for() -> None:
+    """The default stays [1, 3, 7]; tier 0 (target-only rounds) is built when listed."""
+    server = ServerConfig("127.0.0.1:0")
+    assert TargetConfig(server, Path("m")).candidate_steps == (1, 3, 7)
+    config = TargetConfig(server, Path("m"), candidate_steps=(0, 1, 3), initial_steps=0)
+    assert config.candidate_steps == (0, 1, 3) and config.initial_steps == 0
+    with pytest.raises(ValueError, match="candidate_steps must be sorted distinct ints >= 0"):
+        TargetConfig(server, Path("m"), candidate_steps=(-1, 3))

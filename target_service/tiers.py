@@ -1,0 +1,56 @@
+"""The target's tiers: the batch's, and each request's where the controller set its own.
+
+A command is checked when it arrives (`ask`: every tier must be a candidate, so a state was
+built for it) and lands when the next round starts (`switch`), never inside one: both are
+reference swaps to states built at start-up. A request the controller did not name runs at the
+batch tier; a finished request's entry goes (`forget`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+from specpair.logging import get_logger
+from specpair.metrics import ServiceMetrics
+
+log = get_logger(__name__)
+
+
+class Tiers:
+    def __init__(self, candidates: Collection[int], initial: int, metrics: ServiceMetrics) -> None:
+        self.candidates = sorted(candidates)
+        self.batch = initial
+        self.own: dict[str, int] = {}  # request id → its own tier, where set
+        self.metrics = metrics
+        self._pending: tuple[int, str, dict[str, int]] | None = None
+        metrics.active_tier.set(initial)
+
+    def ask(self, tier: int, reason: str, request_steps: Mapping[str, int] | None = None) -> int:
+        """Queues a switch for the next round, with per-request tiers that replace the previous
+        ones (ids not running are ignored); returns the batch tier active now."""
+        asked = {"speculative_num_steps": tier}
+        asked.update({f"request_steps[{r}]": s for r, s in (request_steps or {}).items()})
+        for name, steps in asked.items():
+            if steps not in self.candidates:
+                raise ValueError(f"{name} {steps} is not a candidate tier {self.candidates}")
+        self._pending = (tier, reason, dict(request_steps or {}))
+        return self.batch
+
+    def switch(self, round_id: int) -> None:
+        """Applies the last command asked for, if any (at a round boundary)."""
+        if self._pending is None:
+            return
+        tier, reason, self.own = self._pending
+        self._pending = None
+        if tier != self.batch:
+            log.info("tier switch", round_id=round_id, frm=self.batch, to=tier, reason=reason)
+            self.batch = tier
+            self.metrics.active_tier.set(tier)
+            self.metrics.tier_switches.inc()
+
+    def of(self, request_ids: Sequence[str]) -> list[int]:
+        """Each request's tier for the round starting now."""
+        return [self.own.get(rid, self.batch) for rid in request_ids]
+
+    def forget(self, request_id: str) -> None:
+        self.own.pop(request_id, None)
