@@ -4,9 +4,12 @@ target, it turns speculation off and shows its estimates; a policy class loads b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -77,45 +80,48 @@ async def test_goodput_turns_speculation_off_when_drafts_are_never_accepted() ->
         await target.stop(grace=0.1)
 
 
-async def test_policy_class_and_file_at_start_up(tmp_path: Path) -> None:
-    fake = FakeTarget(steps=3)
+@contextlib.asynccontextmanager
+async def class_controller(
+    fake: FakeTarget, tmp_path: Path, policy_class: str, options: dict[str, Any]
+) -> AsyncIterator[Any]:
+    """A controller started with `policy_class` and a policy file of `options`, on `fake`."""
     target = await serve_target(fake, "127.0.0.1:0")
     policy_file = tmp_path / "policy.json"
-    policy_file.write_text(json.dumps({"steps": 7}))
+    policy_file.write_text(json.dumps(options))
     config = ControllerConfig(
         ServerConfig("127.0.0.1:0"),
         targets=(f"127.0.0.1:{target.port}",),
         policy_file=policy_file,
-        policy_class="tests.unit.test_bands:FixedPolicy",
+        policy_class=policy_class,
     )
     running = await start(config)
     try:
+        yield running
+    finally:
+        await running.stop(grace=0.1)
+        await target.stop(grace=0.1)
+
+
+async def test_policy_class_and_file_at_start_up(tmp_path: Path) -> None:
+    fake = FakeTarget(steps=3)
+    async with class_controller(
+        fake, tmp_path, "tests.unit.test_bands:FixedPolicy", {"steps": 7}
+    ) as running:
         await eventually(lambda: fake.applied == [(7, "policy")])
         assert running.controller.snapshot()[0].model == "fixed at 7"
         assert running.controller.policy.to_dict() == {
             "kind": "tests.unit.test_bands:FixedPolicy",
             "steps": 7,
         }
-    finally:
-        await running.stop(grace=0.1)
-        await target.stop(grace=0.1)
 
 
 async def test_request_tiers_reach_the_target_through_apply_tier(tmp_path: Path) -> None:
     """Loaded by path, the per-request policy parks a request whose drafts are never accepted
     and keeps the other drafting; the controller sends the map with the batch tier."""
     fake = FakeTarget(steps=3, candidates=(0, 1, 3, 7))
-    target = await serve_target(fake, "127.0.0.1:0")
-    policy_file = tmp_path / "policy.json"
-    policy_file.write_text(json.dumps({"candidate_steps": [0, 1, 3, 7]}))
-    config = ControllerConfig(
-        ServerConfig("127.0.0.1:0"),
-        targets=(f"127.0.0.1:{target.port}",),
-        policy_file=policy_file,
-        policy_class="controller.request_tiers:RequestTiers",
-    )
-    running = await start(config)
-    try:
+    async with class_controller(
+        fake, tmp_path, "controller.request_tiers:RequestTiers", {"candidate_steps": [0, 1, 3, 7]}
+    ) as running:
         await eventually(lambda: bool(fake.watchers) and running.controller.snapshot()[0].connected)
         for _ in range(100):
             if fake.request_steps.get("hard") == 0:
@@ -151,6 +157,3 @@ async def test_request_tiers_reach_the_target_through_apply_tier(tmp_path: Path)
         assert fake.request_steps.get("hard") == 0 and fake.steps > 0
         assert "easy" not in fake.request_steps  # it runs at the batch tier
         assert running.controller.snapshot()[0].model.startswith("per-request tiers")
-    finally:
-        await running.stop(grace=0.1)
-        await target.stop(grace=0.1)
