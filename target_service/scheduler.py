@@ -140,13 +140,16 @@ class Scheduler:
         n = len(self.recent_accepts)
         return sum(self.recent_accepts) / n if n else 0.0
 
+    def _running_ids(self) -> set[str]:
+        return {r.seq.request_id for r in self.running}
+
     # ---- the loop -----------------------------------------------------------------------
 
     async def run(self) -> None:
         flight: Flight | None = None  # a round already started: its RoundRequest is out
         while True:
             if flight is None:
-                self.tiers.switch(self.round_id)
+                self.tiers.switch(self.round_id, self._running_ids())
                 self._drop_cancelled()
                 if not self.running and not self.queue:
                     await self._flush_releases()
@@ -272,7 +275,7 @@ class Scheduler:
         t2 = time.perf_counter()
         for req, res in zip(batch, results, strict=True):
             self.session.verified(req.seq, res.features)
-        self.tiers.switch(self.round_id)
+        self.tiers.switch(self.round_id, self._running_ids())
         ready = [r for r in batch if r.seq.finish_reason is None and not r.cancelled]
         following = await self._start(ready, 0.0) if ready and not self.queue else None
         accepts: list[int] = []

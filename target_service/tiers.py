@@ -36,11 +36,14 @@ class Tiers:
         self._pending = (tier, reason, dict(request_steps or {}))
         return self.batch
 
-    def switch(self, round_id: int) -> None:
-        """Applies the last command asked for, if any (at a round boundary)."""
+    def switch(self, round_id: int, running: Collection[str]) -> None:
+        """Applies the last command asked for, if any (at a round boundary). Its per-request
+        tiers keep only the `running` ids: a request may finish between the controller's
+        command and this round (and `forget` has already run for it)."""
         if self._pending is None:
             return
-        tier, reason, self.own = self._pending
+        tier, reason, own = self._pending
+        self.own = {rid: steps for rid, steps in own.items() if rid in running}
         self._pending = None
         if tier != self.batch:
             log.info("tier switch", round_id=round_id, frm=self.batch, to=tier, reason=reason)
