@@ -1,5 +1,6 @@
 """The draft service's side of the round: decode a RoundRequest, extend + draft at its tier,
-answer a RoundResponse.
+answer a RoundResponse; pipelined (`RoundRequest.predraft`), then pre-draft the next round's
+likeliest outcomes (`runtime/pipeline.py`) and answer them in a second RoundResponse.
 
 Request ids are namespaced per Round stream, so two targets (or a reconnecting one) never
 share draft state; a stream's requests are freed when it ends.
@@ -8,16 +9,18 @@ share draft state; a stream's requests are freed when it ends.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
-from specpair.config import DraftConfig
+from specpair.config import DraftConfig, PipelineMode
 from specpair.logging import get_logger
 from specpair.models.loading import CheckpointError, eagle_layout
 from specpair.proto.v1 import draft_pb2
 from specpair.runtime.build import build_drafter, feature_layers
 from specpair.runtime.draft import Drafter
 from specpair.runtime.kv_cache import CacheFullError
+from specpair.runtime.pipeline import Pipeline
 from specpair.runtime.round import DraftInput, RoundRequest, RoundResponse, StageTimings
 from specpair.runtime.state import SpecRuntimeState, StateBuilder, gpu_ms
 from specpair.wire import request_from_proto, response_to_proto, timings_into
@@ -58,21 +61,40 @@ class DraftRounds:
         )
         self.builder = StateBuilder(drafter=self.drafter)
         self.states: dict[int, SpecRuntimeState] = self.builder.build_all(config.candidate_steps)
+        self.pipeline = (
+            Pipeline(self.drafter, config.pipeline_width)
+            if config.pipeline is PipelineMode.ON
+            else None
+        )
+        # stream id → the keyed round whose outcomes it pre-drafts next (`predraft`)
+        self._ahead: dict[str, tuple[RoundRequest, SpecRuntimeState]] = {}
 
     @property
     def active_requests(self) -> int:
         return len(self.drafter.requests)
 
+    def release(self, key: str) -> None:
+        """Frees a request's state (`key`: namespaced), its pre-draft forks included."""
+        if self.pipeline is not None:
+            self.pipeline.release(key)
+        else:
+            self.drafter.release(key)
+
     def release_stream(self, stream_id: str) -> None:
         prefix = f"{stream_id}/"
+        self._ahead.pop(stream_id, None)
+        if self.pipeline is not None:
+            for key in [k for k in self.pipeline.drafted if k.startswith(prefix)]:
+                self.pipeline.release(key)
         for key in [k for k in self.drafter.requests if k.startswith(prefix)]:
             self.drafter.release(key)
 
     def run(self, stream_id: str, message: draft_pb2.RoundRequest) -> draft_pb2.RoundResponse:
         """One round off the wire; errors in it come back in `error`, never as an exception."""
         t0 = time.perf_counter()
+        self._ahead.pop(stream_id, None)
         for rid in message.released_request_ids:
-            self.drafter.release(f"{stream_id}/{rid}")
+            self.release(f"{stream_id}/{rid}")
         if not message.inputs:
             return draft_pb2.RoundResponse(round_id=message.round_id)
         try:
@@ -82,7 +104,7 @@ class DraftRounds:
             # decodes this round plainly and re-sends these requests' full tokens, so their
             # state here is dropped either way, and the stream and its other requests go on.
             for msg in message.inputs:
-                self.drafter.release(f"{stream_id}/{msg.request_id}")
+                self.release(f"{stream_id}/{msg.request_id}")
             if isinstance(exc, ValueError | CacheFullError):
                 log.warning("round rejected", round_id=message.round_id, error=str(exc))
             else:
@@ -100,19 +122,55 @@ class DraftRounds:
         return response
 
     def draft(self, stream_id: str, request: RoundRequest) -> RoundResponse:
-        """Extends and drafts the requests this cache can hold, at the request's tier."""
+        """Extends and drafts the requests this cache can hold, at the request's tier;
+        pipelined, first goes on from the forks of `predrafted` inputs."""
         state = self._state(request.speculative_num_steps)
         self._check(request)
-        keyed = [
-            DraftInput(f"{stream_id}/{i.request_id}", i.appended, i.sampling, i.features, i.steps)
-            for i in request.inputs
-        ]
-        drafted = self._with_room(list(zip(request.inputs, keyed, strict=True)), request.round_id)
-        trees = self.drafter.draft([key for _, key in drafted], state) if drafted else []
+        keyed = [replace(i, request_id=f"{stream_id}/{i.request_id}") for i in request.inputs]
+        pipeline = self.pipeline
+        adopted: list[str] = []
+        if pipeline is not None:
+            adopted = pipeline.begin(keyed, state)
+        elif any(i.predrafted for i in keyed):
+            raise RoundError("inputs: predrafted, but this draft does not pipeline (--pipeline)")
+        fresh = [(i, k) for i, k in zip(request.inputs, keyed, strict=True) if not k.predrafted]
+        drafted = self._with_room(fresh, request.round_id)
+        inputs = [key for _, key in drafted]
+        if not inputs:
+            trees = []
+        elif pipeline is not None and state.tier > 0:
+            trees = pipeline.draft(inputs, state)
+        else:
+            trees = self.drafter.draft(inputs, state)
+        if pipeline is not None and request.predraft:
+            self._ahead[stream_id] = (replace(request, inputs=tuple(keyed)), state)
+        prefix = len(stream_id) + 1
         return RoundResponse(
             request.round_id,
             {item.request_id: tree for (item, _), tree in zip(drafted, trees, strict=True)},
+            adopted=tuple(key[prefix:] for key in adopted),
         )
+
+    def predraft(self, stream_id: str, round_id: int) -> draft_pb2.RoundResponse:
+        """A pipelined round's second response: trees for the likeliest outcomes of the trees
+        just sent (none when this draft does not pipeline or the round failed)."""
+        ahead = self._ahead.pop(stream_id, None)
+        if ahead is None or self.pipeline is None:
+            return draft_pb2.RoundResponse(round_id=round_id)
+        request, state = ahead
+        t0 = time.perf_counter()
+        try:
+            predrafts = self.pipeline.predraft(request.inputs, state)
+        except CacheFullError as exc:  # forks found no room: only these guesses are lost
+            log.warning("pre-draft skipped", round_id=round_id, error=str(exc))
+            predrafts = {}
+        prefix = len(stream_id) + 1
+        response = response_to_proto(
+            RoundResponse(round_id, predrafts={k[prefix:]: p for k, p in predrafts.items()})
+        )
+        total = 1e3 * (time.perf_counter() - t0)
+        timings_into(response.timings, StageTimings(draft_ms=total, total_ms=total))
+        return response
 
     @property
     def plans_ahead(self) -> bool:
@@ -174,7 +232,7 @@ class DraftRounds:
                     free -= 1
                 kept.append((sent, item))
                 continue
-            self.drafter.release(item.request_id)
+            self.release(item.request_id)
             log.warning(
                 "request not drafted", round_id=round_id, request=sent.request_id, reason=reason
             )

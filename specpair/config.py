@@ -113,11 +113,28 @@ class DraftKind(StrEnum):
     EAGLE = "eagle"  # an EAGLE head over the target's features (needs the target checkpoint)
 
 
+class PipelineMode(StrEnum):
+    """Pipelined rounds (`runtime/pipeline.py`): the draft pre-drafts round n + 1 while the
+    target verifies round n."""
+
+    AUTO = "auto"  # the target: on when the draft runs on another device than the target's
+    ON = "on"
+    OFF = "off"
+
+
 def check_device(device: str) -> str:
     kind, sep, index = device.partition(":")
     if kind not in ("cpu", "cuda") or (sep and (kind != "cuda" or not index.isdigit())):
         raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
     return device
+
+
+def same_device(a: str, b: str) -> bool | None:
+    """Whether two services' devices are one ("cuda" is "cuda:0"); None when one is unknown.
+    Per-process CUDA_VISIBLE_DEVICES can make two "cuda:0" different GPUs: say --pipeline on."""
+    if not a or not b:
+        return None
+    return a.replace("cuda:0", "cuda") == b.replace("cuda:0", "cuda")
 
 
 BUSY_POLL_MS_CUDA = 20.0
@@ -217,6 +234,11 @@ class TargetConfig(ModelServiceConfig):
         metadata=_help("an EAGLE-3 draft's target layers, e.g. 1,2,4 (its config's "
                        "eagle_aux_hidden_state_layer_ids); default: the final hidden state"),
     )  # fmt: skip
+    pipeline: PipelineMode = field(
+        default=PipelineMode.AUTO,
+        metadata=_help("pipelined rounds: the draft pre-drafts the next round while this "
+                       "target verifies (auto: when the draft is on another device)"),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         self._resolve()
@@ -233,6 +255,7 @@ class TargetConfig(ModelServiceConfig):
                 raise ValueError(f"{name} must be >= 1")
         if not 0 < self.reconnect_min_s <= self.reconnect_max_s:
             raise ValueError("need 0 < reconnect_min_s <= reconnect_max_s")
+        object.__setattr__(self, "pipeline", PipelineMode(self.pipeline))
         if any(i < 0 for i in self.feature_layers):
             raise ValueError(
                 f"feature_layers must be layer indices >= 0, got {self.feature_layers}"
@@ -248,10 +271,25 @@ class DraftConfig(ModelServiceConfig):
         default=None, metadata=_help("target checkpoint (EAGLE only)", flag="--target-model")
     )
     max_requests: int = field(default=64, metadata=_help("requests drafted for at once"))
+    pipeline: PipelineMode = field(
+        default=PipelineMode.ON,
+        metadata=_help("pre-draft the next round's likeliest outcomes while the target "
+                       "verifies, for targets that ask (off: answer each round only)"),
+    )  # fmt: skip
+    pipeline_width: int = field(
+        default=16,
+        metadata=_help("pre-drafted outcomes per round, over the whole batch (each a KV fork; "
+                       "slots beyond the batch's)"),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         self._resolve()
         object.__setattr__(self, "draft_kind", DraftKind(self.draft_kind))
+        object.__setattr__(self, "pipeline", PipelineMode(self.pipeline))
+        if self.pipeline is PipelineMode.AUTO:
+            raise ValueError("pipeline: the draft takes on or off (auto is the target's)")
+        if self.pipeline_width < 1:
+            raise ValueError(f"pipeline_width must be >= 1, got {self.pipeline_width}")
         if self.draft_kind is DraftKind.EAGLE and self.target_path is None:
             raise ValueError("draft_kind 'eagle' needs the target checkpoint (--target-model)")
         if self.max_requests < 1:

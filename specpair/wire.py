@@ -19,6 +19,7 @@ from torch import Tensor
 from specpair.proto.v1 import common_pb2, draft_pb2, target_pb2
 from specpair.runtime.round import (
     DraftInput,
+    Predraft,
     RoundRequest,
     RoundResponse,
     RoundStats,
@@ -93,6 +94,7 @@ def request_to_proto(request: RoundRequest) -> draft_pb2.RoundRequest:
         round_id=request.round_id,
         speculative_num_steps=request.speculative_num_steps,
         released_request_ids=request.released_request_ids,
+        predraft=request.predraft,
     )
     for item in request.inputs:
         _draft_input_into(msg.inputs.add(), item)
@@ -106,13 +108,22 @@ def request_from_proto(msg: draft_pb2.RoundRequest) -> RoundRequest:
         msg.speculative_num_steps,
         tuple(_draft_input_from_proto(m) for m in msg.inputs),
         tuple(msg.released_request_ids),
+        msg.predraft,
     )
 
 
 def response_to_proto(response: RoundResponse) -> draft_pb2.RoundResponse:
-    msg = draft_pb2.RoundResponse(round_id=response.round_id, error=response.error)
+    msg = draft_pb2.RoundResponse(
+        round_id=response.round_id,
+        error=response.error,
+        adopted_request_ids=response.adopted,
+    )
     for request_id, tree in response.trees.items():
         _tree_into(msg.trees.add(), request_id, tree)
+    for request_id, predrafts in response.predrafts.items():
+        for p in predrafts:
+            out = msg.predrafts.add(accepted=p.accepted, bonus_token_id=p.bonus)
+            _tree_into(out.tree, request_id, p.tree)
     timings_into(msg.timings, response.timings)
     return msg
 
@@ -126,7 +137,19 @@ def response_from_proto(msg: draft_pb2.RoundResponse) -> RoundResponse:
             trees[t.request_id] = _tree_from_proto(t)
         except ValueError as exc:
             malformed[t.request_id] = str(exc)
-    return RoundResponse(msg.round_id, trees, timings_from_proto(msg.timings), msg.error, malformed)
+    predrafts: dict[str, list[Predraft]] = {}
+    for p in msg.predrafts:
+        try:  # an undecodable pre-draft is only one guess fewer
+            tree = _tree_from_proto(p.tree)
+        except ValueError:
+            continue
+        predrafts.setdefault(p.tree.request_id, []).append(
+            Predraft(p.accepted, p.bonus_token_id, tree)
+        )
+    return RoundResponse(
+        msg.round_id, trees, timings_from_proto(msg.timings), msg.error, malformed,
+        tuple(msg.adopted_request_ids), {rid: tuple(p) for rid, p in predrafts.items()},
+    )  # fmt: skip
 
 
 _TIMINGS = tuple(f.name for f in fields(StageTimings))
@@ -152,6 +175,9 @@ def stats_to_proto(stats: RoundStats) -> target_pb2.RoundStats:
         request_ids=stats.request_ids,
         request_steps=stats.request_steps,
         plain_request_ids=stats.plain_request_ids,
+        predrafted=stats.predrafted,
+        predraft_misses=stats.predraft_misses,
+        pipelined=stats.pipelined,
     )
     timings_into(msg.timings, stats.timings)
     return msg
@@ -161,6 +187,7 @@ def _draft_input_into(msg: draft_pb2.DraftInput, item: DraftInput) -> None:
     msg.request_id = item.request_id
     msg.appended_token_ids.extend(item.appended)
     msg.speculative_num_steps = item.steps
+    msg.predrafted = item.predrafted
     sampling_into(msg.sampling, item.sampling)
     if item.features is not None:
         tensor_into(msg.features, item.features)
@@ -175,8 +202,9 @@ def _draft_input_from_proto(msg: draft_pb2.DraftInput) -> DraftInput:
     except ValueError as exc:  # it names only its own field
         raise ValueError(f"inputs[{msg.request_id}].sampling.{exc}") from None
     return DraftInput(
-        msg.request_id, tuple(msg.appended_token_ids), sampling, features, msg.speculative_num_steps
-    )
+        msg.request_id, tuple(msg.appended_token_ids), sampling, features,
+        msg.speculative_num_steps, msg.predrafted,
+    )  # fmt: skip
 
 
 def _tree_into(msg: draft_pb2.CandidateTree, request_id: str, tree: CandidateTree) -> None:

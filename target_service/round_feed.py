@@ -7,6 +7,7 @@ the oldest rounds and never holds the round loop up.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 
 from specpair.metrics import ServiceMetrics
@@ -19,6 +20,13 @@ class RoundFeed:
     def __init__(self, metrics: ServiceMetrics) -> None:
         self.metrics = metrics
         self._watchers: set[asyncio.Queue[RoundStats]] = set()
+        self.pipelined = False  # the last round was
+        self.recent_hits: collections.deque[bool] = collections.deque(maxlen=256)
+
+    @property
+    def hit_rate(self) -> float:
+        """Pipelined request-rounds whose tree was pre-drafted, over the last 256."""
+        return sum(self.recent_hits) / len(self.recent_hits) if self.recent_hits else 0.0
 
     def watch(self) -> asyncio.Queue[RoundStats]:
         queue: asyncio.Queue[RoundStats] = asyncio.Queue(maxsize=QUEUE_ROUNDS)
@@ -44,6 +52,10 @@ class RoundFeed:
         request_ids: list[str] | None = None,
         request_steps: list[int] | None = None,
         plain_request_ids: list[str] | None = None,
+        predrafted: list[bool] | None = None,
+        predraft_misses: int = 0,
+        pipelined: bool = False,
+        wait_s: float = 0.0,
     ) -> None:
         """One round: `draft` is the draft service's own account, `rtt_s` the time from its
         request going out to its trees, `total_s` the round's share of the wall time."""
@@ -58,6 +70,7 @@ class RoundFeed:
             rpc_ms=max(rpc_ms, 0.0) if speculative else 0.0,
             schedule_ms=1e3 * max(total_s - rtt_s - verify_s, 0.0),
             total_ms=1e3 * total_s,
+            wait_ms=1e3 * wait_s,
         )
         for stage, ms in (("draft", timings.draft_ms), ("verify", timings.verify_ms),
                           ("rpc", timings.rpc_ms), ("schedule", timings.schedule_ms)):  # fmt: skip
@@ -65,7 +78,15 @@ class RoundFeed:
         stats = RoundStats(
             round_id, tier, batch_size, tuple(accepts), speculative, timings, time.time(),
             tuple(request_ids or ()), tuple(request_steps or ()), tuple(plain_request_ids or ()),
+            tuple(predrafted or ()), predraft_misses, pipelined,
         )  # fmt: skip
+        if pipelined:
+            hits = sum(predrafted or ())
+            self.metrics.predrafts.labels(str(tier), "hit").inc(hits)
+            self.metrics.predrafts.labels(str(tier), "miss").inc(predraft_misses)
+            self.recent_hits.extend([True] * hits + [False] * predraft_misses)
+        self.metrics.stage_latency.labels("wait").observe(wait_s)
+        self.pipelined = pipelined
         for queue in list(self._watchers):
             if queue.full():
                 queue.get_nowait()  # the oldest round goes

@@ -23,6 +23,7 @@ import collections
 import time
 from dataclasses import dataclass, field
 
+from specpair.config import PipelineMode, same_device
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.runtime.draft_session import Drafts, DraftSession
@@ -78,6 +79,10 @@ class Flight:
     steps: list[int] = field(default_factory=list)  # each request's tier, aligned with batch
     request: RoundRequest | None = None  # None: no draft stream was open, or tier 0
     epoch: int | None = None  # the draft stream the request went out on; None: it did not
+    hit_ids: frozenset[str] = frozenset()  # pipelined: requests whose tree was pre-drafted
+    misses: int = 0  # pipelined requests whose outcome had no pre-draft
+    deferred: bool = False  # all pre-drafted: the response is read after the verify
+    wait_s: float = 0.0  # the target waited for the draft's messages
 
 
 class Scheduler:
@@ -93,6 +98,7 @@ class Scheduler:
         metrics: ServiceMetrics,
         threads: int = 1,
         device: str = "cpu",
+        pipeline: PipelineMode = PipelineMode.OFF,
     ) -> None:
         self.worker = worker
         self.states = states
@@ -102,6 +108,7 @@ class Scheduler:
         self.draft = draft
         self.metrics = metrics
         self.compute = Compute("target-compute", threads, device)
+        self.device, self.pipeline = device, pipeline
         self.session = DraftSession(worker.model.args.vocab_size)
         self.queue: collections.deque[ServedRequest] = collections.deque()
         self.running: list[ServedRequest] = []
@@ -254,9 +261,10 @@ class Scheduler:
             return flight  # target-only: the draft is not called (releases wait for a round)
         seqs = [r.seq for r in batch]
         flight.request = self.session.request(
-            self.round_id, seqs, state.tier,
-            epoch=link.epoch, features=link.draft_kind == "eagle", steps=steps,
+            self.round_id, seqs, state.tier, epoch=link.epoch,
+            features=link.draft_kind == "eagle", steps=steps, predraft=self.pipelining,
         )  # fmt: skip
+        flight.hit_ids, flight.misses = frozenset(self.session.hits), self.session.misses
         flight.epoch = await link.send(flight.request)
         if flight.epoch is not None and state.verify_stage().plans_ahead:
             # While the draft service drafts: plan this round's verify graph (see prepare).
@@ -275,6 +283,7 @@ class Scheduler:
         t2 = time.perf_counter()
         for req, res in zip(batch, results, strict=True):
             self.session.verified(req.seq, res.features)
+        await self._after_verify(flight)
         self.tiers.switch(self.round_id, self._running_ids())
         ready = [r for r in batch if r.seq.finish_reason is None and not r.cancelled]
         following = await self._start(ready, 0.0) if ready and not self.queue else None
@@ -285,6 +294,10 @@ class Scheduler:
         for req, tree, res, steps in zip(batch, trees, results, flight.steps, strict=True):
             drafted = speculative and len(tree) > 0
             if drafted:
+                tree_from = "predrafted" if req.seq.request_id in flight.hit_ids else "fresh"
+                self.metrics.tree_accept_length.labels(tree_from).observe(
+                    res.acceptance.accept_length
+                )
                 accepts.append(res.acceptance.accept_length)
                 drafted_ids.append(req.seq.request_id)
                 drafted_steps.append(steps)
@@ -306,6 +319,9 @@ class Scheduler:
             rtt_s=t1 - flight.started, verify_s=t2 - t1, verify_gpu_ms=gpu_ms(self.worker),
             total_s=flight.admit_s + end - flight.started,
             request_ids=drafted_ids, request_steps=drafted_steps, plain_request_ids=plain_ids,
+            predrafted=[rid in flight.hit_ids for rid in drafted_ids],
+            predraft_misses=flight.misses, wait_s=flight.wait_s,
+            pipelined=flight.request is not None and flight.request.predraft,
         )  # fmt: skip
         return following
 
@@ -318,14 +334,44 @@ class Scheduler:
             # A round at tier 0 went without drafts by choice: no fallback to count.
             why = [] if flight.state.tier == 0 and link is not None else ["no_draft"]
             drafts = Drafts([EMPTY_TREE] * len(ids), StageTimings(), False, why, ids)
+        elif flight.epoch is not None and (hits := self.session.pending_hits(flight.request)):
+            drafts, flight.deferred = hits, True  # every tree pre-drafted: verify at once
         else:
             response = None
             if flight.epoch is not None:
+                t0 = time.perf_counter()
                 response = await link.receive(flight.round_id, flight.epoch)
+                flight.wait_s += time.perf_counter() - t0
             drafts = self.session.drafts(flight.request, response)
         for reason in drafts.fallbacks:
             self.metrics.fallback_rounds.labels(reason).inc()
         return drafts
+
+    @property
+    def pipelining(self) -> bool:
+        """Whether rounds go out pipelined: the draft pre-drafts, and `--pipeline` is on, or
+        auto with the draft on another device (sharing one, its pre-drafts would slow the
+        verify they are meant to hide behind)."""
+        link = self.draft
+        if link is None or not link.draft_pipeline or self.pipeline is PipelineMode.OFF:
+            return False
+        if self.pipeline is PipelineMode.ON:
+            return True
+        return same_device(link.draft_device, self.device) is False
+
+    async def _after_verify(self, flight: Flight) -> None:
+        """A pipelined round's answers read after its verify: the deferred response (its
+        adoptions), then the pre-drafts of the next round."""
+        link, request = self.draft, flight.request
+        if link is None or request is None or not request.predraft or flight.epoch is None:
+            return
+        t0 = time.perf_counter()
+        if flight.deferred:
+            self.session.drafts(request, await link.receive(flight.round_id, flight.epoch))
+        second = await link.receive(flight.round_id, flight.epoch)
+        flight.wait_s += time.perf_counter() - t0
+        if refused := self.session.predrafted(request, second):
+            self.metrics.fallback_rounds.labels("malformed_predraft").inc(refused)
 
     async def _flush_releases(self) -> None:
         if self.draft is not None and self.draft.connected:

@@ -101,6 +101,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             max_context_length=cfg.max_len,
             vocab_size=s.worker.model.args.vocab_size if s else 0,
             draft_incompatible_reason=link.incompatible if link else "",
+            pipeline=bool(s and link and link.connected and s.pipelining),
+            pipeline_hit_rate=s.feed.hit_rate if s else 0.0,
         )
 
     async def ApplyTier(
@@ -185,6 +187,7 @@ def _build_scheduler(
         metrics=metrics,
         threads=config.threads,
         device=config.device,
+        pipeline=config.pipeline,
     )
     return scheduler, builder
 

@@ -40,6 +40,24 @@ class DraftSlot:
     generator: torch.Generator
 
 
+@dataclass(frozen=True, slots=True)
+class Lookahead:
+    """What a drafted chain of s tokens says about the round after it. Row d (0..s) is the
+    draft's distribution at chain position d — d < s: where chain[d] was drawn, d = s: after
+    the whole chain — as its top-W tokens `ids`, their probabilities `p` ([s + 1, W], host),
+    and the hidden state that gave it (`hidden` [s + 1, H], device): an EAGLE head's own
+    prediction of the target feature there, which a pre-draft extends with."""
+
+    ids: Tensor
+    p: Tensor
+    hidden: Tensor
+
+    @staticmethod
+    def stack(rows: Sequence[tuple[Tensor, Tensor, Tensor]]) -> Lookahead:
+        ids, p, hidden = zip(*rows, strict=True)
+        return Lookahead(torch.stack(ids), torch.stack(p).float(), torch.stack(hidden))
+
+
 class Drafter(ABC):
     needs_features = False  # EAGLE: extend rows carry target features
 
@@ -89,7 +107,7 @@ class Drafter(ABC):
             hidden = self.extend(inputs, slots)
             t1 = time.perf_counter()
             samplers = [(i.sampling, e.generator) for i, e in zip(inputs, entries, strict=True)]
-            steps, probs = self.draft_steps(hidden, slots, state.tier, samplers, depths)
+            steps, probs, _ = self.draft_steps(hidden, slots, state.tier, samplers, depths)
             self.last_times = (t1 - t0, time.perf_counter() - t1)
             return [
                 chain(tokens, torch.stack(p) if p else None)
@@ -107,6 +125,46 @@ class Drafter(ABC):
         # A graph drafts every row to the tier: a shorter request's chain is cut to its depth.
         return [chain(tokens[:d]) for tokens, d in zip(drafts, depths, strict=True)]
 
+    @torch.inference_mode()
+    def draft_ahead(
+        self, inputs: Sequence[DraftInput], state: SpecRuntimeState, width: int
+    ) -> list[tuple[CandidateTree, Lookahead]]:
+        """`draft` at a positive tier, each chain with its `Lookahead` (see `draft_steps`):
+        the extend through the tier's stage where every request is greedy, the steps eagerly."""
+        depths = [item.steps or state.tier for item in inputs]
+        if state.tier == 0 or any(d > state.tier for d in depths):
+            raise ValueError(f"drafting ahead needs depths in [1, {state.tier}]")
+        entries = [self._slot(item) for item in inputs]
+        slots = [e.slot for e in entries]
+        self.last_gpu_ms = 0.0
+        t0 = time.perf_counter()
+        if all(item.sampling.greedy for item in inputs):
+            hidden = self._stages(state)[0].run(inputs, slots)[: len(inputs)]
+        else:
+            hidden = self.extend(inputs, slots)
+        t1 = time.perf_counter()
+        samplers = [(i.sampling, e.generator) for i, e in zip(inputs, entries, strict=True)]
+        steps, probs, aheads = self.draft_steps(
+            hidden, slots, state.tier, samplers, depths, width
+        )
+        self.last_times = (t1 - t0, time.perf_counter() - t1)
+        return [
+            (chain(tokens, torch.stack(p) if p else None), ahead)
+            for tokens, p, ahead in zip(steps, probs, aheads, strict=True)
+        ]
+
+    def fork(self, parent_id: str, child_id: str, length: int) -> None:
+        """`child_id` starts as `parent_id`'s first `length` positions (`KVCache.fork`) and
+        draws from the parent's generator."""
+        parent = self.requests[parent_id]
+        self.requests[child_id] = DraftSlot(self.cache.fork(parent.slot, length), parent.generator)
+
+    def adopt(self, request_id: str, fork_id: str) -> None:
+        """The request goes on from its fork `fork_id`; the slot it had is freed."""
+        fork = self.requests.pop(fork_id)
+        self.release(request_id)
+        self.requests[request_id] = fork
+
     def draft_steps(
         self,
         hidden: Tensor,
@@ -114,18 +172,25 @@ class Drafter(ABC):
         tier: int,
         samplers: Sequence[tuple[SamplingParams, torch.Generator]] | None = None,
         depths: Sequence[int] | None = None,
-    ) -> tuple[list[list[int]], list[list[Tensor]]]:
+        width: int = 0,
+    ) -> tuple[list[list[int]], list[list[Tensor]], list[Lookahead]]:
         """Up to `tier` steps after the committed lengths from hidden [B, 1, H]: per request
         its tokens (`depths[b]` of them, default `tier`) and, where it samples (`samplers`), the
         warped distributions q it drew from. A request leaves the batch at its depth:
-        depths [1, 3] run step 1 for both rows, steps 2 and 3 for the second alone."""
+        depths [1, 3] run step 1 for both rows, steps 2 and 3 for the second alone.
+
+        With `width` > 0 each request also gets its `Lookahead`: one step more (its whole
+        chain's K/V written, and the distribution after it) and the top-`width` tokens at every
+        depth, what a pre-draft of the next round needs (`runtime/pipeline.py`)."""
         starts = [self.cache.lengths[s] for s in slots]
+        extra = 1 if width else 0
         depth = list(depths) if depths is not None else [tier] * len(slots)
         steps: list[list[int]] = [[] for _ in slots]
         probs: list[list[Tensor]] = [[] for _ in slots]
+        tops: list[list[tuple[Tensor, Tensor, Tensor]]] = [[] for _ in slots]
         rows = list(range(len(slots)))  # the requests still drafting; `hidden` holds theirs
-        for k in range(tier):
-            going = [i for i, b in enumerate(rows) if depth[b] > k]
+        for k in range(tier + extra):
+            going = [i for i, b in enumerate(rows) if depth[b] + extra > k]
             if len(going) < len(rows):
                 hidden, rows = hidden[going], [rows[i] for i in going]
             if not rows:
@@ -133,17 +198,25 @@ class Drafter(ABC):
             logits = self.logits(hidden).cpu()  # [rows, V]
             tokens = logits.argmax(-1).tolist()
             for i, b in enumerate(rows):
+                q = None
                 if samplers is not None and not samplers[b][0].greedy:
                     q = warp(logits[i], samplers[b][0])
-                    tokens[i] = int(torch.multinomial(q, 1, generator=samplers[b][1]))
-                    probs[b].append(q)
-                steps[b].append(tokens[i])
-            if k + 1 < tier:
+                    if k < depth[b]:
+                        tokens[i] = int(torch.multinomial(q, 1, generator=samplers[b][1]))
+                        probs[b].append(q)
+                if k < depth[b]:
+                    steps[b].append(tokens[i])
+                if width:
+                    dist = q if q is not None else torch.softmax(logits[i], -1)
+                    top = dist.topk(min(width, dist.shape[-1]))
+                    tops[b].append((top.indices, top.values, hidden[i, -1]))
+            if any(k + 1 < depth[b] + extra for b in rows):
                 layout = BatchLayout.causal(
                     [slots[b] for b in rows], [starts[b] + k for b in rows], [1] * len(rows)
                 )
                 hidden = self._step(torch.tensor(tokens)[:, None], hidden, layout)
-        return steps, probs
+        aheads = [Lookahead.stack(t) for t in tops] if width else []
+        return steps, probs, aheads
 
     @torch.inference_mode()
     def prepare(self, request_ids: Sequence[str], state: SpecRuntimeState) -> None:

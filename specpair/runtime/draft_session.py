@@ -134,6 +134,11 @@ class DraftSession:
         self.max_tree_nodes = max_tree_nodes
         self.views: dict[str, DraftView] = {}
         self._released: list[str] = []
+        # Pipelined: request id → (accepted, bonus) → (tree, its depth), the checked pre-drafts
+        # of the round just verified; the next `request` takes the one its outcome matches.
+        self._ahead: dict[str, dict[tuple[int, int], tuple[CandidateTree, int]]] = {}
+        self.hits: dict[str, CandidateTree] = {}  # the round just requested: pre-drafted trees
+        self.misses = 0  # the round just requested: pipelined requests without a pre-draft
 
     def add(self, seq: TargetSequence, features: Tensor | None) -> None:
         """A prefilled request; `features`: its prompt's hidden states [P, H] (EAGLE) or None."""
@@ -166,6 +171,7 @@ class DraftSession:
         epoch: int = 0,
         features: bool = False,
         steps: Sequence[int] | None = None,
+        predraft: bool = False,
     ) -> RoundRequest:
         """The next round for `seqs` on the draft stream `epoch`: per request the tokens the
         draft has not seen (and, with `features`, the hidden states that predicted them).
@@ -178,6 +184,7 @@ class DraftSession:
         feature rows from position 3 (those of 8, 9, 4, which predicted 9, 4, 2).
         """
         inputs = []
+        ahead, self._ahead, self.hits, self.misses = self._ahead, {}, {}, 0
         for i, seq in enumerate(seqs):
             own = tier if steps is None else steps[i]
             if own == 0:
@@ -191,11 +198,22 @@ class DraftSession:
             else:
                 appended = (*seq.prompt[seen:], *seq.output)
             rows = view.features.since(seen - 1) if features else None
+            hit = None
+            if seq.request_id in ahead:
+                # The outcome of the round just verified: k drafts accepted, then the bonus.
+                hit = ahead[seq.request_id].get((len(appended) - 1, appended[-1]))
+                if hit is None or hit[1] != own:
+                    self.misses += 1
+                    hit = None
+                else:
+                    self.hits[seq.request_id] = hit[0]
             own = 0 if own == tier else own  # 0 on the wire: the round's tier
-            inputs.append(DraftInput(seq.request_id, appended, seq.sampling, rows, own))
+            inputs.append(
+                DraftInput(seq.request_id, appended, seq.sampling, rows, own, hit is not None)
+            )
         released = tuple(self._released)
         self._released.clear()
-        return RoundRequest(round_id, tier, tuple(inputs), released)
+        return RoundRequest(round_id, tier, tuple(inputs), released, predraft and bool(inputs))
 
     def releases(self, round_id: int) -> RoundRequest | None:
         """A request that only frees state (when no round follows), or None: nothing to free."""
@@ -223,9 +241,16 @@ class DraftSession:
             tree = response.trees.get(item.request_id)
             why = response.malformed.get(item.request_id)
             view = self.views.get(item.request_id)
-            if view is not None:  # no tree: the draft could not hold it and kept nothing
+            if item.predrafted:  # verified from the pre-draft; the draft went on from it
+                kept = item.request_id in response.adopted
+                tree, why = self.hits.get(item.request_id), None
+            else:  # no tree: the draft could not hold it and kept nothing
                 kept = tree is not None or why is not None
+            if view is not None:
                 view.seen = view.seen + len(item.appended) if kept else 0
+            if item.predrafted:
+                trees.append(EMPTY_TREE if tree is None else tree)
+                continue
             if tree is not None and not self.in_process:
                 why = self._fault(tree, item, item.steps or request.speculative_num_steps)
             if why is not None:
@@ -234,6 +259,40 @@ class DraftSession:
                 tree = None
             trees.append(EMPTY_TREE if tree is None else tree)
         return Drafts(trees, response.timings, True, fallbacks, ids)
+
+    def pending_hits(self, request: RoundRequest) -> Drafts | None:
+        """The round's trees when every input was pre-drafted (its verify need not wait for the
+        response, whose adoptions `drafts` reads after), else None."""
+        if not request.inputs or not all(item.predrafted for item in request.inputs):
+            return None
+        ids = tuple(item.request_id for item in request.inputs)
+        return Drafts([self.hits[i] for i in ids], StageTimings(), True, [], ids)
+
+    def predrafted(self, request: RoundRequest, response: RoundResponse | None) -> int:
+        """Keeps the pre-drafts that `response` (a pipelined round's second answer) brings for
+        `request`'s outcomes, checked as any tree; returns how many were refused."""
+        self._ahead = {}
+        refused = 0
+        if response is None:
+            return 0
+        depths = {i.request_id: i.steps or request.speculative_num_steps for i in request.inputs}
+        for request_id, predrafts in response.predrafts.items():
+            depth = depths.get(request_id)
+            if depth is None or request_id not in self.views:
+                continue  # not asked for, or it left
+            item = next(i for i in request.inputs if i.request_id == request_id)
+            kept = self._ahead.setdefault(request_id, {})
+            for p in predrafts[: self.max_tree_nodes]:
+                why = self._fault(p.tree, item, depth)
+                known = 0 <= p.accepted <= depth and 0 <= p.bonus < self.vocab_size
+                if why is None and not known:
+                    why = f"outcome ({p.accepted}, {p.bonus}) outside [0, {depth}] x vocabulary"
+                if why is not None:
+                    log.warning("malformed pre-draft", request_id=request_id, error=why)
+                    refused += 1
+                    continue
+                kept[(p.accepted, p.bonus)] = (p.tree, depth)
+        return refused
 
     def _fault(self, tree: CandidateTree, item: DraftInput, tier: int) -> str | None:
         """Why `tree` cannot be verified for `item` at `tier`, or None when it can."""

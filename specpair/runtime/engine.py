@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from specpair.runtime.draft import Drafter
 from specpair.runtime.draft_session import DraftSession
+from specpair.runtime.pipeline import Pipeline
 from specpair.runtime.round import RoundResponse
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.state import SpecRuntimeState, gpu_ms
@@ -44,19 +45,34 @@ def draft_in_process(
     seqs: Sequence[TargetSequence],
     state: SpecRuntimeState,
     steps: Sequence[int] | None = None,
+    pipeline: Pipeline | None = None,
 ) -> list[CandidateTree]:
     """One round's draft side without a service: the RoundRequest the draft service would get
     (releases first), extended and drafted here; the trees align with `seqs` (`steps`: each
-    one's tier, at most the state's; 0: not drafted)."""
+    one's tier, at most the state's; 0: not drafted). With a `pipeline` the round is
+    pipelined as over the wire, its pre-drafts made here before the verify (in one process
+    nothing overlaps: this is the protocol's reference, not a speed-up)."""
     request = session.request(
-        round_id, seqs, state.tier, features=drafter.needs_features, steps=steps
-    )
+        round_id, seqs, state.tier, features=drafter.needs_features, steps=steps,
+        predraft=pipeline is not None,
+    )  # fmt: skip
     for request_id in request.released_request_ids:
-        drafter.release(request_id)
-    trees = drafter.draft(request.inputs, state) if request.inputs else []
-    ids = [item.request_id for item in request.inputs]
-    response = RoundResponse(round_id, dict(zip(ids, trees, strict=True)))
-    return session.drafts(request, response).aligned([s.request_id for s in seqs])
+        (pipeline or drafter).release(request_id)
+    adopted = pipeline.begin(request.inputs, state) if pipeline is not None else []
+    fresh = [item for item in request.inputs if not item.predrafted]
+    if not fresh:
+        trees = []
+    elif pipeline is not None and state.tier > 0:
+        trees = pipeline.draft(fresh, state)
+    else:
+        trees = drafter.draft(fresh, state)
+    ids = [item.request_id for item in fresh]
+    response = RoundResponse(round_id, dict(zip(ids, trees, strict=True)), adopted=tuple(adopted))
+    drafts = session.drafts(request, response).aligned([s.request_id for s in seqs])
+    if request.predraft and pipeline is not None:
+        ahead = RoundResponse(round_id, predrafts=pipeline.predraft(request.inputs, state))
+        session.predrafted(request, ahead)
+    return drafts
 
 
 @dataclass
@@ -70,9 +86,15 @@ class GenerationResult:
 class SpeculativeEngine:
     """Runs a batch of requests to completion at a fixed tier (no drafter: plain decoding)."""
 
-    def __init__(self, target: TargetWorker, drafter: Drafter | None) -> None:
+    def __init__(
+        self, target: TargetWorker, drafter: Drafter | None, *, pipeline_width: int = 0
+    ) -> None:
+        """`pipeline_width` > 0: rounds run pipelined (see `draft_in_process`)."""
         self.target = target
         self.drafter = drafter
+        self.pipeline = (
+            Pipeline(drafter, pipeline_width) if drafter is not None and pipeline_width else None
+        )
         self.times = StageTimes()
 
     def generate(
@@ -108,7 +130,9 @@ class SpeculativeEngine:
                 # The plans a service makes while its peer computes (`prepare`), made in line.
                 self.drafter.prepare([s.request_id for s in running], state)
                 steps = [own.get(s.request_id, state.tier) for s in running]
-                trees = draft_in_process(self.drafter, session, round_id, running, state, steps)
+                trees = draft_in_process(
+                    self.drafter, session, round_id, running, state, steps, self.pipeline
+                )
             else:
                 trees = [EMPTY_TREE] * len(running)
             t1 = time.perf_counter()
@@ -136,7 +160,7 @@ class SpeculativeEngine:
         for seq in seqs:
             self.target.release(seq)
             if self.drafter is not None:
-                self.drafter.release(seq.request_id)
+                (self.pipeline or self.drafter).release(seq.request_id)
         return [
             GenerationResult(
                 s.request_id, s.output, s.finish_reason or "length", accept_lengths[s.request_id]

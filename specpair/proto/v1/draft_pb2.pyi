@@ -31,10 +31,16 @@ class DraftInput(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     FEATURES_FIELD_NUMBER: _builtins.int
     SPECULATIVE_NUM_STEPS_FIELD_NUMBER: _builtins.int
+    PREDRAFTED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     speculative_num_steps: _builtins.int
     """How many tokens to draft for this request; 0: the round's speculative_num_steps. Never
     more than the round's (its state), which is the largest of its requests'.
+    """
+    predrafted: _builtins.bool
+    """Pipelined: the target verifies the draft's pre-draft for this outcome (appended = the
+    accepted drafts + bonus it was made for). The draft goes on from that fork, drafts nothing
+    for this input, and lists it in RoundResponse.adopted (not listed: its state is dropped).
     """
     @_builtins.property
     def appended_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -56,10 +62,11 @@ class DraftInput(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         features: _common_pb2.Tensor | None = ...,
         speculative_num_steps: _builtins.int = ...,
+        predrafted: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["features", b"features", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["appended_token_ids", b"appended_token_ids", "features", b"features", "request_id", b"request_id", "sampling", b"sampling", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["appended_token_ids", b"appended_token_ids", "features", b"features", "predrafted", b"predrafted", "request_id", b"request_id", "sampling", b"sampling", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -77,10 +84,15 @@ class RoundRequest(_message.Message):
     SPECULATIVE_NUM_STEPS_FIELD_NUMBER: _builtins.int
     INPUTS_FIELD_NUMBER: _builtins.int
     RELEASED_REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    PREDRAFT_FIELD_NUMBER: _builtins.int
     round_id: _builtins.int
     speculative_num_steps: _builtins.int
     """The tier for this round; the draft switches to its pre-built state before drafting. With
     per-request tiers, the largest of its inputs' (a request at tier 0 is not sent at all).
+    """
+    predraft: _builtins.bool
+    """Pipelined: a request with inputs and predraft set gets two responses. The first carries
+    the trees; the second, sent while the target verifies, carries `predrafts` (possibly none).
     """
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___DraftInput]: ...
@@ -95,10 +107,11 @@ class RoundRequest(_message.Message):
         speculative_num_steps: _builtins.int = ...,
         inputs: _abc.Iterable[Global___DraftInput] | None = ...,
         released_request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        predraft: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "released_request_ids", b"released_request_ids", "round_id", b"round_id", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "predraft", b"predraft", "released_request_ids", b"released_request_ids", "round_id", b"round_id", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -151,6 +164,8 @@ class RoundResponse(_message.Message):
     TREES_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    ADOPTED_REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    PREDRAFTS_FIELD_NUMBER: _builtins.int
     round_id: _builtins.int
     error: _builtins.str
     """Set when the round could not be drafted (e.g. an unknown tier); the target decodes plainly."""
@@ -158,6 +173,14 @@ class RoundResponse(_message.Message):
     def trees(self) -> _containers.RepeatedCompositeFieldContainer[Global___CandidateTree]: ...
     @_builtins.property
     def timings(self) -> _common_pb2.StageTimings: ...
+    @_builtins.property
+    def adopted_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Request ids of predrafted inputs whose pre-draft fork the draft went on from."""
+
+    @_builtins.property
+    def predrafts(self) -> _containers.RepeatedCompositeFieldContainer[Global___Predraft]:
+        """The second response of a pipelined round: trees for the likeliest outcomes of its trees."""
+
     def __init__(
         self,
         *,
@@ -165,14 +188,46 @@ class RoundResponse(_message.Message):
         trees: _abc.Iterable[Global___CandidateTree] | None = ...,
         timings: _common_pb2.StageTimings | None = ...,
         error: _builtins.str = ...,
+        adopted_request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        predrafts: _abc.Iterable[Global___Predraft] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "round_id", b"round_id", "timings", b"timings", "trees", b"trees"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adopted_request_ids", b"adopted_request_ids", "error", b"error", "predrafts", b"predrafts", "round_id", b"round_id", "timings", b"timings", "trees", b"trees"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RoundResponse: _TypeAlias = RoundResponse  # noqa: Y015
+
+@_typing.final
+class Predraft(_message.Message):
+    """A tree drafted ahead for one outcome of a round being verified: its first `accepted` drafts
+    kept, then the target's `bonus_token_id`. `tree.request_id` names the request.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCEPTED_FIELD_NUMBER: _builtins.int
+    BONUS_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    TREE_FIELD_NUMBER: _builtins.int
+    accepted: _builtins.int
+    bonus_token_id: _builtins.int
+    @_builtins.property
+    def tree(self) -> Global___CandidateTree: ...
+    def __init__(
+        self,
+        *,
+        accepted: _builtins.int = ...,
+        bonus_token_id: _builtins.int = ...,
+        tree: Global___CandidateTree | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["tree", b"tree"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "bonus_token_id", b"bonus_token_id", "tree", b"tree"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Predraft: _TypeAlias = Predraft  # noqa: Y015
 
 @_typing.final
 class DraftServiceGetServerInfoRequest(_message.Message):
@@ -203,6 +258,7 @@ class DraftServiceGetServerInfoResponse(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _builtins.int
     FEATURE_LAYERS_FIELD_NUMBER: _builtins.int
+    PIPELINE_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     draft_kind: _builtins.str
     active_streams: _builtins.int
@@ -215,6 +271,8 @@ class DraftServiceGetServerInfoResponse(_message.Message):
     that disagrees with it on either.
     """
     tokenizer_fingerprint: _builtins.str
+    pipeline: _builtins.bool
+    """Whether this draft pre-drafts the next round while the target verifies (--pipeline)."""
     @_builtins.property
     def candidate_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -237,10 +295,11 @@ class DraftServiceGetServerInfoResponse(_message.Message):
         vocab_size: _builtins.int = ...,
         tokenizer_fingerprint: _builtins.str = ...,
         feature_layers: _abc.Iterable[_builtins.int] | None = ...,
+        pipeline: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "active_streams", b"active_streams", "candidate_steps", b"candidate_steps", "device", b"device", "draft_kind", b"draft_kind", "feature_layers", b"feature_layers", "model_path", b"model_path", "runtime_state_builds", b"runtime_state_builds", "tokenizer_fingerprint", b"tokenizer_fingerprint", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "active_streams", b"active_streams", "candidate_steps", b"candidate_steps", "device", b"device", "draft_kind", b"draft_kind", "feature_layers", b"feature_layers", "model_path", b"model_path", "pipeline", b"pipeline", "runtime_state_builds", b"runtime_state_builds", "tokenizer_fingerprint", b"tokenizer_fingerprint", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,190 @@
+"""The draft's side of pipelined rounds: draft round n + 1 while the target verifies round n.
+
+After answering round n with a chain of s tokens per request, the draft knows the outcomes the
+target's verify can have: k of the s drafts accepted (0…s), then a bonus token. For the likeliest
+outcomes under its own distributions (`likely_outcomes`) it forks the request's KV slot at the
+accepted length (`KVCache.fork`: shared pages, nothing recomputed), extends the fork with the
+guessed bonus and drafts the next chain there — every outcome of every request in one batch —
+and sends those trees (`Predraft`) while the target verifies. The target looks its actual
+outcome up: on a hit the next round's verify starts at once, and the next RoundRequest marks the
+input `predrafted`; the draft then goes on from that fork (`adopt`) and frees the others. On a
+miss the round runs as an unpipelined one and the forks are freed.
+
+An EAGLE fork extends with the head's own predicted feature where the target's is not known
+yet; on adoption the accepted rows are extended again with the target's true features, so only
+the pre-drafted chain itself was drafted from predictions. Verification is unchanged, so output
+is the same whatever is pre-drafted: a pre-draft only decides how soon a tree is there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from specpair.logging import get_logger
+from specpair.runtime.draft import Drafter, Lookahead
+from specpair.runtime.round import DraftInput, Predraft
+from specpair.runtime.state import SpecRuntimeState
+from specpair.runtime.tree import CandidateTree
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    accepted: int  # k drafts accepted, then
+    bonus: int  # this token from the target
+    p: float  # its probability under the draft's own distributions
+
+
+def likely_outcomes(chain: Sequence[int], ahead: Lookahead, n: int) -> list[Outcome]:
+    """The `n` likeliest outcomes of verifying `chain`, taking the draft's probability of each
+    of its tokens for the chance that the target accepts it.
+
+    Worked example: chain [7, 9], the draft gave 7 p 0.6 (else 4: 0.3), 9 p 0.9 (else 2: 0.1),
+    and after the chain 5: 0.8. P(k = 0, bonus 4) = 0.4 × 0.3 / 0.4 = 0.3;
+    P(k = 1, bonus 2) = 0.6 × 0.1 = 0.06; P(k = 2, bonus 5) = 0.6 × 0.9 × 0.8 = 0.432.
+    So n = 2 gives (2, 5) and (0, 4).
+    """
+    s = len(chain)
+    out: list[Outcome] = []
+    reach = 1.0  # P(the first k drafts are accepted)
+    for k in range(s + 1):
+        ids, ps = ahead.ids[k].tolist(), ahead.p[k].tolist()
+        if k == s:
+            out += [Outcome(s, b, reach * p) for b, p in zip(ids, ps, strict=True)]
+            break
+        own = dict(zip(ids, ps, strict=True)).get(chain[k], 0.0)
+        # Rejected here (1 - own), then bonus b with p / (1 - own): reach × p.
+        out += [
+            Outcome(k, b, reach * p)
+            for b, p in zip(ids, ps, strict=True)
+            if b != chain[k]
+        ]
+        reach *= own
+    out.sort(key=lambda o: -o.p)
+    return out[:n]
+
+
+@dataclass(slots=True)
+class Fork:
+    key: str  # the drafter's request id of the forked slot
+    tree: CandidateTree
+    ahead: Lookahead
+    base: int  # committed length in the fork after the bonus: where its chain starts
+
+
+@dataclass(slots=True)
+class Drafted:
+    """A request's last chain (sent, or pre-drafted and adopted) and its forks."""
+
+    chain: tuple[int, ...]
+    ahead: Lookahead
+    base: int  # the request's committed length before the chain
+    forks: dict[tuple[int, ...], Fork] = field(default_factory=dict)  # appended → fork
+
+
+class Pipeline:
+    """Lookaheads and forks of a drafter's requests. `width`: forks per round for the whole
+    batch (the draft's batch is nearly free up to a width); each request gets an equal share,
+    at least one, within the free slots."""
+
+    def __init__(self, drafter: Drafter, width: int, top: int = 4) -> None:
+        self.drafter, self.width, self.top = drafter, width, top
+        self.drafted: dict[str, Drafted] = {}
+        self.hits = self.misses = 0  # adoptions the draft could and could not serve
+
+    def release(self, request_id: str) -> None:
+        self._drop_forks(request_id)
+        self.drafted.pop(request_id, None)
+        self.drafter.release(request_id)
+
+    def _drop_forks(self, request_id: str, keep: str = "") -> None:
+        entry = self.drafted.get(request_id)
+        if entry is not None:
+            for fork in entry.forks.values():
+                if fork.key != keep:
+                    self.drafter.release(fork.key)
+            entry.forks = {}
+
+    def adopt(self, item: DraftInput, state: SpecRuntimeState) -> bool:
+        """Goes on from the fork the target verifies (`item.predrafted`); False when there is
+        none (the request's state is dropped: the target re-sends its history later)."""
+        entry = self.drafted.get(item.request_id)
+        fork = entry.forks.get(item.appended) if entry is not None else None
+        if entry is None or fork is None:
+            self.misses += 1
+            self.release(item.request_id)
+            return False
+        self._drop_forks(item.request_id, keep=fork.key)
+        self.drafter.adopt(item.request_id, fork.key)
+        if self.drafter.needs_features:
+            # Again with the target's features: the fork extended its bonus with a guess.
+            slot = self.drafter.requests[item.request_id].slot
+            self.drafter.cache.truncate(slot, entry.base)
+            self.drafter.extend([item], [slot])
+            assert self.drafter.cache.lengths[slot] == fork.base
+        self.drafted[item.request_id] = Drafted(fork.tree.tokens, fork.ahead, fork.base)
+        self.hits += 1
+        return True
+
+    def begin(self, inputs: Sequence[DraftInput], state: SpecRuntimeState) -> list[str]:
+        """A round's first step, before anything is drafted or a slot counted: adopts the forks
+        of `predrafted` inputs and frees every other fork of the round's requests. Returns the
+        ids adopted."""
+        adopted = []
+        for item in inputs:
+            if item.predrafted:
+                if self.adopt(item, state):
+                    adopted.append(item.request_id)
+            else:
+                self._drop_forks(item.request_id)
+        return adopted
+
+    def draft(self, inputs: Sequence[DraftInput], state: SpecRuntimeState) -> list[CandidateTree]:
+        """Fresh chains (an unpipelined round's draft), each remembered with its lookahead."""
+        drafted = self.drafter.draft_ahead(inputs, state, self.top)
+        for item, (tree, ahead) in zip(inputs, drafted, strict=True):
+            slot = self.drafter.requests[item.request_id].slot
+            base = self.drafter.cache.lengths[slot]
+            self.drafted[item.request_id] = Drafted(tree.tokens, ahead, base)
+        return [tree for tree, _ in drafted]
+
+    def predraft(
+        self, inputs: Sequence[DraftInput], state: SpecRuntimeState
+    ) -> dict[str, tuple[Predraft, ...]]:
+        """Trees for the likeliest outcomes of the chains just sent for `inputs` (request ids as
+        given), drafted in one batch of forks."""
+        entries = [(i, self.drafted[i.request_id]) for i in inputs if i.request_id in self.drafted]
+        if not entries or state.tier == 0:
+            return {}
+        cache = self.drafter.cache
+        share = max(1, min(self.width, cache.free_slots) // len(entries))
+        forks: list[tuple[str, tuple[int, ...], Outcome]] = []
+        fork_inputs: list[DraftInput] = []
+        for item, entry in entries:
+            depth = item.steps or state.tier
+            if len(entry.chain) != depth:
+                continue  # a chain cut short (the cache's end): nothing to go on from
+            for o in likely_outcomes(entry.chain, entry.ahead, share):
+                if cache.free_slots == 0 or entry.base + o.accepted + 2 * depth + 2 > cache.max_len:
+                    break
+                key = f"{item.request_id}>{o.accepted}:{o.bonus}"
+                self.drafter.fork(item.request_id, key, entry.base + o.accepted)
+                appended = (*entry.chain[: o.accepted], o.bonus)
+                feature = entry.ahead.hidden[o.accepted : o.accepted + 1]
+                fork_inputs.append(
+                    replace(item, request_id=key, appended=(o.bonus,), features=feature)
+                )
+                forks.append((item.request_id, appended, o))
+        if not fork_inputs:
+            return {}
+        drafted = self.drafter.draft_ahead(fork_inputs, state, self.top)
+        out: dict[str, list[Predraft]] = {}
+        for (rid, appended, o), fork_input, (tree, ahead) in zip(
+            forks, fork_inputs, drafted, strict=True
+        ):
+            base = cache.lengths[self.drafter.requests[fork_input.request_id].slot]
+            self.drafted[rid].forks[appended] = Fork(fork_input.request_id, tree, ahead, base)
+            out.setdefault(rid, []).append(Predraft(o.accepted, o.bonus, tree))
+        return {rid: tuple(p) for rid, p in out.items()}
