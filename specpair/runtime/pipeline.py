@@ -37,14 +37,43 @@ class Outcome:
     p: float  # its probability under the draft's own distributions
 
 
-def likely_outcomes(chain: Sequence[int], ahead: Lookahead, n: int) -> list[Outcome]:
-    """The `n` likeliest outcomes of verifying `chain`, taking the draft's probability of each
-    of its tokens for the chance that the target accepts it.
+class AcceptRates:
+    """How often the target accepts the draft's token at each depth, given it accepted the ones
+    before: counted from the outcomes the target reports (the next round's appended tokens),
+    with one accept and one reject as a prior. Greedy acceptance is argmax agreement, which
+    the draft's own probability does not tell: a flat draft distribution of a token the target
+    agrees with is still accepted every time."""
 
-    Worked example: chain [7, 9], the draft gave 7 p 0.6 (else 4: 0.3), 9 p 0.9 (else 2: 0.1),
-    and after the chain 5: 0.8. P(k = 0, bonus 4) = 0.4 × 0.3 / 0.4 = 0.3;
-    P(k = 1, bonus 2) = 0.6 × 0.1 = 0.06; P(k = 2, bonus 5) = 0.6 × 0.9 × 0.8 = 0.432.
-    So n = 2 gives (2, 5) and (0, 4).
+    def __init__(self) -> None:
+        self.accepted: list[int] = []
+        self.reached: list[int] = []
+
+    def observe(self, depth: int, accepted: int) -> None:
+        """A chain of `depth` drafts of which the first `accepted` were kept."""
+        while len(self.reached) < depth:
+            self.accepted.append(0)
+            self.reached.append(0)
+        for j in range(min(accepted + 1, depth)):
+            self.reached[j] += 1
+            self.accepted[j] += j < accepted
+
+    def rate(self, j: int) -> float:
+        if j >= len(self.reached):
+            return 0.5
+        return (self.accepted[j] + 1) / (self.reached[j] + 2)
+
+
+def likely_outcomes(
+    chain: Sequence[int], ahead: Lookahead, n: int, rates: AcceptRates | None = None
+) -> list[Outcome]:
+    """The `n` likeliest outcomes of verifying `chain`: the chance the target accepts the
+    draft at depth j is `rates.rate(j)` (default: the draft's own probability of its token);
+    where it rejects, the bonus is one of the draft's other tokens there, in its proportions.
+
+    Worked example, with the draft's own probabilities: chain [7, 9], the draft gave 7 p 0.6
+    (else 4: 0.3), 9 p 0.9 (else 2: 0.1), and after the chain 5: 0.8. P(k = 0, bonus 4) =
+    0.4 × 0.3 / 0.4 = 0.3; P(k = 1, bonus 2) = 0.6 × 0.1 × 0.1 / 0.1 = 0.06;
+    P(k = 2, bonus 5) = 0.6 × 0.9 × 0.8 = 0.432. So n = 2 gives (2, 5) and (0, 4).
     """
     s = len(chain)
     out: list[Outcome] = []
@@ -55,13 +84,14 @@ def likely_outcomes(chain: Sequence[int], ahead: Lookahead, n: int) -> list[Outc
             out += [Outcome(s, b, reach * p) for b, p in zip(ids, ps, strict=True)]
             break
         own = dict(zip(ids, ps, strict=True)).get(chain[k], 0.0)
-        # Rejected here (1 - own), then bonus b with p / (1 - own): reach × p.
+        accept = rates.rate(k) if rates is not None else own
+        rest = max(1.0 - own, 1e-9)  # the draft's mass on the other tokens
         out += [
-            Outcome(k, b, reach * p)
+            Outcome(k, b, reach * (1.0 - accept) * p / rest)
             for b, p in zip(ids, ps, strict=True)
             if b != chain[k]
         ]
-        reach *= own
+        reach *= accept
     out.sort(key=lambda o: -o.p)
     return out[:n]
 
@@ -86,12 +116,13 @@ class Drafted:
 
 class Pipeline:
     """Lookaheads and forks of a drafter's requests. `width`: forks per round for the whole
-    batch (the draft's batch is nearly free up to a width); each request gets an equal share,
-    at least one, within the free slots."""
+    batch, within the free slots (the draft's batch is nearly free up to a width); each
+    request gets an equal share, at least one while the width lasts."""
 
     def __init__(self, drafter: Drafter, width: int, top: int = 4) -> None:
         self.drafter, self.width, self.top = drafter, width, top
         self.drafted: dict[str, Drafted] = {}
+        self.rates = AcceptRates()
         self.hits = self.misses = 0  # adoptions the draft could and could not serve
 
     def release(self, request_id: str) -> None:
@@ -134,6 +165,9 @@ class Pipeline:
         ids adopted."""
         adopted = []
         for item in inputs:
+            entry = self.drafted.get(item.request_id)
+            if entry is not None and entry.chain and len(item.appended) <= len(entry.chain) + 1:
+                self.rates.observe(len(entry.chain), len(item.appended) - 1)
             if item.predrafted:
                 if self.adopt(item, state):
                     adopted.append(item.request_id)
@@ -159,15 +193,16 @@ class Pipeline:
         if not entries or state.tier == 0:
             return {}
         cache = self.drafter.cache
-        share = max(1, min(self.width, cache.free_slots) // len(entries))
+        budget = min(self.width, cache.free_slots)
+        share = max(1, budget // len(entries))
         forks: list[tuple[str, tuple[int, ...], Outcome]] = []
         fork_inputs: list[DraftInput] = []
         for item, entry in entries:
             depth = item.steps or state.tier
             if len(entry.chain) != depth:
                 continue  # a chain cut short (the cache's end): nothing to go on from
-            for o in likely_outcomes(entry.chain, entry.ahead, share):
-                if cache.free_slots == 0 or entry.base + o.accepted + 2 * depth + 2 > cache.max_len:
+            for o in likely_outcomes(entry.chain, entry.ahead, share, self.rates):
+                if len(forks) == budget or entry.base + o.accepted + 2 * depth + 2 > cache.max_len:
                     break
                 key = f"{item.request_id}>{o.accepted}:{o.bonus}"
                 self.drafter.fork(item.request_id, key, entry.base + o.accepted)
