@@ -144,9 +144,7 @@ class Drafter(ABC):
             hidden = self.extend(inputs, slots)
         t1 = time.perf_counter()
         samplers = [(i.sampling, e.generator) for i, e in zip(inputs, entries, strict=True)]
-        steps, probs, aheads = self.draft_steps(
-            hidden, slots, state.tier, samplers, depths, width
-        )
+        steps, probs, aheads = self.draft_steps(hidden, slots, state.tier, samplers, depths, width)
         self.last_times = (t1 - t0, time.perf_counter() - t1)
         return [
             (chain(tokens, torch.stack(p) if p else None), ahead)

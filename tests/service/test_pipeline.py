@@ -8,6 +8,7 @@ every fork is freed. (On one CPU nothing overlaps: these tests are about the pro
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import pytest
@@ -69,7 +70,7 @@ async def test_pipelined_rounds_are_lossless_and_accounted(ckpts, make_stack, dr
 async def test_tier_switches_drop_predrafts_and_stay_lossless(ckpts, make_stack) -> None:
     stack = await pipelined_stack(ckpts, make_stack, "model", candidate_steps=(1, 3, 7))
     rounds, watcher = await watch(stack)
-    tokens, responses = await generate_switching(
+    tokens, _ = await generate_switching(
         stack, PROMPTS[1], 90, lambda n: {5: 7, 12: 1, 20: 3}.get(n)
     )
     assert tokens == reference_greedy(ckpts["target"], PROMPTS[1:2], 90)[0]
@@ -78,7 +79,7 @@ async def test_tier_switches_drop_predrafts_and_stay_lossless(ckpts, make_stack)
     ordered = [rounds[k] for k in sorted(rounds)]
     tiers = {r.speculative_num_steps for r in ordered}
     assert {1, 3, 7} <= tiers
-    for before, after in zip(ordered, ordered[1:], strict=False):
+    for before, after in itertools.pairwise(ordered):
         if before.speculative_num_steps != after.speculative_num_steps:
             assert not any(after.predrafted)  # made at the old tier: never used
     await nothing_left(stack)
