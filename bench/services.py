@@ -47,7 +47,9 @@ class BenchServices(ServiceGroup):
     `device`/`dtype` go to both model services, `draft_device` (default: `device`) to the draft
     alone, e.g. target on cuda:0 and draft on cuda:1; `max_len` and `candidate_steps` to both
     (None: the command's defaults). `link` is the target's wire to the draft: loopback "tcp" or
-    a "unix" domain socket.
+    a "unix" domain socket. `pipeline` ("on" | "off" | "auto"; None: the command's default)
+    goes to the target, and the draft pre-drafts unless it is "off"; each service sees its GPU
+    as `cuda` (`one_gpu`), so "auto" cannot tell two GPUs from one: say "on" or "off".
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class BenchServices(ServiceGroup):
         busy_poll_ms: float | None = None,
         cpus: dict[str, set[int]] | None = None,
         link: str = "tcp",
+        pipeline: str | None = None,
     ) -> None:
         self.draft, self.socket_dir = link_address(link, "draft")
         self.target, self.controller = free_address(), free_address()
@@ -92,11 +95,15 @@ class BenchServices(ServiceGroup):
                           "--draft-kind", draft_kind, "--device", draft_arg, *model)  # fmt: skip
             if draft_kind == "eagle":
                 draft_args += ("--target-model", str(target))
+            if pipeline == "off":
+                draft_args += ("--pipeline", "off")
             services.append(Service("draft", self.draft, draft_args, draft_env, pins.get("draft")))
             draft_link = ("--draft", self.draft)
         target_args = ("target", "--address", self.target, "--model", str(target),
                        *draft_link, "--initial-steps", str(initial_steps),
                        "--device", target_arg, *model)  # fmt: skip
+        if pipeline is not None:
+            target_args += ("--pipeline", pipeline)
         services.append(Service("target", self.target, target_args, target_env, pins.get("target")))
         if policy is not None:
             policy_file = log_dir / "policy.json"

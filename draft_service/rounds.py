@@ -59,7 +59,7 @@ class DraftRounds:
             if layout is not None and config.target_path is not None
             else []
         )
-        self.builder = StateBuilder(drafter=self.drafter)
+        self.builder = StateBuilder(drafter=self.drafter, ahead=config.pipeline is PipelineMode.ON)
         self.states: dict[int, SpecRuntimeState] = self.builder.build_all(config.candidate_steps)
         self.pipeline = (
             Pipeline(self.drafter, config.pipeline_width)

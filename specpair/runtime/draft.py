@@ -29,7 +29,7 @@ from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
 from specpair.runtime.round import DraftInput
 from specpair.runtime.sampling import SamplingParams, derived_seed, make_generator, warp
-from specpair.runtime.stages import DraftStage, ExtendStage
+from specpair.runtime.stages import DraftStage, ExtendStage, Lookahead
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.tree import CandidateTree, chain
 
@@ -38,24 +38,6 @@ from specpair.runtime.tree import CandidateTree, chain
 class DraftSlot:
     slot: int
     generator: torch.Generator
-
-
-@dataclass(frozen=True, slots=True)
-class Lookahead:
-    """What a drafted chain of s tokens says about the round after it. Row d (0..s) is the
-    draft's distribution at chain position d — d < s: where chain[d] was drawn, d = s: after
-    the whole chain — as its top-W tokens `ids`, their probabilities `p` ([s + 1, W], host),
-    and the hidden state that gave it (`hidden` [s + 1, H], device): an EAGLE head's own
-    prediction of the target feature there, which a pre-draft extends with."""
-
-    ids: Tensor
-    p: Tensor
-    hidden: Tensor
-
-    @staticmethod
-    def stack(rows: Sequence[tuple[Tensor, Tensor, Tensor]]) -> Lookahead:
-        ids, p, hidden = zip(*rows, strict=True)
-        return Lookahead(torch.stack(ids), torch.stack(p).float(), torch.stack(hidden))
 
 
 class Drafter(ABC):
@@ -139,9 +121,20 @@ class Drafter(ABC):
         self.last_gpu_ms = 0.0
         t0 = time.perf_counter()
         if all(item.sampling.greedy for item in inputs):
-            hidden = self._stages(state)[0].run(inputs, slots)[: len(inputs)]
-        else:
-            hidden = self.extend(inputs, slots)
+            extend, draft = self._stages(state)
+            hidden = extend.run(inputs, slots)
+            t1 = time.perf_counter()
+            draft.plan(slots, ahead=True)
+            drafts, aheads = draft.run_ahead(hidden, slots, width)
+            self.last_gpu_ms = draft.read_gpu_ms()
+            self.last_times = (t1 - t0, time.perf_counter() - t1)
+            # A graph drafts every row to the tier: a shorter request's chain is cut to its
+            # depth, and its lookahead after it.
+            return [
+                (chain(tokens[:d]), Lookahead(a.ids[: d + 1], a.p[: d + 1], a.hidden[: d + 1]))
+                for tokens, a, d in zip(drafts, aheads, depths, strict=True)
+            ]
+        hidden = self.extend(inputs, slots)
         t1 = time.perf_counter()
         samplers = [(i.sampling, e.generator) for i, e in zip(inputs, entries, strict=True)]
         steps, probs, aheads = self.draft_steps(hidden, slots, state.tier, samplers, depths, width)
@@ -183,9 +176,11 @@ class Drafter(ABC):
         starts = [self.cache.lengths[s] for s in slots]
         extra = 1 if width else 0
         depth = list(depths) if depths is not None else [tier] * len(slots)
+        host = samplers is not None and not all(p.greedy for p, _ in samplers)
         steps: list[list[int]] = [[] for _ in slots]
         probs: list[list[Tensor]] = [[] for _ in slots]
         tops: list[list[tuple[Tensor, Tensor, Tensor]]] = [[] for _ in slots]
+        picked: list[list[Tensor]] = [[] for _ in slots]  # greedy: device scalars until the end
         rows = list(range(len(slots)))  # the requests still drafting; `hidden` holds theirs
         for k in range(tier + extra):
             going = [i for i, b in enumerate(rows) if depth[b] + extra > k]
@@ -193,28 +188,64 @@ class Drafter(ABC):
                 hidden, rows = hidden[going], [rows[i] for i in going]
             if not rows:
                 break
-            logits = self.logits(hidden).cpu()  # [rows, V]
-            tokens = logits.argmax(-1).tolist()
-            for i, b in enumerate(rows):
-                q = None
-                if samplers is not None and not samplers[b][0].greedy:
-                    q = warp(logits[i], samplers[b][0])
+            logits = self.logits(hidden)  # [rows, V] on the device
+            if host:
+                tokens = self._host_step(
+                    logits.cpu(), hidden, rows, k, depth, samplers, width, steps, probs, tops
+                )
+            else:  # greedy: argmax and top-k stay on the device, one copy after the loop
+                tokens = logits.argmax(-1)
+                top = (
+                    torch.softmax(logits, -1).topk(min(width, logits.shape[-1])) if width else None
+                )
+                for i, b in enumerate(rows):
                     if k < depth[b]:
-                        tokens[i] = int(torch.multinomial(q, 1, generator=samplers[b][1]))
-                        probs[b].append(q)
-                if k < depth[b]:
-                    steps[b].append(tokens[i])
-                if width:
-                    dist = q if q is not None else torch.softmax(logits[i], -1)
-                    top = dist.topk(min(width, dist.shape[-1]))
-                    tops[b].append((top.indices, top.values, hidden[i, -1]))
+                        picked[b].append(tokens[i])
+                    if top is not None:
+                        tops[b].append((top.indices[i], top.values[i], hidden[i, -1]))
             if any(k + 1 < depth[b] + extra for b in rows):
                 layout = BatchLayout.causal(
                     [slots[b] for b in rows], [starts[b] + k for b in rows], [1] * len(rows)
                 )
-                hidden = self._step(torch.tensor(tokens)[:, None], hidden, layout)
+                hidden = self._step(tokens[:, None], hidden, layout)
+        if not host and any(picked):
+            values = torch.stack([t for row in picked for t in row]).tolist()
+            n = 0
+            for b, row in enumerate(picked):
+                steps[b], n = values[n : n + len(row)], n + len(row)
         aheads = [Lookahead.stack(t) for t in tops] if width else []
         return steps, probs, aheads
+
+    def _host_step(
+        self,
+        logits: Tensor,
+        hidden: Tensor,
+        rows: list[int],
+        k: int,
+        depth: list[int],
+        samplers: Sequence[tuple[SamplingParams, torch.Generator]] | None,
+        width: int,
+        steps: list[list[int]],
+        probs: list[list[Tensor]],
+        tops: list[list[tuple[Tensor, Tensor, Tensor]]],
+    ) -> Tensor:
+        """Step k of a batch with sampled requests, on the host (warps and generators live
+        there): appends each row's token (and q, and its top `width`); returns the tokens."""
+        tokens = logits.argmax(-1).tolist()
+        for i, b in enumerate(rows):
+            q = None
+            if samplers is not None and not samplers[b][0].greedy:
+                q = warp(logits[i], samplers[b][0])
+                if k < depth[b]:
+                    tokens[i] = int(torch.multinomial(q, 1, generator=samplers[b][1]))
+                    probs[b].append(q)
+            if k < depth[b]:
+                steps[b].append(tokens[i])
+            if width:
+                dist = q if q is not None else torch.softmax(logits[i], -1)
+                top = dist.topk(min(width, dist.shape[-1]))
+                tops[b].append((top.indices, top.values, hidden[i, -1]))
+        return torch.tensor(tokens)
 
     @torch.inference_mode()
     def prepare(self, request_ids: Sequence[str], state: SpecRuntimeState) -> None:

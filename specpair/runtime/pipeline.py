@@ -22,8 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from specpair.logging import get_logger
-from specpair.runtime.draft import Drafter, Lookahead
+from specpair.runtime.draft import Drafter
 from specpair.runtime.round import DraftInput, Predraft
+from specpair.runtime.stages import Lookahead
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.tree import CandidateTree
 

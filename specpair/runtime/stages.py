@@ -9,8 +9,10 @@ CUDA-graph stages of `graphs/verify.py` and `graphs/draft.py` have the same inte
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import torch
 from torch import Tensor
 
 from specpair.models.llama import LlamaModel
@@ -60,17 +62,41 @@ class ExtendStage(Protocol):
         a graph's padding) on the device."""
 
 
+@dataclass(frozen=True, slots=True)
+class Lookahead:
+    """What a drafted chain of s tokens says about the round after it. Row d (0..s) is the
+    draft's distribution at chain position d — d < s: where chain[d] was drawn, d = s: after
+    the whole chain — as its top-W tokens `ids`, their probabilities `p` ([s + 1, W], host),
+    and the hidden state that gave it (`hidden` [s + 1, H], device): an EAGLE head's own
+    prediction of the target feature there, which a pre-draft extends with."""
+
+    ids: Tensor
+    p: Tensor
+    hidden: Tensor
+
+    @staticmethod
+    def stack(rows: Sequence[tuple[Tensor, Tensor, Tensor]]) -> Lookahead:
+        ids, p, hidden = zip(*rows, strict=True)
+        return Lookahead(torch.stack(ids).cpu(), torch.stack(p).float().cpu(), torch.stack(hidden))
+
+
 class DraftStage(Protocol):
     """s greedy draft steps of one token per request after the extend (s = the tier)."""
 
-    def plan(self, slots: list[int]) -> None:
-        """Plans the steps after each slot's committed length."""
+    def plan(self, slots: list[int], ahead: bool = False) -> None:
+        """Plans the steps after each slot's committed length (`ahead`: for `run_ahead`)."""
 
     def run(
         self, hidden: Tensor, slots: list[int], depths: Sequence[int] | None = None
     ) -> list[list[int]]:
         """hidden [B', 1, H] from the extend -> per request its draft tokens: s, or at least
         `depths[b]` (an eager stage stops each request there; a graph runs all s)."""
+
+    def run_ahead(
+        self, hidden: Tensor, slots: list[int], top: int
+    ) -> tuple[list[list[int]], list[Lookahead]]:
+        """`run` for s tokens each, and one step more: every request's `Lookahead` with the
+        `top` likeliest tokens at each depth (planned with `plan(slots, ahead=True)`)."""
 
     def read_gpu_ms(self) -> float:
         """GPU time of the extend's and the steps' graph replays since the last read."""
@@ -133,13 +159,21 @@ class EagerDraft:
     def __init__(self, drafter: Drafter, tier: int) -> None:
         self.drafter, self.tier = drafter, tier
 
-    def plan(self, slots: list[int]) -> None:
+    def plan(self, slots: list[int], ahead: bool = False) -> None:
         return None
 
     def run(
         self, hidden: Tensor, slots: list[int], depths: Sequence[int] | None = None
     ) -> list[list[int]]:
         return self.drafter.draft_steps(hidden[: len(slots)], slots, self.tier, None, depths)[0]
+
+    def run_ahead(
+        self, hidden: Tensor, slots: list[int], top: int
+    ) -> tuple[list[list[int]], list[Lookahead]]:
+        steps, _, aheads = self.drafter.draft_steps(
+            hidden[: len(slots)], slots, self.tier, None, None, top
+        )
+        return steps, aheads
 
     def read_gpu_ms(self) -> float:
         return 0.0

@@ -84,7 +84,8 @@ class SpecRuntimeState:
 
 class StateBuilder:
     """Builds the states of `target` and/or `drafter` (a worker whose cache is on a GPU gets
-    CUDA graphs per bucket: `buckets`, or powers of two up to its cache's slots)."""
+    CUDA graphs per bucket: `buckets`, or powers of two up to its cache's slots; `ahead`: the
+    drafter's graphs for pipelined rounds too)."""
 
     def __init__(
         self,
@@ -92,6 +93,7 @@ class StateBuilder:
         drafter: Drafter | None = None,
         *,
         buckets: Sequence[int] | None = None,
+        ahead: bool = False,
     ) -> None:
         self.target, self.drafter = target, drafter
         self.builds = 0
@@ -108,7 +110,7 @@ class StateBuilder:
 
             slots = len(drafter.cache.lengths)
             capture = GraphCapture(drafter.cache, slots, "draft", buckets)
-            self.draft_graphs = DraftGraphs(capture, drafter)
+            self.draft_graphs = DraftGraphs(capture, drafter, ahead)
 
     @property
     def captures(self) -> int:
@@ -156,6 +158,7 @@ def build_states(
     drafter: Drafter | None = None,
     *,
     buckets: Sequence[int] | None = None,
+    ahead: bool = False,
 ) -> dict[int, SpecRuntimeState]:
     """`StateBuilder(target, drafter).build_all(tiers)`, for callers that count nothing."""
-    return StateBuilder(target, drafter, buckets=buckets).build_all(tiers)
+    return StateBuilder(target, drafter, buckets=buckets, ahead=ahead).build_all(tiers)

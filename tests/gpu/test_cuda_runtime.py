@@ -308,3 +308,29 @@ def test_draft_steps_placed_on_device_equal_host_plans(
             accepted = int(torch.randint(0, 4, (1,), generator=gen))
             bonus = int(torch.randint(0, 320, (1,), generator=gen))
             appended[rid] = (*tree.tokens[:accepted], bonus)
+
+
+@pytest.mark.parametrize("draft", ["target", "draft", "eagle"])
+def test_pipelined_rounds_on_graphs_equal_unpipelined(gpu_ckpts: dict[str, Path], draft) -> None:
+    """The lookahead step graphs (s + 1 steps, top-4 per depth) drive pipelined rounds: the
+    output equals the unpipelined engine's on the same graphs, every pre-draft is adopted."""
+    worker = target(gpu_ckpts["target"])
+    drafter = build_drafter(
+        gpu_ckpts[draft], target_path=gpu_ckpts["target"], max_requests=24, max_len=256,
+        dtype=BF16, device="cuda",
+    )  # fmt: skip
+    builder = StateBuilder(worker, drafter, buckets=[1, 2, 4, 8, 16], ahead=True)
+    states = builder.build_all([1, 3, 7])
+    step = states[3].draft
+    assert isinstance(step, StepGraphs) and sorted(step.ahead) == [1, 2, 4, 8, 16]
+    for tier in (1, 3, 7):
+        plain = SpeculativeEngine(worker, drafter).generate(
+            PROMPTS, max_new_tokens=40, state=states[tier]
+        )
+        engine = SpeculativeEngine(worker, drafter, pipeline_width=16)
+        piped = engine.generate(PROMPTS, max_new_tokens=40, state=states[tier])
+        assert [r.token_ids for r in piped] == [r.token_ids for r in plain], tier
+        assert engine.pipeline is not None and engine.pipeline.misses == 0
+        if draft == "target":
+            assert engine.pipeline.hits > 0
+        assert drafter.cache.free_slots == 24

@@ -37,6 +37,7 @@ class RecordingLink:
     connected = True
     epoch = 1
     draft_kind = "model"
+    draft_pipeline, draft_device = False, "cpu"  # sequential rounds
 
     def __init__(self) -> None:
         self.events = CountingQueue()

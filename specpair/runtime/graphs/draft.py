@@ -29,14 +29,19 @@ from specpair.runtime.graphs.capture import (
 from specpair.runtime.kv_cache import CacheFullError
 from specpair.runtime.layout import BatchLayout, tril_mask
 from specpair.runtime.round import DraftInput
+from specpair.runtime.stages import Lookahead
+
+LOOKAHEAD_TOP = 4  # the likeliest tokens a lookahead keeps per depth (runtime/pipeline.py)
 
 
 class DraftGraphs:
     """A drafter's graphs of every tier: extends by (bucket, tokens), step attention by bucket
     (step k's is the same whatever the tier), the extend planned ahead."""
 
-    def __init__(self, capture: GraphCapture, drafter: Drafter) -> None:
+    def __init__(self, capture: GraphCapture, drafter: Drafter, ahead: bool = False) -> None:
+        """`ahead`: also the steps of pipelined rounds (`StepGraphs.run_ahead`)."""
         self.capture, self.drafter, self.cache = capture, drafter, capture.cache
+        self.ahead = ahead
         self.steps: dict[int, list[GraphAttention]] = {b: [] for b in capture.buckets}
         self.extends: dict[tuple[int, int], StageGraph] = {}
         self.planned: tuple[object, StageGraph] | None = None  # (key, extend) from `prepare`
@@ -49,7 +54,12 @@ class DraftGraphs:
             return {b: self._multi_step(b, s) for b in self.capture.buckets}
 
         steps = self.capture.timed(s, build)
-        return ExtendGraphs(self, s), StepGraphs(self, s, steps)
+        ahead = {}
+        if self.ahead:
+            ahead = self.capture.timed(s, lambda: {
+                b: self._multi_step(b, s, LOOKAHEAD_TOP) for b in self.capture.buckets
+            })  # fmt: skip
+        return ExtendGraphs(self, s), StepGraphs(self, s, steps, ahead)
 
     def _extend(self, batch: int, tokens: int) -> StageGraph:
         d, dev = self.drafter, self.cache.device
@@ -71,10 +81,14 @@ class DraftGraphs:
 
         return self.capture.capture(body, inputs, [attn])
 
-    def _multi_step(self, batch: int, s: int) -> StageGraph:
+    def _multi_step(self, batch: int, s: int, top: int = 0) -> StageGraph:
+        """s greedy steps → tokens [s, B]. With `top`, one step more (the chain's last K/V
+        written, the distribution after it) and per depth 0..s the `top` likeliest tokens
+        `ids`, their probabilities `p` [s + 1, B, top] and the hidden `ahead` [s + 1, B, H]."""
         d, dev = self.drafter, self.cache.device
         attns = self.steps[batch]
-        while len(attns) < s - 1:
+        forwards = s if top else s - 1
+        while len(attns) < forwards:
             attns.append(self.capture.attention(batch, 1))
             first, last = attns[0].tree, attns[-1].tree
             if attns[-1].on_device and first is not None and last is not None:
@@ -86,18 +100,28 @@ class DraftGraphs:
         }
 
         def body() -> dict[str, Tensor]:
-            hidden, out = inputs["hidden"], []
-            for k in range(s):
-                token = d.logits(hidden).argmax(-1)  # [B]
-                out.append(token)
-                if k + 1 < s:
+            hidden, out, ids, ps, hs = inputs["hidden"], [], [], [], []
+            for k in range(forwards + 1):
+                logits = d.logits(hidden)  # [B, V]
+                token = logits.argmax(-1)  # [B]
+                if k < s:
+                    out.append(token)
+                if top:
+                    best = torch.softmax(logits, -1).topk(top)
+                    ids.append(best.indices)
+                    ps.append(best.values)
+                    hs.append(hidden[:, -1])
+                if k < forwards:
                     pos = inputs["starts"] + k  # [B]
                     if attns[k].on_device:
                         attns[k].follow(pos)
                     hidden = d.forward(token[:, None], hidden, pos[:, None], attns[k].attend)
-            return {"tokens": torch.stack(out)}  # [s, B]
+            result = {"tokens": torch.stack(out)}  # [s, B]
+            if top:
+                result |= {"ids": torch.stack(ids), "p": torch.stack(ps), "ahead": torch.stack(hs)}
+            return result
 
-        return self.capture.capture(body, inputs, attns[: s - 1])
+        return self.capture.capture(body, inputs, attns[:forwards])
 
     def plan_step_pages(self, bucket: int, slots: list[int], ends: list[int]) -> None:
         """Pages up to `ends` and their rows, for steps that place themselves (`on_device`)."""
@@ -188,34 +212,40 @@ class ExtendGraphs:
 
 
 class StepGraphs:
-    """One tier's draft stage: the bucket's graph of s steps; else the drafter's eager steps."""
+    """One tier's draft stage: the bucket's graph of s steps (of s + 1, ahead); else the
+    drafter's eager steps."""
 
-    def __init__(self, graphs: DraftGraphs, tier: int, steps: dict[int, StageGraph]) -> None:
+    def __init__(
+        self,
+        graphs: DraftGraphs,
+        tier: int,
+        steps: dict[int, StageGraph],
+        ahead: dict[int, StageGraph] | None = None,
+    ) -> None:
         self.graphs, self.tier, self.steps = graphs, tier, steps
+        self.ahead = ahead or {}
         self._planned: tuple[StageGraph, list[int]] | None = None  # graph, starts
 
-    def plan(self, slots: list[int]) -> None:
+    def plan(self, slots: list[int], ahead: bool = False) -> None:
         o, cache, s = self.graphs, self.graphs.cache, self.tier
         self._planned = None
         bucket = bucket_of(len(slots), o.capture.buckets)
         starts = [cache.lengths[slot] for slot in slots]
-        if bucket is None or max(starts) + s > cache.max_len:
+        reach = s + 1 if ahead else s  # positions written after each start
+        graphs = self.ahead if ahead else self.steps
+        if bucket is None or bucket not in graphs or max(starts) + reach > cache.max_len:
             return  # the steps run eagerly
-        if not o.steps_paged:  # else `prepare` planned the steps' pages
-            o.plan_step_pages(bucket, slots, [st + s for st in starts])
-        g = self.steps[bucket]
+        if ahead or not o.steps_paged:  # else `prepare` planned the steps' pages
+            o.plan_step_pages(bucket, slots, [st + reach for st in starts])
+        g = graphs[bucket]
         for k, attn in enumerate(g.attention):
             if not attn.on_device:
                 step = BatchLayout.causal(slots, [st + k for st in starts], [1] * len(slots))
                 attn.plan(pad_layout(step, bucket, 1, cache.pad_slot))
         self._planned = (g, starts)
 
-    def run(
-        self, hidden: Tensor, slots: list[int], depths: Sequence[int] | None = None
-    ) -> list[list[int]]:
-        if self._planned is None:
-            d = self.graphs.drafter
-            return d.draft_steps(hidden[: len(slots)], slots, self.tier, None, depths)[0]
+    def _replay(self, hidden: Tensor, slots: list[int]) -> StageGraph:
+        assert self._planned is not None
         (g, starts), self._planned = self._planned, None
         bucket, b = len(g.inputs["starts"]), len(slots)
         if hidden.shape[0] != bucket:  # from the eager extend
@@ -225,8 +255,33 @@ class StepGraphs:
         padded[:b] = torch.tensor(starts)
         g.load("starts", padded)
         self.graphs.capture.replay(g)
-        drafts: list[list[int]] = g.outputs["tokens"][:, :b].T.tolist()
+        return g
+
+    def run(
+        self, hidden: Tensor, slots: list[int], depths: Sequence[int] | None = None
+    ) -> list[list[int]]:
+        if self._planned is None:
+            d = self.graphs.drafter
+            return d.draft_steps(hidden[: len(slots)], slots, self.tier, None, depths)[0]
+        g = self._replay(hidden, slots)
+        drafts: list[list[int]] = g.outputs["tokens"][:, : len(slots)].T.tolist()
         return drafts
+
+    def run_ahead(
+        self, hidden: Tensor, slots: list[int], top: int
+    ) -> tuple[list[list[int]], list[Lookahead]]:
+        if self._planned is None or top != LOOKAHEAD_TOP:
+            self._planned = None
+            steps, _, aheads = self.graphs.drafter.draft_steps(
+                hidden[: len(slots)], slots, self.tier, None, None, top
+            )
+            return steps, aheads
+        g, b = self._replay(hidden, slots), len(slots)
+        drafts: list[list[int]] = g.outputs["tokens"][:, :b].T.tolist()
+        ids = g.outputs["ids"][:, :b].transpose(0, 1).cpu()  # [b, s + 1, top]
+        p = g.outputs["p"][:, :b].transpose(0, 1).float().cpu()
+        states = g.outputs["ahead"][:, :b].transpose(0, 1).clone()  # the next replay reuses it
+        return drafts, [Lookahead(ids[i], p[i], states[i]) for i in range(b)]
 
     def read_gpu_ms(self) -> float:
         return self.graphs.capture.read_gpu_ms()
