@@ -48,17 +48,16 @@ class DraftGraphs:
         self.steps_paged = False  # the extend ran on a plan ahead, which paged the steps too
 
     def tier(self, s: int) -> tuple[ExtendGraphs, StepGraphs]:
-        def build() -> dict[int, StageGraph]:
+        top = LOOKAHEAD_TOP if self.ahead else 0
+
+        def build() -> tuple[dict[int, StageGraph], dict[int, StageGraph]]:
             for b in self.capture.buckets:
                 self.extends[(b, s + 1)] = self._extend(b, s + 1)
-            return {b: self._multi_step(b, s) for b in self.capture.buckets}
+            steps = {b: self._multi_step(b, s) for b in self.capture.buckets}
+            ahead = {b: self._multi_step(b, s, top) for b in self.capture.buckets} if top else {}
+            return steps, ahead
 
-        steps = self.capture.timed(s, build)
-        ahead = {}
-        if self.ahead:
-            ahead = self.capture.timed(s, lambda: {
-                b: self._multi_step(b, s, LOOKAHEAD_TOP) for b in self.capture.buckets
-            })  # fmt: skip
+        steps, ahead = self.capture.timed(s, build)
         return ExtendGraphs(self, s), StepGraphs(self, s, steps, ahead)
 
     def _extend(self, batch: int, tokens: int) -> StageGraph:
