@@ -59,6 +59,8 @@ class Pipelined:
     accept_fresh: float | None
     wait_ms: float  # mean per round: the target waited for the draft's messages
     round_ms: float  # mean total per speculative round
+    verify_ms: float  # mean per round, the target's verify (wall)
+    predraft_ms: float  # mean per pipelined round, the draft's pre-draft
 
 
 def account(rounds: list[target_pb2.RoundStats]) -> Pipelined:
@@ -79,6 +81,8 @@ def account(rounds: list[target_pb2.RoundStats]) -> Pipelined:
         sum(fresh) / len(fresh) if fresh else None,
         sum(r.timings.wait_ms for r in spec) / n,
         sum(r.timings.total_ms for r in spec) / n,
+        sum(r.timings.verify_ms for r in spec) / n,
+        sum(r.timings.predraft_ms for r in spec) / n,
     )
 
 
@@ -192,7 +196,7 @@ def main() -> None:
 
 
 def _none() -> Pipelined:
-    return Pipelined(None, None, None, 0.0, 0.0)
+    return Pipelined(None, None, None, 0.0, 0.0, 0.0, 0.0)
 
 
 def finish(rows: list[dict[str, Any]]) -> None:
@@ -219,11 +223,12 @@ def render(rows: list[dict[str, Any]]) -> str:
          f(r.get("accept_mean"), ".2f"), f(r.get("x_seq"), ".3f"), f(r.get("round_x"), ".3f"),
          f(r.get("hit_rate"), ".2f"), f(r.get("accept_predrafted"), ".2f"),
          f(r.get("accept_fresh"), ".2f"), f(r.get("wait_ms") or None, ".2f"),
+         f(r.get("verify_ms") or None, ".2f"), f(r.get("predraft_ms") or None, ".2f"),
          {True: "yes", False: "NO", None: "-"}[r.get("same")]]
         for r in rows
     ]  # fmt: skip
     head = ["deployment", "config", "batch", "tok/s", "accept", "x seq", "round x", "hits",
-            "acc pre", "acc fresh", "wait ms", "same"]  # fmt: skip
+            "acc pre", "acc fresh", "wait ms", "verify ms", "pre ms", "same"]  # fmt: skip
     return format_table(head, table)
 
 

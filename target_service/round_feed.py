@@ -56,6 +56,7 @@ class RoundFeed:
         predraft_misses: int = 0,
         pipelined: bool = False,
         wait_s: float = 0.0,
+        predraft_ms: float = 0.0,
     ) -> None:
         """One round: `draft` is the draft service's own account, `rtt_s` the time from its
         request going out to its trees, `total_s` the round's share of the wall time."""
@@ -71,6 +72,7 @@ class RoundFeed:
             schedule_ms=1e3 * max(total_s - rtt_s - verify_s, 0.0),
             total_ms=1e3 * total_s,
             wait_ms=1e3 * wait_s,
+            predraft_ms=predraft_ms,
         )
         for stage, ms in (("draft", timings.draft_ms), ("verify", timings.verify_ms),
                           ("rpc", timings.rpc_ms), ("schedule", timings.schedule_ms)):  # fmt: skip

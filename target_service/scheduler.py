@@ -83,6 +83,7 @@ class Flight:
     misses: int = 0  # pipelined requests whose outcome had no pre-draft
     deferred: bool = False  # all pre-drafted: the response is read after the verify
     wait_s: float = 0.0  # the target waited for the draft's messages
+    predraft_ms: float = 0.0  # the draft's own time pre-drafting the next round
 
 
 class Scheduler:
@@ -320,7 +321,7 @@ class Scheduler:
             total_s=flight.admit_s + end - flight.started,
             request_ids=drafted_ids, request_steps=drafted_steps, plain_request_ids=plain_ids,
             predrafted=[rid in flight.hit_ids for rid in drafted_ids],
-            predraft_misses=flight.misses, wait_s=flight.wait_s,
+            predraft_misses=flight.misses, wait_s=flight.wait_s, predraft_ms=flight.predraft_ms,
             pipelined=flight.request is not None and flight.request.predraft,
         )  # fmt: skip
         return following
@@ -370,6 +371,7 @@ class Scheduler:
             self.session.drafts(request, await link.receive(flight.round_id, flight.epoch))
         second = await link.receive(flight.round_id, flight.epoch)
         flight.wait_s += time.perf_counter() - t0
+        flight.predraft_ms = second.timings.total_ms if second is not None else 0.0
         if refused := self.session.predrafted(request, second):
             self.metrics.fallback_rounds.labels("malformed_predraft").inc(refused)
 
