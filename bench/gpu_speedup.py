@@ -143,26 +143,35 @@ def accept_stats(per_request: Sequence[Sequence[int]]) -> tuple[float | None, in
 def in_process(
     target: Path, draft: Path, workloads: list[Workload], batches: list[int], *,
     new_tokens: int, device: str, dtype: torch.dtype, max_len: int, eos: frozenset[int],
-    record: Callable[[Cell], None],
+    record: Callable[[Cell], None], pipeline_width: int = 0,
 ) -> None:  # fmt: skip
     """Target-only and each static tier in the engine: the requests in groups of `batch`, each
     group decoded to completion (static batching) and stopped at `eos`, as the target service
     stops them. Target-only replays tier 1's verify graph with no drafts (one token per
-    request, padded to two)."""
+    request, padded to two). `pipeline_width` > 0: each tier also pipelined ("tier s pre":
+    the pre-drafts made in line, so its stage_ms shows what a pre-draft costs the draft)."""
     size = max(batches)
     worker = build_target(target, max_requests=size, max_len=max_len, keep_features=True,
                           dtype=dtype, device=device)  # fmt: skip
-    drafter = build_drafter(draft, target_path=target, max_requests=size, max_len=max_len,
-                            dtype=dtype, device=device)  # fmt: skip
-    states = build_states(TIERS, worker, drafter)
-    for config, tier in (("target-only", 1), *((f"tier {t}", t) for t in TIERS)):
-        engine = SpeculativeEngine(worker, None if config == "target-only" else drafter)
+    drafter = build_drafter(draft, target_path=target, max_requests=size + pipeline_width,
+                            max_len=max_len, dtype=dtype, device=device)  # fmt: skip
+    states = build_states(TIERS, worker, drafter, ahead=pipeline_width > 0)
+    configs = [("target-only", 1), *((f"tier {t}", t) for t in TIERS)]
+    if pipeline_width:
+        configs += [(f"tier {t} pre", t) for t in TIERS]
+    for config, tier in configs:
+        width = pipeline_width if config.endswith("pre") else 0
+        engine = SpeculativeEngine(
+            worker, None if config == "target-only" else drafter, pipeline_width=width
+        )
         engine.generate(workloads[0].ids[:size], max_new_tokens=WARMUP_TOKENS,
                         state=states[tier])  # fmt: skip
         for wl in workloads:
             for batch in batches:
                 outputs, accepts = [], []
                 engine.times = StageTimes()
+                if engine.pipeline is not None:
+                    engine.pipeline.reset_counters()
                 t0 = time.perf_counter()
                 for lo in range(0, len(wl.ids), batch):
                     group = range(lo, min(lo + batch, len(wl.ids)))
@@ -176,8 +185,12 @@ def in_process(
                 seconds = time.perf_counter() - t0
                 mean, rounds = accept_stats(accepts)  # target-only rounds have none
                 tokens = sum(map(len, outputs))
+                stages = stage_ms(engine.times, seconds)
+                if (p := engine.pipeline) is not None:
+                    stages["predraft"] = 1e3 * p.predraft_s / max(p.predraft_rounds, 1)
+                    stages["hit_rate"] = p.hits / max(engine.times.rounds, 1)
                 record(Cell("in-process", config, wl.name, batch, tokens, seconds, mean, rounds,
-                            outputs, stage_ms=stage_ms(engine.times, seconds)))  # fmt: skip
+                            outputs, stage_ms=stages))  # fmt: skip
 
 
 def stage_ms(times: StageTimes, seconds: float) -> dict[str, float]:

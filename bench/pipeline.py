@@ -122,6 +122,7 @@ def main() -> None:
     parser.add_argument("--two-gpus", action="store_true", help="also the draft on cuda:1")
     parser.add_argument("--batches", type=int, nargs="+", default=[1])
     parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--width", type=int, default=16, help="pre-drafts per round (draft)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, help="JSON (default: bench/results/pipeline_<kind>)")
     parser.add_argument("--replot", type=Path, metavar="JSON", help="only print a run's table")
@@ -162,7 +163,7 @@ def main() -> None:
         pool.submit(
             in_process, target, draft, [workload], args.batches, new_tokens=args.new_tokens,
             device=args.device, dtype=getattr(torch, dtype), max_len=max_len,
-            eos=eos_ids(target, tokenizer), record=record,
+            eos=eos_ids(target, tokenizer), record=record, pipeline_width=args.width,
         ).result()  # fmt: skip
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -178,6 +179,7 @@ def main() -> None:
                 target=target, draft=draft, draft_kind=args.draft_kind, log_dir=log_dir,
                 policy=policy, device=args.device, draft_device=draft_device, dtype=dtype,
                 max_len=max_len, candidate_steps=TIERS, pipeline=pipeline,
+                draft_options=("--pipeline-width", str(args.width)),
             ) as group:  # fmt: skip
                 client = SpecpairClient(group.target, timeout=600)
                 wait_draft_connected(client)
@@ -204,6 +206,9 @@ def finish(rows: list[dict[str, Any]]) -> None:
     base = {(r["config"], r["batch"]): r for r in rows if r["deployment"] == "in-process"}
     plain = {r["batch"]: r for r in rows if r["config"] == "target-only"}
     for r in rows:
+        if r["deployment"] == "in-process" and (s := r.get("stage_ms")):
+            r["verify_ms"], r["predraft_ms"] = s["verify"], s.get("predraft", 0.0)
+            r["hit_rate"] = s.get("hit_rate")
         ref = base.get((r["config"], r["batch"])) or base.get(("tier 3", r["batch"]))
         if ref is not None and r["deployment"] != "in-process":
             r["x_seq"] = r["tokens_per_s"] / ref["tokens_per_s"]

@@ -50,6 +50,7 @@ class BenchServices(ServiceGroup):
     a "unix" domain socket. `pipeline` ("on" | "off" | "auto"; None: the command's default)
     goes to the target, and the draft pre-drafts unless it is "off"; each service sees its GPU
     as `cuda` (`one_gpu`), so "auto" cannot tell two GPUs from one: say "on" or "off".
+    `draft_options`: more flags for the draft service.
     """
 
     def __init__(
@@ -71,6 +72,7 @@ class BenchServices(ServiceGroup):
         cpus: dict[str, set[int]] | None = None,
         link: str = "tcp",
         pipeline: str | None = None,
+        draft_options: Sequence[str] = (),
     ) -> None:
         self.draft, self.socket_dir = link_address(link, "draft")
         self.target, self.controller = free_address(), free_address()
@@ -97,6 +99,7 @@ class BenchServices(ServiceGroup):
                 draft_args += ("--target-model", str(target))
             if pipeline == "off":
                 draft_args += ("--pipeline", "off")
+            draft_args += tuple(draft_options)
             services.append(Service("draft", self.draft, draft_args, draft_env, pins.get("draft")))
             draft_link = ("--draft", self.draft)
         target_args = ("target", "--address", self.target, "--model", str(target),

@@ -144,11 +144,13 @@ class Drafter(ABC):
             for tokens, p, ahead in zip(steps, probs, aheads, strict=True)
         ]
 
-    def fork(self, parent_id: str, child_id: str, length: int) -> None:
-        """`child_id` starts as `parent_id`'s first `length` positions (`KVCache.fork`) and
-        draws from the parent's generator."""
-        parent = self.requests[parent_id]
-        self.requests[child_id] = DraftSlot(self.cache.fork(parent.slot, length), parent.generator)
+    def fork(self, forks: Sequence[tuple[str, str, int]]) -> None:
+        """Each (parent id, child id, length): the child starts as the parent's first `length`
+        positions (`KVCache.fork_many`) and draws from the parent's generator."""
+        parents = [self.requests[parent_id] for parent_id, _, _ in forks]
+        slots = self.cache.fork_many([(self.requests[pid].slot, n) for pid, _, n in forks])
+        for parent, slot, (_, child_id, _) in zip(parents, slots, forks, strict=True):
+            self.requests[child_id] = DraftSlot(slot, parent.generator)
 
     def adopt(self, request_id: str, fork_id: str) -> None:
         """The request goes on from its fork `fork_id`; the slot it had is freed."""

@@ -210,22 +210,35 @@ class KVCache:
         Page size 16, parent committed 40, length 43: pages 0-1 shared, page 2 (positions
         32-47) copied; the fork writes from position 43 on, into its own page 2.
         """
-        if length > self.pages.owned[parent] * self.page_size:
-            raise ValueError(f"fork of slot {parent} at {length}: it holds fewer positions")
-        shared = min(length, self.lengths[parent]) // self.page_size
-        copied = -(-length // self.page_size) - shared
-        if copied > len(self.pages.free):
-            raise CacheFullError(f"fork of slot {parent}: {copied} pages needed, none free")
-        child = self.slots.alloc()
-        self.pages.share(parent, child, shared)
-        self.pages.grow(child, length)
-        if copied:
-            src = self.page_table[parent, shared : shared + copied].to(self.device)
-            dst = self.page_table[child, shared : shared + copied].to(self.device)
+        return self.fork_many([(parent, length)])[0]
+
+    def fork_many(self, forks: Sequence[tuple[int, int]]) -> list[int]:
+        """`fork` for each (parent, length), the copies of all of them in one gather/scatter."""
+        need = 0
+        for parent, length in forks:
+            if length > self.pages.owned[parent] * self.page_size:
+                raise ValueError(f"fork of slot {parent} at {length}: it holds fewer positions")
+            shared = min(length, self.lengths[parent]) // self.page_size
+            need += -(-length // self.page_size) - shared
+        if need > len(self.pages.free) or len(forks) > self.free_slots:
+            raise CacheFullError(f"{len(forks)} forks need {need} pages and as many slots")
+        children, src, dst = [], [], []
+        for parent, length in forks:
+            shared = min(length, self.lengths[parent]) // self.page_size
+            child = self.slots.alloc()
+            self.pages.share(parent, child, shared)
+            self.pages.grow(child, length)
+            end = self.pages.owned[child]
+            src += self.page_table[parent, shared:end].tolist()
+            dst += self.page_table[child, shared:end].tolist()
+            self.lengths[child] = length
+            children.append(child)
+        if src:
+            from_pages = torch.tensor(src).to(self.device)
+            to_pages = torch.tensor(dst).to(self.device)
             for cache in (self.k, self.v):
-                cache[:, dst] = cache[:, src]
-        self.lengths[child] = length
-        return child
+                cache[:, to_pages] = cache[:, from_pages]
+        return children
 
     def truncate(self, slot: int, length: int) -> None:
         self.lengths[slot] = min(self.lengths[slot], length)

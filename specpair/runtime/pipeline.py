@@ -18,8 +18,11 @@ is the same whatever is pre-drafted: a pre-draft only decides how soon a tree is
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+
+import torch
 
 from specpair.logging import get_logger
 from specpair.runtime.draft import Drafter
@@ -125,6 +128,11 @@ class Pipeline:
         self.drafted: dict[str, Drafted] = {}
         self.rates = AcceptRates()
         self.hits = self.misses = 0  # adoptions the draft could and could not serve
+        self.predraft_s, self.predraft_rounds = 0.0, 0  # time in `predraft`, and its calls
+
+    def reset_counters(self) -> None:
+        self.hits = self.misses = self.predraft_rounds = 0
+        self.predraft_s = 0.0
 
     def release(self, request_id: str) -> None:
         self._drop_forks(request_id)
@@ -139,6 +147,7 @@ class Pipeline:
                     self.drafter.release(fork.key)
             entry.forks = {}
 
+    @torch.inference_mode()
     def adopt(self, item: DraftInput, state: SpecRuntimeState) -> bool:
         """Goes on from the fork the target verifies (`item.predrafted`); False when there is
         none (the request's state is dropped: the target re-sends its history later)."""
@@ -154,12 +163,16 @@ class Pipeline:
             # Again with the target's features: the fork extended its bonus with a guess.
             slot = self.drafter.requests[item.request_id].slot
             self.drafter.cache.truncate(slot, entry.base)
-            self.drafter.extend([item], [slot])
+            if item.sampling.greedy:
+                state.extend_stage().run([item], [slot])  # a graph where one fits
+            else:
+                self.drafter.extend([item], [slot])
             assert self.drafter.cache.lengths[slot] == fork.base
         self.drafted[item.request_id] = Drafted(fork.tree.tokens, fork.ahead, fork.base)
         self.hits += 1
         return True
 
+    @torch.inference_mode()
     def begin(self, inputs: Sequence[DraftInput], state: SpecRuntimeState) -> list[str]:
         """A round's first step, before anything is drafted or a slot counted: adopts the forks
         of `predrafted` inputs and frees every other fork of the round's requests. Returns the
@@ -176,6 +189,7 @@ class Pipeline:
                 self._drop_forks(item.request_id)
         return adopted
 
+    @torch.inference_mode()
     def draft(self, inputs: Sequence[DraftInput], state: SpecRuntimeState) -> list[CandidateTree]:
         """Fresh chains (an unpipelined round's draft), each remembered with its lookahead."""
         drafted = self.drafter.draft_ahead(inputs, state, self.top)
@@ -185,6 +199,7 @@ class Pipeline:
             self.drafted[item.request_id] = Drafted(tree.tokens, ahead, base)
         return [tree for tree, _ in drafted]
 
+    @torch.inference_mode()
     def predraft(
         self, inputs: Sequence[DraftInput], state: SpecRuntimeState
     ) -> dict[str, tuple[Predraft, ...]]:
@@ -198,6 +213,7 @@ class Pipeline:
         share = max(1, budget // len(entries))
         forks: list[tuple[str, tuple[int, ...], Outcome]] = []
         fork_inputs: list[DraftInput] = []
+        births: list[tuple[str, str, int]] = []  # (parent, fork, length)
         for item, entry in entries:
             depth = item.steps or state.tier
             if len(entry.chain) != depth:
@@ -206,7 +222,7 @@ class Pipeline:
                 if len(forks) == budget or entry.base + o.accepted + 2 * depth + 2 > cache.max_len:
                     break
                 key = f"{item.request_id}>{o.accepted}:{o.bonus}"
-                self.drafter.fork(item.request_id, key, entry.base + o.accepted)
+                births.append((item.request_id, key, entry.base + o.accepted))
                 appended = (*entry.chain[: o.accepted], o.bonus)
                 feature = entry.ahead.hidden[o.accepted : o.accepted + 1]
                 fork_inputs.append(
@@ -215,6 +231,8 @@ class Pipeline:
                 forks.append((item.request_id, appended, o))
         if not fork_inputs:
             return {}
+        t0 = time.perf_counter()
+        self.drafter.fork(births)
         drafted = self.drafter.draft_ahead(fork_inputs, state, self.top)
         out: dict[str, list[Predraft]] = {}
         for (rid, appended, o), fork_input, (tree, ahead) in zip(
@@ -223,4 +241,6 @@ class Pipeline:
             base = cache.lengths[self.drafter.requests[fork_input.request_id].slot]
             self.drafted[rid].forks[appended] = Fork(fork_input.request_id, tree, ahead, base)
             out.setdefault(rid, []).append(Predraft(o.accepted, o.bonus, tree))
+        self.predraft_s += time.perf_counter() - t0  # the trees are on the host: GPU work done
+        self.predraft_rounds += 1
         return {rid: tuple(p) for rid, p in out.items()}
