@@ -26,6 +26,7 @@ from specpair.proto.v1 import target_pb2
 log = get_logger("controller")
 
 RECENT_SWITCHES = 32
+RECENT_PREDRAFTS = 256  # request-rounds behind the hit rate in GetState
 
 
 @dataclass(slots=True)
@@ -43,6 +44,9 @@ class _Target:
     switches: deque[TierSwitch] = field(default_factory=lambda: deque(maxlen=RECENT_SWITCHES))
     # Serializes ApplyTier between the round stream and the ops RPCs.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    pipelined: bool = False  # its last round was
+    # Recent pipelined request-rounds: was the tree pre-drafted?
+    predrafted: deque[bool] = field(default_factory=lambda: deque(maxlen=RECENT_PREDRAFTS))
 
 
 class AdaptiveController:
@@ -119,6 +123,8 @@ class AdaptiveController:
                 recent_switches=tuple(t.switches),
                 estimates=t.policy.estimates() if t.policy else (),
                 model=t.policy.describe() if t.policy else "",
+                pipeline=t.pipelined,
+                pipeline_hit_rate=sum(t.predrafted) / len(t.predrafted) if t.predrafted else 0.0,
             )
             for t in self._targets
         ]
@@ -234,6 +240,10 @@ class AdaptiveController:
         if any(a < 0 for a in accept_lengths):
             log.warning("round with negative accept lengths ignored", round_id=stats.round_id)
             return
+        t.pipelined = stats.pipelined
+        if stats.pipelined:
+            t.predrafted.extend(stats.predrafted)
+            t.predrafted.extend([False] * stats.predraft_misses)
         sample = round_sample(stats)
         for a in sample.accept_lengths:
             self.metrics.accept_length.observe(a)

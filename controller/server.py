@@ -71,6 +71,8 @@ def target_to_pb(t: TargetState) -> controller_pb2.TargetState:
             for e in t.estimates
         ],
         model=t.model,
+        pipeline=t.pipeline,
+        pipeline_hit_rate=t.pipeline_hit_rate,
     )
 
 

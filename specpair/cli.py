@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--draft-model", type=Path, help="default: models/draft")
     up.add_argument("--draft-kind", type=DraftKind, choices=list(DraftKind), default="model")
     up.add_argument("--device", default="cpu")
+    up.add_argument("--draft-device", help="the draft's device (default: --device), e.g. cuda:1")
+    up.add_argument("--pipeline", choices=["auto", "on", "off"], default="auto",
+                    help="pipelined rounds (auto: the draft on a device of its own)")  # fmt: skip
     up.add_argument("--policy", type=Path)
     up.add_argument("--demo", action="store_true", help="run the demo client once it is up")
 

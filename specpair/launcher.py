@@ -58,8 +58,11 @@ def up_services(args: argparse.Namespace) -> tuple[list[Service], str]:
         str(draft),
         "--draft-kind",
         str(args.draft_kind),
-        *device,
+        "--device",
+        args.draft_device or args.device,
     )
+    if args.pipeline == "off":
+        draft_args += ("--pipeline", "off")
     if args.draft_kind == "eagle":
         draft_args += ("--target-model", str(target))
     controller_args: tuple[str, ...] = ("controller", "--target", env_address("target"))
@@ -67,7 +70,9 @@ def up_services(args: argparse.Namespace) -> tuple[list[Service], str]:
         controller_args += ("--policy", str(args.policy))
     from specpair.runtime.build import feature_layers  # torch: only when starting services
 
-    target_args: tuple[str, ...] = ("target", "--model", str(target), *device)
+    target_args: tuple[str, ...] = (
+        "target", "--model", str(target), *device, "--pipeline", str(args.pipeline),
+    )  # fmt: skip
     if args.draft_kind == "eagle" and (layers := feature_layers(draft, target)):
         target_args += ("--feature-layers", ",".join(map(str, layers)))  # an EAGLE-3 head's
     services = [

@@ -98,6 +98,8 @@ class TargetState(_JSONReady):
     recent_switches: tuple[TierSwitch, ...]
     estimates: tuple[TierEstimate, ...] = ()  # the policy's tokens/s per tier
     model: str = ""  # one line on the model behind the estimates
+    pipeline: bool = False  # its rounds are pipelined (the draft pre-drafts while it verifies)
+    pipeline_hit_rate: float = 0.0  # pre-drafted share of pipelined request-rounds, recent
 
     @staticmethod
     def from_pb(t: controller_pb2.TargetState) -> TargetState:
@@ -120,6 +122,8 @@ class TargetState(_JSONReady):
                 for e in t.estimates
             ),
             model=t.model,
+            pipeline=t.pipeline,
+            pipeline_hit_rate=t.pipeline_hit_rate,
         )
 
 

@@ -39,7 +39,7 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
         self.round_id = 0
         self.watchers: list[asyncio.Queue[target_pb2.RoundStats]] = []
 
-    def push(self, *accept_lengths: int, speculative: bool = True) -> None:
+    def push(self, *accept_lengths: int, speculative: bool = True, **pipelined: Any) -> None:
         self.round_id += 1
         stats = target_pb2.RoundStats(
             round_id=self.round_id,
@@ -48,6 +48,7 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
             accept_lengths=accept_lengths,
             speculative=speculative,
             unix_time=time.time(),
+            **pipelined,
         )
         for queue in self.watchers:
             queue.put_nowait(stats)
@@ -197,6 +198,16 @@ async def test_non_speculative_rounds_are_seen_but_not_counted(stack: Controller
     state = (await stack.get_state()).targets[0]
     assert state.batches_counted == 0 and state.active_steps == 3
     assert stack.fake.applied == []
+
+
+async def test_status_shows_pipelined_rounds_and_their_hit_rate(stack: ControllerStack) -> None:
+    state = (await stack.get_state()).targets[0]
+    assert not state.pipeline and state.pipeline_hit_rate == 0.0
+    stack.fake.push(2, 1, pipelined=True, predrafted=[True, False], predraft_misses=1)
+    stack.fake.push(3, pipelined=True, predrafted=[True])
+    await eventually(lambda: stack.snapshot().rounds_seen == 2)
+    state = (await stack.get_state()).targets[0]
+    assert state.pipeline and state.pipeline_hit_rate == pytest.approx(2 / 4)
 
 
 async def test_pin_applies_now_and_overrides_policy_until_unpin(stack: ControllerStack) -> None:
