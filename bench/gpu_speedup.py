@@ -121,6 +121,13 @@ def grown_pair(root: Path, draft_kind: str, device: str) -> tuple[Path, Path]:
     return paths["target"], paths[folder]
 
 
+def bench_pair(shape: str, root: Path, draft_kind: str, device: str) -> tuple[Path, Path]:
+    """(target, draft): the grown pair (`grown_pair`), or the shipped one as it is."""
+    if shape == "grown":
+        return grown_pair(root, draft_kind, device)
+    return MODELS_DIR / "target", MODELS_DIR / DRAFTS[draft_kind][0]
+
+
 def make_workloads(
     tokenizer: Any, requests: int, temperatures: Sequence[float] = TEMPERATURES
 ) -> list[Workload]:
@@ -420,10 +427,7 @@ def main() -> None:
     info = device_info()
     gpu = info.get("gpu", info["cpu"])
     print(f"device: {info}", flush=True)
-    if args.shape == "grown":
-        target, draft = grown_pair(args.models_dir, args.draft_kind, args.device)
-    else:
-        target, draft = MODELS_DIR / "target", MODELS_DIR / DRAFTS[args.draft_kind][0]
+    target, draft = bench_pair(args.shape, args.models_dir, args.draft_kind, args.device)
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     workloads = make_workloads(tokenizer, args.requests, args.temperatures)
     dtype = "float32" if args.device == "cpu" else "bfloat16"

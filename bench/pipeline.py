@@ -37,14 +37,14 @@ from bench.gpu_speedup import (
     TIERS,
     WARMUP_TOKENS,
     Cell,
-    grown_pair,
+    bench_pair,
     in_process,
     make_workloads,
 )
 from bench.services import BenchServices, wait_draft_connected, watch_rounds
 from controller.policy import PolicyConfig
 from specpair.client import ControllerClient, SpecpairClient
-from specpair.config import MODELS_DIR, compute_threads
+from specpair.config import compute_threads
 from specpair.proto.v1 import target_pb2
 from specpair.serving import compute_executor
 from target_service.special_tokens import eos_ids
@@ -137,10 +137,7 @@ def main() -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     info = device_info()
     print(f"device: {info}", flush=True)
-    if args.shape == "grown":
-        target, draft = grown_pair(args.models_dir, args.draft_kind, args.device)
-    else:
-        target, draft = MODELS_DIR / "target", MODELS_DIR / DRAFTS[args.draft_kind][0]
+    target, draft = bench_pair(args.shape, args.models_dir, args.draft_kind, args.device)
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     (workload,) = make_workloads(tokenizer, args.requests, [0.0])[:1]
     dtype = "float32" if args.device == "cpu" else "bfloat16"
