@@ -120,6 +120,7 @@ def main() -> None:
     parser.add_argument("--models-dir", type=Path, default=Path("/tmp/specpair-grown"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--two-gpus", action="store_true", help="also the draft on cuda:1")
+    parser.add_argument("--in-process-only", action="store_true", help="no services cells")
     parser.add_argument("--batches", type=int, nargs="+", default=[1])
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--width", type=int, default=16, help="pre-drafts per round (draft)")
@@ -150,6 +151,7 @@ def main() -> None:
               f"{cell.tokens_per_s:8.1f} tok/s", flush=True)  # fmt: skip
         finish(rows)
         write_json(out, {"device": info, "draft_kind": args.draft_kind, "shape": args.shape,
+                         "width": args.width,
                          "new_tokens": args.new_tokens, "requests": args.requests,
                          "date": time.strftime("%Y-%m-%d"),
                          "cells": [{k: v for k, v in r.items() if k != "outputs"}
@@ -164,8 +166,8 @@ def main() -> None:
         ).result()  # fmt: skip
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    placements = [("1 GPU", args.device)]
-    if args.two_gpus:
+    placements = [] if args.in_process_only else [("1 GPU", args.device)]
+    if args.two_gpus and not args.in_process_only:
         placements.insert(0, ("2 GPUs", "cuda:1"))
     policy = PolicyConfig(candidate_steps=TIERS).to_dict()
     for where, draft_device in placements:
