@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,7 @@ from bench.common import device_info, format_table, write_json
 from bench.services import BenchServices, watch_rounds
 from controller.bands import PolicySpec
 from controller.controller import round_sample
-from controller.interface import RoundSample
+from controller.interface import RoundSample, SpeculationPolicy
 from controller.policy import PolicyConfig
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.config import MODELS_DIR
@@ -121,10 +122,7 @@ def run_workload(
     time.sleep(0.3)
     call.cancel()
     # Every round (plain ones carry no accept lengths and leave the EMA alone).
-    result.rounds = [
-        {"tier": r.speculative_num_steps, **{k: getattr(round_sample(r), k) for k in ROUND_KEYS}}
-        for r in rounds
-    ]
+    result.rounds = [round_record(r) for r in rounds]
     state = ctl.state().targets[0]
     result.switches = sum(
         1 for s in state.recent_switches[switches_before:] if s.reason == "policy"
@@ -144,27 +142,42 @@ def kind_policy(policy: PolicySpec, kind: str) -> dict[str, Any]:
     return values
 
 
-def oracle_of(results: dict[str, RunResult], n_phases: int) -> tuple[float, list[str]]:
-    """(tokens/s, static run per phase) of the per-phase oracle: the best static tier in each
-    phase, stitched together."""
+def round_record(stats: target_pb2.RoundStats) -> dict[str, Any]:
+    """A round as a run keeps it (JSON-ready): the RoundSample the policy saw, and the tier the
+    target ran it at (`steps` is 0 for a round without drafts)."""
+    sample = round_sample(stats)
+    return {"tier": stats.speculative_num_steps, **{k: getattr(sample, k) for k in ROUND_KEYS}}
+
+
+def oracle_of(
+    results: dict[str, RunResult], n_phases: int, statics: Iterable[str] = STATIC
+) -> tuple[float, list[str]]:
+    """(tokens/s, static run per phase) of the per-phase oracle: the best of the `statics` runs
+    in each phase, stitched together."""
     seconds, tokens, best_runs = 0.0, 0, []
     for i in range(n_phases):
-        best = max(results.keys() & set(STATIC), key=lambda n: results[n].tokens_per_s(i))
+        best = max(results.keys() & set(statics), key=lambda n: results[n].tokens_per_s(i))
         best_runs.append(best)
         seconds += results[best].phase_seconds[i]
         tokens += results[best].phase_tokens[i]
     return tokens / seconds, best_runs
 
 
+def replay(
+    rounds: Iterable[dict[str, Any]], policy: PolicySpec, initial: int
+) -> Iterator[SpeculationPolicy]:
+    """The same pure policy fed a run's rounds (as `round_record` keeps them), started afresh at
+    tier `initial` as a kind switch starts it; yields the policy after each round."""
+    policy_now = policy.build(initial)
+    for r in rounds:
+        policy_now.observe(RoundSample(**{k: r[k] for k in ROUND_KEYS}))
+        yield policy_now
+
+
 def ema_timeline(result: RunResult, policy: PolicySpec, initial: int) -> list[float]:
     """The policy's headline estimate over the run's rounds (the same pure policy, replayed):
     sglang's EMA accept length, goodput's predicted accepted drafts at its tier."""
-    replay = policy.build(initial)
-    out = []
-    for r in result.rounds:
-        replay.observe(RoundSample(**{k: r[k] for k in ROUND_KEYS}))
-        out.append(replay.ema)
-    return out
+    return [p.ema for p in replay(result.rounds, policy, initial)]
 
 
 def plot(results: dict[str, RunResult], policy: PolicySpec, path: Path) -> None:

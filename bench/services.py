@@ -50,7 +50,8 @@ class BenchServices(ServiceGroup):
     a "unix" domain socket. `pipeline` ("on" | "off" | "auto"; None: the command's default)
     goes to the target, and the draft pre-drafts unless it is "off"; each service sees its GPU
     as `cuda` (`one_gpu`), so "auto" cannot tell two GPUs from one: say "on" or "off".
-    `draft_options`: more flags for the draft service.
+    `draft_options` / `target_options`: more flags for the draft / target service (e.g.
+    ("--max-batch", "64")).
     """
 
     def __init__(
@@ -73,6 +74,7 @@ class BenchServices(ServiceGroup):
         link: str = "tcp",
         pipeline: str | None = None,
         draft_options: Sequence[str] = (),
+        target_options: Sequence[str] = (),
     ) -> None:
         self.draft, self.socket_dir = link_address(link, "draft")
         self.target, self.controller = free_address(), free_address()
@@ -107,6 +109,7 @@ class BenchServices(ServiceGroup):
                        "--device", target_arg, *model)  # fmt: skip
         if pipeline is not None:
             target_args += ("--pipeline", pipeline)
+        target_args += tuple(target_options)
         services.append(Service("target", self.target, target_args, target_env, pins.get("target")))
         if policy is not None:
             policy_file = log_dir / "policy.json"

@@ -155,8 +155,10 @@ class AdaptiveController:
                 if t.policy is None:
                     continue
                 if new.kind != old_kind:
-                    # Another kind learns from scratch, starting where the target runs.
-                    t.policy = new.build(t.policy.current_steps)
+                    # Another kind learns from scratch, starting where the target runs: at the
+                    # pinned tier while one is pinned, not at the old kind's choice.
+                    start = self.pinned_steps
+                    t.policy = new.build(t.policy.current_steps if start is None else start)
                     changed = False
                 else:
                     changed = t.policy.reconfigure(new.policy_options())

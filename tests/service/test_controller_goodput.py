@@ -80,6 +80,35 @@ async def test_goodput_turns_speculation_off_when_drafts_are_never_accepted() ->
         await target.stop(grace=0.1)
 
 
+async def test_a_kind_switched_in_while_pinned_starts_at_the_pinned_tier() -> None:
+    """Goodput has moved to tier 0; pinned at 3, a switch to sglang starts that kind at 3 (the
+    tier the target runs), so unpinning keeps 3, not tier 0 snapped to sglang's lowest, 1."""
+    fake = FakeTarget(steps=3, candidates=(0, 1, 3, 7))
+    target = await serve_target(fake, "127.0.0.1:0")
+    config = ControllerConfig(ServerConfig("127.0.0.1:0"), targets=(f"127.0.0.1:{target.port}",))
+    running = await start(config)
+    controller = running.controller
+    try:
+        await eventually(lambda: bool(fake.watchers) and controller.snapshot()[0].connected)
+        await controller.update_policy(
+            kind="goodput", candidate_steps=[0, 1, 3, 7], warmup_batches=0, update_interval=1
+        )
+        for _ in range(100):
+            if fake.steps == 0:
+                break
+            push_timed(fake, (0,), total_ms=12.0 + 3.0 * fake.steps)
+            await asyncio.sleep(0.02)
+        assert fake.steps == 0
+        await controller.pin(3)
+        await controller.update_policy(kind="sglang", candidate_steps=[1, 3, 7])
+        await controller.unpin()
+        assert fake.applied[-1] == (3, "unpin")
+        assert controller.snapshot()[0].active_steps == 3
+    finally:
+        await running.stop(grace=0.1)
+        await target.stop(grace=0.1)
+
+
 @contextlib.asynccontextmanager
 async def class_controller(
     fake: FakeTarget, tmp_path: Path, policy_class: str, options: dict[str, Any]
