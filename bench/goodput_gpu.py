@@ -48,7 +48,7 @@ from typing import Any
 from bench.adaptive import Phase, RunResult, build_phases, oracle_of, replay, round_record
 from bench.adaptive import run_workload as run_phased
 from bench.common import device_info, format_table, write_json
-from bench.gpu_speedup import DRAFTS, Cell, Workload, bench_pair, make_workloads
+from bench.gpu_speedup import Cell, Workload, add_pair_args, bench_pair, make_workloads
 from bench.gpu_speedup import serve_cells as serve_batch
 from bench.services import BenchServices, wait_draft_connected, watch_rounds
 from controller.bands import PolicySpec
@@ -412,10 +412,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--draft-kind", choices=sorted(DRAFTS), default="eagle")
-    parser.add_argument("--shape", choices=["grown", "shipped"], default="grown")
-    parser.add_argument("--models-dir", type=Path, default=Path("/tmp/specpair-grown"))
-    parser.add_argument("--device", default="cuda")
+    add_pair_args(parser)
     parser.add_argument("--parts", nargs="+", choices=["phased", "sweep"],
                         default=["phased", "sweep"])  # fmt: skip
     parser.add_argument("--per-phase", type=int, default=4,

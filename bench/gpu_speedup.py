@@ -128,6 +128,16 @@ def bench_pair(shape: str, root: Path, draft_kind: str, device: str) -> tuple[Pa
     return MODELS_DIR / "target", MODELS_DIR / DRAFTS[draft_kind][0]
 
 
+def add_pair_args(parser: argparse.ArgumentParser) -> None:
+    """--draft-kind, --shape, --models-dir and --device: the pair `bench_pair` picks, and where
+    it runs."""
+    parser.add_argument("--draft-kind", choices=sorted(DRAFTS), default="eagle")
+    parser.add_argument("--shape", choices=["grown", "shipped"], default="grown",
+                        help="the grown 8B-cost pair, or the shipped small pair as is")  # fmt: skip
+    parser.add_argument("--models-dir", type=Path, default=Path("/tmp/specpair-grown"))
+    parser.add_argument("--device", default="cuda")
+
+
 def make_workloads(
     tokenizer: Any, requests: int, temperatures: Sequence[float] = TEMPERATURES
 ) -> list[Workload]:
@@ -396,11 +406,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--draft-kind", choices=sorted(DRAFTS), default="eagle")
-    parser.add_argument("--shape", choices=["grown", "shipped"], default="grown",
-                        help="the grown 8B-cost pair, or the shipped small pair as is")  # fmt: skip
-    parser.add_argument("--models-dir", type=Path, default=Path("/tmp/specpair-grown"))
-    parser.add_argument("--device", default="cuda")
+    add_pair_args(parser)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--requests", type=int, default=16, help="requests per workload")
     parser.add_argument("--new-tokens", type=int, default=48)

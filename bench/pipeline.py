@@ -33,10 +33,10 @@ import torch
 
 from bench.common import device_info, format_table, write_json
 from bench.gpu_speedup import (
-    DRAFTS,
     TIERS,
     WARMUP_TOKENS,
     Cell,
+    add_pair_args,
     bench_pair,
     in_process,
     make_workloads,
@@ -115,10 +115,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--draft-kind", choices=sorted(DRAFTS), default="eagle")
-    parser.add_argument("--shape", choices=["grown", "shipped"], default="grown")
-    parser.add_argument("--models-dir", type=Path, default=Path("/tmp/specpair-grown"))
-    parser.add_argument("--device", default="cuda")
+    add_pair_args(parser)
     parser.add_argument("--two-gpus", action="store_true", help="also the draft on cuda:1")
     parser.add_argument("--in-process-only", action="store_true", help="no services cells")
     parser.add_argument("--batches", type=int, nargs="+", default=[1])
