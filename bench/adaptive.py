@@ -41,7 +41,7 @@ KINDS = ("sglang", "goodput")  # runs under a policy; the others pin a tier
 RUNS = (*KINDS, "static-1", "static-3", "static-7")
 STATIC = RUNS[len(KINDS) :]
 ROUND_KEYS = ("steps", "batch_size", "accept_lengths", "total_ms", "verify_ms", "draft_ms",
-              "schedule_ms")  # fmt: skip
+              "schedule_ms", "admit_ms")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ def replay(
     tier `initial` as a kind switch starts it; yields the policy after each round."""
     policy_now = policy.build(initial)
     for r in rounds:
-        policy_now.observe(RoundSample(**{k: r[k] for k in ROUND_KEYS}))
+        policy_now.observe(RoundSample(**{k: r.get(k, 0.0) for k in ROUND_KEYS}))
         yield policy_now
 
 

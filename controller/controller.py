@@ -325,4 +325,5 @@ def round_sample(stats: target_pb2.RoundStats) -> RoundSample:
         verify_ms=timings.verify_ms,
         draft_ms=timings.draft_ms,
         schedule_ms=timings.schedule_ms,
+        admit_ms=timings.admit_ms,
     )

@@ -151,6 +151,13 @@ class CostModel:
         if sample.total_ms <= 0.0 or sample.batch_size < 1:
             return  # a target that reports no timings teaches nothing
         b, s, a = self._bucket(batch_bucket(sample.batch_size)), sample.steps, self.alpha
+        entry = b.round_ms.get(s)
+        if sample.admit_ms > 0 and (entry is None or entry.n < 3):
+            # A request joined: its prompt's extend is in the draft's time, its prefill in the
+            # total (admit_ms). Once a tier has 3 rounds its estimate clips such spikes; before,
+            # the first would set it (an H100 run: T(3) 24.5 ms from one 58 ms first round
+            # against 11.3 typical, which predicted T(0) at 0.2 ms).
+            return
         total, draft, fixed = uniform_round(sample)
         b.round_ms.setdefault(s, _Ema()).add(total, a)
         b.verify_ms.setdefault(s, _Ema()).add(sample.verify_ms, a)
@@ -245,10 +252,10 @@ def uniform_round(sample: RoundSample) -> tuple[float, float, float]:
     steps = (*sample.request_steps, *(0 for _ in sample.plain_request_ids))
     b, s, done = sample.batch_size, sample.steps, sum(sample.request_steps)
     if s < 1 or len(steps) != b or not sample.request_steps or done >= b * s:
-        return sample.total_ms, sample.draft_ms, fixed
+        return sample.total_ms - sample.admit_ms, sample.draft_ms, fixed
     draft = sample.draft_ms * b * s / done
     full_fixed = fixed * b / len(sample.request_steps)
-    total = sample.total_ms + (draft - sample.draft_ms) + (full_fixed - fixed)
+    total = sample.total_ms - sample.admit_ms + (draft - sample.draft_ms) + (full_fixed - fixed)
     return total, draft, full_fixed
 
 

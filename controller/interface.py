@@ -31,6 +31,7 @@ class RoundSample:
     verify_ms: float = 0.0
     draft_ms: float = 0.0
     schedule_ms: float = 0.0
+    admit_ms: float = 0.0  # prefill of joining requests: in total_ms, not in schedule_ms
     # Per-request tiers: parallel to accept_lengths, whose each one is and its own tier; the
     # round's other requests (not drafted) in plain_request_ids. Empty from an older target.
     request_ids: tuple[str, ...] = ()
@@ -46,7 +47,7 @@ class RoundSample:
         """Draft round trip (wire + extend + draft); 0 for a round without drafts."""
         if not self.speculative:
             return 0.0
-        return max(self.total_ms - self.verify_ms - self.schedule_ms, self.draft_ms)
+        return max(self.total_ms - self.admit_ms - self.verify_ms - self.schedule_ms, self.draft_ms)
 
 
 @runtime_checkable

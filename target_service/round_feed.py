@@ -57,6 +57,7 @@ class RoundFeed:
         pipelined: bool = False,
         wait_s: float = 0.0,
         predraft_ms: float = 0.0,
+        admit_s: float = 0.0,
     ) -> None:
         """One round: `draft` is the draft service's own account, `rtt_s` the time from its
         request going out to its trees, `total_s` the round's share of the wall time."""
@@ -69,10 +70,11 @@ class RoundFeed:
             verify_ms=1e3 * verify_s,
             verify_gpu_ms=verify_gpu_ms,
             rpc_ms=max(rpc_ms, 0.0) if speculative else 0.0,
-            schedule_ms=1e3 * max(total_s - rtt_s - verify_s, 0.0),
+            schedule_ms=1e3 * max(total_s - rtt_s - verify_s - admit_s, 0.0),
             total_ms=1e3 * total_s,
             wait_ms=1e3 * wait_s,
             predraft_ms=predraft_ms,
+            admit_ms=1e3 * admit_s,
         )
         for stage, ms in (("draft", timings.draft_ms), ("verify", timings.verify_ms),
                           ("rpc", timings.rpc_ms), ("schedule", timings.schedule_ms)):  # fmt: skip

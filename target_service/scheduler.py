@@ -318,7 +318,7 @@ class Scheduler:
         self.feed.publish(
             flight.round_id, state.tier, len(batch), accepts, speculative, drafts.timings,
             rtt_s=t1 - flight.started, verify_s=t2 - t1, verify_gpu_ms=gpu_ms(self.worker),
-            total_s=flight.admit_s + end - flight.started,
+            total_s=flight.admit_s + end - flight.started, admit_s=flight.admit_s,
             request_ids=drafted_ids, request_steps=drafted_steps, plain_request_ids=plain_ids,
             predrafted=[rid in flight.hit_ids for rid in drafted_ids],
             predraft_misses=flight.misses, wait_s=flight.wait_s, predraft_ms=flight.predraft_ms,

@@ -79,6 +79,7 @@ class StageTimings:
     total_ms: float = 0.0
     wait_ms: float = 0.0  # the target waited for the draft's trees (0: all pre-drafted)
     predraft_ms: float = 0.0  # pipelined: the draft pre-drafting the next round
+    admit_ms: float = 0.0  # prefill of the requests joining the round (in total, not schedule)
     draft_host_ms: float = 0.0  # the draft service's event loop and thread hand-offs
     draft_gpu_ms: float = 0.0  # CUDA graph replays, from CUDA events; 0 when none ran
     verify_gpu_ms: float = 0.0

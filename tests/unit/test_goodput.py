@@ -4,6 +4,7 @@ tested against simulated chains, tier 0 and its probes, the shared guards."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -254,3 +255,19 @@ def test_the_schedule_follows_the_tokens_a_tier_gives() -> None:
     assert cost.round_ms(0, 16) == pytest.approx(174 - 2.5 - 102)  # without acceptance
     assert cost.round_ms(0, 16, e) == pytest.approx(69.5 - 38.5 / 45 * 16 * (45 / 16 - 1))
     assert cost.round_ms(3, 16, e) == 174.0  # measured stays measured
+
+
+def test_a_round_that_admitted_a_request_does_not_set_a_tiers_cost() -> None:
+    """The first round of a request carries its prefill (admit_ms) and the draft's extend of
+    its prompt: it must not set T(3), from which T(0) is predicted (an H100 run predicted
+    T(0) = 0.2 ms that way and parked at tier 0)."""
+    cost = CostModel(alpha=0.5)
+    first = replace(timed(3, [0], total=58, verify=6.5, draft=14), admit_ms=34)
+    cost.observe(first)
+    assert cost.round_ms(3, 1) is None  # nothing learnt from it
+    for _ in range(3):
+        cost.observe(timed(3, [2], total=11.3, verify=6.4, draft=4))
+    assert cost.round_ms(3, 1) == pytest.approx(11.3)
+    cost.observe(replace(timed(3, [2], total=40, verify=6.4, draft=4), admit_ms=28.7))
+    assert cost.round_ms(3, 1) == pytest.approx(11.3)  # from then on: the total less admission
+    assert 5.0 < (cost.round_ms(0, 1) or 0.0) < 11.3
