@@ -67,13 +67,13 @@ def account(rounds: list[target_pb2.RoundStats]) -> Pipelined:
     spec = [r for r in rounds if r.speculative]
     hits = sum(sum(r.predrafted) for r in spec)
     misses = sum(r.predraft_misses for r in spec)
-    pre = [a for r in spec for a, p in zip(r.accept_lengths, r.predrafted, strict=False) if p]
-    fresh = [
-        a
-        for r in spec
-        for a, p in zip(r.accept_lengths, list(r.predrafted) or [False] * 99, strict=False)
-        if not p
+    # an unpipelined round's trees were all drafted fresh (its `predrafted` is empty)
+    flags = [list(r.predrafted) or [False] * len(r.accept_lengths) for r in spec]
+    pairs = [
+        pf for r, f in zip(spec, flags, strict=True) for pf in zip(r.accept_lengths, f, strict=True)
     ]
+    pre = [a for a, p in pairs if p]
+    fresh = [a for a, p in pairs if not p]
     n = max(len(spec), 1)
     return Pipelined(
         hits / (hits + misses) if hits + misses else None,

@@ -148,7 +148,9 @@ class Drafter(ABC):
         """Each (parent id, child id, length): the child starts as the parent's first `length`
         positions (`KVCache.fork_many`) and draws from the parent's generator."""
         parents = [self.requests[parent_id] for parent_id, _, _ in forks]
-        slots = self.cache.fork_many([(self.requests[pid].slot, n) for pid, _, n in forks])
+        slots = self.cache.fork_many(
+            [(p.slot, n) for p, (_, _, n) in zip(parents, forks, strict=True)]
+        )
         for parent, slot, (_, child_id, _) in zip(parents, slots, forks, strict=True):
             self.requests[child_id] = DraftSlot(slot, parent.generator)
 

@@ -275,12 +275,12 @@ class DraftSession:
         refused = 0
         if response is None:
             return 0
-        depths = {i.request_id: i.steps or request.speculative_num_steps for i in request.inputs}
+        asked = {item.request_id: item for item in request.inputs}
         for request_id, predrafts in response.predrafts.items():
-            depth = depths.get(request_id)
-            if depth is None or request_id not in self.views:
+            item = asked.get(request_id)
+            if item is None or request_id not in self.views:
                 continue  # not asked for, or it left
-            item = next(i for i in request.inputs if i.request_id == request_id)
+            depth = item.steps or request.speculative_num_steps
             kept = self._ahead.setdefault(request_id, {})
             for p in predrafts[: self.max_tree_nodes]:
                 why = self._fault(p.tree, item, depth)

@@ -27,7 +27,7 @@ import torch
 from specpair.logging import get_logger
 from specpair.runtime.draft import Drafter
 from specpair.runtime.round import DraftInput, Predraft
-from specpair.runtime.stages import Lookahead
+from specpair.runtime.stages import LOOKAHEAD_TOP, Lookahead
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.tree import CandidateTree
 
@@ -123,7 +123,7 @@ class Pipeline:
     batch, within the free slots (the draft's batch is nearly free up to a width); each
     request gets an equal share, at least one while the width lasts."""
 
-    def __init__(self, drafter: Drafter, width: int, top: int = 4) -> None:
+    def __init__(self, drafter: Drafter, width: int, top: int = LOOKAHEAD_TOP) -> None:
         self.drafter, self.width, self.top = drafter, width, top
         self.drafted: dict[str, Drafted] = {}
         self.rates = AcceptRates()

@@ -62,6 +62,9 @@ class ExtendStage(Protocol):
         a graph's padding) on the device."""
 
 
+LOOKAHEAD_TOP = 4  # the likeliest tokens a lookahead keeps per depth (runtime/pipeline.py)
+
+
 @dataclass(frozen=True, slots=True)
 class Lookahead:
     """What a drafted chain of s tokens says about the round after it. Row d (0..s) is the

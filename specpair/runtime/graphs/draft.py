@@ -29,9 +29,7 @@ from specpair.runtime.graphs.capture import (
 from specpair.runtime.kv_cache import CacheFullError
 from specpair.runtime.layout import BatchLayout, tril_mask
 from specpair.runtime.round import DraftInput
-from specpair.runtime.stages import Lookahead
-
-LOOKAHEAD_TOP = 4  # the likeliest tokens a lookahead keeps per depth (runtime/pipeline.py)
+from specpair.runtime.stages import LOOKAHEAD_TOP, Lookahead
 
 
 class DraftGraphs:
