@@ -74,6 +74,23 @@ class Drafter(ABC):
         `steps` (0: `state.tier`, never more): greedy rounds through the tier's stages, sampling
         rounds eagerly (their warps and generators live on the host). At tier 0 it only
         extends: its cache follows the target, and every chain is empty."""
+        return self._draft(inputs, state, 0)[0]
+
+    @torch.inference_mode()
+    def draft_ahead(
+        self, inputs: Sequence[DraftInput], state: SpecRuntimeState, width: int
+    ) -> list[tuple[CandidateTree, Lookahead]]:
+        """`draft` at a positive tier, each chain with its `Lookahead` (the `width` likeliest
+        tokens per depth, one step past the chain; see `draft_steps`)."""
+        if state.tier == 0:
+            raise ValueError("drafting ahead needs a positive tier")
+        trees, aheads = self._draft(inputs, state, width)
+        return list(zip(trees, aheads, strict=True))
+
+    def _draft(
+        self, inputs: Sequence[DraftInput], state: SpecRuntimeState, width: int
+    ) -> tuple[list[CandidateTree], list[Lookahead]]:
+        """`draft`, and with `width` > 0 each chain's lookahead (else none)."""
         depths = [item.steps or state.tier for item in inputs]
         if any(d > state.tier for d in depths):
             raise ValueError(f"a request asks for more than the round's {state.tier} steps")
@@ -84,65 +101,40 @@ class Drafter(ABC):
         if state.tier == 0:
             self.extend(inputs, slots)
             self.last_times = (time.perf_counter() - t0, 0.0)
-            return [chain(())] * len(inputs)
+            return [chain(())] * len(inputs), []
         if not all(item.sampling.greedy for item in inputs):
             hidden = self.extend(inputs, slots)
             t1 = time.perf_counter()
             samplers = [(i.sampling, e.generator) for i, e in zip(inputs, entries, strict=True)]
-            steps, probs, _ = self.draft_steps(hidden, slots, state.tier, samplers, depths)
+            steps, probs, eager = self.draft_steps(
+                hidden, slots, state.tier, samplers, depths, width
+            )
             self.last_times = (t1 - t0, time.perf_counter() - t1)
-            return [
+            trees = [
                 chain(tokens, torch.stack(p) if p else None)
                 for tokens, p in zip(steps, probs, strict=True)
             ]
+            return trees, eager
         extend, draft = self._stages(state)
         hidden = extend.run(inputs, slots)  # [B', 1, H] at each request's last row
         if self.profile and hidden.is_cuda:  # to time extend and draft apart
             torch.cuda.synchronize()
         t1 = time.perf_counter()
-        draft.plan(slots)
-        drafts = draft.run(hidden, slots, depths)
+        draft.plan(slots, ahead=width > 0)
+        aheads: list[Lookahead] = []
+        if width:
+            drafts, full = draft.run_ahead(hidden, slots, width)
+            aheads = [
+                Lookahead(a.ids[: d + 1], a.p[: d + 1], a.hidden[: d + 1])
+                for a, d in zip(full, depths, strict=True)
+            ]
+        else:
+            drafts = draft.run(hidden, slots, depths)
         self.last_gpu_ms = draft.read_gpu_ms()
         self.last_times = (t1 - t0, time.perf_counter() - t1)
-        # A graph drafts every row to the tier: a shorter request's chain is cut to its depth.
-        return [chain(tokens[:d]) for tokens, d in zip(drafts, depths, strict=True)]
-
-    @torch.inference_mode()
-    def draft_ahead(
-        self, inputs: Sequence[DraftInput], state: SpecRuntimeState, width: int
-    ) -> list[tuple[CandidateTree, Lookahead]]:
-        """`draft` at a positive tier, each chain with its `Lookahead` (see `draft_steps`):
-        the extend through the tier's stage where every request is greedy, the steps eagerly."""
-        depths = [item.steps or state.tier for item in inputs]
-        if state.tier == 0 or any(d > state.tier for d in depths):
-            raise ValueError(f"drafting ahead needs depths in [1, {state.tier}]")
-        entries = [self._slot(item) for item in inputs]
-        slots = [e.slot for e in entries]
-        self.last_gpu_ms = 0.0
-        t0 = time.perf_counter()
-        if all(item.sampling.greedy for item in inputs):
-            extend, draft = self._stages(state)
-            hidden = extend.run(inputs, slots)
-            t1 = time.perf_counter()
-            draft.plan(slots, ahead=True)
-            drafts, aheads = draft.run_ahead(hidden, slots, width)
-            self.last_gpu_ms = draft.read_gpu_ms()
-            self.last_times = (t1 - t0, time.perf_counter() - t1)
-            # A graph drafts every row to the tier: a shorter request's chain is cut to its
-            # depth, and its lookahead after it.
-            return [
-                (chain(tokens[:d]), Lookahead(a.ids[: d + 1], a.p[: d + 1], a.hidden[: d + 1]))
-                for tokens, a, d in zip(drafts, aheads, depths, strict=True)
-            ]
-        hidden = self.extend(inputs, slots)
-        t1 = time.perf_counter()
-        samplers = [(i.sampling, e.generator) for i, e in zip(inputs, entries, strict=True)]
-        steps, probs, aheads = self.draft_steps(hidden, slots, state.tier, samplers, depths, width)
-        self.last_times = (t1 - t0, time.perf_counter() - t1)
-        return [
-            (chain(tokens, torch.stack(p) if p else None), ahead)
-            for tokens, p, ahead in zip(steps, probs, aheads, strict=True)
-        ]
+        # A graph drafts every row to the tier: a shorter request's chain is cut to its depth,
+        # and its lookahead after it.
+        return [chain(tokens[:d]) for tokens, d in zip(drafts, depths, strict=True)], aheads
 
     def fork(self, forks: Sequence[tuple[str, str, int]]) -> None:
         """Each (parent id, child id, length): the child starts as the parent's first `length`
