@@ -41,7 +41,7 @@ KINDS = ("sglang", "goodput")  # runs under a policy; the others pin a tier
 RUNS = (*KINDS, "static-1", "static-3", "static-7")
 STATIC = RUNS[len(KINDS) :]
 ROUND_KEYS = ("steps", "batch_size", "accept_lengths", "total_ms", "verify_ms", "draft_ms",
-              "schedule_ms", "admit_ms")  # fmt: skip
+              "schedule_ms", "admit_ms", "sampled")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -326,4 +326,5 @@ def round_sample(stats: target_pb2.RoundStats) -> RoundSample:
         draft_ms=timings.draft_ms,
         schedule_ms=timings.schedule_ms,
         admit_ms=timings.admit_ms,
+        sampled=stats.sampled_requests,
     )

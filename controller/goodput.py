@@ -15,6 +15,19 @@ every `update_interval` rounds; a move needs a predicted gain over the current t
 `min_gain` (3 %: noise must not flip a near tie). At tier 0 nothing is learnt about drafts, so
 every `probe_interval` rounds the policy tries the smallest positive tier for at least
 `probe_rounds` rounds with drafts, then decides again from tier 0's standpoint.
+
+Two regimes, learnt apart: greedy batches and batches where some request samples. They differ
+in both models — on an H100 (grown pair, batch 1) a sampled round at tier 3 took 48 ms against
+11.4 greedy (the draft's sampling and q on the wire), and prose sampled at T = 1 accepted 1.1
+of 3 where code greedy accepted 1.8 — so one model fed both predicts neither. The regime is
+known from the round itself (`RoundSample.sampled`): when it changes the policy decides at
+once from what it learnt of that regime before; a regime never seen starts at the starting
+tier and learns.
+
+A prediction is only as good as what it extrapolates from: a tier never measured in this
+batch bucket and regime whose predicted tokens/s is within `explore_margin` of the best is
+tried (for one interval) before the policy settles, so that a stage model that mispredicts
+it — e.g. verify held flat when only one tier was measured — cannot hide a better tier.
 """
 
 from __future__ import annotations
@@ -23,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from controller.goodput_model import AcceptanceModel, CostModel
+from controller.goodput_model import AcceptanceModel, CostModel, batch_bucket
 from controller.interface import GatedPolicy, RoundSample, TierEstimate
 from controller.policy import PolicyKeys, check_gates, check_steps, finite_float, is_int
 
@@ -32,14 +45,16 @@ ProfileMs = tuple[tuple[int, int, float], ...]  # (batch size, tier, round ms)
 
 @dataclass(frozen=True, slots=True)
 class GoodputConfig(PolicyKeys):
-    """`profile_ms` seeds the cost model, in vLLM's batch_stats shape: {"1": {"0": 20.1,
-    "3": 30.4}, "16": {...}} (batch size → tier → round ms); tiers it omits are predicted."""
+    """`profile_ms` seeds the greedy regime's cost model, in vLLM's batch_stats shape: {"1":
+    {"0": 20.1, "3": 30.4}, "16": {...}} (batch size → tier → round ms); tiers it omits are
+    predicted."""
 
     candidate_steps: tuple[int, ...] = (1, 3, 7)
     ema_alpha: float = 0.1
     update_interval: int = 5
     warmup_batches: int = 10
     min_gain: float = 0.03
+    explore_margin: float = 0.25
     probe_interval: int = 64
     probe_rounds: int = 8
     profile_ms: ProfileMs = ()
@@ -53,7 +68,11 @@ class GoodputConfig(PolicyKeys):
         gain = finite_float("min_gain", self.min_gain)
         if gain < 0.0:
             raise ValueError(f"min_gain must be >= 0, got {self.min_gain}")
+        margin = finite_float("explore_margin", self.explore_margin)
+        if not 0.0 <= margin < 1.0:
+            raise ValueError(f"explore_margin must be in [0, 1), got {self.explore_margin}")
         object.__setattr__(self, "min_gain", gain)
+        object.__setattr__(self, "explore_margin", margin)
         for name in ("probe_interval", "probe_rounds"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
@@ -89,16 +108,51 @@ def parse_profile(raw: object) -> ProfileMs:
     return tuple(sorted(out))
 
 
+@dataclass
+class Regime:
+    """What the policy learnt of one sampling regime (greedy, or some request sampling)."""
+
+    acceptance: AcceptanceModel
+    cost: CostModel
+    rounds: int = 0
+
+    @classmethod
+    def fresh(cls, config: GoodputConfig, profile: ProfileMs = ()) -> Regime:
+        return cls(AcceptanceModel(config.ema_alpha), CostModel(config.ema_alpha, profile))
+
+
 class GoodputPolicy(GatedPolicy[GoodputConfig]):
     """Chooses the tier with the highest predicted tokens/s; see the module docstring."""
 
     def __init__(self, config: GoodputConfig, initial_steps: int) -> None:
         super().__init__(config, initial_steps)  # counts every round, tier 0's included
-        self.acceptance = AcceptanceModel(config.ema_alpha)
-        self.cost = CostModel(config.ema_alpha, config.profile_ms)
+        self._start = self._steps
+        self._regimes = {False: Regime.fresh(config, config.profile_ms), True: Regime.fresh(config)}
+        self._sampled = False  # the regime of the last round
         self._batch = 1
         self._rounds_at_zero = 0
         self._probe_rounds: int | None = None  # rounds with drafts so far while probing
+        self._explored: set[tuple[bool, int, int]] = set()  # (sampled, batch bucket, tier)
+
+    @property
+    def regime(self) -> Regime:
+        return self._regimes[self._sampled]
+
+    @property
+    def acceptance(self) -> AcceptanceModel:
+        return self.regime.acceptance
+
+    @acceptance.setter
+    def acceptance(self, model: AcceptanceModel) -> None:
+        self.regime.acceptance = model
+
+    @property
+    def cost(self) -> CostModel:
+        return self.regime.cost
+
+    @cost.setter
+    def cost(self, model: CostModel) -> None:
+        self.regime.cost = model
 
     @property
     def ema(self) -> float:
@@ -114,21 +168,42 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         self._gate.count = max(int(count), 0)
 
     def reconfigure(self, config: GoodputConfig) -> bool:
-        """New guards and candidates keep the learnt models; a new profile reseeds the cost."""
+        """New guards and candidates keep the learnt models; a new profile reseeds the greedy
+        regime's cost."""
         if config.profile_ms != self.config.profile_ms:
-            self.cost = CostModel(config.ema_alpha, config.profile_ms)
-        self.acceptance.decay = self.cost.alpha = config.ema_alpha
+            self._regimes[False].cost = CostModel(config.ema_alpha, config.profile_ms)
+        for regime in self._regimes.values():
+            regime.acceptance.decay = regime.cost.alpha = config.ema_alpha
         return self._swap_config(config)
 
     def observe(self, sample: RoundSample) -> bool:
-        self.cost.observe(sample)
-        self.acceptance.observe(sample.steps, sample.accept_lengths, sample.request_steps)
+        sampled = sample.sampled > 0
+        changed_regime, self._sampled = sampled != self._sampled, sampled
+        regime = self.regime
+        regime.cost.observe(sample)
+        regime.acceptance.observe(sample.steps, sample.accept_lengths, sample.request_steps)
+        regime.rounds += 1
         self._batch = sample.batch_size
         if self._probe_rounds is not None and sample.speculative:
             self._probe_rounds += 1
         elif self._steps == 0:
             self._rounds_at_zero += 1
-        return self._gate.tick() and self._decide()
+        due = self._gate.tick()
+        if changed_regime:
+            return self._enter_regime()
+        return due and self._decide()
+
+    def _enter_regime(self) -> bool:
+        """The batch turned greedy or sampled: decide from what this regime taught before, or,
+        never seen with drafts, learn it from the starting tier."""
+        old = self._steps
+        self._probe_rounds, self._rounds_at_zero = None, 0
+        if self.acceptance.trials > 0 and self._gate.count > self.config.warmup_batches:
+            return self._decide()
+        if old == 0 and self.acceptance.trials == 0:
+            positive = [s for s in self.config.candidate_steps if s > 0]
+            self._steps = self._start if self._start > 0 else (positive or [0])[0]
+        return self._steps != old
 
     def tokens_per_s(self, steps: int, batch_size: int | None = None) -> float | None:
         b = batch_size or self._batch
@@ -153,13 +228,35 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
             return False
         best = max(rates, key=lambda s: (rates[s], -s))  # a tie goes to the cheaper tier
         base_rate = rates.get(baseline)
-        if base_rate is None or rates[best] > base_rate * (1.0 + self.config.min_gain):
+        if (young := self._young(rates, best)) is not None:
+            self._steps = young
+        elif base_rate is None or rates[best] > base_rate * (1.0 + self.config.min_gain):
             self._steps = best
         else:
             self._steps = baseline
         if self._steps == 0 and old != 0:
             self._rounds_at_zero = 0
         return self._steps != old
+
+    def _young(self, rates: dict[int, float], best: int) -> int | None:
+        """The best-predicted tier never measured (nor profiled) at this batch size and regime,
+        if it comes within `explore_margin` of the best: with margin 0.25 and predictions
+        {1: 700, 3: 800} (tier 1 unmeasured), tier 1 is tried; at {1: 500, 3: 800} it is not."""
+        floor = rates[best] * (1.0 - self.config.explore_margin)
+        bucket = batch_bucket(self._batch)
+        young = [
+            s
+            for s, r in rates.items()
+            if s != self._steps
+            and r >= floor
+            and not self.cost.measured(s, self._batch)
+            and (self._sampled, bucket, s) not in self._explored
+        ]
+        if not young:
+            return None
+        steps = max(young, key=lambda s: rates[s])
+        self._explored.add((self._sampled, bucket, steps))  # once: its rounds may not teach
+        return steps
 
     def estimates(self) -> tuple[TierEstimate, ...]:
         out = []
@@ -183,8 +280,9 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         a = self.acceptance
         rates = ", ".join(f"{p:.2f}" for p in a.position_rates(max(self.candidate_steps)))
         state = " (probing)" if self.probing else ""
+        regime = "sampled" if self._sampled else "greedy"
         return (
-            f"goodput at batch {self._batch}{state}: acceptance α {a.alpha:.3f} "
-            f"({a.trials:.0f} decayed trials), per position [{rates}]; tokens/s = batch · "
-            f"E[tokens/round] / round time; switch on > {self.config.min_gain:.0%} gain"
+            f"goodput at batch {self._batch}, {regime} batches{state}: acceptance α "
+            f"{a.alpha:.3f} ({a.trials:.0f} decayed trials), per position [{rates}]; tokens/s = "
+            f"batch · E[tokens/round] / round time; switch on > {self.config.min_gain:.0%} gain"
         )

@@ -93,6 +93,7 @@ class _Ema:
     value: float = 0.0
     n: int = 0  # samples measured (a profiled seed counts 0)
     seeded: bool = False
+    skipped: int = 0  # rounds not learnt (a request joined in them)
 
     @property
     def known(self) -> bool:
@@ -151,21 +152,29 @@ class CostModel:
         if sample.total_ms <= 0.0 or sample.batch_size < 1:
             return  # a target that reports no timings teaches nothing
         b, s, a = self._bucket(batch_bucket(sample.batch_size)), sample.steps, self.alpha
-        entry = b.round_ms.get(s)
-        if sample.admit_ms > 0 and (entry is None or entry.n < 3):
+        entry = b.round_ms.setdefault(s, _Ema())
+        if sample.admit_ms > 0 and entry.n < 3 and entry.skipped < 3:
             # A request joined: its prompt's extend is in the draft's time, its prefill in the
             # total (admit_ms). Once a tier has 3 rounds its estimate clips such spikes; before,
             # the first would set it (an H100 run: T(3) 24.5 ms from one 58 ms first round
-            # against 11.3 typical, which predicted T(0) at 0.2 ms).
+            # against 11.3 typical, which predicted T(0) at 0.2 ms). Where requests join
+            # nearly every round (a closed loop at batch 64) the fourth is learnt all the same.
+            entry.skipped += 1
             return
         total, draft, fixed = uniform_round(sample)
-        b.round_ms.setdefault(s, _Ema()).add(total, a)
+        entry.add(total, a)
         b.verify_ms.setdefault(s, _Ema()).add(sample.verify_ms, a)
         if s > 0:
             b.draft_step_ms.add(draft / s, a)
             b.fixed_ms.add(fixed, a)
         tokens = sample.batch_size + sum(sample.accept_lengths)
         b.sched_token_ms.add(sample.schedule_ms / tokens, a)
+
+    def measured(self, steps: int, batch_size: int) -> bool:
+        """Whether `steps` has a time of its own (learnt or profiled) in this batch bucket."""
+        bucket = self._buckets.get(batch_bucket(batch_size))
+        entry = bucket.round_ms.get(steps) if bucket else None
+        return entry is not None and entry.known
 
     def measured_rounds(self, steps: int, batch_size: int) -> int:
         bucket = self._buckets.get(batch_bucket(batch_size))

@@ -37,6 +37,7 @@ class RoundSample:
     request_ids: tuple[str, ...] = ()
     request_steps: tuple[int, ...] = ()
     plain_request_ids: tuple[str, ...] = ()
+    sampled: int = 0  # requests of the batch that sample (temperature > 0)
 
     @property
     def speculative(self) -> bool:

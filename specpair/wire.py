@@ -178,6 +178,7 @@ def stats_to_proto(stats: RoundStats) -> target_pb2.RoundStats:
         predrafted=stats.predrafted,
         predraft_misses=stats.predraft_misses,
         pipelined=stats.pipelined,
+        sampled_requests=stats.sampled_requests,
     )
     timings_into(msg.timings, stats.timings)
     return msg

@@ -55,6 +55,7 @@ class RoundFeed:
         predrafted: list[bool] | None = None,
         predraft_misses: int = 0,
         pipelined: bool = False,
+        sampled_requests: int = 0,
         wait_s: float = 0.0,
         predraft_ms: float = 0.0,
         admit_s: float = 0.0,
@@ -82,7 +83,7 @@ class RoundFeed:
         stats = RoundStats(
             round_id, tier, batch_size, tuple(accepts), speculative, timings, time.time(),
             tuple(request_ids or ()), tuple(request_steps or ()), tuple(plain_request_ids or ()),
-            tuple(predrafted or ()), predraft_misses, pipelined,
+            tuple(predrafted or ()), predraft_misses, pipelined, sampled_requests,
         )  # fmt: skip
         if pipelined:
             hits = sum(predrafted or ())

@@ -323,6 +323,7 @@ class Scheduler:
             predrafted=[rid in flight.hit_ids for rid in drafted_ids],
             predraft_misses=flight.misses, wait_s=flight.wait_s, predraft_ms=flight.predraft_ms,
             pipelined=flight.request is not None and flight.request.predraft,
+            sampled_requests=sum(not r.seq.sampling.greedy for r in batch),
         )  # fmt: skip
         return following
 

@@ -120,3 +120,4 @@ class RoundStats:
     predrafted: tuple[bool, ...] = ()  # parallel to accept_lengths: the tree was pre-drafted
     predraft_misses: int = 0  # pipelined requests whose outcome had no pre-draft
     pipelined: bool = False  # the round was requested pipelined
+    sampled_requests: int = 0  # requests of the batch that sample (temperature > 0)

@@ -440,6 +440,7 @@ class RoundStats(_message.Message):
     PREDRAFTED_FIELD_NUMBER: _builtins.int
     PREDRAFT_MISSES_FIELD_NUMBER: _builtins.int
     PIPELINED_FIELD_NUMBER: _builtins.int
+    SAMPLED_REQUESTS_FIELD_NUMBER: _builtins.int
     round_id: _builtins.int
     speculative_num_steps: _builtins.int
     batch_size: _builtins.int
@@ -449,6 +450,10 @@ class RoundStats(_message.Message):
     """Requests of a pipelined round whose outcome had no pre-draft (drafted on demand)."""
     pipelined: _builtins.bool
     """The round was requested pipelined (its draft pre-drafts the next one)."""
+    sampled_requests: _builtins.int
+    """Requests of the batch that sample (temperature > 0): a sampled round costs more per
+    drafted token and accepts differently, so a policy models the two regimes apart.
+    """
     @_builtins.property
     def accept_lengths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Per request, accepted draft tokens (bonus excluded); empty for rounds without drafts."""
@@ -487,10 +492,11 @@ class RoundStats(_message.Message):
         predrafted: _abc.Iterable[_builtins.bool] | None = ...,
         predraft_misses: _builtins.int = ...,
         pipelined: _builtins.bool = ...,
+        sampled_requests: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_lengths", b"accept_lengths", "batch_size", b"batch_size", "pipelined", b"pipelined", "plain_request_ids", b"plain_request_ids", "predraft_misses", b"predraft_misses", "predrafted", b"predrafted", "request_ids", b"request_ids", "request_steps", b"request_steps", "round_id", b"round_id", "speculative", b"speculative", "speculative_num_steps", b"speculative_num_steps", "timings", b"timings", "unix_time", b"unix_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_lengths", b"accept_lengths", "batch_size", b"batch_size", "pipelined", b"pipelined", "plain_request_ids", b"plain_request_ids", "predraft_misses", b"predraft_misses", "predrafted", b"predrafted", "request_ids", b"request_ids", "request_steps", b"request_steps", "round_id", b"round_id", "sampled_requests", b"sampled_requests", "speculative", b"speculative", "speculative_num_steps", b"speculative_num_steps", "timings", b"timings", "unix_time", b"unix_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
