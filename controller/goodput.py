@@ -14,7 +14,10 @@ Guards, shared with the sglang kind: no decision in the first `warmup_batches` r
 every `update_interval` rounds; a move needs a predicted gain over the current tier of more than
 `min_gain` (3 %: noise must not flip a near tie). At tier 0 nothing is learnt about drafts, so
 every `probe_interval` rounds the policy tries the smallest positive tier for at least
-`probe_rounds` rounds with drafts, then decides again from tier 0's standpoint.
+`probe_rounds` rounds with drafts, then decides again from tier 0's standpoint; each probe that
+returns to tier 0 doubles the interval (up to 16×), one that stays resets it: on an H100 a
+sampled probe at tier 1 cost 31 ms a round against 12 at tier 0, so a probe every 64 rounds
+that never paid took a fifth of the time.
 
 Two regimes, learnt apart: greedy batches and batches where some request samples. They differ
 in both models — on an H100 (grown pair, batch 1) a sampled round at tier 3 took 48 ms against
@@ -52,7 +55,7 @@ class GoodputConfig(PolicyKeys):
     candidate_steps: tuple[int, ...] = (1, 3, 7)
     ema_alpha: float = 0.1
     update_interval: int = 5
-    warmup_batches: int = 10
+    warmup_batches: int = 5
     min_gain: float = 0.03
     explore_margin: float = 0.25
     probe_interval: int = 64
@@ -114,11 +117,16 @@ class Regime:
 
     acceptance: AcceptanceModel
     cost: CostModel
+    probe_every: int  # rounds at tier 0 between probes, doubled by each probe that failed
     rounds: int = 0
 
     @classmethod
     def fresh(cls, config: GoodputConfig, profile: ProfileMs = ()) -> Regime:
-        return cls(AcceptanceModel(config.ema_alpha), CostModel(config.ema_alpha, profile))
+        return cls(
+            AcceptanceModel(config.ema_alpha),
+            CostModel(config.ema_alpha, profile),
+            config.probe_interval,
+        )
 
 
 class GoodputPolicy(GatedPolicy[GoodputConfig]):
@@ -198,7 +206,8 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         never seen with drafts, learn it from the starting tier."""
         old = self._steps
         self._probe_rounds, self._rounds_at_zero = None, 0
-        if self.acceptance.trials > 0 and self._gate.count > self.config.warmup_batches:
+        learnt = self.regime.rounds > self.config.warmup_batches  # before this round
+        if learnt and (old == 0 or self.acceptance.trials > 0):
             return self._decide()
         if old == 0 and self.acceptance.trials == 0:
             positive = [s for s in self.config.candidate_steps if s > 0]
@@ -214,14 +223,16 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
 
     def _decide(self) -> bool:
         old, baseline = self._steps, self._steps
+        probed = self._probe_rounds is not None
         if self._probe_rounds is not None:
             if self._probe_rounds < self.config.probe_rounds:
                 return False
             self._probe_rounds, baseline = None, 0  # the probe must earn its way off tier 0
-        elif self._steps == 0 and self._rounds_at_zero >= self.config.probe_interval:
-            positive = [s for s in self.config.candidate_steps if s > 0]
+        elif self._steps == 0 and self._rounds_at_zero >= self.regime.probe_every:
+            self._rounds_at_zero = 0
+            positive = [s for s in self.config.candidate_steps if s > 0 and self._could_pay(s)]
             if positive:
-                self._steps, self._probe_rounds, self._rounds_at_zero = positive[0], 0, 0
+                self._steps, self._probe_rounds = positive[0], 0
                 return True
         rates = {s: r for s in self.config.candidate_steps if (r := self.tokens_per_s(s))}
         if not rates:
@@ -236,7 +247,24 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
             self._steps = baseline
         if self._steps == 0 and old != 0:
             self._rounds_at_zero = 0
+        if probed:
+            limit = 16 * self.config.probe_interval
+            failed = self._steps == 0
+            self.regime.probe_every = (
+                min(2 * self.regime.probe_every, limit) if failed else self.config.probe_interval
+            )
         return self._steps != old
+
+    def _could_pay(self, steps: int) -> bool:
+        """Whether tier `steps` would beat tier 0 by `min_gain` if every draft were accepted;
+        a probe of a tier that could not is time lost. Sampled on an H100 (batch 1): tier 1 at
+        31 ms a round gives at most 2 / 31 ms = 65 tokens/s against tier 0's 1 / 12 ms = 83."""
+        b = self._batch
+        ceiling = self.cost.round_ms(steps, b, lambda s: s + 1.0)
+        zero = self.cost.round_ms(0, b, lambda s: s + 1.0)
+        if ceiling is None or zero is None:
+            return True
+        return (steps + 1) / ceiling > (1.0 + self.config.min_gain) / zero
 
     def _young(self, rates: dict[int, float], best: int) -> int | None:
         """The best-predicted tier never measured (nor profiled) at this batch size and regime,

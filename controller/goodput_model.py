@@ -24,8 +24,9 @@ class AcceptanceModel:
 
         E[tokens per round](s) = 1 + Σ_{k=1..s} Π_{i≤k} p[i];  with p[i] = α: Σ_{k=0..s} α^k.
 
-    Counts decay by (1 − decay) per round with drafts, so the estimate follows a phase change
-    within about 1 / decay rounds; rounds without drafts teach nothing and decay nothing.
+    Counts of the positions a round could try decay by (1 − decay) per round, so the estimate
+    follows a phase change within about 1 / decay rounds; rounds without drafts teach nothing
+    and decay nothing.
     Each p[i] is shrunk toward α by `prior` pseudo-trials, and α toward `prior_alpha`.
     """
 
@@ -41,9 +42,13 @@ class AcceptanceModel:
         at tier 1 that accepted 1 never tried position 2), else every one ran at `steps`."""
         if steps < 1 or not accept_lengths:
             return
+        # Only the positions this round could try decay: what tier 7 taught of positions 4–7
+        # stands while the policy runs tier 3, instead of fading back to the pooled rate (which
+        # over-predicts a long chain and drew repeated losing moves to tier 7 on an H100).
         keep = 1.0 - self.decay
-        self._tried = [x * keep for x in self._tried]
-        self._passed = [x * keep for x in self._passed]
+        for i in range(min(steps, len(self._tried))):
+            self._tried[i] *= keep
+            self._passed[i] *= keep
         while len(self._tried) < steps:
             self._tried.append(0.0)
             self._passed.append(0.0)

@@ -217,6 +217,33 @@ async def test_sampling_over_the_wire_is_reproducible(ckpts, make_stack) -> None
     assert ra[-1].speculation.plain_rounds == 0
 
 
+async def test_round_stats_count_the_sampled_requests(ckpts, make_stack) -> None:
+    """The controller's goodput kind models greedy and sampled batches apart: each round says
+    how many of its requests sample."""
+    stack = await make_stack(draft_config(ckpts["draft"]), target_config(ckpts["target"]))
+    await stack.wait_draft_connected()
+    rounds: list[target_pb2.RoundStats] = []
+
+    async def watch() -> None:
+        async for update in stack.stub.WatchRounds(target_pb2.WatchRoundsRequest()):
+            rounds.append(update.round)
+
+    watcher = asyncio.create_task(watch())
+    await asyncio.sleep(0.2)
+    sampling = common_pb2.SamplingParams(temperature=1.0, seed=3)
+    await asyncio.gather(
+        stack.generate(prompt_token_ids=PROMPTS[1], max_tokens=24, sampling=sampling),
+        stack.generate(prompt_token_ids=PROMPTS[2], max_tokens=24),
+    )
+    await stack.generate(prompt_token_ids=PROMPTS[0], max_tokens=8)
+    await eventually(lambda: sum(r.batch_size for r in rounds) >= 3)
+    watcher.cancel()
+    pairs = {(r.batch_size, r.sampled_requests) for r in rounds}
+    assert (2, 1) in pairs and (1, 0) in pairs
+    assert all(r.sampled_requests <= min(r.batch_size, 1) for r in rounds)
+    assert rounds[-1].sampled_requests == 0  # the greedy request alone
+
+
 async def test_text_prompt_streams_text(ckpts, make_stack) -> None:
     from transformers import AutoTokenizer
 

@@ -3,6 +3,8 @@ tested against simulated chains, tier 0 and its probes, the shared guards."""
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 from dataclasses import replace
 
@@ -271,3 +273,131 @@ def test_a_round_that_admitted_a_request_does_not_set_a_tiers_cost() -> None:
     cost.observe(replace(timed(3, [2], total=40, verify=6.4, draft=4), admit_ms=28.7))
     assert cost.round_ms(3, 1) == pytest.approx(11.3)  # from then on: the total less admission
     assert 5.0 < (cost.round_ms(0, 1) or 0.0) < 11.3
+
+
+def test_a_tier_is_learnt_where_every_round_admits_a_request() -> None:
+    # A closed loop at batch 64: a request joins nearly every round. Three such rounds are
+    # skipped, the fourth is learnt (else the tier would never get a time of its own).
+    cost = CostModel(alpha=1.0)
+    for _ in range(4):
+        cost.observe(replace(timed(3, [1] * 64, total=90, verify=40, draft=20), admit_ms=30))
+    assert cost.measured_rounds(3, 64) == 1 and cost.round_ms(3, 64) == pytest.approx(60)
+
+
+def test_positions_a_round_cannot_try_keep_what_they_learnt() -> None:
+    # Tier 7 taught positions 4–7 a low rate; rounds at tier 3 decay positions 1–3 only, so
+    # the prediction for tier 7 stays near what tier 7 measured instead of drifting up to the
+    # pooled rate (which drew repeated losing moves to tier 7).
+    model = AcceptanceModel(decay=0.1)
+    rng = random.Random(0)
+    rates = [0.9, 0.8, 0.7, 0.2]  # position 4 onwards: 0.2
+    for _ in range(200):
+        model.observe(7, chain_accepts(rng, rates, 7, 1))
+    before, before_rates = model.tokens_per_round(7), model.position_rates(7)
+    for _ in range(200):
+        model.observe(3, chain_accepts(rng, rates, 3, 1))
+    assert model.position_rates(7)[3] == pytest.approx(before_rates[3], abs=0.1)
+    # E[tokens](7) = 1 + .9 + .72 + .504 + .1008 + … = 3.25; decaying positions 4–7 with the
+    # rest drifts it to 4.0 (α ≈ 0.7 for every position past 3).
+    truth = 1 + sum(math.prod(([0.9, 0.8, 0.7] + [0.2] * 4)[:k]) for k in range(1, 8))
+    assert before == pytest.approx(truth, rel=0.05)
+    assert model.tokens_per_round(7) == pytest.approx(truth, rel=0.15)
+
+
+def regime_round(sampled: bool) -> object:
+    """H100 medians at batch 1 (grown pair, `bench/goodput_gpu.py` run 2): greedy code accepts
+    1.8 of 3 at 11.4 ms a tier-3 round, 7.3 ms at tier 0; sampled prose accepts ~0.6 a draft
+    step at 13 ms verify + 10 ms a draft step, 12 ms at tier 0."""
+
+    def make(steps: int) -> RoundSample:
+        if sampled:
+            accept = [0, 1, 1, 1, 1, 1, 2, 2][: steps + 1][-1] if steps else 0
+            if steps == 0:
+                return RoundSample(0, 1, (), 12.0, 11.5, 0.0, 0.1, sampled=1)
+            return replace(timed(steps, [accept], 15.0 + 11 * steps, 13.0, 10.0 * steps), sampled=1)
+        if steps == 0:
+            return RoundSample(0, 1, (), 7.3, 6.8, 0.0, 0.1)
+        return timed(steps, [min(steps, 2)], 8.8 + 0.9 * steps, 6.6, 0.9 * steps)
+
+    return make
+
+
+def test_the_regime_is_learnt_apart_and_decided_at_once_when_it_changes() -> None:
+    cfg = GoodputConfig(candidate_steps=(0, 1, 3, 7), warmup_batches=5, update_interval=5)
+    policy = GoodputPolicy(cfg, 3)
+    greedy, sampled = regime_round(False), regime_round(True)
+    assert run(policy, 60, greedy)[-1] in (3, 7)  # drafts pay on greedy code
+    tiers = run(policy, 60, sampled)
+    assert tiers[0] in (3, 7) and tiers[-1] == 0  # a regime never seen is learnt first
+    # Back to greedy: the first greedy round decides from the greedy models.
+    assert run(policy, 1, greedy) == [3] or policy.current_steps == 7
+    assert "greedy" in policy.describe()
+    # And to sampled again: tier 0 at once, no warm-up.
+    assert run(policy, 1, sampled) == [0]
+    assert "sampled" in policy.describe()
+
+
+def test_a_regime_never_seen_with_drafts_starts_from_the_starting_tier() -> None:
+    cfg = GoodputConfig(candidate_steps=(0, 1, 3, 7), warmup_batches=5, update_interval=5)
+    policy = GoodputPolicy(cfg, 3)
+    assert run(policy, 40, regime_round(True))[-1] == 0  # sampled first: off
+    assert run(policy, 1, regime_round(False)) == [3]  # greedy: nothing known, drafts tried
+
+
+def test_a_tier_never_measured_is_tried_once_when_predicted_close() -> None:
+    # Measured: tier 3 only (verify 18, draft 6 = 3 steps of 2, round trip 4 more, 30 ms).
+    # At α = 0.6 the stage model predicts T(1) = 26, T(7) = 38, T(0) = 20: 61.5, 65 and 50
+    # tokens/s against tier 3's 72.5. Tiers 1 and 7 come within 25 %: each is tried once; here
+    # both are slower than predicted (40 and 60 ms), so the policy settles back at tier 3.
+    cfg = GoodputConfig(candidate_steps=(0, 1, 3, 7), warmup_batches=0, update_interval=1)
+    true_ms = {0: 20.0, 1: 40.0, 3: 30.0, 7: 60.0}
+
+    def rounds(policy: GoodputPolicy, n: int) -> list[int]:
+        tiers = []
+        for _ in range(n):
+            s = policy.current_steps
+            if s == 0:
+                policy.observe(RoundSample(0, 1, (), true_ms[0], 18.0, 0.0, 2.0))
+            else:
+                policy.observe(timed(s, [min(s, 1)], true_ms[s], 18.0, 2.0 * s))
+            tiers.append(policy.current_steps)
+        return tiers
+
+    policy = GoodputPolicy(cfg, 3)
+    policy.acceptance = AcceptanceModel(decay=0.0, prior=1e9, prior_alpha=0.6)
+    tiers = rounds(policy, 12)
+    assert tiers[0] == 7 and 1 in tiers  # the best-predicted young tier first
+    assert tiers[-4:] == [3] * 4 and tiers.count(7) == 1 and tiers.count(1) == 1
+    # With no margin nothing is explored: tier 3 stays.
+    strict = GoodputPolicy(replace(cfg, explore_margin=0.0), 3)
+    strict.acceptance = AcceptanceModel(decay=0.0, prior=1e9, prior_alpha=0.6)
+    assert rounds(strict, 12) == [3] * 12
+
+
+def test_failed_probes_back_off_and_a_probe_that_cannot_pay_is_skipped() -> None:
+    cfg = GoodputConfig(
+        candidate_steps=(0, 1, 3, 7), warmup_batches=0, update_interval=1, probe_interval=10,
+        probe_rounds=2,
+    )  # fmt: skip
+    policy = GoodputPolicy(cfg, 1)
+    tiers = run(policy, 200, cpu_round(accept=0))
+    starts = [i for i in range(1, len(tiers)) if tiers[i] == 1 and tiers[i - 1] == 0]
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert len(gaps) >= 2 and all(b > a for a, b in itertools.pairwise(gaps))
+    # Sampled on the H100: no tier beats tier 0 even if every draft were accepted.
+    sampled = GoodputPolicy(cfg, 1)
+    tiers = run(sampled, 100, regime_round(True))
+    assert tiers[-80:] == [0] * 80
+
+
+def test_the_controller_passes_the_regime_to_the_policy() -> None:
+    from controller.controller import round_sample
+    from specpair.proto.v1 import target_pb2
+
+    stats = target_pb2.RoundStats(
+        speculative_num_steps=3, batch_size=2, accept_lengths=[1, 2], speculative=True,
+        sampled_requests=1,
+    )  # fmt: skip
+    assert round_sample(stats).sampled == 1
+    stats.sampled_requests = 0
+    assert round_sample(stats).sampled == 0
