@@ -161,6 +161,7 @@ POLICY_FIELDS = {
 # [0, 1]}]'`).
 POLICY_OPTIONS: dict[str, type | None] = {
     "min_gain": float,
+    "explore_margin": float,
     "probe_interval": int,
     "probe_rounds": int,
     "profile_ms": None,
