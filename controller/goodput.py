@@ -139,6 +139,7 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         self._sampled = False  # the regime of the last round
         self._batch = 1
         self._rounds_at_zero = 0
+        self._last_steps = self._steps  # the tier the last round ran at
         self._probe_rounds: int | None = None  # rounds with drafts so far while probing
         self._explored: set[tuple[bool, int, int]] = set()  # (sampled, batch bucket, tier)
 
@@ -188,7 +189,12 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         sampled = sample.sampled > 0
         changed_regime, self._sampled = sampled != self._sampled, sampled
         regime = self.regime
-        regime.cost.observe(sample)
+        if not (sample.steps > 0 and self._last_steps == 0):
+            # The first round with drafts after rounds without: the draft extends every token
+            # it missed first (an H100 run: 41 ms against 11.4, which set T(3) and kept the
+            # policy at tier 0 for good). What it costs is the catch-up's, not the tier's.
+            regime.cost.observe(sample)
+        self._last_steps = sample.steps
         regime.acceptance.observe(sample.steps, sample.accept_lengths, sample.request_steps)
         regime.rounds += 1
         self._batch = sample.batch_size
@@ -239,6 +245,8 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
             return False
         best = max(rates, key=lambda s: (rates[s], -s))  # a tie goes to the cheaper tier
         base_rate = rates.get(baseline)
+        if base_rate is None and baseline > 0 and not probed:
+            return False  # no estimate of the current tier yet: learn it before comparing
         if (young := self._young(rates, best)) is not None:
             self._steps = young
         elif base_rate is None or rates[best] > base_rate * (1.0 + self.config.min_gain):
@@ -260,6 +268,8 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         a probe of a tier that could not is time lost. Sampled on an H100 (batch 1): tier 1 at
         31 ms a round gives at most 2 / 31 ms = 65 tokens/s against tier 0's 1 / 12 ms = 83."""
         b = self._batch
+        if self.cost.measured_rounds(steps, b) < 3:
+            return True  # too few rounds of its own to rule it out
         ceiling = self.cost.round_ms(steps, b, lambda s: s + 1.0)
         zero = self.cost.round_ms(0, b, lambda s: s + 1.0)
         if ceiling is None or zero is None:
