@@ -148,7 +148,7 @@ def build_pair(draft: str, max_batch: int, buckets: list[int], tiers: list[int],
 def pair_workers(draft: str, max_batch: int, max_len: int):  # type: ignore[no-untyped-def]
     """The workers of `build_pair`, fused, before any state is built."""
     from specpair.runtime.build import gpu_drafter, gpu_target
-    from specpair.runtime.draft import EagleDrafter, LMDrafter
+    from specpair.runtime.drafters import EagleDrafter, LMDrafter
     from specpair.runtime.fused import fuse_decoder
     from specpair.runtime.kv_cache import KVCache
     from specpair.runtime.target import TargetWorker

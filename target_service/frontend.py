@@ -22,7 +22,8 @@ from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import target_pb2
 from specpair.runtime.target import TargetSequence
 from target_service.detokenize import TextStream
-from target_service.scheduler import Scheduler, ServedRequest
+from target_service.scheduler import Scheduler
+from target_service.served import ServedRequest
 from target_service.validation import validate_generate
 
 log = get_logger(__name__)

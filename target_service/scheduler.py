@@ -4,10 +4,11 @@ One asyncio task drives every round; model compute runs through `Compute` (inlin
 one worker thread on the CPU). New requests are prefilled and join at the next round boundary;
 finished or cancelled ones leave there, and their draft state is released with the next
 RoundRequest. What goes to the draft and what comes back is the `DraftSession`'s business; the
-wire is the `DraftLink`'s. A round starts when its RoundRequest goes out: right after the
-previous round's verify when nobody waits for admission, so that streaming results, metrics and
-round statistics overlap the draft's work instead of delaying it. A tier command takes effect
-when the next round starts, never inside one.
+wire is the `DraftLink`'s; which answer a round reads when (pipelined: some after its verify),
+the `Flight`'s. A round starts when its RoundRequest goes out: right after the previous round's
+verify when nobody waits for admission, so that streaming results, metrics and round statistics
+overlap the draft's work instead of delaying it. A tier command takes effect when the next
+round starts, never inside one.
 
 Tiers (`target_service/tiers.py`): the batch's, and optionally each request's. A round runs at
 the state of the largest tier among its requests; each request's chain is drafted to its own
@@ -21,19 +22,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from dataclasses import dataclass, field
 
-from specpair.config import PipelineMode, same_device
+from specpair.config import PipelineMode
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
-from specpair.runtime.draft_session import Drafts, DraftSession
-from specpair.runtime.round import RoundRequest, StageTimings
+from specpair.runtime.draft_session import DraftSession
 from specpair.runtime.state import SpecRuntimeState, gpu_ms
-from specpair.runtime.target import TargetSequence, TargetWorker
-from specpair.runtime.tree import EMPTY_TREE
+from specpair.runtime.target import TargetWorker
 from specpair.serving import Compute
 from target_service.draft_link import DraftLink
+from target_service.flight import Flight, pipelines
 from target_service.round_feed import RoundFeed
+from target_service.served import RoundEvent, ServedRequest
 from target_service.tiers import Tiers
 
 log = get_logger(__name__)
@@ -41,49 +41,6 @@ log = get_logger(__name__)
 
 class QueueFullError(RuntimeError):
     """More requests waiting than max_queue."""
-
-
-@dataclass(frozen=True, slots=True)
-class RoundEvent:
-    """New tokens of one request from one round (or its prefill)."""
-
-    token_ids: list[int]
-    accept_length: int  # -1: the round had no drafts for this request
-    tier: int
-    finish_reason: str | None
-
-
-@dataclass(eq=False)
-class ServedRequest:
-    seq: TargetSequence
-    events: asyncio.Queue[RoundEvent] = field(default_factory=asyncio.Queue)
-    cancelled: str | None = None  # outcome once the client went away or a stop string hit
-    accept_lengths: list[int] = field(default_factory=list)
-    plain_rounds: int = 0
-    deadline: float | None = None  # time.monotonic() past which the client no longer waits
-
-    @property
-    def expired(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline
-
-
-@dataclass(eq=False, slots=True)
-class Flight:
-    """One round from its start, when its RoundRequest goes out, to its verify."""
-
-    round_id: int
-    batch: list[ServedRequest]
-    state: SpecRuntimeState
-    started: float  # perf_counter at the start
-    admit_s: float  # admission (prefill) just before the start
-    steps: list[int] = field(default_factory=list)  # each request's tier, aligned with batch
-    request: RoundRequest | None = None  # None: no draft stream was open, or tier 0
-    epoch: int | None = None  # the draft stream the request went out on; None: it did not
-    hit_ids: frozenset[str] = frozenset()  # pipelined: requests whose tree was pre-drafted
-    misses: int = 0  # pipelined requests whose outcome had no pre-draft
-    deferred: bool = False  # all pre-drafted: the response is read after the verify
-    wait_s: float = 0.0  # the target waited for the draft's messages
-    predraft_ms: float = 0.0  # the draft's own time pre-drafting the next round
 
 
 class Scheduler:
@@ -277,14 +234,14 @@ class Scheduler:
         """Verifies a started round; starts the next one (when nothing waits for admission)
         before streaming this one's results, so that work overlaps the draft's. Returns it."""
         batch, state = flight.batch, flight.state
-        drafts = await self._drafts(flight)
+        drafts = await flight.drafts(self.draft, self.session, self.metrics)
         trees, speculative = drafts.aligned([r.seq.request_id for r in batch]), drafts.speculative
         t1 = time.perf_counter()
         results = await self.compute(self.worker.verify, [r.seq for r in batch], trees, state)
         t2 = time.perf_counter()
         for req, res in zip(batch, results, strict=True):
             self.session.verified(req.seq, res.features)
-        await self._after_verify(flight)
+        await flight.after_verify(self.draft, self.session, self.metrics)
         self.tiers.switch(self.round_id, self._running_ids())
         ready = [r for r in batch if r.seq.finish_reason is None and not r.cancelled]
         following = await self._start(ready, 0.0) if ready and not self.queue else None
@@ -327,54 +284,10 @@ class Scheduler:
         )  # fmt: skip
         return following
 
-    async def _drafts(self, flight: Flight) -> Drafts:
-        """The round's checked trees from the draft service (and its timings); empty trees when
-        it is unavailable, with the reason counted."""
-        link = self.draft
-        ids = tuple(r.seq.request_id for r in flight.batch)
-        if flight.request is None or link is None:
-            # A round at tier 0 went without drafts by choice: no fallback to count.
-            why = [] if flight.state.tier == 0 and link is not None else ["no_draft"]
-            drafts = Drafts([EMPTY_TREE] * len(ids), StageTimings(), False, why, ids)
-        elif flight.epoch is not None and (hits := self.session.pending_hits(flight.request)):
-            drafts, flight.deferred = hits, True  # every tree pre-drafted: verify at once
-        else:
-            response = None
-            if flight.epoch is not None:
-                t0 = time.perf_counter()
-                response = await link.receive(flight.round_id, flight.epoch)
-                flight.wait_s += time.perf_counter() - t0
-            drafts = self.session.drafts(flight.request, response)
-        for reason in drafts.fallbacks:
-            self.metrics.fallback_rounds.labels(reason).inc()
-        return drafts
-
     @property
     def pipelining(self) -> bool:
-        """Whether rounds go out pipelined: the draft pre-drafts, and `--pipeline` is on, or
-        auto with the draft on another device (sharing one, its pre-drafts would slow the
-        verify they are meant to hide behind)."""
-        link = self.draft
-        if link is None or not link.draft_pipeline or self.pipeline is PipelineMode.OFF:
-            return False
-        if self.pipeline is PipelineMode.ON:
-            return True
-        return same_device(link.draft_device, self.device) is False
-
-    async def _after_verify(self, flight: Flight) -> None:
-        """A pipelined round's answers read after its verify: the deferred response (its
-        adoptions), then the pre-drafts of the next round."""
-        link, request = self.draft, flight.request
-        if link is None or request is None or not request.predraft or flight.epoch is None:
-            return
-        t0 = time.perf_counter()
-        if flight.deferred:
-            self.session.drafts(request, await link.receive(flight.round_id, flight.epoch))
-        second = await link.receive(flight.round_id, flight.epoch)
-        flight.wait_s += time.perf_counter() - t0
-        flight.predraft_ms = second.timings.total_ms if second is not None else 0.0
-        if refused := self.session.predrafted(request, second):
-            self.metrics.fallback_rounds.labels("malformed_predraft").inc(refused)
+        """Whether rounds go out pipelined, by `--pipeline` and the draft (`flight.pipelines`)."""
+        return pipelines(self.draft, self.pipeline, self.device)
 
     async def _flush_releases(self) -> None:
         if self.draft is not None and self.draft.connected:

@@ -20,7 +20,8 @@ from specpair.models.loading import (
     load_llama,
     read_args,
 )
-from specpair.runtime.draft import Drafter, EagleDrafter, LMDrafter
+from specpair.runtime.draft import Drafter
+from specpair.runtime.drafters import EagleDrafter, LMDrafter
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.target import TargetWorker
 

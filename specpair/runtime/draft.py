@@ -4,12 +4,9 @@ Per request the draft keeps a KV slot whose committed length covers every token 
 confirmed. Draft steps write tentatively past it and are never committed: the next round's
 appended tokens (accepted drafts + bonus) overwrite them, which is the rollback.
 
-Two drafters share the loop and differ in one forward:
-- `LMDrafter`: a standalone causal LM; extend runs the appended tokens.
-- `EagleDrafter`: an EAGLE head; extend runs rows (token x[j+1], target feature f[j]) and each
-  draft step feeds the head its own previous output as the feature. An EAGLE-3 head
-  (`eagle3.py`) drafts the same way from three target layers; its logits come back on the
-  target's vocabulary, so tokens and q are the target's.
+`Drafter` is that round, shared by the two drafters of `drafters.py` (a standalone LM, an EAGLE
+head), which differ in their extend rows and one forward. A pipelined round drafts each chain
+with its lookahead (`draft_ahead`, `lookahead.py`); the forks that use it are `pipeline.py`'s.
 """
 
 from __future__ import annotations
@@ -22,14 +19,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specpair.models.eagle import EagleHead
-from specpair.models.eagle3 import Eagle3Head
-from specpair.models.llama import Attend, LlamaModel, ModelArgs
+from specpair.models.llama import Attend, ModelArgs
 from specpair.runtime.kv_cache import KVCache
-from specpair.runtime.layout import BatchLayout
+from specpair.runtime.layout import BatchLayout, padded_groups
+from specpair.runtime.lookahead import Lookahead, TopRows
 from specpair.runtime.round import DraftInput
 from specpair.runtime.sampling import SamplingParams, derived_seed, make_generator, warp
-from specpair.runtime.stages import DraftStage, ExtendStage, Lookahead
+from specpair.runtime.stages import DraftStage, ExtendStage
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.tree import CandidateTree, chain
 
@@ -124,10 +120,7 @@ class Drafter(ABC):
         aheads: list[Lookahead] = []
         if width:
             drafts, full = draft.run_ahead(hidden, slots, width)
-            aheads = [
-                Lookahead(a.ids[: d + 1], a.p[: d + 1], a.hidden[: d + 1])
-                for a, d in zip(full, depths, strict=True)
-            ]
+            aheads = [a.cut(d) for a, d in zip(full, depths, strict=True)]
         else:
             drafts = draft.run(hidden, slots, depths)
         self.last_gpu_ms = draft.read_gpu_ms()
@@ -135,22 +128,6 @@ class Drafter(ABC):
         # A graph drafts every row to the tier: a shorter request's chain is cut to its depth,
         # and its lookahead after it.
         return [chain(tokens[:d]) for tokens, d in zip(drafts, depths, strict=True)], aheads
-
-    def fork(self, forks: Sequence[tuple[str, str, int]]) -> None:
-        """Each (parent id, child id, length): the child starts as the parent's first `length`
-        positions (`KVCache.fork_many`) and draws from the parent's generator."""
-        parents = [self.requests[parent_id] for parent_id, _, _ in forks]
-        slots = self.cache.fork_many(
-            [(p.slot, n) for p, (_, _, n) in zip(parents, forks, strict=True)]
-        )
-        for parent, slot, (_, child_id, _) in zip(parents, slots, forks, strict=True):
-            self.requests[child_id] = DraftSlot(slot, parent.generator)
-
-    def adopt(self, request_id: str, fork_id: str) -> None:
-        """The request goes on from its fork `fork_id`; the slot it had is freed."""
-        fork = self.requests.pop(fork_id)
-        self.release(request_id)
-        self.requests[request_id] = fork
 
     def draft_steps(
         self,
@@ -168,14 +145,14 @@ class Drafter(ABC):
 
         With `width` > 0 each request also gets its `Lookahead`: one step more (its whole
         chain's K/V written, and the distribution after it) and the top-`width` tokens at every
-        depth, what a pre-draft of the next round needs (`runtime/pipeline.py`)."""
+        depth, what a pre-draft of the next round needs (`lookahead.py`)."""
         starts = [self.cache.lengths[s] for s in slots]
         extra = 1 if width else 0
         depth = list(depths) if depths is not None else [tier] * len(slots)
         host = samplers is not None and not all(p.greedy for p, _ in samplers)
         steps: list[list[int]] = [[] for _ in slots]
         probs: list[list[Tensor]] = [[] for _ in slots]
-        tops: list[list[tuple[Tensor, Tensor, Tensor]]] = [[] for _ in slots]
+        tops = TopRows(len(slots), width) if width else None
         picked: list[list[Tensor]] = [[] for _ in slots]  # greedy: device scalars until the end
         rows = list(range(len(slots)))  # the requests still drafting; `hidden` holds theirs
         for k in range(tier + extra):
@@ -187,18 +164,15 @@ class Drafter(ABC):
             logits = self.logits(hidden)  # [rows, V] on the device
             if host:
                 tokens = self._host_step(
-                    logits.cpu(), hidden, rows, k, depth, samplers, width, steps, probs, tops
+                    logits.cpu(), hidden, rows, k, depth, samplers, steps, probs, tops
                 )
             else:  # greedy: argmax and top-k stay on the device, one copy after the loop
                 tokens = logits.argmax(-1)
-                top = (
-                    torch.softmax(logits, -1).topk(min(width, logits.shape[-1])) if width else None
-                )
+                if tops is not None:
+                    tops.add_step(rows, logits, hidden)
                 for i, b in enumerate(rows):
                     if k < depth[b]:
                         picked[b].append(tokens[i])
-                    if top is not None:
-                        tops[b].append((top.indices[i], top.values[i], hidden[i, -1]))
             if any(k + 1 < depth[b] + extra for b in rows):
                 layout = BatchLayout.causal(
                     [slots[b] for b in rows], [starts[b] + k for b in rows], [1] * len(rows)
@@ -209,8 +183,7 @@ class Drafter(ABC):
             n = 0
             for b, row in enumerate(picked):
                 steps[b], n = values[n : n + len(row)], n + len(row)
-        aheads = [Lookahead.stack(t) for t in tops] if width else []
-        return steps, probs, aheads
+        return steps, probs, tops.stacked() if tops is not None else []
 
     def _host_step(
         self,
@@ -220,13 +193,12 @@ class Drafter(ABC):
         k: int,
         depth: list[int],
         samplers: Sequence[tuple[SamplingParams, torch.Generator]] | None,
-        width: int,
         steps: list[list[int]],
         probs: list[list[Tensor]],
-        tops: list[list[tuple[Tensor, Tensor, Tensor]]],
+        tops: TopRows | None,
     ) -> Tensor:
         """Step k of a batch with sampled requests, on the host (warps and generators live
-        there): appends each row's token (and q, and its top `width`); returns the tokens."""
+        there): appends each row's token (and q, and its lookahead row); returns the tokens."""
         tokens = logits.argmax(-1).tolist()
         for i, b in enumerate(rows):
             q = None
@@ -237,10 +209,8 @@ class Drafter(ABC):
                     probs[b].append(q)
             if k < depth[b]:
                 steps[b].append(tokens[i])
-            if width:
-                dist = q if q is not None else torch.softmax(logits[i], -1)
-                top = dist.topk(min(width, dist.shape[-1]))
-                tops[b].append((top.indices, top.values, hidden[i, -1]))
+            if tops is not None:
+                tops.add(b, q if q is not None else torch.softmax(logits[i], -1), hidden[i, -1])
         return torch.tensor(tokens)
 
     @torch.inference_mode()
@@ -288,7 +258,9 @@ class Drafter(ABC):
 
     def extend(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor:
         """Eager extend: commits the rows, returns each request's last hidden [B, 1, H]."""
-        groups = self._extend_groups(inputs, slots)
+        starts = [self.cache.lengths[s] for s in slots]
+        lengths = [len(item.appended) for item in inputs]  # EAGLE runs as many rows or one less
+        groups = padded_groups(starts, lengths, self.cache.max_len)
         if len(groups) == 1:
             return self._extend_group(inputs, slots)
         out: list[Tensor] = [torch.empty(0)] * len(inputs)
@@ -297,27 +269,6 @@ class Drafter(ABC):
             for row, i in enumerate(group):
                 out[i] = hidden[row]
         return torch.stack(out)
-
-    def _extend_groups(self, inputs: Sequence[DraftInput], slots: list[int]) -> list[list[int]]:
-        """Requests whose extend can share one padded forward, longest first.
-
-        Every row of a forward is padded to its longest: a 150-token prompt joining a request
-        at position 1000 would write that request's slot up to 1150, past a 1031-position
-        cache, though each alone fits. Usually one group holds the whole batch.
-        """
-        starts = [self.cache.lengths[s] for s in slots]
-        lengths = [len(item.appended) for item in inputs]  # EAGLE runs as many rows or one less
-        groups: list[list[int]] = []
-        for i in sorted(range(len(inputs)), key=lambda i: -lengths[i]):
-            for group in groups:  # its first member is its longest
-                if max(starts[i], *(starts[j] for j in group)) + lengths[group[0]] <= (
-                    self.cache.max_len
-                ):
-                    group.append(i)
-                    break
-            else:
-                groups.append([i])
-        return groups
 
     def _extend_group(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor:
         return self.extend_forward(*self.extend_inputs(inputs, slots))
@@ -361,57 +312,3 @@ class Drafter(ABC):
         for slot, start, n in zip(slots, starts, lengths, strict=True):
             self.cache.commit(slot, start, range(n))
         return tokens, positions, layout, lengths
-
-
-class LMDrafter(Drafter):
-    def __init__(self, model: LlamaModel, cache: KVCache) -> None:
-        super().__init__(cache, model.lm_head.weight.device, model.args)
-        self.model = model
-
-    def extend_rows(
-        self, inputs: Sequence[DraftInput]
-    ) -> tuple[list[Sequence[int]], list[Tensor] | None]:
-        return [i.appended for i in inputs], None
-
-    def forward(
-        self, tokens: Tensor, features: Tensor | None, positions: Tensor, attend: Attend
-    ) -> Tensor:
-        return self.model(tokens, positions, attend)
-
-    def logits(self, hidden: Tensor) -> Tensor:
-        return self.model.logits(hidden[:, -1])
-
-
-class EagleDrafter(Drafter):
-    needs_features = True
-
-    def __init__(self, head: EagleHead | Eagle3Head, cache: KVCache) -> None:
-        super().__init__(cache, head.fc.weight.device, head.args)
-        self.head = head
-
-    def extend_rows(
-        self, inputs: Sequence[DraftInput]
-    ) -> tuple[list[Sequence[int]], list[Tensor] | None]:
-        rows: list[Sequence[int]] = []
-        feats: list[Tensor] = []
-        for item in inputs:
-            if item.features is None or len(item.features) == 0:
-                raise ValueError(f"request {item.request_id}: the EAGLE drafter needs features")
-            n = len(item.features)
-            if n not in (len(item.appended), len(item.appended) - 1):
-                raise ValueError(
-                    f"request {item.request_id}: {n} feature rows for {len(item.appended)} "
-                    "appended tokens (expected as many, or one fewer in the first round)"
-                )
-            rows.append(item.appended[len(item.appended) - n :])
-            feats.append(item.features)
-        return rows, feats
-
-    def forward(
-        self, tokens: Tensor, features: Tensor | None, positions: Tensor, attend: Attend
-    ) -> Tensor:
-        assert features is not None, "EAGLE rows need features"
-        return self.head(tokens, features, positions, attend)
-
-    def logits(self, hidden: Tensor) -> Tensor:
-        return self.head.logits(hidden[:, -1])

@@ -69,3 +69,24 @@ def flat_index(page_table: Tensor, slots: Tensor, positions: Tensor, page_size: 
 
 def _long(values: Sequence[int]) -> Tensor:
     return torch.tensor(list(values), dtype=torch.long)
+
+
+def padded_groups(starts: Sequence[int], lengths: Sequence[int], max_len: int) -> list[list[int]]:
+    """Rows (a start and a length each) that can share one padded forward, longest first; each
+    group's first member is its longest. Every row of a forward is padded to its longest, so a
+    group fits while its furthest start plus its longest row fits the cache. Usually one group
+    holds the whole batch.
+
+    Worked example: a 150-token prompt joining a request at position 1000, cache 1031 positions:
+    starts [1000, 0], lengths [1, 150] -> [[1], [0]]; together the padding would write the
+    request's slot up to 1150, though each alone fits.
+    """
+    groups: list[list[int]] = []
+    for i in sorted(range(len(starts)), key=lambda i: -lengths[i]):
+        for group in groups:
+            if max(starts[i], *(starts[j] for j in group)) + lengths[group[0]] <= max_len:
+                group.append(i)
+                break
+        else:
+            groups.append([i])
+    return groups

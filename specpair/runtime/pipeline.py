@@ -25,9 +25,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specpair.logging import get_logger
-from specpair.runtime.draft import Drafter
+from specpair.runtime.draft import Drafter, DraftSlot
+from specpair.runtime.lookahead import LOOKAHEAD_TOP, Lookahead
 from specpair.runtime.round import DraftInput, Predraft
-from specpair.runtime.stages import LOOKAHEAD_TOP, Lookahead
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.tree import CandidateTree
 
@@ -158,7 +158,7 @@ class Pipeline:
             self.release(item.request_id)
             return False
         self._drop_forks(item.request_id, keep=fork.key)
-        self.drafter.adopt(item.request_id, fork.key)
+        self._take_over(item.request_id, fork.key)
         if self.drafter.needs_features:
             # Again with the target's features: the fork extended its bonus with a guess.
             slot = self.drafter.requests[item.request_id].slot
@@ -171,6 +171,22 @@ class Pipeline:
         self.drafted[item.request_id] = Drafted(fork.tree.tokens, fork.ahead, fork.base)
         self.hits += 1
         return True
+
+    def _take_over(self, request_id: str, key: str) -> None:
+        """The request goes on in its fork `key`'s slot; the slot it had is freed."""
+        fork = self.drafter.requests.pop(key)
+        self.drafter.release(request_id)
+        self.drafter.requests[request_id] = fork
+
+    def _fork(self, births: Sequence[tuple[str, str, int]]) -> None:
+        """Each (parent id, fork id, length): the fork starts as the parent's first `length`
+        positions (`KVCache.fork_many`: shared pages) and draws from the parent's generator."""
+        parents = [self.drafter.requests[parent_id] for parent_id, _, _ in births]
+        slots = self.drafter.cache.fork_many(
+            [(p.slot, n) for p, (_, _, n) in zip(parents, births, strict=True)]
+        )
+        for parent, slot, (_, key, _) in zip(parents, slots, births, strict=True):
+            self.drafter.requests[key] = DraftSlot(slot, parent.generator)
 
     @torch.inference_mode()
     def begin(self, inputs: Sequence[DraftInput], state: SpecRuntimeState) -> list[str]:
@@ -232,7 +248,7 @@ class Pipeline:
         if not fork_inputs:
             return {}
         t0 = time.perf_counter()
-        self.drafter.fork(births)
+        self._fork(births)
         drafted = self.drafter.draft_ahead(fork_inputs, state, self.top)
         out: dict[str, list[Predraft]] = {}
         for (rid, appended, o), fork_input, (tree, ahead) in zip(

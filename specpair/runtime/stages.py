@@ -9,15 +9,14 @@ CUDA-graph stages of `graphs/verify.py` and `graphs/draft.py` have the same inte
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-import torch
 from torch import Tensor
 
 from specpair.models.llama import LlamaModel
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
+from specpair.runtime.lookahead import Lookahead
 
 if TYPE_CHECKING:
     from specpair.runtime.draft import Drafter
@@ -60,27 +59,6 @@ class ExtendStage(Protocol):
     def run(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor:
         """Hidden of each request's last appended row, [B', 1, H] with B' >= B (rows past B:
         a graph's padding) on the device."""
-
-
-LOOKAHEAD_TOP = 4  # the likeliest tokens a lookahead keeps per depth (runtime/pipeline.py)
-
-
-@dataclass(frozen=True, slots=True)
-class Lookahead:
-    """What a drafted chain of s tokens says about the round after it. Row d (0..s) is the
-    draft's distribution at chain position d — d < s: where chain[d] was drawn, d = s: after
-    the whole chain — as its top-W tokens `ids`, their probabilities `p` ([s + 1, W], host),
-    and the hidden state that gave it (`hidden` [s + 1, H], device): an EAGLE head's own
-    prediction of the target feature there, which a pre-draft extends with."""
-
-    ids: Tensor
-    p: Tensor
-    hidden: Tensor
-
-    @staticmethod
-    def stack(rows: Sequence[tuple[Tensor, Tensor, Tensor]]) -> Lookahead:
-        ids, p, hidden = zip(*rows, strict=True)
-        return Lookahead(torch.stack(ids).cpu(), torch.stack(p).float().cpu(), torch.stack(hidden))
 
 
 class DraftStage(Protocol):

@@ -14,8 +14,8 @@ import torch
 
 from specpair.runtime.build import build_drafter, build_target
 from specpair.runtime.engine import SpeculativeEngine
+from specpair.runtime.lookahead import Lookahead
 from specpair.runtime.pipeline import Outcome, likely_outcomes
-from specpair.runtime.stages import Lookahead
 from specpair.runtime.state import build_states
 from tests.engine.test_greedy_lossless import NEW_TOKENS, PROMPTS
 

@@ -24,7 +24,8 @@ from specpair.runtime.state import build_states
 from specpair.runtime.target import TargetSequence
 from specpair.runtime.tree import chain
 from specpair.wire import response_to_proto
-from target_service.scheduler import Scheduler, ServedRequest
+from target_service.scheduler import Scheduler
+from target_service.served import ServedRequest
 from tests.service.conftest import (
     draft_config,
     eventually,

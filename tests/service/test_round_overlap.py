@@ -15,7 +15,8 @@ from specpair.runtime.round import RoundRequest, RoundResponse
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.state import build_states
 from specpair.runtime.target import TargetSequence
-from target_service.scheduler import RoundEvent, Scheduler, ServedRequest
+from target_service.scheduler import Scheduler
+from target_service.served import RoundEvent, ServedRequest
 
 NEW_TOKENS = 6
 SEND_S = 0.005

@@ -10,12 +10,12 @@ import torch
 from specpair.models.llama import ModelArgs
 from specpair.models.loading import load_eagle, load_llama
 from specpair.runtime.attention import flat_mask, page_metadata
-from specpair.runtime.draft import EagleDrafter
+from specpair.runtime.drafters import EagleDrafter
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.fused import fuse_decoder
 from specpair.runtime.graphs.capture import bucket_of, buckets_for, pad_layout
 from specpair.runtime.kv_cache import KVCache
-from specpair.runtime.layout import BatchLayout, attention_mask, flat_index
+from specpair.runtime.layout import BatchLayout, attention_mask, flat_index, padded_groups
 from specpair.runtime.state import build_states
 from specpair.runtime.target import TargetWorker
 
@@ -125,6 +125,14 @@ def test_buckets_and_padding() -> None:
     assert padded.slots.tolist() == [0, 9] and padded.starts.tolist() == [7, 0]
     # the padded column is invisible to the real tokens
     assert padded.new_mask[0].int().tolist() == [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
+
+
+def test_padded_groups_keep_each_forward_inside_the_cache() -> None:
+    # A 150-token prompt joining a request at 1000: padded together, 1000 + 150 > 1031.
+    assert padded_groups([1000, 0], [1, 150], 1031) == [[1], [0]]
+    assert padded_groups([1000, 0], [1, 150], 1150) == [[1, 0]]
+    # Longest first; a short row joins the first group it fits in.
+    assert padded_groups([0, 10, 900], [3, 5, 2], 1000) == [[1, 0, 2]]
 
 
 def test_fused_decoder_matches_reference(ckpts: dict[str, Path]) -> None:

@@ -4,7 +4,7 @@
   prompt, run eagerly) → hidden of each request's last row [B, 1, H];
 - draft: s greedy steps of one token per request, argmax inside the graph → tokens [s, B].
   Sampling rounds run the drafter's eager loop: their per-request warps and generators stay on
-  the host (`Drafter.round`).
+  the host (`Drafter.draft_steps`).
 The graphs of every tier share one `DraftGraphs` (the extend graphs, the steps' attention and
 the plan made ahead), so a tier switch stays a reference swap.
 """
@@ -28,8 +28,8 @@ from specpair.runtime.graphs.capture import (
 )  # fmt: skip
 from specpair.runtime.kv_cache import CacheFullError
 from specpair.runtime.layout import BatchLayout, tril_mask
+from specpair.runtime.lookahead import LOOKAHEAD_TOP, Lookahead
 from specpair.runtime.round import DraftInput
-from specpair.runtime.stages import LOOKAHEAD_TOP, Lookahead
 
 
 class DraftGraphs:
