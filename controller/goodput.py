@@ -151,17 +151,9 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
     def acceptance(self) -> AcceptanceModel:
         return self.regime.acceptance
 
-    @acceptance.setter
-    def acceptance(self, model: AcceptanceModel) -> None:
-        self.regime.acceptance = model
-
     @property
     def cost(self) -> CostModel:
         return self.regime.cost
-
-    @cost.setter
-    def cost(self, model: CostModel) -> None:
-        self.regime.cost = model
 
     @property
     def ema(self) -> float:

@@ -175,15 +175,18 @@ class CostModel:
         tokens = sample.batch_size + sum(sample.accept_lengths)
         b.sched_token_ms.add(sample.schedule_ms / tokens, a)
 
+    def _own(self, steps: int, batch_size: int) -> _Ema | None:
+        """`steps`'s round time in this batch bucket itself (no borrowing), if it has one."""
+        bucket = self._buckets.get(batch_bucket(batch_size))
+        return bucket.round_ms.get(steps) if bucket else None
+
     def measured(self, steps: int, batch_size: int) -> bool:
         """Whether `steps` has a time of its own (learnt or profiled) in this batch bucket."""
-        bucket = self._buckets.get(batch_bucket(batch_size))
-        entry = bucket.round_ms.get(steps) if bucket else None
+        entry = self._own(steps, batch_size)
         return entry is not None and entry.known
 
     def measured_rounds(self, steps: int, batch_size: int) -> int:
-        bucket = self._buckets.get(batch_bucket(batch_size))
-        entry = bucket.round_ms.get(steps) if bucket else None
+        entry = self._own(steps, batch_size)
         return entry.n if entry else 0
 
     def round_ms(

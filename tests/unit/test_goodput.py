@@ -142,7 +142,7 @@ def test_docstring_example_picks_tier_1() -> None:
     profile = {"1": {"0": 20, "1": 22, "3": 30, "7": 38}}
     cfg = GoodputConfig(candidate_steps=(0, 1, 3, 7), profile_ms=profile)  # type: ignore[arg-type]
     policy = GoodputPolicy(cfg, 3)
-    policy.acceptance = AcceptanceModel(decay=0.0, prior=1e9, prior_alpha=0.6)
+    policy.regime.acceptance = AcceptanceModel(decay=0.0, prior=1e9, prior_alpha=0.6)
     rates = {e.steps: e.tokens_per_s for e in policy.estimates()}
     assert rates == pytest.approx({0: 50.0, 1: 72.73, 3: 72.53, 7: 64.7}, abs=0.05)
 
@@ -203,7 +203,7 @@ def test_min_gain_hysteresis() -> None:
             profile_ms=profile,  # type: ignore[arg-type]
         )  # fmt: skip
         policy = GoodputPolicy(cfg, 3)
-        policy.acceptance = AcceptanceModel(decay=0.0, prior=1e9, prior_alpha=0.6)
+        policy.regime.acceptance = AcceptanceModel(decay=0.0, prior=1e9, prior_alpha=0.6)
         policy.observe(RoundSample(3, 1, (1,), 0.0))  # no timings: the profile stands
         assert policy.current_steps == expected
 
@@ -364,13 +364,13 @@ def test_a_tier_never_measured_is_tried_once_when_predicted_close() -> None:
         return tiers
 
     policy = GoodputPolicy(cfg, 3)
-    policy.acceptance = AcceptanceModel(decay=0.0, prior=1e9, prior_alpha=0.6)
+    policy.regime.acceptance = AcceptanceModel(decay=0.0, prior=1e9, prior_alpha=0.6)
     tiers = rounds(policy, 12)
     assert tiers[0] == 7 and 1 in tiers  # the best-predicted young tier first
     assert tiers[-4:] == [3] * 4 and tiers.count(7) == 1 and tiers.count(1) == 1
     # With no margin nothing is explored: tier 3 stays.
     strict = GoodputPolicy(replace(cfg, explore_margin=0.0), 3)
-    strict.acceptance = AcceptanceModel(decay=0.0, prior=1e9, prior_alpha=0.6)
+    strict.regime.acceptance = AcceptanceModel(decay=0.0, prior=1e9, prior_alpha=0.6)
     assert rounds(strict, 12) == [3] * 12
 
 
