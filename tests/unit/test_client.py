@@ -413,3 +413,16 @@ def test_importing_the_sdk_does_not_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_every_policy_key_the_controller_takes_the_sdk_can_send() -> None:
+    # The SDK lists the keys apart (it must not import the controller); a key missing there
+    # made `update_policy` refuse a whole goodput config.
+    import dataclasses
+
+    from controller.goodput import GoodputConfig
+    from controller.policy import PolicyConfig
+    from specpair.client.requests import POLICY_FIELDS, POLICY_OPTIONS
+
+    keys = {f.name for c in (GoodputConfig, PolicyConfig) for f in dataclasses.fields(c)}
+    assert keys - {"kind"} <= POLICY_FIELDS.keys() | POLICY_OPTIONS.keys()
