@@ -137,9 +137,7 @@ def kind_policy(policy: PolicySpec, kind: str) -> dict[str, Any]:
     defaults over `policy`'s tiers."""
     if policy.kind != kind:
         return {"kind": kind, "candidate_steps": policy.candidate_steps}
-    values = policy.to_dict()
-    values.pop("profile_ms", None)  # a start-up seed (GetState shows it in options_json)
-    return values
+    return policy.to_dict()
 
 
 def round_record(stats: target_pb2.RoundStats) -> dict[str, Any]:

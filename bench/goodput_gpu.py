@@ -45,6 +45,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from bench import profile_costs
 from bench.adaptive import Phase, RunResult, build_phases, oracle_of, replay, round_record
 from bench.adaptive import run_workload as run_phased
 from bench.common import device_info, format_table, write_json
@@ -127,6 +128,8 @@ class Bench:
             ctl = ControllerClient(group.controller, timeout=30)
             for temperature in (0.0, 1.0):  # first calls, allocator, both sampling paths
                 client.generate(self.code.ids[0], max_tokens=8, temperature=temperature, seed=0)
+            if args.profile:
+                self.profile(client, ctl)
             if "phased" in args.parts:
                 print("phased workload, batch 1", flush=True)
                 self.phased(group)
@@ -134,6 +137,20 @@ class Bench:
                 print("batch sweep (services)", flush=True)
                 for config in (c for c in args.sweep_configs if c != TARGET_ALONE):
                     self.sweep_config(client, ctl, config)
+
+    def profile(self, client: SpecpairClient, ctl: ControllerClient) -> None:
+        """The start-up cost profile (`bench.profile_costs`) seeds goodput's cost models:
+        greedy at every batch size of the sweep, sampled at batch 1 (the phased runs')."""
+        print("cost profile", flush=True)
+        result = profile_costs.profile(
+            client, ctl, self.code.ids[:4], batches=self.args.batches, sampled_batches=(1,)
+        )
+        self.report["profile"] = result
+        seeded = {**self.specs["goodput"].to_dict(),
+                  **{k: result[k] for k in ("profile_ms", "sampled_profile_ms")}}  # fmt: skip
+        self.specs["goodput"] = PolicySpec.from_mapping(seeded)
+        self.report["policies"]["goodput"] = seeded
+        print(profile_costs.render(result), flush=True)
 
     def target_alone(self, common: dict[str, Any]) -> None:
         """`specpair serve target --no-draft` at tier 0 (plain decode rounds)."""
@@ -426,6 +443,8 @@ def main() -> None:
     parser.add_argument("--sweep-configs", nargs="+", choices=SWEEP_CONFIGS,
                         default=list(SWEEP_CONFIGS))  # fmt: skip
     parser.add_argument("--policy", type=Path, help="goodput keys over its defaults (JSON)")
+    parser.add_argument("--no-profile", dest="profile", action="store_false",
+                        help="no start-up cost profile: every cost learnt online")  # fmt: skip
     parser.add_argument("--smooth", type=int, default=10, help="rounds per measured tokens/s")
     parser.add_argument("--out", type=Path, default=Path("bench/results/goodput_gpu.json"))
     parser.add_argument(

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller.goodput import GoodputConfig, GoodputPolicy
-from controller.interface import RoundSample, SpeculationPolicy, TierEstimate
+from controller.interface import RegimePolicy, RoundSample, SpeculationPolicy, TierEstimate
 from controller.policy import AdaptiveSpeculativeParams, PolicyConfig, is_int
+from specpair.tiers import RegimeSteps
 
 KindConfig = PolicyConfig | GoodputConfig
 KindPolicy = AdaptiveSpeculativeParams | GoodputPolicy
@@ -192,6 +193,10 @@ class BandedPolicy:
     @property
     def count(self) -> int:
         return self.band.count
+
+    @property
+    def regime_steps(self) -> RegimeSteps | None:
+        return self.band.regime_steps if isinstance(self.band, RegimePolicy) else None
 
     def observe(self, sample: RoundSample) -> bool:
         old = self.current_steps

@@ -14,7 +14,7 @@ import grpc
 
 from controller import memory
 from controller.bands import PolicySpec
-from controller.interface import PerRequestPolicy, RoundSample, SpeculationPolicy
+from controller.interface import PerRequestPolicy, RegimePolicy, RoundSample, SpeculationPolicy
 from controller.policy import PolicyConfig
 from controller.target_link import NotConnectedError, TargetLink
 from specpair.client.results import TargetState, TierSwitch
@@ -22,6 +22,7 @@ from specpair.config import ControllerConfig
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import target_pb2
+from specpair.tiers import RegimeSteps
 
 log = get_logger("controller")
 
@@ -39,6 +40,7 @@ class _Target:
     # Created at first contact, from the tier the target reports (GetServerInfo).
     policy: SpeculationPolicy | None = None
     target_candidates: tuple[int, ...] = ()
+    regimes: RegimeSteps | None = None  # the per-regime tiers last sent
     link: TargetLink | None = None
     rounds_seen: int = 0
     switches: deque[TierSwitch] = field(default_factory=lambda: deque(maxlen=RECENT_SWITCHES))
@@ -159,7 +161,7 @@ class AdaptiveController:
                     # pinned tier while one is pinned, not at the old kind's choice.
                     start = self.pinned_steps
                     t.policy = new.build(t.policy.current_steps if start is None else start)
-                    changed = False
+                    changed = isinstance(t.policy, RegimePolicy)  # its regime tiers go out
                 else:
                     changed = t.policy.reconfigure(new.policy_options())
                 if changed and self.pinned_steps is None:
@@ -252,7 +254,10 @@ class AdaptiveController:
         async with t.lock:
             assert t.policy is not None  # set by _connect before the stream starts
             # While pinned the policy keeps learning, but its decisions are not applied.
-            if t.policy.observe(sample) and self.pinned_steps is None:
+            changed = t.policy.observe(sample)
+            if isinstance(t.policy, RegimePolicy) and t.policy.regime_steps != t.regimes:
+                changed = True  # e.g. a regime first seen: its tier is now known
+            if changed and self.pinned_steps is None:
                 await self._apply(t, t.policy.current_steps, "policy")
 
     async def _apply(
@@ -260,10 +265,13 @@ class AdaptiveController:
     ) -> bool:
         """ApplyTier on `t` (caller holds t.lock); False if it is not connected or refused."""
         assert t.link is not None
-        # A per-request policy's tiers ride along; a pin (or any other reason) clears them.
-        own = t.policy.request_steps if isinstance(t.policy, PerRequestPolicy) else {}
+        # A policy's per-request and per-regime tiers ride along; a pin (or any other reason)
+        # clears them.
+        policy = t.policy if reason == "policy" else None
+        own = policy.request_steps if isinstance(policy, PerRequestPolicy) else {}
+        regimes = policy.regime_steps if isinstance(policy, RegimePolicy) else None
         try:
-            response = await t.link.apply_tier(steps, reason, own if reason == "policy" else {})
+            response = await t.link.apply_tier(steps, reason, own, regimes)
         except NotConnectedError:
             return False
         except grpc.aio.AioRpcError as exc:
@@ -282,6 +290,7 @@ class AdaptiveController:
         # Switches are counted against the tier we last commanded: the target reports as
         # previous_steps the tier of its running round, which lags a command not yet started.
         previous, t.active_steps = t.active_steps, response.speculative_num_steps
+        t.regimes = regimes
         self.metrics.active_tier.set(t.active_steps)
         if previous != t.active_steps:
             ema = t.policy.ema if t.policy else 0.0

@@ -42,15 +42,19 @@ from typing import Any
 from controller.goodput_model import AcceptanceModel, CostModel, batch_bucket
 from controller.interface import GatedPolicy, RoundSample, TierEstimate
 from controller.policy import PolicyKeys, check_gates, check_steps, finite_float, is_int
+from specpair.tiers import RegimeSteps
 
 ProfileMs = tuple[tuple[int, int, float], ...]  # (batch size, tier, round ms)
+# Per-position acceptance a probe must be able to pay at: above what an EAGLE head reached on
+# held-out code, greedy, on the H100 (0.74 pooled); a tier that loses even at this is not tried.
+OPTIMISTIC_ACCEPTANCE = 0.9
 
 
 @dataclass(frozen=True, slots=True)
 class GoodputConfig(PolicyKeys):
     """`profile_ms` seeds the greedy regime's cost model, in vLLM's batch_stats shape: {"1":
     {"0": 20.1, "3": 30.4}, "16": {...}} (batch size → tier → round ms); tiers it omits are
-    predicted."""
+    predicted. `sampled_profile_ms` seeds the sampled regime's, likewise."""
 
     candidate_steps: tuple[int, ...] = (1, 3, 7)
     ema_alpha: float = 0.1
@@ -61,6 +65,7 @@ class GoodputConfig(PolicyKeys):
     probe_interval: int = 64
     probe_rounds: int = 8
     profile_ms: ProfileMs = ()
+    sampled_profile_ms: ProfileMs = ()
 
     def __post_init__(self) -> None:
         steps = check_steps(self.candidate_steps, minimum=0)
@@ -80,33 +85,35 @@ class GoodputConfig(PolicyKeys):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        object.__setattr__(self, "profile_ms", parse_profile(self.profile_ms))
+        for name in ("profile_ms", "sampled_profile_ms"):
+            object.__setattr__(self, name, parse_profile(getattr(self, name), name))
 
     def to_dict(self) -> dict[str, Any]:
         out = PolicyKeys.to_dict(self)
-        profile: dict[str, dict[str, float]] = {}
-        for batch, steps, ms in self.profile_ms:
-            profile.setdefault(str(batch), {})[str(steps)] = ms
-        out["profile_ms"] = profile
+        for name in ("profile_ms", "sampled_profile_ms"):
+            profile: dict[str, dict[str, float]] = {}
+            for batch, steps, ms in getattr(self, name):
+                profile.setdefault(str(batch), {})[str(steps)] = ms
+            out[name] = profile
         return out
 
 
-def parse_profile(raw: object) -> ProfileMs:
+def parse_profile(raw: object, name: str = "profile_ms") -> ProfileMs:
     """{batch: {tier: ms}} (JSON keys are strings) or (batch, tier, ms) triples → triples."""
     if isinstance(raw, Mapping):
         if not all(isinstance(v, Mapping) for v in raw.values()):
-            raise ValueError(f"profile_ms must map batch size → {{tier: ms}}, got {raw!r}")
+            raise ValueError(f"{name} must map batch size → {{tier: ms}}, got {raw!r}")
         raw = [(b, s, ms) for b, tiers in raw.items() for s, ms in tiers.items()]
     if not isinstance(raw, list | tuple):
-        raise ValueError(f"profile_ms must be an object, got {raw!r}")
+        raise ValueError(f"{name} must be an object, got {raw!r}")
     out = []
     for item in raw:
         try:
             batch, steps, ms = (int(item[0]), int(item[1]), float(item[2]))
         except (TypeError, ValueError, IndexError, KeyError):
-            raise ValueError(f"profile_ms entry {item!r} is not (batch, tier, ms)") from None
+            raise ValueError(f"{name} entry {item!r} is not (batch, tier, ms)") from None
         if batch < 1 or steps < 0 or not ms > 0.0:
-            raise ValueError(f"profile_ms: batch {batch} tier {steps} needs batch >= 1, ms > 0")
+            raise ValueError(f"{name}: batch {batch} tier {steps} needs batch >= 1, ms > 0")
         out.append((batch, steps, ms))
     return tuple(sorted(out))
 
@@ -119,6 +126,7 @@ class Regime:
     cost: CostModel
     probe_every: int  # rounds at tier 0 between probes, doubled by each probe that failed
     rounds: int = 0
+    steps: int | None = None  # the tier it ran at when the batch last left it
 
     @classmethod
     def fresh(cls, config: GoodputConfig, profile: ProfileMs = ()) -> Regime:
@@ -128,6 +136,12 @@ class Regime:
             config.probe_interval,
         )
 
+    def tokens_per_s(self, steps: int, batch_size: int) -> float | None:
+        round_ms = self.cost.round_ms(steps, batch_size, self.acceptance.tokens_per_round)
+        if round_ms is None:
+            return None
+        return 1e3 * batch_size * self.acceptance.tokens_per_round(steps) / round_ms
+
 
 class GoodputPolicy(GatedPolicy[GoodputConfig]):
     """Chooses the tier with the highest predicted tokens/s; see the module docstring."""
@@ -135,7 +149,10 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
     def __init__(self, config: GoodputConfig, initial_steps: int) -> None:
         super().__init__(config, initial_steps)  # counts every round, tier 0's included
         self._start = self._steps
-        self._regimes = {False: Regime.fresh(config, config.profile_ms), True: Regime.fresh(config)}
+        self._regimes = {
+            False: Regime.fresh(config, config.profile_ms),
+            True: Regime.fresh(config, config.sampled_profile_ms),
+        }
         self._sampled = False  # the regime of the last round
         self._batch = 1
         self._rounds_at_zero = 0
@@ -169,17 +186,27 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         self._gate.count = max(int(count), 0)
 
     def reconfigure(self, config: GoodputConfig) -> bool:
-        """New guards and candidates keep the learnt models; a new profile reseeds the greedy
-        regime's cost."""
-        if config.profile_ms != self.config.profile_ms:
-            self._regimes[False].cost = CostModel(config.ema_alpha, config.profile_ms)
+        """New guards and candidates keep the learnt models; a new profile reseeds its regime's
+        cost."""
+        for sampled, profile, before in (
+            (False, config.profile_ms, self.config.profile_ms),
+            (True, config.sampled_profile_ms, self.config.sampled_profile_ms),
+        ):
+            if profile != before:
+                self._regimes[sampled].cost = CostModel(config.ema_alpha, profile)
         for regime in self._regimes.values():
             regime.acceptance.decay = regime.cost.alpha = config.ema_alpha
         return self._swap_config(config)
 
     def observe(self, sample: RoundSample) -> bool:
-        sampled = sample.sampled > 0
-        changed_regime, self._sampled = sampled != self._sampled, sampled
+        old = self._steps
+        changed_regime = (sample.sampled > 0) != self._sampled
+        if changed_regime:
+            # Where the target ran this round (`regime_steps`), from what was known before it.
+            self._regimes[self._sampled].steps = old
+            self._sampled = not self._sampled
+            self._steps = self._regime_start(self._sampled)
+            self._probe_rounds, self._rounds_at_zero = None, 0
         regime = self.regime
         if not (sample.steps > 0 and self._last_steps == 0):
             # The first round with drafts after rounds without: the draft extends every token
@@ -196,28 +223,38 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
             self._rounds_at_zero += 1
         due = self._gate.tick()
         if changed_regime:
-            return self._enter_regime()
+            # Decided at once from what this regime taught before (a regime never seen, or seen
+            # only at tier 0 and now at a positive tier, learns first).
+            learnt = regime.rounds > self.config.warmup_batches + 1
+            if learnt and (self._steps == 0 or regime.acceptance.trials > 0):
+                self._decide()
+            return self._steps != old
         return due and self._decide()
 
-    def _enter_regime(self) -> bool:
-        """The batch turned greedy or sampled: decide from what this regime taught before, or,
-        never seen with drafts, learn it from the starting tier."""
-        old = self._steps
-        self._probe_rounds, self._rounds_at_zero = None, 0
-        learnt = self.regime.rounds > self.config.warmup_batches  # before this round
-        if learnt and (old == 0 or self.acceptance.trials > 0):
-            return self._decide()
-        if old == 0 and self.acceptance.trials == 0:
-            positive = [s for s in self.config.candidate_steps if s > 0]
-            self._steps = self._start if self._start > 0 else (positive or [0])[0]
-        return self._steps != old
+    @property
+    def regime_steps(self) -> RegimeSteps:
+        """The tier for each regime: the current one's, and where the other left off (or where
+        it would start). The target runs a batch that changes regime at its regime's tier from
+        the first round; the decision below follows a round or more later."""
+        other = self._regime_start(not self._sampled)
+        greedy, sampled = (other, self._steps) if self._sampled else (self._steps, other)
+        return RegimeSteps(greedy=greedy, sampled=sampled)
+
+    def _regime_start(self, sampled: bool) -> int:
+        """Where regime `sampled` starts: where it left off; never seen, the best its profile
+        predicts (with the prior acceptance), else the starting tier."""
+        regime = self._regimes[sampled]
+        if regime.steps is not None:
+            return regime.steps
+        b = self._batch
+        rates = {s: r for s in self.config.candidate_steps if (r := regime.tokens_per_s(s, b))}
+        if rates:
+            return max(rates, key=lambda s: (rates[s], -s))
+        positive = [s for s in self.config.candidate_steps if s > 0]
+        return self._start if self._start > 0 else (positive or [0])[0]
 
     def tokens_per_s(self, steps: int, batch_size: int | None = None) -> float | None:
-        b = batch_size or self._batch
-        round_ms = self.cost.round_ms(steps, b, self.acceptance.tokens_per_round)
-        if round_ms is None:
-            return None
-        return 1e3 * b * self.acceptance.tokens_per_round(steps) / round_ms
+        return self.regime.tokens_per_s(steps, batch_size or self._batch)
 
     def _decide(self) -> bool:
         old, baseline = self._steps, self._steps
@@ -256,17 +293,23 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         return self._steps != old
 
     def _could_pay(self, steps: int) -> bool:
-        """Whether tier `steps` would beat tier 0 by `min_gain` if every draft were accepted;
-        a probe of a tier that could not is time lost. Sampled on an H100 (batch 1): tier 1 at
-        31 ms a round gives at most 2 / 31 ms = 65 tokens/s against tier 0's 1 / 12 ms = 83."""
+        """Whether tier `steps` would beat tier 0 by `min_gain` at an optimistic acceptance
+        (`OPTIMISTIC_ACCEPTANCE` at every position); a probe of a tier that could not is time
+        lost. Sampled on an H100 (batch 1, profiled): tier 7 at 95 ms a round gives at most
+        5.7 / 95 ms = 60 tokens/s against tier 0's 1 / 12.9 ms = 78 (with every draft accepted
+        it would be 84: a probe of 8 rounds at 95 ms each time the interval passed)."""
         b = self._batch
-        if self.cost.measured_rounds(steps, b) < 3:
+        if not self.cost.trusted(steps, b):
             return True  # too few rounds of its own to rule it out
-        ceiling = self.cost.round_ms(steps, b, lambda s: s + 1.0)
-        zero = self.cost.round_ms(0, b, lambda s: s + 1.0)
+
+        def optimistic(s: int) -> float:
+            return sum(OPTIMISTIC_ACCEPTANCE**k for k in range(s + 1))
+
+        ceiling = self.cost.round_ms(steps, b, optimistic)
+        zero = self.cost.round_ms(0, b, optimistic)
         if ceiling is None or zero is None:
             return True
-        return (steps + 1) / ceiling > (1.0 + self.config.min_gain) / zero
+        return optimistic(steps) / ceiling > (1.0 + self.config.min_gain) / zero
 
     def _young(self, rates: dict[int, float], best: int) -> int | None:
         """The best-predicted tier never measured (nor profiled) at this batch size and regime,

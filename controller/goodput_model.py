@@ -185,6 +185,11 @@ class CostModel:
         entry = self._own(steps, batch_size)
         return entry is not None and entry.known
 
+    def trusted(self, steps: int, batch_size: int) -> bool:
+        """Whether `steps`'s time here rests on a profile or on 3 rounds of its own."""
+        entry = self._own(steps, batch_size)
+        return entry is not None and (entry.seeded or entry.n >= 3)
+
     def measured_rounds(self, steps: int, batch_size: int) -> int:
         entry = self._own(steps, batch_size)
         return entry.n if entry else 0

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
-from specpair.tiers import TierEstimate
+from specpair.tiers import RegimeSteps, TierEstimate
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +104,19 @@ class PerRequestPolicy(SpeculationPolicy, Protocol):
     @property
     def request_steps(self) -> Mapping[str, int]:
         """Request id → its tier where it differs from `current_steps` (ids as in RoundStats)."""
+        ...
+
+
+@runtime_checkable
+class RegimePolicy(SpeculationPolicy, Protocol):
+    """A policy that keeps a tier per sampling regime (the goodput kind): the controller sends
+    both with every ApplyTier, and the target picks by each batch, so that a batch turning
+    greedy or sampled runs at that regime's tier from its first round."""
+
+    @property
+    def regime_steps(self) -> RegimeSteps | None:
+        """The batch tier for each regime (the current regime's is `current_steps`); None:
+        one tier for every batch."""
         ...
 
 

@@ -12,6 +12,7 @@ from specpair.config import TLSConfig
 from specpair.logging import get_logger
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
 from specpair.reconnect import ReconnectingLink
+from specpair.tiers import RegimeSteps
 
 log = get_logger("controller")
 RPC_TIMEOUT_S = 5.0
@@ -52,15 +53,21 @@ class TargetLink(ReconnectingLink):
         self._rounds: grpc.aio.UnaryStreamCall | None = None
 
     async def apply_tier(
-        self, steps: int, reason: str, request_steps: Mapping[str, int] | None = None
+        self,
+        steps: int,
+        reason: str,
+        request_steps: Mapping[str, int] | None = None,
+        regimes: RegimeSteps | None = None,
     ) -> target_pb2.ApplyTierResponse:
-        """ApplyTier on the connected target (with per-request tiers, where given); raises
-        NotConnectedError or grpc.aio.AioRpcError."""
+        """ApplyTier on the connected target (with per-request and per-regime tiers, where
+        given); raises NotConnectedError or grpc.aio.AioRpcError."""
         if self._stub is None:
             raise NotConnectedError(f"target {self.address} is not connected")
         request = target_pb2.ApplyTierRequest(
             speculative_num_steps=steps, reason=reason, request_steps=dict(request_steps or {})
         )
+        if regimes is not None:
+            request.greedy_steps, request.sampled_steps = regimes.greedy, regimes.sampled
         return await self._stub.ApplyTier(  # type: ignore[no-any-return]
             request, metadata=self.metadata, timeout=RPC_TIMEOUT_S
         )

@@ -14,3 +14,16 @@ class TierEstimate:
     round_ms: float
     tokens_per_round: float  # per request: accepted drafts + the bonus token
     observed_rounds: int  # rounds measured at this tier and batch bucket (0: predicted)
+
+
+@dataclass(frozen=True, slots=True)
+class RegimeSteps:
+    """A policy's batch tier for each sampling regime: batches that are all greedy, and batches
+    where some request samples (they differ in both acceptance and cost; see the goodput
+    policy). The target picks by the batch at each round's start."""
+
+    greedy: int
+    sampled: int
+
+    def of(self, sampled: bool) -> int:
+        return self.sampled if sampled else self.greedy

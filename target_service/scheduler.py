@@ -30,6 +30,7 @@ from specpair.runtime.draft_session import DraftSession
 from specpair.runtime.state import SpecRuntimeState, gpu_ms
 from specpair.runtime.target import TargetWorker
 from specpair.serving import Compute
+from specpair.tiers import RegimeSteps
 from target_service.draft_link import DraftLink
 from target_service.flight import Flight, pipelines
 from target_service.round_feed import RoundFeed
@@ -90,11 +91,15 @@ class Scheduler:
         self._wakeup.set()
 
     def apply_tier(
-        self, tier: int, reason: str, request_steps: dict[str, int] | None = None
+        self,
+        tier: int,
+        reason: str,
+        request_steps: dict[str, int] | None = None,
+        regimes: RegimeSteps | None = None,
     ) -> int:
-        """Queues a tier switch (and per-request tiers) for the next round; returns the batch
-        tier active now."""
-        return self.tiers.ask(tier, reason, request_steps)
+        """Queues a tier switch (with per-request and per-regime tiers) for the next round;
+        returns the batch tier active now."""
+        return self.tiers.ask(tier, reason, request_steps, regimes)
 
     @property
     def tier(self) -> int:
@@ -208,7 +213,8 @@ class Scheduler:
     async def _start(self, batch: list[ServedRequest], admit_s: float) -> Flight:
         """Starts a round: its RoundRequest goes out (when a draft is connected)."""
         self.round_id += 1
-        steps = self.tiers.of([r.seq.request_id for r in batch])
+        sampled = any(not r.seq.sampling.greedy for r in batch)
+        steps = self.tiers.of([r.seq.request_id for r in batch], sampled)
         state = self.states[max(steps)]
         flight = Flight(self.round_id, batch, state, time.perf_counter(), admit_s, steps)
         link = self.draft

@@ -20,6 +20,7 @@ from specpair.runtime.build import build_target
 from specpair.runtime.draft_session import MAX_TREE_NODES
 from specpair.runtime.state import StateBuilder
 from specpair.serving import bounded
+from specpair.tiers import RegimeSteps
 from specpair.wire import stats_to_proto
 from target_service.draft_link import DraftLink
 from target_service.frontend import (
@@ -109,9 +110,19 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self, request: target_pb2.ApplyTierRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.ApplyTierResponse:
         scheduler = await self._ready(context)
+        regimes = None
+        if request.HasField("greedy_steps") or request.HasField("sampled_steps"):
+            tier = request.speculative_num_steps
+            regimes = RegimeSteps(
+                request.greedy_steps if request.HasField("greedy_steps") else tier,
+                request.sampled_steps if request.HasField("sampled_steps") else tier,
+            )
         try:
             previous = scheduler.apply_tier(
-                request.speculative_num_steps, request.reason or "ops", dict(request.request_steps)
+                request.speculative_num_steps,
+                request.reason or "ops",
+                dict(request.request_steps),
+                regimes,
             )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(exc)))

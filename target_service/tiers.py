@@ -3,7 +3,9 @@
 A command is checked when it arrives (`ask`: every tier must be a candidate, so a state was
 built for it) and lands when the next round starts (`switch`), never inside one: both are
 reference swaps to states built at start-up. A request the controller did not name runs at the
-batch tier; a finished request's entry goes (`forget`).
+batch tier — its sampling regime's, where the controller set one per regime (`RegimeSteps`): a
+batch that turns sampled runs at the sampled tier from its first round, with no round trip to
+the controller; a finished request's entry goes (`forget`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
+from specpair.tiers import RegimeSteps
 
 log = get_logger(__name__)
 
@@ -21,19 +24,29 @@ class Tiers:
         self.candidates = sorted(candidates)
         self.batch = initial
         self.own: dict[str, int] = {}  # request id → its own tier, where set
+        self.regimes: RegimeSteps | None = None  # the batch tier per regime, where set
         self.metrics = metrics
-        self._pending: tuple[int, str, dict[str, int]] | None = None
+        self._pending: tuple[int, str, dict[str, int], RegimeSteps | None] | None = None
         metrics.active_tier.set(initial)
 
-    def ask(self, tier: int, reason: str, request_steps: Mapping[str, int] | None = None) -> int:
-        """Queues a switch for the next round, with per-request tiers that replace the previous
-        ones (ids not running are ignored); returns the batch tier active now."""
+    def ask(
+        self,
+        tier: int,
+        reason: str,
+        request_steps: Mapping[str, int] | None = None,
+        regimes: RegimeSteps | None = None,
+    ) -> int:
+        """Queues a switch for the next round, with per-request tiers and per-regime batch tiers
+        that replace the previous ones (ids not running are ignored); returns the batch tier
+        active now."""
         asked = {"speculative_num_steps": tier}
         asked.update({f"request_steps[{r}]": s for r, s in (request_steps or {}).items()})
+        if regimes is not None:
+            asked.update(greedy_steps=regimes.greedy, sampled_steps=regimes.sampled)
         for name, steps in asked.items():
             if steps not in self.candidates:
                 raise ValueError(f"{name} {steps} is not a candidate tier {self.candidates}")
-        self._pending = (tier, reason, dict(request_steps or {}))
+        self._pending = (tier, reason, dict(request_steps or {}), regimes)
         return self.batch
 
     def switch(self, round_id: int, running: Collection[str]) -> None:
@@ -42,7 +55,7 @@ class Tiers:
         command and this round (and `forget` has already run for it)."""
         if self._pending is None:
             return
-        tier, reason, own = self._pending
+        tier, reason, own, self.regimes = self._pending
         self.own = {rid: steps for rid, steps in own.items() if rid in running}
         self._pending = None
         if tier != self.batch:
@@ -51,9 +64,11 @@ class Tiers:
             self.metrics.active_tier.set(tier)
             self.metrics.tier_switches.inc()
 
-    def of(self, request_ids: Sequence[str]) -> list[int]:
-        """Each request's tier for the round starting now."""
-        return [self.own.get(rid, self.batch) for rid in request_ids]
+    def of(self, request_ids: Sequence[str], sampled: bool = False) -> list[int]:
+        """Each request's tier for the round starting now; `sampled`: some request of the
+        batch samples."""
+        batch = self.batch if self.regimes is None else self.regimes.of(sampled)
+        return [self.own.get(rid, batch) for rid in request_ids]
 
     def forget(self, request_id: str) -> None:
         self.own.pop(request_id, None)

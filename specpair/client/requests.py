@@ -165,6 +165,7 @@ POLICY_OPTIONS: dict[str, type | None] = {
     "probe_interval": int,
     "probe_rounds": int,
     "profile_ms": None,
+    "sampled_profile_ms": None,
     "bands": None,
 }
 

@@ -37,6 +37,7 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
         self.candidates = candidates
         self.applied: list[tuple[int, str]] = []
         self.request_steps: dict[str, int] = {}  # of the last ApplyTier
+        self.regimes: tuple[int, int] | None = None  # (greedy, sampled) of the last ApplyTier
         self.round_id = 0
         self.watchers: list[asyncio.Queue[target_pb2.RoundStats]] = []
 
@@ -77,6 +78,9 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
         previous, self.steps = self.steps, request.speculative_num_steps
         self.applied.append((request.speculative_num_steps, request.reason))
         self.request_steps = dict(request.request_steps)
+        self.regimes = None
+        if request.HasField("greedy_steps"):
+            self.regimes = (request.greedy_steps, request.sampled_steps)
         return target_pb2.ApplyTierResponse(
             previous_steps=previous,
             speculative_num_steps=self.steps,

@@ -21,7 +21,9 @@ from tests.service.conftest import eventually
 from tests.service.test_controller import FakeTarget, serve_target
 
 
-def push_timed(fake: FakeTarget, accepts: tuple[int, ...], total_ms: float) -> None:
+def push_timed(
+    fake: FakeTarget, accepts: tuple[int, ...], total_ms: float, sampled: int = 0
+) -> None:
     """A round where verify costs 10 ms and the draft round trip the rest (3 ms a step)."""
     fake.round_id += 1
     stats = target_pb2.RoundStats(
@@ -34,9 +36,41 @@ def push_timed(fake: FakeTarget, accepts: tuple[int, ...], total_ms: float) -> N
             total_ms=total_ms, verify_ms=10.0, draft_ms=3.0 * fake.steps, schedule_ms=1.0
         ),
         unix_time=time.time(),
+        sampled_requests=sampled,
     )
     for queue in fake.watchers:
         queue.put_nowait(stats)
+
+
+async def test_goodput_sends_a_tier_per_sampling_regime_and_a_pin_clears_them() -> None:
+    """Greedy rounds whose drafts all pass, then sampled ones whose drafts never do: the
+    target is told 'greedy: a positive tier, sampled: 0', so that the next greedy batch drafts
+    from its first round."""
+    fake = FakeTarget(steps=3, candidates=(0, 1, 3, 7))
+    target = await serve_target(fake, "127.0.0.1:0")
+    config = ControllerConfig(ServerConfig("127.0.0.1:0"), targets=(f"127.0.0.1:{target.port}",))
+    running = await start(config)
+    try:
+        await eventually(lambda: bool(fake.watchers) and running.controller.snapshot()[0].connected)
+        await running.controller.update_policy(
+            kind="goodput", candidate_steps=(0, 1, 3, 7), warmup_batches=0, update_interval=1
+        )
+        assert fake.regimes == (3, 3)  # nothing known of either regime: the starting tier
+        for _ in range(40):
+            push_timed(fake, (fake.steps,), total_ms=12.0 + 3.0 * fake.steps)
+            await asyncio.sleep(0.005)
+        await eventually(lambda: running.controller.snapshot()[0].rounds_seen == 40)
+        greedy = fake.steps
+        assert greedy > 0
+        for _ in range(60):
+            push_timed(fake, (0,), total_ms=12.0 + 3.0 * fake.steps, sampled=1)
+            await asyncio.sleep(0.005)
+        await eventually(lambda: fake.regimes == (greedy, 0))
+        await running.controller.pin(1)
+        assert fake.regimes is None and fake.steps == 1
+    finally:
+        await running.stop(grace=0.1)
+        await target.stop(grace=0.1)
 
 
 async def test_goodput_turns_speculation_off_when_drafts_are_never_accepted() -> None:

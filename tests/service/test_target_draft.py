@@ -244,6 +244,48 @@ async def test_round_stats_count_the_sampled_requests(ckpts, make_stack) -> None
     assert rounds[-1].sampled_requests == 0  # the greedy request alone
 
 
+async def test_a_batch_runs_at_its_sampling_regimes_tier_from_its_first_round(
+    ckpts, make_stack
+) -> None:
+    """With a tier per regime (greedy 3, sampled 0) a sampled request runs without drafts and
+    a greedy one drafts 3, each from its first round: no round waits for the controller."""
+    stack = await make_stack(
+        draft_config(ckpts["draft"]), target_config(ckpts["target"], candidate_steps=(0, 1, 3))
+    )
+    await stack.wait_draft_connected()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.stub.ApplyTier(
+            target_pb2.ApplyTierRequest(speculative_num_steps=3, greedy_steps=3, sampled_steps=7)
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampled_steps 7" in err.value.details()
+    await stack.stub.ApplyTier(
+        target_pb2.ApplyTierRequest(speculative_num_steps=3, greedy_steps=3, sampled_steps=0)
+    )
+    rounds: list[target_pb2.RoundStats] = []
+
+    async def watch() -> None:
+        async for update in stack.stub.WatchRounds(target_pb2.WatchRoundsRequest()):
+            rounds.append(update.round)
+
+    watcher = asyncio.create_task(watch())
+    await asyncio.sleep(0.2)
+    sampling = common_pb2.SamplingParams(temperature=1.0, seed=5)
+    await stack.generate(prompt_token_ids=PROMPTS[1], max_tokens=12, sampling=sampling)
+    await eventually(lambda: len(rounds) >= 11)
+    sampled_rounds = len(rounds)
+    tokens, _ = await stack.generate(prompt_token_ids=PROMPTS[0], max_tokens=24)
+    await eventually(lambda: sum(r.sampled_requests == 0 for r in rounds) >= 1)
+    await asyncio.sleep(0.2)
+    watcher.cancel()
+    assert all(r.sampled_requests == 1 and r.speculative_num_steps == 0 for r in rounds[:11])
+    greedy = rounds[sampled_rounds:]
+    assert greedy and all(r.speculative_num_steps == 3 and r.speculative for r in greedy)
+    assert tokens == reference_greedy(ckpts["target"], PROMPTS[:1], 24)[0]
+    info = await stack.stub.GetServerInfo(target_pb2.TargetServiceGetServerInfoRequest())
+    assert info.speculative_num_steps == 3
+
+
 async def test_text_prompt_streams_text(ckpts, make_stack) -> None:
     from transformers import AutoTokenizer
 

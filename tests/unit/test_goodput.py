@@ -13,6 +13,7 @@ import pytest
 from controller.goodput import GoodputConfig, GoodputPolicy, parse_profile
 from controller.goodput_model import AcceptanceModel, CostModel, _line_at, batch_bucket
 from controller.interface import RoundSample
+from specpair.tiers import RegimeSteps
 
 
 def chain_accepts(rng: random.Random, rates: list[float], steps: int, n: int) -> list[int]:
@@ -342,6 +343,39 @@ def test_a_regime_never_seen_with_drafts_starts_from_the_starting_tier() -> None
     policy = GoodputPolicy(cfg, 3)
     assert run(policy, 40, regime_round(True))[-1] == 0  # sampled first: off
     assert run(policy, 1, regime_round(False)) == [3]  # greedy: nothing known, drafts tried
+
+
+def test_each_regime_starts_where_it_left_off_and_the_target_is_told_before() -> None:
+    # The map the target gets names, for the regime not running, the tier the policy will
+    # start it at; the policy's first round in it is then at that tier, no decision awaited.
+    cfg = GoodputConfig(candidate_steps=(0, 1, 3, 7), warmup_batches=5, update_interval=5)
+    policy = GoodputPolicy(cfg, 3)
+    greedy, sampled = regime_round(False), regime_round(True)
+    run(policy, 60, greedy)
+    greedy_tier = policy.current_steps
+    assert policy.regime_steps == RegimeSteps(greedy=greedy_tier, sampled=3)  # never seen
+    run(policy, 60, sampled)
+    assert policy.regime_steps == RegimeSteps(greedy=greedy_tier, sampled=0)
+    told = policy.regime_steps
+    assert run(policy, 1, greedy) == [told.greedy]
+    assert policy.regime_steps.sampled == 0
+
+
+def test_a_regime_never_seen_starts_where_its_profile_says() -> None:
+    # Sampled, profiled on an H100 at batch 1: 12 ms at tier 0, 30 at 1, 48 at 3, 90 at 7.
+    # With the prior acceptance (α = 0.5) tier 1 gives 1.5 / 30 ms = 50 tokens/s against 83 at
+    # tier 0: a sampled batch starts without drafts. Unprofiled, it starts at the start tier.
+    profile = {"1": {"0": 12.0, "1": 30.0, "3": 48.0, "7": 90.0}}
+    cfg = GoodputConfig(candidate_steps=(0, 1, 3, 7), sampled_profile_ms=profile)  # type: ignore[arg-type]
+    policy = GoodputPolicy(cfg, 3)
+    assert policy.regime_steps == RegimeSteps(greedy=3, sampled=0)
+    assert run(policy, 1, regime_round(True)) == [0]
+    assert GoodputPolicy(replace(cfg, sampled_profile_ms=()), 3).regime_steps.sampled == 3
+    assert cfg.to_dict()["sampled_profile_ms"] == {
+        "1": {"0": 12.0, "1": 30.0, "3": 48.0, "7": 90.0}
+    }
+    with pytest.raises(ValueError, match="sampled_profile_ms must map batch size"):
+        GoodputConfig(sampled_profile_ms={"1": 20})  # type: ignore[arg-type]
 
 
 def test_a_tier_never_measured_is_tried_once_when_predicted_close() -> None:

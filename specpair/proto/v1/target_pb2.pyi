@@ -359,8 +359,17 @@ class ApplyTierRequest(_message.Message):
     SPECULATIVE_NUM_STEPS_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     REQUEST_STEPS_FIELD_NUMBER: _builtins.int
+    GREEDY_STEPS_FIELD_NUMBER: _builtins.int
+    SAMPLED_STEPS_FIELD_NUMBER: _builtins.int
     speculative_num_steps: _builtins.int
     reason: _builtins.str
+    greedy_steps: _builtins.int
+    """The batch tier by sampling regime, each where set (a candidate): a batch that is all greedy
+    runs at greedy_steps, one where some request samples at sampled_steps. A batch that changes
+    regime so runs at that regime's tier from its first round: the controller's answer to the
+    change would land rounds later. Replaces the previous pair; unset: speculative_num_steps.
+    """
+    sampled_steps: _builtins.int
     @_builtins.property
     def request_steps(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """Per-request tiers (request id -> tier, each a candidate; 0: no drafts for it); a request
@@ -373,12 +382,21 @@ class ApplyTierRequest(_message.Message):
         speculative_num_steps: _builtins.int = ...,
         reason: _builtins.str = ...,
         request_steps: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        greedy_steps: _builtins.int | None = ...,
+        sampled_steps: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_greedy_steps", b"_greedy_steps", "_sampled_steps", b"_sampled_steps", "greedy_steps", b"greedy_steps", "sampled_steps", b"sampled_steps"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "request_steps", b"request_steps", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_greedy_steps", b"_greedy_steps", "_sampled_steps", b"_sampled_steps", "greedy_steps", b"greedy_steps", "reason", b"reason", "request_steps", b"request_steps", "sampled_steps", b"sampled_steps", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__greedy_steps: _TypeAlias = _typing.Literal["greedy_steps"]  # noqa: Y015
+    _WhichOneofArgType__greedy_steps: _TypeAlias = _typing.Literal["_greedy_steps", b"_greedy_steps"]  # noqa: Y015
+    _WhichOneofReturnType__sampled_steps: _TypeAlias = _typing.Literal["sampled_steps"]  # noqa: Y015
+    _WhichOneofArgType__sampled_steps: _TypeAlias = _typing.Literal["_sampled_steps", b"_sampled_steps"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__greedy_steps) -> _WhichOneofReturnType__greedy_steps | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__sampled_steps) -> _WhichOneofReturnType__sampled_steps | None: ...
 
 Global___ApplyTierRequest: _TypeAlias = ApplyTierRequest  # noqa: Y015
 

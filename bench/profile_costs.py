@@ -1,0 +1,127 @@
+"""A start-up cost profile for the goodput policy: the median round time at each tier, batch
+size and sampling regime, measured through running services and written as the policy file's
+`profile_ms` / `sampled_profile_ms` keys.
+
+Only time is profiled: acceptance belongs to the workload and is learnt online. With the costs
+known, a policy that meets a batch size or a regime for the first time picks from predictions
+grounded in this hardware instead of learning each tier in turn (on the H100 a sweep cell of 50
+rounds at batch 16 spent a third of its rounds finding out that tier 7 cost 20.6 ms a round
+against tier 3's 16.5).
+
+Each cell pins one tier through the controller and runs `batch` concurrent requests of
+`--new-tokens`; a round counts if it ran at that tier with the full batch and admitted nobody
+(a joining request's prefill is not the tier's cost), and not right after the pin (the draft
+catching up on tokens it missed at tier 0).
+
+    python -m bench.profile_costs --target HOST:PORT --controller HOST:PORT \\
+        --prompt "def parse(argv):" --batches 1 2 4 8 16 --out policy.json
+    specpair serve controller --policy policy.json ...   # with "kind": "goodput" added
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from bench.common import format_table, write_json
+from bench.services import watch_rounds
+from specpair.client import ControllerClient, SpecpairClient
+from specpair.client.requests import Prompt
+from specpair.proto.v1 import target_pb2
+
+TIERS = (0, 1, 3, 7)
+SKIP_AFTER_PIN = 2  # rounds: the draft's catch-up after tier 0, and the pin landing
+
+
+def counted_ms(rounds: Sequence[target_pb2.RoundStats], tier: int, batch: int) -> list[float]:
+    """Round times of `rounds` that show the cost of `tier` at `batch`: at that tier (with
+    drafts, unless 0), the whole batch, no admission."""
+    out = []
+    for r in rounds[SKIP_AFTER_PIN:]:
+        drafted = r.speculative and len(r.accept_lengths) > 0
+        if r.batch_size != batch or r.timings.admit_ms > 0 or drafted != (tier > 0):
+            continue
+        if tier > 0 and r.speculative_num_steps != tier:
+            continue
+        out.append(r.timings.total_ms)
+    return out
+
+
+def profile(
+    client: SpecpairClient, ctl: ControllerClient, prompts: Sequence[Prompt], *,
+    tiers: Sequence[int] = TIERS, batches: Sequence[int] = (1,),
+    sampled_batches: Sequence[int] = (1,), new_tokens: int = 24,
+) -> dict[str, Any]:  # fmt: skip
+    """{"profile_ms": {batch: {tier: ms}}, "sampled_profile_ms": …, "rounds": {…}} (keys as
+    strings, the policy file's shape); the controller is left unpinned."""
+    out: dict[str, Any] = {"profile_ms": {}, "sampled_profile_ms": {}, "rounds": {}}
+    try:
+        for tier in tiers:
+            ctl.pin(tier)
+            time.sleep(0.1)
+            for key, temperature, sizes in (
+                ("profile_ms", 0.0, batches),
+                ("sampled_profile_ms", 1.0, sampled_batches),
+            ):
+                for batch in sizes:
+                    rounds: list[target_pb2.RoundStats] = []
+                    call = watch_rounds(client.address, rounds)
+                    time.sleep(0.1)
+
+                    def one(i: int, temperature: float = temperature) -> None:
+                        prompt = prompts[i % len(prompts)]
+                        client.generate(prompt, max_tokens=new_tokens,
+                                        temperature=temperature, seed=i)  # fmt: skip
+
+                    with ThreadPoolExecutor(batch) as pool:
+                        list(pool.map(one, range(batch)))
+                    time.sleep(0.1)
+                    call.cancel()
+                    times = counted_ms(rounds, tier, batch)
+                    out["rounds"][f"{key} {batch} {tier}"] = len(times)
+                    if times:
+                        out[key].setdefault(str(batch), {})[str(tier)] = statistics.median(times)
+                    print(f"  profile {key:18s} batch {batch:2d} tier {tier}: "
+                          f"{len(times)} rounds", flush=True)  # fmt: skip
+    finally:
+        ctl.unpin()
+    return out
+
+
+def render(result: dict[str, Any]) -> str:
+    rows = []
+    for key in ("profile_ms", "sampled_profile_ms"):
+        for batch, tiers in sorted(result[key].items(), key=lambda kv: int(kv[0])):
+            cells = [f"{tiers[str(t)]:.1f}" if str(t) in tiers else "-" for t in TIERS]
+            rows.append(["sampled" if key.startswith("sampled") else "greedy", batch, *cells])
+    return format_table(["regime", "batch", *(f"tier {t} ms" for t in TIERS)], rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--controller", required=True)
+    parser.add_argument("--prompt", action="append", default=None,
+                        help="prompt text (repeat for more); default: one code prompt")  # fmt: skip
+    parser.add_argument("--batches", type=int, nargs="+", default=[1])
+    parser.add_argument("--sampled-batches", type=int, nargs="+", default=[1])
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--out", type=Path, default=Path("/tmp/specpair-profile.json"))
+    args = parser.parse_args()
+    prompts: list[Prompt] = args.prompt or ["def parse_args(argv):\n    parser = "]
+    result = profile(
+        SpecpairClient(args.target, timeout=600), ControllerClient(args.controller, timeout=30),
+        prompts, batches=args.batches, sampled_batches=args.sampled_batches,
+        new_tokens=args.new_tokens,
+    )  # fmt: skip
+    write_json(args.out, {k: result[k] for k in ("profile_ms", "sampled_profile_ms")})
+    print(render(result))
+
+
+if __name__ == "__main__":
+    main()
