@@ -1,0 +1,307 @@
+"""Replays a speculation policy offline, closed loop, on a recorded phased run (no GPU).
+
+`bench/goodput_gpu.py`'s phased part runs the same requests (batch 1, one after another) at
+each static tier, so the static runs' rounds say what every tier costs and accepts at every
+point of every request. A policy is simulated round by round: the round runs at the tier the
+target applies then, is taken from that tier's trace at the request's current token position,
+adds its time to the clock and its tokens to the position, and is fed to the pure policy as the
+RoundSample the target would have sent (costs, accept lengths, sampled flag as recorded).
+
+- Positions count per request: a round gains 1 + accepted drafts (1 without drafts), and the
+  round that admits the request also the prefill's token. E.g. static-3 rounds gaining 2+1, 4,
+  1, … start at positions 0, 3, 7, 8, …; a simulated round at position 5 on tier 3 replays the
+  round starting at 3 (the one covering 5). Requests, and so phases, are split at admission
+  rounds: `phase_first_round` can lag the round stream (static-0 of run 4: 184 where the 5th
+  admission is round 188). A request ends at static-0's token count (tier 0 never overshoots).
+- A tier the policy picks after round n applies from round n + 1 + `--lag` (lag 1: the target
+  starts round n + 1 before it publishes round n). With `--regime-map`, a policy that has
+  `regime_steps()` → (greedy tier, sampled tier) sets the tier at once on the first round whose
+  regime differs from the last round's (the target's own map); a None entry leaves it.
+- The first round with drafts after a tier-0 round, unless it admits the request (the draft
+  prefills the prompt then anyway), pays the draft's catch-up: `--catchup-ms` more, in total
+  and draft time (run 4: 41.7 ms against 12.1 at tier 3, greedy).
+- A phase's time is its rounds' plus the time between rounds (client, wire), the median of the
+  static runs' recorded phase seconds less their rounds'.
+
+    python -m bench.goodput_sim [--run bench/results/goodput_gpu_eagle_h100_run4.json]
+        [--lag 1 10] [--set min_gain=0.05 ...] [--policy-class module:Class] [--regime-map]
+        [--catchup-ms 28] [--png /tmp/goodput_sim.png] [--out /tmp/goodput_sim.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from bisect import bisect_right
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from itertools import accumulate
+from pathlib import Path
+from typing import Any, Protocol
+
+from bench.adaptive import ROUND_KEYS, RunResult, oracle_of
+from bench.common import format_table, write_json
+from controller.bands import PolicySpec
+from controller.interface import RoundSample
+
+STATIC = "static-"
+DEFAULT_RUN = Path("bench/results/goodput_gpu_eagle_h100_run4.json")
+
+
+class Stepper(Protocol):
+    """What the simulation needs of a policy (every SpeculationPolicy has it)."""
+
+    @property
+    def current_steps(self) -> int: ...
+    def observe(self, sample: RoundSample) -> bool: ...
+
+
+@dataclass
+class Pinned:
+    """A static tier."""
+
+    current_steps: int
+
+    def observe(self, sample: RoundSample) -> bool:
+        return False
+
+
+def gain(r: dict[str, Any]) -> int:
+    """Tokens a recorded round emits (see the module docstring)."""
+    drafted = sum(1 + a for a in r["accept_lengths"]) if r["accept_lengths"] else r["batch_size"]
+    return drafted + (1 if r["admit_ms"] > 0 else 0)
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One request's rounds at one static tier; `starts[i]` is round i's token position."""
+
+    rounds: tuple[dict[str, Any], ...]
+    starts: tuple[int, ...]
+
+    @classmethod
+    def of(cls, rounds: list[dict[str, Any]]) -> Trace:
+        return cls(tuple(rounds), tuple(accumulate((gain(r) for r in rounds[:-1]), initial=0)))
+
+    @property
+    def tokens(self) -> int:
+        return self.starts[-1] + gain(self.rounds[-1])
+
+    def at(self, pos: int) -> dict[str, Any]:
+        """The round covering position `pos` (the last one past the end)."""
+        return self.rounds[max(bisect_right(self.starts, pos) - 1, 0)]
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A phased run: `traces[tier][phase][request]`, and per phase and request its token count
+    and regime."""
+
+    phases: list[str]
+    runs: dict[str, RunResult]
+    traces: dict[int, list[list[Trace]]]
+    targets: list[list[int]]
+    sampled: list[list[bool]]
+    between_s: list[float]  # per phase, time outside rounds
+
+
+def split_requests(rounds: list[dict[str, Any]], n: int) -> list[list[dict[str, Any]]]:
+    starts = [i for i, r in enumerate(rounds) if r["admit_ms"] > 0]
+    if len(starts) != n:
+        raise ValueError(f"{len(starts)} admission rounds where {n} requests ran")
+    return [rounds[a:b] for a, b in zip(starts, [*starts[1:], len(rounds)], strict=True)]
+
+
+def load(report: dict[str, Any]) -> Recorded:
+    """The static runs of `report` (bench/goodput_gpu.py's JSON) as traces."""
+    phased = report["phased"]
+    phases, per = phased["phases"], phased["requests_per_phase"]
+    runs = {n: RunResult(**r) for n, r in phased["runs"].items()}
+    statics = {int(n.removeprefix(STATIC)): r for n, r in runs.items() if n.startswith(STATIC)}
+    if 0 not in statics:
+        raise ValueError("the run needs static-0 (its requests' token counts are exact)")
+    traces: dict[int, list[list[Trace]]] = {}
+    between: list[list[float]] = [[] for _ in phases]
+    for s, run in sorted(statics.items()):
+        requests = split_requests(run.rounds, len(phases) * per)
+        traces[s] = [[Trace.of(q) for q in requests[p * per : (p + 1) * per]]
+                     for p in range(len(phases))]  # fmt: skip
+        for p in range(len(phases)):
+            ms = sum(r["total_ms"] for t in traces[s][p] for r in t.rounds)
+            between[p].append(run.phase_seconds[p] - ms / 1e3)
+    targets = [[t.tokens for t in phase] for phase in traces[0]]
+    for name, run in runs.items():
+        if run.phase_tokens != [sum(t) for t in targets]:
+            raise ValueError(f"{name} made {run.phase_tokens} tokens per phase, static-0 "
+                             f"{[sum(t) for t in targets]}")  # fmt: skip
+    sampled = [[t.rounds[0]["sampled"] > 0 for t in phase] for phase in traces[0]]
+    return Recorded(phases, runs, traces, targets, sampled, [statistics.median(b) for b in between])
+
+
+@dataclass
+class Sim:
+    result: RunResult
+    tiers: list[int] = field(default_factory=list)  # the applied tier of each round
+
+
+def simulate(
+    rec: Recorded, policy: Stepper, name: str, *, lag: int = 1, catchup_ms: float = 28.0,
+    regime_map: bool = False,
+) -> Sim:  # fmt: skip
+    applied = policy.current_steps
+    pending: deque[tuple[int, int]] = deque()  # (first round it applies to, tier)
+    regimes = getattr(policy, "regime_steps", None) if regime_map else None
+    sim, last_sampled = Sim(RunResult(name)), None
+    for p in range(len(rec.phases)):
+        sim.result.phase_first_round.append(len(sim.tiers))
+        ms = 0.0
+        for q, target in enumerate(rec.targets[p]):
+            pos, sampled = 0, rec.sampled[p][q]
+            while pos < target:
+                n = len(sim.tiers)
+                while pending and pending[0][0] <= n:
+                    applied = pending.popleft()[1]
+                if regimes is not None and last_sampled not in (None, sampled):
+                    mapped = regimes()[sampled]
+                    applied = applied if mapped is None else mapped
+                last_sampled = sampled
+                if applied not in rec.traces:
+                    raise ValueError(f"{name}: tier {applied} has no static run to replay")
+                r = rec.traces[applied][p][q].at(pos)
+                catchup = applied > 0 and n > 0 and sim.tiers[-1] == 0 and not r["admit_ms"] > 0
+                extra = catchup_ms if catchup else 0.0
+                sim.tiers.append(applied)
+                ms += r["total_ms"] + extra
+                pos += gain(r)
+                sample = {k: r[k] for k in ROUND_KEYS} | {
+                    "accept_lengths": tuple(r["accept_lengths"]),
+                    "total_ms": r["total_ms"] + extra,
+                    "draft_ms": r["draft_ms"] + extra,
+                }
+                if policy.observe(RoundSample(**sample)):
+                    pending.append((n + 1 + lag, policy.current_steps))
+        sim.result.phase_seconds.append(ms / 1e3 + rec.between_s[p])
+        sim.result.phase_tokens.append(sum(rec.targets[p]))
+    sim.result.switches = sum(a != b for a, b in zip(sim.tiers, sim.tiers[1:], strict=False))
+    return sim
+
+
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """["min_gain=0.05", "candidate_steps=[0,3]"] → {"min_gain": 0.05, ...} (JSON, else text)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected key=value")
+        try:
+            out[key] = json.loads(text)
+        except json.JSONDecodeError:
+            out[key] = text
+    return out
+
+
+def variants(recorded: dict[str, Any], sets: dict[str, Any], cls: str | None) -> dict:
+    """The recorded policy, with `sets` over it, and a `--policy-class` (through the
+    controller's loader, given the recorded keys with `sets` over them) → PolicySpec."""
+    out = {"recorded policy": PolicySpec.from_mapping(recorded)}
+    if sets:
+        label = ", ".join(f"{k}={json.dumps(v)}" for k, v in sets.items())
+        out[f"recorded + {label}"] = PolicySpec.from_mapping({**recorded, **sets})
+    if cls:
+        options = {k: v for k, v in recorded.items() if k != "kind"}
+        out[cls] = PolicySpec.from_mapping({**options, **sets, "kind": cls})
+    return out
+
+
+def row(label: str, run: RunResult, best: float, oracle: float, tiers: list[int]) -> list[str]:
+    tps, counts = run.tokens_per_s(), sorted(Counter(tiers).items())
+    return [label, *[f"{run.tokens_per_s(i):.1f}" for i in range(len(run.phase_seconds))],
+            f"{tps:.1f}", f"{tps / best:.3f}", f"{tps / oracle:.3f}", str(run.switches),
+            " ".join(f"{s}:{n}" for s, n in counts)]  # fmt: skip
+
+
+def plot(panels: list[tuple[str, list[int], list[int]]], path: Path) -> None:
+    """One panel per (title, tier per round, phase first rounds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 2.2 * len(panels)), squeeze=False)
+    for ax, (title, tiers, starts) in zip(axes[:, 0], panels, strict=True):
+        ax.step(range(len(tiers)), tiers, where="post", color="C1")
+        for s in starts:
+            ax.axvline(s, color="grey", ls="--", lw=0.8)
+        ax.set(ylim=(-0.5, 7.5), ylabel="tier")
+        ax.set_title(title, fontsize=9)
+    axes[-1, 0].set_xlabel("round")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--run", type=Path, default=DEFAULT_RUN, help="goodput_gpu.py JSON")
+    parser.add_argument("--lag", type=int, nargs="+", default=[1], help="rounds; several: each")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON")
+    parser.add_argument("--policy-class", help="module:Class, built as Class(options, initial)")
+    parser.add_argument("--regime-map", action="store_true")
+    parser.add_argument("--catchup-ms", type=float, default=28.0)
+    parser.add_argument("--initial", type=int, default=3, help="the tier a policy starts at")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/goodput_sim.json"))
+    parser.add_argument("--png", type=Path)
+    args = parser.parse_args()
+    report, sets = json.loads(args.run.read_text()), parse_sets(args.set)
+    rec = load(report)
+    n_phases = len(rec.phases)
+    opts = {"catchup_ms": args.catchup_ms, "regime_map": args.regime_map}
+    statics = {f"{STATIC}{s}": simulate(rec, Pinned(s), f"{STATIC}{s}", **opts) for s in rec.traces}
+    results = {n: s.result for n, s in statics.items()}
+    oracle, oracle_runs = oracle_of(results, n_phases, statics)
+    best = max(results[n].tokens_per_s() for n in statics)
+    sims: dict[str, Sim] = {}
+    for label, spec in variants(report["policies"]["goodput"], sets, args.policy_class).items():
+        if args.regime_map and not hasattr(spec.build(args.initial), "regime_steps"):
+            print(f"{label}: no regime_steps(), --regime-map does nothing")
+        for lag in args.lag:
+            name = f"{label}, lag {lag}"
+            sims[name] = simulate(rec, spec.build(args.initial), name, lag=lag, **opts)
+    error = max(abs(results[n].phase_seconds[i] / rec.runs[n].phase_seconds[i] - 1)
+                for n in statics for i in range(n_phases))  # fmt: skip
+    rows = [row(f"{n} (sim)", results[n], best, oracle, s.tiers) for n, s in statics.items()]
+    rows.append(["oracle (sim)", *[f"{results[n].tokens_per_s(i):.1f}"
+                 for i, n in enumerate(oracle_runs)], f"{oracle:.1f}", "", "", "", ""])  # fmt: skip
+    panels = [(f"{n}: {s.result.tokens_per_s():.1f} tok/s", s.tiers, s.result.phase_first_round)
+              for n, s in sims.items()]  # fmt: skip
+    if measured := rec.runs.get("goodput"):  # its ratios: against the recorded statics
+        r_oracle, _ = oracle_of(rec.runs, n_phases, statics)
+        r_best = max(rec.runs[n].tokens_per_s() for n in statics)
+        tiers = [r["tier"] for r in measured.rounds]
+        rows.append(row("goodput (recorded on the GPU)", measured, r_best, r_oracle, tiers))
+        title = f"recorded goodput run: {measured.tokens_per_s():.1f} tok/s"
+        panels.insert(0, (title, tiers, measured.phase_first_round))
+    rows += [row(n, s.result, best, oracle, s.tiers) for n, s in sims.items()]
+    runs = {n: {**s.result.__dict__, "rounds": [], "tiers": s.tiers} for n, s in
+            {**statics, **sims}.items()}  # fmt: skip
+    write_json(args.out, {"run": args.run, "options": {**opts, "lag": args.lag, "set": sets,
+               "initial": args.initial, "policy_class": args.policy_class}, "phases":
+               rec.phases, "between_s": rec.between_s, "static_max_error": error,
+               "oracle": {"tokens_per_s": oracle, "runs": oracle_runs}, "runs": runs})  # fmt: skip
+    if args.png:
+        plot(panels, args.png)
+        print(f"timeline: {args.png}")
+    print(f"phases: {json.dumps(rec.phases)}; time between rounds per phase "
+          f"(s): {[round(b, 4) for b in rec.between_s]}; simulated statics vs recorded phase "
+          f"seconds: max error {error:.2%}")  # fmt: skip
+    print(f"tokens/s per phase, simulated from {args.run} (catch-up {args.catchup_ms} ms, "
+          f"regime map {'on' if args.regime_map else 'off'}); the recorded run's ratios are "
+          "against the recorded statics\n")  # fmt: skip
+    headers = ["run", *[f"phase {i + 1}" for i in range(n_phases)], "overall", "/ best static",
+               "/ oracle", "switches", "rounds per tier"]  # fmt: skip
+    print(format_table(headers, rows))
+
+
+if __name__ == "__main__":
+    main()
