@@ -14,9 +14,9 @@ RoundSample the target would have sent (costs, accept lengths, sampled flag as r
   rounds: `phase_first_round` can lag the round stream (static-0 of run 4: 184 where the 5th
   admission is round 188). A request ends at static-0's token count (tier 0 never overshoots).
 - A tier the policy picks after round n applies from round n + 1 + `--lag` (lag 1: the target
-  starts round n + 1 before it publishes round n). With `--regime-map`, a policy that has
-  `regime_steps()` → (greedy tier, sampled tier) sets the tier at once on the first round whose
-  regime differs from the last round's (the target's own map); a None entry leaves it.
+  starts round n + 1 before it publishes round n). With `--regime-map`, a policy with a
+  `regime_steps` (`RegimePolicy`: a tier per sampling regime, or None) sets the tier at once on
+  the first round whose regime differs from the last round's (the target's own map).
 - The first round with drafts after a tier-0 round, unless it admits the request (the draft
   prefills the prompt then anyway), pays the draft's catch-up: `--catchup-ms` more, in total
   and draft time (run 4: 41.7 ms against 12.1 at tier 3, greedy).
@@ -151,7 +151,6 @@ def simulate(
 ) -> Sim:  # fmt: skip
     applied = policy.current_steps
     pending: deque[tuple[int, int]] = deque()  # (first round it applies to, tier)
-    regimes = getattr(policy, "regime_steps", None) if regime_map else None
     sim, last_sampled = Sim(RunResult(name)), None
     for p in range(len(rec.phases)):
         sim.result.phase_first_round.append(len(sim.tiers))
@@ -162,9 +161,9 @@ def simulate(
                 n = len(sim.tiers)
                 while pending and pending[0][0] <= n:
                     applied = pending.popleft()[1]
+                regimes = getattr(policy, "regime_steps", None) if regime_map else None
                 if regimes is not None and last_sampled not in (None, sampled):
-                    mapped = regimes()[sampled]
-                    applied = applied if mapped is None else mapped
+                    applied = regimes.of(sampled)
                 last_sampled = sampled
                 if applied not in rec.traces:
                     raise ValueError(f"{name}: tier {applied} has no static run to replay")
@@ -264,7 +263,7 @@ def main() -> None:
     sims: dict[str, Sim] = {}
     for label, spec in variants(report["policies"]["goodput"], sets, args.policy_class).items():
         if args.regime_map and not hasattr(spec.build(args.initial), "regime_steps"):
-            print(f"{label}: no regime_steps(), --regime-map does nothing")
+            print(f"{label}: no regime_steps, --regime-map does nothing")
         for lag in args.lag:
             name = f"{label}, lag {lag}"
             sims[name] = simulate(rec, spec.build(args.initial), name, lag=lag, **opts)

@@ -12,12 +12,13 @@ T = 22, 30, 38 ms and T(0) = 20 ms at batch 1 that is 72.7, 72.5, 64.7 and 50 to
 
 Guards, shared with the sglang kind: no decision in the first `warmup_batches` rounds, then one
 every `update_interval` rounds; a move needs a predicted gain over the current tier of more than
-`min_gain` (3 %: noise must not flip a near tie). At tier 0 nothing is learnt about drafts, so
-every `probe_interval` rounds the policy tries the smallest positive tier for at least
-`probe_rounds` rounds with drafts, then decides again from tier 0's standpoint; each probe that
-returns to tier 0 doubles the interval (up to 16×), one that stays resets it: on an H100 a
-sampled probe at tier 1 cost 31 ms a round against 12 at tier 0, so a probe every 64 rounds
-that never paid took a fifth of the time.
+`min_gain` (5 %: noise must not flip a near tie — replaying H100 run 4 offline,
+`bench/goodput_sim.py`, at 3 % bursty code acceptance flipped tiers 3 and 7). At tier 0
+nothing is learnt about drafts, so every `probe_interval` rounds the policy tries the smallest
+positive tier that could pay for at least `probe_rounds` rounds with drafts, then decides again
+from tier 0's standpoint; each probe that returns to tier 0 doubles the interval (up to 16×),
+one that stays resets it: on an H100 a sampled probe at tier 1 cost 31 ms a round against 12 at
+tier 0, so a probe every 64 rounds that never paid took a fifth of the time.
 
 Two regimes, learnt apart: greedy batches and batches where some request samples. They differ
 in both models — on an H100 (grown pair, batch 1) a sampled round at tier 3 took 48 ms against
@@ -60,7 +61,7 @@ class GoodputConfig(PolicyKeys):
     ema_alpha: float = 0.1
     update_interval: int = 5
     warmup_batches: int = 5
-    min_gain: float = 0.03
+    min_gain: float = 0.05
     explore_margin: float = 0.25
     probe_interval: int = 64
     probe_rounds: int = 8

@@ -87,7 +87,7 @@ async def test_goodput_turns_speculation_off_when_drafts_are_never_accepted() ->
         )
         response = await stub.UpdatePolicy(request)
         assert response.policy.kind == "goodput"
-        assert json.loads(response.policy.options_json)["min_gain"] == 0.03
+        assert json.loads(response.policy.options_json)["min_gain"] == 0.05
         for _ in range(100):
             if fake.steps == 0:
                 break

@@ -14,6 +14,7 @@ import pytest
 from bench.goodput_sim import Pinned, Recorded, load, main, simulate
 from controller.bands import PolicySpec
 from controller.interface import RoundSample, TierEstimate
+from specpair.tiers import RegimeSteps
 
 HERE = "tests.unit.test_goodput_sim"
 BETWEEN_S = 0.004  # per phase, outside rounds
@@ -108,8 +109,9 @@ class SwitchAt(FixedTier):
 
 
 class RegimeMapped(FixedTier):
-    def regime_steps(self) -> tuple[int, int]:
-        return (3, 0)  # greedy → 3, sampled → 0
+    @property
+    def regime_steps(self) -> RegimeSteps:
+        return RegimeSteps(greedy=3, sampled=0)
 
 
 def built(cls: str, **options: Any) -> Any:
