@@ -472,7 +472,7 @@ def main() -> None:
     phases = build_phases(tokenizer, args.per_phase) if "phased" in args.parts else []
     code = make_workloads(tokenizer, 8, [0.0])[0]  # the 8 held-out code windows
     prompts = [p for ph in phases for p in ph.prompts] + code.ids
-    new = max(args.phase_tokens, args.new_tokens)
+    new = max(args.phase_tokens, args.new_tokens, profile_costs.longest() if args.profile else 0)
     common: dict[str, Any] = dict(
         target=target, device=args.device, dtype="float32" if args.device == "cpu" else "bfloat16",
         max_len=max(256, max(map(len, prompts)) + new + 16), candidate_steps=STEPS,
