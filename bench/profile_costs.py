@@ -83,10 +83,10 @@ def profile(
                     call = watch_rounds(client.address, rounds)
                     time.sleep(0.1)
 
-                    def one(i: int, temperature: float = temperature) -> None:
-                        prompt = prompts[i % len(prompts)]
-                        tokens = new_tokens * (TIER0_TOKENS if tier == 0 else 1)
-                        client.generate(prompt, max_tokens=tokens,
+                    tokens = new_tokens * (TIER0_TOKENS if tier == 0 else 1)
+
+                    def one(i: int, temperature: float = temperature, tokens: int = tokens) -> None:
+                        client.generate(prompts[i % len(prompts)], max_tokens=tokens,
                                         temperature=temperature, seed=i)  # fmt: skip
 
                     with ThreadPoolExecutor(batch) as pool:
