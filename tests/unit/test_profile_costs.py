@@ -1,0 +1,36 @@
+"""The start-up cost profile counts only the rounds that show a tier's own cost."""
+
+from __future__ import annotations
+
+from bench.profile_costs import SKIP_AFTER_PIN, counted_ms, render
+from specpair.proto.v1 import common_pb2, target_pb2
+
+
+def stats(tier: int, batch: int, ms: float, admit_ms: float = 0.0) -> target_pb2.RoundStats:
+    return target_pb2.RoundStats(
+        speculative_num_steps=tier,
+        batch_size=batch,
+        accept_lengths=[1] * batch if tier else [],
+        speculative=tier > 0,
+        timings=common_pb2.StageTimings(total_ms=ms, admit_ms=admit_ms),
+    )
+
+
+def test_only_whole_batches_at_the_tier_without_admission_count() -> None:
+    rounds = [stats(3, 4, 90.0)] * SKIP_AFTER_PIN  # the pin landing, the draft's catch-up
+    rounds += [
+        stats(3, 4, 12.0),
+        stats(3, 4, 40.0, admit_ms=25.0),  # a request joined: its prefill is not tier 3's
+        stats(3, 3, 11.0),  # one request finished: not batch 4
+        stats(1, 4, 9.0),  # the pin had not landed
+        stats(3, 4, 13.0),
+    ]
+    assert counted_ms(rounds, 3, 4) == [12.0, 13.0]
+    plain = [stats(0, 2, 7.0)] * (SKIP_AFTER_PIN + 2) + [stats(3, 2, 11.0)]
+    assert counted_ms(plain, 0, 2) == [7.0, 7.0]  # a round with drafts is no tier-0 round
+
+
+def test_the_table_names_each_regime_and_leaves_unmeasured_tiers_blank() -> None:
+    table = render({"profile_ms": {"1": {"0": 7.25, "3": 11.5}}, "sampled_profile_ms": {}})
+    row = table.splitlines()[-1].split()
+    assert row[:3] == ["greedy", "1", "7.2"] and row[3] == "-" and row[4] == "11.5"
