@@ -22,7 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.goodput import GoodputConfig, GoodputPolicy
+from controller.goodput import GoodputPolicy
+from controller.goodput_config import GoodputConfig
 from controller.interface import RegimePolicy, RoundSample, SpeculationPolicy, TierEstimate
 from controller.policy import AdaptiveSpeculativeParams, PolicyConfig, is_int
 from specpair.tiers import RegimeSteps

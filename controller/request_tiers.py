@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from controller.goodput import GoodputConfig, GoodputPolicy
+from controller.goodput import GoodputPolicy
+from controller.goodput_config import GoodputConfig
 from controller.goodput_model import AcceptanceModel
 from controller.interface import GatedPolicy, RoundSample, TierEstimate
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from controller.bands import BandedPolicy, PolicySpec, load_policy_class
-from controller.goodput import GoodputConfig
+from controller.goodput_config import GoodputConfig
 from controller.interface import RoundSample, SpeculationPolicy, TierEstimate
 from controller.policy import AdaptiveSpeculativeParams, PolicyConfig
 

@@ -420,7 +420,7 @@ def test_every_policy_key_the_controller_takes_the_sdk_can_send() -> None:
     # made `update_policy` refuse a whole goodput config.
     import dataclasses
 
-    from controller.goodput import GoodputConfig
+    from controller.goodput_config import GoodputConfig
     from controller.policy import PolicyConfig
     from specpair.client.requests import POLICY_FIELDS, POLICY_OPTIONS
 

@@ -10,7 +10,8 @@ from dataclasses import replace
 
 import pytest
 
-from controller.goodput import GoodputConfig, GoodputPolicy, parse_profile
+from controller.goodput import GoodputPolicy
+from controller.goodput_config import GoodputConfig, parse_profile
 from controller.goodput_model import AcceptanceModel, CostModel, _line_at, batch_bucket
 from controller.interface import RoundSample
 from specpair.tiers import RegimeSteps

@@ -1,0 +1,106 @@
+"""The goodput policy's keys (`GoodputConfig`, with the start-up cost profiles) and what it
+keeps per sampling regime (`Regime`); the policy itself is `controller/goodput.py`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from controller.goodput_model import AcceptanceModel, CostModel
+from controller.policy import PolicyKeys, check_gates, check_steps, finite_float, is_int
+
+ProfileMs = tuple[tuple[int, int, float], ...]  # (batch size, tier, round ms)
+
+
+@dataclass(frozen=True, slots=True)
+class GoodputConfig(PolicyKeys):
+    """`profile_ms` seeds the greedy regime's cost model, in vLLM's batch_stats shape: {"1":
+    {"0": 20.1, "3": 30.4}, "16": {...}} (batch size → tier → round ms); tiers it omits are
+    predicted. `sampled_profile_ms` seeds the sampled regime's, likewise."""
+
+    candidate_steps: tuple[int, ...] = (1, 3, 7)
+    ema_alpha: float = 0.1
+    update_interval: int = 5
+    warmup_batches: int = 5
+    min_gain: float = 0.05
+    explore_margin: float = 0.25
+    probe_interval: int = 64
+    probe_rounds: int = 8
+    profile_ms: ProfileMs = ()
+    sampled_profile_ms: ProfileMs = ()
+
+    def __post_init__(self) -> None:
+        steps = check_steps(self.candidate_steps, minimum=0)
+        if not steps:
+            raise ValueError("candidate_steps needs at least one tier")
+        object.__setattr__(self, "candidate_steps", steps)
+        check_gates(self)
+        gain = finite_float("min_gain", self.min_gain)
+        if gain < 0.0:
+            raise ValueError(f"min_gain must be >= 0, got {self.min_gain}")
+        margin = finite_float("explore_margin", self.explore_margin)
+        if not 0.0 <= margin < 1.0:
+            raise ValueError(f"explore_margin must be in [0, 1), got {self.explore_margin}")
+        object.__setattr__(self, "min_gain", gain)
+        object.__setattr__(self, "explore_margin", margin)
+        for name in ("probe_interval", "probe_rounds"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("profile_ms", "sampled_profile_ms"):
+            object.__setattr__(self, name, parse_profile(getattr(self, name), name))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = PolicyKeys.to_dict(self)
+        for name in ("profile_ms", "sampled_profile_ms"):
+            profile: dict[str, dict[str, float]] = {}
+            for batch, steps, ms in getattr(self, name):
+                profile.setdefault(str(batch), {})[str(steps)] = ms
+            out[name] = profile
+        return out
+
+
+def parse_profile(raw: object, name: str = "profile_ms") -> ProfileMs:
+    """{batch: {tier: ms}} (JSON keys are strings) or (batch, tier, ms) triples → triples."""
+    if isinstance(raw, Mapping):
+        if not all(isinstance(v, Mapping) for v in raw.values()):
+            raise ValueError(f"{name} must map batch size → {{tier: ms}}, got {raw!r}")
+        raw = [(b, s, ms) for b, tiers in raw.items() for s, ms in tiers.items()]
+    if not isinstance(raw, list | tuple):
+        raise ValueError(f"{name} must be an object, got {raw!r}")
+    out = []
+    for item in raw:
+        try:
+            batch, steps, ms = (int(item[0]), int(item[1]), float(item[2]))
+        except (TypeError, ValueError, IndexError, KeyError):
+            raise ValueError(f"{name} entry {item!r} is not (batch, tier, ms)") from None
+        if batch < 1 or steps < 0 or not ms > 0.0:
+            raise ValueError(f"{name}: batch {batch} tier {steps} needs batch >= 1, ms > 0")
+        out.append((batch, steps, ms))
+    return tuple(sorted(out))
+
+
+@dataclass
+class Regime:
+    """What the policy learnt of one sampling regime (greedy, or some request sampling)."""
+
+    acceptance: AcceptanceModel
+    cost: CostModel
+    probe_every: int  # rounds at tier 0 between probes, doubled by each probe that failed
+    rounds: int = 0
+    steps: int | None = None  # the tier it ran at when the batch last left it
+
+    @classmethod
+    def fresh(cls, config: GoodputConfig, profile: ProfileMs = ()) -> Regime:
+        return cls(
+            AcceptanceModel(config.ema_alpha),
+            CostModel(config.ema_alpha, profile),
+            config.probe_interval,
+        )
+
+    def tokens_per_s(self, steps: int, batch_size: int) -> float | None:
+        round_ms = self.cost.round_ms(steps, batch_size, self.acceptance.tokens_per_round)
+        if round_ms is None:
+            return None
+        return 1e3 * batch_size * self.acceptance.tokens_per_round(steps) / round_ms
