@@ -7,6 +7,7 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from typing import Any
 
 import grpc
 import pytest
@@ -217,11 +218,9 @@ async def test_sampling_over_the_wire_is_reproducible(ckpts, make_stack) -> None
     assert ra[-1].speculation.plain_rounds == 0
 
 
-async def test_round_stats_count_the_sampled_requests(ckpts, make_stack) -> None:
-    """The controller's goodput kind models greedy and sampled batches apart: each round says
-    how many of its requests sample."""
-    stack = await make_stack(draft_config(ckpts["draft"]), target_config(ckpts["target"]))
-    await stack.wait_draft_connected()
+async def watch_rounds(stack: Any) -> tuple[list[target_pb2.RoundStats], asyncio.Task[None]]:
+    """The target's RoundStats as they come (the watch is open when this returns); cancel the
+    task to stop."""
     rounds: list[target_pb2.RoundStats] = []
 
     async def watch() -> None:
@@ -230,6 +229,15 @@ async def test_round_stats_count_the_sampled_requests(ckpts, make_stack) -> None
 
     watcher = asyncio.create_task(watch())
     await asyncio.sleep(0.2)
+    return rounds, watcher
+
+
+async def test_round_stats_count_the_sampled_requests(ckpts, make_stack) -> None:
+    """The controller's goodput kind models greedy and sampled batches apart: each round says
+    how many of its requests sample."""
+    stack = await make_stack(draft_config(ckpts["draft"]), target_config(ckpts["target"]))
+    await stack.wait_draft_connected()
+    rounds, watcher = await watch_rounds(stack)
     sampling = common_pb2.SamplingParams(temperature=1.0, seed=3)
     await asyncio.gather(
         stack.generate(prompt_token_ids=PROMPTS[1], max_tokens=24, sampling=sampling),
@@ -262,14 +270,7 @@ async def test_a_batch_runs_at_its_sampling_regimes_tier_from_its_first_round(
     await stack.stub.ApplyTier(
         target_pb2.ApplyTierRequest(speculative_num_steps=3, greedy_steps=3, sampled_steps=0)
     )
-    rounds: list[target_pb2.RoundStats] = []
-
-    async def watch() -> None:
-        async for update in stack.stub.WatchRounds(target_pb2.WatchRoundsRequest()):
-            rounds.append(update.round)
-
-    watcher = asyncio.create_task(watch())
-    await asyncio.sleep(0.2)
+    rounds, watcher = await watch_rounds(stack)
     sampling = common_pb2.SamplingParams(temperature=1.0, seed=5)
     await stack.generate(prompt_token_ids=PROMPTS[1], max_tokens=12, sampling=sampling)
     await eventually(lambda: len(rounds) >= 11)
