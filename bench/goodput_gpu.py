@@ -24,6 +24,10 @@ target --no-draft`) is started once more for the no-speculation baseline.
     its predicted tokens/s of the tier each round ran at) and the measured tokens/s (tokens the
     round's requests gained over its wall time, `--smooth` rounds at a time).
 
+Before the phased runs the costs are profiled (`bench/profile_costs.py`: each tier pinned,
+greedy at every `--batches` size, sampled at batch 1) and the profile seeds goodput's cost
+models (`profile_ms`, `sampled_profile_ms`; `--no-profile`: every cost learnt online).
+
 The JSON (`--out`) is rewritten after every cell, so a run cut short keeps what finished;
 `--replot JSON` redraws the PNGs and prints the tables of a written run.
 
