@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from controller.goodput_config import GoodputConfig, Regime
 from controller.goodput_model import AcceptanceModel, CostModel, batch_bucket
-from controller.interface import GatedPolicy, RoundSample, TierEstimate
+from controller.interface import GatedPolicy, RoundSample, TierEstimate, snap_to_candidate
 from specpair.tiers import RegimeSteps
 
 # Per-position acceptance a probe must be able to pay at: above what an EAGLE head reached on
@@ -99,6 +99,8 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
                 self._regimes[sampled].cost = CostModel(config.ema_alpha, profile)
         for regime in self._regimes.values():
             regime.acceptance.decay = regime.cost.alpha = config.ema_alpha
+            if regime.steps is not None:  # where it resumes must stay a tier the target has
+                regime.steps = snap_to_candidate(regime.steps, config.candidate_steps)
         return self._swap_config(config)
 
     def observe(self, sample: RoundSample) -> bool:

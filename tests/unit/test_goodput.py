@@ -362,6 +362,15 @@ def test_each_regime_starts_where_it_left_off_and_the_target_is_told_before() ->
     assert policy.regime_steps.sampled == 0
 
 
+def test_a_regimes_resume_tier_stays_a_candidate_after_a_reconfigure() -> None:
+    cfg = GoodputConfig(candidate_steps=(0, 1, 3, 7), warmup_batches=5, update_interval=5)
+    policy = GoodputPolicy(cfg, 7)
+    run(policy, 3, regime_round(True))  # greedy left at 7
+    assert policy.regime_steps.greedy == 7
+    policy.reconfigure(replace(cfg, candidate_steps=(0, 1, 3)))
+    assert policy.regime_steps.greedy == 3  # 7 is no tier any more: the nearest is
+
+
 def test_a_regime_never_seen_starts_where_its_profile_says() -> None:
     # Sampled, profiled on an H100 at batch 1: 12 ms at tier 0, 30 at 1, 48 at 3, 90 at 7.
     # With the prior acceptance (α = 0.5) tier 1 gives 1.5 / 30 ms = 50 tokens/s against 83 at
