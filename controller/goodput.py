@@ -24,9 +24,10 @@ Two regimes, learnt apart: greedy batches and batches where some request samples
 in both models — on an H100 (grown pair, batch 1) a sampled round at tier 3 took 48 ms against
 11.4 greedy (the draft's sampling and q on the wire), and prose sampled at T = 1 accepted 1.1
 of 3 where code greedy accepted 1.8 — so one model fed both predicts neither. The regime is
-known from the round itself (`RoundSample.sampled`): when it changes the policy decides at
-once from what it learnt of that regime before; a regime never seen starts at the starting
-tier and learns.
+known from the round itself (`RoundSample.sampled`). Each regime resumes at the tier it left
+off at — a regime never seen at the best its start-up profile predicts, else at the starting
+tier — and the target is told both (`regime_steps`), so a batch that changes regime runs at its
+tier from the first round; the policy then decides at once from what that regime taught before.
 
 A prediction is only as good as what it extrapolates from: a tier never measured in this
 batch bucket and regime whose predicted tokens/s is within `explore_margin` of the best is
