@@ -107,6 +107,17 @@ def write_json(path: Path, payload: Any) -> None:
     path.write_text(json.dumps(payload, indent=2, default=_to_json) + "\n")
 
 
+def read_json(path: Path) -> Any:
+    """A written report; `.json.gz` is read through gzip (older runs are kept compressed, as
+    the working tree sent to the GPU machine is capped at 64 MiB)."""
+    if path.suffix == ".gz":
+        import gzip
+
+        with gzip.open(path, "rt") as f:
+            return json.load(f)
+    return json.loads(path.read_text())
+
+
 def _to_json(obj: Any) -> Any:
     if hasattr(obj, "__dataclass_fields__"):
         return asdict(obj)

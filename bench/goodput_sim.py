@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from bench.adaptive import ROUND_KEYS, RunResult, oracle_of
-from bench.common import format_table, write_json
+from bench.common import format_table, read_json, write_json
 from controller.bands import PolicySpec
 from controller.interface import RoundSample
 
@@ -252,7 +252,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/goodput_sim.json"))
     parser.add_argument("--png", type=Path)
     args = parser.parse_args()
-    report, sets = json.loads(args.run.read_text()), parse_sets(args.set)
+    report, sets = read_json(args.run), parse_sets(args.set)
     rec = load(report)
     n_phases = len(rec.phases)
     opts = {"catchup_ms": args.catchup_ms, "regime_map": args.regime_map}

@@ -26,16 +26,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import profile_costs
 from bench.acceptance import code_prompts, prose_prompts
 from bench.common import device_info, format_table, write_json
 from bench.services import BenchServices, wait_draft_connected, watch_rounds
-from specpair.client import SpecpairClient
+from controller.bands import PolicySpec
+from specpair.client import ControllerClient, SpecpairClient
 from specpair.config import MODELS_DIR
 from specpair.proto.v1 import target_pb2
 
 STEPS = (0, 1, 3, 7)
 CODE_PROMPTS = 24  # held-out stdlib windows this Python's stdlib gives (bench.acceptance)
 GOODPUT = {"kind": "goodput", "candidate_steps": list(STEPS)}
+PROFILED = "goodput (profiled)"
+MAX_BATCH = 16  # the target decodes this many at once; the other clients' requests queue
 PER_REQUEST = {"kind": "controller.request_tiers:RequestTiers", "candidate_steps": list(STEPS)}
 # name → (draft?, controller policy or None: the initial tier stays)
 CONFIGS: dict[str, dict[str, tuple[bool, dict[str, Any] | None]]] = {
@@ -45,6 +49,9 @@ CONFIGS: dict[str, dict[str, tuple[bool, dict[str, Any] | None]]] = {
         "goodput": (True, GOODPUT),
         # each probe of tier 1 costs a catch-up extend of everything since the last one
         "goodput probe-512": (True, {**GOODPUT, "probe_interval": 512}),
+        # costs profiled at start-up (bench.profile_costs at the clients' batch size), as a
+        # deployment would pass them in its policy file: the first decision is grounded
+        PROFILED: (True, GOODPUT),
     },
     "mixed": {
         "static 3": (True, None),
@@ -92,6 +99,21 @@ def jobs_of(workload: str, tokenizer: Any, requests: int) -> list[Job]:
     ]
 
 
+def seed_profile(
+    client: SpecpairClient, ctl: ControllerClient, policy: dict[str, Any], jobs: list[Job],
+    args: argparse.Namespace,
+) -> None:  # fmt: skip
+    """Profiles each tier's round time at the clients' batch size (greedy) and hands it to the
+    running goodput kind (a live update keeps the kind; the profile seeds its cost model)."""
+    prompts = [job.prompt for job in jobs[:8]]
+    batch = min(args.clients, len(jobs), MAX_BATCH)  # the batch the clients make
+    result = profile_costs.profile(client, ctl, prompts, batches=(batch,), sampled_batches=())
+    print(profile_costs.render(result), flush=True)
+    seeded = {**policy, "profile_ms": result["profile_ms"]}
+    ctl.update_policy(**PolicySpec.from_mapping(seeded).policy_options())
+    time.sleep(0.3)
+
+
 def run_config(
     name: str, draft: bool, policy: dict[str, Any] | None, jobs: list[Job], args: argparse.Namespace
 ) -> RunResult:
@@ -100,13 +122,15 @@ def run_config(
     with BenchServices(
         target=args.target, draft=args.draft if draft else None, draft_kind=args.draft_kind,
         policy=policy, log_dir=log_dir, initial_steps=3,
-        candidate_steps=STEPS if draft else None,
+        candidate_steps=STEPS if draft else None, target_options=("--max-batch", str(MAX_BATCH)),
     ) as group:  # fmt: skip
         client = SpecpairClient(group.target, timeout=600)
         if draft:
             wait_draft_connected(client)
         for job in jobs[:4]:  # warm-up: first calls, allocator
             client.generate(job.prompt, max_tokens=8, temperature=job.temperature, seed=job.seed)
+        if name == PROFILED and policy is not None:
+            seed_profile(client, ControllerClient(group.controller, timeout=30), policy, jobs, args)
         rounds: list[target_pb2.RoundStats] = []
         call = watch_rounds(group.target, rounds)
         time.sleep(0.3)

@@ -29,7 +29,7 @@ from specpair.metrics import ServiceMetrics
 from specpair.runtime.draft_session import DraftSession
 from specpair.runtime.state import SpecRuntimeState, gpu_ms
 from specpair.runtime.target import TargetWorker
-from specpair.serving import Compute
+from specpair.serving import Compute, settle
 from specpair.tiers import RegimeSteps
 from target_service.draft_link import DraftLink
 from target_service.flight import Flight, pipelines
@@ -138,10 +138,14 @@ class Scheduler:
                             await self._no_room()
                         continue
                     flight = await self._start(list(self.running), time.perf_counter() - t0)
+                drafted = flight.request is not None
                 flight = await self._verify(flight)
-                # Inline compute with no draft to wait for never suspends: without this yield a
-                # batch would run to its end before a submit or a cancel could land.
-                await asyncio.sleep(0)
+                # Inline compute with no draft to wait for never suspends: without this a batch
+                # would run to its end before a submit, a cancel or a tier could land.
+                if self.compute.executor is None and not drafted:
+                    await settle()
+                else:
+                    await asyncio.sleep(0)
             except Exception:
                 # A bug must not hang every client: fail this batch loudly, keep serving.
                 log.exception("round failed", round_id=self.round_id)

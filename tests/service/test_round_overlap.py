@@ -90,16 +90,22 @@ async def test_next_round_goes_out_before_the_results_stream(tmp_path: Path) -> 
     assert sum(s.timings.total_ms for s in stats) <= wall_ms
 
 
-async def test_requests_join_a_running_batch_without_a_draft(tmp_path: Path) -> None:
-    """Inline compute (the CUDA setting) and no draft: a round never waits on anything, yet a
-    request submitted while another decodes joins its batch (the loop yields each round)."""
+def inline_scheduler(tmp_path: Path) -> Scheduler:
+    """A target with no draft whose compute runs inline on the event loop, as on a GPU."""
     worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=2, max_len=96)
     scheduler = Scheduler(
         worker, build_states([1], worker), initial_steps=1, max_batch=2, max_queue=4, draft=None,
         metrics=ServiceMetrics("target"),
     )  # fmt: skip
     scheduler.compute.shutdown()
-    scheduler.compute.executor = None  # inline, as on a GPU
+    scheduler.compute.executor = None
+    return scheduler
+
+
+async def test_requests_join_a_running_batch_without_a_draft(tmp_path: Path) -> None:
+    """Inline compute (the CUDA setting) and no draft: a round never waits on anything, yet a
+    request submitted while another decodes joins its batch (the loop yields each round)."""
+    scheduler = inline_scheduler(tmp_path)
     first = ServedRequest(TargetSequence("a", [5, 6, 7], SamplingParams(), max_new_tokens=60))
     second = ServedRequest(TargetSequence("b", [8, 9], SamplingParams(), max_new_tokens=4))
     task = asyncio.create_task(scheduler.run())
@@ -110,3 +116,30 @@ async def test_requests_join_a_running_batch_without_a_draft(tmp_path: Path) -> 
         pass
     task.cancel()
     assert first.seq.finish_reason is None, "b waited for a's whole batch"
+
+
+async def test_a_request_that_takes_many_loop_passes_joins_at_the_next_round(
+    tmp_path: Path,
+) -> None:
+    """A gRPC call reaches the servicer after several loop passes (each completion comes back
+    through gRPC's poller socket). Between inline rounds the loop is turned until it is idle,
+    so such a request joins at the next round, not one pass per round later."""
+    scheduler = inline_scheduler(tmp_path)
+    first = ServedRequest(TargetSequence("a", [5, 6, 7], SamplingParams(), max_new_tokens=80))
+    second = ServedRequest(TargetSequence("b", [8, 9], SamplingParams(), max_new_tokens=2))
+    task = asyncio.create_task(scheduler.run())
+    scheduler.submit(first)
+    await asyncio.wait_for(first.events.get(), 10)
+
+    async def submit_after_passes(passes: int) -> int:
+        for _ in range(passes):
+            await asyncio.sleep(0)
+        scheduler.submit(second)
+        return scheduler.round_id
+
+    submitted_in = await submit_after_passes(20)
+    await asyncio.wait_for(second.events.get(), 10)  # prefilled: it has joined
+    joined_in = scheduler.round_id
+    task.cancel()
+    # One yield a round would take about 20 rounds to get it there.
+    assert joined_in - submitted_in <= 2, (submitted_in, joined_in)
