@@ -334,3 +334,36 @@ def test_pipelined_rounds_on_graphs_equal_unpipelined(gpu_ckpts: dict[str, Path]
         if draft == "target":
             assert engine.pipeline.hits > 0
         assert drafter.cache.free_slots == 24
+
+
+def test_a_prompt_joining_a_request_deep_in_its_context_is_drafted(
+    gpu_ckpts: dict[str, Path],
+) -> None:
+    """A 40-token prompt joins request a at position 71 of a 96-position draft cache: one
+    graph extend pads both rows to 40 and would write a's slot to 111. The round is drafted
+    (the extend splits the batch) with the chains each request gets when drafted alone, and
+    no padding is committed."""
+    worker = target(gpu_ckpts["target"])
+
+    def drafter():
+        return build_drafter(
+            gpu_ckpts["draft"], max_requests=4, max_len=96, dtype=BF16, device="cuda"
+        )
+
+    together, apart = drafter(), drafter()
+    tier = build_states([3], worker, together)[3]
+    alone = build_states([3], worker, apart)[3]
+    assert isinstance(tier.extend, ExtendGraphs)
+    greedy = SamplingParams()
+    a0 = DraftInput("a", (*range(10, 80), 7), greedy)
+    a1 = DraftInput("a", (9,), greedy)
+    b0 = DraftInput("b", (*range(100, 139), 5), greedy)
+    with torch.inference_mode():
+        together.draft([a0], tier)
+        trees = together.draft([a1, b0], tier)
+        apart.draft([a0], alone)
+        expected = [apart.draft([a1], alone)[0], apart.draft([b0], alone)[0]]
+    assert [t.tokens for t in trees] == [t.tokens for t in expected]
+    lengths = together.cache.lengths
+    assert lengths[together.requests["a"].slot] == len(a0.appended) + len(a1.appended)
+    assert lengths[together.requests["b"].slot] == len(b0.appended)

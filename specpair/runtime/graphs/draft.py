@@ -27,7 +27,7 @@ from specpair.runtime.graphs.capture import (
     pad_rows,
 )  # fmt: skip
 from specpair.runtime.kv_cache import CacheFullError
-from specpair.runtime.layout import BatchLayout, tril_mask
+from specpair.runtime.layout import BatchLayout, padded_groups, tril_mask
 from specpair.runtime.lookahead import LOOKAHEAD_TOP, Lookahead
 from specpair.runtime.round import DraftInput
 
@@ -180,21 +180,27 @@ class ExtendGraphs:
         bucket = bucket_of(len(inputs), o.capture.buckets)
         planned, o.planned = o.planned, None
         o.steps_paged = False
-        if bucket is None:
+        starts = [cache.lengths[slot] for slot in slots]
+        widths = [len(item.appended) for item in inputs]
+        if bucket is None or len(padded_groups(starts, widths, cache.max_len)) > 1:
+            # Every row of one forward is padded to the longest: a prompt joining beside a
+            # request deep into its context would write that request's slot past the cache,
+            # and the draft refuse the round (H100, closed loop, 128-token requests: 2–7
+            # rounds a cell, each followed by one re-sending every request whole, 0.5–0.9 s
+            # at batch 64). The eager extend splits the batch into groups that fit.
             return d.extend(inputs, slots)
         tokens, feats, positions, layout, lengths = d.extend_inputs(inputs, slots)
-        before = layout.starts.tolist()  # committed lengths before this round's rows
         t = tokens.shape[1]
         ext = None
-        key = (self.tier, tuple(slots), tuple(before), cache.generation)
+        key = (self.tier, tuple(slots), tuple(starts), cache.generation)
         if planned is not None and planned[0] == key and planned[1].inputs["tokens"].shape[1] >= t:
             ext = planned[1]  # planned by `prepare`, with the steps' pages
             self.ahead += 1
             o.steps_paged = True
         fits = sorted(k[1] for k in o.extends if k[0] == bucket and k[1] >= t)
-        if ext is None and fits and max(before) + fits[0] <= cache.max_len:
+        if ext is None and fits and max(starts) + fits[0] <= cache.max_len:
             ext = o.extends[(bucket, fits[0])]
-            o.plan_extend(ext, slots, before)
+            o.plan_extend(ext, slots, starts)
         if ext is None:
             return d.extend_forward(tokens, feats, positions, layout, lengths)
         tg = ext.inputs["tokens"].shape[1]
