@@ -45,6 +45,7 @@ from specpair.tiers import RegimeSteps
 # Per-position acceptance a probe must be able to pay at: above what an EAGLE head reached on
 # held-out code, greedy, on the H100 (0.74 pooled); a tier that loses even at this is not tried.
 OPTIMISTIC_ACCEPTANCE = 0.9
+PROBE_MEMORY = 2.0  # trials of what was learnt before a probe that its rounds start from
 
 
 class GoodputPolicy(GatedPolicy[GoodputConfig]):
@@ -99,7 +100,8 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
             if profile != before:
                 self._regimes[sampled].cost = CostModel(config.ema_alpha, profile)
         for regime in self._regimes.values():
-            regime.acceptance.decay = regime.cost.alpha = config.ema_alpha
+            regime.acceptance.decay = 1.0 / config.acceptance_window
+            regime.cost.alpha = config.ema_alpha
             if regime.steps is not None:  # where it resumes must stay a tier the target has
                 regime.steps = snap_to_candidate(regime.steps, config.candidate_steps)
         return self._swap_config(config)
@@ -174,6 +176,9 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
             positive = [s for s in self.config.candidate_steps if s > 0 and self._could_pay(s)]
             if positive:
                 self._steps, self._probe_rounds = positive[0], 0
+                # The probe's own rounds decide: the long acceptance window would otherwise
+                # let what made the policy leave (say 30 rejections) outvote them for good.
+                self.acceptance.forget(PROBE_MEMORY)
                 return True
         rates = {s: r for s in self.config.candidate_steps if (r := self.tokens_per_s(s))}
         if not rates:

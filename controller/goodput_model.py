@@ -24,9 +24,10 @@ class AcceptanceModel:
 
         E[tokens per round](s) = 1 + Σ_{k=1..s} Π_{i≤k} p[i];  with p[i] = α: Σ_{k=0..s} α^k.
 
-    Counts of the positions a round could try decay by (1 − decay) per round, so the estimate
-    follows a phase change within about 1 / decay rounds; rounds without drafts teach nothing
-    and decay nothing.
+    Counts of the positions a round could try decay by (1 − decay) per accept length it brings
+    (a round of 16 drafted requests: (1 − decay)^16), so the estimate spans about 1 / decay
+    request-rounds at any batch size and follows a phase change within as many; rounds without
+    drafts teach nothing and decay nothing.
     Each p[i] is shrunk toward α by `prior` pseudo-trials, and α toward `prior_alpha`.
     """
 
@@ -45,7 +46,7 @@ class AcceptanceModel:
         # Only the positions this round could try decay: what tier 7 taught of positions 4–7
         # stands while the policy runs tier 3, instead of fading back to the pooled rate (which
         # over-predicts a long chain and drew repeated losing moves to tier 7 on an H100).
-        keep = 1.0 - self.decay
+        keep = (1.0 - self.decay) ** len(accept_lengths)
         for i in range(min(steps, len(self._tried))):
             self._tried[i] *= keep
             self._passed[i] *= keep
@@ -59,6 +60,15 @@ class AcceptanceModel:
             for i in range(min(a + 1, s)):
                 self._tried[i] += 1.0
                 self._passed[i] += 1.0 if i < a else 0.0
+
+    def forget(self, trials: float) -> None:
+        """Scales what was learnt down to at most `trials` decayed trials in all, rates kept:
+        what follows then outweighs it at once (a probe asks whether drafts pay *now*)."""
+        total = sum(self._tried)
+        if total > trials > 0.0:
+            scale = trials / total
+            self._tried = [t * scale for t in self._tried]
+            self._passed = [p * scale for p in self._passed]
 
     @property
     def alpha(self) -> float:

@@ -87,6 +87,42 @@ def test_acceptance_follows_a_phase_change_and_ignores_rounds_without_drafts() -
     assert model.tokens_per_round(3) < 1.2
 
 
+def test_acceptance_decays_per_request_round_at_any_batch_size() -> None:
+    # A round of 16 accept lengths decays what came before as 16 rounds of one would:
+    # 3 of 3 passed, then 16 rejections at position 1 in one round: α = 3k / (3k + 16) with
+    # k = (1 − 1/8)^16 = 0.118 (a per-round decay would leave k = 0.875: α = 0.14).
+    model = AcceptanceModel(decay=1 / 8, prior=0.0)
+    model.observe(3, [3])
+    model.observe(3, [0] * 16)
+    k = (1 - 1 / 8) ** 16
+    assert model.alpha == pytest.approx(3 * k / (3 * k + 16))
+    # Forgetting keeps the rates and caps the weight: 2 trials' worth of α = 0.75, then four
+    # rejections give α = 1.5 / 6.
+    model = AcceptanceModel(decay=0.0, prior=0.0)
+    model.observe(1, [1, 1, 1, 0])
+    model.forget(2.0)
+    assert model.alpha == pytest.approx(0.75) and model.trials == pytest.approx(2.0)
+    model.observe(1, [0, 0, 0, 0])
+    assert model.alpha == pytest.approx(1.5 / 6)
+
+
+def test_a_long_window_rides_out_bursts_of_acceptance() -> None:
+    """Code accepts in bursts (an H100 cell at batch 1 swung E[tokens](7) between 2.9 and
+    5.6 with a 10-round span). Ten rounds of full chains, ten of none, over and over: the
+    default window holds E(3) within 20 %; a 10-round span swings by 1.5× and more."""
+
+    def spread(model: AcceptanceModel) -> float:
+        seen = []
+        for i in range(400):
+            model.observe(3, [3 if (i // 10) % 2 == 0 else 0])
+            if i >= 200:
+                seen.append(model.tokens_per_round(3))
+        return max(seen) / min(seen)
+
+    assert spread(AcceptanceModel(decay=1 / GoodputConfig().acceptance_window)) < 1.2
+    assert spread(AcceptanceModel(decay=0.1)) > 1.5
+
+
 def test_cost_model_worked_example() -> None:
     # T(3) = 30 with verify 18, schedule 2: round trip 10 = fixed 4 + 3 steps · 2 ms.
     cost = CostModel(alpha=0.5)
