@@ -347,8 +347,9 @@ def test_a_prompt_joining_a_request_deep_in_its_context_is_drafted(
 
     def drafter():
         return build_drafter(
-            gpu_ckpts["draft"], max_requests=4, max_len=96, dtype=BF16, device="cuda"
-        )
+            gpu_ckpts["draft"], target_path=None, max_requests=4, max_len=96, dtype=BF16,
+            device="cuda",
+        )  # fmt: skip
 
     together, apart = drafter(), drafter()
     tier = build_states([3], worker, together)[3]
