@@ -16,8 +16,11 @@ target --no-draft`) is started once more for the no-speculation baseline.
     0 / 1 / 3 / 7, sglang (1 / 3 / 7) and the target alone. Goal: at every batch size goodput ≥
     0.97× the best of the target alone and every static tier. Greedy outputs are compared with
     the target alone's (`same`: equal on the CPU in float32; bf16 batches may differ at ties).
-    The goodput and sglang runs each go through every batch size in one go, so what the policy
-    learnt at one batch size carries to the next, as in a long-lived controller.
+    All configs run at one batch size before the next (the order reversed at every other), so
+    a drift of the machine weighs on each alike; a policy kind starts afresh in each cell from
+    the start-up profile (as a controller meeting that load for the first time). Besides each
+    cell's tokens/s, its steady tokens/s: over the rounds with at least ¾ of the batch (all of
+    it below 8), without the ramp and the drain of a closed loop.
 (c) Timelines (`<out>_phased.png`, `<out>_sweep.png`): per policy kind over rounds, the active
     tier, the policy's estimate (its pure policy replayed on the run's RoundStats, as
     `bench.adaptive` does: sglang's EMA accept length; goodput's predicted accepted drafts, and
@@ -141,8 +144,7 @@ class Bench:
             if "sweep" in args.parts:
                 print("batch sweep (services)", flush=True)
                 self.warm_sweep(client)
-                for config in (c for c in args.sweep_configs if c != TARGET_ALONE):
-                    self.sweep_config(client, ctl, config)
+                self.sweep(client, ctl, [c for c in args.sweep_configs if c != TARGET_ALONE])
 
     def warm_sweep(self, client: SpecpairClient) -> None:
         """Each sweep prompt's prefill once, then a wave at the largest batch: what a process
@@ -179,7 +181,7 @@ class Bench:
         ) as group:  # fmt: skip
             client = SpecpairClient(group.target, timeout=600)
             self.warm_sweep(client)
-            self.sweep_config(client, None, TARGET_ALONE)
+            self.sweep(client, None, [TARGET_ALONE])
 
     def phased(self, group: BenchServices) -> None:
         args = self.args
@@ -193,44 +195,56 @@ class Bench:
             runs[name] = result.__dict__
             self.save()
 
-    def sweep_config(
-        self, client: SpecpairClient, ctl: ControllerClient | None, config: str
+    def sweep(
+        self, client: SpecpairClient, ctl: ControllerClient | None, configs: list[str]
     ) -> None:
-        """`config` at every batch size; a kind's RoundStats are kept for its timeline."""
+        """Every config at each batch size in turn, the order reversed at every other batch
+        size: cells compared with each other run minutes apart at most, and a slow drift of the
+        machine (static tier 3 at batch 16 ran its rounds in 18.1 ms in one H100 session and
+        15.5 in the next) weighs on every config alike. A kind starts afresh in each cell (from
+        the start-up profile). Every config's RoundStats are kept: a static tier's say what it
+        cost and accepted, which a policy's choices can be checked (or replayed) against."""
+        sweep, args = self.report["sweep"], self.args
+        rounds: list[target_pb2.RoundStats] = []
+        call = watch_rounds(client.address, rounds)
+        for i, batch in enumerate(args.batches):
+            for config in configs if i % 2 == 0 else configs[::-1]:
+                self.select(ctl, config)
+                start = len(rounds)
+                cell = self.serve_cell(client, config, batch)
+                time.sleep(0.2)  # the last rounds' stats
+                kept = sweep["rounds"].setdefault(config, [])
+                sweep["first_round"].setdefault(config, []).append(len(kept))
+                kept += [round_record(r) for r in rounds[start:]]
+                sweep["cells"].append(cell)
+                self.save()
+        call.cancel()
+
+    def select(self, ctl: ControllerClient | None, config: str) -> None:
+        """A kind afresh, or a static tier pinned (nothing to do for the target alone)."""
         if ctl is not None and config in KIND_CONFIGS:
             start_kind(ctl, self.specs, config)
         elif ctl is not None:
             ctl.pin(int(config.split()[1]))
             time.sleep(0.3)
-        sweep, args = self.report["sweep"], self.args
-        # Every config's rounds are kept: a static tier's say what it cost and accepted at each
-        # batch size, which a policy's choices can be checked (or replayed) against.
-        rounds: list[target_pb2.RoundStats] = []
-        call = watch_rounds(client.address, rounds)
-        first: list[int] = []
-        for batch in args.batches:
-            n = max(args.min_requests, args.per_client * batch)
-            ids = [self.code.ids[i % len(self.code.ids)] for i in range(n)]
-            first.append(len(rounds))
-            cells: list[Cell] = []
-            serve_batch(client, config, [Workload("code", 0.0, ids)], [batch], args.new_tokens,
-                        cells.append)  # fmt: skip
-            (cell,) = cells
-            self.outputs[config, batch] = cell.outputs
-            sweep["cells"].append({
-                "config": config, "batch": batch, "requests": n, "tokens": cell.tokens,
-                "seconds": cell.seconds, "tokens_per_s": cell.tokens_per_s,
-                "accept_mean": cell.accept_mean, "rounds": cell.rounds,
-                "same_as_target_alone": None,
-            })  # fmt: skip
-            accept = "" if cell.accept_mean is None else f"  accept {cell.accept_mean:.2f}"
-            print(f"  {config:12s} batch {batch:2d} {cell.tokens_per_s:8.1f} tok/s{accept}",
-                  flush=True)  # fmt: skip
-            time.sleep(0.2)  # the last rounds' stats
-            sweep["rounds"][config] = [round_record(r) for r in rounds]
-            sweep["first_round"][config] = first
-            self.save()
-        call.cancel()
+
+    def serve_cell(self, client: SpecpairClient, config: str, batch: int) -> dict[str, Any]:
+        args = self.args
+        n = max(args.min_requests, args.per_client * batch)
+        ids = [self.code.ids[i % len(self.code.ids)] for i in range(n)]
+        cells: list[Cell] = []
+        serve_batch(client, config, [Workload("code", 0.0, ids)], [batch], args.new_tokens,
+                    cells.append)  # fmt: skip
+        (cell,) = cells
+        self.outputs[config, batch] = cell.outputs
+        accept = "" if cell.accept_mean is None else f"  accept {cell.accept_mean:.2f}"
+        print(f"  {config:12s} batch {batch:2d} {cell.tokens_per_s:8.1f} tok/s{accept}",
+              flush=True)  # fmt: skip
+        return {
+            "config": config, "batch": batch, "requests": n, "tokens": cell.tokens,
+            "seconds": cell.seconds, "tokens_per_s": cell.tokens_per_s,
+            "accept_mean": cell.accept_mean, "rounds": cell.rounds, "same_as_target_alone": None,
+        }  # fmt: skip
 
 
 # ---------------------------------------------------------------- ratios
@@ -274,8 +288,14 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
                 row["goal_met"] = row["goodput_vs_best"] >= GOALS["sweep_vs_best"]
         if TARGET_ALONE in tps and "tier 0" in tps:
             row["tier0_vs_target_alone"] = tps["tier 0"] / tps[TARGET_ALONE]
-        if (config := "goodput") in sweep.get("first_round", {}):
-            row["goodput_tiers"] = tier_share(sweep, config, batch)
+        if "goodput" in tps and "goodput" in sweep.get("first_round", {}):
+            row["goodput_tiers"] = tier_share(sweep, "goodput", batch)
+        steady = {c: v for c in tps if c in sweep.get("first_round", {})
+                  and (v := steady_tokens_per_s(sweep, c, batch)) is not None}  # fmt: skip
+        row["steady_tokens_per_s"] = steady
+        base = [c for c in steady if c == TARGET_ALONE or c.startswith("tier ")]
+        if base and "goodput" in steady:
+            row["goodput_vs_best_steady"] = steady["goodput"] / max(steady[c] for c in base)
         rows.append(row)
     if rows:
         met = [r["goal_met"] for r in rows if "goal_met" in r]
@@ -283,15 +303,31 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def tier_share(sweep: dict[str, Any], config: str, batch: int) -> dict[int, float]:
-    """Share of the rounds at each tier while `config` served `batch` clients."""
+def cell_rounds(sweep: dict[str, Any], config: str, batch: int) -> list[dict[str, Any]]:
+    """The rounds `config` ran while serving `batch` clients."""
     rounds, first = sweep["rounds"][config], sweep["first_round"][config]
     batches = [c["batch"] for c in sweep["cells"] if c["config"] == config]
     i = batches.index(batch)
     end = first[i + 1] if i + 1 < len(first) else len(rounds)
-    counts = Counter(r["tier"] for r in rounds[first[i] : end])
+    return list(rounds[first[i] : end])
+
+
+def tier_share(sweep: dict[str, Any], config: str, batch: int) -> dict[int, float]:
+    """Share of the rounds at each tier while `config` served `batch` clients."""
+    counts = Counter(r["tier"] for r in cell_rounds(sweep, config, batch))
     total = sum(counts.values()) or 1
     return {t: n / total for t, n in sorted(counts.items())}
+
+
+def steady_tokens_per_s(sweep: dict[str, Any], config: str, batch: int) -> float | None:
+    """Tokens per second of round time over the rounds that ran at least ¾ of `batch` (all of
+    it below 8): the closed loop's ramp and drain, a large and noisy share of a short cell,
+    left out. E.g. batch 16: rounds of 12–16 requests."""
+    least = batch if batch < 8 else (3 * batch + 3) // 4
+    full = [r for r in cell_rounds(sweep, config, batch) if r["batch_size"] >= least]
+    ms = sum(r["total_ms"] for r in full)
+    tokens = sum(r["batch_size"] + sum(r["accept_lengths"]) for r in full)
+    return 1e3 * tokens / ms if ms > 0 else None
 
 
 # ---------------------------------------------------------------- timelines
@@ -423,11 +459,12 @@ def render_sweep(cells: list[dict[str, Any]], s: dict[str, Any]) -> str:
         tps = r["tokens_per_s"]
         rows.append(
             [str(r["batch"]), *(f"{tps[c]:.1f}" if c in tps else "-" for c in configs),
-             r.get("best", "-"), ratio(r, "goodput_vs_best"), ratio(r, "sglang_vs_best"),
+             r.get("best", "-"), ratio(r, "goodput_vs_best"),
+             ratio(r, "goodput_vs_best_steady"), ratio(r, "sglang_vs_best"),
              ratio(r, "tier0_vs_target_alone"), tiers or "-",
              "-" if not same else ("yes" if all(same) else "NO")]
         )  # fmt: skip
-    headers = ["batch", *configs, "best baseline", "goodput / best", "sglang / best",
+    headers = ["batch", *configs, "best baseline", "goodput / best", "steady", "sglang / best",
                "tier 0 / alone", "goodput tiers", "greedy = alone"]  # fmt: skip
     title = (f"batch sweep: tokens/s, closed loop, held-out code greedy; goal: goodput >= "
              f"{GOALS['sweep_vs_best']}x the best of the target alone and every static tier at "

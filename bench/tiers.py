@@ -14,11 +14,13 @@ It reports tokens/s per configuration, the share of request-rounds at each tier 
 RoundStats: drafted requests at their own tier, the rest at 0) and writes JSON.
 
     python -m bench.tiers [--workloads load,mixed] [--load-requests 192] [--new-tokens 32]
+        [--configs "target alone,goodput (profiled)"] [--repeat 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -103,11 +105,16 @@ def seed_profile(
     client: SpecpairClient, ctl: ControllerClient, policy: dict[str, Any], jobs: list[Job],
     args: argparse.Namespace,
 ) -> None:  # fmt: skip
-    """Profiles each tier's round time at the clients' batch size (greedy) and hands it to the
-    running goodput kind (a live update keeps the kind; the profile seeds its cost model)."""
+    """Profiles each tier's round time at the clients' batch size and the powers of two below
+    it (greedy) and hands it to the running goodput kind (a live update keeps the kind; the
+    profile seeds its cost model)."""
     prompts = [job.prompt for job in jobs[:8]]
-    batch = min(args.clients, len(jobs), MAX_BATCH)  # the batch the clients make
-    result = profile_costs.profile(client, ctl, prompts, batches=(batch,), sampled_batches=())
+    # The batch the clients make, and the smaller ones the load ramps up and drains through:
+    # a batch range without a profile is one the policy explores, and on two cores each move
+    # off tier 0 costs the draft a catch-up extend of every running request.
+    top = min(args.clients, len(jobs), MAX_BATCH)
+    batches = sorted({min(1 << k, top) for k in range(top.bit_length())})
+    result = profile_costs.profile(client, ctl, prompts, batches=batches, sampled_batches=())
     print(profile_costs.render(result), flush=True)
     seeded = {**policy, "profile_ms": result["profile_ms"]}
     ctl.update_policy(**PolicySpec.from_mapping(seeded).policy_options())
@@ -168,6 +175,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=64, help="concurrent clients (load)")
     parser.add_argument("--mixed-clients", type=int, default=8, help="concurrent clients (mixed)")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the configs this many times in turn; report medians")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/out/tiers.json"))
     parser.add_argument("--log-dir", type=Path, default=Path("bench/out/tiers-logs"))
     args = parser.parse_args()
@@ -178,7 +187,11 @@ def main() -> None:
     if not workloads or set(workloads) - set(CONFIGS):
         parser.error(f"--workloads: some of {','.join(CONFIGS)}")
     print(f"device: {device_info()}", flush=True)
-    results: dict[str, dict[str, RunResult]] = {}
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
+    # workload → config → its runs: the configs take turns, so a drift of this machine (the
+    # 2-core VM's target alone served 483 and 585 tok/s in two runs) weighs on each alike
+    results: dict[str, dict[str, list[RunResult]]] = {}
     for workload in workloads:
         requests = args.load_requests if workload == "load" else args.mixed_requests
         jobs = jobs_of(workload, tokenizer, requests)
@@ -186,35 +199,39 @@ def main() -> None:
         run_args = argparse.Namespace(**{**vars(args), "clients": clients})
         print(f"{workload}: {len(jobs)} requests × {args.new_tokens} tokens, {clients} clients")
         only = {c for c in args.configs.split(",") if c}
-        results[workload] = {
-            name: run_config(name, draft, policy, jobs, run_args)
-            for name, (draft, policy) in CONFIGS[workload].items()
-            if not only or name in only
-        }
+        chosen = {n: c for n, c in CONFIGS[workload].items() if not only or n in only}
+        runs: dict[str, list[RunResult]] = {name: [] for name in chosen}
+        for _ in range(args.repeat):
+            for name, (draft, policy) in chosen.items():
+                runs[name].append(run_config(name, draft, policy, jobs, run_args))
+        results[workload] = runs
     write_json(args.out, {
         "device": device_info(), "new_tokens": args.new_tokens, "draft_kind": args.draft_kind,
         "clients": {"load": args.clients, "mixed": args.mixed_clients},
         "requests": {"load": args.load_requests, "mixed": args.mixed_requests},
         "policies": {"goodput": GOODPUT, "per-request": PER_REQUEST},
-        "results": {w: {n: {**r.__dict__, "tokens_per_s": r.tokens_per_s} for n, r in rs.items()}
-                    for w, rs in results.items()},
+        "repeat": args.repeat,
+        "results": {w: {n: {"median_tokens_per_s": median_rate(rs),
+                            "runs": [{**r.__dict__, "tokens_per_s": r.tokens_per_s} for r in rs]}
+                        for n, rs in by_name.items()}
+                    for w, by_name in results.items()},
     })  # fmt: skip
     rows = []
-    for workload, runs in results.items():
-        base = next(iter(runs.values())).tokens_per_s
-        for name, r in runs.items():
-            ratio = f"{r.tokens_per_s / base:.3f}"
-            rows.append(
-                [
-                    f"{workload}: {name}",
-                    f"{r.tokens_per_s:.1f}",
-                    ratio,
-                    str(r.rounds),
-                    r.tier_share(),
-                ]
-            )
-    print(f"\ntokens/s, closed loop; ratio vs each workload's first row; written {args.out}\n")
-    print(format_table(["workload: config", "tokens/s", "ratio", "rounds", "tiers"], rows))
+    for workload, by_name in results.items():
+        base = median_rate(next(iter(by_name.values())))
+        for name, rs in by_name.items():
+            rates = sorted(r.tokens_per_s for r in rs)
+            rows.append([
+                f"{workload}: {name}", f"{median_rate(rs):.1f}", f"{median_rate(rs) / base:.3f}",
+                f"{rates[0]:.0f}–{rates[-1]:.0f}", rs[-1].tier_share(),
+            ])  # fmt: skip
+    print(f"\ntokens/s, closed loop, median of {args.repeat} run(s); ratio vs each workload's "
+          f"first row; written {args.out}\n")  # fmt: skip
+    print(format_table(["workload: config", "tokens/s", "ratio", "range", "tiers (last)"], rows))
+
+
+def median_rate(runs: list[RunResult]) -> float:
+    return statistics.median(r.tokens_per_s for r in runs)
 
 
 if __name__ == "__main__":
