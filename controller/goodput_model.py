@@ -168,12 +168,14 @@ class CostModel:
             return  # a target that reports no timings teaches nothing
         b, s, a = self._bucket(batch_bucket(sample.batch_size)), sample.steps, self.alpha
         entry = b.round_ms.setdefault(s, _Ema())
-        if sample.admit_ms > 0 and entry.n < 3 and entry.skipped < 3:
-            # A request joined: its prompt's extend is in the draft's time, its prefill in the
-            # total (admit_ms). Once a tier has 3 rounds its estimate clips such spikes; before,
-            # the first would set it (an H100 run: T(3) 24.5 ms from one 58 ms first round
-            # against 11.3 typical, which predicted T(0) at 0.2 ms). Where requests join
-            # nearly every round (a closed loop at batch 64) the fourth is learnt all the same.
+        if sample.admit_ms > 0 and entry.skipped < 3 * (entry.n + 1):
+            # A request joined: its prefill is in the total (admit_ms), its prompt's extend in
+            # the draft's time, and every request costs one admission whatever the tier, so it
+            # is no tier's cost. Learnt from, it set T(3) at 24.5 ms from one 58 ms first round
+            # against 11.3 typical (H100, batch 1), and at batch 32 admission rounds (draft
+            # 25–90 ms against 12) lifted T(7) from 27 to 43 ms within a cell. Only where
+            # requests join nearly every round (a closed loop at batch 64 with short requests)
+            # is one round in four learnt, clipped.
             entry.skipped += 1
             return
         total, draft, fixed = uniform_round(sample)

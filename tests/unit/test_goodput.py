@@ -309,8 +309,23 @@ def test_a_round_that_admitted_a_request_does_not_set_a_tiers_cost() -> None:
         cost.observe(timed(3, [2], total=11.3, verify=6.4, draft=4))
     assert cost.round_ms(3, 1) == pytest.approx(11.3)
     cost.observe(replace(timed(3, [2], total=40, verify=6.4, draft=4), admit_ms=28.7))
-    assert cost.round_ms(3, 1) == pytest.approx(11.3)  # from then on: the total less admission
+    assert cost.round_ms(3, 1) == pytest.approx(11.3)  # admission rounds stay out
     assert 5.0 < (cost.round_ms(0, 1) or 0.0) < 11.3
+
+
+def test_admission_rounds_do_not_lift_a_profiled_tier() -> None:
+    """H100, batch 32, tier 7 profiled at 27.4 ms: rounds where requests joined took 80–140 ms
+    (prefill 21–32 ms, the draft extending their prompts 25–74 ms against 12). Learnt, they
+    lifted T(7) to 43 ms within a cell and the policy left tier 7 for tier 1; they are every
+    tier's cost alike (one per request), so they stay out while ordinary rounds come."""
+    cost = CostModel(alpha=0.1, profile_ms=((32, 7, 27.4),))
+    joined = [(88.1, 43.9, 21.0), (100.2, 37.8, 27.9), (122.2, 73.1, 27.3), (140.5, 74.3, 32.3)]
+    for _ in range(3):
+        for total, draft, admit in joined:
+            cost.observe(replace(timed(7, [4] * 32, total, 14.0, draft), admit_ms=admit))
+        for _ in range(8):
+            cost.observe(timed(7, [4] * 32, total=29.0, verify=14.0, draft=12.0))
+    assert cost.round_ms(7, 32) == pytest.approx(29.0, abs=1.0)
 
 
 def test_a_tier_is_learnt_where_every_round_admits_a_request() -> None:
