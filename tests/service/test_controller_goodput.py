@@ -42,7 +42,7 @@ def push_timed(
         queue.put_nowait(stats)
 
 
-async def test_goodput_sends_a_tier_per_sampling_regime_and_a_pin_clears_them() -> None:
+async def test_goodput_sends_a_tier_per_sampling_regime_a_pin_clears_them() -> None:
     """Greedy rounds whose drafts all pass, then sampled ones whose drafts never do: the
     target is told 'greedy: a positive tier, sampled: 0', so that the next greedy batch drafts
     from its first round."""
@@ -68,6 +68,8 @@ async def test_goodput_sends_a_tier_per_sampling_regime_and_a_pin_clears_them() 
         await eventually(lambda: fake.regimes == (greedy, 0))
         await running.controller.pin(1)
         assert fake.regimes is None and fake.steps == 1
+        await running.controller.unpin()  # back to the policy: its regime tiers with it
+        assert fake.regimes == (greedy, 0) and fake.steps == 0
     finally:
         await running.stop(grace=0.1)
         await target.stop(grace=0.1)
