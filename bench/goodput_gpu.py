@@ -352,10 +352,13 @@ def draw_panel(
 ) -> None:  # fmt: skip
     xs = range(len(rounds))
     ema, predicted = [], []
-    for r, policy in zip(rounds, replay(rounds, spec, START_TIER), strict=True):
-        ema.append(policy.ema)
-        rates = {e.steps: e.tokens_per_s for e in policy.estimates()}
-        predicted.append(rates.get(r["tier"], float("nan")))
+    # The policy restarted at each mark (a phase: no; a sweep cell: a kind starts afresh).
+    cuts = [m for m, _ in marks] if log_rate else []
+    for a, b in zip([0, *cuts[1:]], [*cuts[1:], len(rounds)], strict=True):
+        for r, policy in zip(rounds[a:b], replay(rounds[a:b], spec, START_TIER), strict=True):
+            ema.append(policy.ema)
+            rates = {e.steps: e.tokens_per_s for e in policy.estimates()}
+            predicted.append(rates.get(r["tier"], float("nan")))
     label = "EMA accept length" if spec.kind == "sglang" else "predicted accepted drafts"
     ax.step(xs, [r["tier"] for r in rounds], where="post", color="C1", label="active tier")
     ax.plot(xs, ema, color="C0", lw=1, label=label)
@@ -407,7 +410,8 @@ def plot_timelines(report: dict[str, Any], out: Path, window: int) -> list[Path]
             draw_panel(ax, rounds, specs[kind], marks, title, window, workload == "sweep")
         axes[-1, 0].set_xlabel("round")
         fig.tight_layout()
-        path = out.with_name(f"{out.stem}_{workload}.png")
+        stem = out.name.removesuffix(".gz").removesuffix(".json")
+        path = out.with_name(f"{stem}_{workload}.png")
         fig.savefig(path, dpi=100)
         plt.close(fig)
         paths.append(path)
