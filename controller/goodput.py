@@ -16,9 +16,12 @@ every `update_interval` rounds; a move needs a predicted gain over the current t
 `bench/goodput_sim.py`, at 3 % bursty code acceptance flipped tiers 3 and 7). At tier 0
 nothing is learnt about drafts, so every `probe_interval` rounds the policy tries the smallest
 positive tier that could pay for at least `probe_rounds` rounds with drafts, then decides again
-from tier 0's standpoint; each probe that returns to tier 0 doubles the interval (up to 16×),
-one that stays resets it: on an H100 a sampled probe at tier 1 cost 31 ms a round against 12 at
-tier 0, so a probe every 64 rounds that never paid took a fifth of the time.
+from tier 0's standpoint and from what the probe measured (the acceptance learnt before it is
+scaled down to two trials: it spans `acceptance_window` request-rounds, and what made the
+policy leave would outvote a short probe); each probe that returns to tier 0 doubles the
+interval (up to 16×), one that stays resets it: on an H100 a sampled probe at tier 1 cost 31 ms
+a round against 12 at tier 0, so a probe every 64 rounds that never paid took a fifth of the
+time.
 
 Two regimes, learnt apart: greedy batches and batches where some request samples. They differ
 in both models — on an H100 (grown pair, batch 1) a sampled round at tier 3 took 48 ms against
