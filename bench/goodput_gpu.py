@@ -225,6 +225,8 @@ class Bench:
         if ctl is not None and config in KIND_CONFIGS:
             start_kind(ctl, self.specs, config)
         elif ctl is not None:
+            if ctl.state().policy.get("kind") != "goodput":  # sglang's tiers have no 0 to pin
+                ctl.update_policy(**self.specs["goodput"].policy_options())
             ctl.pin(int(config.split()[1]))
             time.sleep(0.3)
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from bench.goodput_gpu import PHASED_RUNS, SWEEP_CONFIGS, TARGET_ALONE
+from controller.bands import PolicySpec
+from controller.interface import RegimePolicy
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -37,9 +39,15 @@ def test_goodput_benchmark_measures_every_goal(tmp_path: Path) -> None:
     for name, r in runs.items():
         assert len(r["phase_tokens"]) == 4 and min(r["phase_tokens"]) > 0, name
     for kind in ("goodput", "sglang"):
-        # a kind switched in while tier 3 is pinned starts there
-        assert runs[kind]["rounds"][0]["tier"] == 3, kind
+        # a kind switched in while tier 3 is pinned starts there (the sweep is greedy)
         assert report["sweep"]["rounds"][kind][0]["tier"] == 3, kind
+    assert runs["sglang"]["rounds"][0]["tier"] == 3
+    # goodput's regime tiers go out with the unpin: the phased run's first batch (sampled)
+    # runs from its first round at the tier the start-up profile predicts for that regime
+    fresh = PolicySpec.from_mapping(report["policies"]["goodput"]).build(3)
+    assert isinstance(fresh, RegimePolicy)
+    first = runs["goodput"]["rounds"][0]
+    assert first["sampled"] and first["tier"] == fresh.regime_steps.sampled
     assert {r["tier"] for r in runs["static-0"]["rounds"]} == {0}
     assert {r["tier"] for r in runs["static-7"]["rounds"]} == {7}
 
