@@ -46,8 +46,8 @@ def test_goodput_benchmark_measures_every_goal(tmp_path: Path) -> None:
     # runs from its first round at the tier the start-up profile predicts for that regime
     fresh = PolicySpec.from_mapping(report["policies"]["goodput"]).build(3)
     assert isinstance(fresh, RegimePolicy)
-    first = runs["goodput"]["rounds"][0]
-    assert first["sampled"] and first["tier"] == fresh.regime_steps.sampled
+    first, regimes = runs["goodput"]["rounds"][0], fresh.regime_steps
+    assert regimes is not None and first["sampled"] and first["tier"] == regimes.sampled
     assert {r["tier"] for r in runs["static-0"]["rounds"]} == {0}
     assert {r["tier"] for r in runs["static-7"]["rounds"]} == {7}
 
