@@ -103,7 +103,7 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
             if profile != before:
                 self._regimes[sampled].cost = CostModel(config.ema_alpha, profile)
         for regime in self._regimes.values():
-            regime.acceptance.decay = 1.0 / config.acceptance_window
+            regime.acceptance.decay = config.acceptance_decay
             regime.cost.alpha = config.ema_alpha
             if regime.steps is not None:  # where it resumes must stay a tier the target has
                 regime.steps = snap_to_candidate(regime.steps, config.candidate_steps)

@@ -55,6 +55,11 @@ class GoodputConfig(PolicyKeys):
         for name in ("profile_ms", "sampled_profile_ms"):
             object.__setattr__(self, name, parse_profile(getattr(self, name), name))
 
+    @property
+    def acceptance_decay(self) -> float:
+        """The acceptance model's decay per accept length, for its `acceptance_window`."""
+        return 1.0 / self.acceptance_window
+
     def to_dict(self) -> dict[str, Any]:
         out = PolicyKeys.to_dict(self)
         for name in ("profile_ms", "sampled_profile_ms"):
@@ -98,7 +103,7 @@ class Regime:
     @classmethod
     def fresh(cls, config: GoodputConfig, profile: ProfileMs = ()) -> Regime:
         return cls(
-            AcceptanceModel(1.0 / config.acceptance_window),
+            AcceptanceModel(config.acceptance_decay),
             CostModel(config.ema_alpha, profile),
             config.probe_interval,
         )

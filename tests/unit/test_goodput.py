@@ -119,7 +119,7 @@ def test_a_long_window_rides_out_bursts_of_acceptance() -> None:
                 seen.append(model.tokens_per_round(3))
         return max(seen) / min(seen)
 
-    assert spread(AcceptanceModel(decay=1 / GoodputConfig().acceptance_window)) < 1.2
+    assert spread(AcceptanceModel(decay=GoodputConfig().acceptance_decay)) < 1.2
     assert spread(AcceptanceModel(decay=0.1)) > 1.5
 
 
