@@ -321,6 +321,11 @@ def tier_share(sweep: dict[str, Any], config: str, batch: int) -> dict[int, floa
     return {t: n / total for t, n in sorted(counts.items())}
 
 
+def round_tokens(r: dict[str, Any]) -> int:
+    """Tokens a recorded round's requests gained: one each, plus the drafts accepted."""
+    return int(r["batch_size"] + sum(r["accept_lengths"]))
+
+
 def steady_tokens_per_s(sweep: dict[str, Any], config: str, batch: int) -> float | None:
     """Tokens per second of round time over the rounds that ran at least ¾ of `batch` (all of
     it below 8): the closed loop's ramp and drain, a large and noisy share of a short cell,
@@ -328,7 +333,7 @@ def steady_tokens_per_s(sweep: dict[str, Any], config: str, batch: int) -> float
     least = batch if batch < 8 else (3 * batch + 3) // 4
     full = [r for r in cell_rounds(sweep, config, batch) if r["batch_size"] >= least]
     ms = sum(r["total_ms"] for r in full)
-    tokens = sum(r["batch_size"] + sum(r["accept_lengths"]) for r in full)
+    tokens = sum(map(round_tokens, full))
     return 1e3 * tokens / ms if ms > 0 else None
 
 
@@ -336,9 +341,9 @@ def steady_tokens_per_s(sweep: dict[str, Any], config: str, batch: int) -> float
 
 
 def measured_tokens_per_s(rounds: list[dict[str, Any]], window: int) -> list[float]:
-    """Tokens the round's requests gained (one each, plus accepted drafts) per second of round
-    wall time, over the last `window` rounds."""
-    tokens = [r["batch_size"] + sum(r["accept_lengths"]) for r in rounds]
+    """Tokens the rounds' requests gained (`round_tokens`) per second of round wall time, over
+    the last `window` rounds."""
+    tokens = [round_tokens(r) for r in rounds]
     ms = [r["total_ms"] for r in rounds]
     out = []
     for i in range(len(rounds)):

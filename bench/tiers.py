@@ -51,8 +51,8 @@ CONFIGS: dict[str, dict[str, tuple[bool, dict[str, Any] | None]]] = {
         "goodput": (True, GOODPUT),
         # each probe of tier 1 costs a catch-up extend of everything since the last one
         "goodput probe-512": (True, {**GOODPUT, "probe_interval": 512}),
-        # costs profiled at start-up (bench.profile_costs at the clients' batch size), as a
-        # deployment would pass them in its policy file: the first decision is grounded
+        # costs profiled at start-up (bench.profile_costs at every batch range the load
+        # passes, `seed_profile`), as a deployment would pass them in its policy file
         PROFILED: (True, GOODPUT),
     },
     "mixed": {
