@@ -208,7 +208,9 @@ class Bench:
         rounds: list[target_pb2.RoundStats] = []
         call = watch_rounds(client.address, rounds)
         for i, batch in enumerate(args.batches):
-            for config in configs if i % 2 == 0 else configs[::-1]:
+            # `--repeat` turns at one batch size, each in the order opposite to the last
+            turns = [configs if (i + t) % 2 == 0 else configs[::-1] for t in range(args.repeat)]
+            for config in (c for turn in turns for c in turn):
                 self.select(ctl, config)
                 start = len(rounds)
                 cell = self.serve_cell(client, config, batch)
@@ -278,7 +280,7 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     cells = sweep.get("cells", [])
     rows = []
     for batch in dict.fromkeys(c["batch"] for c in cells):
-        tps = {c["config"]: c["tokens_per_s"] for c in cells if c["batch"] == batch}
+        tps = pooled_tokens_per_s([c for c in cells if c["batch"] == batch])
         base = [c for c in tps if c == TARGET_ALONE or c.startswith("tier ")]
         row: dict[str, Any] = {"batch": batch, "tokens_per_s": tps}
         if base:
@@ -305,13 +307,23 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def pooled_tokens_per_s(cells: list[dict[str, Any]]) -> dict[str, float]:
+    """Per config, its cells' tokens over their seconds: `--repeat` turns pooled, e.g. 1024
+    tokens in 3.4 s and 1024 in 3.6 s → 292.6 tokens/s."""
+    tokens: Counter[str] = Counter()
+    seconds: Counter[str] = Counter()
+    for c in cells:
+        tokens[c["config"]] += c["tokens"]
+        seconds[c["config"]] += c["seconds"]
+    return {config: tokens[config] / seconds[config] for config in tokens}
+
+
 def cell_rounds(sweep: dict[str, Any], config: str, batch: int) -> list[dict[str, Any]]:
-    """The rounds `config` ran while serving `batch` clients."""
+    """The rounds `config` ran while serving `batch` clients (in every turn)."""
     rounds, first = sweep["rounds"][config], sweep["first_round"][config]
     batches = [c["batch"] for c in sweep["cells"] if c["config"] == config]
-    i = batches.index(batch)
-    end = first[i + 1] if i + 1 < len(first) else len(rounds)
-    return list(rounds[first[i] : end])
+    ends = [*first[1:], len(rounds)]
+    return [r for i, b in enumerate(batches) if b == batch for r in rounds[first[i] : ends[i]]]
 
 
 def tier_share(sweep: dict[str, Any], config: str, batch: int) -> dict[int, float]:
@@ -507,6 +519,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--per-client", type=int, default=2, help="sweep requests per client")
     parser.add_argument("--min-requests", type=int, default=8, help="sweep requests per cell")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="sweep turns per batch size (cells pooled per config)")  # fmt: skip
     # 32-token requests made a cell mostly admission and drain (at batch 16 on the H100 the
     # static tiers served 0.3–0.4× what their profiled full-batch rounds give, and moved up to a
     # third between runs); 128 measures decoding, which is what a tier changes.
@@ -556,7 +570,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"), "policies": {k: v.to_dict() for k, v in specs.items()},
         "phased": None, "sweep": {"batches": args.batches, "new_tokens": args.new_tokens,
                                   "per_client": args.per_client,
-                                  "min_requests": args.min_requests,
+                                  "min_requests": args.min_requests, "repeat": args.repeat,
                                   "cells": [], "rounds": {}, "first_round": {}},
     }  # fmt: skip
     bench = Bench(args, specs, phases, code, report)

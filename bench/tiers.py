@@ -43,22 +43,24 @@ GOODPUT = {"kind": "goodput", "candidate_steps": list(STEPS)}
 PROFILED = "goodput (profiled)"
 MAX_BATCH = 16  # the target decodes this many at once; the other clients' requests queue
 PER_REQUEST = {"kind": "controller.request_tiers:RequestTiers", "candidate_steps": list(STEPS)}
-# name → (draft?, controller policy or None: the initial tier stays)
-CONFIGS: dict[str, dict[str, tuple[bool, dict[str, Any] | None]]] = {
+# name → (draft?, controller policy or None: the initial tier stays, initial tier)
+CONFIGS: dict[str, dict[str, tuple[bool, dict[str, Any] | None, int]]] = {
     "load": {
-        "target alone": (False, None),
-        "static 3": (True, None),
-        "goodput": (True, GOODPUT),
+        "target alone": (False, None, 3),  # no draft: its rounds are plain whatever the tier
+        # the stack held at tier 0, no controller: what two more processes cost by themselves
+        "static 0": (True, None, 0),
+        "static 3": (True, None, 3),
+        "goodput": (True, GOODPUT, 3),
         # each probe of tier 1 costs a catch-up extend of everything since the last one
-        "goodput probe-512": (True, {**GOODPUT, "probe_interval": 512}),
+        "goodput probe-512": (True, {**GOODPUT, "probe_interval": 512}, 3),
         # costs profiled at start-up (bench.profile_costs at every batch range the load
         # passes, `seed_profile`), as a deployment would pass them in its policy file
-        PROFILED: (True, GOODPUT),
+        PROFILED: (True, GOODPUT, 3),
     },
     "mixed": {
-        "static 3": (True, None),
-        "goodput (batch tier)": (True, GOODPUT),
-        "per-request tiers": (True, PER_REQUEST),
+        "static 3": (True, None, 3),
+        "goodput (batch tier)": (True, GOODPUT, 3),
+        "per-request tiers": (True, PER_REQUEST, 3),
     },
 }
 
@@ -122,13 +124,18 @@ def seed_profile(
 
 
 def run_config(
-    name: str, draft: bool, policy: dict[str, Any] | None, jobs: list[Job], args: argparse.Namespace
+    name: str,
+    draft: bool,
+    policy: dict[str, Any] | None,
+    initial: int,
+    jobs: list[Job],
+    args: argparse.Namespace,
 ) -> RunResult:
     log_dir = args.log_dir / name.replace(" ", "_").replace("(", "").replace(")", "")
     log_dir.mkdir(parents=True, exist_ok=True)
     with BenchServices(
         target=args.target, draft=args.draft if draft else None, draft_kind=args.draft_kind,
-        policy=policy, log_dir=log_dir, initial_steps=3,
+        policy=policy, log_dir=log_dir, initial_steps=initial,
         candidate_steps=STEPS if draft else None, target_options=("--max-batch", str(MAX_BATCH)),
     ) as group:  # fmt: skip
         client = SpecpairClient(group.target, timeout=600)
@@ -202,8 +209,8 @@ def main() -> None:
         chosen = {n: c for n, c in CONFIGS[workload].items() if not only or n in only}
         runs: dict[str, list[RunResult]] = {name: [] for name in chosen}
         for _ in range(args.repeat):
-            for name, (draft, policy) in chosen.items():
-                runs[name].append(run_config(name, draft, policy, jobs, run_args))
+            for name, (draft, policy, initial) in chosen.items():
+                runs[name].append(run_config(name, draft, policy, initial, jobs, run_args))
         results[workload] = runs
     write_json(args.out, {
         "device": device_info(), "new_tokens": args.new_tokens, "draft_kind": args.draft_kind,

@@ -21,7 +21,11 @@ scaled down to two trials: it spans `acceptance_window` request-rounds, and what
 policy leave would outvote a short probe); each probe that returns to tier 0 doubles the
 interval (up to 16×), one that stays resets it: on an H100 a sampled probe at tier 1 cost 31 ms
 a round against 12 at tier 0, so a probe every 64 rounds that never paid took a fifth of the
-time.
+time. Probes are also paced by what they cost: the next waits until the time spent at tier 0
+since the last one, times `probe_budget`, covers what the last failed probe cost beyond tier 0
+(its rounds, the draft's catch-up included), or before any has failed what the cost model
+predicts for `probe_rounds` rounds. E.g. budget 2 %, a probe that cost 350 ms (two CPU cores,
+batch 16): the next after 17.5 s at tier 0, whatever the round count says.
 
 Two regimes, learnt apart: greedy batches and batches where some request samples. They differ
 in both models — on an H100 (grown pair, batch 1) a sampled round at tier 3 took 48 ms against
@@ -64,8 +68,10 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         self._sampled = False  # the regime of the last round
         self._batch = 1
         self._rounds_at_zero = 0
+        self._zero_ms = 0.0  # the time of those rounds
         self._last_steps = self._steps  # the tier the last round ran at
         self._probe_rounds: int | None = None  # rounds with drafts so far while probing
+        self._probe_ms = 0.0  # their time
         self._explored: set[tuple[bool, int, int]] = set()  # (sampled, batch bucket, tier)
 
     @property
@@ -117,7 +123,7 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
             self._regimes[self._sampled].steps = old
             self._sampled = not self._sampled
             self._steps = self._regime_start(self._sampled)
-            self._probe_rounds, self._rounds_at_zero = None, 0
+            self._probe_rounds, self._rounds_at_zero, self._zero_ms = None, 0, 0.0
         regime = self.regime
         if not (sample.steps > 0 and self._last_steps == 0):
             # The first round with drafts after rounds without: the draft extends every token
@@ -130,8 +136,10 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         self._batch = sample.batch_size
         if self._probe_rounds is not None and sample.speculative:
             self._probe_rounds += 1
+            self._probe_ms += sample.total_ms
         elif self._steps == 0:
             self._rounds_at_zero += 1
+            self._zero_ms += sample.total_ms
         due = self._gate.tick()
         if changed_regime:
             # Decided at once from what this regime taught before (a regime never seen, or seen
@@ -170,15 +178,17 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
     def _decide(self) -> bool:
         old, baseline = self._steps, self._steps
         probed = self._probe_rounds is not None
+        probe_cost = 0.0
         if self._probe_rounds is not None:
             if self._probe_rounds < self.config.probe_rounds:
                 return False
+            probe_cost = self._probe_cost(self._probe_rounds, self._probe_ms)
             self._probe_rounds, baseline = None, 0  # the probe must earn its way off tier 0
         elif self._steps == 0 and self._rounds_at_zero >= self.regime.probe_every:
-            self._rounds_at_zero = 0
             positive = [s for s in self.config.candidate_steps if s > 0 and self._could_pay(s)]
-            if positive:
-                self._steps, self._probe_rounds = positive[0], 0
+            if positive and self._probe_paid_for(positive[0]):
+                self._rounds_at_zero, self._zero_ms = 0, 0.0
+                self._steps, self._probe_rounds, self._probe_ms = positive[0], 0, 0.0
                 # The probe's own rounds decide: the long acceptance window would otherwise
                 # let what made the policy leave (say 30 rejections) outvote them for good.
                 self.acceptance.forget(PROBE_MEMORY)
@@ -197,14 +207,34 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         else:
             self._steps = baseline
         if self._steps == 0 and old != 0:
-            self._rounds_at_zero = 0
+            self._rounds_at_zero, self._zero_ms = 0, 0.0
         if probed:
             limit = 16 * self.config.probe_interval
             failed = self._steps == 0
             self.regime.probe_every = (
                 min(2 * self.regime.probe_every, limit) if failed else self.config.probe_interval
             )
+            self.regime.probe_cost_ms = probe_cost if failed else None
         return self._steps != old
+
+    def _probe_cost(self, rounds: int, ms: float) -> float:
+        """What `rounds` probe rounds taking `ms` cost beyond as many rounds at tier 0."""
+        zero = self.cost.round_ms(0, self._batch)
+        return max(ms - rounds * (zero or 0.0), 0.0)
+
+    def _probe_paid_for(self, steps: int) -> bool:
+        """Whether the time at tier 0 since the last probe, times `probe_budget`, covers what a
+        probe of `steps` costs: the last failed probe's, else the cost model's prediction (none
+        predicted: the round count alone decides). E.g. a probe that cost 350 ms, budget 2 %:
+        due after 17.5 s at tier 0."""
+        cost = self.regime.probe_cost_ms
+        if cost is None:
+            rounds_ms = self.cost.round_ms(steps, self._batch, self.acceptance.tokens_per_round)
+            zero = self.cost.round_ms(0, self._batch)
+            if rounds_ms is None or zero is None:
+                return True
+            cost = self.config.probe_rounds * max(rounds_ms - zero, 0.0)
+        return self._zero_ms * self.config.probe_budget >= cost
 
     def _could_pay(self, steps: int) -> bool:
         """Whether tier `steps` would beat tier 0 by `min_gain` at an optimistic acceptance

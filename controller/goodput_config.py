@@ -31,6 +31,10 @@ class GoodputConfig(PolicyKeys):
     explore_margin: float = 0.25
     probe_interval: int = 64
     probe_rounds: int = 8
+    # The share of tier-0 time that probes may cost: on two CPU cores a probe of tier 3 at
+    # batch 16 (8 rounds of 37 ms against 12.5, and the draft's catch-up) cost ~0.35 s, so a
+    # probe every 64 rounds (0.8 s) took a third of the time its load ran at tier 0.
+    probe_budget: float = 0.02
     profile_ms: ProfileMs = ()
     sampled_profile_ms: ProfileMs = ()
 
@@ -46,8 +50,12 @@ class GoodputConfig(PolicyKeys):
         margin = finite_float("explore_margin", self.explore_margin)
         if not 0.0 <= margin < 1.0:
             raise ValueError(f"explore_margin must be in [0, 1), got {self.explore_margin}")
+        budget = finite_float("probe_budget", self.probe_budget)
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"probe_budget must be in (0, 1], got {self.probe_budget}")
         object.__setattr__(self, "min_gain", gain)
         object.__setattr__(self, "explore_margin", margin)
+        object.__setattr__(self, "probe_budget", budget)
         for name in ("probe_interval", "probe_rounds", "acceptance_window"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
@@ -97,6 +105,9 @@ class Regime:
     acceptance: AcceptanceModel
     cost: CostModel
     probe_every: int  # rounds at tier 0 between probes, doubled by each probe that failed
+    # What the last probe that failed cost beyond tier 0's rounds, the draft's catch-up
+    # included (None before one has: the cost model predicts it)
+    probe_cost_ms: float | None = None
     rounds: int = 0
     steps: int | None = None  # the tier it ran at when the batch last left it
 

@@ -164,6 +164,7 @@ POLICY_OPTIONS: dict[str, type | None] = {
     "explore_margin": float,
     "probe_interval": int,
     "probe_rounds": int,
+    "probe_budget": float,
     "acceptance_window": int,
     "profile_ms": None,
     "sampled_profile_ms": None,

@@ -217,7 +217,7 @@ def test_all_accepted_moves_up_after_warmup_and_interval() -> None:
 def test_nothing_accepted_turns_speculation_off_then_probes() -> None:
     cfg = GoodputConfig(
         candidate_steps=(0, 1, 3, 7), warmup_batches=0, update_interval=1, probe_interval=20,
-        probe_rounds=4,
+        probe_rounds=4, probe_budget=1.0,  # the round count alone paces probes here
     )  # fmt: skip
     policy = GoodputPolicy(cfg, 3)
     tiers = run(policy, 3, cpu_round(accept=0))
@@ -472,7 +472,7 @@ def test_a_tier_never_measured_is_tried_once_when_predicted_close() -> None:
 def test_failed_probes_back_off_and_a_probe_that_cannot_pay_is_skipped() -> None:
     cfg = GoodputConfig(
         candidate_steps=(0, 1, 3, 7), warmup_batches=0, update_interval=1, probe_interval=10,
-        probe_rounds=2,
+        probe_rounds=2, probe_budget=1.0,  # the round count alone paces probes here
     )  # fmt: skip
     policy = GoodputPolicy(cfg, 1)
     tiers = run(policy, 200, cpu_round(accept=0))
@@ -486,6 +486,33 @@ def test_failed_probes_back_off_and_a_probe_that_cannot_pay_is_skipped() -> None
     tiers = run(sampled, 300, regime_round(True))
     probes = [t for a, t in itertools.pairwise(tiers) if a == 0 and t > 0]
     assert probes.count(1) <= 2 and probes.count(3) <= 3 and tiers[-120:] == [0] * 120
+
+
+def test_probes_take_at_most_their_budget_of_the_time_at_tier_0() -> None:
+    # cpu_round(accept=0): tier 0 takes 12 ms, tier 1 is predicted at 17.25 (17 and the
+    # stage model's schedule share); a probe of 4 rounds is predicted to cost 4 · 5.25 = 21 ms,
+    # so at a 2 % budget the first waits for 1.05 s at tier 0 (88 rounds, not the interval's
+    # 20). Its first round carries the draft's catch-up (here 112 ms instead of 17): measured,
+    # the probe cost 112 + 3 · 17 − 4 · 12 = 115 ms, so the next waits for 5.75 s (480 rounds).
+    cfg = GoodputConfig(
+        candidate_steps=(0, 1, 3, 7), warmup_batches=0, update_interval=1, probe_interval=20,
+        probe_rounds=4, probe_budget=0.02,
+    )  # fmt: skip
+    make = cpu_round(accept=0)
+    policy = GoodputPolicy(cfg, 3)
+    assert run(policy, 3, make)[-1] == 0
+    tiers: list[int] = []
+    for _ in range(700):
+        before = policy.current_steps
+        sample = make(before)  # type: ignore[operator]
+        if before > 0 and (not tiers or tiers[-1] == 0):
+            sample = replace(sample, total_ms=sample.total_ms + 95.0)  # the catch-up
+        policy.observe(sample)
+        tiers.append(before)
+    starts = [i for i in range(1, len(tiers)) if tiers[i] > 0 and tiers[i - 1] == 0]
+    assert len(starts) == 2
+    assert starts[0] == 88
+    assert starts[1] - (starts[0] + 4) == 480  # 115 ms / 2 % = 5.75 s of 12 ms rounds
 
 
 def test_the_controller_passes_the_regime_to_the_policy() -> None:
