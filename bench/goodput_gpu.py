@@ -20,7 +20,10 @@ target --no-draft`) is started once more for the no-speculation baseline.
     a drift of the machine weighs on each alike; a policy kind starts afresh in each cell from
     the start-up profile (as a controller meeting that load for the first time). Besides each
     cell's tokens/s, its steady tokens/s: over the rounds with at least ¾ of the batch (all of
-    it below 8), without the ramp and the drain of a closed loop.
+    it below 8), without the ramp and the drain of a closed loop. `--repeat N` serves every
+    config N times at each batch size (each turn in the order opposite to the last) and pools
+    a config's cells as tokens over seconds: two cells of one static tier, minutes apart,
+    differed by a median of 4 % on the H100 (bench/RESULTS.md, run 15).
 (c) Timelines (`<out>_phased.png`, `<out>_sweep.png`): per policy kind over rounds, the active
     tier, the policy's estimate (its pure policy replayed on the run's RoundStats, as
     `bench.adaptive` does: sglang's EMA accept length; goodput's predicted accepted drafts, and

@@ -23,7 +23,7 @@ RoundSample the target would have sent (costs, accept lengths, sampled flag as r
 - A phase's time is its rounds' plus the time between rounds (client, wire), the median of the
   static runs' recorded phase seconds less their rounds'.
 
-    python -m bench.goodput_sim [--run bench/results/goodput_gpu_eagle_h100_run4.json]
+    python -m bench.goodput_sim [--run bench/results/goodput_gpu_eagle_h100_run4.json.gz]
         [--lag 1 10] [--set min_gain=0.05 ...] [--policy-class module:Class] [--regime-map]
         [--catchup-ms 28] [--png /tmp/goodput_sim.png] [--out /tmp/goodput_sim.json]
 """
@@ -46,7 +46,7 @@ from controller.bands import PolicySpec
 from controller.interface import RoundSample
 
 STATIC = "static-"
-DEFAULT_RUN = Path("bench/results/goodput_gpu_eagle_h100_run4.json")
+DEFAULT_RUN = Path("bench/results/goodput_gpu_eagle_h100_run4.json.gz")
 
 
 class Stepper(Protocol):

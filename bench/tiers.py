@@ -6,7 +6,8 @@ one finished. Two workloads:
 
 - `load`: many concurrent clients (64) of held-out code, greedy. The target alone
   (`--no-draft`) vs the full stack under the goodput kind with tier 0 among its candidates
-  (the issue's goal: no worse than the target alone), and static tier 3 beside them.
+  (the goal: no worse than the target alone), the stack held at tier 0 without a controller
+  (what the extra processes cost by themselves) and static tier 3 beside them.
 - `mixed`: code greedy beside prose sampled at T = 1.0, alternating, so that every batch holds
   both: one batch tier (goodput) vs per-request tiers (`controller.request_tiers`), static 3.
 
