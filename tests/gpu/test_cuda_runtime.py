@@ -21,7 +21,7 @@ from transformers import LlamaForCausalLM
 from specpair.models.tiny import make_tiny_eagle, make_tiny_llama
 from specpair.runtime.build import build_drafter, build_target
 from specpair.runtime.engine import SpeculativeEngine
-from specpair.runtime.graphs.capture import GraphAttention
+from specpair.runtime.graphs.capture import GraphAttention, StageGraph
 from specpair.runtime.graphs.draft import ExtendGraphs, StepGraphs
 from specpair.runtime.graphs.verify import VerifyGraphs
 from specpair.runtime.layout import BatchLayout
@@ -368,3 +368,52 @@ def test_a_prompt_joining_a_request_deep_in_its_context_is_drafted(
     lengths = together.cache.lengths
     assert lengths[together.requests["a"].slot] == len(a0.appended) + len(a1.appended)
     assert lengths[together.requests["b"].slot] == len(b0.appended)
+
+
+def test_a_prompt_joining_short_rows_is_extended_apart_and_the_rows_in_a_graph(
+    gpu_ckpts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 40-token prompt joins two requests that each appended 2 tokens: the short rows run
+    in the tier's extend graph, the prompt eagerly (not three rows padded to 40), and each
+    request's chain is the one it gets when drafted alone."""
+    worker = target(gpu_ckpts["target"])
+
+    def drafter():
+        return build_drafter(
+            gpu_ckpts["draft"], target_path=None, max_requests=4, max_len=256, dtype=BF16,
+            device="cuda",
+        )  # fmt: skip
+
+    together, apart = drafter(), drafter()
+    tier = build_states([3], worker, together)[3]
+    alone = build_states([3], worker, apart)[3]
+    assert isinstance(tier.extend, ExtendGraphs)
+    greedy = SamplingParams()
+    a0, b0 = (
+        DraftInput("a", (*range(10, 30), 7), greedy),
+        DraftInput("b", (*range(40, 60),), greedy),
+    )
+    a1, b1 = DraftInput("a", (9, 4), greedy), DraftInput("b", (8, 3), greedy)
+    c0 = DraftInput("c", (*range(100, 139), 5), greedy)
+    widths: list[int] = []  # of the extend graphs replayed
+    capture = tier.extend.graphs.capture
+    replay = capture.replay
+
+    def counted(g: StageGraph) -> None:
+        if "tokens" in g.inputs:
+            widths.append(g.inputs["tokens"].shape[1])
+        replay(g)
+
+    monkeypatch.setattr(capture, "replay", counted)
+    with torch.inference_mode():
+        together.draft([a0, b0], tier)
+        widths.clear()
+        trees = together.draft([a1, c0, b1], tier)
+        apart.draft([a0], alone)
+        apart.draft([b0], alone)
+        expected = [apart.draft([x], alone)[0] for x in (a1, c0, b1)]
+    assert [t.tokens for t in trees] == [t.tokens for t in expected]
+    assert widths == [4]  # the rows' extend graph (tier 3: 4 tokens); the prompt ran eagerly
+    lengths = together.cache.lengths
+    assert lengths[together.requests["c"].slot] == len(c0.appended)
+    assert lengths[together.requests["a"].slot] == len(a0.appended) + len(a1.appended)

@@ -15,7 +15,13 @@ from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.fused import fuse_decoder
 from specpair.runtime.graphs.capture import bucket_of, buckets_for, pad_layout
 from specpair.runtime.kv_cache import KVCache
-from specpair.runtime.layout import BatchLayout, attention_mask, flat_index, padded_groups
+from specpair.runtime.layout import (
+    PAD_FREE,
+    BatchLayout,
+    attention_mask,
+    flat_index,
+    padded_groups,
+)
 from specpair.runtime.state import build_states
 from specpair.runtime.target import TargetWorker
 
@@ -129,10 +135,22 @@ def test_buckets_and_padding() -> None:
 
 def test_padded_groups_keep_each_forward_inside_the_cache() -> None:
     # A 150-token prompt joining a request at 1000: padded together, 1000 + 150 > 1031.
-    assert padded_groups([1000, 0], [1, 150], 1031) == [[1], [0]]
-    assert padded_groups([1000, 0], [1, 150], 1150) == [[1, 0]]
+    assert padded_groups([1000, 0], [100, 150], 1031) == [[1], [0]]
+    assert padded_groups([1000, 0], [100, 150], 1150) == [[1, 0]]
     # Longest first; a short row joins the first group it fits in.
     assert padded_groups([0, 10, 900], [3, 5, 2], 1000) == [[1, 0, 2]]
+
+
+def test_padded_groups_do_not_pad_short_rows_to_a_prompt() -> None:
+    # A 120-token prompt beside 63 rounds' rows of 1–8 tokens: the prompt alone, the rest as
+    # one forward (a CUDA graph's), not 64 rows of 120.
+    lengths = [120] + [1 + i % 8 for i in range(63)]
+    groups = padded_groups([0] + [200] * 63, lengths, 2048)
+    assert groups[0] == [0] and sorted(groups[1]) == list(range(1, 64)) and len(groups) == 2
+    # Over half the longest joins it; rows up to PAD_FREE pad one another whatever they are.
+    assert padded_groups([0, 0, 0], [100, 51, 50], 2048) == [[0, 1], [2]]
+    assert padded_groups([0, 0], [PAD_FREE, 1], 2048) == [[0, 1]]
+    assert padded_groups([0, 0], [PAD_FREE + 1, 1], 2048) == [[0], [1]]
 
 
 def test_fused_decoder_matches_reference(ckpts: dict[str, Path]) -> None:

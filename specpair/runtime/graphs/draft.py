@@ -182,12 +182,16 @@ class ExtendGraphs:
         o.steps_paged = False
         starts = [cache.lengths[slot] for slot in slots]
         widths = [len(item.appended) for item in inputs]
-        if bucket is None or len(padded_groups(starts, widths, cache.max_len)) > 1:
+        groups = padded_groups(starts, widths, cache.max_len)
+        if len(groups) > 1:
             # Every row of one forward is padded to the longest: a prompt joining beside a
             # request deep into its context would write that request's slot past the cache,
             # and the draft refuse the round (H100, closed loop, 128-token requests: 2–7
             # rounds a cell, each followed by one re-sending every request whole, 0.5–0.9 s
-            # at batch 64). The eager extend splits the batch into groups that fit.
+            # at batch 64), and every short row would be padded to the prompt. Each group
+            # runs alone: the rounds' short rows in a graph, the prompt eagerly.
+            return self._grouped(inputs, slots, groups)
+        if bucket is None:
             return d.extend(inputs, slots)
         tokens, feats, positions, layout, lengths = d.extend_inputs(inputs, slots)
         t = tokens.shape[1]
@@ -212,6 +216,20 @@ class ExtendGraphs:
             ext.load("features", pad2d(feats, bucket, tg))
         o.capture.replay(ext)
         return ext.outputs["hidden"]
+
+    def _grouped(
+        self, inputs: Sequence[DraftInput], slots: list[int], groups: list[list[int]]
+    ) -> Tensor:
+        """`run` on each of `groups` (one forward each), stitched back: [B, 1, H]."""
+        out: Tensor | None = None
+        for group in groups:
+            # A graph's output is its static buffer: copied out before the next group runs.
+            hidden = self.run([inputs[i] for i in group], [slots[i] for i in group])
+            if out is None:
+                out = hidden.new_empty(len(inputs), *hidden.shape[1:])
+            out[group] = hidden[: len(group)]
+        assert out is not None
+        return out
 
 
 class StepGraphs:
