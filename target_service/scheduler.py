@@ -29,7 +29,7 @@ from specpair.metrics import ServiceMetrics
 from specpair.runtime.draft_session import DraftSession
 from specpair.runtime.state import SpecRuntimeState, gpu_ms
 from specpair.runtime.target import TargetWorker
-from specpair.serving import Compute, settle
+from specpair.serving import Compute, settle, settle_budget
 from specpair.tiers import RegimeSteps
 from target_service.draft_link import DraftLink
 from target_service.flight import Flight, pipelines
@@ -143,7 +143,7 @@ class Scheduler:
                 # Inline compute with no draft to wait for never suspends: without this a batch
                 # would run to its end before a submit, a cancel or a tier could land.
                 if self.compute.executor is None and not drafted:
-                    await settle()
+                    await settle(budget_s=settle_budget(len(self.running)))
                 else:
                     await asyncio.sleep(0)
             except Exception:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from specpair.config import DraftConfig, ServerConfig
-from specpair.serving import Compute, busy_wait
+from specpair.serving import SETTLE_BUDGET_S, Compute, busy_wait, settle, settle_budget
 
 
 @pytest.mark.parametrize(("device", "inline"), [("cuda", True), ("cuda:1", True), ("cpu", False)])
@@ -42,6 +42,30 @@ def test_busy_wait_polls_only_within_its_budget() -> None:
     assert cpu_ms(0.1, budget_s=1.0) > 40  # polled all 100 ms
     assert cpu_ms(0.1, budget_s=0.0) < 30  # slept
     assert cpu_ms(0.3, budget_s=0.02) < 150  # polled 20 ms, then slept 280
+
+
+def test_settle_runs_a_streams_chain_of_passes_within_a_budget_that_grows_with_the_batch() -> None:
+    """A stream's delta takes a chain of loop passes (event, write, completion): settle runs
+    such chains to their end while its budget lasts, then returns to the round."""
+    assert settle_budget(1) == SETTLE_BUDGET_S and settle_budget(64) == pytest.approx(9.6e-3)
+
+    async def passes_within(budget_s: float, chain: int) -> int:
+        done = 0
+
+        async def stream() -> None:
+            nonlocal done
+            for _ in range(chain):
+                await asyncio.sleep(0)
+                done += 1
+
+        task = asyncio.ensure_future(stream())
+        await settle(budget_s=budget_s)
+        ran = done
+        task.cancel()
+        return ran
+
+    assert asyncio.run(passes_within(1.0, 200)) == 200  # all of it, then 100 µs idle
+    assert asyncio.run(passes_within(1e-9, 200_000)) < 200_000  # the budget ends it
 
 
 def test_busy_poll_defaults_to_cuda_only() -> None:
