@@ -224,6 +224,7 @@ class GrpcServer:
         """NOT_SERVING, then stop: in-flight calls get `grace` seconds, then are cancelled."""
         await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
         try:
-            await asyncio.wait_for(self.server.stop(grace), grace + 5.0)
+            async with asyncio.timeout(grace + 5.0):
+                await self.server.stop(grace)
         except TimeoutError:
             log.warning("server stop overran its grace period", grace_s=grace)

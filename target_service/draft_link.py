@@ -88,7 +88,8 @@ class DraftLink(ReconnectingLink):
     async def _connect(self) -> None:
         self._lost.clear()
         channel = self._open()
-        await asyncio.wait_for(channel.channel_ready(), timeout=self.timeout_s)
+        async with asyncio.timeout(self.timeout_s):  # see ReconnectingLink._drop: not wait_for
+            await channel.channel_ready()
         # A draft still loading its model answers GetServerInfo but aborts Round: wait for
         # its health to say SERVING, or the first round fails on a stream already closed.
         health = await health_pb2_grpc.HealthStub(channel).Check(

@@ -165,8 +165,9 @@ class RunningTarget:
             await self.http.stop()
         await self.server.stop(grace)
         self.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
-            await asyncio.wait_for(self.task, 5.0)
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            async with asyncio.timeout(5.0):
+                await self.task
         scheduler = self.servicer.scheduler
         if scheduler is not None:
             if scheduler.draft is not None:

@@ -66,3 +66,32 @@ async def test_backoff_doubles_while_failing_and_resets_on_connect(
 def test_backoff_bounds_are_checked() -> None:
     with pytest.raises(ValueError, match="backoff_min_s"):
         ReconnectingLink("a:1", name="x", backoff_min_s=0)
+
+
+async def test_close_ends_the_loop_when_a_drop_swallows_the_cancel() -> None:
+    """A drop that awaits a call which swallows the cancel (grpc's channel close; wait_for on
+    Python 3.11 when the call ends as the cancel comes) must not keep the loop reconnecting
+    while close() waits for it: a controller test hung 300 s so."""
+
+    class SwallowingLink(ScriptedLink):
+        def __init__(self) -> None:
+            super().__init__(["refused"] * 1000, refuse_wait=0.0)
+            self.dropping = asyncio.Event()
+            self.swallow = True
+
+        async def _drop(self) -> None:
+            self.dropping.set()
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                if not self.swallow:
+                    raise
+                # swallowed, as the call under it did
+
+    link = SwallowingLink()
+    link.start()
+    await link.dropping.wait()
+    closing = asyncio.ensure_future(link.close())
+    done, _ = await asyncio.wait({closing}, timeout=2.0)  # waits without cancelling it
+    link.swallow = False  # a loop that ran on ends at the next cancel (the test's teardown)
+    assert closing in done, "close() still waiting for the reconnect loop"
