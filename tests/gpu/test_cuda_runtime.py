@@ -20,6 +20,7 @@ from transformers import LlamaForCausalLM
 
 from specpair.models.tiny import make_tiny_eagle, make_tiny_llama
 from specpair.runtime.build import build_drafter, build_target
+from specpair.runtime.draft import Drafter
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.graphs.capture import GraphAttention, StageGraph
 from specpair.runtime.graphs.draft import ExtendGraphs, StepGraphs
@@ -336,6 +337,24 @@ def test_pipelined_rounds_on_graphs_equal_unpipelined(gpu_ckpts: dict[str, Path]
         assert drafter.cache.free_slots == 24
 
 
+def tier_3_drafters(
+    gpu_ckpts: dict[str, Path], max_len: int
+) -> list[tuple[Drafter, SpecRuntimeState]]:
+    """Two LM drafters with their tier-3 states (graphs): one drafts requests together, the
+    other each alone, for comparison."""
+    worker = target(gpu_ckpts["target"])
+    out = []
+    for _ in range(2):
+        d = build_drafter(
+            gpu_ckpts["draft"], target_path=None, max_requests=4, max_len=max_len, dtype=BF16,
+            device="cuda",
+        )  # fmt: skip
+        state = build_states([3], worker, d)[3]
+        assert isinstance(state.extend, ExtendGraphs)
+        out.append((d, state))
+    return out
+
+
 def test_a_prompt_joining_a_request_deep_in_its_context_is_drafted(
     gpu_ckpts: dict[str, Path],
 ) -> None:
@@ -343,18 +362,7 @@ def test_a_prompt_joining_a_request_deep_in_its_context_is_drafted(
     graph extend pads both rows to 40 and would write a's slot to 111. The round is drafted
     (the extend splits the batch) with the chains each request gets when drafted alone, and
     no padding is committed."""
-    worker = target(gpu_ckpts["target"])
-
-    def drafter():
-        return build_drafter(
-            gpu_ckpts["draft"], target_path=None, max_requests=4, max_len=96, dtype=BF16,
-            device="cuda",
-        )  # fmt: skip
-
-    together, apart = drafter(), drafter()
-    tier = build_states([3], worker, together)[3]
-    alone = build_states([3], worker, apart)[3]
-    assert isinstance(tier.extend, ExtendGraphs)
+    (together, tier), (apart, alone) = tier_3_drafters(gpu_ckpts, max_len=96)
     greedy = SamplingParams()
     a0 = DraftInput("a", (*range(10, 80), 7), greedy)
     a1 = DraftInput("a", (9,), greedy)
@@ -376,18 +384,7 @@ def test_a_prompt_joining_short_rows_is_extended_apart_and_the_rows_in_a_graph(
     """A 40-token prompt joins two requests that each appended 2 tokens: the short rows run
     in the tier's extend graph, the prompt eagerly (not three rows padded to 40), and each
     request's chain is the one it gets when drafted alone."""
-    worker = target(gpu_ckpts["target"])
-
-    def drafter():
-        return build_drafter(
-            gpu_ckpts["draft"], target_path=None, max_requests=4, max_len=256, dtype=BF16,
-            device="cuda",
-        )  # fmt: skip
-
-    together, apart = drafter(), drafter()
-    tier = build_states([3], worker, together)[3]
-    alone = build_states([3], worker, apart)[3]
-    assert isinstance(tier.extend, ExtendGraphs)
+    (together, tier), (apart, alone) = tier_3_drafters(gpu_ckpts, max_len=256)
     greedy = SamplingParams()
     a0, b0 = (
         DraftInput("a", (*range(10, 30), 7), greedy),
