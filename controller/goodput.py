@@ -230,10 +230,10 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         cost = self.regime.probe_cost_ms
         if cost is None:
             rounds_ms = self.cost.round_ms(steps, self._batch, self.acceptance.tokens_per_round)
-            zero = self.cost.round_ms(0, self._batch)
-            if rounds_ms is None or zero is None:
+            if rounds_ms is None or self.cost.round_ms(0, self._batch) is None:
                 return True
-            cost = self.config.probe_rounds * max(rounds_ms - zero, 0.0)
+            n = self.config.probe_rounds
+            cost = self._probe_cost(n, n * rounds_ms)
         return self._zero_ms * self.config.probe_budget >= cost
 
     def _could_pay(self, steps: int) -> bool:
