@@ -32,12 +32,14 @@ _DTYPES = {
     common_pb2.D_TYPE_FLOAT32: torch.float32,
     common_pb2.D_TYPE_FLOAT16: torch.float16,
     common_pb2.D_TYPE_BFLOAT16: torch.bfloat16,
+    common_pb2.D_TYPE_INT32: torch.int32,
 }
 _CODES = {v: k for k, v in _DTYPES.items()}
 _NP_DTYPES: dict[torch.dtype, np.dtype[Any]] = {  # bfloat16: its 16-bit pattern
     torch.float32: np.dtype("<f4"),
     torch.float16: np.dtype("<f2"),
     torch.bfloat16: np.dtype("<i2"),
+    torch.int32: np.dtype("<i4"),
 }
 
 
@@ -73,19 +75,27 @@ def tensor_from_proto(msg: common_pb2.Tensor, field: str) -> Tensor:
     return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
 
 
+def _float_tensor(msg: common_pb2.Tensor, field: str) -> Tensor:
+    t = tensor_from_proto(msg, field)
+    if not t.dtype.is_floating_point:
+        raise ValueError(f"{field}: floating point expected, got {t.dtype}")
+    return t
+
+
 def sampling_into(msg: common_pb2.SamplingParams, p: SamplingParams) -> None:
-    msg.temperature, msg.top_p, msg.top_k = p.temperature, p.top_p, p.top_k
+    msg.temperature, msg.top_p, msg.top_k, msg.min_p = p.temperature, p.top_p, p.top_k, p.min_p
     if p.seed is not None:
         msg.seed = p.seed
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Raises ValueError naming the bad field (temperature, top_p, top_k)."""
+    """Raises ValueError naming the bad field (temperature, top_p, top_k, min_p)."""
     return SamplingParams(
         temperature=msg.temperature,
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
         top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
+        min_p=msg.min_p,
     )
 
 
@@ -197,7 +207,7 @@ def _draft_input_into(msg: draft_pb2.DraftInput, item: DraftInput) -> None:
 def _draft_input_from_proto(msg: draft_pb2.DraftInput) -> DraftInput:
     features = None
     if msg.HasField("features"):
-        features = tensor_from_proto(msg.features, f"inputs[{msg.request_id}].features")
+        features = _float_tensor(msg.features, f"inputs[{msg.request_id}].features")
     try:
         sampling = sampling_from_proto(msg.sampling)
     except ValueError as exc:  # it names only its own field
@@ -214,10 +224,18 @@ def _tree_into(msg: draft_pb2.CandidateTree, request_id: str, tree: CandidateTre
     msg.parents.extend(tree.parents)
     if tree.draft_probs is not None:
         tensor_into(msg.draft_probs, tree.draft_probs)
+    if tree.draft_ids is not None:
+        tensor_into(msg.draft_token_ids, tree.draft_ids.to(torch.int32))
 
 
 def _tree_from_proto(msg: draft_pb2.CandidateTree) -> CandidateTree:
-    probs = None
+    probs = ids = None
+    field = f"trees[{msg.request_id}]"
     if msg.HasField("draft_probs"):
-        probs = tensor_from_proto(msg.draft_probs, f"trees[{msg.request_id}].draft_probs").float()
-    return CandidateTree(tuple(msg.token_ids), tuple(msg.parents), probs)
+        probs = _float_tensor(msg.draft_probs, f"{field}.draft_probs").float()
+    if msg.HasField("draft_token_ids"):
+        ids = tensor_from_proto(msg.draft_token_ids, f"{field}.draft_token_ids")
+        if ids.dtype != torch.int32:
+            raise ValueError(f"{field}.draft_token_ids: int32 ids expected, got {ids.dtype}")
+        ids = ids.long()
+    return CandidateTree(tuple(msg.token_ids), tuple(msg.parents), probs, ids)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specpair.runtime.sampling import sample
+from specpair.runtime.sampling import sample, sample_rows
 from specpair.runtime.tree import CandidateTree, children, full_parents
 
 
@@ -70,26 +70,60 @@ def accept_sampling(
     """
     if len(tree) and tree.draft_probs is None:
         raise ValueError("sampling verification needs the tree's draft_probs")
+    dense = tree.dense_q(target_probs.shape[-1])
     kids = children(full_parents(tree))
     node, path = 0, list[int]()
     while True:
         p = target_probs[node]
         accepted = None
         for child in kids[node]:
-            q = tree.draft_probs[child - 1]  # type: ignore[index]
+            q = dense[child - 1]  # type: ignore[index]
             token = tree.tokens[child - 1]
             ratio = float(p[token]) / max(float(q[token]), 1e-30)
             u = float(torch.rand((), generator=generator))
             if u < ratio:
                 accepted = child
                 break
-            residual = (p - q).clamp_min(0.0)
-            total = float(residual.sum())
-            # total == 0 means p == q, where rejection has probability 0: keep p.
-            p = residual / total if total > 0 else p
+            p = residual(p[None], q[None])[0]
         if accepted is None:
             return Acceptance(
                 tuple(path), tuple(tree.tokens[i] for i in path), sample(p, generator)
             )
         path.append(accepted - 1)
         node = accepted
+
+
+def residual(p: Tensor, q: Tensor) -> Tensor:
+    """Rows [R, V] of norm((p − q)+), where a draft drawn from q was rejected; p itself
+    where p == q (no mass left: rejection there has probability 0)."""
+    r = (p - q).clamp_min(0.0)
+    total = r.sum(-1, keepdim=True)
+    return torch.where(total > 0, r / total.clamp_min(1e-30), p)
+
+
+def accept_chains(
+    p: Tensor, q: Tensor, drafts: Tensor, lengths: Tensor, u: Tensor
+) -> tuple[Tensor, Tensor]:
+    """`accept_sampling` for a batch of chains as batched tensor ops on their device:
+    (accepted drafts [B], last token [B]), the host reads both once.
+
+    p: [B, n + 1, V] warped target distributions, row j after chain node j (the root: 0);
+    q: [B, n, V] the distribution draft j was drawn from; drafts: [B, n] tokens; lengths: [B]
+    drafts per chain (columns past one are padding); u: [B, n + 1] uniforms in [0, 1): u[b, j]
+    decides draft j, u[b, lengths[b]] (used by no draft) draws the last token.
+    Draft j is accepted when u < p(x) / q(x); with 3 drafts and verdicts [yes, no, yes] one is
+    accepted and the last token is drawn from norm((p[1] − q[1])+); with all 3 accepted, from
+    p[3] (the bonus). A greedy row is one-hot p and q: draft j is accepted iff it is the argmax,
+    and the last token is the argmax.
+    """
+    b, n = drafts.shape
+    rows = torch.arange(b, device=p.device)
+    px = p[:, :n].gather(-1, drafts[..., None])[..., 0]
+    qx = q.gather(-1, drafts[..., None])[..., 0]
+    ok = (u[:, :n] * qx < px) & (torch.arange(n, device=p.device) < lengths[:, None])
+    accepted = ok.to(torch.int32).cumprod(-1).sum(-1).long()
+    last = p[rows, accepted]  # [B, V]
+    if n:
+        rejected = (accepted < lengths)[:, None]
+        last = torch.where(rejected, residual(last, q[rows, accepted.clamp(max=n - 1)]), last)
+    return accepted, sample_rows(last, u[rows, lengths])

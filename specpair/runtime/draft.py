@@ -24,7 +24,7 @@ from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout, padded_groups
 from specpair.runtime.lookahead import Lookahead, TopRows
 from specpair.runtime.round import DraftInput
-from specpair.runtime.sampling import SamplingParams, derived_seed, make_generator, warp
+from specpair.runtime.sampling import RowParams, derived_seed, draft_support, make_generator
 from specpair.runtime.stages import DraftStage, ExtendStage
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.tree import CandidateTree, chain
@@ -34,6 +34,29 @@ from specpair.runtime.tree import CandidateTree, chain
 class DraftSlot:
     slot: int
     generator: torch.Generator
+
+
+DraftQ = tuple[Tensor, Tensor]  # a sampled chain's sparse q on the host: ids, probs [d, K]
+
+
+@dataclass(frozen=True, slots=True)
+class DraftSampling:
+    """A round's sampling rows on the host: per request its parameters, its uniforms [B, s]
+    (one per step, from its own generator) and whether it is greedy (it sends no q)."""
+
+    params: RowParams
+    u: Tensor
+    greedy: list[bool]
+
+
+def _split(values: list[Tensor], counts: list[int]) -> list[list[int]]:
+    """Device scalars read back in one copy, cut into rows of `counts`."""
+    flat: list[int] = torch.stack(values).tolist() if values else []
+    rows, n = [], 0
+    for c in counts:
+        rows.append(flat[n : n + c])
+        n += c
+    return rows
 
 
 class Drafter(ABC):
@@ -98,50 +121,66 @@ class Drafter(ABC):
             self.extend(inputs, slots)
             self.last_times = (time.perf_counter() - t0, 0.0)
             return [chain(())] * len(inputs), []
-        if not all(item.sampling.greedy for item in inputs):
-            hidden = self.extend(inputs, slots)
-            t1 = time.perf_counter()
-            samplers = [(i.sampling, e.generator) for i, e in zip(inputs, entries, strict=True)]
-            steps, probs, eager = self.draft_steps(
-                hidden, slots, state.tier, samplers, depths, width
-            )
-            self.last_times = (t1 - t0, time.perf_counter() - t1)
-            trees = [
-                chain(tokens, torch.stack(p) if p else None)
-                for tokens, p in zip(steps, probs, strict=True)
-            ]
-            return trees, eager
         extend, draft = self._stages(state)
         hidden = extend.run(inputs, slots)  # [B', 1, H] at each request's last row
         if self.profile and hidden.is_cuda:  # to time extend and draft apart
             torch.cuda.synchronize()
         t1 = time.perf_counter()
-        draft.plan(slots, ahead=width > 0)
+        sampling = self._sampling(inputs, entries, state.tier)
+        qs: list[DraftQ | None] = [None] * len(inputs)
         aheads: list[Lookahead] = []
-        if width:
-            drafts, full = draft.run_ahead(hidden, slots, width)
-            aheads = [a.cut(d) for a, d in zip(full, depths, strict=True)]
+        if width and sampling is not None:  # pipelined sampled rounds: the eager steps
+            drafts, qs, aheads = self.draft_steps(
+                hidden[: len(slots)], slots, state.tier, sampling, depths, width
+            )
         else:
-            drafts = draft.run(hidden, slots, depths)
-        self.last_gpu_ms = draft.read_gpu_ms()
+            draft.plan(slots, ahead=width > 0)
+            if width:
+                drafts, full = draft.run_ahead(hidden, slots, width)
+                aheads = [a.cut(d) for a, d in zip(full, depths, strict=True)]
+            elif sampling is not None:
+                drafts, qs = draft.run_sampled(hidden, slots, sampling, depths)
+            else:
+                drafts = draft.run(hidden, slots, depths)
+            self.last_gpu_ms = draft.read_gpu_ms()
         self.last_times = (t1 - t0, time.perf_counter() - t1)
-        # A graph drafts every row to the tier: a shorter request's chain is cut to its depth,
-        # and its lookahead after it.
-        return [chain(tokens[:d]) for tokens, d in zip(drafts, depths, strict=True)], aheads
+        # A graph drafts every row to the tier: a shorter request's chain (and q) is cut to its
+        # depth, and its lookahead after it.
+        trees = [
+            chain(tokens[:d]) if q is None else chain(tokens[:d], q[1][:d], q[0][:d])
+            for tokens, q, d in zip(drafts, qs, depths, strict=True)
+        ]
+        return trees, aheads
+
+    def _sampling(
+        self, inputs: Sequence[DraftInput], entries: Sequence[DraftSlot], tier: int
+    ) -> DraftSampling | None:
+        """The round's sampling rows, None when every request is greedy: each sampling
+        request draws `tier` uniforms from its own generator."""
+        greedy = [item.sampling.greedy for item in inputs]
+        if all(greedy):
+            return None
+        u = torch.full((len(inputs), tier), 0.5)
+        for b, entry in enumerate(entries):
+            if not greedy[b]:
+                u[b] = torch.rand(tier, generator=entry.generator)
+        params = RowParams.of([item.sampling for item in inputs])
+        return DraftSampling(params, u, greedy)
 
     def draft_steps(
         self,
         hidden: Tensor,
         slots: list[int],
         tier: int,
-        samplers: Sequence[tuple[SamplingParams, torch.Generator]] | None = None,
+        sampling: DraftSampling | None = None,
         depths: Sequence[int] | None = None,
         width: int = 0,
-    ) -> tuple[list[list[int]], list[list[Tensor]], list[Lookahead]]:
-        """Up to `tier` steps after the committed lengths from hidden [B, 1, H]: per request
-        its tokens (`depths[b]` of them, default `tier`) and, where it samples (`samplers`), the
-        warped distributions q it drew from. A request leaves the batch at its depth:
-        depths [1, 3] run step 1 for both rows, steps 2 and 3 for the second alone.
+    ) -> tuple[list[list[int]], list[DraftQ | None], list[Lookahead]]:
+        """Up to `tier` steps after the committed lengths from hidden [B, 1, H], on the
+        device: per request its tokens (`depths[b]` of them, default `tier`) and, where it
+        samples, the q it drew them from (`draft_support`); the host reads them back once.
+        A request leaves the batch at its depth: depths [1, 3] run step 1 for both rows,
+        steps 2 and 3 for the second alone.
 
         With `width` > 0 each request also gets its `Lookahead`: one step more (its whole
         chain's K/V written, and the distribution after it) and the top-`width` tokens at every
@@ -149,11 +188,11 @@ class Drafter(ABC):
         starts = [self.cache.lengths[s] for s in slots]
         extra = 1 if width else 0
         depth = list(depths) if depths is not None else [tier] * len(slots)
-        host = samplers is not None and not all(p.greedy for p, _ in samplers)
-        steps: list[list[int]] = [[] for _ in slots]
-        probs: list[list[Tensor]] = [[] for _ in slots]
+        params = None if sampling is None else sampling.params.to(hidden.device)
+        u = None if sampling is None else sampling.u.to(hidden.device)
         tops = TopRows(len(slots), width) if width else None
-        picked: list[list[Tensor]] = [[] for _ in slots]  # greedy: device scalars until the end
+        picked: list[list[Tensor]] = [[] for _ in slots]  # device scalars until the end
+        drawn: list[list[tuple[Tensor, Tensor]]] = [[] for _ in slots]  # (ids, q) [K] each
         rows = list(range(len(slots)))  # the requests still drafting; `hidden` holds theirs
         for k in range(tier + extra):
             going = [i for i, b in enumerate(rows) if depth[b] + extra > k]
@@ -162,56 +201,34 @@ class Drafter(ABC):
             if not rows:
                 break
             logits = self.logits(hidden)  # [rows, V] on the device
-            if host:
-                tokens = self._host_step(
-                    logits.cpu(), hidden, rows, k, depth, samplers, steps, probs, tops
-                )
-            else:  # greedy: argmax and top-k stay on the device, one copy after the loop
+            if params is None or u is None or k == tier:  # the lookahead's step: no draw
                 tokens = logits.argmax(-1)
-                if tops is not None:
-                    tops.add_step(rows, logits, hidden)
-                for i, b in enumerate(rows):
-                    if k < depth[b]:
-                        picked[b].append(tokens[i])
+            else:
+                tokens, ids, q = draft_support(logits, params.rows(rows), u[rows, k])
+            if tops is not None:
+                tops.add_step(rows, logits, hidden)
+            for i, b in enumerate(rows):
+                if k < depth[b]:
+                    picked[b].append(tokens[i])
+                    if sampling is not None and not sampling.greedy[b]:
+                        drawn[b].append((ids[i], q[i]))
             if any(k + 1 < depth[b] + extra for b in rows):
                 layout = BatchLayout.causal(
                     [slots[b] for b in rows], [starts[b] + k for b in rows], [1] * len(rows)
                 )
                 hidden = self._step(tokens[:, None], hidden, layout)
-        if not host and any(picked):
-            values = torch.stack([t for row in picked for t in row]).tolist()
+        steps = _split([t for row in picked for t in row], [len(r) for r in picked])
+        counts = [len(r) for r in drawn]
+        flat = [pair for row in drawn for pair in row]
+        qs: list[DraftQ | None] = [None] * len(slots)
+        if flat:
+            all_ids = torch.stack([i for i, _ in flat]).cpu()
+            all_q = torch.stack([q for _, q in flat]).cpu()
             n = 0
-            for b, row in enumerate(picked):
-                steps[b], n = values[n : n + len(row)], n + len(row)
-        return steps, probs, tops.stacked() if tops is not None else []
-
-    def _host_step(
-        self,
-        logits: Tensor,
-        hidden: Tensor,
-        rows: list[int],
-        k: int,
-        depth: list[int],
-        samplers: Sequence[tuple[SamplingParams, torch.Generator]] | None,
-        steps: list[list[int]],
-        probs: list[list[Tensor]],
-        tops: TopRows | None,
-    ) -> Tensor:
-        """Step k of a batch with sampled requests, on the host (warps and generators live
-        there): appends each row's token (and q, and its lookahead row); returns the tokens."""
-        tokens = logits.argmax(-1).tolist()
-        for i, b in enumerate(rows):
-            q = None
-            if samplers is not None and not samplers[b][0].greedy:
-                q = warp(logits[i], samplers[b][0])
-                if k < depth[b]:
-                    tokens[i] = int(torch.multinomial(q, 1, generator=samplers[b][1]))
-                    probs[b].append(q)
-            if k < depth[b]:
-                steps[b].append(tokens[i])
-            if tops is not None:
-                tops.add(b, q if q is not None else torch.softmax(logits[i], -1), hidden[i, -1])
-        return torch.tensor(tokens)
+            for b, c in enumerate(counts):
+                if c:
+                    qs[b], n = (all_ids[n : n + c], all_q[n : n + c]), n + c
+        return steps, qs, tops.stacked() if tops is not None else []
 
     @torch.inference_mode()
     def prepare(self, request_ids: Sequence[str], state: SpecRuntimeState) -> None:

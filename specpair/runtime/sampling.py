@@ -1,8 +1,17 @@
-"""Sampling parameters and the logits → probabilities warp shared by draft and target."""
+"""Sampling parameters and the logits → probabilities warp shared by draft and target.
+
+Two forms of the same rules: `warp` and `sample` work on one request on the host (the
+reference the tests hold the batched code to); `RowParams`, `warp_rows`, `sample_rows` and
+`draft_support` work on a batch of rows on whatever device holds the logits, with no host
+round trip, inside the CUDA graphs of the draft steps too. Randomness enters the batched
+form as one uniform per draw, drawn on the host from the request's own generator (`uniforms`),
+so a seeded request draws the same numbers at batch 1 and inside any batch.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +31,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 → whole vocabulary
     seed: int | None = None
+    min_p: float = 0.0  # drop tokens below min_p × the likeliest one's probability
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -35,6 +45,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
 
@@ -44,7 +56,8 @@ class SamplingParams:
 
 
 def warp(logits: Tensor, params: SamplingParams) -> Tensor:
-    """Probabilities [..., V] after temperature, top-k and top-p (nucleus) filtering.
+    """Probabilities [..., V] after temperature, top-k, top-p (nucleus) and min-p filtering,
+    in that order (SGLang's): min-p is relative to the likeliest token left.
 
     Draft and target use the same warp, so rejection sampling recovers exactly the
     distribution that plain sampling with these parameters would produce.
@@ -60,6 +73,10 @@ def warp(logits: Tensor, params: SamplingParams) -> Tensor:
         drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if params.min_p > 0.0:
+        floor = params.min_p * probs.amax(-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
@@ -80,3 +97,117 @@ def make_generator(seed: int | None) -> torch.Generator:
     else:
         gen.manual_seed(seed)
     return gen
+
+
+DRAFT_SUPPORT = (
+    64  # tokens of a sampled draft's q: 7 nodes × 64 × (id, prob) = 3.6 KB a tier-7 tree
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RowParams:
+    """The sampling parameters of a batch's rows as one float32 table [R, 5] on the rows' device,
+    columns (temperature, top_k, top_p, min_p, greedy): one copy into a graph's static buffer.
+    A greedy row holds temperature 1 so that the warp stays finite; `greedy` overrides it."""
+
+    table: Tensor
+    filters: bool = True  # some row has top-k, top-p or min-p (else the warp needs no sort)
+
+    @staticmethod
+    def of(params: Sequence[SamplingParams]) -> RowParams:
+        """The host table of `params` (top_k exact in float32 below 2**24)."""
+        rows = [
+            (p.temperature or 1.0, float(p.top_k), p.top_p, p.min_p, float(p.greedy))
+            for p in params
+        ]
+        filters = any(p.top_k or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
+        return RowParams(torch.tensor(rows, dtype=torch.float32).view(-1, 5), filters)
+
+    def to(self, device: torch.device) -> RowParams:
+        return RowParams(self.table.to(device, non_blocking=True), self.filters)
+
+    def rows(self, index: Tensor | list[int]) -> RowParams:
+        return RowParams(self.table[index], self.filters)
+
+    def repeat(self, n: int) -> RowParams:
+        """Each row n times in a row: [B] requests → [B * n] tree rows."""
+        return RowParams(self.table.repeat_interleave(n, 0), self.filters)
+
+    @property
+    def temperature(self) -> Tensor:
+        return self.table[:, 0:1]  # [R, 1]
+
+    def top_k(self, width: int) -> Tensor:
+        """[R, 1] long: each row's k, `width` where it keeps every token (0 or k > width)."""
+        k = self.table[:, 1:2].long()
+        return torch.where((k > 0) & (k < width), k, width)
+
+    @property
+    def top_p(self) -> Tensor:
+        return self.table[:, 2:3]
+
+    @property
+    def min_p(self) -> Tensor:
+        return self.table[:, 3:4]
+
+    @property
+    def greedy(self) -> Tensor:
+        return self.table[:, 4] > 0  # [R] bool
+
+
+def warp_rows(logits: Tensor, params: RowParams) -> Tensor:
+    """`warp` for a batch of rows [R, V] with per-row parameters, on the rows' device: float32
+    probabilities [R, V]; a greedy row is one-hot at its argmax. One stable sort serves top-k,
+    top-p and min-p (its first entry is the argmax, ties to the lower id as `argmax`)."""
+    x = logits.float() / params.temperature
+    v = x.shape[-1]
+    if not params.filters:
+        probs = torch.softmax(x, -1)
+    else:
+        xs, order = torch.sort(x, dim=-1, descending=True, stable=True)
+        kth = xs.gather(-1, params.top_k(v) - 1)  # ties with the k-th stay, as in `warp`
+        ps = torch.softmax(xs.masked_fill(xs < kth, float("-inf")), -1)
+        # top-p keeps the smallest prefix whose mass reaches it; top_p = 1 keeps all (a float
+        # cumsum can pass 1 before the tail)
+        drop = ((ps.cumsum(-1) - ps) >= params.top_p) & (params.top_p < 1.0)
+        ps = ps.masked_fill(drop, 0.0)
+        ps = ps.masked_fill(ps < params.min_p * ps[:, :1], 0.0)  # min-p of the kept max
+        ps = ps / ps.sum(-1, keepdim=True)
+        probs = torch.zeros_like(ps).scatter_(-1, order, ps)
+    hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(params.greedy[:, None], hot, probs)
+
+
+def sample_rows(probs: Tensor, u: Tensor) -> Tensor:
+    """One token per row of probs [R, V] (rows summing to about 1) from uniforms u [R] in
+    [0, 1), by the inverse CDF: the first token whose cumulative mass passes u × the row's.
+    Never a token of zero mass: one would need u × total >= total (rounding), so the draw is
+    capped at the row's last token with mass. probs [0, .5, 0, .5], u .7 → cdf [0, .5, .5, 1]
+    → token 3."""
+    cdf = probs.cumsum(-1)
+    x = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
+    idx = torch.searchsorted(cdf, x, right=True)[:, 0]
+    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.uint8).argmax(-1)
+    return torch.minimum(idx, last)
+
+
+def draft_support(
+    logits: Tensor, params: RowParams, u: Tensor, width: int | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A draft step's sampled token from a q of at most `width` tokens: (tokens [R], ids
+    [R, K], q [R, K]), K = min(width, V). q is the temperature-warped distribution restricted
+    to its K likeliest tokens (top-p counted over the whole vocabulary), cut by the row's
+    top-k, top-p and min-p and renormalised: the exact distribution the token was drawn from,
+    which is all rejection sampling needs of q. Greedy rows take the argmax. Graph-safe.
+    `width` defaults to `DRAFT_SUPPORT`."""
+    k = min(width or DRAFT_SUPPORT, logits.shape[-1])
+    x = logits.float() / params.temperature
+    top, ids = x.topk(k, dim=-1)  # sorted descending
+    p = (top - x.logsumexp(-1, keepdim=True)).exp()
+    keep = torch.arange(k, device=x.device) < params.top_k(k)
+    keep &= (p.cumsum(-1) - p) < params.top_p
+    keep &= p >= params.min_p * p[:, :1]
+    q = p * keep
+    q = q / q.sum(-1, keepdim=True)
+    tokens = ids.gather(-1, sample_rows(q, u)[:, None])[:, 0]
+    return torch.where(params.greedy, logits.argmax(-1), tokens), ids, q

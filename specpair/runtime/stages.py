@@ -19,7 +19,7 @@ from specpair.runtime.layout import BatchLayout
 from specpair.runtime.lookahead import Lookahead
 
 if TYPE_CHECKING:
-    from specpair.runtime.draft import Drafter
+    from specpair.runtime.draft import Drafter, DraftQ, DraftSampling
     from specpair.runtime.round import DraftInput
 
 
@@ -62,7 +62,8 @@ class ExtendStage(Protocol):
 
 
 class DraftStage(Protocol):
-    """s greedy draft steps of one token per request after the extend (s = the tier)."""
+    """s draft steps of one token per request after the extend (s = the tier): greedy
+    (`run`, `run_ahead`) or sampled on the device (`run_sampled`)."""
 
     def plan(self, slots: list[int], ahead: bool = False) -> None:
         """Plans the steps after each slot's committed length (`ahead`: for `run_ahead`)."""
@@ -72,6 +73,16 @@ class DraftStage(Protocol):
     ) -> list[list[int]]:
         """hidden [B', 1, H] from the extend -> per request its draft tokens: s, or at least
         `depths[b]` (an eager stage stops each request there; a graph runs all s)."""
+
+    def run_sampled(
+        self,
+        hidden: Tensor,
+        slots: list[int],
+        sampling: DraftSampling,
+        depths: Sequence[int] | None = None,
+    ) -> tuple[list[list[int]], list[DraftQ | None]]:
+        """`run` drawing each sampling request's tokens (`draft_support`): its tokens and
+        the sparse q it drew them from (None for a greedy request)."""
 
     def run_ahead(
         self, hidden: Tensor, slots: list[int], top: int
@@ -135,7 +146,7 @@ class EagerExtend:
 
 
 class EagerDraft:
-    """The drafter's own step loop (`Drafter.draft_steps`), greedy."""
+    """The drafter's own step loop (`Drafter.draft_steps`)."""
 
     def __init__(self, drafter: Drafter, tier: int) -> None:
         self.drafter, self.tier = drafter, tier
@@ -147,6 +158,18 @@ class EagerDraft:
         self, hidden: Tensor, slots: list[int], depths: Sequence[int] | None = None
     ) -> list[list[int]]:
         return self.drafter.draft_steps(hidden[: len(slots)], slots, self.tier, None, depths)[0]
+
+    def run_sampled(
+        self,
+        hidden: Tensor,
+        slots: list[int],
+        sampling: DraftSampling,
+        depths: Sequence[int] | None = None,
+    ) -> tuple[list[list[int]], list[DraftQ | None]]:
+        steps, qs, _ = self.drafter.draft_steps(
+            hidden[: len(slots)], slots, self.tier, sampling, depths
+        )
+        return steps, qs
 
     def run_ahead(
         self, hidden: Tensor, slots: list[int], top: int

@@ -15,10 +15,22 @@ import torch
 from torch import Tensor
 
 from specpair.models.llama import LlamaModel
-from specpair.runtime.accept import Acceptance, accept_greedy_argmax, accept_sampling
+from specpair.runtime.accept import (
+    Acceptance,
+    accept_chains,
+    accept_greedy_argmax,
+    accept_sampling,
+)  # fmt: skip
 from specpair.runtime.kv_cache import CacheFullError, KVCache
 from specpair.runtime.layout import BatchLayout, eye_mask
-from specpair.runtime.sampling import SamplingParams, make_generator, sample, warp
+from specpair.runtime.sampling import (
+    RowParams,
+    SamplingParams,
+    make_generator,
+    sample_rows,
+    warp,
+    warp_rows,
+)  # fmt: skip
 from specpair.runtime.stages import EagerVerify, VerifyStage
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.tree import CandidateTree, full_parents, tree_depths, tree_mask
@@ -97,10 +109,14 @@ class TargetWorker:
         self.plain = EagerVerify(model, cache, feature_layers)
         self.last_gpu_ms = 0.0  # GPU time of the last verify's graph replays (0: none ran)
 
-    def _choose(self, seq: TargetSequence, logits: Tensor) -> int:
-        if seq.sampling.greedy:
-            return int(logits.argmax())
-        return sample(warp(logits, seq.sampling), seq.generator)
+    def _choose(self, seqs: Sequence[TargetSequence], logits: Tensor) -> list[int]:
+        """Each request's next token from its logits row [B, V] on the device; the host reads
+        the B tokens back. A sampling request draws one uniform from its own generator."""
+        if all(s.sampling.greedy for s in seqs):
+            return logits.argmax(-1).tolist()
+        params = RowParams.of([s.sampling for s in seqs]).to(self.device)
+        u = torch.tensor([_uniforms(s, 1)[0] for s in seqs]).to(self.device)
+        return sample_rows(warp_rows(logits, params), u).tolist()
 
     @torch.inference_mode()
     def prefill(self, seqs: Sequence[TargetSequence]) -> list[Tensor | None]:
@@ -120,11 +136,11 @@ class TargetWorker:
         positions = torch.arange(t).expand(len(seqs), t)
         hidden, feats = self._forward(tokens, positions, layout)
         last = hidden[torch.arange(len(seqs)), torch.tensor(lengths) - 1]
-        logits = self.model.logits(last).cpu()
+        first = self._choose(seqs, self.model.logits(last))
         features: list[Tensor | None] = []
         for b, seq in enumerate(seqs):
             self.cache.commit(seq.slot, 0, range(lengths[b]))
-            seq.append([self._choose(seq, logits[b])])
+            seq.append([first[b]])
             features.append(feats[b, : lengths[b]].cpu() if self.keep_features else None)
         return features
 
@@ -179,21 +195,58 @@ class TargetWorker:
         else:
             positions, layout = self._layout(seqs, parents, state)
             hidden, logits = self._forward_tree(tokens, positions, layout, state)
-        argmax = logits.argmax(-1).cpu()  # [B, T]: all greedy acceptance needs
+        if all(s.sampling.greedy for s in seqs):
+            argmax = logits.argmax(-1).cpu()  # [B, T]: all greedy acceptance needs
+            accs = [
+                accept_greedy_argmax(tree, argmax[i, : len(tree) + 1].tolist())
+                for i, tree in enumerate(trees)
+            ]
+        elif all(tree.is_chain() for tree in trees):
+            accs = self._sample_chains(seqs, trees, logits)
+        else:  # sampled trees: the host reference, request by request
+            host = logits.cpu()
+            accs = [
+                accept_greedy_argmax(tree, host[i, : len(tree) + 1].argmax(-1).tolist())
+                if seq.sampling.greedy
+                else accept_sampling(
+                    tree, warp(host[i, : len(tree) + 1], seq.sampling), seq.generator
+                )
+                for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True))
+            ]
         self.last_gpu_ms = stage.read_gpu_ms()  # the replay is done: its GPU time is readable
-        sampled = None if all(s.sampling.greedy for s in seqs) else logits.cpu()
         results = []
-        for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
-            n = len(tree) + 1
-            if sampled is None or seq.sampling.greedy:
-                acc = accept_greedy_argmax(tree, argmax[i, :n].tolist())
-            else:
-                acc = accept_sampling(tree, warp(sampled[i, :n], seq.sampling), seq.generator)
+        for seq, acc in zip(seqs, accs, strict=True):
             start = seq.committed
             self.cache.commit(seq.slot, start, acc.keep)
             feats = hidden[i, acc.keep].cpu() if self.keep_features else None
             results.append(VerifyResult(acc, seq.append([*acc.tokens, acc.bonus]), feats))
         return results
+
+    def _sample_chains(
+        self, seqs: Sequence[TargetSequence], trees: Sequence[CandidateTree], logits: Tensor
+    ) -> list[Acceptance]:
+        """Rejection sampling of a batch of chains (greedy requests among them too) on the
+        logits' device, `accept_chains`: the host reads back 2 numbers per request."""
+        b, t, v = logits.shape
+        n, dev = t - 1, logits.device
+        params = RowParams.of([s.sampling for s in seqs]).repeat(t).to(dev)
+        p = warp_rows(logits.reshape(b * t, v), params)
+        drafts = torch.zeros(b, n, dtype=torch.long)
+        u = torch.full((b, t), 0.5)  # a greedy request's verdicts need no randomness
+        for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
+            drafts[i, : len(tree)] = torch.tensor(tree.tokens, dtype=torch.long)
+            if not seq.sampling.greedy:
+                u[i, : len(tree) + 1] = _uniforms(seq, len(tree) + 1)
+        lengths = torch.tensor([len(tree) for tree in trees])
+        q = _draft_q(seqs, trees, drafts, v, dev)
+        accepted, last = accept_chains(
+            p.view(b, t, v), q, drafts.to(dev), lengths.to(dev), u.to(dev)
+        )
+        verdicts = torch.stack([accepted, last]).tolist()
+        return [
+            Acceptance(tuple(range(m)), tree.tokens[:m], bonus)
+            for tree, m, bonus in zip(trees, *verdicts, strict=True)
+        ]
 
     def _layout(
         self,
@@ -256,3 +309,44 @@ class TargetWorker:
         if seq.slot >= 0:
             self.cache.free(seq.slot)
             seq.slot = -1
+
+
+def _uniforms(seq: TargetSequence, n: int) -> Tensor:
+    """n uniforms in [0, 1) from the request's own generator: what its seeded tokens depend
+    on, whatever batch it runs in."""
+    return torch.rand(n, generator=seq.generator)
+
+
+def _draft_q(
+    seqs: Sequence[TargetSequence],
+    trees: Sequence[CandidateTree],
+    drafts: Tensor,
+    vocab: int,
+    device: torch.device,
+) -> Tensor:
+    """q [B, n, V] on `device` of a batch of chains: each sampled request's draft distribution
+    (a sparse one scattered there: only its K ids and probabilities travel), a greedy
+    request's one-hot at its drafts (see `accept_chains`)."""
+    b, n = drafts.shape
+    width = max(
+        (len(t.draft_ids[0]) for t in trees if t.draft_ids is not None and len(t)), default=1
+    )
+    ids = torch.zeros(b, n, width, dtype=torch.long)
+    probs = torch.zeros(b, n, width)
+    ids[..., 0], probs[..., 0] = drafts, 1.0  # padding columns add 0 to token 0
+    dense: list[tuple[int, Tensor]] = []
+    for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
+        m = len(tree)
+        if seq.sampling.greedy or tree.draft_probs is None or not m:
+            continue
+        if tree.draft_ids is None:
+            dense.append((i, tree.draft_probs))
+            continue
+        k = tree.draft_ids.shape[1]
+        ids[i, :m, :k], probs[i, :m, :k] = tree.draft_ids, tree.draft_probs
+        ids[i, :m, k:], probs[i, :m, k:] = 0, 0.0
+    q = torch.zeros(b, n, vocab, device=device)
+    q.scatter_add_(-1, ids.to(device), probs.to(device))
+    for i, rows in dense:
+        q[i, : len(rows)] = rows.to(device)
+    return q

@@ -26,18 +26,30 @@ class MalformedTreeError(ValueError):
 class CandidateTree:
     tokens: tuple[int, ...]
     parents: tuple[int, ...]
-    # [n, V] float32: node i's token was sampled from draft_probs[i] (sampling only).
+    # Sampling only: node i's token was drawn from q_i. Dense: draft_probs [n, V] float32 is
+    # q. Sparse (`draft_ids` set): q_i gives draft_probs[i, j] to token draft_ids[i, j], for
+    # K distinct ids per node, and 0 to every other token.
     draft_probs: Tensor | None = None
+    draft_ids: Tensor | None = None  # [n, K] int64
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def dense_q(self, vocab_size: int) -> Tensor | None:
+        """q [n, V] (None for a greedy tree)."""
+        if self.draft_probs is None or self.draft_ids is None:
+            return self.draft_probs
+        q = self.draft_probs.new_zeros(len(self), vocab_size)
+        return q.scatter_(-1, self.draft_ids.long(), self.draft_probs)
 
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
 
-def chain(tokens: Sequence[int], draft_probs: Tensor | None = None) -> CandidateTree:
-    return CandidateTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)), draft_probs)
+def chain(
+    tokens: Sequence[int], draft_probs: Tensor | None = None, draft_ids: Tensor | None = None
+) -> CandidateTree:
+    return CandidateTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)), draft_probs, draft_ids)
 
 
 EMPTY_TREE = CandidateTree((), ())
@@ -67,7 +79,9 @@ def validate_tree(
         if depth > max_depth:
             raise MalformedTreeError(f"node {i}: depth {depth} exceeds the limit {max_depth}")
         depths.append(depth)
-    if tree.draft_probs is not None:
+    if tree.draft_ids is not None:
+        check_sparse_q(tree, vocab_size)
+    elif tree.draft_probs is not None:
         if tuple(tree.draft_probs.shape) != (n, vocab_size):
             raise MalformedTreeError(
                 f"draft_probs shape {tuple(tree.draft_probs.shape)} != ({n}, {vocab_size})"
@@ -76,14 +90,39 @@ def validate_tree(
     return depths
 
 
+def check_sparse_q(tree: CandidateTree, vocab_size: int) -> None:
+    """A sparse q: ids [n, K] distinct per node inside the vocabulary, probs [n, K] a
+    distribution per node, and each drafted token among its node's ids with mass."""
+    ids, probs, n = tree.draft_ids, tree.draft_probs, len(tree)
+    assert ids is not None
+    if probs is None:
+        raise MalformedTreeError("draft_token_ids without draft_probs")
+    if ids.dim() != 2 or ids.shape[0] != n or not 0 < ids.shape[1] <= vocab_size:
+        raise MalformedTreeError(f"draft_token_ids shape {tuple(ids.shape)} != ({n}, K <= V)")
+    if tuple(probs.shape) != tuple(ids.shape):
+        raise MalformedTreeError(
+            f"draft_probs shape {tuple(probs.shape)} != draft_token_ids' {tuple(ids.shape)}"
+        )
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise MalformedTreeError(f"draft_token_ids: integer ids expected, got {ids.dtype}")
+    if ((ids < 0) | (ids >= vocab_size)).any():
+        raise MalformedTreeError(f"draft_token_ids: an id outside the vocabulary [0, {vocab_size})")
+    ordered = ids.sort(-1).values
+    if (ordered[:, 1:] == ordered[:, :-1]).any():
+        raise MalformedTreeError("draft_token_ids: an id repeats within a node")
+    mass = (ids == torch.tensor(tree.tokens, dtype=ids.dtype)[:, None]) * probs
+    check_draft_probs(probs, [0] * n, drafted=mass.sum(-1))
+
+
 PROBS_TOLERANCE = 1e-3  # |row sum - 1|: float32 rows of a 1e5 vocabulary sum within ~1e-5
 
 
-def check_draft_probs(probs: Tensor, tokens: Sequence[int]) -> None:
+def check_draft_probs(probs: Tensor, tokens: Sequence[int], drafted: Tensor | None = None) -> None:
     """What rejection sampling assumes of q [n, V]: each row a distribution, q(token) > 0.
 
     Acceptance is min(1, p(x) / q(x)): an all-zero, negative or NaN row, or a q that gives
     its own drafted token no mass, would accept tokens the target would rarely sample.
+    `drafted`: each node's q of its token, where q is sparse (tokens then go unread).
     """
     if not torch.isfinite(probs).all():
         raise MalformedTreeError("draft_probs: a value is NaN or infinite")
@@ -94,7 +133,8 @@ def check_draft_probs(probs: Tensor, tokens: Sequence[int]) -> None:
     if bad.any():
         row = int(bad.nonzero()[0])
         raise MalformedTreeError(f"draft_probs[{row}]: sums to {float(sums[row]):.6g}, not 1")
-    drafted = probs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)]
+    if drafted is None:
+        drafted = probs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)]
     if (drafted <= 0).any():
         node = int((drafted <= 0).nonzero()[0])
         raise MalformedTreeError(f"draft_probs[{node}]: its drafted token has probability 0")

@@ -20,7 +20,6 @@ import torch
 import specpair.runtime.target as target_module
 from specpair.models.eagle3_loading import load_eagle3
 from specpair.models.tiny import make_tiny_eagle3, make_tiny_llama
-from specpair.runtime.accept import accept_sampling
 from specpair.runtime.build import build_drafter, build_target, feature_layers
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.sampling import SamplingParams
@@ -82,7 +81,7 @@ def samples(target: Path, head: Path, params: SamplingParams) -> Counter:
     counts: Counter = Counter()
     for start in range(0, RUNS, BATCH):
         sampling = [
-            SamplingParams(params.temperature, params.top_p, params.top_k, seed=start + i)
+            SamplingParams(params.temperature, params.top_p, params.top_k, start + i, params.min_p)
             for i in range(BATCH)
         ]
         for r in eng.generate(
@@ -92,7 +91,7 @@ def samples(target: Path, head: Path, params: SamplingParams) -> Counter:
     return counts
 
 
-@pytest.mark.parametrize("params", PARAMS, ids=["t1.0", "t0.8-k4-p0.9"])
+@pytest.mark.parametrize("params", PARAMS, ids=["t1.0", "t0.8-k4-p0.9", "t0.7-p0.95-minp0.05"])
 def test_sampling_matches_target_distribution(small_vocab, params) -> None:
     counts = Counter(samples(*small_vocab, params))
     assert fit_pvalue(counts, exact_joint(small_vocab[0], params)) > 1e-3
@@ -103,11 +102,18 @@ def test_unmapped_draft_distribution_fails_the_same_test(small_vocab, monkeypatc
     ids = load_eagle3(small_vocab[1], small_vocab[0]).target_ids()
     assert not torch.equal(ids, torch.arange(len(ids)))  # else the mistake changes nothing
 
-    def unmapped(tree, target_probs, generator):
-        wrong = torch.zeros_like(tree.draft_probs)
-        wrong[:, : len(ids)] = tree.draft_probs[:, ids]
-        return accept_sampling(replace(tree, draft_probs=wrong), target_probs, generator)
+    draft_id = {int(t): i for i, t in enumerate(ids)}
+    mapped = target_module._draft_q
 
-    monkeypatch.setattr(target_module, "accept_sampling", unmapped)
+    def unmapped(seqs, trees, drafts, vocab, device):
+        wrong = [
+            t
+            if t.draft_ids is None
+            else replace(t, draft_ids=t.draft_ids.clone().apply_(lambda x: draft_id.get(x, x)))
+            for t in trees
+        ]
+        return mapped(seqs, wrong, drafts, vocab, device)
+
+    monkeypatch.setattr(target_module, "_draft_q", unmapped)
     counts = Counter(samples(*small_vocab, PARAMS[0]))
     assert fit_pvalue(counts, exact_joint(small_vocab[0], PARAMS[0])) < 1e-6

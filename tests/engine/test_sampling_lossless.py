@@ -1,9 +1,12 @@
 """Speculative sampling reproduces the target's own sampling distribution.
 
 The exact joint distribution of the first three tokens is computed from transformers' model
-(6-token vocabulary: 216 outcomes); many seeded speculative runs at tier 3 (so acceptance,
-rejection with the residual, and the bonus are all exercised) must fit it by a chi-square
-test. A deliberately wrong verifier that accepts every draft must fail the same test.
+(6-token vocabulary: 216 outcomes); many seeded speculative runs at tiers 1 and 3 (so
+acceptance, rejection with the residual, and the bonus are all exercised) must fit it by a
+chi-square test, for every warp (temperature, top-k, top-p, min-p) and for drafts whose q
+covers only part of the vocabulary (sparse q). Two deliberately wrong verifiers must fail the
+same test: one that accepts every draft, and one whose residual after a rejection is p
+instead of norm((p - q)+).
 """
 
 from __future__ import annotations
@@ -17,16 +20,21 @@ import torch
 from scipy.stats import chisquare
 from transformers import LlamaForCausalLM
 
+import specpair.runtime.accept as accept_module
+import specpair.runtime.sampling as sampling_module
 import specpair.runtime.target as target_module
 from specpair.models.tiny import make_tiny_llama
-from specpair.runtime.accept import Acceptance
 from specpair.runtime.build import build_drafter, build_target
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.sampling import SamplingParams, warp
 from specpair.runtime.state import build_states
 
 VOCAB, PROMPT, DEPTH, RUNS, BATCH = 6, [1, 4, 2], 3, 4096, 256
-PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4, top_p=0.9)]
+PARAMS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.8, top_k=4, top_p=0.9),
+    SamplingParams(temperature=0.7, top_p=0.95, min_p=0.05),
+]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +79,7 @@ def speculative_samples(
     counts: Counter = Counter()
     for start in range(0, RUNS, BATCH):
         sampling = [
-            SamplingParams(params.temperature, params.top_p, params.top_k, seed=start + i)
+            SamplingParams(params.temperature, params.top_p, params.top_k, start + i, params.min_p)
             for i in range(BATCH)
         ]
         steps = [(0, 1, tier)[i % 3] for i in range(BATCH)] if mixed else None
@@ -95,10 +103,19 @@ def fit_pvalue(counts: Counter, expected: dict[tuple[int, ...], float]) -> float
     return float(chisquare(observed, [e * scale for e in exp]).pvalue)
 
 
-@pytest.mark.parametrize("params", PARAMS, ids=["t1.0", "t0.8-k4-p0.9"])
-def test_speculative_sampling_matches_target_distribution(pair, params) -> None:
-    counts = speculative_samples(*pair, params)
+@pytest.mark.parametrize("params", PARAMS, ids=["t1.0", "t0.8-k4-p0.9", "t0.7-p0.95-minp0.05"])
+@pytest.mark.parametrize("tier", [1, 3])
+def test_speculative_sampling_matches_target_distribution(pair, params, tier) -> None:
+    counts = speculative_samples(*pair, params, tier=tier)
     assert fit_pvalue(counts, exact_joint(pair[0], params)) > 1e-3
+
+
+@pytest.mark.parametrize("support", [1, 2, 4])
+def test_sparse_draft_q_keeps_the_target_distribution(pair, support, monkeypatch) -> None:
+    """The draft draws from its `support` likeliest tokens only and sends that q sparse."""
+    monkeypatch.setattr(sampling_module, "DRAFT_SUPPORT", support)
+    counts = speculative_samples(*pair, PARAMS[0])
+    assert fit_pvalue(counts, exact_joint(pair[0], PARAMS[0])) > 1e-3
 
 
 def test_mixed_request_tiers_in_one_batch_match_the_target_distribution(pair) -> None:
@@ -119,11 +136,16 @@ def test_pipelined_sampling_matches_the_target_distribution(pair) -> None:
 
 
 def test_accept_everything_verifier_fails_the_same_test(pair, monkeypatch) -> None:
-    def accept_all(tree, target_probs, generator):
-        return Acceptance(
-            tuple(range(len(tree))), tree.tokens, int(torch.multinomial(target_probs[-1], 1))
-        )
+    def accept_all(p, q, drafts, lengths, u):
+        rows = torch.arange(len(lengths))
+        return lengths, sampling_module.sample_rows(p[rows, lengths], u[rows, lengths])
 
-    monkeypatch.setattr(target_module, "accept_sampling", accept_all)
+    monkeypatch.setattr(target_module, "accept_chains", accept_all)
+    counts = speculative_samples(*pair, PARAMS[0])
+    assert fit_pvalue(counts, exact_joint(pair[0], PARAMS[0])) < 1e-6
+
+
+def test_a_residual_without_q_subtracted_fails_the_same_test(pair, monkeypatch) -> None:
+    monkeypatch.setattr(accept_module, "residual", lambda p, q: p)
     counts = speculative_samples(*pair, PARAMS[0])
     assert fit_pvalue(counts, exact_joint(pair[0], PARAMS[0])) < 1e-6

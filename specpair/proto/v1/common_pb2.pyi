@@ -30,6 +30,7 @@ class _DTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DType.ValueType
     D_TYPE_FLOAT32: _DType.ValueType  # 1
     D_TYPE_FLOAT16: _DType.ValueType  # 2
     D_TYPE_BFLOAT16: _DType.ValueType  # 3
+    D_TYPE_INT32: _DType.ValueType  # 4
 
 class DType(_DType, metaclass=_DTypeEnumTypeWrapper): ...
 
@@ -37,6 +38,7 @@ D_TYPE_UNSPECIFIED: DType.ValueType  # 0
 D_TYPE_FLOAT32: DType.ValueType  # 1
 D_TYPE_FLOAT16: DType.ValueType  # 2
 D_TYPE_BFLOAT16: DType.ValueType  # 3
+D_TYPE_INT32: DType.ValueType  # 4
 Global___DType: _TypeAlias = DType  # noqa: Y015
 
 @_typing.final
@@ -49,12 +51,15 @@ class SamplingParams(_message.Message):
     TOP_P_FIELD_NUMBER: _builtins.int
     TOP_K_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    MIN_P_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     top_p: _builtins.float
     """Nucleus mass in (0, 1]; unset means 1."""
     top_k: _builtins.int
     """0 means the whole vocabulary."""
     seed: _builtins.int
+    min_p: _builtins.float
+    """Drop tokens below min_p times the likeliest one's probability; 0 means off."""
     def __init__(
         self,
         *,
@@ -62,10 +67,11 @@ class SamplingParams(_message.Message):
         top_p: _builtins.float | None = ...,
         top_k: _builtins.int = ...,
         seed: _builtins.int | None = ...,
+        min_p: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_top_p", b"_top_p", "seed", b"seed", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_top_p", b"_top_p", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_top_p", b"_top_p", "min_p", b"min_p", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015

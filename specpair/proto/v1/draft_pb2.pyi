@@ -125,6 +125,7 @@ class CandidateTree(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     PARENTS_FIELD_NUMBER: _builtins.int
     DRAFT_PROBS_FIELD_NUMBER: _builtins.int
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -134,7 +135,13 @@ class CandidateTree(_message.Message):
 
     @_builtins.property
     def draft_probs(self) -> _common_pb2.Tensor:
-        """Sampling only: [n, vocab] draft distribution each node was drawn from."""
+        """Sampling only: the distribution q each node was drawn from. Dense: [n, vocab] float32.
+        Sparse (draft_token_ids set): [n, K] float32, q of the ids in draft_token_ids (0 elsewhere).
+        """
+
+    @_builtins.property
+    def draft_token_ids(self) -> _common_pb2.Tensor:
+        """Sparse q: [n, K] int32, K distinct token ids per node (the draft chose q's support)."""
 
     def __init__(
         self,
@@ -143,10 +150,11 @@ class CandidateTree(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         parents: _abc.Iterable[_builtins.int] | None = ...,
         draft_probs: _common_pb2.Tensor | None = ...,
+        draft_token_ids: _common_pb2.Tensor | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["draft_probs", b"draft_probs"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["draft_probs", b"draft_probs", "draft_token_ids", b"draft_token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_probs", b"draft_probs", "parents", b"parents", "request_id", b"request_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_probs", b"draft_probs", "draft_token_ids", b"draft_token_ids", "parents", b"parents", "request_id", b"request_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -2,9 +2,9 @@
 
 - extend: B × (s + 1) appended tokens (accepted + bonus; longer rows, e.g. a first round's
   prompt, run eagerly) → hidden of each request's last row [B, 1, H];
-- draft: s greedy steps of one token per request, argmax inside the graph → tokens [s, B].
-  Sampling rounds run the drafter's eager loop: their per-request warps and generators stay on
-  the host (`Drafter.draft_steps`).
+- draft: s steps of one token per request → tokens [s, B]: greedy (argmax inside the graph),
+  or sampled (`draft_support` inside a graph of its own: per-row parameters and uniforms in,
+  each step's sparse q out, [s, B, K]).
 The graphs of every tier share one `DraftGraphs` (the extend graphs, the steps' attention and
 the plan made ahead), so a tier switch stays a reference swap.
 """
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from specpair.runtime.draft import Drafter
+from specpair.runtime.draft import Drafter, DraftQ, DraftSampling
 from specpair.runtime.graphs.capture import (
     GraphAttention,
     GraphCapture,
@@ -30,6 +30,7 @@ from specpair.runtime.kv_cache import CacheFullError
 from specpair.runtime.layout import BatchLayout, padded_groups, tril_mask
 from specpair.runtime.lookahead import LOOKAHEAD_TOP, Lookahead
 from specpair.runtime.round import DraftInput
+from specpair.runtime.sampling import RowParams, draft_support
 
 
 class DraftGraphs:
@@ -48,15 +49,19 @@ class DraftGraphs:
     def tier(self, s: int) -> tuple[ExtendGraphs, StepGraphs]:
         top = LOOKAHEAD_TOP if self.ahead else 0
 
-        def build() -> tuple[dict[int, StageGraph], dict[int, StageGraph]]:
-            for b in self.capture.buckets:
-                self.extends[(b, s + 1)] = self._extend(b, s + 1)
-            steps = {b: self._multi_step(b, s) for b in self.capture.buckets}
-            ahead = {b: self._multi_step(b, s, top) for b in self.capture.buckets} if top else {}
-            return steps, ahead
+        Graphs = dict[int, StageGraph]
 
-        steps, ahead = self.capture.timed(s, build)
-        return ExtendGraphs(self, s), StepGraphs(self, s, steps, ahead)
+        def build() -> tuple[Graphs, Graphs, Graphs]:
+            buckets = self.capture.buckets
+            for b in buckets:
+                self.extends[(b, s + 1)] = self._extend(b, s + 1)
+            steps = {b: self._multi_step(b, s) for b in buckets}
+            sampled = {b: self._multi_step(b, s, sampled=True) for b in buckets}
+            ahead = {b: self._multi_step(b, s, top) for b in buckets} if top else {}
+            return steps, sampled, ahead
+
+        steps, sampled, ahead = self.capture.timed(s, build)
+        return ExtendGraphs(self, s), StepGraphs(self, s, steps, ahead, sampled)
 
     def _extend(self, batch: int, tokens: int) -> StageGraph:
         d, dev = self.drafter, self.cache.device
@@ -78,10 +83,12 @@ class DraftGraphs:
 
         return self.capture.capture(body, inputs, [attn])
 
-    def _multi_step(self, batch: int, s: int, top: int = 0) -> StageGraph:
+    def _multi_step(self, batch: int, s: int, top: int = 0, sampled: bool = False) -> StageGraph:
         """s greedy steps → tokens [s, B]. With `top`, one step more (the chain's last K/V
         written, the distribution after it) and per depth 0..s the `top` likeliest tokens
-        `ids`, their probabilities `p` [s + 1, B, top] and the hidden `ahead` [s + 1, B, H]."""
+        `ids`, their probabilities `p` [s + 1, B, top] and the hidden `ahead` [s + 1, B, H].
+        `sampled`: each step draws by `draft_support` from the rows' `params` [B, 5] and
+        `uniform` [s, B]; its q comes out as `q_ids`, `q` [s, B, K]."""
         d, dev = self.drafter, self.cache.device
         attns = self.steps[batch]
         forwards = s if top else s - 1
@@ -95,12 +102,21 @@ class DraftGraphs:
             "hidden": torch.zeros(batch, 1, d.args.hidden_size, dtype=self.cache.dtype, device=dev),
             "starts": torch.zeros(batch, dtype=torch.long, device=dev),
         }
+        if sampled:
+            inputs["params"] = torch.ones(batch, 5, device=dev)  # RowParams.table
+            inputs["uniform"] = torch.zeros(s, batch, device=dev)
 
         def body() -> dict[str, Tensor]:
             hidden, out, ids, ps, hs = inputs["hidden"], [], [], [], []
             for k in range(forwards + 1):
                 logits = d.logits(hidden)  # [B, V]
-                token = logits.argmax(-1)  # [B]
+                if sampled:
+                    params = RowParams(inputs["params"])
+                    token, support, q = draft_support(logits, params, inputs["uniform"][k])
+                    ids.append(support)
+                    ps.append(q)
+                else:
+                    token = logits.argmax(-1)  # [B]
                 if k < s:
                     out.append(token)
                 if top:
@@ -114,6 +130,8 @@ class DraftGraphs:
                         attns[k].follow(pos)
                     hidden = d.forward(token[:, None], hidden, pos[:, None], attns[k].attend)
             result = {"tokens": torch.stack(out)}  # [s, B]
+            if sampled:
+                result |= {"q_ids": torch.stack(ids), "q": torch.stack(ps)}
             if top:
                 result |= {"ids": torch.stack(ids), "p": torch.stack(ps), "ahead": torch.stack(hs)}
             return result
@@ -242,12 +260,16 @@ class StepGraphs:
         tier: int,
         steps: dict[int, StageGraph],
         ahead: dict[int, StageGraph] | None = None,
+        sampled: dict[int, StageGraph] | None = None,
     ) -> None:
         self.graphs, self.tier, self.steps = graphs, tier, steps
         self.ahead = ahead or {}
+        self.sampled = sampled or {}
         self._planned: tuple[StageGraph, list[int]] | None = None  # graph, starts
 
     def plan(self, slots: list[int], ahead: bool = False) -> None:
+        """Plans the greedy or the `ahead` graph; the sampled graph of the bucket shares the
+        greedy one's step attention, so the greedy plan serves it too."""
         o, cache, s = self.graphs, self.graphs.cache, self.tier
         self._planned = None
         bucket = bucket_of(len(slots), o.capture.buckets)
@@ -265,9 +287,13 @@ class StepGraphs:
                 attn.plan(pad_layout(step, bucket, 1, cache.pad_slot))
         self._planned = (g, starts)
 
-    def _replay(self, hidden: Tensor, slots: list[int]) -> StageGraph:
+    def _replay(
+        self, hidden: Tensor, slots: list[int], graph: StageGraph | None = None
+    ) -> StageGraph:
+        """Replays the planned graph, or `graph` in its place (the sampled twin)."""
         assert self._planned is not None
         (g, starts), self._planned = self._planned, None
+        g = graph or g
         bucket, b = len(g.inputs["starts"]), len(slots)
         if hidden.shape[0] != bucket:  # from the eager extend
             hidden = pad_rows(hidden, bucket)
@@ -287,6 +313,34 @@ class StepGraphs:
         g = self._replay(hidden, slots)
         drafts: list[list[int]] = g.outputs["tokens"][:, : len(slots)].T.tolist()
         return drafts
+
+    def run_sampled(
+        self,
+        hidden: Tensor,
+        slots: list[int],
+        sampling: DraftSampling,
+        depths: Sequence[int] | None = None,
+    ) -> tuple[list[list[int]], list[DraftQ | None]]:
+        graph = None
+        if self._planned is not None:
+            graph = self.sampled.get(len(self._planned[0].inputs["starts"]))
+        if self._planned is None or graph is None:
+            self._planned = None
+            eager = self.graphs.drafter.draft_steps(
+                hidden[: len(slots)], slots, self.tier, sampling, depths
+            )
+            return eager[0], eager[1]
+        bucket, b = len(graph.inputs["starts"]), len(slots)
+        params = torch.ones(bucket, 5)  # padding rows: greedy
+        params[:b] = sampling.params.table
+        graph.load("params", params)
+        graph.load("uniform", pad2d(sampling.u.T, self.tier, bucket))
+        g = self._replay(hidden, slots, graph)
+        drafts: list[list[int]] = g.outputs["tokens"][:, :b].T.tolist()
+        ids = g.outputs["q_ids"][:, :b].transpose(0, 1).cpu()  # [b, s, K]
+        q = g.outputs["q"][:, :b].transpose(0, 1).cpu()
+        qs: list[DraftQ | None] = [None if sampling.greedy[i] else (ids[i], q[i]) for i in range(b)]
+        return drafts, qs
 
     def run_ahead(
         self, hidden: Tensor, slots: list[int], top: int
