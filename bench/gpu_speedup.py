@@ -23,9 +23,8 @@ tier vs the per-phase oracle).
         --new-tokens 8   # a CPU smoke run of the whole pipeline
 
 On an H100 a greedy-only run of one draft kind (both deployments, 32 tokens) takes ~4.5 min;
-sampled cells are several times slower (sampling runs on the host), so a device call of 10
-minutes holds one draft kind with both temperatures only in part: the JSON is rewritten after
-every cell, and `--replot` redraws what a cut-short run left.
+the JSON is rewritten after every cell, and `--replot` redraws what a cut-short run left.
+Sampled workloads use `--top-p` (0.95: the sampled-decoding goal's setting) besides T.
 """
 
 from __future__ import annotations
@@ -70,13 +69,18 @@ class Workload:
     prompts: str  # "code" | "prose"
     temperature: float
     ids: list[list[int]]
+    top_p: float = 1.0  # sampled workloads only
 
     @property
     def name(self) -> str:
-        return f"{self.prompts} {'greedy' if self.temperature == 0 else f'T={self.temperature}'}"
+        if self.temperature == 0:
+            return f"{self.prompts} greedy"
+        top_p = f" p={self.top_p}" if self.top_p < 1 else ""
+        return f"{self.prompts} T={self.temperature}{top_p}"
 
     def sampling(self, i: int) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, seed=i)
+        top_p = self.top_p if self.temperature else 1.0
+        return SamplingParams(temperature=self.temperature, top_p=top_p, seed=i)
 
 
 @dataclass
@@ -139,7 +143,10 @@ def add_pair_args(parser: argparse.ArgumentParser) -> None:
 
 
 def make_workloads(
-    tokenizer: Any, requests: int, temperatures: Sequence[float] = TEMPERATURES
+    tokenizer: Any,
+    requests: int,
+    temperatures: Sequence[float] = TEMPERATURES,
+    top_p: float = 1.0,
 ) -> list[Workload]:
     # 8 each: the GPU machine's stdlib (3.12) has 8 held-out files that give a code window;
     # repeats sample with new seeds
@@ -147,7 +154,7 @@ def make_workloads(
     prose = [p.ids for p in prose_prompts(tokenizer)]
     code, prose = ([ids[i % len(ids)] for i in range(requests)] for ids in (code, prose))
     return [
-        Workload(name, t, ids) for name, ids in (("code", code), ("prose", prose))
+        Workload(name, t, ids, top_p) for name, ids in (("code", code), ("prose", prose))
         for t in temperatures
     ]  # fmt: skip
 
@@ -235,8 +242,11 @@ def serve_cells(
         for batch in batches:
 
             def one(i: int, wl: Workload = wl) -> Any:
-                return client.generate(wl.ids[i], max_tokens=new_tokens,
-                                       temperature=wl.temperature, seed=i)  # fmt: skip
+                p = wl.sampling(i)
+                return client.generate(
+                    wl.ids[i], max_tokens=new_tokens, temperature=p.temperature, top_p=p.top_p,
+                    seed=i,
+                )  # fmt: skip
 
             t0 = time.perf_counter()
             with ThreadPoolExecutor(batch) as pool:
@@ -411,6 +421,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16, help="requests per workload")
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--temperatures", type=float, nargs="+", default=list(TEMPERATURES))
+    parser.add_argument("--top-p", type=float, default=0.95, help="of the sampled workloads")
+    parser.add_argument(
+        "--prompts", nargs="+", choices=["code", "prose"], default=["code", "prose"]
+    )
     parser.add_argument("--deployments", nargs="+", choices=["services", "in-process"],
                         default=["services", "in-process"])  # fmt: skip
     parser.add_argument("--phased", action="store_true", help="also the phased workload")
@@ -435,7 +449,11 @@ def main() -> None:
     print(f"device: {info}", flush=True)
     target, draft = bench_pair(args.shape, args.models_dir, args.draft_kind, args.device)
     tokenizer = AutoTokenizer.from_pretrained(str(target))
-    workloads = make_workloads(tokenizer, args.requests, args.temperatures)
+    workloads = [
+        wl
+        for wl in make_workloads(tokenizer, args.requests, args.temperatures, args.top_p)
+        if wl.prompts in args.prompts
+    ]
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     max_len = max(256, max(len(p) for wl in workloads for p in wl.ids) + args.new_tokens + 16)
     cells: list[Cell] = []

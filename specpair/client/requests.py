@@ -29,6 +29,7 @@ class GenerateParams(TypedDict, total=False):
     temperature: float
     top_p: float
     top_k: int
+    min_p: float
     seed: int | None
     stop: Sequence[str] | None
     stop_token_ids: Sequence[int] | None
@@ -46,6 +47,7 @@ def build_generate_request(
             temperature=params.get("temperature", 0.0),
             top_p=params.get("top_p", 1.0),
             top_k=params.get("top_k", 0),
+            min_p=params.get("min_p", 0.0),
         ),
         stop=list(params.get("stop") or ()),
         stop_token_ids=list(params.get("stop_token_ids") or ()),

@@ -265,6 +265,7 @@ class StepGraphs:
         self.graphs, self.tier, self.steps = graphs, tier, steps
         self.ahead = ahead or {}
         self.sampled = sampled or {}
+        self.sampled_replays = 0  # sampled rounds drafted in a graph
         self._planned: tuple[StageGraph, list[int]] | None = None  # graph, starts
 
     def plan(self, slots: list[int], ahead: bool = False) -> None:
@@ -336,6 +337,7 @@ class StepGraphs:
         graph.load("params", params)
         graph.load("uniform", pad2d(sampling.u.T, self.tier, bucket))
         g = self._replay(hidden, slots, graph)
+        self.sampled_replays += 1
         drafts: list[list[int]] = g.outputs["tokens"][:, :b].T.tolist()
         ids = g.outputs["q_ids"][:, :b].transpose(0, 1).cpu()  # [b, s, K]
         q = g.outputs["q"][:, :b].transpose(0, 1).cpu()

@@ -1,0 +1,148 @@
+"""Sampled decoding on the GPU: warps, draws and rejection on the device, in the step graphs.
+
+The distribution test of `tests/engine/test_sampling_lossless.py` on the CUDA runtime (bf16,
+flashinfer attention, per-tier graphs, the sampled twin of each draft step graph): the joint
+distribution of 3 sampled tokens of a 6-token vocabulary against the target's exact one, for
+every warp and tiers 1 / 3 / 7, with sparse q, and a broken residual that must fail. Then the
+seeded-sampling promise: a seed gives the same tokens at batch 1 and inside a batch of 8.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("flashinfer")
+
+from transformers import LlamaForCausalLM
+
+import specpair.runtime.accept as accept_module
+import specpair.runtime.sampling as sampling_module
+from specpair.models.tiny import make_tiny_eagle, make_tiny_llama
+from specpair.runtime.build import build_drafter, build_target
+from specpair.runtime.engine import SpeculativeEngine
+from specpair.runtime.graphs.draft import StepGraphs
+from specpair.runtime.sampling import SamplingParams, warp
+from specpair.runtime.state import build_states
+from tests.engine.test_sampling_lossless import PARAMS, fit_pvalue
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+VOCAB, PROMPT, DEPTH, RUNS, BATCH = 6, [1, 4, 2], 3, 4096, 64
+SHAPE = dict(hidden_size=256, num_heads=2, num_kv_heads=1, intermediate_size=512)
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gpu_small_vocab")
+    common = {"vocab_size": VOCAB, "tokenizer": False, "init_std": 0.3, **SHAPE}
+    target = make_tiny_llama(root / "target", seed=21, num_layers=2, **common)  # type: ignore[arg-type]
+    return {
+        "target": target,
+        "draft": make_tiny_llama(root / "draft", seed=22, num_layers=1, **common),  # type: ignore[arg-type]
+        "eagle": make_tiny_eagle(root / "eagle", target, seed=23),
+    }
+
+
+def exact_joint(target: Path, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """The target's own joint distribution of the 3 tokens, from transformers in bf16 on the
+    GPU (the served model's numerics, to bf16 rounding)."""
+    model = LlamaForCausalLM.from_pretrained(target, dtype=BF16).cuda().eval()
+    outcomes = list(itertools.product(range(VOCAB), repeat=DEPTH))
+    ids = torch.tensor([PROMPT + list(o) for o in outcomes], device="cuda")
+    with torch.no_grad():
+        logits = model(ids).logits[:, len(PROMPT) - 1 : -1].float().cpu()
+    picked = warp(logits, params).gather(-1, ids[:, len(PROMPT) :, None].cpu())[..., 0]
+    return {o: float(p) for o, p in zip(outcomes, picked.prod(-1), strict=True)}
+
+
+def gpu_samples(ckpts: dict[str, Path], draft: str, params: SamplingParams, tier: int) -> Counter:
+    gc.collect()
+    target = ckpts["target"]
+    worker = build_target(
+        target, max_requests=BATCH, max_len=64, keep_features=True, dtype=BF16, device="cuda"
+    )
+    drafter = build_drafter(
+        ckpts[draft], target_path=target, max_requests=BATCH, max_len=64, dtype=BF16,
+        device="cuda",
+    )  # fmt: skip
+    state = build_states([tier], worker, drafter)[tier]
+    assert isinstance(state.draft, StepGraphs) and state.draft.sampled
+    engine = SpeculativeEngine(worker, drafter)
+    counts: Counter = Counter()
+    for start in range(0, RUNS, BATCH):
+        sampling = [
+            SamplingParams(params.temperature, params.top_p, params.top_k, start + i, params.min_p)
+            for i in range(BATCH)
+        ]
+        results = engine.generate(
+            [PROMPT] * BATCH, max_new_tokens=DEPTH, state=state, sampling=sampling
+        )
+        counts.update(tuple(r.token_ids) for r in results)
+    assert state.draft.sampled_replays > 0  # the sampled graph drew the drafts
+    return counts
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["t1.0", "t0.8-k4-p0.9", "t0.7-p0.95-minp0.05"])
+@pytest.mark.parametrize("tier", [1, 3, 7])
+def test_gpu_sampling_matches_target_distribution(small_vocab, params, tier) -> None:
+    counts = gpu_samples(small_vocab, "eagle", params, tier)
+    assert fit_pvalue(counts, exact_joint(small_vocab["target"], params)) > 1e-3
+
+
+def test_gpu_sparse_q_of_a_draft_lm_matches_target_distribution(small_vocab, monkeypatch) -> None:
+    monkeypatch.setattr(sampling_module, "DRAFT_SUPPORT", 2)  # read when the graphs capture
+    counts = gpu_samples(small_vocab, "draft", PARAMS[0], 3)
+    assert fit_pvalue(counts, exact_joint(small_vocab["target"], PARAMS[0])) > 1e-3
+
+
+def test_gpu_broken_residual_fails_the_same_test(small_vocab, monkeypatch) -> None:
+    monkeypatch.setattr(accept_module, "residual", lambda p, q: p)
+    counts = gpu_samples(small_vocab, "draft", PARAMS[0], 3)
+    assert fit_pvalue(counts, exact_joint(small_vocab["target"], PARAMS[0])) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gpu_seeded")
+    target = make_tiny_llama(root / "target", seed=1, num_layers=2, **SHAPE)  # type: ignore[arg-type]
+    return {"target": target, "eagle": make_tiny_eagle(root / "eagle", target, seed=3)}
+
+
+@pytest.mark.parametrize("tier", [0, 3])
+def test_a_seed_gives_the_same_tokens_alone_and_in_a_batch_of_8(wide, tier: int) -> None:
+    """Target alone (tier 0) and speculative: per-request uniforms make the draws independent
+    of the batch; the tiny model's kernels reduce each row alike at batch 1 and 8."""
+    gc.collect()
+    worker = build_target(
+        wide["target"], max_requests=8, max_len=128, keep_features=True, dtype=BF16, device="cuda"
+    )
+    drafter = build_drafter(
+        wide["eagle"], target_path=wide["target"], max_requests=8, max_len=128, dtype=BF16,
+        device="cuda",
+    )  # fmt: skip
+    state = build_states([max(tier, 1)], worker, drafter)[max(tier, 1)]
+    engine = SpeculativeEngine(worker, drafter if tier else None)
+    prompts = [[5 + i, 6, 7 + 2 * i, 100 - i] for i in range(8)]
+    sampling = [SamplingParams(temperature=0.8, top_p=0.95, seed=1000 + i) for i in range(8)]
+
+    def run(group: list[int]) -> list[list[int]]:
+        results = engine.generate(
+            [prompts[i] for i in group], max_new_tokens=24, state=state,
+            sampling=[sampling[i] for i in group],
+        )  # fmt: skip
+        return [r.token_ids for r in results]
+
+    together = run(list(range(8)))
+    alone = [run([i])[0] for i in range(8)]
+    assert alone == together
+    again = run(list(range(8)))
+    assert again == together
+    assert len({tuple(t) for t in together}) > 1  # the seeds made different samples
