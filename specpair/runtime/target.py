@@ -215,7 +215,7 @@ class TargetWorker:
             ]
         self.last_gpu_ms = stage.read_gpu_ms()  # the replay is done: its GPU time is readable
         results = []
-        for seq, acc in zip(seqs, accs, strict=True):
+        for i, (seq, acc) in enumerate(zip(seqs, accs, strict=True)):
             start = seq.committed
             self.cache.commit(seq.slot, start, acc.keep)
             feats = hidden[i, acc.keep].cpu() if self.keep_features else None

@@ -238,7 +238,7 @@ async def test_round_stats_count_the_sampled_requests(ckpts, make_stack) -> None
     stack = await make_stack(draft_config(ckpts["draft"]), target_config(ckpts["target"]))
     await stack.wait_draft_connected()
     rounds, watcher = await watch_rounds(stack)
-    sampling = common_pb2.SamplingParams(temperature=1.0, seed=3)
+    sampling = common_pb2.SamplingParams(temperature=1.0, seed=5)  # no early stop token
     await asyncio.gather(
         stack.generate(prompt_token_ids=PROMPTS[1], max_tokens=24, sampling=sampling),
         stack.generate(prompt_token_ids=PROMPTS[2], max_tokens=24),
