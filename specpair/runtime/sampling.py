@@ -99,9 +99,11 @@ def make_generator(seed: int | None) -> torch.Generator:
     return gen
 
 
-DRAFT_SUPPORT = (
-    64  # tokens of a sampled draft's q: 7 nodes × 64 × (id, prob) = 3.6 KB a tier-7 tree
-)
+# The tokens of a sampled draft's q: 7 nodes × 64 × (id, prob) = 3.6 KB a tier-7 tree.
+DRAFT_SUPPORT = 64
+# The target's warp looks for its cut among each row's CANDIDATES likeliest tokens before it
+# sorts a whole row (T = 0.7, top-p 0.95 over a code LM keeps tens of tokens, not thousands).
+CANDIDATES = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +114,7 @@ class RowParams:
 
     table: Tensor
     filters: bool = True  # some row has top-k, top-p or min-p (else the warp needs no sort)
+    any_greedy: bool = True  # some row is greedy (else the warp needs no one-hot rows)
 
     @staticmethod
     def of(params: Sequence[SamplingParams]) -> RowParams:
@@ -121,17 +124,21 @@ class RowParams:
             for p in params
         ]
         filters = any(p.top_k or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
-        return RowParams(torch.tensor(rows, dtype=torch.float32).view(-1, 5), filters)
+        table = torch.tensor(rows, dtype=torch.float32).view(-1, 5)
+        return RowParams(table, filters, any(p.greedy for p in params))
+
+    def _with(self, table: Tensor) -> RowParams:
+        return RowParams(table, self.filters, self.any_greedy)
 
     def to(self, device: torch.device) -> RowParams:
-        return RowParams(self.table.to(device, non_blocking=True), self.filters)
+        return self._with(self.table.to(device, non_blocking=True))
 
     def rows(self, index: Tensor | list[int]) -> RowParams:
-        return RowParams(self.table[index], self.filters)
+        return self._with(self.table[index])
 
     def repeat(self, n: int) -> RowParams:
         """Each row n times in a row: [B] requests → [B * n] tree rows."""
-        return RowParams(self.table.repeat_interleave(n, 0), self.filters)
+        return self._with(self.table.repeat_interleave(n, 0))
 
     @property
     def temperature(self) -> Tensor:
@@ -157,25 +164,77 @@ class RowParams:
 
 def warp_rows(logits: Tensor, params: RowParams) -> Tensor:
     """`warp` for a batch of rows [R, V] with per-row parameters, on the rows' device: float32
-    probabilities [R, V]; a greedy row is one-hot at its argmax. One stable sort serves top-k,
-    top-p and min-p (its first entry is the argmax, ties to the lower id as `argmax`)."""
+    probabilities [R, V]; a greedy row is one-hot at its argmax.
+
+    Each filter keeps a prefix of the row sorted by logit, so together they keep the tokens at
+    or above one logit threshold per row. The threshold is looked for among the row's
+    `CANDIDATES` likeliest tokens (`top_candidates`); only when a row's cut lies past them (a
+    flat distribution, a top-k beyond them) does the batch sort whole rows (`_sorted_warp`)."""
     x = logits.float() / params.temperature
-    v = x.shape[-1]
-    if not params.filters:
-        probs = torch.softmax(x, -1)
-    else:
-        xs, order = torch.sort(x, dim=-1, descending=True, stable=True)
-        kth = xs.gather(-1, params.top_k(v) - 1)  # ties with the k-th stay, as in `warp`
-        ps = torch.softmax(xs.masked_fill(xs < kth, float("-inf")), -1)
-        # top-p keeps the smallest prefix whose mass reaches it; top_p = 1 keeps all (a float
-        # cumsum can pass 1 before the tail)
-        drop = ((ps.cumsum(-1) - ps) >= params.top_p) & (params.top_p < 1.0)
-        ps = ps.masked_fill(drop, 0.0)
-        ps = ps.masked_fill(ps < params.min_p * ps[:, :1], 0.0)  # min-p of the kept max
-        ps = ps / ps.sum(-1, keepdim=True)
-        probs = torch.zeros_like(ps).scatter_(-1, order, ps)
+    probs = _candidate_warp(x, params) if params.filters else torch.softmax(x, -1)
+    if probs is None:
+        probs = _sorted_warp(x, params)
+    if not params.any_greedy:
+        return probs
     hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(params.greedy[:, None], hot, probs)
+
+
+def _candidate_warp(x: Tensor, params: RowParams) -> Tensor | None:
+    """The warp of temperature-scaled logits x [R, V] from their top candidates, or None
+    when some row's cut lies past them (one host sync decides)."""
+    v = x.shape[-1]
+    c = min(CANDIDATES, v)
+    top, _ = top_candidates(x, c)  # [R, c], descending
+    k = params.top_k(v)  # [R, 1]; v keeps every token
+    kth = top.gather(-1, k.clamp(max=c) - 1)
+    in_k = (top >= kth) | (k >= v)
+    # top-p counts mass on the top-k distribution: normalised over the k kept (or all v)
+    full = x.logsumexp(-1, keepdim=True)
+    lse = torch.where(k >= v, full, top.masked_fill(~in_k, float("-inf")).logsumexp(-1, True))
+    p = (top - lse).exp() * in_k
+    keep = in_k & (((p.cumsum(-1) - p) < params.top_p) | (params.top_p >= 1.0))
+    keep &= p >= params.min_p * p[:, :1]
+    n = keep.sum(-1, keepdim=True)  # a prefix: the row's kept count
+    # the cut is known when it falls before the last candidate, or the candidates are all
+    covered = (n < c) | (c == v)
+    covered &= (k <= c) | (k >= v)  # a top-k past the candidates: its normaliser is unknown
+    if not bool(covered.all()):
+        return None
+    threshold = top.gather(-1, n - 1)
+    probs = (x - top[:, :1]).exp().masked_fill(x < threshold, 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def _sorted_warp(x: Tensor, params: RowParams) -> Tensor:
+    """The warp of x [R, V] by one stable sort of each whole row (ties to the lower id)."""
+    xs, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    kth = xs.gather(-1, params.top_k(x.shape[-1]) - 1)  # ties with the k-th stay, as in `warp`
+    ps = torch.softmax(xs.masked_fill(xs < kth, float("-inf")), -1)
+    # top-p keeps the smallest prefix whose mass reaches it; top_p = 1 keeps all (a float
+    # cumsum can pass 1 before the tail)
+    drop = ((ps.cumsum(-1) - ps) >= params.top_p) & (params.top_p < 1.0)
+    ps = ps.masked_fill(drop, 0.0)
+    ps = ps.masked_fill(ps < params.min_p * ps[:, :1], 0.0)  # min-p of the kept max
+    ps = ps / ps.sum(-1, keepdim=True)
+    return torch.zeros_like(ps).scatter_(-1, order, ps)
+
+
+def top_candidates(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest of each row of x [R, V], descending, and their ids: a topk within slices
+    of the row, then among the slices' winners, exact (each of a row's k largest is among
+    its slice's k largest). One row of 128 256 in one topk runs on few blocks; 128 slices of
+    1 002 run side by side."""
+    r, v = x.shape
+    slices = min(128, v // (2 * k))
+    if slices < 2:
+        return x.topk(k, dim=-1)
+    width = -(-v // slices)
+    padded = torch.nn.functional.pad(x, (0, width * slices - v), value=float("-inf"))
+    vals, ids = padded.view(r, slices, width).topk(k, dim=-1)  # [R, slices, k]
+    ids = ids + torch.arange(slices, device=x.device)[:, None] * width
+    best, pos = vals.view(r, -1).topk(k, dim=-1)
+    return best, ids.view(r, -1).gather(-1, pos)
 
 
 def sample_rows(probs: Tensor, u: Tensor) -> Tensor:
@@ -202,7 +261,7 @@ def draft_support(
     `width` defaults to `DRAFT_SUPPORT`."""
     k = min(width or DRAFT_SUPPORT, logits.shape[-1])
     x = logits.float() / params.temperature
-    top, ids = x.topk(k, dim=-1)  # sorted descending
+    top, ids = top_candidates(x, k)  # descending
     p = (top - x.logsumexp(-1, keepdim=True)).exp()
     keep = torch.arange(k, device=x.device) < params.top_k(k)
     keep &= (p.cumsum(-1) - p) < params.top_p

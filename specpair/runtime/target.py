@@ -189,20 +189,25 @@ class TargetWorker:
         tokens = torch.zeros(len(seqs), t, dtype=torch.long)
         for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
             tokens[i, : len(tree) + 1] = torch.tensor((seq.pending, *tree.tokens))
+        sampled = not all(s.sampling.greedy for s in seqs)
+        chains = None
+        if sampled and all(tree.is_chain() for tree in trees):
+            # queued before the forward: its copies need not wait for the replay
+            chains = self._chain_inputs(seqs, trees, t)
         stage = self._stage(state)
         if stage.planned_for(self._plan_key(seqs, parents)):
             hidden, logits = stage.run(tokens)  # planned by `prepare`
         else:
             positions, layout = self._layout(seqs, parents, state)
             hidden, logits = self._forward_tree(tokens, positions, layout, state)
-        if all(s.sampling.greedy for s in seqs):
+        if not sampled:
             argmax = logits.argmax(-1).cpu()  # [B, T]: all greedy acceptance needs
             accs = [
                 accept_greedy_argmax(tree, argmax[i, : len(tree) + 1].tolist())
                 for i, tree in enumerate(trees)
             ]
-        elif all(tree.is_chain() for tree in trees):
-            accs = self._sample_chains(seqs, trees, logits)
+        elif chains is not None:
+            accs = _sample_chains(trees, logits, chains)
         else:  # sampled trees: the host reference, request by request
             host = logits.cpu()
             accs = [
@@ -222,31 +227,26 @@ class TargetWorker:
             results.append(VerifyResult(acc, seq.append([*acc.tokens, acc.bonus]), feats))
         return results
 
-    def _sample_chains(
-        self, seqs: Sequence[TargetSequence], trees: Sequence[CandidateTree], logits: Tensor
-    ) -> list[Acceptance]:
-        """Rejection sampling of a batch of chains (greedy requests among them too) on the
-        logits' device, `accept_chains`: the host reads back 2 numbers per request."""
-        b, t, v = logits.shape
-        n, dev = t - 1, logits.device
-        params = RowParams.of([s.sampling for s in seqs]).repeat(t).to(dev)
-        p = warp_rows(logits.reshape(b * t, v), params)
+    def _chain_inputs(
+        self, seqs: Sequence[TargetSequence], trees: Sequence[CandidateTree], t: int
+    ) -> ChainInputs:
+        """What rejection sampling needs of a batch of chains besides the logits, on the
+        device: each request's uniforms drawn from its generator (`accept_chains`)."""
+        b, n, dev = len(seqs), t - 1, self.device
         drafts = torch.zeros(b, n, dtype=torch.long)
         u = torch.full((b, t), 0.5)  # a greedy request's verdicts need no randomness
         for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
             drafts[i, : len(tree)] = torch.tensor(tree.tokens, dtype=torch.long)
             if not seq.sampling.greedy:
                 u[i, : len(tree) + 1] = _uniforms(seq, len(tree) + 1)
-        lengths = torch.tensor([len(tree) for tree in trees])
-        q = _draft_q(seqs, trees, drafts, v, dev)
-        accepted, last = accept_chains(
-            p.view(b, t, v), q, drafts.to(dev), lengths.to(dev), u.to(dev)
+        vocab = self.model.lm_head.weight.shape[0]
+        return ChainInputs(
+            params=RowParams.of([s.sampling for s in seqs]).repeat(t).to(dev),
+            drafts=drafts.to(dev),
+            lengths=torch.tensor([len(tree) for tree in trees]).to(dev),
+            u=u.to(dev),
+            q=_draft_q(seqs, trees, drafts, vocab, dev),
         )
-        verdicts = torch.stack([accepted, last]).tolist()
-        return [
-            Acceptance(tuple(range(m)), tree.tokens[:m], bonus)
-            for tree, m, bonus in zip(trees, *verdicts, strict=True)
-        ]
 
     def _layout(
         self,
@@ -309,6 +309,32 @@ class TargetWorker:
         if seq.slot >= 0:
             self.cache.free(seq.slot)
             seq.slot = -1
+
+
+@dataclass(frozen=True, slots=True)
+class ChainInputs:
+    """A batch of B chains of up to n drafts as `accept_chains` takes them, on the device."""
+
+    params: RowParams  # [B * (n + 1)] rows: each request's, once per tree row
+    drafts: Tensor  # [B, n]
+    lengths: Tensor  # [B]
+    u: Tensor  # [B, n + 1]
+    q: Tensor  # [B, n, V]
+
+
+def _sample_chains(
+    trees: Sequence[CandidateTree], logits: Tensor, chains: ChainInputs
+) -> list[Acceptance]:
+    """Rejection sampling of a batch of chains (greedy requests among them too) on the
+    logits' device: the host reads back 2 numbers per request."""
+    b, t, v = logits.shape
+    p = warp_rows(logits.reshape(b * t, v), chains.params).view(b, t, v)
+    accepted, last = accept_chains(p, chains.q, chains.drafts, chains.lengths, chains.u)
+    verdicts = torch.stack([accepted, last]).tolist()
+    return [
+        Acceptance(tuple(range(m)), tree.tokens[:m], bonus)
+        for tree, m, bonus in zip(trees, *verdicts, strict=True)
+    ]
 
 
 def _uniforms(seq: TargetSequence, n: int) -> Tensor:

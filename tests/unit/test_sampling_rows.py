@@ -13,12 +13,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+import specpair.runtime.sampling as sampling_module
 from specpair.runtime.accept import accept_chains, accept_greedy_argmax, residual
 from specpair.runtime.sampling import (
     RowParams,
     SamplingParams,
     draft_support,
     sample_rows,
+    top_candidates,
     warp,
     warp_rows,
 )  # fmt: skip
@@ -51,6 +53,34 @@ def test_warp_rows_equals_the_reference_warp_row_by_row() -> None:
     batched = warp_rows(logits, RowParams.of(WARPS))
     for i, params in enumerate(WARPS):
         torch.testing.assert_close(batched[i], warp(logits[i], params), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("candidates", [16, 64])
+def test_warp_rows_from_few_candidates_or_by_the_fallback_sort_equals_the_reference(
+    candidates: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows whose cut falls among the candidates (sharp, top-k, min-p) and a batch where one
+    row's does not (T = 2 over 300 tokens, top-p 0.99: the whole batch sorts) agree alike."""
+    monkeypatch.setattr(sampling_module, "CANDIDATES", candidates)
+    sharp = [
+        SamplingParams(temperature=0.3, top_p=0.9),
+        SamplingParams(temperature=1.0, top_k=8),
+        SamplingParams(temperature=0.5, min_p=0.2),
+    ]
+    for rows in (sharp, [*sharp, SamplingParams(temperature=2.0, top_p=0.99)]):
+        logits = logits_of(len(rows), 300, seed=len(rows))
+        batched = warp_rows(logits, RowParams.of(rows))
+        for i, params in enumerate(rows):
+            torch.testing.assert_close(batched[i], warp(logits[i], params), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("vocab", "k"), [(128256, 64), (128256, 1024), (1000, 7), (50, 40)])
+def test_top_candidates_are_the_topk(vocab: int, k: int) -> None:
+    x = logits_of(3, vocab, seed=vocab)
+    values, ids = top_candidates(x, k)
+    expected = x.topk(k)
+    torch.testing.assert_close(values, expected.values)
+    torch.testing.assert_close(x.gather(-1, ids), expected.values)
 
 
 def test_warp_rows_keeps_ties_at_the_kth_logit_as_the_reference() -> None:
