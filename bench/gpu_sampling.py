@@ -1,14 +1,18 @@
-"""Sampling kernels on the device: specpair's torch warp and draw against flashinfer's.
+"""Sampling kernels on the device: specpair's torch warps, draws and accept against flashinfer's.
 
 Per batch of rows over a Llama-3 vocabulary (128 256), T = 0.7, top-p 0.95, the GPU time (CUDA
-events, median of `--iters` after warm-up) of:
-- `warp+draw (torch)`: `warp_rows` (one stable sort serves top-k, top-p, min-p) and
-  `sample_rows` (inverse CDF of one host uniform per row): what the target runs per round;
-- `warp+draw (flashinfer renorm)`: flashinfer's `softmax` and `top_p_renorm_probs` (radix
-  threshold, no sort) for the warp, then `sample_rows`;
-- `draw only (flashinfer)`: `top_k_top_p_sampling_from_logits`, which gives a token but
-  neither the warped p that rejection needs nor a draw from the request's own generator;
-- `draft step (torch)`: `draft_support`, a draft step's sparse q of 64 tokens and its draw.
+events) and the host's wall time (launch to synchronised result) of one call, medians of
+`--iters` after warm-up:
+- `warp (candidates)`: `warp_rows` as served: the cut among each row's 1024 likeliest tokens;
+- `warp (sort)`: the same warp by a stable sort of whole rows (`_sorted_warp`);
+- `warp (flashinfer)`: flashinfer's `softmax` and `top_p_renorm_probs` (radix threshold);
+- `draw`: `sample_rows`, the inverse CDF of one host uniform per row;
+- `draw only (flashinfer)`: `top_k_top_p_sampling_from_logits`: a token, but neither the warped
+  p that rejection needs nor a draw from the request's own generator;
+- `draft step (sliced topk)` / `draft step (topk)`: `draft_support`, a draft step's sparse q of
+  64 tokens, by `top_candidates` or one `topk` per row;
+- `accept, tier 7`: the verify's accept for `rows` requests of 7 drafts (8 rows each): warp,
+  `accept_chains`, one read back.
 
     python -m bench.gpu_sampling [--rows 1 8 64] [--iters 200]
 """
@@ -17,14 +21,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
 
+import specpair.runtime.sampling as sampling_module
 from bench.common import device_info, format_table, write_json
+from specpair.runtime.accept import accept_chains
 from specpair.runtime.sampling import (
     RowParams,
     SamplingParams,
@@ -36,46 +42,69 @@ from specpair.runtime.sampling import (
 VOCAB, TEMPERATURE, TOP_P = 128256, 0.7, 0.95
 
 
-def gpu_us(fn: Callable[[], Any], iters: int) -> float:
-    """Median GPU microseconds of one call."""
+def timed_us(fn: Callable[[], Any], iters: int) -> tuple[float, float]:
+    """Median GPU and wall microseconds of one call."""
     for _ in range(5):
         fn()
-    times = []
+    torch.cuda.synchronize()
+    gpu, wall = [], []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
         start.record()
         fn()
         end.record()
         end.synchronize()
-        times.append(1e3 * start.elapsed_time(end))
-    return statistics.median(times)
+        wall.append(1e6 * (time.perf_counter() - t0))
+        gpu.append(1e3 * start.elapsed_time(end))
+    return statistics.median(gpu), statistics.median(wall)
 
 
 def kernels(rows: int) -> dict[str, Callable[[], Any]]:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    logits = torch.randn(rows, VOCAB, device="cuda", generator=gen) * 4
-    params = RowParams.of([SamplingParams(temperature=TEMPERATURE, top_p=TOP_P)] * rows)
-    params = params.to(torch.device("cuda"))
-    u = torch.rand(rows, device="cuda", generator=gen)
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    logits = torch.randn(rows, VOCAB, device=dev, generator=gen) * 4
+    params = RowParams.of([SamplingParams(temperature=TEMPERATURE, top_p=TOP_P)] * rows).to(dev)
+    u = torch.rand(rows, device=dev, generator=gen)
+    probs = warp_rows(logits, params)
+    x = logits / TEMPERATURE
+
+    def draft_topk() -> Any:
+        sliced = sampling_module.top_candidates
+        sampling_module.top_candidates = lambda x, k: x.topk(k, dim=-1)
+        try:
+            return draft_support(logits, params, u)
+        finally:
+            sampling_module.top_candidates = sliced
+
+    # tier 7: 8 verify rows per request, 7 drafts drawn from a 64-token q
+    tree_logits = torch.randn(rows, 8, VOCAB, device=dev, generator=gen) * 4
+    tree_params = params.repeat(8)
+    drafts = torch.randint(0, VOCAB, (rows, 7), device=dev, generator=gen)
+    q = torch.zeros(rows, 7, VOCAB, device=dev).scatter_(-1, drafts[..., None], 1.0)
+    lengths = torch.full((rows,), 7, device=dev)
+    tree_u = torch.rand(rows, 8, device=dev, generator=gen)
+
+    def accept() -> Any:
+        p = warp_rows(tree_logits.view(rows * 8, VOCAB), tree_params).view(rows, 8, VOCAB)
+        return torch.stack(accept_chains(p, q, drafts, lengths, tree_u)).tolist()
+
     out: dict[str, Callable[[], Any]] = {
-        "warp+draw (torch)": lambda: sample_rows(warp_rows(logits, params), u),
-        "draft step (torch)": lambda: draft_support(logits, params, u),
+        "warp (candidates)": lambda: warp_rows(logits, params),
+        "warp (sort)": lambda: sampling_module._sorted_warp(x, params),
+        "draw": lambda: sample_rows(probs, u),
+        "draft step (sliced topk)": lambda: draft_support(logits, params, u),
+        "draft step (topk)": draft_topk,
+        "accept, tier 7": accept,
     }
     try:
         import flashinfer.sampling as fs
     except ImportError:
         return out
-    top_p = torch.full((rows,), TOP_P, device="cuda")
-    temperature = torch.full((rows,), TEMPERATURE, device="cuda")
-
-    def renorm() -> Tensor:
-        probs = fs.softmax(logits, temperature)
-        return sample_rows(fs.top_p_renorm_probs(probs, top_p), u)
-
-    out["warp+draw (flashinfer renorm)"] = renorm
-    out["draw only (flashinfer)"] = lambda: fs.top_k_top_p_sampling_from_logits(
-        logits / temperature[:, None], VOCAB, top_p
-    )
+    top_p = torch.full((rows,), TOP_P, device=dev)
+    temperature = torch.full((rows,), TEMPERATURE, device=dev)
+    out["warp (flashinfer)"] = lambda: fs.top_p_renorm_probs(fs.softmax(logits, temperature), top_p)
+    out["draw only (flashinfer)"] = lambda: fs.top_k_top_p_sampling_from_logits(x, VOCAB, top_p)
     return out
 
 
@@ -88,14 +117,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/gpu_sampling.json"))
     args = parser.parse_args()
     info = device_info()
-    results: dict[str, dict[int, float]] = {}
+    results: dict[str, dict[int, tuple[float, float]]] = {}
     for rows in args.rows:
         for name, fn in kernels(rows).items():
-            results.setdefault(name, {})[rows] = gpu_us(fn, args.iters)
-            print(f"  {name:32s} rows {rows:3d} {results[name][rows]:9.1f} us", flush=True)
-    write_json(args.out, {"device": info, "vocab": VOCAB, "us": results})
-    headers = ["kernel", *(f"{r} rows (us)" for r in args.rows)]
-    table = [[n, *(f"{v[r]:.1f}" for r in args.rows)] for n, v in results.items()]
+            gpu, wall = results.setdefault(name, {})[rows] = timed_us(fn, args.iters)
+            print(f"  {name:26s} rows {rows:3d} gpu {gpu:8.1f} us wall {wall:8.1f} us", flush=True)
+    write_json(args.out, {"device": info, "vocab": VOCAB, "us (gpu, wall)": results})
+    headers = ["kernel", *(f"{r} rows: gpu / wall us" for r in args.rows)]
+    table = [
+        [n, *(f"{v[r][0]:.0f} / {v[r][1]:.0f}" if r in v else "-" for r in args.rows)]
+        for n, v in results.items()
+    ]
     print(f"\n{info.get('gpu', info['cpu'])}, vocabulary {VOCAB}, T {TEMPERATURE}, top-p {TOP_P}")
     print(format_table(headers, table))
 

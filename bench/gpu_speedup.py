@@ -45,6 +45,7 @@ from bench.acceptance import code_prompts, prose_prompts
 from bench.adaptive import KINDS, RUNS, STATIC, build_phases, load_policy, oracle_of, run_workload
 from bench.common import device_info, format_table, write_json
 from bench.services import BenchServices, wait_draft_connected
+from controller.bands import PolicySpec
 from controller.policy import PolicyConfig
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.config import MODELS_DIR, compute_threads
@@ -62,6 +63,7 @@ TEMPERATURES = (0.0, 0.7)
 WARMUP_TOKENS = 8
 # draft kind -> (shipped folder, grown shape)
 DRAFTS = {"eagle": ("eagle", "llama3-8b"), "model": ("draft", "llama3.2-1b")}
+GOODPUT = {"kind": "goodput", "candidate_steps": [0, *TIERS]}
 
 
 @dataclass(frozen=True)
@@ -262,8 +264,10 @@ def services(
     target: Path, draft: Path, draft_kind: str, workloads: list[Workload], batches: list[int],
     *, new_tokens: int, device: str, dtype: str, max_len: int, log_dir: Path,
     phased: Callable[[BenchServices], dict[str, Any]] | None, record: Callable[[Cell], None],
+    goodput: bool = False,
 ) -> dict[str, Any] | None:  # fmt: skip
-    """Target-only (`--no-draft`), then static tiers and adaptive through the controller."""
+    """Target-only (`--no-draft`), then static tiers and adaptive through the controller
+    (SGLang's rule, then with `goodput` the goodput kind)."""
     common: dict[str, Any] = dict(
         target=target, log_dir=log_dir, device=device, dtype=dtype, max_len=max_len,
         candidate_steps=TIERS,
@@ -285,6 +289,12 @@ def services(
         ctl.unpin()
         time.sleep(0.3)
         serve_cells(client, "adaptive", workloads, batches, new_tokens, record)
+        if goodput:  # the goodput kind, afresh from tier 3, over tiers 0 / 1 / 3 / 7
+            ctl.pin(3)
+            ctl.update_policy(**PolicySpec.from_mapping(GOODPUT).policy_options())
+            ctl.unpin()
+            time.sleep(0.3)
+            serve_cells(client, "goodput", workloads, batches, new_tokens, record)
         return phased(group) if phased is not None else None
 
 
@@ -428,6 +438,7 @@ def main() -> None:
     parser.add_argument("--deployments", nargs="+", choices=["services", "in-process"],
                         default=["services", "in-process"])  # fmt: skip
     parser.add_argument("--phased", action="store_true", help="also the phased workload")
+    parser.add_argument("--goodput", action="store_true", help="also the goodput policy kind")
     parser.add_argument("--per-phase", type=int, default=8, help="requests per phase")
     parser.add_argument("--out", type=Path, help="JSON (default: bench/results/…_<kind>.json)")
     parser.add_argument(
@@ -498,7 +509,7 @@ def main() -> None:
         phased = services(
             target, draft, args.draft_kind, workloads, args.batches, new_tokens=args.new_tokens,
             device=args.device, dtype=dtype, max_len=max_len, log_dir=log_dir, phased=run_phased,
-            record=record,
+            record=record, goodput=args.goodput,
         )  # fmt: skip
     save()
     title = f"{args.draft_kind} draft, {args.shape} pair, {gpu}: tokens/s by configuration"

@@ -113,7 +113,8 @@ class RowParams:
     A greedy row holds temperature 1 so that the warp stays finite; `greedy` overrides it."""
 
     table: Tensor
-    filters: bool = True  # some row has top-k, top-p or min-p (else the warp needs no sort)
+    filters: bool = True  # some row has top-k, top-p or min-p
+    any_plain: bool = True  # some row has none of them (its warp is a softmax)
     any_greedy: bool = True  # some row is greedy (else the warp needs no one-hot rows)
 
     @staticmethod
@@ -123,12 +124,12 @@ class RowParams:
             (p.temperature or 1.0, float(p.top_k), p.top_p, p.min_p, float(p.greedy))
             for p in params
         ]
-        filters = any(p.top_k or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
+        filtered = [bool(p.top_k or p.top_p < 1.0 or p.min_p > 0.0) for p in params]
         table = torch.tensor(rows, dtype=torch.float32).view(-1, 5)
-        return RowParams(table, filters, any(p.greedy for p in params))
+        return RowParams(table, any(filtered), not all(filtered), any(p.greedy for p in params))
 
     def _with(self, table: Tensor) -> RowParams:
-        return RowParams(table, self.filters, self.any_greedy)
+        return RowParams(table, self.filters, self.any_plain, self.any_greedy)
 
     def to(self, device: torch.device) -> RowParams:
         return self._with(self.table.to(device, non_blocking=True))
@@ -161,6 +162,11 @@ class RowParams:
     def greedy(self) -> Tensor:
         return self.table[:, 4] > 0  # [R] bool
 
+    @property
+    def plain(self) -> Tensor:
+        """[R] bool: rows without top-k, top-p or min-p."""
+        return (self.table[:, 1] == 0) & (self.table[:, 2] >= 1.0) & (self.table[:, 3] <= 0.0)
+
 
 def warp_rows(logits: Tensor, params: RowParams) -> Tensor:
     """`warp` for a batch of rows [R, V] with per-row parameters, on the rows' device: float32
@@ -168,21 +174,30 @@ def warp_rows(logits: Tensor, params: RowParams) -> Tensor:
 
     Each filter keeps a prefix of the row sorted by logit, so together they keep the tokens at
     or above one logit threshold per row. The threshold is looked for among the row's
-    `CANDIDATES` likeliest tokens (`top_candidates`); only when a row's cut lies past them (a
-    flat distribution, a top-k beyond them) does the batch sort whole rows (`_sorted_warp`)."""
+    `CANDIDATES` likeliest tokens (`top_candidates`); only a row whose cut lies past them (a
+    flat distribution, a top-k beyond them) sorts its whole row (`_sorted_warp`; one host
+    sync decides). Which way a row goes depends on that row alone, so its probabilities are
+    the same bits whatever batch it is in."""
     x = logits.float() / params.temperature
-    probs = _candidate_warp(x, params) if params.filters else torch.softmax(x, -1)
-    if probs is None:
-        probs = _sorted_warp(x, params)
+    probs = torch.softmax(x, -1) if params.any_plain else None
+    if params.filters:
+        plain = params.plain
+        filtered, covered = _candidate_warp(x, params)
+        covered |= plain
+        if not bool(covered.all()):
+            rows = (~covered).nonzero()[:, 0]
+            filtered[rows] = _sorted_warp(x[rows], params.rows(rows))
+        probs = filtered if probs is None else torch.where(plain[:, None], probs, filtered)
+    assert probs is not None
     if not params.any_greedy:
         return probs
     hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(params.greedy[:, None], hot, probs)
 
 
-def _candidate_warp(x: Tensor, params: RowParams) -> Tensor | None:
-    """The warp of temperature-scaled logits x [R, V] from their top candidates, or None
-    when some row's cut lies past them (one host sync decides)."""
+def _candidate_warp(x: Tensor, params: RowParams) -> tuple[Tensor, Tensor]:
+    """The warp of temperature-scaled logits x [R, V] from their top candidates, and which
+    rows it holds for ([R] bool; not where a row's cut lies past them)."""
     v = x.shape[-1]
     c = min(CANDIDATES, v)
     top, _ = top_candidates(x, c)  # [R, c], descending
@@ -199,11 +214,9 @@ def _candidate_warp(x: Tensor, params: RowParams) -> Tensor | None:
     # the cut is known when it falls before the last candidate, or the candidates are all
     covered = (n < c) | (c == v)
     covered &= (k <= c) | (k >= v)  # a top-k past the candidates: its normaliser is unknown
-    if not bool(covered.all()):
-        return None
     threshold = top.gather(-1, n - 1)
     probs = (x - top[:, :1]).exp().masked_fill(x < threshold, 0.0)
-    return probs / probs.sum(-1, keepdim=True)
+    return probs / probs.sum(-1, keepdim=True), covered[:, 0]
 
 
 def _sorted_warp(x: Tensor, params: RowParams) -> Tensor:

@@ -209,3 +209,19 @@ def test_plain_rounds_are_accept_chains_without_drafts(vocab: int) -> None:
     )
     assert accepted.tolist() == [0, 0, 0]
     assert last.tolist() == sample_rows(p, u[:, 0]).tolist()
+
+
+def test_a_rows_probabilities_do_not_depend_on_the_rows_beside_it(monkeypatch) -> None:
+    """Each row takes its own way (softmax, candidates, or the sort its cut needs), so a row's
+    warp is the same bits alone and in any batch: seeded draws stay batch-independent."""
+    monkeypatch.setattr(sampling_module, "CANDIDATES", 16)
+    params = [
+        SamplingParams(temperature=0.3, top_p=0.9),  # cut among the candidates
+        SamplingParams(temperature=1.3),  # no filter: a softmax
+        SamplingParams(temperature=2.0, top_p=0.99),  # cut past them: sorts
+        SamplingParams(),  # greedy
+    ]
+    logits = logits_of(len(params), 300, seed=11)
+    together = warp_rows(logits, RowParams.of(params))
+    for i, p in enumerate(params):
+        assert torch.equal(warp_rows(logits[i : i + 1], RowParams.of([p]))[0], together[i])
