@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specpair.runtime.sampling import sample, sample_rows
+from specpair.runtime.sampling import RowParams, sample, sample_rows
 from specpair.runtime.tree import CandidateTree, children, full_parents
 
 
@@ -31,6 +31,20 @@ class Acceptance:
     def keep(self) -> list[int]:
         """Full-tree indices whose KV is committed: the root and the accepted nodes."""
         return [0] + [n + 1 for n in self.nodes]
+
+
+@dataclass(frozen=True, slots=True)
+class ChainBatch:
+    """B chains of up to n drafts as `accept_chains` takes them, on the host (an accept graph
+    loads them into its buffers, the eager accept copies them to the logits' device)."""
+
+    params: RowParams  # B * (n + 1) rows: each request's sampling, once per tree row
+    drafts: Tensor  # [B, n]
+    lengths: Tensor  # [B] drafts per chain
+    u: Tensor  # [B, n + 1] uniforms, from each request's generator
+    q_ids: Tensor  # [B, n, K]: q sparse (a greedy request's: one-hot at its drafts)
+    q: Tensor  # [B, n, K]
+    dense: tuple[tuple[int, Tensor], ...] = ()  # (request, q [m, V]) that came dense
 
 
 def accept_greedy(tree: CandidateTree, target_logits: Tensor) -> Acceptance:

@@ -178,21 +178,31 @@ def warp_rows(logits: Tensor, params: RowParams) -> Tensor:
     flat distribution, a top-k beyond them) sorts its whole row (`_sorted_warp`; one host
     sync decides). Which way a row goes depends on that row alone, so its probabilities are
     the same bits whatever batch it is in."""
+    probs, covered = warp_candidates(logits, params)
+    if covered is not None and not bool(covered.all()):
+        rows = (~covered).nonzero()[:, 0]
+        x = logits[rows].float() / params.rows(rows).temperature
+        probs[rows] = _sorted_warp(x, params.rows(rows))
+    return probs
+
+
+def warp_candidates(logits: Tensor, params: RowParams) -> tuple[Tensor, Tensor | None]:
+    """`warp_rows` without its sorts, graph-safe: the probabilities [R, V], and which rows
+    they hold for ([R] bool; None when no row filters). A row whose cut lies past its
+    candidates needs `warp_rows`. The host flags of `params` skip what no row needs."""
     x = logits.float() / params.temperature
     probs = torch.softmax(x, -1) if params.any_plain else None
+    covered = None
     if params.filters:
         plain = params.plain
         filtered, covered = _candidate_warp(x, params)
-        covered |= plain
-        if not bool(covered.all()):
-            rows = (~covered).nonzero()[:, 0]
-            filtered[rows] = _sorted_warp(x[rows], params.rows(rows))
+        covered |= plain | params.greedy  # a greedy row is one-hot below
         probs = filtered if probs is None else torch.where(plain[:, None], probs, filtered)
     assert probs is not None
-    if not params.any_greedy:
-        return probs
-    hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    return torch.where(params.greedy[:, None], hot, probs)
+    if params.any_greedy:
+        hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(params.greedy[:, None], hot, probs)
+    return probs, covered
 
 
 def _candidate_warp(x: Tensor, params: RowParams) -> tuple[Tensor, Tensor]:

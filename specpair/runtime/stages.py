@@ -19,6 +19,7 @@ from specpair.runtime.layout import BatchLayout
 from specpair.runtime.lookahead import Lookahead
 
 if TYPE_CHECKING:
+    from specpair.runtime.accept import ChainBatch
     from specpair.runtime.draft import Drafter, DraftQ, DraftSampling
     from specpair.runtime.round import DraftInput
 
@@ -41,6 +42,11 @@ class VerifyStage(Protocol):
 
     def run(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """Host tokens [B, T] -> hidden [B, T, H], float logits [B, T, V] (device)."""
+
+    def accept(self, chains: ChainBatch) -> list[list[int]] | None:
+        """The sampled accept of the batch `run` just verified, in a graph of its own: per
+        request [accepted drafts, last token]; None where none serves (the caller accepts
+        eagerly from the logits, left in place)."""
 
     def read_gpu_ms(self) -> float:
         """GPU time of the graph replays since the last read (0: none ran)."""
@@ -124,6 +130,9 @@ class EagerVerify:
             tokens.to(dev), positions.to(dev), self.cache.bind(layout), self.feature_layers
         )
         return features, self.model.logits(hidden)
+
+    def accept(self, chains: ChainBatch) -> list[list[int]] | None:
+        return None
 
     def read_gpu_ms(self) -> float:
         return 0.0

@@ -17,6 +17,7 @@ from torch import Tensor
 from specpair.models.llama import LlamaModel
 from specpair.runtime.accept import (
     Acceptance,
+    ChainBatch,
     accept_chains,
     accept_greedy_argmax,
     accept_sampling,
@@ -207,7 +208,11 @@ class TargetWorker:
                 for i, tree in enumerate(trees)
             ]
         elif chains is not None:
-            accs = _sample_chains(trees, logits, chains)
+            verdicts = stage.accept(chains) or _sample_chains(logits, chains)
+            accs = [
+                Acceptance(tuple(range(m)), tree.tokens[:m], bonus)
+                for tree, (m, bonus) in zip(trees, verdicts, strict=True)
+            ]
         else:  # sampled trees: the host reference, request by request
             host = logits.cpu()
             accs = [
@@ -229,23 +234,25 @@ class TargetWorker:
 
     def _chain_inputs(
         self, seqs: Sequence[TargetSequence], trees: Sequence[CandidateTree], t: int
-    ) -> ChainInputs:
+    ) -> ChainBatch:
         """What rejection sampling needs of a batch of chains besides the logits, on the
-        device: each request's uniforms drawn from its generator (`accept_chains`)."""
-        b, n, dev = len(seqs), t - 1, self.device
+        host: each request's uniforms drawn from its generator, its q sparse."""
+        b, n = len(seqs), t - 1
         drafts = torch.zeros(b, n, dtype=torch.long)
         u = torch.full((b, t), 0.5)  # a greedy request's verdicts need no randomness
         for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
             drafts[i, : len(tree)] = torch.tensor(tree.tokens, dtype=torch.long)
             if not seq.sampling.greedy:
                 u[i, : len(tree) + 1] = _uniforms(seq, len(tree) + 1)
-        vocab = self.model.lm_head.weight.shape[0]
-        return ChainInputs(
-            params=RowParams.of([s.sampling for s in seqs]).repeat(t).to(dev),
-            drafts=drafts.to(dev),
-            lengths=torch.tensor([len(tree) for tree in trees]).to(dev),
-            u=u.to(dev),
-            q=_draft_q(seqs, trees, drafts, vocab, dev),
+        q_ids, q, dense = _draft_q(seqs, trees, drafts)
+        return ChainBatch(
+            params=RowParams.of([s.sampling for s in seqs]).repeat(t),
+            drafts=drafts,
+            lengths=torch.tensor([len(tree) for tree in trees]),
+            u=u,
+            q_ids=q_ids,
+            q=q,
+            dense=dense,
         )
 
     def _layout(
@@ -311,30 +318,20 @@ class TargetWorker:
             seq.slot = -1
 
 
-@dataclass(frozen=True, slots=True)
-class ChainInputs:
-    """A batch of B chains of up to n drafts as `accept_chains` takes them, on the device."""
-
-    params: RowParams  # [B * (n + 1)] rows: each request's, once per tree row
-    drafts: Tensor  # [B, n]
-    lengths: Tensor  # [B]
-    u: Tensor  # [B, n + 1]
-    q: Tensor  # [B, n, V]
-
-
-def _sample_chains(
-    trees: Sequence[CandidateTree], logits: Tensor, chains: ChainInputs
-) -> list[Acceptance]:
-    """Rejection sampling of a batch of chains (greedy requests among them too) on the
-    logits' device: the host reads back 2 numbers per request."""
+def _sample_chains(logits: Tensor, chains: ChainBatch) -> list[list[int]]:
+    """Rejection sampling of a batch of chains (greedy requests among them too), eagerly on
+    the logits' device: per request [accepted drafts, last token]."""
     b, t, v = logits.shape
-    p = warp_rows(logits.reshape(b * t, v), chains.params).view(b, t, v)
-    accepted, last = accept_chains(p, chains.q, chains.drafts, chains.lengths, chains.u)
-    verdicts = torch.stack([accepted, last]).tolist()
-    return [
-        Acceptance(tuple(range(m)), tree.tokens[:m], bonus)
-        for tree, m, bonus in zip(trees, *verdicts, strict=True)
-    ]
+    dev = logits.device
+    p = warp_rows(logits.reshape(b * t, v), chains.params.to(dev)).view(b, t, v)
+    q = torch.zeros(b, t - 1, v, device=dev)
+    q.scatter_add_(-1, chains.q_ids.to(dev), chains.q.to(dev))
+    for i, rows in chains.dense:
+        q[i, : len(rows)] = rows.to(dev)
+    accepted, last = accept_chains(
+        p, q, chains.drafts.to(dev), chains.lengths.to(dev), chains.u.to(dev)
+    )
+    return torch.stack([accepted, last], -1).tolist()
 
 
 def _uniforms(seq: TargetSequence, n: int) -> Tensor:
@@ -344,35 +341,28 @@ def _uniforms(seq: TargetSequence, n: int) -> Tensor:
 
 
 def _draft_q(
-    seqs: Sequence[TargetSequence],
-    trees: Sequence[CandidateTree],
-    drafts: Tensor,
-    vocab: int,
-    device: torch.device,
-) -> Tensor:
-    """q [B, n, V] on `device` of a batch of chains: each sampled request's draft distribution
-    (a sparse one scattered there: only its K ids and probabilities travel), a greedy
-    request's one-hot at its drafts (see `accept_chains`)."""
+    seqs: Sequence[TargetSequence], trees: Sequence[CandidateTree], drafts: Tensor
+) -> tuple[Tensor, Tensor, tuple[tuple[int, Tensor], ...]]:
+    """The q of a batch of chains as sparse rows (ids [B, n, K], probs [B, n, K]; padding
+    adds 0 to token 0): each sampled request's own, a greedy request's one-hot at its drafts
+    (see `accept_chains`); and the requests whose q came dense [m, V]."""
     b, n = drafts.shape
     width = max(
-        (len(t.draft_ids[0]) for t in trees if t.draft_ids is not None and len(t)), default=1
+        (t.draft_ids.shape[1] for t in trees if t.draft_ids is not None and len(t)), default=1
     )
     ids = torch.zeros(b, n, width, dtype=torch.long)
     probs = torch.zeros(b, n, width)
-    ids[..., 0], probs[..., 0] = drafts, 1.0  # padding columns add 0 to token 0
+    ids[..., 0], probs[..., 0] = drafts, 1.0
     dense: list[tuple[int, Tensor]] = []
     for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
         m = len(tree)
         if seq.sampling.greedy or tree.draft_probs is None or not m:
             continue
         if tree.draft_ids is None:
+            probs[i, :m, 0] = 0.0
             dense.append((i, tree.draft_probs))
             continue
         k = tree.draft_ids.shape[1]
         ids[i, :m, :k], probs[i, :m, :k] = tree.draft_ids, tree.draft_probs
         ids[i, :m, k:], probs[i, :m, k:] = 0, 0.0
-    q = torch.zeros(b, n, vocab, device=device)
-    q.scatter_add_(-1, ids.to(device), probs.to(device))
-    for i, rows in dense:
-        q[i, : len(rows)] = rows.to(device)
-    return q
+    return ids, probs, tuple(dense)

@@ -105,14 +105,14 @@ def test_unmapped_draft_distribution_fails_the_same_test(small_vocab, monkeypatc
     draft_id = {int(t): i for i, t in enumerate(ids)}
     mapped = target_module._draft_q
 
-    def unmapped(seqs, trees, drafts, vocab, device):
+    def unmapped(seqs, trees, drafts):
         wrong = [
             t
             if t.draft_ids is None
             else replace(t, draft_ids=t.draft_ids.clone().apply_(lambda x: draft_id.get(x, x)))
             for t in trees
         ]
-        return mapped(seqs, wrong, drafts, vocab, device)
+        return mapped(seqs, wrong, drafts)
 
     monkeypatch.setattr(target_module, "_draft_q", unmapped)
     counts = Counter(samples(*small_vocab, PARAMS[0]))

@@ -30,6 +30,7 @@ from specpair.models.tiny import make_tiny_eagle, make_tiny_llama
 from specpair.runtime.build import build_drafter, build_target
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.graphs.draft import StepGraphs
+from specpair.runtime.graphs.verify import ACCEPT_GRAPH_BATCH, VerifyGraphs
 from specpair.runtime.sampling import (
     RowParams,
     SamplingParams,
@@ -43,7 +44,7 @@ from tests.engine.test_sampling_lossless import PARAMS, fit_pvalue
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
-VOCAB, PROMPT, DEPTH, RUNS, BATCH = 6, [1, 4, 2], 3, 4096, 64
+VOCAB, PROMPT, DEPTH, RUNS = 6, [1, 4, 2], 3, 4096
 SHAPE = dict(hidden_size=256, num_heads=2, num_kv_heads=1, intermediate_size=512)
 
 
@@ -71,30 +72,36 @@ def exact_joint(target: Path, params: SamplingParams) -> dict[tuple[int, ...], f
     return {o: float(p) for o, p in zip(outcomes, picked.prod(-1), strict=True)}
 
 
-def gpu_samples(ckpts: dict[str, Path], draft: str, params: SamplingParams, tier: int) -> Counter:
+def gpu_samples(
+    ckpts: dict[str, Path], draft: str, params: SamplingParams, tier: int, batch: int = 16
+) -> Counter:
+    """RUNS seeded samples in batches of `batch`: up to 16 the accept runs in its graph, past
+    it eagerly."""
     gc.collect()
     target = ckpts["target"]
     worker = build_target(
-        target, max_requests=BATCH, max_len=64, keep_features=True, dtype=BF16, device="cuda"
+        target, max_requests=batch, max_len=64, keep_features=True, dtype=BF16, device="cuda"
     )
     drafter = build_drafter(
-        ckpts[draft], target_path=target, max_requests=BATCH, max_len=64, dtype=BF16,
+        ckpts[draft], target_path=target, max_requests=batch, max_len=64, dtype=BF16,
         device="cuda",
     )  # fmt: skip
     state = build_states([tier], worker, drafter)[tier]
     assert isinstance(state.draft, StepGraphs) and state.draft.sampled
     engine = SpeculativeEngine(worker, drafter)
     counts: Counter = Counter()
-    for start in range(0, RUNS, BATCH):
+    for start in range(0, RUNS, batch):
         sampling = [
             SamplingParams(params.temperature, params.top_p, params.top_k, start + i, params.min_p)
-            for i in range(BATCH)
+            for i in range(batch)
         ]
         results = engine.generate(
-            [PROMPT] * BATCH, max_new_tokens=DEPTH, state=state, sampling=sampling
+            [PROMPT] * batch, max_new_tokens=DEPTH, state=state, sampling=sampling
         )
         counts.update(tuple(r.token_ids) for r in results)
     assert state.draft.sampled_replays > 0  # the sampled graph drew the drafts
+    assert isinstance(state.verify, VerifyGraphs)
+    assert (state.verify.graph_accepts > 0) == (batch <= ACCEPT_GRAPH_BATCH)
     return counts
 
 
@@ -107,13 +114,15 @@ def test_gpu_sampling_matches_target_distribution(small_vocab, params, tier) -> 
 
 def test_gpu_sparse_q_of_a_draft_lm_matches_target_distribution(small_vocab, monkeypatch) -> None:
     monkeypatch.setattr(sampling_module, "DRAFT_SUPPORT", 2)  # read when the graphs capture
-    counts = gpu_samples(small_vocab, "draft", PARAMS[0], 3)
+    counts = gpu_samples(small_vocab, "draft", PARAMS[0], 3, batch=64)
     assert fit_pvalue(counts, exact_joint(small_vocab["target"], PARAMS[0])) > 1e-3
 
 
-def test_gpu_broken_residual_fails_the_same_test(small_vocab, monkeypatch) -> None:
+@pytest.mark.parametrize("batch", [16, 64])
+def test_gpu_broken_residual_fails_the_same_test(small_vocab, monkeypatch, batch) -> None:
+    """In the accept graph (captured with the broken rule) and eagerly."""
     monkeypatch.setattr(accept_module, "residual", lambda p, q: p)
-    counts = gpu_samples(small_vocab, "draft", PARAMS[0], 3)
+    counts = gpu_samples(small_vocab, "draft", PARAMS[0], 3, batch)
     assert fit_pvalue(counts, exact_joint(small_vocab["target"], PARAMS[0])) < 1e-6
 
 

@@ -220,8 +220,10 @@ def test_a_rows_probabilities_do_not_depend_on_the_rows_beside_it(monkeypatch) -
         SamplingParams(temperature=1.3),  # no filter: a softmax
         SamplingParams(temperature=2.0, top_p=0.99),  # cut past them: sorts
         SamplingParams(),  # greedy
+        SamplingParams(top_p=0.99),  # greedy: its filter changes nothing
     ]
     logits = logits_of(len(params), 300, seed=11)
     together = warp_rows(logits, RowParams.of(params))
     for i, p in enumerate(params):
         assert torch.equal(warp_rows(logits[i : i + 1], RowParams.of([p]))[0], together[i])
+    assert together[4].max() == 1.0 and int(together[4].argmax()) == int(logits[4].argmax())

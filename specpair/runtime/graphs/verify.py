@@ -1,7 +1,10 @@
 """The verify stage in CUDA graphs: B × (s + 1) tree tokens → hidden [B, s + 1, H], logits.
 
 One graph per batch bucket of a tier; a verify that no graph fits (a batch past the largest
-bucket, a tree past the cache's end) runs the eager stage instead.
+bucket, a tree past the cache's end) runs the eager stage instead. A sampled round's accept
+has a graph of its own per bucket up to ACCEPT_GRAPH_BATCH, reading the verify graph's logits
+in place: the warp, the draws and the rejection of every chain in one replay (eagerly they
+are some fifty kernel launches, host-bound at small batches).
 """
 
 from __future__ import annotations
@@ -11,10 +14,14 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor
 
+import specpair.runtime.sampling as sampling
 from specpair.models.llama import LlamaModel
+from specpair.runtime.accept import ChainBatch, accept_chains
 from specpair.runtime.graphs.capture import GraphCapture, StageGraph, bucket_of, pad2d, pad_layout
 from specpair.runtime.layout import BatchLayout
 from specpair.runtime.stages import EagerVerify
+
+ACCEPT_GRAPH_BATCH = 16  # past it the round's GPU work hides the eager accept's launches
 
 
 def verify_graph(capture: GraphCapture, model: LlamaModel, batch: int, tokens: int) -> StageGraph:
@@ -33,6 +40,35 @@ def verify_graph(capture: GraphCapture, model: LlamaModel, batch: int, tokens: i
     return capture.capture(body, inputs, [attn])
 
 
+def accept_graph(capture: GraphCapture, logits: Tensor) -> StageGraph:
+    """The sampled accept of a verify graph's batch, from its logits [B, T, V] in place: the
+    rows' `params` [B * T, 5], `drafts` [B, T - 1], `lengths` [B], uniforms `u` [B, T] and q
+    sparse (`q_ids`, `q` [B, T - 1, K]) in; `verdicts` [3, B] out: accepted drafts, last
+    token, and whether every row's warp cut fell among its candidates (else: accept eagerly)."""
+    b, t, v = logits.shape
+    dev, k = logits.device, sampling.DRAFT_SUPPORT
+    inputs = {
+        "params": torch.ones(b * t, 5, device=dev),  # RowParams.table; padding rows greedy
+        "drafts": torch.zeros(b, t - 1, dtype=torch.long, device=dev),
+        "lengths": torch.zeros(b, dtype=torch.long, device=dev),
+        "u": torch.full((b, t), 0.5, device=dev),
+        "q_ids": torch.zeros(b, t - 1, k, dtype=torch.long, device=dev),
+        "q": torch.zeros(b, t - 1, k, device=dev),
+    }
+
+    def body() -> dict[str, Tensor]:
+        params = sampling.RowParams(inputs["params"])  # every branch: rows differ
+        p, covered = sampling.warp_candidates(logits.view(b * t, v), params)
+        assert covered is not None
+        q = torch.zeros(b, t - 1, v, device=dev).scatter_add_(-1, inputs["q_ids"], inputs["q"])
+        accepted, last = accept_chains(
+            p.view(b, t, v), q, inputs["drafts"], inputs["lengths"], inputs["u"]
+        )
+        return {"verdicts": torch.stack([accepted, last, covered.view(b, t).all(-1).long()])}
+
+    return capture.capture(body, inputs, [])
+
+
 class VerifyGraphs:
     """One tier's verify stage. `plan` picks the bucket graph, plans its attention and loads
     the positions; `run` loads the tokens and replays it. A plan made ahead (`prepare`) carries
@@ -43,10 +79,20 @@ class VerifyGraphs:
     def __init__(self, capture: GraphCapture, model: LlamaModel, tier: int) -> None:
         self.capture, self.cache = capture, capture.cache
         self.eager = EagerVerify(model, capture.cache)
-        self.graphs = capture.timed(
-            tier, lambda: {b: verify_graph(capture, model, b, tier + 1) for b in capture.buckets}
-        )
+
+        def build() -> tuple[dict[int, StageGraph], dict[int, StageGraph]]:
+            graphs = {b: verify_graph(capture, model, b, tier + 1) for b in capture.buckets}
+            accepts = {
+                b: accept_graph(capture, g.outputs["logits"])
+                for b, g in graphs.items()
+                if b <= ACCEPT_GRAPH_BATCH
+            }
+            return graphs, accepts
+
+        self.graphs, self.accepts = capture.timed(tier, build)
         self._planned: tuple[StageGraph, int, object] | None = None  # graph, batch, key
+        self._ran: tuple[int, int] | None = None  # the last run's (bucket, batch), in a graph
+        self.graph_accepts = 0  # sampled accepts that ran in an accept graph
         self._eager_planned = False
         self.ahead = 0  # verifies that ran on a plan made ahead
 
@@ -85,6 +131,7 @@ class VerifyGraphs:
 
     def run(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """Runs the planned graph on host `tokens` [B, T]: hidden [B, T, H], logits [B, T, V]."""
+        self._ran = None
         if self._eager_planned:
             self._eager_planned = False
             return self.eager.run(tokens)
@@ -94,8 +141,37 @@ class VerifyGraphs:
         tg = g.inputs["tokens"].shape[1]
         g.load("tokens", pad2d(tokens, len(g.inputs["tokens"]), tg))
         self.capture.replay(g)
+        self._ran = (len(g.inputs["tokens"]), b)
         t = tokens.shape[1]
         return g.outputs["hidden"][:b, :t], g.outputs["logits"][:b, :t]
+
+    def accept(self, chains: ChainBatch) -> list[list[int]] | None:
+        """The accept graph of the bucket that ran (see `VerifyStage.accept`)."""
+        graph = None if self._ran is None else self.accepts.get(self._ran[0])
+        if graph is None or chains.dense or chains.q_ids.shape[-1] > sampling.DRAFT_SUPPORT:
+            return None
+        assert self._ran is not None
+        bucket, b = self._ran
+        t = graph.inputs["u"].shape[1]
+        n = chains.drafts.shape[1]  # the batch's longest chain, at most the tier's
+        params = torch.ones(bucket, t, 5)
+        params[:b, : n + 1] = chains.params.table.view(b, n + 1, 5)
+        graph.load("params", params.view(bucket * t, 5))
+        graph.load("drafts", pad2d(chains.drafts, bucket, t - 1))
+        graph.load("lengths", pad2d(chains.lengths[:, None], bucket, 1)[:, 0])
+        graph.load("u", pad2d(chains.u, bucket, t))
+        ids = torch.zeros(bucket, t - 1, sampling.DRAFT_SUPPORT, dtype=torch.long)
+        q = torch.zeros(bucket, t - 1, sampling.DRAFT_SUPPORT)
+        k = chains.q_ids.shape[-1]
+        ids[:b, :n, :k], q[:b, :n, :k] = chains.q_ids, chains.q
+        graph.load("q_ids", ids)
+        graph.load("q", q)
+        self.capture.replay(graph)
+        accepted, last, covered = graph.outputs["verdicts"][:, :b].tolist()
+        if not all(covered):
+            return None  # a row's cut lies past its candidates: it needs a sort
+        self.graph_accepts += 1
+        return [[m, token] for m, token in zip(accepted, last, strict=True)]
 
     def read_gpu_ms(self) -> float:
         return self.capture.read_gpu_ms()
