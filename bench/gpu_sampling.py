@@ -13,6 +13,8 @@ events) and the host's wall time (launch to synchronised result) of one call, me
   64 tokens, by `top_candidates` or one `topk` per row;
 - `accept, tier 7`: the verify's accept for `rows` requests of 7 drafts (8 rows each): warp,
   `accept_chains`, one read back.
+Rows marked `graph` replay the same ops captured in a CUDA graph, as the draft's step graphs
+and the target's accept graphs run them.
 
     python -m bench.gpu_sampling [--rows 1 8 64] [--iters 200]
 """
@@ -36,6 +38,7 @@ from specpair.runtime.sampling import (
     SamplingParams,
     draft_support,
     sample_rows,
+    warp_candidates,
     warp_rows,
 )  # fmt: skip
 
@@ -60,10 +63,25 @@ def timed_us(fn: Callable[[], Any], iters: int) -> tuple[float, float]:
     return statistics.median(gpu), statistics.median(wall)
 
 
+def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """fn captured in a CUDA graph (after a warm-up on a side stream): its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def kernels(rows: int) -> dict[str, Callable[[], Any]]:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
+    # peaked as an LM's logits are: T = 0.7, top-p 0.95 keeps tens of tokens, as on code
     logits = torch.randn(rows, VOCAB, device=dev, generator=gen) * 4
+    logits[:, :32] += 24
     params = RowParams.of([SamplingParams(temperature=TEMPERATURE, top_p=TOP_P)] * rows).to(dev)
     u = torch.rand(rows, device=dev, generator=gen)
     probs = warp_rows(logits, params)
@@ -79,6 +97,7 @@ def kernels(rows: int) -> dict[str, Callable[[], Any]]:
 
     # tier 7: 8 verify rows per request, 7 drafts drawn from a 64-token q
     tree_logits = torch.randn(rows, 8, VOCAB, device=dev, generator=gen) * 4
+    tree_logits[..., :32] += 24
     tree_params = params.repeat(8)
     drafts = torch.randint(0, VOCAB, (rows, 7), device=dev, generator=gen)
     q = torch.zeros(rows, 7, VOCAB, device=dev).scatter_(-1, drafts[..., None], 1.0)
@@ -89,6 +108,10 @@ def kernels(rows: int) -> dict[str, Callable[[], Any]]:
         p = warp_rows(tree_logits.view(rows * 8, VOCAB), tree_params).view(rows, 8, VOCAB)
         return torch.stack(accept_chains(p, q, drafts, lengths, tree_u)).tolist()
 
+    def accept_candidates() -> Any:
+        p, _ = warp_candidates(tree_logits.view(rows * 8, VOCAB), tree_params)
+        return torch.stack(accept_chains(p.view(rows, 8, VOCAB), q, drafts, lengths, tree_u))
+
     out: dict[str, Callable[[], Any]] = {
         "warp (candidates)": lambda: warp_rows(logits, params),
         "warp (sort)": lambda: sampling_module._sorted_warp(x, params),
@@ -96,6 +119,9 @@ def kernels(rows: int) -> dict[str, Callable[[], Any]]:
         "draft step (sliced topk)": lambda: draft_support(logits, params, u),
         "draft step (topk)": draft_topk,
         "accept, tier 7": accept,
+        "draft step (sliced topk), graph": graphed(lambda: draft_support(logits, params, u)),
+        "draft step (topk), graph": graphed(draft_topk),
+        "accept, tier 7, graph": graphed(accept_candidates),
     }
     try:
         import flashinfer.sampling as fs
