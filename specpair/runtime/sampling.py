@@ -102,8 +102,8 @@ def make_generator(seed: int | None) -> torch.Generator:
 # The tokens of a sampled draft's q: 7 nodes × 64 × (id, prob) = 3.6 KB a tier-7 tree.
 DRAFT_SUPPORT = 64
 # The target's warp looks for its cut among each row's CANDIDATES likeliest tokens before it
-# sorts a whole row (T = 0.7, top-p 0.95 over a code LM keeps tens of tokens, not thousands).
-CANDIDATES = 1024
+# sorts a whole row (T = 0.7, top-p 0.95 over a code LM keeps tens of tokens, not hundreds).
+CANDIDATES = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,12 +263,32 @@ def top_candidates(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
 def sample_rows(probs: Tensor, u: Tensor) -> Tensor:
     """One token per row of probs [R, V] (rows summing to about 1) from uniforms u [R] in
     [0, 1), by the inverse CDF: the first token whose cumulative mass passes u × the row's.
-    Never a token of zero mass: one would need u × total >= total (rounding), so the draw is
-    capped at the row's last token with mass. probs [0, .5, 0, .5], u .7 → cdf [0, .5, .5, 1]
-    → token 3."""
+    probs [0, .5, 0, .5], u .7 → cdf [0, .5, .5, 1] → token 3.
+
+    A scan of a whole row runs on one SM; past 2 × DRAW_SLICE tokens the draw goes in two
+    levels instead: a slice of DRAW_SLICE tokens by the slices' masses, then a token within
+    it (the same inverse CDF: u × total less the mass before the slice, within the slice)."""
+    r, v = probs.shape
+    if v <= 2 * DRAW_SLICE:
+        return _inverse_cdf(probs, u.to(probs.dtype) * probs.sum(-1))
+    n = -(-v // DRAW_SLICE)
+    blocks = torch.nn.functional.pad(probs, (0, n * DRAW_SLICE - v)).view(r, n, DRAW_SLICE)
+    mass = blocks.sum(-1)  # [R, n]
+    x = u.to(mass.dtype) * mass.sum(-1)
+    block = _inverse_cdf(mass, x)  # [R]
+    before = (mass.cumsum(-1) - mass).gather(-1, block[:, None])[:, 0]
+    inner = blocks[torch.arange(r, device=probs.device), block]  # [R, DRAW_SLICE]
+    return block * DRAW_SLICE + _inverse_cdf(inner, (x - before).clamp_min(0.0))
+
+
+DRAW_SLICE = 1024
+
+
+def _inverse_cdf(probs: Tensor, x: Tensor) -> Tensor:
+    """Per row of probs [R, N] the first index whose cumulative mass passes x [R]. Never one
+    of zero mass: past the row's total (rounding) it is the row's last index with mass."""
     cdf = probs.cumsum(-1)
-    x = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
-    idx = torch.searchsorted(cdf, x, right=True)[:, 0]
+    idx = torch.searchsorted(cdf, x[:, None].contiguous(), right=True)[:, 0]
     last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.uint8).argmax(-1)
     return torch.minimum(idx, last)
 
@@ -292,4 +312,4 @@ def draft_support(
     q = p * keep
     q = q / q.sum(-1, keepdim=True)
     tokens = ids.gather(-1, sample_rows(q, u)[:, None])[:, 0]
-    return torch.where(params.greedy, logits.argmax(-1), tokens), ids, q
+    return torch.where(params.greedy, ids[:, 0], tokens), ids, q  # greedy: the likeliest

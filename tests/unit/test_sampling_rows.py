@@ -227,3 +227,18 @@ def test_a_rows_probabilities_do_not_depend_on_the_rows_beside_it(monkeypatch) -
     for i, p in enumerate(params):
         assert torch.equal(warp_rows(logits[i : i + 1], RowParams.of([p]))[0], together[i])
     assert together[4].max() == 1.0 and int(together[4].argmax()) == int(logits[4].argmax())
+
+
+def test_sample_rows_over_a_large_vocabulary_draws_in_two_levels_exactly() -> None:
+    """Past 2 × DRAW_SLICE tokens: a slice, then a token within it; mass spread over slices,
+    with zero-mass slices between, and u at the top of the range never lands on no mass."""
+    v = 3 * sampling_module.DRAW_SLICE + 17  # a partial last slice
+    probs = torch.zeros(v)
+    where = torch.tensor([3, 1500, 1501, 2100, v - 1])
+    probs[where] = torch.tensor([0.1, 0.25, 0.05, 0.4, 0.2])
+    u = torch.rand(20000, generator=torch.Generator().manual_seed(3))
+    tokens = sample_rows(probs.expand(len(u), -1).contiguous(), u)
+    assert torch.isin(tokens, where).all()
+    assert fits(torch.bincount(tokens, minlength=v), probs)
+    edge = sample_rows(probs[None], torch.tensor([1.0 - 2**-24]))
+    assert probs[edge] > 0
