@@ -25,6 +25,7 @@ import os
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,8 @@ from specpair.models.loading import is_eagle_checkpoint, read_args
 from specpair.models.tiny import make_tiny_llama
 from specpair.proto.v1 import target_pb2
 from specpair.runtime.build import build_drafter, build_target
-from specpair.runtime.engine import SpeculativeEngine
+from specpair.runtime.engine import GREEDY, SpeculativeEngine
+from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.state import build_states
 from specpair.serving import compute_executor
 
@@ -66,6 +68,7 @@ def in_process(
     device: str,
     dtype: torch.dtype,
     max_len: int,
+    sampling: SamplingParams = GREEDY,
 ) -> dict[int, dict]:
     """One engine; every tier's state (and, on a GPU, graphs) built up front, as the services do."""
     worker = build_target(
@@ -79,12 +82,13 @@ def in_process(
     engine = SpeculativeEngine(worker, drafter)
     states = build_states(tiers, worker, drafter)
     runs = {}
+    seeded = [replace(sampling, seed=i) for i in range(len(work))]
     for tier in tiers:
-        engine.generate(work, max_new_tokens=WARMUP_TOKENS, state=states[tier])
+        engine.generate(work, max_new_tokens=WARMUP_TOKENS, state=states[tier], sampling=seeded)
         engine.times.per_round.clear()
         engine.times.gpu_ms.clear()
         t0 = time.perf_counter()
-        results = engine.generate(work, max_new_tokens=tokens, state=states[tier])
+        results = engine.generate(work, max_new_tokens=tokens, state=states[tier], sampling=seeded)
         wall = time.perf_counter() - t0
         rounds = engine.times.per_round
         runs[tier] = {
@@ -118,6 +122,7 @@ def two_services(
     busy_poll_ms: float | None,
     cpus: dict[str, set[int]] | None = None,
     link: str = "tcp",
+    sampling: SamplingParams = GREEDY,
 ) -> dict[int, dict]:
     kind = "eagle" if is_eagle_checkpoint(draft) else "model"
     with BenchServices(
@@ -131,8 +136,14 @@ def two_services(
         runs = {}
         with ThreadPoolExecutor(len(work)) as pool:
 
+            def one(i: int, max_tokens: int) -> Any:
+                return client.generate(
+                    work[i], max_tokens=max_tokens, temperature=sampling.temperature,
+                    top_p=sampling.top_p, seed=i,
+                )  # fmt: skip
+
             def generate(max_tokens: int) -> list[Any]:
-                return list(pool.map(lambda p: client.generate(p, max_tokens=max_tokens), work))
+                return list(pool.map(lambda i: one(i, max_tokens), range(len(work))))
 
             for tier in tiers:
                 apply_tier(group.target, tier)
@@ -215,6 +226,8 @@ def main() -> None:
     parser.add_argument("--tiers", "--tier", type=int, nargs="+", default=[3])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument(
         "--prompt-len", type=int, help="tokens per prompt (default: 16, 24, … tiny; 512 llama3-8b)"
     )
@@ -288,11 +301,12 @@ def compare(
         cpus = {"draft": draft_cpus, "target": target_cpus}
         print(f"pinned: in-process {sorted(mine)}, draft {sorted(draft_cpus)}, target "
               f"{sorted(target_cpus)}", flush=True)  # fmt: skip
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
     # Same intra-op threads in both, from a worker thread as the services run their compute.
     with compute_executor("bench-compute", threads) as pool:
         local = pool.submit(
             in_process, target, draft, work, args.new_tokens, tiers, device=args.device,
-            dtype=getattr(torch, dtype_name), max_len=context + max(tiers) + 1,
+            dtype=getattr(torch, dtype_name), max_len=context + max(tiers) + 1, sampling=sampling,
         ).result()  # fmt: skip
     if torch.cuda.is_available():  # the in-process models leave the GPU to the services
         gc.collect()
@@ -306,7 +320,7 @@ def compare(
         remote[link] = two_services(
             target, draft, work, args.new_tokens, tiers, threads=threads, device=args.device,
             draft_device=draft_device, dtype=dtype_name, max_len=context, log_dir=log_dir,
-            busy_poll_ms=args.busy_poll_ms, cpus=cpus, link=link,
+            busy_poll_ms=args.busy_poll_ms, cpus=cpus, link=link, sampling=sampling,
         )  # fmt: skip
     if args.device == "cpu":
         mode = "two services, CPU"
