@@ -138,7 +138,8 @@ class DraftRounds:
         inputs = [key for _, key in drafted]
         if not inputs:
             trees = []
-        elif pipeline is not None and state.tier > 0:
+        elif pipeline is not None and state.tier > 0 and request.predraft:
+            # a lookahead only where the target asked for pre-drafts: it costs a draft step
             trees = pipeline.draft(inputs, state)
         else:
             trees = self.drafter.draft(inputs, state)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from specpair.config import PipelineMode
-from specpair.proto.v1 import target_pb2
+from specpair.proto.v1 import common_pb2, target_pb2
 from tests.service.conftest import draft_config, eventually, reference_greedy, target_config
 from tests.service.test_tiers import generate_switching, watch
 
@@ -125,6 +125,27 @@ async def test_a_draft_that_does_not_pipeline_serves_plain_rounds(ckpts, make_st
     assert tokens == reference_greedy(ckpts["target"], PROMPTS[1:2], 30)[0]
     info = await stack.stub.GetServerInfo(target_pb2.TargetServiceGetServerInfoRequest())
     assert not info.pipeline
+
+
+async def test_a_pipelining_draft_drafts_ahead_only_for_targets_that_ask(
+    ckpts, make_stack, monkeypatch
+) -> None:
+    """A round the target does not pipeline gets plain chains: no lookahead step (the draft
+    pipelines by default, while a target on its GPU does not ask)."""
+    stack = await make_stack(
+        draft_config(ckpts["target"], max_requests=32, pipeline_width=8),
+        target_config(ckpts["target"], pipeline=PipelineMode.OFF),
+    )
+    rounds = stack.draft.servicer.rounds
+    assert rounds.pipeline is not None
+    ahead: list[int] = []
+    real = rounds.drafter.draft_ahead
+    monkeypatch.setattr(rounds.drafter, "draft_ahead", lambda *a: ahead.append(1) or real(*a))
+    sampling = common_pb2.SamplingParams(temperature=0.8, seed=5)
+    tokens, _ = await stack.generate(prompt_token_ids=PROMPTS[1], max_tokens=30)
+    await stack.generate(prompt_token_ids=PROMPTS[0], max_tokens=30, sampling=sampling)
+    assert tokens == reference_greedy(ckpts["target"], PROMPTS[1:2], 30)[0]
+    assert not ahead
 
 
 async def test_auto_pipelines_only_across_devices(ckpts, make_stack) -> None:
