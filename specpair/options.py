@@ -3,8 +3,9 @@
 A field with `help` in its metadata is an option: `--max-len` for `max_len` unless `flag` names
 another; `env` names a variable that overrides the command's default, `cli_default` gives the
 command a default other than the library's, `off_flag` adds a switch that sets the field to
-None (`--no-draft`). The field's type gives the parser: an enum becomes choices, a tuple of
-ints a comma-separated list, a tuple of strings a repeatable option.
+None (`--no-draft`), `secret` keeps its value (from `env`) out of --help. The field's type
+gives the parser: an enum becomes choices, a tuple of ints a comma-separated list, a tuple of
+strings a repeatable option.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def add_config_options(parser: argparse.ArgumentParser, cls: type) -> None:
                                 **extra)  # fmt: skip
             continue
         required = f.default is dataclasses.MISSING and "cli_default" not in f.metadata
-        if not required and default not in (None, ""):
+        if not required and default not in (None, "") and not f.metadata.get("secret"):
             shown = ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
             text += f" (default: {shown})"
         metavar = None if "choices" in extra else _flag(f)[2:].upper().replace("-", "_")

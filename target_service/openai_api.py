@@ -11,12 +11,20 @@ from __future__ import annotations
 import json
 import math
 import re
+import reprlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from specpair.proto.v1 import target_pb2
-from target_service.validation import InvalidRequestError
+from target_service.validation import (
+    MAX_BYTES_PER_TOKEN,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    InvalidRequestError,
+    check_messages_size,
+    check_stop,
+)
 
 # OpenAI's documented default for completions; a chat request takes the same (a fixed default
 # keeps one request path: a "rest of the context" default would need the prompt's length
@@ -63,6 +71,17 @@ class ApiRequest:
     max_tokens_field: str = "max_tokens"  # the name the client used, for error messages
 
 
+# A bad value is quoted in its error, shortened: a 3 MB string or a list nested 900 deep
+# becomes a few dozen characters (and never recurses through the whole value).
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict = 2, 40, 40, 4, 4
+
+
+def shown(value: Any) -> str:
+    """`value` as an error message quotes it: repr, cut short."""
+    return _SHORT.repr(value)
+
+
 def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
     # bool is an int subclass: `n: true` must not pass as n == 1.
     return value is None or any(
@@ -75,13 +94,15 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidRequestError(f"{name}: expected a finite number, got {value!r}")
+        raise InvalidRequestError(f"{name}: expected a finite number, got {shown(value)}")
     return float(value)
 
 
 def _integer(value: Any, name: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value < hi:
-        raise InvalidRequestError(f"{name}: expected an integer in [{lo}, {hi}), got {value!r}")
+        raise InvalidRequestError(
+            f"{name}: expected an integer in [{lo}, {hi}), got {shown(value)}"
+        )
     return value
 
 
@@ -90,38 +111,54 @@ def _strings(value: Any, name: str) -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
-        return [value]
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        value = [value]
+    if not isinstance(value, list):
         raise InvalidRequestError(f"{name}: expected a string or a list of strings")
+    if len(value) > MAX_STOP_STRINGS:  # counted before any per-item work
+        check_stop(value)
+    if not all(isinstance(v, str) for v in value):
+        raise InvalidRequestError(f"{name}: expected a string or a list of strings")
+    check_stop(value)
     return value
 
 
-def _token_ids(value: Any, name: str) -> list[int]:
+def _token_ids(value: Any, name: str, limit: int, what: str) -> list[int]:
+    """Token ids, at most `limit` of them (counted before any per-id work)."""
     if not isinstance(value, list):
         raise InvalidRequestError(f"{name}: expected a list of token ids")
+    if len(value) > limit:
+        raise InvalidRequestError(f"{name}: {len(value)} token ids, {what}")
     return [_integer(t, f"{name}[{i}]", 0, INT32_MAX + 1) for i, t in enumerate(value)]
 
 
-def _set_prompt(request: target_pb2.GenerateRequest, prompt: Any) -> None:
+def _set_prompt(request: target_pb2.GenerateRequest, prompt: Any, max_len: int) -> None:
     """A string, token ids, or a batch of exactly one of those."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) > max_len:
+        raise InvalidRequestError(
+            f"prompt: {len(prompt)} items cannot fit the context of {max_len} tokens"
+        )
     if isinstance(prompt, str):
         request.prompt = prompt
     elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        request.prompt_token_ids.extend(_token_ids(prompt, "prompt"))
+        request.prompt_token_ids.extend(_token_ids(prompt, "prompt", max_len, "too many"))
     elif isinstance(prompt, list):
         raise InvalidRequestError("prompt: batches of prompts are not supported; send one each")
     else:
         raise InvalidRequestError("prompt: expected a string or a list of token ids")
 
 
-def _content(value: Any, name: str) -> str:
+def _content(value: Any, name: str, max_len: int) -> str:
     """A message's content: a string or a list of text parts (joined)."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
         raise InvalidRequestError(f"{name}: expected a string or a list of text parts")
+    if len(value) > max_len:
+        raise InvalidRequestError(
+            f"{name}: {len(value)} parts cannot fit the context of {max_len} tokens"
+        )
     texts = []
     for j, part in enumerate(value):
         if not isinstance(part, dict) or part.get("type") != "text":
@@ -132,9 +169,13 @@ def _content(value: Any, name: str) -> str:
     return "".join(texts)
 
 
-def _set_messages(request: target_pb2.GenerateRequest, messages: Any) -> None:
+def _set_messages(request: target_pb2.GenerateRequest, messages: Any, max_len: int) -> None:
+    """The messages, refused as soon as their count or text cannot fit the context: a few MB of
+    them would otherwise be copied, templated and tokenized first."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages: expected a non-empty list of messages")
+    check_messages_size((), len(messages), max_len)
+    chars = 0
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise InvalidRequestError(f"messages[{i}]: expected an object")
@@ -143,15 +184,19 @@ def _set_messages(request: target_pb2.GenerateRequest, messages: Any) -> None:
             raise InvalidRequestError(f"messages[{i}].role: expected a non-empty string")
         if message.get("tool_calls"):
             raise InvalidRequestError(f"messages[{i}].tool_calls: tools are not supported")
-        content = _content(message.get("content"), f"messages[{i}].content")
+        content = _content(message.get("content"), f"messages[{i}].content", max_len)
+        chars += len(role) + len(content)
+        if chars > MAX_BYTES_PER_TOKEN * max_len:
+            check_messages_size((chars,), len(messages), max_len)
         request.messages.add(role=role, content=content)
 
 
-def parse_request(body: Any, *, chat: bool) -> ApiRequest:
+def parse_request(body: Any, *, chat: bool, max_len: int) -> ApiRequest:
     """A `/v1/chat/completions` (chat) or `/v1/completions` body as a GenerateRequest.
 
     Unknown fields are ignored, as OpenAI's clients expect of a server; known ones are
-    type-checked here and range-checked by the shared validation (`validate_generate`).
+    type-checked here and range-checked by the shared validation (`validate_generate`). Lists
+    are counted against the context (`max_len`) before their items are looked at.
     """
     if not isinstance(body, dict):
         raise InvalidRequestError("body: expected a JSON object")
@@ -163,11 +208,11 @@ def parse_request(body: Any, *, chat: bool) -> ApiRequest:
             )
     request = target_pb2.GenerateRequest()
     if chat:
-        _set_messages(request, body.get("messages"))
+        _set_messages(request, body.get("messages"), max_len)
     else:
         if "prompt" not in body:
             raise InvalidRequestError("prompt: required")
-        _set_prompt(request, body["prompt"])
+        _set_prompt(request, body["prompt"], max_len)
     max_tokens_field = "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:
         max_tokens_field = "max_completion_tokens"  # OpenAI's newer name wins over max_tokens
@@ -188,10 +233,14 @@ def parse_request(body: Any, *, chat: bool) -> ApiRequest:
         sampling.seed = _integer(body["seed"], "seed", 0, UINT64_LIMIT)
     request.stop.extend(_strings(body.get("stop"), "stop"))
     if body.get("stop_token_ids") is not None:
-        request.stop_token_ids.extend(_token_ids(body["stop_token_ids"], "stop_token_ids"))
+        stop_ids = _token_ids(
+            body["stop_token_ids"], "stop_token_ids", MAX_STOP_TOKEN_IDS,
+            f"at most {MAX_STOP_TOKEN_IDS}",
+        )  # fmt: skip
+        request.stop_token_ids.extend(stop_ids)
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
-        raise InvalidRequestError(f"stream: expected a boolean, got {stream!r}")
+        raise InvalidRequestError(f"stream: expected a boolean, got {shown(stream)}")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise InvalidRequestError("stream_options: expected an object")

@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import torch
 
-from specpair.config import TargetConfig, split_address
+from specpair.config import TargetConfig, is_loopback, split_address
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.models.loading import load_tokenizer, tokenizer_fingerprint
@@ -30,6 +30,7 @@ from target_service.frontend import (
     RoundFailedError,
 )
 from target_service.http_api import HttpServer, OpenAIApp
+from target_service.round_feed import QUEUE_ROUNDS
 from target_service.scheduler import QueueFullError, Scheduler
 from target_service.special_tokens import eos_ids, prompt_bos
 from target_service.validation import InvalidRequestError, request_bytes_limit
@@ -137,11 +138,21 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     ) -> AsyncIterator[target_pb2.WatchRoundsResponse]:
         scheduler = await self._ready(context)
         queue = scheduler.feed.watch()
+        if queue is None:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.config.max_watchers} WatchRounds streams already open (max_watchers)",
+            )
+        assert queue is not None
         try:
-            while True:
-                yield target_pb2.WatchRoundsResponse(round=stats_to_proto(await queue.get()))
+            while (stats := await queue.get()) is not None:
+                yield target_pb2.WatchRoundsResponse(round=stats_to_proto(stats))
         finally:
             scheduler.feed.unwatch(queue)
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"this watcher fell {QUEUE_ROUNDS} rounds behind and was dropped; watch again",
+        )
 
 
 @dataclass
@@ -195,6 +206,7 @@ def _build_scheduler(
         initial_steps=config.initial_steps,
         max_batch=config.max_batch,
         max_queue=config.max_queue,
+        max_watchers=config.max_watchers,
         draft=None,
         metrics=metrics,
         threads=config.threads,
@@ -225,11 +237,22 @@ async def start(config: TargetConfig) -> RunningTarget:
     log.info("target service listening", address=config.server.address, port=server.port)
     http = None
     if config.http_address:  # answers 503 until the model is loaded, as health does
-        http = HttpServer(OpenAIApp(frontend, config.model_path.name), config.http_address)
+        loopback = is_loopback(split_address(config.http_address)[0])
+        app = OpenAIApp(
+            frontend, config.model_path.name, api_key=config.api_key, loopback=loopback,
+            read_timeout_s=config.http_read_timeout_s,
+        )  # fmt: skip
+        http = HttpServer(app, config.http_address)
         await http.start()
         log.info(
             "OpenAI-compatible HTTP API listening", address=config.http_address, port=http.port
         )
+        if not loopback and config.api_key is None:
+            log.warning(
+                "the HTTP API listens beyond loopback without an API key: anyone who reaches "
+                "it may generate (set SPECPAIR_API_KEY or --api-key)",
+                address=config.http_address,
+            )
     scheduler: Scheduler | None = None
     try:
         built = await asyncio.to_thread(_build_scheduler, config, metrics)
@@ -255,6 +278,7 @@ async def start(config: TargetConfig) -> RunningTarget:
             backoff_min_s=config.reconnect_min_s,
             backoff_max_s=config.reconnect_max_s,
             busy_poll_s=config.busy_poll_s,
+            token=config.server.ops_token,
             vocab_size=scheduler.worker.model.args.vocab_size,
             tokenizer_fingerprint=tokenizer_fingerprint(frontend.tokenizer),
             feature_layers=config.feature_layers,

@@ -28,7 +28,7 @@ from specpair.demo import chat_over_http
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import target_pb2
 from target_service.frontend import Frontend
-from target_service.http_api import MAX_BODY_BYTES, HttpServer, OpenAIApp
+from target_service.http_api import HttpServer, OpenAIApp, body_limit
 from tests.conftest import hf_greedy
 from tests.service.conftest import Stack, draft_config, target_config
 
@@ -263,7 +263,7 @@ async def test_a_body_that_is_no_json_object_is_400(stack: Stack, raw: bytes) ->
 
 
 async def test_a_body_past_the_limit_is_413(stack: Stack) -> None:
-    huge = {"model": "target", "prompt": "x" * MAX_BODY_BYTES}
+    huge = {"model": "target", "prompt": "x" * body_limit(1024)}
     status, reply = await asyncio.to_thread(post, stack.target.http_port, COMPLETIONS, huge)
     assert status == 413 and reply["error"]["param"] == "body"
 
@@ -306,7 +306,8 @@ async def test_a_client_that_disconnects_frees_its_request(stack: Stack) -> None
 
     def read_one_event_and_hang_up() -> bytes:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        conn.request("POST", COMPLETIONS, json.dumps(body | {"stream": True}).encode())
+        data = json.dumps(body | {"stream": True}).encode()
+        conn.request("POST", COMPLETIONS, data, {"Content-Type": "application/json"})
         response = conn.getresponse()
         line = response.readline()
         conn.close()
@@ -319,7 +320,7 @@ async def test_a_client_that_disconnects_frees_its_request(stack: Stack) -> None
     # Not streamed: the request is cancelled as soon as the connection closes.
     with socket.create_connection(("127.0.0.1", port)) as sock:
         payload = json.dumps(body).encode()
-        head = f"POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(payload)}\r\n"
+        head = f"POST {COMPLETIONS} HTTP/1.1\r\nHost: ::1\r\nContent-Length: {len(payload)}\r\n"
         sock.sendall(head.encode() + b"Content-Type: application/json\r\n\r\n" + payload)
         for _ in range(500):  # until the request is running, then hang up
             if stack.target.servicer.scheduler.running:
