@@ -320,7 +320,8 @@ async def test_a_client_that_disconnects_frees_its_request(stack: Stack) -> None
     # Not streamed: the request is cancelled as soon as the connection closes.
     with socket.create_connection(("127.0.0.1", port)) as sock:
         payload = json.dumps(body).encode()
-        head = f"POST {COMPLETIONS} HTTP/1.1\r\nHost: ::1\r\nContent-Length: {len(payload)}\r\n"
+        head = f"POST {COMPLETIONS} HTTP/1.1\r\nHost: localhost\r\n"
+        head += f"Content-Length: {len(payload)}\r\n"
         sock.sendall(head.encode() + b"Content-Type: application/json\r\n\r\n" + payload)
         for _ in range(500):  # until the request is running, then hang up
             if stack.target.servicer.scheduler.running:
