@@ -49,13 +49,18 @@ def _client_tls_opts(p: argparse.ArgumentParser) -> None:
 
 
 def _generation_opts(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default=None, help="target HOST:PORT")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument(
+        "--address", default=None, help="target HOST:PORT (default: $SPECPAIR_TARGET_ADDRESS "
+        "or 127.0.0.1:50051)",
+    )  # fmt: skip
+    p.add_argument("--max-tokens", type=int, help="tokens to generate at most (default: 16, "
+                   "the server's)")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 is greedy (default: %(default)s)")  # fmt: skip
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="0: off (default: %(default)s)")
+    p.add_argument("--seed", type=int, help="seed of a sampled request (reproducible output)")
+    p.add_argument("--stop", action="append", help="stop string (repeatable, at most 4)")
     p.add_argument("--json", action="store_true", help="print the GenerateResult as JSON")
     _client_tls_opts(p)
 

@@ -20,8 +20,8 @@ def client_tls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> TLS
 
 
 def _generation_params(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "max_tokens": args.max_tokens,
+    params: dict[str, Any] = {} if args.max_tokens is None else {"max_tokens": args.max_tokens}
+    return params | {
         "temperature": args.temperature,
         "top_p": args.top_p,
         "top_k": args.top_k,

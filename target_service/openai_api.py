@@ -18,6 +18,7 @@ from typing import Any
 
 from specpair.proto.v1 import target_pb2
 from target_service.validation import (
+    DEFAULT_MAX_TOKENS,
     MAX_BYTES_PER_TOKEN,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -26,11 +27,10 @@ from target_service.validation import (
     check_stop,
 )
 
-# OpenAI's documented default for completions; a chat request takes the same (a fixed default
-# keeps one request path: a "rest of the context" default would need the prompt's length
-# before validation). finish_reason "length" says when it cut a reply short.
-DEFAULT_MAX_TOKENS = 16
-DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send 0 for greedy decoding
+# OpenAI's documented default; send 0 for greedy decoding. (max_tokens: the request path's
+# DEFAULT_MAX_TOKENS, OpenAI's completions default, for chat too: a "rest of the context"
+# default would need the prompt's length before validation.)
+DEFAULT_TEMPERATURE = 1.0
 INT32_MAX = 2**31 - 1
 UINT64_LIMIT = 2**64
 
@@ -220,7 +220,7 @@ def parse_request(body: Any, *, chat: bool, max_len: int) -> ApiRequest:
     request.max_tokens = (
         DEFAULT_MAX_TOKENS
         if max_tokens is None
-        else _integer(max_tokens, max_tokens_field, -INT32_MAX, INT32_MAX + 1)
+        else _integer(max_tokens, max_tokens_field, 1, INT32_MAX + 1)
     )
     sampling = request.sampling
     sampling.temperature = _number(body, "temperature", DEFAULT_TEMPERATURE)

@@ -17,6 +17,11 @@ MAX_BYTES_PER_TOKEN = 32
 # Per-request bounds that every door applies before any per-item work. OpenAI's API takes at
 # most 4 stop sequences; each is scanned against the tail of the text at every round, so its
 # length is bounded too. A request id rides in every response and log line.
+# One defaults rule for every door (README, "Defaults"): an omitted max_tokens is OpenAI's
+# completions default, 16, on gRPC (0, proto3's unset value) and HTTP alike. An omitted
+# temperature is OpenAI's 1.0 on the OpenAI door and 0 (greedy) on specpair's own, gRPC and the
+# SDK and CLI over it: proto3 cannot tell an unset float from 0.
+DEFAULT_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
@@ -133,11 +138,12 @@ def validate_generate(
         raise InvalidRequestError("prompt: empty (give prompt text or prompt_token_ids)")
     if not ids:
         raise InvalidRequestError("prompt: encodes to zero tokens")
-    if request.max_tokens <= 0:
-        raise InvalidRequestError(f"max_tokens: must be > 0, got {request.max_tokens}")
-    if len(ids) + request.max_tokens > max_len:
+    max_tokens = request.max_tokens or DEFAULT_MAX_TOKENS
+    if max_tokens < 0:
+        raise InvalidRequestError(f"max_tokens: must be > 0, got {max_tokens}")
+    if len(ids) + max_tokens > max_len:
         raise InvalidRequestError(
-            f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({request.max_tokens}) "
+            f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) "
             f"exceeds the context length {max_len}"
         )
     try:
@@ -150,5 +156,5 @@ def validate_generate(
                 f"stop_token_ids[{i}]: {token} is outside the vocabulary [0, {vocab_size})"
             )
     return ValidRequest(
-        ids, request.max_tokens, sampling, frozenset(request.stop_token_ids), tuple(request.stop)
+        ids, max_tokens, sampling, frozenset(request.stop_token_ids), tuple(request.stop)
     )

@@ -426,3 +426,26 @@ async def test_before_the_model_is_loaded_health_and_requests_are_503() -> None:
         assert status == 503 and "loading" in reply["error"]["message"]
     finally:
         await server.stop()
+
+
+async def test_one_defaults_rule_across_the_doors(
+    stack: Stack, client: openai.AsyncOpenAI, hf: tuple[Any, LlamaForCausalLM]
+) -> None:
+    """Omitted: max_tokens is 16 everywhere; temperature is 1.0 on the OpenAI door, 0 on ours."""
+    prompt_ids = hf[0].encode(PROMPT, add_special_tokens=False)
+    ref_ids, ref_text = greedy(hf, prompt_ids, 16)
+    assert len(ref_ids) == 16  # no eos within: every door must stop at the default
+    greedy_http = await client.completions.create(model="target", prompt=PROMPT, temperature=0)
+    assert greedy_http.choices[0].text == ref_text
+    assert greedy_http.usage is not None and greedy_http.usage.completion_tokens == 16
+    tokens, responses = await stack.generate(prompt=PROMPT)  # gRPC: no max_tokens, no sampling
+    assert tokens == ref_ids and responses[-1].finish_reason == target_pb2.FINISH_REASON_LENGTH
+    async with AsyncSpecpairClient(f"127.0.0.1:{stack.target.port}") as sdk:
+        result = await sdk.generate(PROMPT)
+    assert list(result.token_ids) == ref_ids and result.text == ref_text
+    cli = await _cli("generate", PROMPT, "--address", f"127.0.0.1:{stack.target.port}")
+    assert cli == ref_text + "\n"
+    seeded = [
+        await client.completions.create(model="target", prompt=PROMPT, seed=7) for _ in range(2)
+    ]  # the OpenAI door's default temperature is 1.0: seeded samples, not the greedy text
+    assert seeded[0].choices[0].text == seeded[1].choices[0].text != ref_text
