@@ -105,23 +105,30 @@ def _tuple_default(f: dataclasses.Field[Any]) -> tuple[Any, ...]:
 
 
 TOKEN_ENV = "SPECPAIR_OPS_TOKEN"
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 
 def add_server_options(p: argparse.ArgumentParser, service: str) -> None:
     """ServerConfig's options; the defaults are the service's (SPECPAIR_<SERVICE>_…)."""
     p.add_argument(
-        "--address", default=env_address(service), help="HOST:PORT (or unix:PATH) to bind"
+        "--address",
+        default=env_address(service),
+        help="HOST:PORT (or unix:PATH) to bind (default: %(default)s)",
     )
     p.add_argument(
         "--metrics-address",
         default=os.environ.get(f"SPECPAIR_{service.upper()}_METRICS", DEFAULT_METRICS[service]),
-        help="HOST:PORT for Prometheus /metrics ('' disables)",
+        help="HOST:PORT for Prometheus /metrics ('' disables; default: %(default)s)",
     )
-    p.add_argument("--ops-token-env", default=TOKEN_ENV, help="env var holding the ops token")
+    p.add_argument("--ops-token-env", default=TOKEN_ENV,
+                   help="env var holding the ops token (default: %(default)s)")  # fmt: skip
     p.add_argument("--tls-cert", type=Path, help="PEM certificate (enables TLS)")
     p.add_argument("--tls-key", type=Path, help="PEM private key")
     p.add_argument("--tls-ca", type=Path, help="PEM CA for verifying peers")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
+        help="least severe log lines written (default: %(default)s)",
+    )  # fmt: skip
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
