@@ -34,9 +34,11 @@ DEFAULT_TEMPERATURE = 1.0
 INT32_MAX = 2**31 - 1
 UINT64_LIMIT = 2**64
 
-# Parameters of OpenAI's API (and vLLM/SGLang extensions) that this server does not apply
-# exactly under speculative decoding, with the values that mean "off". Any other value is
-# refused naming the parameter, rather than silently ignored.
+# Parameters of OpenAI's API (and vLLM/SGLang extensions) that this server does not apply,
+# with the values that mean "off" and why. Any other value is refused naming the parameter,
+# rather than silently ignored.
+NOT_EXACT = "not applied exactly under speculative decoding"
+NO_TOOLS = "this server has no tool calling or structured output"
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "n": (1,),
     "best_of": (1,),
@@ -57,6 +59,9 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "function_call": ("none",),
     "response_format": ({"type": "text"},),
 }
+TOOL_PARAMETERS = frozenset(
+    {"tools", "functions", "tool_choice", "function_call", "response_format"}
+)
 _FINISH = {target_pb2.FINISH_REASON_LENGTH: "length", target_pb2.FINISH_REASON_STOP: "stop"}
 
 
@@ -183,7 +188,7 @@ def _set_messages(request: target_pb2.GenerateRequest, messages: Any, max_len: i
         if not isinstance(role, str) or not role:
             raise InvalidRequestError(f"messages[{i}].role: expected a non-empty string")
         if message.get("tool_calls"):
-            raise InvalidRequestError(f"messages[{i}].tool_calls: tools are not supported")
+            raise InvalidRequestError(f"messages[{i}].tool_calls: not supported ({NO_TOOLS})")
         content = _content(message.get("content"), f"messages[{i}].content", max_len)
         chars += len(role) + len(content)
         if chars > MAX_BYTES_PER_TOKEN * max_len:
@@ -202,9 +207,9 @@ def parse_request(body: Any, *, chat: bool, max_len: int) -> ApiRequest:
         raise InvalidRequestError("body: expected a JSON object")
     for name, defaults in UNSUPPORTED.items():
         if not _is_default(body.get(name), defaults):
+            why = NO_TOOLS if name in TOOL_PARAMETERS else NOT_EXACT
             raise InvalidRequestError(
-                f"{name}: not supported (not applied exactly under speculative decoding); "
-                f"omit it or send {json.dumps(defaults[0])}"
+                f"{name}: not supported ({why}); omit it or send {json.dumps(defaults[0])}"
             )
     request = target_pb2.GenerateRequest()
     if chat:

@@ -284,3 +284,18 @@ async def test_clients_that_leave_while_queued_are_freed_unprefilled(ckpts) -> N
         running.cancel()
     finally:
         await tiny.stop()
+
+
+async def test_unknown_paths_and_methods_and_tools_get_openai_errors(stack: Stack) -> None:
+    status, reply = await call(stack, "/v1/embeddings", {"input": "x"})
+    assert status == 404 and reply["error"]["type"] == "not_found_error", reply
+    assert reply["error"]["message"].startswith("POST /v1/embeddings: Not Found")
+    status, reply = await call(stack, CHAT, method="GET")
+    assert status == 405 and reply["error"]["message"].startswith("GET /v1/chat/completions")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    status, reply = await call(stack, CHAT, chat(tools=tools))
+    assert (status, reply["error"]["param"]) == (400, "tools"), reply
+    assert "no tool calling" in reply["error"]["message"]
+    assert "speculative" not in reply["error"]["message"]
+    status, reply = await call(stack, CHAT, chat(presence_penalty=1))
+    assert "not applied exactly under speculative decoding" in reply["error"]["message"]
