@@ -257,6 +257,11 @@ class TargetConfig(ModelServiceConfig):
         metadata=_help("WatchRounds streams served at once (the controller holds one); more are "
                        "refused, and one that falls a queue behind is dropped"),
     )  # fmt: skip
+    stats_log_interval_s: float = field(
+        default=10.0,
+        metadata=_help("seconds between throughput log lines (tokens/s, requests, KV cache "
+                       "use) while there is work; 0: none", flag="--stats-log-interval"),
+    )  # fmt: skip
     feature_layers: tuple[int, ...] = field(
         default=(),
         metadata=_help("an EAGLE-3 draft's target layers, e.g. 1,2,4 (its config's "
@@ -280,6 +285,8 @@ class TargetConfig(ModelServiceConfig):
             raise ValueError(
                 f"http_read_timeout_s must be in (0, 3600], got {self.http_read_timeout_s}"
             )
+        if self.stats_log_interval_s < 0:
+            raise ValueError(f"stats_log_interval_s must be >= 0, got {self.stats_log_interval_s}")
         if self.max_watchers < 1:
             raise ValueError(f"max_watchers must be >= 1, got {self.max_watchers}")
         if self.initial_steps not in self.candidate_steps:

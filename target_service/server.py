@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +20,7 @@ from specpair.models.loading import load_tokenizer, tokenizer_fingerprint
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
 from specpair.runtime.build import build_target
 from specpair.runtime.draft_session import MAX_TREE_NODES
+from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.state import StateBuilder
 from specpair.serving import bounded
 from specpair.tiers import RegimeSteps
@@ -161,6 +164,7 @@ class RunningTarget:
     servicer: TargetServicer
     task: asyncio.Task[None]
     http: HttpServer | None = None
+    stats: asyncio.Task[None] | None = None
 
     @property
     def port(self) -> int:
@@ -175,6 +179,8 @@ class RunningTarget:
         if self.http is not None:
             await self.http.stop()
         await self.server.stop(grace)
+        if self.stats is not None:
+            self.stats.cancel()
         self.task.cancel()
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
             async with asyncio.timeout(5.0):
@@ -285,10 +291,56 @@ async def start(config: TargetConfig) -> RunningTarget:
         )
         scheduler.draft.start()
     frontend.scheduler = scheduler
+    metrics.kv_cache_usage.set_function(functools.partial(kv_cache_usage, scheduler.worker.cache))
     task = asyncio.create_task(scheduler.run(), name="scheduler")
+    stats = None
+    if config.stats_log_interval_s > 0:
+        stats = asyncio.create_task(
+            log_throughput(metrics, scheduler, config.stats_log_interval_s), name="stats"
+        )
     await server.ready()
     log.info("target service ready", tiers=list(scheduler.states), draft=config.draft_address)
-    return RunningTarget(server, servicer, task, http)
+    return RunningTarget(server, servicer, task, http, stats)
+
+
+def kv_cache_usage(cache: KVCache) -> float:
+    """Pages requests hold over the pages they may hold: the padding slot of graph buckets
+    holds a whole slot's pages from the start, and they are nobody's."""
+    usable = cache.pages.num_pages - cache.pages_per_slot
+    return (usable - len(cache.pages.free)) / usable
+
+
+async def log_throughput(metrics: ServiceMetrics, scheduler: Scheduler, interval_s: float) -> None:
+    """Every `interval_s` with work done or waiting, one line as vLLM's and SGLang's: prompt
+    and generation tokens/s, running and queued requests, the KV cache's use. It reads the
+    metrics' counters, so the round loop does nothing for it."""
+
+    def totals() -> tuple[float, float]:
+        sample = metrics.registry.get_sample_value
+        return (
+            sample("specpair_target_prompt_tokens_total") or 0.0,
+            sample("specpair_target_generation_tokens_total") or 0.0,
+        )
+
+    last, t_last = totals(), time.perf_counter()
+    while True:
+        await asyncio.sleep(interval_s)
+        now, t_now = totals(), time.perf_counter()
+        busy = scheduler.running or scheduler.queue
+        if now != last or busy:
+            span = t_now - t_last
+            log.info(
+                "throughput",
+                prompt_tokens_per_s=round((now[0] - last[0]) / span, 1),
+                generation_tokens_per_s=round((now[1] - last[1]) / span, 1),
+                running=len(scheduler.running),
+                queued=len(scheduler.queue),
+                kv_cache_usage=round(
+                    metrics.registry.get_sample_value("specpair_target_kv_cache_usage") or 0.0, 3
+                ),
+                tier=scheduler.tier,
+            )
+        last, t_last = now, t_now
 
 
 async def serve(config: TargetConfig) -> None:

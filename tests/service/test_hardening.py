@@ -695,3 +695,33 @@ async def test_no_free_slot_with_an_empty_batch_does_not_starve_the_loop(ckpts, 
     tokens, _ = await asyncio.wait_for(stack.generate(prompt_token_ids=[1, 2], max_tokens=3), 10)
     assert len(tokens) == 3
     assert len((await asyncio.wait_for(waiting, 10))[0]) == 5
+
+
+async def test_token_counters_request_latency_kv_use_and_the_throughput_line(
+    ckpts, make_stack
+) -> None:
+    from structlog.testing import capture_logs
+
+    config = target_config(ckpts["target"], draft_address=None, stats_log_interval_s=0.2)
+    with capture_logs() as logs:
+        stack = await make_stack(None, config)
+        registry = stack.target.servicer.frontend.metrics.registry
+
+        def sample(name: str) -> float:
+            return registry.get_sample_value(f"specpair_target_{name}") or 0.0
+
+        assert sample("kv_cache_usage") == 0.0
+        running = asyncio.create_task(stack.generate(prompt_token_ids=PROMPT, max_tokens=400))
+        await eventually(lambda: sample("generation_tokens_total") > 0)
+        in_use = sample("kv_cache_usage")
+        await asyncio.sleep(0.5)  # at least two lines' worth
+        await running
+        await stack.generate(prompt_token_ids=PROMPT[:3], max_tokens=7)
+    assert 0.0 < in_use < 1.0 and sample("kv_cache_usage") == 0.0  # freed with the requests
+    assert sample("prompt_tokens_total") == len(PROMPT) + 3
+    assert sample("generation_tokens_total") == 400 + 7
+    assert sample("request_latency_seconds_count") == 2
+    assert sample("request_latency_seconds_sum") > 0
+    lines = [e for e in logs if e["event"] == "throughput"]
+    assert lines and any(e["generation_tokens_per_s"] > 0 for e in lines), lines
+    assert {"prompt_tokens_per_s", "running", "queued", "kv_cache_usage"} <= set(lines[0])
