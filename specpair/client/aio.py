@@ -58,7 +58,13 @@ class Connection:
     def __init__(self, address: str | None = None, **options: Unpack[ConnectionOptions]) -> None:
         self.address = address or env_address(self.service)
         self.timeout = options.get("timeout")
-        self._metadata = auth_metadata(options.get("token"))
+        token = options.get("token")
+        if token and not (token.isascii() and token.isprintable()):
+            # gRPC would fail every call with a bare ExecuteBatchError instead.
+            raise SpecpairError(
+                "INVALID_ARGUMENT", "token: a bearer token is printable ASCII (call metadata)"
+            )
+        self._metadata = auth_metadata(token)
         self._tls = tls_config(options.get("tls"))
         # Opened on first use: a grpc.aio channel belongs to the event loop it was created on.
         self._channel: grpc.aio.Channel | None = None
