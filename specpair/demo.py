@@ -1,15 +1,21 @@
 """The demo client: completes Python code through the running services and shows speculation,
-then one chat turn through the OpenAI-compatible HTTP API."""
+one chat turn through the OpenAI-compatible HTTP API, then the number that matters: tokens/s
+with speculation against the same prompts at tier 0 (the target alone)."""
 
 from __future__ import annotations
 
 import json
 import shlex
+import time
 import urllib.error
 import urllib.request
 from typing import Any
 
+import grpc
+
+from specpair.channels import auth_metadata, open_blocking_channel
 from specpair.client import ControllerClient, SpecpairClient, SpecpairError
+from specpair.proto.v1 import target_pb2, target_pb2_grpc
 
 # Prompts end mid-line: the shipped models were trained on whole files, and a prompt that ends
 # in a bare newline or indentation splits whitespace in a way they never saw.
@@ -68,8 +74,12 @@ def run_demo(
         f"demo: target {info.get('target_model_path')} at tier {info.get('speculative_num_steps')}"
         f", draft {info.get('draft_address') or 'none'} ({_draft_state(info)})"
     )
+    t0, generated = time.perf_counter(), 0
+    texts: list[str] = []
     for prompt in PROMPTS:
         result = client.generate(prompt, max_tokens=max_tokens)
+        generated += result.completion_tokens
+        texts.append(result.text)
         print("=" * 72)
         print(prompt + result.text)
         print("-" * 72)
@@ -84,6 +94,7 @@ def run_demo(
                 f"warning: {result.plain_rounds} of {result.rounds} rounds without drafts "
                 f"(the draft is {link}): output is the target's alone, only slower"
             )
+    speculative = generated / (time.perf_counter() - t0)
     if http:
         print("=" * 72)
         try:
@@ -98,8 +109,52 @@ def run_demo(
                 f"(the shipped code model is no assistant: the template only frames the turn) "
                 f"usage {reply['usage']}, accept lengths {tuple(meta['accept_lengths'])}"
             )
-    if controller is None:
-        return
+    if controller is not None:
+        show_controller(controller, token)
+    print("=" * 72)
+    plain = plain_run(client, target, info, max_tokens=max_tokens, token=token)
+    line = f"demo: {speculative:.0f} tokens/s with speculation"
+    if plain is None:
+        print(f"{line} (tier 0 is not among the target's tiers: nothing to compare)")
+    else:
+        rate, plain_texts = plain
+        same = "the same text" if plain_texts == texts else "DIFFERENT text (a bug: report it)"
+        print(f"{line}, {rate:.0f} without (tier 0, the target alone): "
+              f"{speculative / rate:.2f}x, {same}")  # fmt: skip
+
+
+def plain_run(
+    client: SpecpairClient, target: str, info: dict[str, Any], *, max_tokens: int,
+    token: str | None,
+) -> tuple[float, list[str]] | None:  # fmt: skip
+    """The demo's prompts again at tier 0 (ApplyTier, as the controller sends it; the policy
+    leaves rounds without drafts alone), then back to the tier before: (tokens/s, texts), or
+    None without tier 0."""
+    if 0 not in info.get("candidate_steps", ()):
+        return None
+    with open_blocking_channel(target) as channel:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+
+        def apply(steps: int) -> int:
+            request = target_pb2.ApplyTierRequest(speculative_num_steps=steps, reason="demo")
+            reply = stub.ApplyTier(request, metadata=auth_metadata(token), timeout=30)
+            return int(reply.previous_steps)
+
+        try:
+            before = apply(0)
+        except grpc.RpcError as exc:
+            print(f"demo: cannot switch to tier 0 ({exc.code().name})")  # type: ignore[attr-defined]
+            return None
+        try:
+            t0 = time.perf_counter()
+            results = [client.generate(prompt, max_tokens=max_tokens) for prompt in PROMPTS]
+            rate = sum(r.completion_tokens for r in results) / (time.perf_counter() - t0)
+            return rate, [r.text for r in results]
+        finally:
+            apply(before)
+
+
+def show_controller(controller: str, token: str | None) -> None:
     try:
         state = ControllerClient(controller, token=token).state()
     except SpecpairError as exc:
