@@ -280,7 +280,7 @@ class TargetConfig(ModelServiceConfig):
         if self.http_address:
             split_address(self.http_address)
         if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("api_key: empty (omit it to serve the HTTP API without a key)")
+            object.__setattr__(self, "api_key", None)  # SPECPAIR_API_KEY="", as compose sets it
         if not 0 < self.http_read_timeout_s <= 3600:
             raise ValueError(
                 f"http_read_timeout_s must be in (0, 3600], got {self.http_read_timeout_s}"
