@@ -36,10 +36,15 @@ def _draft_state(info: dict[str, Any]) -> str:
 CHAT = "Write a function that adds two numbers."
 
 
-def chat_over_http(http_address: str, message: str, *, max_tokens: int = 48) -> dict[str, Any]:
-    """One chat turn through /v1/chat/completions (greedy); prints the equivalent curl."""
+def chat_over_http(
+    http_address: str, message: str, *, max_tokens: int = 48, api_key: str | None = None
+) -> dict[str, Any]:
+    """One chat turn through /v1/chat/completions (greedy); prints the equivalent curl.
+    `api_key`: the target's (SPECPAIR_API_KEY), sent as OpenAI's clients send it."""
     base = f"http://{http_address}/v1"
-    with urllib.request.urlopen(f"{base}/models", timeout=30) as response:
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    models = urllib.request.Request(f"{base}/models", headers=auth)
+    with urllib.request.urlopen(models, timeout=30) as response:
         model = json.load(response)["data"][0]["id"]
     body = json.dumps(
         {
@@ -49,10 +54,12 @@ def chat_over_http(http_address: str, message: str, *, max_tokens: int = 48) -> 
             "temperature": 0,
         }
     )
-    json_header = "-H 'Content-Type: application/json'"
-    print(f"demo: curl {base}/chat/completions {json_header} -d {shlex.quote(body)}")
+    headers = "-H 'Content-Type: application/json'"
+    if api_key:
+        headers += ' -H "Authorization: Bearer $SPECPAIR_API_KEY"'
+    print(f"demo: curl {base}/chat/completions {headers} -d {shlex.quote(body)}")
     request = urllib.request.Request(
-        f"{base}/chat/completions", body.encode(), {"Content-Type": "application/json"}
+        f"{base}/chat/completions", body.encode(), {"Content-Type": "application/json", **auth}
     )
     with urllib.request.urlopen(request, timeout=120) as response:
         return dict(json.load(response))
@@ -65,9 +72,11 @@ def run_demo(
     *,
     max_tokens: int = 64,
     token: str | None = None,
+    api_key: str | None = None,
 ) -> None:
     """`http`: the target's OpenAI-compatible address ('' skips the chat turn); `token`: the ops
-    token, which the controller's state call needs when one is set."""
+    token, which the controller's state call and the tier-0 run need when one is set;
+    `api_key`: the HTTP API's key, when it has one."""
     client = SpecpairClient(target)
     info = client.server_info()
     print(
@@ -98,7 +107,7 @@ def run_demo(
     if http:
         print("=" * 72)
         try:
-            reply = chat_over_http(http, CHAT)
+            reply = chat_over_http(http, CHAT, api_key=api_key)
         except (urllib.error.URLError, OSError) as exc:
             print(f"demo: HTTP API unavailable ({exc})")
         else:

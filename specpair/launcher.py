@@ -103,7 +103,9 @@ def run_up(args: argparse.Namespace) -> int:
             from specpair.demo import run_demo
 
             token = os.environ.get("SPECPAIR_OPS_TOKEN")  # the services read the same one
-            run_demo(env_address("target"), env_address("controller"), http, token=token)
+            key = os.environ.get("SPECPAIR_API_KEY")
+            run_demo(env_address("target"), env_address("controller"), http, token=token,
+                     api_key=key)  # fmt: skip
         while (name := group.exited()) is None:
             time.sleep(0.5)
         code = group.procs[name].returncode

@@ -299,3 +299,16 @@ async def test_unknown_paths_and_methods_and_tools_get_openai_errors(stack: Stac
     assert "speculative" not in reply["error"]["message"]
     status, reply = await call(stack, CHAT, chat(presence_penalty=1))
     assert "not applied exactly under speculative decoding" in reply["error"]["message"]
+
+
+async def test_the_demo_chat_turn_sends_the_api_key(stack: Stack) -> None:
+    import urllib.error
+
+    from specpair.demo import chat_over_http
+
+    address = f"127.0.0.1:{stack.target.http_port}"
+    reply = await asyncio.to_thread(chat_over_http, address, "Hi", max_tokens=3, api_key=KEY)
+    assert reply["usage"]["completion_tokens"] == 3
+    with pytest.raises(urllib.error.HTTPError) as info:
+        await asyncio.to_thread(chat_over_http, address, "Hi", max_tokens=3)
+    assert info.value.code == 401
