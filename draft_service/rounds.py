@@ -219,10 +219,10 @@ class DraftRounds:
         cache's length, or more requests than slots, never costs the others their drafts. A
         stream holds at most `max_stream_requests` slots, so one peer cannot take them all."""
         free = self.drafter.cache.free_slots
-        prefix = f"{stream_id}/"
-        room = self.config.max_stream_requests - sum(
-            1 for key in self.drafter.requests if key.startswith(prefix)
-        )
+        room = self.config.max_stream_requests  # counted only where it bounds anything
+        if room < self.config.max_requests:
+            prefix = f"{stream_id}/"
+            room -= sum(1 for key in self.drafter.requests if key.startswith(prefix))
         kept = []
         for sent, item in decoded:
             entry = self.drafter.requests.get(item.request_id)
