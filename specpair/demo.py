@@ -83,11 +83,9 @@ def run_demo(
         f"demo: target {info.get('target_model_path')} at tier {info.get('speculative_num_steps')}"
         f", draft {info.get('draft_address') or 'none'} ({_draft_state(info)})"
     )
-    t0, generated = time.perf_counter(), 0
     texts: list[str] = []
     for prompt in PROMPTS:
         result = client.generate(prompt, max_tokens=max_tokens)
-        generated += result.completion_tokens
         texts.append(result.text)
         print("=" * 72)
         print(prompt + result.text)
@@ -103,7 +101,6 @@ def run_demo(
                 f"warning: {result.plain_rounds} of {result.rounds} rounds without drafts "
                 f"(the draft is {link}): output is the target's alone, only slower"
             )
-    speculative = generated / (time.perf_counter() - t0)
     if http:
         print("=" * 72)
         try:
@@ -121,15 +118,26 @@ def run_demo(
     if controller is not None:
         show_controller(controller, token)
     print("=" * 72)
+    # Both timed passes run warm, after the ones shown: tier 0, then speculation again.
     plain = plain_run(client, target, info, max_tokens=max_tokens, token=token)
+    speculative, again = timed_pass(client, max_tokens)
     line = f"demo: {speculative:.0f} tokens/s with speculation"
     if plain is None:
         print(f"{line} (tier 0 is not among the target's tiers: nothing to compare)")
     else:
         rate, plain_texts = plain
-        same = "the same text" if plain_texts == texts else "DIFFERENT text (a bug: report it)"
+        same = plain_texts == texts == again
         print(f"{line}, {rate:.0f} without (tier 0, the target alone): "
-              f"{speculative / rate:.2f}x, {same}")  # fmt: skip
+              f"{speculative / rate:.2f}x, "
+              f"{'the same text' if same else 'DIFFERENT text (a bug: report it)'}")  # fmt: skip
+
+
+def timed_pass(client: SpecpairClient, max_tokens: int) -> tuple[float, list[str]]:
+    """The demo's prompts one after another: (tokens/s, texts)."""
+    t0 = time.perf_counter()
+    results = [client.generate(prompt, max_tokens=max_tokens) for prompt in PROMPTS]
+    rate = sum(r.completion_tokens for r in results) / (time.perf_counter() - t0)
+    return rate, [r.text for r in results]
 
 
 def plain_run(
@@ -155,10 +163,7 @@ def plain_run(
             print(f"demo: cannot switch to tier 0 ({exc.code().name})")  # type: ignore[attr-defined]
             return None
         try:
-            t0 = time.perf_counter()
-            results = [client.generate(prompt, max_tokens=max_tokens) for prompt in PROMPTS]
-            rate = sum(r.completion_tokens for r in results) / (time.perf_counter() - t0)
-            return rate, [r.text for r in results]
+            return timed_pass(client, max_tokens)
         finally:
             apply(before)
 
