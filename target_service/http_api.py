@@ -84,7 +84,15 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     """The body, all of it within `timeout_s` (408 otherwise: a slow sender holds a
     connection and its buffers). Past `limit` it is read on and dropped, within the same
     time, before the 413: a server that answers and closes while the client still sends
-    resets the connection, and the client sees that instead of the 413."""
+    resets the connection, and the client sees that instead of the 413. A client that waits
+    for `100 Continue` before sending (curl, for large bodies) gets the 413 at once instead."""
+    declared = request.headers.get("content-length", "")
+    if (
+        declared.isdigit()
+        and int(declared) > limit
+        and "100-continue" in request.headers.get("expect", "").lower()
+    ):
+        raise _BodyError(413, f"body: larger than {limit} bytes")
     chunks, size = [], 0
     try:
         async with asyncio.timeout(timeout_s):

@@ -201,6 +201,15 @@ async def test_a_body_past_the_limit_is_413_not_a_reset(stack: Stack) -> None:
         status, reply = await call(stack, COMPLETIONS, {"prompt": "x" * size})
         assert (status, reply["error"]["param"]) == (413, "body"), size
         assert str(limit) in reply["error"]["message"]
+    # A client waiting for 100 Continue hears the 413 before it sends a byte of the body.
+    head = (
+        f"POST {COMPLETIONS} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {KEY}\r\nContent-Length: {100 * 1024 * 1024}\r\n"
+        "Expect: 100-continue\r\n\r\n"
+    )
+    with await asyncio.to_thread(_raw, stack.target.http_port, head.encode()) as sock:
+        answer = await asyncio.to_thread(_read_all, sock)
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:100]
 
 
 def _raw(port: int, data: bytes) -> socket.socket:
