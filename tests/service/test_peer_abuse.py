@@ -65,7 +65,10 @@ async def test_watchers_are_capped(ckpts, make_stack) -> None:
     stack = await make_stack(
         None, target_config(ckpts["target"], draft_address=None, max_watchers=2)
     )
-    calls = [stack.stub.WatchRounds(target_pb2.WatchRoundsRequest()) for _ in range(3)]
+    feed = stack.target.servicer.scheduler.feed
+    calls = [stack.stub.WatchRounds(target_pb2.WatchRoundsRequest()) for _ in range(2)]
+    await eventually(lambda: len(feed._watchers) == 2)  # these two hold the places
+    calls.append(stack.stub.WatchRounds(target_pb2.WatchRoundsRequest()))
     try:
         generate = asyncio.create_task(stack.generate(prompt_token_ids=PROMPT, max_tokens=5))
         first = [await asyncio.wait_for(call.read(), 10) for call in calls[:2]]
@@ -78,7 +81,7 @@ async def test_watchers_are_capped(ckpts, make_stack) -> None:
     finally:
         for call in calls:
             call.cancel()
-    await eventually(lambda: not stack.target.servicer.scheduler.feed._watchers)
+    await eventually(lambda: not feed._watchers)
     # A slot freed is a slot to take.
     again = stack.stub.WatchRounds(target_pb2.WatchRoundsRequest())
     await stack.generate(prompt_token_ids=PROMPT, max_tokens=2)
