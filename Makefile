@@ -7,13 +7,19 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test test-fast lint proto run clean
 
+# Each step says what it does; pip shows its own progress (a first install takes minutes).
 $(STAMP): pyproject.toml
+	@echo "==> [1/4] creating $(VENV) with $(PYTHON)"
 	$(PYTHON) -m venv $(VENV)
+	@echo "==> [2/4] upgrading pip"
 	$(BIN)/pip install -q --upgrade pip
+	@echo "==> [3/4] torch $(TORCH_VERSION) (the largest download)"
 	# Pinned torch first: on a CPU machine this is the CPU build; `[dev]` then keeps it.
-	$(BIN)/pip install -q "torch==$(TORCH_VERSION)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install --progress-bar on "torch==$(TORCH_VERSION)"
+	@echo "==> [4/4] specpair and its dependencies (editable, with [dev])"
+	$(BIN)/pip install --progress-bar on -e ".[dev]"
 	touch $(STAMP)
+	@echo "==> $(VENV) is ready"
 
 install: $(STAMP)
 

@@ -25,7 +25,7 @@ from typing import Any
 from controller.goodput import GoodputPolicy
 from controller.goodput_config import GoodputConfig
 from controller.interface import RegimePolicy, RoundSample, SpeculationPolicy, TierEstimate
-from controller.policy import AdaptiveSpeculativeParams, PolicyConfig, is_int
+from controller.policy import MAX_BATCH_SIZE, AdaptiveSpeculativeParams, PolicyConfig, is_int
 from specpair.tiers import RegimeSteps
 
 KindConfig = PolicyConfig | GoodputConfig
@@ -80,10 +80,11 @@ class PolicySpec:
                 raise ValueError(f"bands[{i}] must be an object, got {raw!r}")
             overrides = dict(raw)
             start = overrides.pop("min_batch_size", None)
-            if not is_int(start) or start <= bands[-1].min_batch_size:
+            if not is_int(start) or not bands[-1].min_batch_size < start <= MAX_BATCH_SIZE:
                 raise ValueError(
                     f"bands[{i}].min_batch_size must be an int above {bands[-1].min_batch_size} "
-                    f"(bands ascend; batch 1 is the top level), got {start!r}"
+                    f"(bands ascend; batch 1 is the top level) and at most {MAX_BATCH_SIZE}, "
+                    f"got {start!r}"
                 )
             try:
                 config = top.replace_partial(**overrides)

@@ -8,7 +8,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from controller.goodput_model import AcceptanceModel, CostModel
-from controller.policy import PolicyKeys, check_gates, check_steps, finite_float, is_int
+from controller.policy import (
+    MAX_BATCH_SIZE,
+    MAX_BATCHES,
+    MAX_STEPS,
+    PolicyKeys,
+    check_gates,
+    check_int,
+    check_steps,
+    finite_float,
+)
+
+MAX_GAIN = 10.0  # a predicted gain of 1000 % is never required to move
+MAX_ROUND_MS = 1e6
 
 ProfileMs = tuple[tuple[int, int, float], ...]  # (batch size, tier, round ms)
 
@@ -45,8 +57,8 @@ class GoodputConfig(PolicyKeys):
         object.__setattr__(self, "candidate_steps", steps)
         check_gates(self)
         gain = finite_float("min_gain", self.min_gain)
-        if gain < 0.0:
-            raise ValueError(f"min_gain must be >= 0, got {self.min_gain}")
+        if not 0.0 <= gain <= MAX_GAIN:
+            raise ValueError(f"min_gain must be in [0, {MAX_GAIN:g}], got {self.min_gain}")
         margin = finite_float("explore_margin", self.explore_margin)
         if not 0.0 <= margin < 1.0:
             raise ValueError(f"explore_margin must be in [0, 1), got {self.explore_margin}")
@@ -57,9 +69,7 @@ class GoodputConfig(PolicyKeys):
         object.__setattr__(self, "explore_margin", margin)
         object.__setattr__(self, "probe_budget", budget)
         for name in ("probe_interval", "probe_rounds", "acceptance_window"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            check_int(name, getattr(self, name), 1, MAX_BATCHES)
         for name in ("profile_ms", "sampled_profile_ms"):
             object.__setattr__(self, name, parse_profile(getattr(self, name), name))
 
@@ -92,8 +102,12 @@ def parse_profile(raw: object, name: str = "profile_ms") -> ProfileMs:
             batch, steps, ms = (int(item[0]), int(item[1]), float(item[2]))
         except (TypeError, ValueError, IndexError, KeyError):
             raise ValueError(f"{name} entry {item!r} is not (batch, tier, ms)") from None
-        if batch < 1 or steps < 0 or not ms > 0.0:
-            raise ValueError(f"{name}: batch {batch} tier {steps} needs batch >= 1, ms > 0")
+        if not (1 <= batch <= MAX_BATCH_SIZE and 0 <= steps <= MAX_STEPS
+                and 0.0 < ms <= MAX_ROUND_MS):  # fmt: skip
+            raise ValueError(
+                f"{name}: batch {batch} tier {steps} ms {ms:g} needs batch in [1, "
+                f"{MAX_BATCH_SIZE}], tier in [0, {MAX_STEPS}], ms in (0, {MAX_ROUND_MS:g}]"
+            )
         out.append((batch, steps, ms))
     return tuple(sorted(out))
 

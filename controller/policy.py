@@ -12,6 +12,14 @@ from typing import Any, Self
 
 from controller.interface import GatedPolicy, RoundSample, TierEstimate, snap_to_candidate
 
+# Sane ranges. A value past these is a typo or an attack, never a policy: 2^31 − 1 batches
+# between decisions is 8 months at 100 rounds a second, and a hysteresis beyond the largest
+# tier can never trigger (the EMA of accept lengths lies in [0, tier]).
+MAX_STEPS = 64  # a tier's chain fits the target's largest tree (draft_session.MAX_TREE_NODES)
+MAX_BATCHES = 1_000_000
+MAX_HYSTERESIS = float(MAX_STEPS)
+MAX_BATCH_SIZE = 65_536
+
 
 class PolicyKeys:
     """JSON-object plumbing shared by the policy kinds' frozen config dataclasses."""
@@ -36,7 +44,7 @@ class PolicyKeys:
     def from_json_file(cls, path: str | Path) -> Self:
         try:
             values = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, json.JSONDecodeError, RecursionError) as exc:
             raise ValueError(f"cannot read policy config {path}: {exc}") from exc
         try:
             return cls.from_mapping(values)
@@ -76,7 +84,11 @@ class PolicyConfig(PolicyKeys):
         object.__setattr__(self, "candidate_steps", normalized)
         check_gates(self)
         for name in ("down_hysteresis", "up_hysteresis"):
-            object.__setattr__(self, name, finite_float(name, getattr(self, name)))
+            value = finite_float(name, getattr(self, name))
+            if abs(value) > MAX_HYSTERESIS:
+                raise ValueError(f"{name} must be in [-{MAX_HYSTERESIS:g}, {MAX_HYSTERESIS:g}], "
+                                 f"got {value:g}")  # fmt: skip
+            object.__setattr__(self, name, value)
 
 
 FIELD_NAMES = PolicyConfig.field_names()
@@ -86,9 +98,10 @@ def check_steps(steps: object, *, minimum: int) -> tuple[int, ...]:
     """Sorted and deduplicated as SGLang does, so [7, 1, 3, 3] means tiers 1 < 3 < 7."""
     if isinstance(steps, str | bytes) or not isinstance(steps, Sequence):
         raise ValueError(f"candidate_steps must be a list of ints, got {steps!r}")
-    if not all(is_int(s) and s >= minimum for s in steps):
-        kind = "positive ints" if minimum == 1 else f"ints >= {minimum}"
-        raise ValueError(f"candidate_steps must be {kind}, got {list(steps)}")
+    if not all(is_int(s) and minimum <= s <= MAX_STEPS for s in steps):
+        raise ValueError(
+            f"candidate_steps must be ints in [{minimum}, {MAX_STEPS}], got {list(steps)}"
+        )
     return tuple(sorted(set(steps)))
 
 
@@ -98,10 +111,13 @@ def check_gates(config: Any) -> None:
     if not 0.0 < alpha <= 1.0:
         raise ValueError(f"ema_alpha must be in (0, 1], got {config.ema_alpha}")
     object.__setattr__(config, "ema_alpha", alpha)
-    if not is_int(config.update_interval) or config.update_interval < 1:
-        raise ValueError(f"update_interval must be an int >= 1, got {config.update_interval!r}")
-    if not is_int(config.warmup_batches) or config.warmup_batches < 0:
-        raise ValueError(f"warmup_batches must be an int >= 0, got {config.warmup_batches!r}")
+    check_int("update_interval", config.update_interval, 1, MAX_BATCHES)
+    check_int("warmup_batches", config.warmup_batches, 0, MAX_BATCHES)
+
+
+def check_int(name: str, value: object, lo: int, hi: int) -> None:
+    if not is_int(value) or not lo <= value <= hi:  # type: ignore[operator]
+        raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
 
 
 def is_int(value: object) -> bool:
@@ -121,6 +137,7 @@ __all__ = [
     "PolicyConfig",
     "PolicyKeys",
     "check_gates",
+    "check_int",
     "check_steps",
     "finite_float",
     "is_int",

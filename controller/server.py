@@ -93,6 +93,8 @@ def policy_changes(request: controller_pb2.UpdatePolicyRequest) -> dict[str, Any
             options = json.loads(request.options_json)
         except json.JSONDecodeError as exc:
             raise ValueError(f"options_json is not JSON: {exc}") from None
+        except RecursionError:
+            raise ValueError("options_json: nested too deeply") from None
         if not isinstance(options, dict):
             raise ValueError(f"options_json must be a JSON object, got {request.options_json!r}")
         changes.update(options)
@@ -120,6 +122,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     ) -> controller_pb2.UpdatePolicyResponse:
         try:
             policy = await self.controller.update_policy(**policy_changes(request))
+        except RecursionError:  # a value nested ~1000 deep, quoted in an error message
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "options_json: nested too deeply")
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(exc)))
         return controller_pb2.UpdatePolicyResponse(policy=policy_to_pb(policy))

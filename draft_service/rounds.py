@@ -134,7 +134,7 @@ class DraftRounds:
         elif any(i.predrafted for i in keyed):
             raise RoundError("inputs: predrafted, but this draft does not pipeline (--pipeline)")
         fresh = [(i, k) for i, k in zip(request.inputs, keyed, strict=True) if not k.predrafted]
-        drafted = self._with_room(fresh, request.round_id)
+        drafted = self._with_room(fresh, request.round_id, stream_id)
         inputs = [key for _, key in drafted]
         if not inputs:
             trees = []
@@ -213,12 +213,17 @@ class DraftRounds:
                 )
 
     def _with_room(
-        self, decoded: list[tuple[DraftInput, DraftInput]], round_id: int
+        self, decoded: list[tuple[DraftInput, DraftInput]], round_id: int, stream_id: str
     ) -> list[tuple[DraftInput, DraftInput]]:
         """The (sent, keyed) requests this cache can hold; the rest get no tree (the target
         then decodes them plainly and re-sends their tokens later), so one request over the
-        cache's length, or more requests than slots, never costs the others their drafts."""
+        cache's length, or more requests than slots, never costs the others their drafts. A
+        stream holds at most `max_stream_requests` slots, so one peer cannot take them all."""
         free = self.drafter.cache.free_slots
+        room = self.config.max_stream_requests  # counted only where it bounds anything
+        if room < self.config.max_requests:
+            prefix = f"{stream_id}/"
+            room -= sum(1 for key in self.drafter.requests if key.startswith(prefix))
         kept = []
         for sent, item in decoded:
             entry = self.drafter.requests.get(item.request_id)
@@ -228,9 +233,11 @@ class DraftRounds:
                 reason = f"{need} positions exceed the draft cache's {self.config.cache_len}"
             elif entry is None and free == 0:
                 reason = "no free draft slot"
+            elif entry is None and room <= 0:
+                reason = f"the stream holds max_stream_requests {self.config.max_stream_requests}"
             else:
                 if entry is None:
-                    free -= 1
+                    free, room = free - 1, room - 1
                 kept.append((sent, item))
                 continue
             self.release(item.request_id)

@@ -20,6 +20,9 @@ from specpair.serving import Compute, GrpcServer, busy_wait
 
 log = get_logger(__name__)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+# With an ops token set, only a peer presenting it (the target) may open a Round stream: an
+# anonymous one could hold every draft slot.
+PROTECTED_METHODS = (f"/{SERVICE_NAME}/Round",)
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -132,7 +135,7 @@ def tokenizer_identity(config: DraftConfig) -> str:
 
 async def start(config: DraftConfig) -> RunningDraft:
     """Binds the port (health NOT_SERVING), loads the model and states, then SERVING."""
-    server = GrpcServer(config.server, [SERVICE_NAME])
+    server = GrpcServer(config.server, [SERVICE_NAME], protected_methods=PROTECTED_METHODS)
     metrics = ServiceMetrics("draft")
     servicer = DraftServicer(config, metrics)
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server.server)

@@ -9,6 +9,7 @@ import signal
 import sys
 import tomllib
 from collections.abc import Callable, Coroutine, Sequence
+from importlib import metadata
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any
@@ -49,19 +50,34 @@ def _client_tls_opts(p: argparse.ArgumentParser) -> None:
 
 
 def _generation_opts(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default=None, help="target HOST:PORT")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument(
+        "--address", default=None, help="target HOST:PORT (default: $SPECPAIR_TARGET_ADDRESS "
+        "or 127.0.0.1:50051)",
+    )  # fmt: skip
+    p.add_argument("--max-tokens", type=int, help="tokens to generate at most (default: 16, "
+                   "the server's)")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 is greedy (default: %(default)s)")  # fmt: skip
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="0: off (default: %(default)s)")
+    p.add_argument("--seed", type=int, help="seed of a sampled request (reproducible output)")
+    p.add_argument("--stop", action="append", help="stop string (repeatable, at most 4)")
     p.add_argument("--json", action="store_true", help="print the GenerateResult as JSON")
     _client_tls_opts(p)
 
 
+def version() -> str:
+    """The installed package's version, or the checkout's pyproject.toml's (no metadata)."""
+    try:
+        return metadata.version("specpair")
+    except metadata.PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        return str(tomllib.loads(pyproject.read_text())["project"]["version"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specpair", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"specpair {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run one service").add_subparsers(
@@ -75,16 +91,21 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run target, draft and controller locally")
     up.add_argument("--target-model", type=Path, help="default: models/target (or a tiny pair)")
     up.add_argument("--draft-model", type=Path, help="default: models/draft")
-    up.add_argument("--draft-kind", type=DraftKind, choices=list(DraftKind), default="model")
-    up.add_argument("--device", default="cpu")
+    up.add_argument(
+        "--draft-kind", type=DraftKind, choices=list(DraftKind), default="model",
+        help="draft with a small LM or an EAGLE head (default: %(default)s)",
+    )  # fmt: skip
+    up.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default: %(default)s)")
     up.add_argument("--draft-device", help="the draft's device (default: --device), e.g. cuda:1")
-    up.add_argument("--pipeline", choices=["auto", "on", "off"], default="auto",
-                    help="pipelined rounds (auto: the draft on a device of its own)")  # fmt: skip
-    up.add_argument("--policy", type=Path)
+    up.add_argument(
+        "--pipeline", choices=["auto", "on", "off"], default="auto",
+        help="pipelined rounds (auto, the default: when the draft has a device of its own)",
+    )  # fmt: skip
+    up.add_argument("--policy", type=Path, help="the controller's policy JSON file")
     up.add_argument("--demo", action="store_true", help="run the demo client once it is up")
 
     gen = sub.add_parser("generate", help="generate from a running target")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="the prompt text")
     _generation_opts(gen)
 
     chat = sub.add_parser(
@@ -95,16 +116,22 @@ def build_parser() -> argparse.ArgumentParser:
     _generation_opts(chat)
 
     ctl = sub.add_parser("ctl", help="controller ops: status, pin, unpin, policy")
-    ctl.add_argument("--address", default=None, help="controller HOST:PORT")
-    ctl.add_argument("--token-env", default=TOKEN_ENV)
+    ctl.add_argument(
+        "--address", default=None, help="controller HOST:PORT (default: "
+        "$SPECPAIR_CONTROLLER_ADDRESS or 127.0.0.1:50053)",
+    )  # fmt: skip
+    ctl.add_argument("--token-env", default=TOKEN_ENV,
+                     help="env var holding the ops token (default: %(default)s)")  # fmt: skip
     _client_tls_opts(ctl)
     ops = ctl.add_subparsers(dest="op", required=True)
-    ops.add_parser("status", help="state of every target")
+    status = ops.add_parser("status", help="state of every target")
+    status.add_argument("--json", action="store_true", help="the state as JSON (for scripts)")
     pin = ops.add_parser("pin", help="pin a tier (overrides the policy)")
-    pin.add_argument("steps", type=int)
+    pin.add_argument("steps", type=int, help="the tier: speculative_num_steps, a candidate")
     ops.add_parser("unpin", help="hand the tier back to the policy")
     policy = ops.add_parser("policy", help="update policy keys live: KEY=VALUE …")
-    policy.add_argument("changes", nargs="+", metavar="KEY=VALUE")
+    policy.add_argument("changes", nargs="+", metavar="KEY=VALUE",
+                        help="a policy key and its value (JSON, or a bare string)")  # fmt: skip
     return parser
 
 

@@ -7,9 +7,12 @@ import json
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specpair.config import TLSConfig
+
+if TYPE_CHECKING:
+    from specpair.client.results import ControllerState
 
 
 def client_tls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> TLSConfig:
@@ -20,8 +23,8 @@ def client_tls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> TLS
 
 
 def _generation_params(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "max_tokens": args.max_tokens,
+    params: dict[str, Any] = {} if args.max_tokens is None else {"max_tokens": args.max_tokens}
+    return params | {
         "temperature": args.temperature,
         "top_p": args.top_p,
         "top_k": args.top_k,
@@ -125,6 +128,9 @@ def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     client = ControllerClient(args.address, token=os.environ.get(args.token_env), tls=tls)
     try:
         result: dict[str, Any]
+        if args.op == "status" and not args.json:
+            print(status_table(client.state()))
+            return 0
         if args.op == "status":
             result = client.state().to_dict()
         elif args.op == "pin":
@@ -138,3 +144,47 @@ def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 1
     print(json.dumps(result, indent=2))
     return 0
+
+
+def status_table(state: ControllerState) -> str:
+    """`specpair ctl status` for a person: the policy on one line, a row per target, then each
+    target's estimates, model and recent switches (`--json` gives everything, for scripts).
+
+        policy: sglang  candidate_steps=[1, 3, 7]  ema_alpha=0.2  …
+        target            connected  tier  pinned  EMA   rounds  pipeline
+        127.0.0.1:50051   yes        7     -       6.29  120     off
+          round 51: 3 → 7 (policy, EMA 2.51)
+    """
+    policy = dict(state.policy)
+    kind = policy.pop("kind", "?")
+    lines = [f"policy: {kind}  " + "  ".join(f"{k}={_short(v)}" for k, v in policy.items())]
+    rows = [("target", "connected", "tier", "pinned", "EMA", "rounds", "pipeline")]
+    for t in state.targets:
+        pipeline = f"on ({t.pipeline_hit_rate:.0%} hits)" if t.pipeline else "off"
+        pinned = "-" if t.pinned_steps is None else str(t.pinned_steps)
+        rows.append((t.target_address, "yes" if t.connected else "no", str(t.active_steps),
+                     pinned, f"{t.ema:.2f}", str(t.rounds_seen), pipeline))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for i, row in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        if i == 0:
+            continue
+        target = state.targets[i - 1]
+        for e in target.estimates:
+            lines.append(
+                f"  tier {e.steps}: {e.tokens_per_s:.0f} tok/s predicted, {e.round_ms:.1f} ms "
+                f"a round ({e.observed_rounds} rounds measured)"
+            )
+        if target.model:
+            lines.append(f"  {target.model}")
+        for s in target.recent_switches:
+            lines.append(f"  round {s.round_id}: {s.from_steps} → {s.to_steps} "
+                         f"({s.reason}, EMA {s.ema:.2f})")  # fmt: skip
+    if not state.targets:
+        lines.append("(no targets)")
+    return "\n".join(lines)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, dict | list | tuple) else str(value)
+    return text if len(text) <= 60 else text[:59] + "…"

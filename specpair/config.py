@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -18,6 +19,7 @@ DEFAULT_METRICS = {
 # The target's OpenAI-compatible HTTP API (`specpair serve target --http-address`).
 DEFAULT_HTTP_ADDRESS = "127.0.0.1:8000"
 CANDIDATE_STEPS = (1, 3, 7)
+DEFAULT_MAX_WATCHERS = 8  # WatchRounds streams a target serves at once
 # The bundled model pair; `specpair up` falls back to a generated tiny pair without it.
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 
@@ -42,6 +44,16 @@ def split_address(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"address {address!r} must be HOST:PORT")
     return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address's host part) is reachable from this machine only."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost, or "" / 0.0.0.0-like wildcards
+        return False
 
 
 def check_grpc_address(address: str) -> str:
@@ -229,6 +241,27 @@ class TargetConfig(ModelServiceConfig):
         metadata=_help("HOST:PORT of the OpenAI-compatible HTTP API ('' disables)",
                        env="SPECPAIR_HTTP_ADDRESS", cli_default=DEFAULT_HTTP_ADDRESS),
     )  # fmt: skip
+    api_key: str | None = field(
+        default=None,
+        metadata=_help("key the HTTP API requires on /v1/ as 'Authorization: Bearer KEY' (what "
+                       "OpenAI clients send as api_key); prefer the variable to the flag, "
+                       "which other users see in ps", env="SPECPAIR_API_KEY", secret=True),
+    )  # fmt: skip
+    http_read_timeout_s: float = field(
+        default=10.0,
+        metadata=_help("seconds an HTTP client has to send a request's headers, and again its "
+                       "body", flag="--http-read-timeout"),
+    )  # fmt: skip
+    max_watchers: int = field(
+        default=DEFAULT_MAX_WATCHERS,
+        metadata=_help("WatchRounds streams served at once (the controller holds one); more are "
+                       "refused, and one that falls a queue behind is dropped"),
+    )  # fmt: skip
+    stats_log_interval_s: float = field(
+        default=10.0,
+        metadata=_help("seconds between throughput log lines (tokens/s, requests, KV cache "
+                       "use) while there is work; 0: none", flag="--stats-log-interval"),
+    )  # fmt: skip
     feature_layers: tuple[int, ...] = field(
         default=(),
         metadata=_help("an EAGLE-3 draft's target layers, e.g. 1,2,4 (its config's "
@@ -246,6 +279,16 @@ class TargetConfig(ModelServiceConfig):
             check_grpc_address(self.draft_address)
         if self.http_address:
             split_address(self.http_address)
+        if self.api_key is not None and not self.api_key.strip():
+            object.__setattr__(self, "api_key", None)  # SPECPAIR_API_KEY="", as compose sets it
+        if not 0 < self.http_read_timeout_s <= 3600:
+            raise ValueError(
+                f"http_read_timeout_s must be in (0, 3600], got {self.http_read_timeout_s}"
+            )
+        if self.stats_log_interval_s < 0:
+            raise ValueError(f"stats_log_interval_s must be >= 0, got {self.stats_log_interval_s}")
+        if self.max_watchers < 1:
+            raise ValueError(f"max_watchers must be >= 1, got {self.max_watchers}")
         if self.initial_steps not in self.candidate_steps:
             raise ValueError(
                 f"initial_steps {self.initial_steps} is not a candidate {self.candidate_steps}"
@@ -271,6 +314,11 @@ class DraftConfig(ModelServiceConfig):
         default=None, metadata=_help("target checkpoint (EAGLE only)", flag="--target-model")
     )
     max_requests: int = field(default=64, metadata=_help("requests drafted for at once"))
+    max_stream_requests: int = field(
+        default=0,
+        metadata=_help("requests one Round stream (one target) may hold; lower it when several "
+                       "targets share this draft (0: max_requests)"),
+    )  # fmt: skip
     pipeline: PipelineMode = field(
         default=PipelineMode.ON,
         metadata=_help("pre-draft the next round's likeliest outcomes while the target "
@@ -294,6 +342,13 @@ class DraftConfig(ModelServiceConfig):
             raise ValueError("draft_kind 'eagle' needs the target checkpoint (--target-model)")
         if self.max_requests < 1:
             raise ValueError("max_requests must be >= 1")
+        if not 0 <= self.max_stream_requests <= self.max_requests:
+            raise ValueError(
+                f"max_stream_requests must be in [0, max_requests {self.max_requests}], "
+                f"got {self.max_stream_requests}"
+            )
+        if self.max_stream_requests == 0:
+            object.__setattr__(self, "max_stream_requests", self.max_requests)
 
     @property
     def cache_len(self) -> int:

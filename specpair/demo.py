@@ -1,15 +1,21 @@
 """The demo client: completes Python code through the running services and shows speculation,
-then one chat turn through the OpenAI-compatible HTTP API."""
+one chat turn through the OpenAI-compatible HTTP API, then the number that matters: tokens/s
+with speculation against the same prompts at tier 0 (the target alone)."""
 
 from __future__ import annotations
 
 import json
 import shlex
+import time
 import urllib.error
 import urllib.request
 from typing import Any
 
+import grpc
+
+from specpair.channels import auth_metadata, open_blocking_channel
 from specpair.client import ControllerClient, SpecpairClient, SpecpairError
+from specpair.proto.v1 import target_pb2, target_pb2_grpc
 
 # Prompts end mid-line: the shipped models were trained on whole files, and a prompt that ends
 # in a bare newline or indentation splits whitespace in a way they never saw.
@@ -30,10 +36,15 @@ def _draft_state(info: dict[str, Any]) -> str:
 CHAT = "Write a function that adds two numbers."
 
 
-def chat_over_http(http_address: str, message: str, *, max_tokens: int = 48) -> dict[str, Any]:
-    """One chat turn through /v1/chat/completions (greedy); prints the equivalent curl."""
+def chat_over_http(
+    http_address: str, message: str, *, max_tokens: int = 48, api_key: str | None = None
+) -> dict[str, Any]:
+    """One chat turn through /v1/chat/completions (greedy); prints the equivalent curl.
+    `api_key`: the target's (SPECPAIR_API_KEY), sent as OpenAI's clients send it."""
     base = f"http://{http_address}/v1"
-    with urllib.request.urlopen(f"{base}/models", timeout=30) as response:
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    models = urllib.request.Request(f"{base}/models", headers=auth)
+    with urllib.request.urlopen(models, timeout=30) as response:
         model = json.load(response)["data"][0]["id"]
     body = json.dumps(
         {
@@ -43,10 +54,12 @@ def chat_over_http(http_address: str, message: str, *, max_tokens: int = 48) -> 
             "temperature": 0,
         }
     )
-    json_header = "-H 'Content-Type: application/json'"
-    print(f"demo: curl {base}/chat/completions {json_header} -d {shlex.quote(body)}")
+    headers = "-H 'Content-Type: application/json'"
+    if api_key:
+        headers += ' -H "Authorization: Bearer $SPECPAIR_API_KEY"'
+    print(f"demo: curl {base}/chat/completions {headers} -d {shlex.quote(body)}")
     request = urllib.request.Request(
-        f"{base}/chat/completions", body.encode(), {"Content-Type": "application/json"}
+        f"{base}/chat/completions", body.encode(), {"Content-Type": "application/json", **auth}
     )
     with urllib.request.urlopen(request, timeout=120) as response:
         return dict(json.load(response))
@@ -59,17 +72,21 @@ def run_demo(
     *,
     max_tokens: int = 64,
     token: str | None = None,
+    api_key: str | None = None,
 ) -> None:
     """`http`: the target's OpenAI-compatible address ('' skips the chat turn); `token`: the ops
-    token, which the controller's state call needs when one is set."""
+    token, which the controller's state call and the tier-0 run need when one is set;
+    `api_key`: the HTTP API's key, when it has one."""
     client = SpecpairClient(target)
     info = client.server_info()
     print(
         f"demo: target {info.get('target_model_path')} at tier {info.get('speculative_num_steps')}"
         f", draft {info.get('draft_address') or 'none'} ({_draft_state(info)})"
     )
+    texts: list[str] = []
     for prompt in PROMPTS:
         result = client.generate(prompt, max_tokens=max_tokens)
+        texts.append(result.text)
         print("=" * 72)
         print(prompt + result.text)
         print("-" * 72)
@@ -87,7 +104,7 @@ def run_demo(
     if http:
         print("=" * 72)
         try:
-            reply = chat_over_http(http, CHAT)
+            reply = chat_over_http(http, CHAT, api_key=api_key)
         except (urllib.error.URLError, OSError) as exc:
             print(f"demo: HTTP API unavailable ({exc})")
         else:
@@ -98,8 +115,60 @@ def run_demo(
                 f"(the shipped code model is no assistant: the template only frames the turn) "
                 f"usage {reply['usage']}, accept lengths {tuple(meta['accept_lengths'])}"
             )
-    if controller is None:
-        return
+    if controller is not None:
+        show_controller(controller, token)
+    print("=" * 72)
+    # Both timed passes run warm, after the ones shown: tier 0, then speculation again.
+    plain = plain_run(client, target, info, max_tokens=max_tokens, token=token)
+    speculative, again = timed_pass(client, max_tokens)
+    line = f"demo: {speculative:.0f} tokens/s with speculation"
+    if plain is None:
+        print(f"{line} (tier 0 is not among the target's tiers: nothing to compare)")
+    else:
+        rate, plain_texts = plain
+        same = plain_texts == texts == again
+        print(f"{line}, {rate:.0f} without (tier 0, the target alone): "
+              f"{speculative / rate:.2f}x, "
+              f"{'the same text' if same else 'DIFFERENT text (a bug: report it)'}")  # fmt: skip
+
+
+def timed_pass(client: SpecpairClient, max_tokens: int) -> tuple[float, list[str]]:
+    """The demo's prompts one after another: (tokens/s, texts)."""
+    t0 = time.perf_counter()
+    results = [client.generate(prompt, max_tokens=max_tokens) for prompt in PROMPTS]
+    rate = sum(r.completion_tokens for r in results) / (time.perf_counter() - t0)
+    return rate, [r.text for r in results]
+
+
+def plain_run(
+    client: SpecpairClient, target: str, info: dict[str, Any], *, max_tokens: int,
+    token: str | None,
+) -> tuple[float, list[str]] | None:  # fmt: skip
+    """The demo's prompts again at tier 0 (ApplyTier, as the controller sends it; the policy
+    leaves rounds without drafts alone), then back to the tier before: (tokens/s, texts), or
+    None without tier 0."""
+    if 0 not in info.get("candidate_steps", ()):
+        return None
+    with open_blocking_channel(target) as channel:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+
+        def apply(steps: int) -> int:
+            request = target_pb2.ApplyTierRequest(speculative_num_steps=steps, reason="demo")
+            reply = stub.ApplyTier(request, metadata=auth_metadata(token), timeout=30)
+            return int(reply.previous_steps)
+
+        try:
+            before = apply(0)
+        except grpc.RpcError as exc:
+            print(f"demo: cannot switch to tier 0 ({exc.code().name})")  # type: ignore[attr-defined]
+            return None
+        try:
+            return timed_pass(client, max_tokens)
+        finally:
+            apply(before)
+
+
+def show_controller(controller: str, token: str | None) -> None:
     try:
         state = ControllerClient(controller, token=token).state()
     except SpecpairError as exc:

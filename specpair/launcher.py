@@ -70,8 +70,10 @@ def up_services(args: argparse.Namespace) -> tuple[list[Service], str]:
         controller_args += ("--policy", str(args.policy))
     from specpair.runtime.build import feature_layers  # torch: only when starting services
 
+    # Tier 0 (the target alone) is built too: the demo measures tokens/s against it.
     target_args: tuple[str, ...] = (
         "target", "--model", str(target), *device, "--pipeline", str(args.pipeline),
+        "--candidate-steps", "0,1,3,7",
     )  # fmt: skip
     if args.draft_kind == "eagle" and (layers := feature_layers(draft, target)):
         target_args += ("--feature-layers", ",".join(map(str, layers)))  # an EAGLE-3 head's
@@ -101,7 +103,9 @@ def run_up(args: argparse.Namespace) -> int:
             from specpair.demo import run_demo
 
             token = os.environ.get("SPECPAIR_OPS_TOKEN")  # the services read the same one
-            run_demo(env_address("target"), env_address("controller"), http, token=token)
+            key = os.environ.get("SPECPAIR_API_KEY")
+            run_demo(env_address("target"), env_address("controller"), http, token=token,
+                     api_key=key)  # fmt: skip
         while (name := group.exited()) is None:
             time.sleep(0.5)
         code = group.procs[name].returncode

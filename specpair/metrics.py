@@ -21,6 +21,7 @@ FAMILIES = {
     "controller": {"accept_length", "active_tier", "tier_switches"},
 }
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 
 class ServiceMetrics:
@@ -46,6 +47,21 @@ class ServiceMetrics:
         self.itl = Histogram(
             f"{p}_inter_token_latency_seconds", "Time between streamed tokens",
             buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        # vLLM's and SGLang's headline families, under our prefix.
+        self.prompt_tokens = Counter(
+            f"{p}_prompt_tokens", "Prompt tokens of admitted requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            f"{p}_generation_tokens", "Tokens generated and streamed to clients", registry=r
+        )
+        self.request_latency = Histogram(
+            f"{p}_request_latency_seconds", "End-to-end request latency: arrival to last token",
+            buckets=REQUEST_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.kv_cache_usage = Gauge(
+            f"{p}_kv_cache_usage", "Share of the KV cache's pages in use (0 to 1), read when "
+            "scraped", registry=r,
         )  # fmt: skip
         self.running = Gauge(f"{p}_running_requests", "Requests in the batch", registry=r)
         self.queued = Gauge(f"{p}_queued_requests", "Requests waiting for admission", registry=r)

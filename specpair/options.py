@@ -3,8 +3,9 @@
 A field with `help` in its metadata is an option: `--max-len` for `max_len` unless `flag` names
 another; `env` names a variable that overrides the command's default, `cli_default` gives the
 command a default other than the library's, `off_flag` adds a switch that sets the field to
-None (`--no-draft`). The field's type gives the parser: an enum becomes choices, a tuple of
-ints a comma-separated list, a tuple of strings a repeatable option.
+None (`--no-draft`), `secret` keeps its value (from `env`) out of --help. The field's type
+gives the parser: an enum becomes choices, a tuple of ints a comma-separated list, a tuple of
+strings a repeatable option.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def add_config_options(parser: argparse.ArgumentParser, cls: type) -> None:
                                 **extra)  # fmt: skip
             continue
         required = f.default is dataclasses.MISSING and "cli_default" not in f.metadata
-        if not required and default not in (None, ""):
+        if not required and default not in (None, "") and not f.metadata.get("secret"):
             shown = ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
             text += f" (default: {shown})"
         metavar = None if "choices" in extra else _flag(f)[2:].upper().replace("-", "_")
@@ -104,23 +105,30 @@ def _tuple_default(f: dataclasses.Field[Any]) -> tuple[Any, ...]:
 
 
 TOKEN_ENV = "SPECPAIR_OPS_TOKEN"
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 
 def add_server_options(p: argparse.ArgumentParser, service: str) -> None:
     """ServerConfig's options; the defaults are the service's (SPECPAIR_<SERVICE>_…)."""
     p.add_argument(
-        "--address", default=env_address(service), help="HOST:PORT (or unix:PATH) to bind"
+        "--address",
+        default=env_address(service),
+        help="HOST:PORT (or unix:PATH) to bind (default: %(default)s)",
     )
     p.add_argument(
         "--metrics-address",
         default=os.environ.get(f"SPECPAIR_{service.upper()}_METRICS", DEFAULT_METRICS[service]),
-        help="HOST:PORT for Prometheus /metrics ('' disables)",
+        help="HOST:PORT for Prometheus /metrics ('' disables; default: %(default)s)",
     )
-    p.add_argument("--ops-token-env", default=TOKEN_ENV, help="env var holding the ops token")
+    p.add_argument("--ops-token-env", default=TOKEN_ENV,
+                   help="env var holding the ops token (default: %(default)s)")  # fmt: skip
     p.add_argument("--tls-cert", type=Path, help="PEM certificate (enables TLS)")
     p.add_argument("--tls-key", type=Path, help="PEM private key")
     p.add_argument("--tls-ca", type=Path, help="PEM CA for verifying peers")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
+        help="least severe log lines written (default: %(default)s)",
+    )  # fmt: skip
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

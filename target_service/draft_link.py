@@ -14,6 +14,7 @@ import asyncio
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specpair.channels import auth_metadata
 from specpair.config import TLSConfig
 from specpair.logging import get_logger
 from specpair.proto.v1 import draft_pb2, draft_pb2_grpc, target_pb2
@@ -41,6 +42,7 @@ class DraftLink(ReconnectingLink):
         backoff_min_s: float = 0.2,
         backoff_max_s: float = 5.0,
         busy_poll_s: float = 0.0,
+        token: str | None = None,
         vocab_size: int = 0,
         tokenizer_fingerprint: str = "",
         feature_layers: tuple[int, ...] = (),
@@ -55,6 +57,7 @@ class DraftLink(ReconnectingLink):
         self.feature_layers = feature_layers  # the layers our features come from ((): final)
         self.incompatible = ""  # why the draft last refused, shown in GetServerInfo
         self.timeout_s = timeout_s
+        self.metadata = auth_metadata(token)  # the ops token: a draft that has one asks for it
         self.busy_poll_s = busy_poll_s  # poll for the trees this long (serving.busy_wait)
         self.state: target_pb2.DraftConnectionState.ValueType = (
             State.DRAFT_CONNECTION_STATE_CONNECTING
@@ -106,7 +109,7 @@ class DraftLink(ReconnectingLink):
         self.incompatible = ""
         self.draft_kind = info.draft_kind
         self.draft_pipeline, self.draft_device = info.pipeline, info.device
-        self._call = stub.Round()
+        self._call = stub.Round(metadata=self.metadata)
         self.epoch += 1
         self.state = State.DRAFT_CONNECTION_STATE_CONNECTED
         log.info("draft connected", address=self.address, kind=info.draft_kind, epoch=self.epoch)

@@ -73,6 +73,7 @@ class Frontend:
         next round boundary and its KV is freed on both services. Callers close it deterministically
         (`contextlib.aclosing`), not at garbage collection.
         """
+        arrival = time.perf_counter()
         scheduler = self.ready()
         check = functools.partial(
             validate_generate,
@@ -98,6 +99,7 @@ class Frontend:
         deadline = None if time_remaining is None else time.monotonic() + time_remaining
         served = ServedRequest(seq, deadline=deadline)
         scheduler.submit(served)
+        self.metrics.prompt_tokens.inc(len(valid.prompt_ids))
         structlog.contextvars.bind_contextvars(request_id=request_id)
         log.info(
             "request admitted", prompt_tokens=len(valid.prompt_ids), max_tokens=valid.max_tokens
@@ -120,6 +122,7 @@ class Frontend:
                 )
                 if tokens:
                     last = self._observe_latency(len(tokens), completion, start, last)
+                    self.metrics.generation_tokens.inc(len(tokens))
                 completion += len(tokens)
                 reason = "stop" if stop_hit else event.finish_reason
                 finished = reason is not None
@@ -134,6 +137,7 @@ class Frontend:
                     if stop_hit and event.finish_reason is None:
                         scheduler.cancel(served, "stop")
                     _finalize(response, served, reason or "length", completion)
+                    self.metrics.request_latency.observe(time.perf_counter() - arrival)
                 yield response
         finally:
             if not finished:  # the client went away (cancelled, deadline, disconnected)

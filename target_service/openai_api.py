@@ -11,24 +11,34 @@ from __future__ import annotations
 import json
 import math
 import re
+import reprlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from specpair.proto.v1 import target_pb2
-from target_service.validation import InvalidRequestError
+from target_service.validation import (
+    DEFAULT_MAX_TOKENS,
+    MAX_BYTES_PER_TOKEN,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    InvalidRequestError,
+    check_messages_size,
+    check_stop,
+)
 
-# OpenAI's documented default for completions; a chat request takes the same (a fixed default
-# keeps one request path: a "rest of the context" default would need the prompt's length
-# before validation). finish_reason "length" says when it cut a reply short.
-DEFAULT_MAX_TOKENS = 16
-DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send 0 for greedy decoding
+# OpenAI's documented default; send 0 for greedy decoding. (max_tokens: the request path's
+# DEFAULT_MAX_TOKENS, OpenAI's completions default, for chat too: a "rest of the context"
+# default would need the prompt's length before validation.)
+DEFAULT_TEMPERATURE = 1.0
 INT32_MAX = 2**31 - 1
 UINT64_LIMIT = 2**64
 
-# Parameters of OpenAI's API (and vLLM/SGLang extensions) that this server does not apply
-# exactly under speculative decoding, with the values that mean "off". Any other value is
-# refused naming the parameter, rather than silently ignored.
+# Parameters of OpenAI's API (and vLLM/SGLang extensions) that this server does not apply,
+# with the values that mean "off" and why. Any other value is refused naming the parameter,
+# rather than silently ignored.
+NOT_EXACT = "not applied exactly under speculative decoding"
+NO_TOOLS = "this server has no tool calling or structured output"
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "n": (1,),
     "best_of": (1,),
@@ -49,6 +59,9 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "function_call": ("none",),
     "response_format": ({"type": "text"},),
 }
+TOOL_PARAMETERS = frozenset(
+    {"tools", "functions", "tool_choice", "function_call", "response_format"}
+)
 _FINISH = {target_pb2.FINISH_REASON_LENGTH: "length", target_pb2.FINISH_REASON_STOP: "stop"}
 
 
@@ -63,6 +76,17 @@ class ApiRequest:
     max_tokens_field: str = "max_tokens"  # the name the client used, for error messages
 
 
+# A bad value is quoted in its error, shortened: a 3 MB string or a list nested 900 deep
+# becomes a few dozen characters (and never recurses through the whole value).
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict = 2, 40, 40, 4, 4
+
+
+def shown(value: Any) -> str:
+    """`value` as an error message quotes it: repr, cut short."""
+    return _SHORT.repr(value)
+
+
 def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
     # bool is an int subclass: `n: true` must not pass as n == 1.
     return value is None or any(
@@ -75,13 +99,15 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidRequestError(f"{name}: expected a finite number, got {value!r}")
+        raise InvalidRequestError(f"{name}: expected a finite number, got {shown(value)}")
     return float(value)
 
 
 def _integer(value: Any, name: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value < hi:
-        raise InvalidRequestError(f"{name}: expected an integer in [{lo}, {hi}), got {value!r}")
+        raise InvalidRequestError(
+            f"{name}: expected an integer in [{lo}, {hi}), got {shown(value)}"
+        )
     return value
 
 
@@ -90,38 +116,54 @@ def _strings(value: Any, name: str) -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
-        return [value]
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        value = [value]
+    if not isinstance(value, list):
         raise InvalidRequestError(f"{name}: expected a string or a list of strings")
+    if len(value) > MAX_STOP_STRINGS:  # counted before any per-item work
+        check_stop(value)
+    if not all(isinstance(v, str) for v in value):
+        raise InvalidRequestError(f"{name}: expected a string or a list of strings")
+    check_stop(value)
     return value
 
 
-def _token_ids(value: Any, name: str) -> list[int]:
+def _token_ids(value: Any, name: str, limit: int, what: str) -> list[int]:
+    """Token ids, at most `limit` of them (counted before any per-id work)."""
     if not isinstance(value, list):
         raise InvalidRequestError(f"{name}: expected a list of token ids")
+    if len(value) > limit:
+        raise InvalidRequestError(f"{name}: {len(value)} token ids, {what}")
     return [_integer(t, f"{name}[{i}]", 0, INT32_MAX + 1) for i, t in enumerate(value)]
 
 
-def _set_prompt(request: target_pb2.GenerateRequest, prompt: Any) -> None:
+def _set_prompt(request: target_pb2.GenerateRequest, prompt: Any, max_len: int) -> None:
     """A string, token ids, or a batch of exactly one of those."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) > max_len:
+        raise InvalidRequestError(
+            f"prompt: {len(prompt)} items cannot fit the context of {max_len} tokens"
+        )
     if isinstance(prompt, str):
         request.prompt = prompt
     elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        request.prompt_token_ids.extend(_token_ids(prompt, "prompt"))
+        request.prompt_token_ids.extend(_token_ids(prompt, "prompt", max_len, "too many"))
     elif isinstance(prompt, list):
         raise InvalidRequestError("prompt: batches of prompts are not supported; send one each")
     else:
         raise InvalidRequestError("prompt: expected a string or a list of token ids")
 
 
-def _content(value: Any, name: str) -> str:
+def _content(value: Any, name: str, max_len: int) -> str:
     """A message's content: a string or a list of text parts (joined)."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
         raise InvalidRequestError(f"{name}: expected a string or a list of text parts")
+    if len(value) > max_len:
+        raise InvalidRequestError(
+            f"{name}: {len(value)} parts cannot fit the context of {max_len} tokens"
+        )
     texts = []
     for j, part in enumerate(value):
         if not isinstance(part, dict) or part.get("type") != "text":
@@ -132,9 +174,13 @@ def _content(value: Any, name: str) -> str:
     return "".join(texts)
 
 
-def _set_messages(request: target_pb2.GenerateRequest, messages: Any) -> None:
+def _set_messages(request: target_pb2.GenerateRequest, messages: Any, max_len: int) -> None:
+    """The messages, refused as soon as their count or text cannot fit the context: a few MB of
+    them would otherwise be copied, templated and tokenized first."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages: expected a non-empty list of messages")
+    check_messages_size((), len(messages), max_len)
+    chars = 0
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise InvalidRequestError(f"messages[{i}]: expected an object")
@@ -142,32 +188,36 @@ def _set_messages(request: target_pb2.GenerateRequest, messages: Any) -> None:
         if not isinstance(role, str) or not role:
             raise InvalidRequestError(f"messages[{i}].role: expected a non-empty string")
         if message.get("tool_calls"):
-            raise InvalidRequestError(f"messages[{i}].tool_calls: tools are not supported")
-        content = _content(message.get("content"), f"messages[{i}].content")
+            raise InvalidRequestError(f"messages[{i}].tool_calls: not supported ({NO_TOOLS})")
+        content = _content(message.get("content"), f"messages[{i}].content", max_len)
+        chars += len(role) + len(content)
+        if chars > MAX_BYTES_PER_TOKEN * max_len:
+            check_messages_size((chars,), len(messages), max_len)
         request.messages.add(role=role, content=content)
 
 
-def parse_request(body: Any, *, chat: bool) -> ApiRequest:
+def parse_request(body: Any, *, chat: bool, max_len: int) -> ApiRequest:
     """A `/v1/chat/completions` (chat) or `/v1/completions` body as a GenerateRequest.
 
     Unknown fields are ignored, as OpenAI's clients expect of a server; known ones are
-    type-checked here and range-checked by the shared validation (`validate_generate`).
+    type-checked here and range-checked by the shared validation (`validate_generate`). Lists
+    are counted against the context (`max_len`) before their items are looked at.
     """
     if not isinstance(body, dict):
         raise InvalidRequestError("body: expected a JSON object")
     for name, defaults in UNSUPPORTED.items():
         if not _is_default(body.get(name), defaults):
+            why = NO_TOOLS if name in TOOL_PARAMETERS else NOT_EXACT
             raise InvalidRequestError(
-                f"{name}: not supported (not applied exactly under speculative decoding); "
-                f"omit it or send {json.dumps(defaults[0])}"
+                f"{name}: not supported ({why}); omit it or send {json.dumps(defaults[0])}"
             )
     request = target_pb2.GenerateRequest()
     if chat:
-        _set_messages(request, body.get("messages"))
+        _set_messages(request, body.get("messages"), max_len)
     else:
         if "prompt" not in body:
             raise InvalidRequestError("prompt: required")
-        _set_prompt(request, body["prompt"])
+        _set_prompt(request, body["prompt"], max_len)
     max_tokens_field = "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:
         max_tokens_field = "max_completion_tokens"  # OpenAI's newer name wins over max_tokens
@@ -175,7 +225,7 @@ def parse_request(body: Any, *, chat: bool) -> ApiRequest:
     request.max_tokens = (
         DEFAULT_MAX_TOKENS
         if max_tokens is None
-        else _integer(max_tokens, max_tokens_field, -INT32_MAX, INT32_MAX + 1)
+        else _integer(max_tokens, max_tokens_field, 1, INT32_MAX + 1)
     )
     sampling = request.sampling
     sampling.temperature = _number(body, "temperature", DEFAULT_TEMPERATURE)
@@ -188,10 +238,14 @@ def parse_request(body: Any, *, chat: bool) -> ApiRequest:
         sampling.seed = _integer(body["seed"], "seed", 0, UINT64_LIMIT)
     request.stop.extend(_strings(body.get("stop"), "stop"))
     if body.get("stop_token_ids") is not None:
-        request.stop_token_ids.extend(_token_ids(body["stop_token_ids"], "stop_token_ids"))
+        stop_ids = _token_ids(
+            body["stop_token_ids"], "stop_token_ids", MAX_STOP_TOKEN_IDS,
+            f"at most {MAX_STOP_TOKEN_IDS}",
+        )  # fmt: skip
+        request.stop_token_ids.extend(stop_ids)
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
-        raise InvalidRequestError(f"stream: expected a boolean, got {stream!r}")
+        raise InvalidRequestError(f"stream: expected a boolean, got {shown(stream)}")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise InvalidRequestError("stream_options: expected an object")

@@ -1,7 +1,9 @@
 """Each finished round's account: stage timings to the metrics, RoundStats to every watcher.
 
-WatchRounds (the controller, the benchmarks) reads a queue per watcher; a slow watcher loses
-the oldest rounds and never holds the round loop up.
+WatchRounds (the controller, the benchmarks) reads a queue per watcher. Watchers cost the
+round loop a queue put each per round, so there are at most `max_watchers`; one that falls a
+whole queue behind is dropped (its stream ends, the controller reconnects) rather than kept at
+the loop's expense.
 """
 
 from __future__ import annotations
@@ -10,16 +12,22 @@ import asyncio
 import collections
 import time
 
+from specpair.config import DEFAULT_MAX_WATCHERS
 from specpair.metrics import ServiceMetrics
 from specpair.runtime.round import RoundStats, StageTimings
 
 QUEUE_ROUNDS = 1024
 
 
+# What a watcher reads: each round's stats, then None once it was dropped.
+WatchQueue = asyncio.Queue[RoundStats | None]
+
+
 class RoundFeed:
-    def __init__(self, metrics: ServiceMetrics) -> None:
+    def __init__(self, metrics: ServiceMetrics, max_watchers: int = DEFAULT_MAX_WATCHERS) -> None:
         self.metrics = metrics
-        self._watchers: set[asyncio.Queue[RoundStats]] = set()
+        self.max_watchers = max_watchers
+        self._watchers: set[WatchQueue] = set()
         self.pipelined = False  # the last round was
         self.recent_hits: collections.deque[bool] = collections.deque(maxlen=256)
 
@@ -28,12 +36,15 @@ class RoundFeed:
         """Pipelined request-rounds whose tree was pre-drafted, over the last 256."""
         return sum(self.recent_hits) / len(self.recent_hits) if self.recent_hits else 0.0
 
-    def watch(self) -> asyncio.Queue[RoundStats]:
-        queue: asyncio.Queue[RoundStats] = asyncio.Queue(maxsize=QUEUE_ROUNDS)
+    def watch(self) -> WatchQueue | None:
+        """A new watcher's queue, or None when `max_watchers` are watching."""
+        if len(self._watchers) >= self.max_watchers:
+            return None
+        queue: WatchQueue = asyncio.Queue(maxsize=QUEUE_ROUNDS)
         self._watchers.add(queue)
         return queue
 
-    def unwatch(self, queue: asyncio.Queue[RoundStats]) -> None:
+    def unwatch(self, queue: WatchQueue) -> None:
         self._watchers.discard(queue)
 
     def publish(
@@ -93,6 +104,10 @@ class RoundFeed:
         self.metrics.stage_latency.labels("wait").observe(wait_s)
         self.pipelined = pipelined
         for queue in list(self._watchers):
-            if queue.full():
-                queue.get_nowait()  # the oldest round goes
-            queue.put_nowait(stats)
+            if queue.full():  # a whole queue behind: dropped, told so by a None
+                self._watchers.discard(queue)
+                while not queue.empty():
+                    queue.get_nowait()
+                queue.put_nowait(None)
+            else:
+                queue.put_nowait(stats)

@@ -23,7 +23,7 @@ import asyncio
 import collections
 import time
 
-from specpair.config import PipelineMode
+from specpair.config import DEFAULT_MAX_WATCHERS, PipelineMode
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.runtime.draft_session import DraftSession
@@ -53,6 +53,7 @@ class Scheduler:
         initial_steps: int,
         max_batch: int,
         max_queue: int,
+        max_watchers: int = DEFAULT_MAX_WATCHERS,
         draft: DraftLink | None,
         metrics: ServiceMetrics,
         threads: int = 1,
@@ -74,7 +75,7 @@ class Scheduler:
         self.round_id = 0
         self.recent_accepts: collections.deque[int] = collections.deque(maxlen=256)
         self._wakeup = asyncio.Event()
-        self.feed = RoundFeed(metrics)  # each round's RoundStats, for WatchRounds
+        self.feed = RoundFeed(metrics, max_watchers)  # each round's RoundStats, for WatchRounds
 
     # ---- called from the servicer -------------------------------------------------------
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -11,13 +13,14 @@ from typing import Any
 import grpc
 import torch
 
-from specpair.config import TargetConfig, split_address
+from specpair.config import TargetConfig, is_loopback, split_address
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.models.loading import load_tokenizer, tokenizer_fingerprint
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
 from specpair.runtime.build import build_target
 from specpair.runtime.draft_session import MAX_TREE_NODES
+from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.state import StateBuilder
 from specpair.serving import bounded
 from specpair.tiers import RegimeSteps
@@ -30,6 +33,7 @@ from target_service.frontend import (
     RoundFailedError,
 )
 from target_service.http_api import HttpServer, OpenAIApp
+from target_service.round_feed import QUEUE_ROUNDS
 from target_service.scheduler import QueueFullError, Scheduler
 from target_service.special_tokens import eos_ids, prompt_bos
 from target_service.validation import InvalidRequestError, request_bytes_limit
@@ -137,11 +141,21 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     ) -> AsyncIterator[target_pb2.WatchRoundsResponse]:
         scheduler = await self._ready(context)
         queue = scheduler.feed.watch()
+        if queue is None:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.config.max_watchers} WatchRounds streams already open (max_watchers)",
+            )
+        assert queue is not None
         try:
-            while True:
-                yield target_pb2.WatchRoundsResponse(round=stats_to_proto(await queue.get()))
+            while (stats := await queue.get()) is not None:
+                yield target_pb2.WatchRoundsResponse(round=stats_to_proto(stats))
         finally:
             scheduler.feed.unwatch(queue)
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"this watcher fell {QUEUE_ROUNDS} rounds behind and was dropped; watch again",
+        )
 
 
 @dataclass
@@ -150,6 +164,7 @@ class RunningTarget:
     servicer: TargetServicer
     task: asyncio.Task[None]
     http: HttpServer | None = None
+    stats: asyncio.Task[None] | None = None
 
     @property
     def port(self) -> int:
@@ -164,6 +179,8 @@ class RunningTarget:
         if self.http is not None:
             await self.http.stop()
         await self.server.stop(grace)
+        if self.stats is not None:
+            self.stats.cancel()
         self.task.cancel()
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
             async with asyncio.timeout(5.0):
@@ -195,6 +212,7 @@ def _build_scheduler(
         initial_steps=config.initial_steps,
         max_batch=config.max_batch,
         max_queue=config.max_queue,
+        max_watchers=config.max_watchers,
         draft=None,
         metrics=metrics,
         threads=config.threads,
@@ -225,11 +243,22 @@ async def start(config: TargetConfig) -> RunningTarget:
     log.info("target service listening", address=config.server.address, port=server.port)
     http = None
     if config.http_address:  # answers 503 until the model is loaded, as health does
-        http = HttpServer(OpenAIApp(frontend, config.model_path.name), config.http_address)
+        loopback = is_loopback(split_address(config.http_address)[0])
+        app = OpenAIApp(
+            frontend, config.model_path.name, api_key=config.api_key, loopback=loopback,
+            read_timeout_s=config.http_read_timeout_s,
+        )  # fmt: skip
+        http = HttpServer(app, config.http_address)
         await http.start()
         log.info(
             "OpenAI-compatible HTTP API listening", address=config.http_address, port=http.port
         )
+        if not loopback and config.api_key is None:
+            log.warning(
+                "the HTTP API listens beyond loopback without an API key: anyone who reaches "
+                "it may generate (set SPECPAIR_API_KEY or --api-key)",
+                address=config.http_address,
+            )
     scheduler: Scheduler | None = None
     try:
         built = await asyncio.to_thread(_build_scheduler, config, metrics)
@@ -255,16 +284,63 @@ async def start(config: TargetConfig) -> RunningTarget:
             backoff_min_s=config.reconnect_min_s,
             backoff_max_s=config.reconnect_max_s,
             busy_poll_s=config.busy_poll_s,
+            token=config.server.ops_token,
             vocab_size=scheduler.worker.model.args.vocab_size,
             tokenizer_fingerprint=tokenizer_fingerprint(frontend.tokenizer),
             feature_layers=config.feature_layers,
         )
         scheduler.draft.start()
     frontend.scheduler = scheduler
+    metrics.kv_cache_usage.set_function(functools.partial(kv_cache_usage, scheduler.worker.cache))
     task = asyncio.create_task(scheduler.run(), name="scheduler")
+    stats = None
+    if config.stats_log_interval_s > 0:
+        stats = asyncio.create_task(
+            log_throughput(metrics, scheduler, config.stats_log_interval_s), name="stats"
+        )
     await server.ready()
     log.info("target service ready", tiers=list(scheduler.states), draft=config.draft_address)
-    return RunningTarget(server, servicer, task, http)
+    return RunningTarget(server, servicer, task, http, stats)
+
+
+def kv_cache_usage(cache: KVCache) -> float:
+    """Pages requests hold over the pages they may hold: the padding slot of graph buckets
+    holds a whole slot's pages from the start, and they are nobody's."""
+    usable = cache.pages.num_pages - cache.pages_per_slot
+    return (usable - len(cache.pages.free)) / usable
+
+
+async def log_throughput(metrics: ServiceMetrics, scheduler: Scheduler, interval_s: float) -> None:
+    """Every `interval_s` with work done or waiting, one line as vLLM's and SGLang's: prompt
+    and generation tokens/s, running and queued requests, the KV cache's use. It reads the
+    metrics' counters, so the round loop does nothing for it."""
+
+    def totals() -> tuple[float, float]:
+        sample = metrics.registry.get_sample_value
+        return (
+            sample("specpair_target_prompt_tokens_total") or 0.0,
+            sample("specpair_target_generation_tokens_total") or 0.0,
+        )
+
+    last, t_last = totals(), time.perf_counter()
+    while True:
+        await asyncio.sleep(interval_s)
+        now, t_now = totals(), time.perf_counter()
+        busy = scheduler.running or scheduler.queue
+        if now != last or busy:
+            span = t_now - t_last
+            log.info(
+                "throughput",
+                prompt_tokens_per_s=round((now[0] - last[0]) / span, 1),
+                generation_tokens_per_s=round((now[1] - last[1]) / span, 1),
+                running=len(scheduler.running),
+                queued=len(scheduler.queue),
+                kv_cache_usage=round(
+                    metrics.registry.get_sample_value("specpair_target_kv_cache_usage") or 0.0, 3
+                ),
+                tier=scheduler.tier,
+            )
+        last, t_last = now, t_now
 
 
 async def serve(config: TargetConfig) -> None:

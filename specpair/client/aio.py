@@ -58,7 +58,13 @@ class Connection:
     def __init__(self, address: str | None = None, **options: Unpack[ConnectionOptions]) -> None:
         self.address = address or env_address(self.service)
         self.timeout = options.get("timeout")
-        self._metadata = auth_metadata(options.get("token"))
+        token = options.get("token")
+        if token and not (token.isascii() and token.isprintable()):
+            # gRPC would fail every call with a bare ExecuteBatchError instead.
+            raise SpecpairError(
+                "INVALID_ARGUMENT", "token: a bearer token is printable ASCII (call metadata)"
+            )
+        self._metadata = auth_metadata(token)
         self._tls = tls_config(options.get("tls"))
         # Opened on first use: a grpc.aio channel belongs to the event loop it was created on.
         self._channel: grpc.aio.Channel | None = None
@@ -100,31 +106,27 @@ class AsyncSpecpairClient(Connection):
     def _stub(self) -> target_pb2_grpc.TargetServiceStub:
         return target_pb2_grpc.TargetServiceStub(self._open())
 
-    async def generate(
-        self, prompt: Prompt, *, max_tokens: int, **params: Unpack[GenerateParams]
-    ) -> GenerateResult:
+    async def generate(self, prompt: Prompt, **params: Unpack[GenerateParams]) -> GenerateResult:
         """Generate to completion. Raises SpecpairError on a failed RPC."""
-        return await self._fold(build_generate_request(prompt, max_tokens=max_tokens, **params))
+        return await self._fold(build_generate_request(prompt, **params))
 
     async def stream(
-        self, prompt: Prompt, *, max_tokens: int, **params: Unpack[GenerateParams]
+        self, prompt: Prompt, **params: Unpack[GenerateParams]
     ) -> AsyncIterator[GenerateDelta]:
         """Deltas as rounds finish. Leaving the loop early cancels the request on the server."""
-        request = build_generate_request(prompt, max_tokens=max_tokens, **params)
+        request = build_generate_request(prompt, **params)
         async for response in self._responses(request):
             yield to_delta(response)
 
-    async def chat(
-        self, messages: Messages, *, max_tokens: int, **params: Unpack[GenerateParams]
-    ) -> GenerateResult:
+    async def chat(self, messages: Messages, **params: Unpack[GenerateParams]) -> GenerateResult:
         """The assistant's reply to `messages`, rendered by the server's chat template."""
-        return await self._fold(build_chat_request(messages, max_tokens=max_tokens, **params))
+        return await self._fold(build_chat_request(messages, **params))
 
     async def stream_chat(
-        self, messages: Messages, *, max_tokens: int, **params: Unpack[GenerateParams]
+        self, messages: Messages, **params: Unpack[GenerateParams]
     ) -> AsyncIterator[GenerateDelta]:
         """The reply's deltas as rounds finish. Leaving the loop early cancels the request."""
-        request = build_chat_request(messages, max_tokens=max_tokens, **params)
+        request = build_chat_request(messages, **params)
         async for response in self._responses(request):
             yield to_delta(response)
 

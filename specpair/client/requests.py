@@ -24,8 +24,11 @@ FINISH_REASONS = {
 
 
 class GenerateParams(TypedDict, total=False):
-    """The keyword arguments every generate/stream/chat call takes besides `max_tokens`."""
+    """The keyword arguments every generate/stream/chat call takes; each may be omitted. An
+    omitted max_tokens is the server's default (16, on every door); an omitted temperature is
+    0, greedy (README, "Defaults")."""
 
+    max_tokens: int
     temperature: float
     top_p: float
     top_k: int
@@ -37,12 +40,12 @@ class GenerateParams(TypedDict, total=False):
 
 
 def build_generate_request(
-    prompt: Prompt, *, max_tokens: int, **params: Unpack[GenerateParams]
+    prompt: Prompt, **params: Unpack[GenerateParams]
 ) -> target_pb2.GenerateRequest:
     """The wire request. Values are checked by the server, which names the bad field; here we
     only reject what cannot be encoded at all."""
     request = target_pb2.GenerateRequest(
-        max_tokens=max_tokens,
+        max_tokens=params.get("max_tokens", 0),  # 0: unset, the server's default
         sampling=common_pb2.SamplingParams(
             temperature=params.get("temperature", 0.0),
             top_p=params.get("top_p", 1.0),
@@ -68,10 +71,10 @@ def build_generate_request(
 
 
 def build_chat_request(
-    messages: Messages, *, max_tokens: int, **params: Unpack[GenerateParams]
+    messages: Messages, **params: Unpack[GenerateParams]
 ) -> target_pb2.GenerateRequest:
     """A GenerateRequest with `messages` (no prompt): the server applies its chat template."""
-    request = build_generate_request((), max_tokens=max_tokens, **params)
+    request = build_generate_request((), **params)
     for i, message in enumerate(messages):
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not isinstance(content, str):

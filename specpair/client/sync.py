@@ -103,25 +103,19 @@ class SpecpairClient(_Blocking[AsyncSpecpairClient]):
 
     _async_class = AsyncSpecpairClient
 
-    def generate(
-        self, prompt: Prompt, *, max_tokens: int, **params: Unpack[GenerateParams]
-    ) -> GenerateResult:
-        return self._loop.run(self._async.generate(prompt, max_tokens=max_tokens, **params))
+    def generate(self, prompt: Prompt, **params: Unpack[GenerateParams]) -> GenerateResult:
+        return self._loop.run(self._async.generate(prompt, **params))
 
-    def stream(
-        self, prompt: Prompt, *, max_tokens: int, **params: Unpack[GenerateParams]
-    ) -> Iterator[GenerateDelta]:
-        return self._loop.iterate(self._async.stream(prompt, max_tokens=max_tokens, **params))
+    def stream(self, prompt: Prompt, **params: Unpack[GenerateParams]) -> Iterator[GenerateDelta]:
+        return self._loop.iterate(self._async.stream(prompt, **params))
 
-    def chat(
-        self, messages: Messages, *, max_tokens: int, **params: Unpack[GenerateParams]
-    ) -> GenerateResult:
-        return self._loop.run(self._async.chat(messages, max_tokens=max_tokens, **params))
+    def chat(self, messages: Messages, **params: Unpack[GenerateParams]) -> GenerateResult:
+        return self._loop.run(self._async.chat(messages, **params))
 
     def stream_chat(
-        self, messages: Messages, *, max_tokens: int, **params: Unpack[GenerateParams]
+        self, messages: Messages, **params: Unpack[GenerateParams]
     ) -> Iterator[GenerateDelta]:
-        deltas = self._async.stream_chat(messages, max_tokens=max_tokens, **params)
+        deltas = self._async.stream_chat(messages, **params)
         return self._loop.iterate(deltas)
 
     def server_info(self) -> dict[str, Any]:

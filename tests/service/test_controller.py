@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -352,6 +354,29 @@ async def test_target_down_at_start_then_up_then_restarted() -> None:
     finally:
         await channel.close()
         await running.stop(grace=0.1)
+
+
+async def test_ctl_status_is_a_table_and_json_on_request(stack: ControllerStack) -> None:
+    async def ctl(*args: str) -> str:  # its own process: the controller logs to this one's stdout
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "specpair.cli", "ctl", "--address",
+            f"127.0.0.1:{stack.controller.port}", "status", *args,
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0
+        return out.decode()
+
+    await stack.feed_until((7, 7), 7)
+    table = (await ctl()).splitlines()
+    assert table[0].startswith("policy: sglang  candidate_steps=[1, 3, 7]")
+    header = ["target", "connected", "tier", "pinned", "EMA", "rounds", "pipeline"]
+    assert table[1].split() == header
+    row = table[2].split()
+    assert row[0] == stack.snapshot().target_address and row[1:4] == ["yes", "7", "-"]
+    assert any(line.strip().startswith("round ") and "3 → 7 (policy" in line for line in table)
+    state = json.loads(await ctl("--json"))
+    assert state["targets"][0]["active_steps"] == 7 and state["policy"]["kind"] == "sglang"
 
 
 async def test_health_reports_serving(stack: ControllerStack) -> None:

@@ -35,6 +35,7 @@ from specpair.proto.v1 import (
     target_pb2,
     target_pb2_grpc,
 )
+from target_service.validation import DEFAULT_MAX_TOKENS
 from tests.service.conftest import draft_config, reference_greedy, target_config
 
 MAX_LEN = 96  # a short context bounds the longest valid generation a fuzzed request asks for
@@ -287,7 +288,7 @@ def test_generate_answers_every_request(
     code = _code(lambda: responses.extend(stub.Generate(request, timeout=CALL_TIMEOUT_S)))
     if code == grpc.StatusCode.OK:
         tokens = [t for r in responses for t in r.token_ids]
-        assert 0 < len(tokens) <= request.max_tokens
+        assert 0 < len(tokens) <= (request.max_tokens or DEFAULT_MAX_TOKENS)  # 0: unset
         assert all(0 <= t < 320 for t in tokens)
         assert responses[-1].finish_reason != target_pb2.FINISH_REASON_UNSPECIFIED
 

@@ -695,3 +695,71 @@ async def test_no_free_slot_with_an_empty_batch_does_not_starve_the_loop(ckpts, 
     tokens, _ = await asyncio.wait_for(stack.generate(prompt_token_ids=[1, 2], max_tokens=3), 10)
     assert len(tokens) == 3
     assert len((await asyncio.wait_for(waiting, 10))[0]) == 5
+
+
+async def test_token_counters_request_latency_kv_use_and_the_throughput_line(
+    ckpts, make_stack
+) -> None:
+    from structlog.testing import capture_logs
+
+    config = target_config(ckpts["target"], draft_address=None, stats_log_interval_s=0.2)
+    with capture_logs() as logs:
+        stack = await make_stack(None, config)
+        registry = stack.target.servicer.frontend.metrics.registry
+
+        def sample(name: str) -> float:
+            return registry.get_sample_value(f"specpair_target_{name}") or 0.0
+
+        assert sample("kv_cache_usage") == 0.0
+        running = asyncio.create_task(stack.generate(prompt_token_ids=PROMPT, max_tokens=400))
+        await eventually(lambda: sample("generation_tokens_total") > 0)
+        in_use = sample("kv_cache_usage")
+        await asyncio.sleep(0.5)  # at least two lines' worth
+        await running
+        await stack.generate(prompt_token_ids=PROMPT[:3], max_tokens=7)
+    assert 0.0 < in_use < 1.0 and sample("kv_cache_usage") == 0.0  # freed with the requests
+    assert sample("prompt_tokens_total") == len(PROMPT) + 3
+    assert sample("generation_tokens_total") == 400 + 7
+    assert sample("request_latency_seconds_count") == 2
+    assert sample("request_latency_seconds_sum") > 0
+    lines = [e for e in logs if e["event"] == "throughput"]
+    assert lines and any(e["generation_tokens_per_s"] > 0 for e in lines), lines
+    assert {"prompt_tokens_per_s", "running", "queued", "kv_cache_usage"} <= set(lines[0])
+
+
+async def test_demo_ends_with_tokens_per_s_with_and_without_speculation(
+    ckpts, make_stack, capsys
+) -> None:
+    import re
+
+    from controller.server import start as start_controller
+    from specpair.config import ControllerConfig, ServerConfig
+    from specpair.demo import run_demo
+
+    token = "s3cret"
+    target_cfg = target_config(ckpts["target"], candidate_steps=(0, 1, 3, 7))
+    target_cfg = replace(target_cfg, server=replace(target_cfg.server, ops_token=token))
+    stack = await make_stack(draft_config(ckpts["draft"]), target_cfg)
+    target = f"127.0.0.1:{stack.target.port}"
+    controller = await start_controller(
+        ControllerConfig(ServerConfig("127.0.0.1:0", ops_token=token), targets=(target,))
+    )
+    try:
+        await eventually(lambda: controller.controller.snapshot()[0].connected, timeout=15)
+        capsys.readouterr()
+        await asyncio.to_thread(
+            run_demo, target, f"127.0.0.1:{controller.port}", max_tokens=16, token=token
+        )
+        _, responses = await stack.generate(prompt_token_ids=PROMPT, max_tokens=2)
+        tier_after = responses[-1].speculative_num_steps  # a switch lands at the next round
+        commanded = controller.controller.snapshot()[0].active_steps
+    finally:
+        await controller.stop(grace=0.1)
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("demo:")]
+    last = printed[-1]  # the demo's own lines (the services log to the same stdout)
+    pattern = (
+        r"demo: \d+ tokens/s with speculation, \d+ without \(tier 0, the target alone\): "
+        r"\d+\.\d\dx, the same text"
+    )
+    assert re.fullmatch(pattern, last), last
+    assert tier_after == commanded > 0  # back at the controller's tier after the tier-0 run

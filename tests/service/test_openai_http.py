@@ -28,7 +28,7 @@ from specpair.demo import chat_over_http
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import target_pb2
 from target_service.frontend import Frontend
-from target_service.http_api import MAX_BODY_BYTES, HttpServer, OpenAIApp
+from target_service.http_api import HttpServer, OpenAIApp, body_limit
 from tests.conftest import hf_greedy
 from tests.service.conftest import Stack, draft_config, target_config
 
@@ -263,7 +263,7 @@ async def test_a_body_that_is_no_json_object_is_400(stack: Stack, raw: bytes) ->
 
 
 async def test_a_body_past_the_limit_is_413(stack: Stack) -> None:
-    huge = {"model": "target", "prompt": "x" * MAX_BODY_BYTES}
+    huge = {"model": "target", "prompt": "x" * body_limit(1024)}
     status, reply = await asyncio.to_thread(post, stack.target.http_port, COMPLETIONS, huge)
     assert status == 413 and reply["error"]["param"] == "body"
 
@@ -306,7 +306,8 @@ async def test_a_client_that_disconnects_frees_its_request(stack: Stack) -> None
 
     def read_one_event_and_hang_up() -> bytes:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        conn.request("POST", COMPLETIONS, json.dumps(body | {"stream": True}).encode())
+        data = json.dumps(body | {"stream": True}).encode()
+        conn.request("POST", COMPLETIONS, data, {"Content-Type": "application/json"})
         response = conn.getresponse()
         line = response.readline()
         conn.close()
@@ -319,7 +320,8 @@ async def test_a_client_that_disconnects_frees_its_request(stack: Stack) -> None
     # Not streamed: the request is cancelled as soon as the connection closes.
     with socket.create_connection(("127.0.0.1", port)) as sock:
         payload = json.dumps(body).encode()
-        head = f"POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(payload)}\r\n"
+        head = f"POST {COMPLETIONS} HTTP/1.1\r\nHost: localhost\r\n"
+        head += f"Content-Length: {len(payload)}\r\n"
         sock.sendall(head.encode() + b"Content-Type: application/json\r\n\r\n" + payload)
         for _ in range(500):  # until the request is running, then hang up
             if stack.target.servicer.scheduler.running:
@@ -424,3 +426,26 @@ async def test_before_the_model_is_loaded_health_and_requests_are_503() -> None:
         assert status == 503 and "loading" in reply["error"]["message"]
     finally:
         await server.stop()
+
+
+async def test_one_defaults_rule_across_the_doors(
+    stack: Stack, client: openai.AsyncOpenAI, hf: tuple[Any, LlamaForCausalLM]
+) -> None:
+    """Omitted: max_tokens is 16 everywhere; temperature is 1.0 on the OpenAI door, 0 on ours."""
+    prompt_ids = hf[0].encode(PROMPT, add_special_tokens=False)
+    ref_ids, ref_text = greedy(hf, prompt_ids, 16)
+    assert len(ref_ids) == 16  # no eos within: every door must stop at the default
+    greedy_http = await client.completions.create(model="target", prompt=PROMPT, temperature=0)
+    assert greedy_http.choices[0].text == ref_text
+    assert greedy_http.usage is not None and greedy_http.usage.completion_tokens == 16
+    tokens, responses = await stack.generate(prompt=PROMPT)  # gRPC: no max_tokens, no sampling
+    assert tokens == ref_ids and responses[-1].finish_reason == target_pb2.FINISH_REASON_LENGTH
+    async with AsyncSpecpairClient(f"127.0.0.1:{stack.target.port}") as sdk:
+        result = await sdk.generate(PROMPT)
+    assert list(result.token_ids) == ref_ids and result.text == ref_text
+    cli = await _cli("generate", PROMPT, "--address", f"127.0.0.1:{stack.target.port}")
+    assert cli == ref_text + "\n"
+    seeded = [
+        await client.completions.create(model="target", prompt=PROMPT, seed=7) for _ in range(2)
+    ]  # the OpenAI door's default temperature is 1.0: seeded samples, not the greedy text
+    assert seeded[0].choices[0].text == seeded[1].choices[0].text != ref_text

@@ -112,7 +112,7 @@ BAD_REQUESTS = [
     ({"prompt": "x", "prompt_token_ids": [1], "max_tokens": 5}, "prompt"),
     ({"prompt_token_ids": [1, 99999], "max_tokens": 5}, "prompt_token_ids[1]"),
     ({"prompt_token_ids": [1, -3], "max_tokens": 5}, "prompt_token_ids[1]"),
-    ({"prompt_token_ids": [1], "max_tokens": 0}, "max_tokens"),
+    ({"prompt_token_ids": [1], "max_tokens": -1}, "max_tokens"),
     ({"prompt_token_ids": [1], "max_tokens": 5000}, "max_tokens"),
     ({"prompt_token_ids": [1], "max_tokens": 5, "sampling": {"temperature": -1}}, "temperature"),
     ({"prompt_token_ids": [1], "max_tokens": 5, "sampling": {"top_p": 0.0}}, "top_p"),

@@ -52,6 +52,7 @@ def test_file_shape_and_round_trip() -> None:
             {"bands": [{"min_batch_size": 8}, {"min_batch_size": 8}]},
             r"bands\[1\]\.min_batch_size must be an int above 8",
         ),
+        ({"bands": [{"min_batch_size": 2**62}]}, r"bands\[0\]\.min_batch_size .* at most 65536"),
         ({"bands": [{"min_batch_size": 8, "candidate_steps": [0, 1]}]}, r"bands\[0\]: cand"),
         ({"bands": [{"min_batch_size": 8, "min_gain": 0.1}]}, r"bands\[0\]: unknown.*min_gain"),
         ({"kind": "pkg_does_not_exist:Policy"}, "cannot be loaded"),
@@ -124,7 +125,7 @@ def test_kind_switch_keeps_shared_keys_and_bands() -> None:
     assert goodput.kind == "goodput" and goodput.candidate_steps == (1, 3)
     assert [b.min_batch_size for b in goodput.bands] == [1, 8]
     with_zero = goodput.replace_partial(candidate_steps=[0, 1, 3])
-    with pytest.raises(ValueError, match="candidate_steps must be positive"):
+    with pytest.raises(ValueError, match=r"candidate_steps must be ints in \[1, 64\]"):
         with_zero.replace_partial(kind="sglang")
     assert with_zero.replace_partial(kind="sglang", candidate_steps=[1, 3]).kind == "sglang"
     with pytest.raises(ValueError, match="chosen at start-up"):

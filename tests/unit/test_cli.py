@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 
 from specpair.cli import main
@@ -147,3 +151,39 @@ def test_serve_finds_services_in_a_checkout_without_installed_metadata(monkeypat
     assert cli._service_entry("draft") is serve_draft
     with pytest.raises(RuntimeError, match="no 'nope' service"):
         cli._service_entry("nope")
+
+
+def test_version_and_a_bad_log_level_are_one_line(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == "specpair 0.1.0\n"
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as bad:
+        main(["serve", "draft", "--model", str(tmp_path), "--log-level", "bogus"])
+    err = capsys.readouterr().err
+    assert bad.value.code == 2 and "Traceback" not in err
+    assert "argument --log-level: invalid choice: 'BOGUS'" in err.splitlines()[-1]
+
+
+def _options(parser: argparse.ArgumentParser, path: str = "specpair") -> Iterator[tuple[str, Any]]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _options(sub, f"{path} {name}")
+        elif not isinstance(action, argparse._HelpAction | argparse._VersionAction):
+            yield path, action
+
+
+def test_every_option_has_help_and_shows_its_default() -> None:
+    from specpair.cli import build_parser
+
+    options = list(_options(build_parser()))
+    assert len(options) > 60
+    for path, action in options:
+        name = "/".join(action.option_strings) or action.dest
+        assert action.help, f"{path} {name}: no help"
+        shown = action.default not in (None, False, "") and action.option_strings
+        if shown and not name.startswith("--api-key"):
+            assert "default" in action.help, f"{path} {name}: default {action.default!r} hidden"

@@ -426,3 +426,11 @@ def test_every_policy_key_the_controller_takes_the_sdk_can_send() -> None:
 
     keys = {f.name for c in (GoodputConfig, PolicyConfig) for f in dataclasses.fields(c)}
     assert keys - {"kind"} <= POLICY_FIELDS.keys() | POLICY_OPTIONS.keys()
+
+
+def test_a_token_grpc_cannot_send_is_a_specpair_error() -> None:
+    from specpair.client import ControllerClient, SpecpairError
+
+    with pytest.raises(SpecpairError) as info:
+        ControllerClient("127.0.0.1:1", token="…")  # README's old placeholder
+    assert info.value.code == "INVALID_ARGUMENT" and info.value.details.startswith("token:")

@@ -270,6 +270,8 @@ def test_ops_token_comes_from_the_environment(config: dict[str, Any]) -> None:
         env_name = flags(service["command"])["ops-token-env"]
         assert env_name == "SPECPAIR_OPS_TOKEN"
         assert env_name in service["environment"], role
+    target = config["services"]["target"]
+    assert target["environment"]["SPECPAIR_API_KEY"] == "${SPECPAIR_API_KEY:-}"
 
 
 def test_gpu_file_reserves_one_nvidia_gpu_for_the_model_services() -> None:
@@ -295,6 +297,28 @@ def test_cpu_overlay_needs_no_gpu_and_changes_nothing_else() -> None:
         same = [a for a in cpu[role]["command"] if a != "--device=cpu"]
         assert same == [a for a in gpu[role]["command"] if a != "--device=cuda"], role
     assert cpu["controller"]["command"] == gpu["controller"]["command"]
+
+
+def test_build_args_pass_through_compose_and_the_build_needs_no_hub() -> None:
+    dockerfile = DOCKERFILE.read_text()
+    assert not re.search(r"^# *syntax=", dockerfile, re.M), "a syntax line pulls from Docker Hub"
+    declared = dict(re.findall(r"^ARG (\w+)=(.*)$", dockerfile, re.M))
+    for name, config in (("gpu", load(COMPOSE)), ("cpu", CONFIGS["cpu"]())):
+        for role in ROLES:
+            args = config["services"][role]["build"]["args"]
+            assert {"PYTHON_IMAGE", "TORCH_INDEX", "TORCH_VARIANT"} <= set(args), (name, role)
+            assert set(args) <= set(declared), (name, role)
+            # compose's default for the base image is the Dockerfile's (one value, said twice)
+            assert args["PYTHON_IMAGE"] == f"${{SPECPAIR_PYTHON_IMAGE:-{declared['PYTHON_IMAGE']}}}"
+            assert args["TORCH_INDEX"] == "${SPECPAIR_TORCH_INDEX:-}"
+    # An empty TORCH_INDEX (compose's default) falls back to TORCH_VARIANT's index.
+    assert declared["TORCH_INDEX"] == '""'
+    assert "${TORCH_INDEX:-https://download.pytorch.org/whl/${TORCH_VARIANT}}" in dockerfile
+
+
+def test_the_compose_version_needed_is_stated() -> None:
+    for path in (COMPOSE, CPU_OVERLAY, ROOT / "README.md"):
+        assert re.search(r"Compose v?2\.24\.4", path.read_text()), path
 
 
 def test_merge_follows_compose_rules() -> None:

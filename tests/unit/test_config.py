@@ -56,3 +56,38 @@ def test_tier_zero_is_a_candidate_when_asked_for() -> None:
     assert config.candidate_steps == (0, 1, 3) and config.initial_steps == 0
     with pytest.raises(ValueError, match="candidate_steps must be sorted distinct ints >= 0"):
         TargetConfig(server, Path("m"), candidate_steps=(-1, 3))
+
+
+def test_the_front_door_settings_are_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from specpair.config import DraftConfig
+
+    def target(**kw: object) -> TargetConfig:
+        return TargetConfig(ServerConfig("127.0.0.1:0"), Path("m"), **kw)  # type: ignore[arg-type]
+
+    assert target(api_key="").api_key is None  # SPECPAIR_API_KEY="" as compose passes it
+    assert target(api_key="k").api_key == "k"
+    for bad in ({"http_read_timeout_s": 0}, {"http_read_timeout_s": 1e9}, {"max_watchers": 0},
+                {"stats_log_interval_s": -1}):  # fmt: skip
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            target(**bad)
+    draft = DraftConfig(ServerConfig("127.0.0.1:0"), Path("d"), max_requests=8)
+    assert draft.max_stream_requests == 8  # 0: every slot
+    with pytest.raises(ValueError, match="max_stream_requests must be in"):
+        DraftConfig(ServerConfig("127.0.0.1:0"), Path("d"), max_requests=8, max_stream_requests=9)
+
+
+def test_the_api_key_is_an_option_whose_value_help_never_shows(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from specpair.cli import build_parser, config_from_args
+
+    monkeypatch.setenv("SPECPAIR_API_KEY", "sk-from-the-environment")
+    parser = build_parser()
+    config = config_from_args(parser.parse_args(["serve", "target", "--model", "m"]))
+    assert isinstance(config, TargetConfig) and config.api_key == "sk-from-the-environment"
+    flag = parser.parse_args(["serve", "target", "--model", "m", "--api-key", "sk-flag"])
+    assert config_from_args(flag).api_key == "sk-flag"  # type: ignore[union-attr]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "target", "--help"])
+    shown = capsys.readouterr().out
+    assert "--api-key" in shown and "sk-from-the-environment" not in shown

@@ -47,6 +47,7 @@ def test_every_supported_field_lands_in_the_generate_request() -> None:
             "something_new": {"ignored": True},
         },
         chat=True,
+        max_len=1024,
     )
     g = api.generate
     assert [(m.role, m.content) for m in g.messages] == [("system", "ab"), ("user", "hi")]
@@ -58,13 +59,13 @@ def test_every_supported_field_lands_in_the_generate_request() -> None:
 
 
 def test_omitted_fields_take_openai_defaults() -> None:
-    api = parse_request({"prompt": [1, 2]}, chat=False)
+    api = parse_request({"prompt": [1, 2]}, chat=False, max_len=1024)
     assert list(api.generate.prompt_token_ids) == [1, 2] and api.generate.prompt == ""
     assert api.generate.max_tokens == DEFAULT_MAX_TOKENS
     assert api.generate.sampling.temperature == 1.0 and api.generate.sampling.top_p == 1.0
     assert not api.generate.sampling.HasField("seed")
     assert not api.stream and not api.include_usage
-    assert parse_request({"prompt": ["one"]}, chat=False).generate.prompt == "one"
+    assert parse_request({"prompt": ["one"]}, chat=False, max_len=1024).generate.prompt == "one"
 
 
 @pytest.mark.parametrize(
@@ -83,7 +84,7 @@ def test_omitted_fields_take_openai_defaults() -> None:
 )
 def test_bad_fields_are_named(body: dict, field: str) -> None:
     with pytest.raises(InvalidRequestError, match=rf"^{re.escape(field)}"):
-        parse_request(body, chat=True)
+        parse_request(body, chat=True, max_len=1024)
 
 
 @pytest.mark.parametrize(
@@ -107,7 +108,7 @@ def test_error_param_names_the_field_as_the_client_sent_it(
 
 
 def test_chunks_skip_rounds_without_text_and_finish_with_stats() -> None:
-    api = parse_request({"messages": USER, "stream": True}, chat=True)
+    api = parse_request({"messages": USER, "stream": True}, chat=True, max_len=1024)
     writer = ResponseWriter(api, "m")
     first = writer.chunks(
         target_pb2.GenerateResponse(request_id="r", speculative_num_steps=3), True
