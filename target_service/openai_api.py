@@ -47,7 +47,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0,),
     "frequency_penalty": (0,),
     "repetition_penalty": (1,),
-    "min_p": (0,),
     "min_tokens": (0,),
     "logit_bias": ({},),
     "echo": (False,),
@@ -230,6 +229,7 @@ def parse_request(body: Any, *, chat: bool, max_len: int) -> ApiRequest:
     sampling = request.sampling
     sampling.temperature = _number(body, "temperature", DEFAULT_TEMPERATURE)
     sampling.top_p = _number(body, "top_p", 1.0)
+    sampling.min_p = _number(body, "min_p", 0.0)  # vLLM's and SGLang's extension
     top_k = body.get("top_k")
     if top_k is not None:
         top_k = _integer(top_k, "top_k", -INT32_MAX, INT32_MAX + 1)

@@ -192,17 +192,19 @@ async def test_sampling_parameters_reach_the_sampler_as_the_sdk_sends_them(
             messages=MESSAGES,  # type: ignore[arg-type]
             max_completion_tokens=12,
             max_tokens=3,  # the newer name wins
-            extra_body={"top_k": top_k},
+            extra_body={"top_k": top_k, "min_p": min_p},
             **params,  # type: ignore[arg-type]
         )
-        for top_k in (20, 20, -1)
+        for top_k, min_p in ((20, 0.0), (20, 0.0), (-1, 0.0), (20, 0.05))
     ]
     texts = [r.choices[0].message.content for r in replies]
     async with AsyncSpecpairClient(f"127.0.0.1:{stack.target.port}") as sdk:
         same = await sdk.chat(MESSAGES, max_tokens=12, top_k=20, **params)  # type: ignore[arg-type]
         whole = await sdk.chat(MESSAGES, max_tokens=12, top_k=0, **params)  # type: ignore[arg-type]
+        floor = await sdk.chat(MESSAGES, max_tokens=12, top_k=20, min_p=0.05, **params)  # type: ignore[arg-type]
     assert texts[0] == texts[1] == same.text  # seeded: reproducible, and the same mapping
     assert texts[2] == whole.text  # top_k -1: the whole vocabulary
+    assert texts[3] == floor.text  # min_p: vLLM's and SGLang's extension, as the SDK's
     assert replies[0].usage is not None and replies[0].usage.completion_tokens == 12
 
 
@@ -226,7 +228,7 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
         (CHAT, {"top_logprobs": 3}, "top_logprobs"),
         (CHAT, {"presence_penalty": 0.5}, "presence_penalty"),
         (CHAT, {"frequency_penalty": 1}, "frequency_penalty"),
-        (CHAT, {"min_p": 0.1}, "min_p"),
+        (CHAT, {"min_p": 1.5}, "min_p"),
         (CHAT, {"logit_bias": {"5": 10}}, "logit_bias"),
         (CHAT, {"tools": [{"type": "function"}]}, "tools"),
         (CHAT, {"stream": "yes"}, "stream"),
