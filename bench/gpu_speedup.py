@@ -270,7 +270,7 @@ def services(
     (SGLang's rule, then with `goodput` the goodput kind)."""
     common: dict[str, Any] = dict(
         target=target, log_dir=log_dir, device=device, dtype=dtype, max_len=max_len,
-        candidate_steps=TIERS,
+        candidate_steps=(0, *TIERS),  # the goodput kind's tier 0 is the target alone
     )  # fmt: skip
     with BenchServices(draft=None, initial_steps=1, **common) as group:
         serve_cells(SpecpairClient(group.target, timeout=600), "target-only", workloads, batches,

@@ -40,11 +40,14 @@ def verify_graph(capture: GraphCapture, model: LlamaModel, batch: int, tokens: i
     return capture.capture(body, inputs, [attn])
 
 
-def accept_graph(capture: GraphCapture, logits: Tensor) -> StageGraph:
+def accept_graph(capture: GraphCapture, logits: Tensor, general: bool) -> StageGraph:
     """The sampled accept of a verify graph's batch, from its logits [B, T, V] in place: the
     rows' `params` [B * T, 5], `drafts` [B, T - 1], `lengths` [B], uniforms `u` [B, T] and q
     sparse (`q_ids`, `q` [B, T - 1, K]) in; `verdicts` [3, B] out: accepted drafts, last
-    token, and whether every row's warp cut fell among its candidates (else: accept eagerly)."""
+    token, and whether every row's warp cut fell among its candidates (else: accept eagerly).
+    Not `general`: for batches whose every request samples with a filter (top-k, top-p or
+    min-p), without the softmax and one-hot passes over the whole vocabulary that unfiltered
+    and greedy rows need (padding rows keep top-k 1: one-hot alike)."""
     b, t, v = logits.shape
     dev, k = logits.device, sampling.DRAFT_SUPPORT
     inputs = {
@@ -57,7 +60,7 @@ def accept_graph(capture: GraphCapture, logits: Tensor) -> StageGraph:
     }
 
     def body() -> dict[str, Tensor]:
-        params = sampling.RowParams(inputs["params"])  # every branch: rows differ
+        params = sampling.RowParams(inputs["params"], True, general, general)
         p, covered = sampling.warp_candidates(logits.view(b * t, v), params)
         assert covered is not None
         q = torch.zeros(b, t - 1, v, device=dev).scatter_add_(-1, inputs["q_ids"], inputs["q"])
@@ -80,12 +83,13 @@ class VerifyGraphs:
         self.capture, self.cache = capture, capture.cache
         self.eager = EagerVerify(model, capture.cache)
 
-        def build() -> tuple[dict[int, StageGraph], dict[int, StageGraph]]:
+        def build() -> tuple[dict[int, StageGraph], dict[tuple[int, bool], StageGraph]]:
             graphs = {b: verify_graph(capture, model, b, tier + 1) for b in capture.buckets}
             accepts = {
-                b: accept_graph(capture, g.outputs["logits"])
+                (b, general): accept_graph(capture, g.outputs["logits"], general)
                 for b, g in graphs.items()
                 if b <= ACCEPT_GRAPH_BATCH
+                for general in (True, False)
             }
             return graphs, accepts
 
@@ -147,7 +151,8 @@ class VerifyGraphs:
 
     def accept(self, chains: ChainBatch) -> list[list[int]] | None:
         """The accept graph of the bucket that ran (see `VerifyStage.accept`)."""
-        graph = None if self._ran is None else self.accepts.get(self._ran[0])
+        general = chains.params.any_plain or chains.params.any_greedy
+        graph = None if self._ran is None else self.accepts.get((self._ran[0], general))
         if graph is None or chains.dense or chains.q_ids.shape[-1] > sampling.DRAFT_SUPPORT:
             return None
         assert self._ran is not None
