@@ -304,8 +304,8 @@ def draft_support(
     `width` defaults to `DRAFT_SUPPORT`."""
     k = min(width or DRAFT_SUPPORT, logits.shape[-1])
     x = logits.float() / params.temperature
-    # one topk a row: an H100 replayed it in 184 / 199 / 398 us at 1 / 8 / 64 rows against
-    # 190 / 257 / 659 for `top_candidates` (bench.gpu_sampling)
+    # one topk a row: replayed in a graph it is as fast as `top_candidates`' two (an H100,
+    # bench.gpu_sampling: the whole step 154 / 175 / 370 us at 1 / 8 / 64 rows, both ways)
     top, ids = x.topk(k, dim=-1)  # descending
     p = (top - x.logsumexp(-1, keepdim=True)).exp()
     keep = torch.arange(k, device=x.device) < params.top_k(k)
