@@ -1,6 +1,6 @@
 """OpenAI's completions and chat completions as GenerateRequests, and GenerateResponses back.
 
-Pure functions of JSON values and protos, no I/O: the HTTP door (`target_service/http.py`)
+Pure functions of JSON values and protos, no I/O: the HTTP door (`target_service/http_api.py`)
 parses a body into a `GenerateRequest` here, runs it through the same `Frontend.generate` as
 gRPC, and writes each `GenerateResponse` back as OpenAI's objects. Every error names the
 field as the client sent it (`temperature`, not `sampling.temperature`).
