@@ -62,10 +62,6 @@ class SpecRuntimeState:
     extend: ExtendStage | None = None  # None: built without a drafter
     draft: DraftStage | None = None
 
-    @property
-    def num_draft_tokens(self) -> int:
-        return self.tier + 1
-
     def verify_stage(self) -> VerifyStage:
         if self.verify is None:
             raise RuntimeError(f"tier {self.tier}: state built without a target worker")
