@@ -9,8 +9,7 @@ events) and the host's wall time (launch to synchronised result) of one call, me
 - `draw`: `sample_rows`, the inverse CDF of one host uniform per row;
 - `draw only (flashinfer)`: `top_k_top_p_sampling_from_logits`: a token, but neither the warped
   p that rejection needs nor a draw from the request's own generator;
-- `draft step (sliced topk)` / `draft step (topk)`: `draft_support`, a draft step's sparse q of
-  64 tokens, by `top_candidates` or one `topk` per row;
+- `draft step`: `draft_support`, a draft step's sparse q of 64 tokens;
 - `accept, tier 7`: the verify's accept for `rows` requests of 7 drafts (8 rows each): warp,
   `accept_chains`, one read back.
 Rows marked `graph` replay the same ops captured in a CUDA graph, as the draft's step graphs
@@ -87,14 +86,6 @@ def kernels(rows: int) -> dict[str, Callable[[], Any]]:
     probs = warp_rows(logits, params)
     x = logits / TEMPERATURE
 
-    def draft_topk() -> Any:
-        sliced = sampling_module.top_candidates
-        sampling_module.top_candidates = lambda x, k: x.topk(k, dim=-1)
-        try:
-            return draft_support(logits, params, u)
-        finally:
-            sampling_module.top_candidates = sliced
-
     # tier 7: 8 verify rows per request, 7 drafts drawn from a 64-token q
     tree_logits = torch.randn(rows, 8, VOCAB, device=dev, generator=gen) * 4
     tree_logits[..., :32] += 24
@@ -116,11 +107,9 @@ def kernels(rows: int) -> dict[str, Callable[[], Any]]:
         "warp (candidates)": lambda: warp_rows(logits, params),
         "warp (sort)": lambda: sampling_module._sorted_warp(x, params),
         "draw": lambda: sample_rows(probs, u),
-        "draft step (sliced topk)": lambda: draft_support(logits, params, u),
-        "draft step (topk)": draft_topk,
+        "draft step": lambda: draft_support(logits, params, u),
         "accept, tier 7": accept,
-        "draft step (sliced topk), graph": graphed(lambda: draft_support(logits, params, u)),
-        "draft step (topk), graph": graphed(draft_topk),
+        "draft step, graph": graphed(lambda: draft_support(logits, params, u)),
         "accept, tier 7, graph": graphed(accept_candidates),
     }
     try:

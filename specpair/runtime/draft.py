@@ -218,16 +218,13 @@ class Drafter(ABC):
                 )
                 hidden = self._step(tokens[:, None], hidden, layout)
         steps = _split([t for row in picked for t in row], [len(r) for r in picked])
-        counts = [len(r) for r in drawn]
-        flat = [pair for row in drawn for pair in row]
         qs: list[DraftQ | None] = [None] * len(slots)
-        if flat:
-            all_ids = torch.stack([i for i, _ in flat]).cpu()
-            all_q = torch.stack([q for _, q in flat]).cpu()
-            n = 0
-            for b, c in enumerate(counts):
-                if c:
-                    qs[b], n = (all_ids[n : n + c], all_q[n : n + c]), n + c
+        flat = [pair for row in drawn for pair in row]
+        if flat:  # one copy of each, cut per request
+            counts = [len(r) for r in drawn]
+            ids = torch.stack([i for i, _ in flat]).cpu().split(counts)
+            q = torch.stack([q for _, q in flat]).cpu().split(counts)
+            qs = [(ids[b], q[b]) if c else None for b, c in enumerate(counts)]
         return steps, qs, tops.stacked() if tops is not None else []
 
     @torch.inference_mode()

@@ -3,9 +3,9 @@
 Two forms of the same rules: `warp` and `sample` work on one request on the host (the
 reference the tests hold the batched code to); `RowParams`, `warp_rows`, `sample_rows` and
 `draft_support` work on a batch of rows on whatever device holds the logits, with no host
-round trip, inside the CUDA graphs of the draft steps too. Randomness enters the batched
-form as one uniform per draw, drawn on the host from the request's own generator (`uniforms`),
-so a seeded request draws the same numbers at batch 1 and inside any batch.
+round trip, inside CUDA graphs too. Randomness enters the batched form as one uniform per
+draw, drawn on the host from the request's own generator, so a seeded request draws the same
+numbers at batch 1 and inside any batch.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def warp_rows(logits: Tensor, params: RowParams) -> Tensor:
 
     Each filter keeps a prefix of the row sorted by logit, so together they keep the tokens at
     or above one logit threshold per row. The threshold is looked for among the row's
-    `CANDIDATES` likeliest tokens (`top_candidates`); only a row whose cut lies past them (a
+    `CANDIDATES` likeliest tokens (one topk); only a row whose cut lies past them (a
     flat distribution, a top-k beyond them) sorts its whole row (`_sorted_warp`; one host
     sync decides). Which way a row goes depends on that row alone, so its probabilities are
     the same bits whatever batch it is in."""
@@ -210,7 +210,7 @@ def _candidate_warp(x: Tensor, params: RowParams) -> tuple[Tensor, Tensor]:
     rows it holds for ([R] bool; not where a row's cut lies past them)."""
     v = x.shape[-1]
     c = min(CANDIDATES, v)
-    top, _ = top_candidates(x, c)  # [R, c], descending
+    top = x.topk(c, dim=-1).values  # [R, c], descending
     k = params.top_k(v)  # [R, 1]; v keeps every token
     kth = top.gather(-1, k.clamp(max=c) - 1)
     in_k = (top >= kth) | (k >= v)
@@ -241,23 +241,6 @@ def _sorted_warp(x: Tensor, params: RowParams) -> Tensor:
     ps = ps.masked_fill(ps < params.min_p * ps[:, :1], 0.0)  # min-p of the kept max
     ps = ps / ps.sum(-1, keepdim=True)
     return torch.zeros_like(ps).scatter_(-1, order, ps)
-
-
-def top_candidates(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The k largest of each row of x [R, V], descending, and their ids: a topk within slices
-    of the row, then among the slices' winners, exact (each of a row's k largest is among
-    its slice's k largest). One row of 128 256 in one topk runs on few blocks; 128 slices of
-    1 002 run side by side."""
-    r, v = x.shape
-    slices = min(128, v // (2 * k))
-    if slices < 2:
-        return x.topk(k, dim=-1)
-    width = -(-v // slices)
-    padded = torch.nn.functional.pad(x, (0, width * slices - v), value=float("-inf"))
-    vals, ids = padded.view(r, slices, width).topk(k, dim=-1)  # [R, slices, k]
-    ids = ids + torch.arange(slices, device=x.device)[:, None] * width
-    best, pos = vals.view(r, -1).topk(k, dim=-1)
-    return best, ids.view(r, -1).gather(-1, pos)
 
 
 def sample_rows(probs: Tensor, u: Tensor) -> Tensor:
@@ -304,8 +287,6 @@ def draft_support(
     `width` defaults to `DRAFT_SUPPORT`."""
     k = min(width or DRAFT_SUPPORT, logits.shape[-1])
     x = logits.float() / params.temperature
-    # one topk a row: replayed in a graph it is as fast as `top_candidates`' two (an H100,
-    # bench.gpu_sampling: the whole step 154 / 175 / 370 us at 1 / 8 / 64 rows, both ways)
     top, ids = x.topk(k, dim=-1)  # descending
     p = (top - x.logsumexp(-1, keepdim=True)).exp()
     keep = torch.arange(k, device=x.device) < params.top_k(k)

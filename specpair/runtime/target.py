@@ -190,17 +190,17 @@ class TargetWorker:
         tokens = torch.zeros(len(seqs), t, dtype=torch.long)
         for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
             tokens[i, : len(tree) + 1] = torch.tensor((seq.pending, *tree.tokens))
-        sampled = not all(s.sampling.greedy for s in seqs)
-        chains = None
-        if sampled and all(tree.is_chain() for tree in trees):
-            # queued before the forward: its copies need not wait for the replay
-            chains = self._chain_inputs(seqs, trees, t)
         stage = self._stage(state)
         if stage.planned_for(self._plan_key(seqs, parents)):
             hidden, logits = stage.run(tokens)  # planned by `prepare`
         else:
             positions, layout = self._layout(seqs, parents, state)
             hidden, logits = self._forward_tree(tokens, positions, layout, state)
+        # the host's part of the accept runs while the GPU verifies
+        sampled = not all(s.sampling.greedy for s in seqs)
+        chains = None
+        if sampled and all(tree.is_chain() for tree in trees):
+            chains = self._chain_inputs(seqs, trees, t)
         if not sampled:
             argmax = logits.argmax(-1).cpu()  # [B, T]: all greedy acceptance needs
             accs = [
@@ -364,5 +364,4 @@ def _draft_q(
             continue
         k = tree.draft_ids.shape[1]
         ids[i, :m, :k], probs[i, :m, :k] = tree.draft_ids, tree.draft_probs
-        ids[i, :m, k:], probs[i, :m, k:] = 0, 0.0
     return ids, probs, tuple(dense)

@@ -86,7 +86,8 @@ def validate_tree(
             raise MalformedTreeError(
                 f"draft_probs shape {tuple(tree.draft_probs.shape)} != ({n}, {vocab_size})"
             )
-        check_draft_probs(tree.draft_probs, tree.tokens)
+        tokens = torch.tensor(tree.tokens, dtype=torch.long)
+        check_draft_probs(tree.draft_probs, tree.draft_probs[torch.arange(n), tokens])
     return depths
 
 
@@ -111,18 +112,18 @@ def check_sparse_q(tree: CandidateTree, vocab_size: int) -> None:
     if (ordered[:, 1:] == ordered[:, :-1]).any():
         raise MalformedTreeError("draft_token_ids: an id repeats within a node")
     mass = (ids == torch.tensor(tree.tokens, dtype=ids.dtype)[:, None]) * probs
-    check_draft_probs(probs, [0] * n, drafted=mass.sum(-1))
+    check_draft_probs(probs, mass.sum(-1))
 
 
 PROBS_TOLERANCE = 1e-3  # |row sum - 1|: float32 rows of a 1e5 vocabulary sum within ~1e-5
 
 
-def check_draft_probs(probs: Tensor, tokens: Sequence[int], drafted: Tensor | None = None) -> None:
+def check_draft_probs(probs: Tensor, drafted: Tensor) -> None:
     """What rejection sampling assumes of q [n, V]: each row a distribution, q(token) > 0.
 
     Acceptance is min(1, p(x) / q(x)): an all-zero, negative or NaN row, or a q that gives
     its own drafted token no mass, would accept tokens the target would rarely sample.
-    `drafted`: each node's q of its token, where q is sparse (tokens then go unread).
+    probs: [n, V] or sparse [n, K]; drafted: [n], each node's q of its own drafted token.
     """
     if not torch.isfinite(probs).all():
         raise MalformedTreeError("draft_probs: a value is NaN or infinite")
@@ -133,8 +134,6 @@ def check_draft_probs(probs: Tensor, tokens: Sequence[int], drafted: Tensor | No
     if bad.any():
         row = int(bad.nonzero()[0])
         raise MalformedTreeError(f"draft_probs[{row}]: sums to {float(sums[row]):.6g}, not 1")
-    if drafted is None:
-        drafted = probs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)]
     if (drafted <= 0).any():
         node = int((drafted <= 0).nonzero()[0])
         raise MalformedTreeError(f"draft_probs[{node}]: its drafted token has probability 0")

@@ -20,7 +20,6 @@ from specpair.runtime.sampling import (
     SamplingParams,
     draft_support,
     sample_rows,
-    top_candidates,
     warp,
     warp_rows,
 )  # fmt: skip
@@ -72,15 +71,6 @@ def test_warp_rows_from_few_candidates_or_by_the_fallback_sort_equals_the_refere
         batched = warp_rows(logits, RowParams.of(rows))
         for i, params in enumerate(rows):
             torch.testing.assert_close(batched[i], warp(logits[i], params), atol=1e-6, rtol=1e-5)
-
-
-@pytest.mark.parametrize(("vocab", "k"), [(128256, 64), (128256, 1024), (1000, 7), (50, 40)])
-def test_top_candidates_are_the_topk(vocab: int, k: int) -> None:
-    x = logits_of(3, vocab, seed=vocab)
-    values, ids = top_candidates(x, k)
-    expected = x.topk(k)
-    torch.testing.assert_close(values, expected.values)
-    torch.testing.assert_close(x.gather(-1, ids), expected.values)
 
 
 def test_warp_rows_keeps_ties_at_the_kth_logit_as_the_reference() -> None:

@@ -102,7 +102,8 @@ class DraftGraphs:
             "hidden": torch.zeros(batch, 1, d.args.hidden_size, dtype=self.cache.dtype, device=dev),
             "starts": torch.zeros(batch, dtype=torch.long, device=dev),
         }
-        if sampled:
+        if sampled:  # its q fills `ids` and `ps`, which a lookahead fills otherwise
+            assert not top, "a sampled graph has no lookahead (pipelined sampled rounds: eager)"
             inputs["params"] = torch.ones(batch, 5, device=dev)  # RowParams.table
             inputs["uniform"] = torch.zeros(s, batch, device=dev)
 
@@ -111,7 +112,7 @@ class DraftGraphs:
             for k in range(forwards + 1):
                 logits = d.logits(hidden)  # [B, V]
                 if sampled:
-                    params = RowParams(inputs["params"])
+                    params = RowParams(inputs["params"])  # every branch: rows differ
                     token, support, q = draft_support(logits, params, inputs["uniform"][k])
                     ids.append(support)
                     ps.append(q)
