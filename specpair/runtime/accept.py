@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specpair.runtime.sampling import RowParams, sample, sample_rows
+from specpair.runtime.sampling import RowParams, sample, sample_rows, warp_rows
 from specpair.runtime.tree import CandidateTree, children, full_parents
 
 
@@ -141,3 +141,46 @@ def accept_chains(
         rejected = (accepted < lengths)[:, None]
         last = torch.where(rejected, residual(last, q[rows, accepted.clamp(max=n - 1)]), last)
     return accepted, sample_rows(last, u[rows, lengths])
+
+
+def accept_chain_batch(logits: Tensor, chains: ChainBatch) -> list[list[int]]:
+    """Rejection sampling of a batch of chains (greedy requests among them too), eagerly on
+    the logits' device: per request [accepted drafts, last token]."""
+    b, t, v = logits.shape
+    dev = logits.device
+    p = warp_rows(logits.reshape(b * t, v), chains.params.to(dev)).view(b, t, v)
+    q = torch.zeros(b, t - 1, v, device=dev)
+    q.scatter_add_(-1, chains.q_ids.to(dev), chains.q.to(dev))
+    for i, rows in chains.dense:
+        q[i, : len(rows)] = rows.to(dev)
+    accepted, last = accept_chains(
+        p, q, chains.drafts.to(dev), chains.lengths.to(dev), chains.u.to(dev)
+    )
+    return torch.stack([accepted, last], -1).tolist()
+
+
+def sparse_q(
+    greedy: Sequence[bool], trees: Sequence[CandidateTree], drafts: Tensor
+) -> tuple[Tensor, Tensor, tuple[tuple[int, Tensor], ...]]:
+    """The q of a batch of chains as sparse rows (ids [B, n, K], probs [B, n, K]; padding
+    adds 0 to token 0): each sampled request's own, a greedy request's one-hot at its drafts
+    (see `accept_chains`); and the requests whose q came dense [m, V]."""
+    b, n = drafts.shape
+    width = max(
+        (t.draft_ids.shape[1] for t in trees if t.draft_ids is not None and len(t)), default=1
+    )
+    ids = torch.zeros(b, n, width, dtype=torch.long)
+    probs = torch.zeros(b, n, width)
+    ids[..., 0], probs[..., 0] = drafts, 1.0
+    dense: list[tuple[int, Tensor]] = []
+    for i, (drafted_greedily, tree) in enumerate(zip(greedy, trees, strict=True)):
+        m = len(tree)
+        if drafted_greedily or tree.draft_probs is None or not m:
+            continue
+        if tree.draft_ids is None:
+            probs[i, :m, 0] = 0.0
+            dense.append((i, tree.draft_probs))
+            continue
+        k = tree.draft_ids.shape[1]
+        ids[i, :m, :k], probs[i, :m, :k] = tree.draft_ids, tree.draft_probs
+    return ids, probs, tuple(dense)

@@ -18,9 +18,10 @@ from specpair.models.llama import LlamaModel
 from specpair.runtime.accept import (
     Acceptance,
     ChainBatch,
-    accept_chains,
+    accept_chain_batch,
     accept_greedy_argmax,
     accept_sampling,
+    sparse_q,
 )  # fmt: skip
 from specpair.runtime.kv_cache import CacheFullError, KVCache
 from specpair.runtime.layout import BatchLayout, eye_mask
@@ -208,7 +209,7 @@ class TargetWorker:
                 for i, tree in enumerate(trees)
             ]
         elif chains is not None:
-            verdicts = stage.accept(chains) or _sample_chains(logits, chains)
+            verdicts = stage.accept(chains) or accept_chain_batch(logits, chains)
             accs = [
                 Acceptance(tuple(range(m)), tree.tokens[:m], bonus)
                 for tree, (m, bonus) in zip(trees, verdicts, strict=True)
@@ -244,7 +245,7 @@ class TargetWorker:
             drafts[i, : len(tree)] = torch.tensor(tree.tokens, dtype=torch.long)
             if not seq.sampling.greedy:
                 u[i, : len(tree) + 1] = _uniforms(seq, len(tree) + 1)
-        q_ids, q, dense = _draft_q(seqs, trees, drafts)
+        q_ids, q, dense = sparse_q([s.sampling.greedy for s in seqs], trees, drafts)
         return ChainBatch(
             params=RowParams.of([s.sampling for s in seqs]).repeat(t),
             drafts=drafts,
@@ -318,50 +319,7 @@ class TargetWorker:
             seq.slot = -1
 
 
-def _sample_chains(logits: Tensor, chains: ChainBatch) -> list[list[int]]:
-    """Rejection sampling of a batch of chains (greedy requests among them too), eagerly on
-    the logits' device: per request [accepted drafts, last token]."""
-    b, t, v = logits.shape
-    dev = logits.device
-    p = warp_rows(logits.reshape(b * t, v), chains.params.to(dev)).view(b, t, v)
-    q = torch.zeros(b, t - 1, v, device=dev)
-    q.scatter_add_(-1, chains.q_ids.to(dev), chains.q.to(dev))
-    for i, rows in chains.dense:
-        q[i, : len(rows)] = rows.to(dev)
-    accepted, last = accept_chains(
-        p, q, chains.drafts.to(dev), chains.lengths.to(dev), chains.u.to(dev)
-    )
-    return torch.stack([accepted, last], -1).tolist()
-
-
 def _uniforms(seq: TargetSequence, n: int) -> Tensor:
     """n uniforms in [0, 1) from the request's own generator: what its seeded tokens depend
     on, whatever batch it runs in."""
     return torch.rand(n, generator=seq.generator)
-
-
-def _draft_q(
-    seqs: Sequence[TargetSequence], trees: Sequence[CandidateTree], drafts: Tensor
-) -> tuple[Tensor, Tensor, tuple[tuple[int, Tensor], ...]]:
-    """The q of a batch of chains as sparse rows (ids [B, n, K], probs [B, n, K]; padding
-    adds 0 to token 0): each sampled request's own, a greedy request's one-hot at its drafts
-    (see `accept_chains`); and the requests whose q came dense [m, V]."""
-    b, n = drafts.shape
-    width = max(
-        (t.draft_ids.shape[1] for t in trees if t.draft_ids is not None and len(t)), default=1
-    )
-    ids = torch.zeros(b, n, width, dtype=torch.long)
-    probs = torch.zeros(b, n, width)
-    ids[..., 0], probs[..., 0] = drafts, 1.0
-    dense: list[tuple[int, Tensor]] = []
-    for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
-        m = len(tree)
-        if seq.sampling.greedy or tree.draft_probs is None or not m:
-            continue
-        if tree.draft_ids is None:
-            probs[i, :m, 0] = 0.0
-            dense.append((i, tree.draft_probs))
-            continue
-        k = tree.draft_ids.shape[1]
-        ids[i, :m, :k], probs[i, :m, :k] = tree.draft_ids, tree.draft_probs
-    return ids, probs, tuple(dense)

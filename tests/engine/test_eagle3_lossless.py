@@ -103,17 +103,17 @@ def test_unmapped_draft_distribution_fails_the_same_test(small_vocab, monkeypatc
     assert not torch.equal(ids, torch.arange(len(ids)))  # else the mistake changes nothing
 
     draft_id = {int(t): i for i, t in enumerate(ids)}
-    mapped = target_module._draft_q
+    mapped = target_module.sparse_q
 
-    def unmapped(seqs, trees, drafts):
+    def unmapped(greedy, trees, drafts):
         wrong = [
             t
             if t.draft_ids is None
             else replace(t, draft_ids=t.draft_ids.clone().apply_(lambda x: draft_id.get(x, x)))
             for t in trees
         ]
-        return mapped(seqs, wrong, drafts)
+        return mapped(greedy, wrong, drafts)
 
-    monkeypatch.setattr(target_module, "_draft_q", unmapped)
+    monkeypatch.setattr(target_module, "sparse_q", unmapped)
     counts = Counter(samples(*small_vocab, PARAMS[0]))
     assert fit_pvalue(counts, exact_joint(small_vocab[0], PARAMS[0])) < 1e-6

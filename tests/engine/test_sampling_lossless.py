@@ -22,7 +22,6 @@ from transformers import LlamaForCausalLM
 
 import specpair.runtime.accept as accept_module
 import specpair.runtime.sampling as sampling_module
-import specpair.runtime.target as target_module
 from specpair.models.tiny import make_tiny_llama
 from specpair.runtime.build import build_drafter, build_target
 from specpair.runtime.engine import SpeculativeEngine
@@ -140,7 +139,7 @@ def test_accept_everything_verifier_fails_the_same_test(pair, monkeypatch) -> No
         rows = torch.arange(len(lengths))
         return lengths, sampling_module.sample_rows(p[rows, lengths], u[rows, lengths])
 
-    monkeypatch.setattr(target_module, "accept_chains", accept_all)
+    monkeypatch.setattr(accept_module, "accept_chains", accept_all)
     counts = speculative_samples(*pair, PARAMS[0])
     assert fit_pvalue(counts, exact_joint(pair[0], PARAMS[0])) < 1e-6
 
