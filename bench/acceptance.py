@@ -29,12 +29,12 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from bench.common import device_info, format_table, write_json
-from specpair.runtime.build import build_drafter, build_target, feature_layers
-from specpair.runtime.draft import Drafter
+from specpair.runtime.build import build_drafter, build_states, build_target, feature_layers
+from specpair.runtime.draft.drafter import Drafter
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.sampling import SamplingParams
-from specpair.runtime.state import SpecRuntimeState, build_states
-from specpair.runtime.target import TargetWorker
+from specpair.runtime.state import SpecRuntimeState
+from specpair.runtime.target.worker import TargetWorker
 from training.corpus import MAX_FILE_BYTES, is_heldout
 
 EOT_ID = 0  # <|endoftext|>: bos, eos and pad of the shared tokenizer

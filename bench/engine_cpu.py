@@ -23,11 +23,11 @@ from transformers.utils import logging as hf_logging
 from bench.common import Stats, add_output_args, device_info, format_table, write_json
 from specpair.models.loading import is_eagle_checkpoint, read_args
 from specpair.models.tiny import make_tiny_llama
-from specpair.runtime.build import build_drafter, build_target
-from specpair.runtime.draft import Drafter
+from specpair.runtime.build import build_drafter, build_states, build_target
+from specpair.runtime.draft.drafter import Drafter
 from specpair.runtime.engine import SpeculativeEngine, StageTimes
-from specpair.runtime.state import SpecRuntimeState, build_states
-from specpair.runtime.target import TargetWorker
+from specpair.runtime.state import SpecRuntimeState
+from specpair.runtime.target.worker import TargetWorker
 
 VOCAB = 8192
 FOOTNOTE = """\

@@ -136,7 +136,7 @@ def median(xs: list[float]) -> float:
 
 def build_pair(draft: str, max_batch: int, buckets: list[int], tiers: list[int], max_len: int):  # type: ignore[no-untyped-def]
     """8B target + a drafter ("eagle", "1b", "identical", "none"), graphs captured per tier."""
-    from specpair.runtime.state import build_states
+    from specpair.runtime.build import build_states
 
     worker, drafter = pair_workers(draft, max_batch, max_len)
     t0 = time.perf_counter()
@@ -148,10 +148,10 @@ def build_pair(draft: str, max_batch: int, buckets: list[int], tiers: list[int],
 def pair_workers(draft: str, max_batch: int, max_len: int):  # type: ignore[no-untyped-def]
     """The workers of `build_pair`, fused, before any state is built."""
     from specpair.runtime.build import gpu_drafter, gpu_target
-    from specpair.runtime.drafters import EagleDrafter, LMDrafter
-    from specpair.runtime.fused import fuse_decoder
+    from specpair.runtime.draft.drafters import EagleDrafter, LMDrafter
+    from specpair.runtime.gpu.fused import fuse_decoder
     from specpair.runtime.kv_cache import KVCache
-    from specpair.runtime.target import TargetWorker
+    from specpair.runtime.target.worker import TargetWorker
 
     def cache(args: ModelArgs) -> KVCache:
         return KVCache.for_model(
@@ -202,9 +202,9 @@ class RoundLoop:
     """
 
     def __init__(self, worker: Any, drafter: Any, prompts: list[list[int]]) -> None:
-        from specpair.runtime.draft_session import DraftSession
         from specpair.runtime.engine import GREEDY
-        from specpair.runtime.target import TargetSequence
+        from specpair.runtime.target.session import DraftSession
+        from specpair.runtime.target.worker import TargetSequence
 
         self.worker, self.drafter = worker, drafter
         self.seqs = [TargetSequence(f"r{i}", p, GREEDY, 10**9) for i, p in enumerate(prompts)]

@@ -22,9 +22,9 @@ import torch
 from bench.common import device_info, format_table, write_json
 from bench.gpu_common import LLAMA3_8B, copy_bandwidth, median, time_cuda, weight_bytes
 from specpair.models.llama import LlamaModel, rope_inv_freq
-from specpair.runtime.fused import fuse_decoder
-from specpair.runtime.graphs.capture import GraphCapture
-from specpair.runtime.graphs.verify import verify_graph
+from specpair.runtime.gpu.capture import GraphCapture
+from specpair.runtime.gpu.fused import fuse_decoder
+from specpair.runtime.gpu.verify_graphs import verify_graph
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
 
@@ -118,7 +118,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--out", type=Path, default=Path("bench/out/gpu_forward.json"))
     args = parser.parse_args()
-    from specpair.runtime import triton_kernels  # GPU only
+    from specpair.runtime.gpu import triton_kernels  # GPU only
 
     info = device_info()
     print(f"device: {info.get('gpu')}")

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from bench.common import device_info, format_table, write_json
 from bench.gpu_common import LLAMA3_8B, copy_bandwidth, median, time_cuda
-from specpair.runtime.attention import flat_mask, page_metadata
+from specpair.runtime.gpu.attention import flat_mask, page_metadata
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
 
@@ -55,7 +55,7 @@ def per_call(fn: Callable[[Tensor, Tensor], Any], x: Tensor, ws: list[Tensor]) -
 
 
 def gemm_row(name: str, n: int, k: int, m: int, bw: float, pool_bytes: float) -> dict[str, Any]:
-    from specpair.runtime.triton_kernels import gemv_config, gemv_partials
+    from specpair.runtime.gpu.triton_kernels import gemv_config, gemv_partials
 
     nbytes = n * k * 2
     count = max(2, int(pool_bytes // nbytes))
@@ -171,8 +171,8 @@ def short(cfg: Any) -> str:
 def tree_rows(bw: float) -> list[dict[str, Any]]:
     """Our Triton tree attention (+ merge) per layer over a grid of `TreeConfig`s, 32 layers per
     replay; `tree_config`'s choice marked as served."""
-    from specpair.runtime import triton_kernels
-    from specpair.runtime.tree_attention import TreeAttention, TreeConfig, tree_config
+    from specpair.runtime.gpu import triton_kernels
+    from specpair.runtime.gpu.tree_attention import TreeAttention, TreeConfig, tree_config
 
     triton_kernels.set_pdl(False)  # each replay's kernels back to back, as timed before PDL
 

@@ -24,9 +24,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.common import device_info, format_table, write_json
 from bench.gpu_common import LLAMA3_8B, copy_bandwidth, median, random_llama, time_cuda
-from specpair.runtime.fused import fuse_decoder
-from specpair.runtime.graphs.capture import GraphCapture
-from specpair.runtime.graphs.verify import verify_graph
+from specpair.runtime.gpu.capture import GraphCapture
+from specpair.runtime.gpu.fused import fuse_decoder
+from specpair.runtime.gpu.verify_graphs import verify_graph
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
 
@@ -129,7 +129,7 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("bench/out/gpu_profile.json"))
     args = parser.parse_args()
-    from specpair.runtime import triton_kernels  # GPU only
+    from specpair.runtime.gpu import triton_kernels  # GPU only
 
     # Kernel durations, not waits: with PDL a kernel launches early and waits inside.
     triton_kernels.set_pdl(False)

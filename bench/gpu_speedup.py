@@ -50,10 +50,9 @@ from controller.policy import PolicyConfig
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.config import MODELS_DIR, compute_threads
 from specpair.models.loading import read_args
-from specpair.runtime.build import build_drafter, build_target
+from specpair.runtime.build import build_drafter, build_states, build_target
 from specpair.runtime.engine import SpeculativeEngine, StageTimes
 from specpair.runtime.sampling import SamplingParams
-from specpair.runtime.state import build_states
 from specpair.serving import compute_executor
 from target_service.special_tokens import eos_ids
 from training.grow import SHAPES, grow

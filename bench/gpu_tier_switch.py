@@ -17,7 +17,7 @@ import torch
 
 from bench.common import device_info, format_table, write_json
 from bench.gpu_common import RoundLoop, pair_workers, run_rounds
-from specpair.runtime.state import StateBuilder
+from specpair.runtime.build import StateBuilder
 
 
 def main() -> None:

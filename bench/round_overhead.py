@@ -41,10 +41,9 @@ from specpair.config import CANDIDATE_STEPS, compute_threads
 from specpair.models.loading import is_eagle_checkpoint, read_args
 from specpair.models.tiny import make_tiny_llama
 from specpair.proto.v1 import target_pb2
-from specpair.runtime.build import build_drafter, build_target
+from specpair.runtime.build import build_drafter, build_states, build_target
 from specpair.runtime.engine import GREEDY, SpeculativeEngine
 from specpair.runtime.sampling import SamplingParams
-from specpair.runtime.state import build_states
 from specpair.serving import compute_executor
 
 STAGES = ("draft", "draft_gpu", "draft_host", "verify", "verify_gpu", "rpc", "schedule", "total")

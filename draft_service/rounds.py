@@ -1,6 +1,6 @@
 """The draft service's side of the round: decode a RoundRequest, extend + draft at its tier,
 answer a RoundResponse; pipelined (`RoundRequest.predraft`), then pre-draft the next round's
-likeliest outcomes (`runtime/pipeline.py`) and answer them in a second RoundResponse.
+likeliest outcomes (`runtime/draft/pipeline.py`) and answer them in a second RoundResponse.
 
 Request ids are namespaced per Round stream, so two targets (or a reconnecting one) never
 share draft state; a stream's requests are freed when it ends.
@@ -17,12 +17,12 @@ from specpair.config import DraftConfig, PipelineMode
 from specpair.logging import get_logger
 from specpair.models.loading import CheckpointError, eagle_layout
 from specpair.proto.v1 import draft_pb2
-from specpair.runtime.build import build_drafter, feature_layers
-from specpair.runtime.draft import Drafter
+from specpair.runtime.build import StateBuilder, build_drafter, feature_layers
+from specpair.runtime.draft.drafter import Drafter
+from specpair.runtime.draft.pipeline import Pipeline
 from specpair.runtime.kv_cache import CacheFullError
-from specpair.runtime.pipeline import Pipeline
 from specpair.runtime.round import DraftInput, RoundRequest, RoundResponse, StageTimings
-from specpair.runtime.state import SpecRuntimeState, StateBuilder, gpu_ms
+from specpair.runtime.state import SpecRuntimeState, gpu_ms
 from specpair.wire import request_from_proto, response_to_proto, timings_into
 
 log = get_logger(__name__)

@@ -126,7 +126,7 @@ class DraftKind(StrEnum):
 
 
 class PipelineMode(StrEnum):
-    """Pipelined rounds (`runtime/pipeline.py`): the draft pre-drafts round n + 1 while the
+    """Pipelined rounds (`runtime/draft/pipeline.py`): the draft pre-drafts round n + 1 while the
     target verifies round n."""
 
     AUTO = "auto"  # the target: on when the draft runs on another device than the target's

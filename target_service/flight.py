@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 from specpair.config import PipelineMode, same_device
 from specpair.metrics import ServiceMetrics
-from specpair.runtime.draft_session import Drafts, DraftSession
 from specpair.runtime.round import RoundRequest, StageTimings
 from specpair.runtime.state import SpecRuntimeState
+from specpair.runtime.target.session import Drafts, DraftSession
 from specpair.runtime.tree import EMPTY_TREE
 from target_service.draft_link import DraftLink
 from target_service.served import ServedRequest

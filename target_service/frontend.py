@@ -20,7 +20,7 @@ from specpair.config import TargetConfig
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import target_pb2
-from specpair.runtime.target import TargetSequence
+from specpair.runtime.target.worker import TargetSequence
 from target_service.detokenize import TextStream
 from target_service.scheduler import Scheduler
 from target_service.served import ServedRequest

@@ -26,9 +26,9 @@ import time
 from specpair.config import DEFAULT_MAX_WATCHERS, PipelineMode
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
-from specpair.runtime.draft_session import DraftSession
 from specpair.runtime.state import SpecRuntimeState, gpu_ms
-from specpair.runtime.target import TargetWorker
+from specpair.runtime.target.session import DraftSession
+from specpair.runtime.target.worker import TargetWorker
 from specpair.serving import Compute, settle, settle_budget
 from specpair.tiers import RegimeSteps
 from target_service.draft_link import DraftLink

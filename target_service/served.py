@@ -6,7 +6,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from specpair.runtime.target import TargetSequence
+from specpair.runtime.target.worker import TargetSequence
 
 
 @dataclass(frozen=True, slots=True)

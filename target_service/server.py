@@ -18,10 +18,9 @@ from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.models.loading import load_tokenizer, tokenizer_fingerprint
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
-from specpair.runtime.build import build_target
-from specpair.runtime.draft_session import MAX_TREE_NODES
+from specpair.runtime.build import StateBuilder, build_target
 from specpair.runtime.kv_cache import KVCache
-from specpair.runtime.state import StateBuilder
+from specpair.runtime.target.session import MAX_TREE_NODES
 from specpair.serving import bounded
 from specpair.tiers import RegimeSteps
 from specpair.wire import stats_to_proto

@@ -7,10 +7,13 @@ which captures CUDA graphs for a GPU worker), as the services do.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 
+from specpair.logging import get_logger
 from specpair.models.eagle3_loading import aux_layers, load_eagle3
 from specpair.models.llama import ModelArgs
 from specpair.models.loading import (
@@ -20,10 +23,19 @@ from specpair.models.loading import (
     load_llama,
     read_args,
 )
-from specpair.runtime.draft import Drafter
-from specpair.runtime.drafters import EagleDrafter, LMDrafter
+from specpair.runtime.draft.drafter import Drafter
+from specpair.runtime.draft.drafters import EagleDrafter, LMDrafter
+from specpair.runtime.draft.eager import EagerDraft, EagerExtend
+from specpair.runtime.gpu.capture import GraphCapture
+from specpair.runtime.gpu.draft_graphs import DraftGraphs
+from specpair.runtime.gpu.verify_graphs import VerifyGraphs
 from specpair.runtime.kv_cache import KVCache
-from specpair.runtime.target import TargetWorker
+from specpair.runtime.stages import DraftStage, ExtendStage, VerifyStage
+from specpair.runtime.state import SpecRuntimeState, chain_state
+from specpair.runtime.target.verify import EagerVerify
+from specpair.runtime.target.worker import TargetWorker
+
+log = get_logger(__name__)
 
 # No fused layer or CUDA graphs for EAGLE-3 yet: refused on a GPU rather than half-served.
 EAGLE3_ON_CPU = "EAGLE-3 drafting is served on the CPU only for now (--device cpu)"
@@ -43,7 +55,7 @@ def make_cache(
 
 def gpu_target(worker: TargetWorker) -> TargetWorker:
     """Fuses the target's decoder for the GPU."""
-    from specpair.runtime.fused import fuse_decoder
+    from specpair.runtime.gpu.fused import fuse_decoder
 
     fuse_decoder(worker.model)
     return worker
@@ -51,7 +63,7 @@ def gpu_target(worker: TargetWorker) -> TargetWorker:
 
 def gpu_drafter(drafter: Drafter) -> Drafter:
     """Fuses the drafter's decoder (an EAGLE head's layer, or the LM) for the GPU."""
-    from specpair.runtime.fused import fuse_decoder
+    from specpair.runtime.gpu.fused import fuse_decoder
 
     if isinstance(drafter, EagleDrafter):
         fuse_decoder(drafter.head)
@@ -121,3 +133,76 @@ def build_drafter(
         )
         drafter = LMDrafter(model, cache)
     return gpu_drafter(drafter) if _is_cuda(device) else drafter
+
+
+class StateBuilder:
+    """Builds the states of `target` and/or `drafter` (a worker whose cache is on a GPU gets
+    CUDA graphs per bucket: `buckets`, or powers of two up to its cache's slots; `ahead`: the
+    drafter's graphs for pipelined rounds too)."""
+
+    def __init__(
+        self,
+        target: TargetWorker | None = None,
+        drafter: Drafter | None = None,
+        *,
+        buckets: Sequence[int] | None = None,
+        ahead: bool = False,
+    ) -> None:
+        self.target, self.drafter = target, drafter
+        self.builds = 0
+        self.target_graphs: GraphCapture | None = None
+        self.draft_graphs: DraftGraphs | None = None
+        if target is not None and target.cache.device.type == "cuda":
+            slots = len(target.cache.lengths)
+            self.target_graphs = GraphCapture(target.cache, slots, "target", buckets)
+        if drafter is not None and drafter.cache.device.type == "cuda":
+            slots = len(drafter.cache.lengths)
+            capture = GraphCapture(drafter.cache, slots, "draft", buckets)
+            self.draft_graphs = DraftGraphs(capture, drafter, ahead)
+
+    @property
+    def captures(self) -> int:
+        """CUDA graphs captured so far."""
+        draft = None if self.draft_graphs is None else self.draft_graphs.capture
+        return sum(g.captures for g in (self.target_graphs, draft) if g is not None)
+
+    def build(self, tier: int) -> SpecRuntimeState:
+        """The tier's state, its stages complete (graphs captured)."""
+        if tier < 0:
+            raise ValueError(f"a tier (speculative_num_steps) must be >= 0, got {tier}")
+        verify: VerifyStage | None = None
+        extend: ExtendStage | None = None
+        draft: DraftStage | None = None
+        if self.target is not None:
+            t = self.target
+            verify = EagerVerify(t.model, t.cache, t.feature_layers)
+            if self.target_graphs is not None:
+                verify = VerifyGraphs(self.target_graphs, t.model, tier, verify)
+        if self.drafter is not None:
+            extend, draft = EagerExtend(self.drafter), EagerDraft(self.drafter, tier)
+            if self.draft_graphs is not None and tier > 0:
+                extend, draft = self.draft_graphs.tier(tier, extend, draft)
+        self.builds += 1
+        return chain_state(tier, verify, extend, draft)
+
+    def build_all(self, tiers: Iterable[int]) -> dict[int, SpecRuntimeState]:
+        """One state per candidate tier — called once, at start-up; logs each one's build time."""
+        states = {}
+        for tier in sorted(set(tiers)):
+            t0 = time.perf_counter()
+            states[tier] = self.build(tier)
+            ms = round(1e3 * (time.perf_counter() - t0), 2)
+            log.info("built runtime state", tier=tier, ms=ms)
+        return states
+
+
+def build_states(
+    tiers: Iterable[int],
+    target: TargetWorker | None = None,
+    drafter: Drafter | None = None,
+    *,
+    buckets: Sequence[int] | None = None,
+    ahead: bool = False,
+) -> dict[int, SpecRuntimeState]:
+    """`StateBuilder(target, drafter).build_all(tiers)`, for callers that count nothing."""
+    return StateBuilder(target, drafter, buckets=buckets, ahead=ahead).build_all(tiers)

@@ -12,13 +12,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specpair.runtime.draft import Drafter
-from specpair.runtime.draft_session import DraftSession
-from specpair.runtime.pipeline import Pipeline
+from specpair.runtime.draft.drafter import Drafter
+from specpair.runtime.draft.pipeline import Pipeline
 from specpair.runtime.round import RoundResponse
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.state import SpecRuntimeState, gpu_ms
-from specpair.runtime.target import TargetSequence, TargetWorker
+from specpair.runtime.target.session import DraftSession
+from specpair.runtime.target.worker import TargetSequence, TargetWorker
 from specpair.runtime.tree import EMPTY_TREE, CandidateTree
 
 GREEDY = SamplingParams()

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from specpair.models.llama import ModelArgs
-from specpair.runtime.attention import AttentionBackend, Backends, PagedAttend
+from specpair.runtime.gpu.attention import AttentionBackend, Backends, PagedAttend
 from specpair.runtime.layout import BatchLayout, flat_index
 
 

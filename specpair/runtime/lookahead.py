@@ -1,4 +1,4 @@
-"""A drafted chain's lookahead: what it says about the round after it (`runtime/pipeline.py`).
+"""A drafted chain's lookahead: what it says about the round after it (`runtime/draft/pipeline.py`).
 
 Drafting a chain of s tokens with a lookahead runs one step more (the whole chain's K/V written,
 and the distribution after it) and keeps, at every depth, the draft's top-W tokens there and the

@@ -1,27 +1,72 @@
 """A round's stages as each tier's state holds them: verify (target), extend and draft (draft).
 
 Every stage is *planned* for one batch — in line (`plan`), or ahead by a service while its peer
-computes (`prepare`; only CUDA graphs have anything to plan ahead) — then *run*. The eager
-stages here serve the CPU, and the GPU where no graph fits (`graphs/` falls back to them); the
-CUDA-graph stages of `graphs/verify.py` and `graphs/draft.py` have the same interfaces.
+computes (`prepare`; only CUDA graphs have anything to plan ahead) — then *run*. Two kinds
+implement each protocol: the eager stages (`target/verify.py`, `draft/eager.py`) serve the CPU
+and are what a GPU falls back to where no graph fits; the CUDA-graph stages
+(`gpu/verify_graphs.py`, `gpu/draft_graphs.py`) are handed those eager stages at build time
+(`build.py`), so no graph module reaches back into a side.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 from torch import Tensor
 
-from specpair.models.llama import LlamaModel
+from specpair.models.llama import Attend, ModelArgs
+from specpair.runtime.accept import ChainBatch
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
 from specpair.runtime.lookahead import Lookahead
+from specpair.runtime.round import DraftInput
+from specpair.runtime.sampling import RowParams
 
-if TYPE_CHECKING:
-    from specpair.runtime.accept import ChainBatch
-    from specpair.runtime.draft import Drafter, DraftQ, DraftSampling
-    from specpair.runtime.round import DraftInput
+DraftQ = tuple[Tensor, Tensor]  # a sampled chain's sparse q on the host: ids, probs [d, K]
+
+
+@dataclass(frozen=True, slots=True)
+class DraftSampling:
+    """A round's sampling rows on the host: per request its parameters, its uniforms [B, s]
+    (one per step, from its own generator) and whether it is greedy (it sends no q)."""
+
+    params: RowParams
+    u: Tensor
+    greedy: list[bool]
+
+
+class DraftModel(Protocol):
+    """The drafter's pieces a graph captures (`Drafter` is one): its forward, its logits and
+    the host half of an extend."""
+
+    cache: KVCache
+    args: ModelArgs
+    needs_features: bool  # EAGLE: the extend reads the target's features
+
+    def forward(
+        self, tokens: Tensor, features: Tensor | None, positions: Tensor, attend: Attend
+    ) -> Tensor:
+        """tokens, positions: [B, T] (+ features [B, T, H]) on the device -> hidden [B, T, H]."""
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """hidden [B, T, H] -> float logits of the last row [B, V]."""
+
+    def extend_inputs(
+        self, inputs: Sequence[DraftInput], slots: list[int]
+    ) -> tuple[Tensor, Tensor | None, Tensor, BatchLayout, list[int]]:
+        """Commits the extend rows; returns host tokens, features, positions [B, T], layout."""
+
+    def extend_forward(
+        self,
+        tokens: Tensor,
+        features: Tensor | None,
+        positions: Tensor,
+        layout: BatchLayout,
+        lengths: list[int],
+    ) -> Tensor:
+        """The eager forward of `extend_inputs`' rows: each request's last hidden [B, 1, H]."""
 
 
 class VerifyStage(Protocol):
@@ -98,95 +143,3 @@ class DraftStage(Protocol):
 
     def read_gpu_ms(self) -> float:
         """GPU time of the extend's and the steps' graph replays since the last read."""
-
-
-class EagerVerify:
-    """The verify forward run eagerly through `KVCache.bind`; `run` returns the features an
-    EAGLE draft reads (the final hidden states, or `feature_layers`' outputs for EAGLE-3)."""
-
-    plans_ahead = False
-    ahead = 0
-
-    def __init__(
-        self, model: LlamaModel, cache: KVCache, feature_layers: tuple[int, ...] = ()
-    ) -> None:
-        self.model, self.cache, self.feature_layers = model, cache, feature_layers
-        self._planned: tuple[Tensor, BatchLayout] | None = None
-
-    def prepare(self, positions: Tensor, layout: BatchLayout, key: object) -> None:
-        return None  # nothing to plan ahead: bind plans at run time
-
-    def plan(self, positions: Tensor, layout: BatchLayout) -> None:
-        self._planned = (positions, layout)
-
-    def planned_for(self, key: object) -> bool:
-        return False
-
-    def run(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        assert self._planned is not None, "run without a plan"
-        (positions, layout), self._planned = self._planned, None
-        dev = self.cache.device
-        hidden, features = self.model.forward_aux(
-            tokens.to(dev), positions.to(dev), self.cache.bind(layout), self.feature_layers
-        )
-        return features, self.model.logits(hidden)
-
-    def accept(self, chains: ChainBatch) -> list[list[int]] | None:
-        return None
-
-    def read_gpu_ms(self) -> float:
-        return 0.0
-
-
-class EagerExtend:
-    """The drafter's own extend (`Drafter.extend`)."""
-
-    plans_ahead = False
-    ahead = 0
-
-    def __init__(self, drafter: Drafter) -> None:
-        self.drafter, self.cache = drafter, drafter.cache
-
-    def prepare(self, slots: list[int]) -> None:
-        return None
-
-    def run(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor:
-        return self.drafter.extend(inputs, slots)
-
-
-class EagerDraft:
-    """The drafter's own step loop (`Drafter.draft_steps`)."""
-
-    def __init__(self, drafter: Drafter, tier: int) -> None:
-        self.drafter, self.tier = drafter, tier
-
-    def plan(self, slots: list[int], ahead: bool = False) -> None:
-        return None
-
-    def run(
-        self, hidden: Tensor, slots: list[int], depths: Sequence[int] | None = None
-    ) -> list[list[int]]:
-        return self.drafter.draft_steps(hidden[: len(slots)], slots, self.tier, None, depths)[0]
-
-    def run_sampled(
-        self,
-        hidden: Tensor,
-        slots: list[int],
-        sampling: DraftSampling,
-        depths: Sequence[int] | None = None,
-    ) -> tuple[list[list[int]], list[DraftQ | None]]:
-        steps, qs, _ = self.drafter.draft_steps(
-            hidden[: len(slots)], slots, self.tier, sampling, depths
-        )
-        return steps, qs
-
-    def run_ahead(
-        self, hidden: Tensor, slots: list[int], top: int
-    ) -> tuple[list[list[int]], list[Lookahead]]:
-        steps, _, aheads = self.drafter.draft_steps(
-            hidden[: len(slots)], slots, self.tier, None, None, top
-        )
-        return steps, aheads
-
-    def read_gpu_ms(self) -> float:
-        return 0.0

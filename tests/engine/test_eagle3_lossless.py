@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import specpair.runtime.target as target_module
+import specpair.runtime.target.worker as target_module
 from specpair.models.eagle3_loading import load_eagle3
 from specpair.models.tiny import make_tiny_eagle3, make_tiny_llama
-from specpair.runtime.build import build_drafter, build_target, feature_layers
+from specpair.runtime.build import build_drafter, build_states, build_target, feature_layers
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.sampling import SamplingParams
-from specpair.runtime.state import SpecRuntimeState, build_states
+from specpair.runtime.state import SpecRuntimeState
 from tests.engine.test_greedy_lossless import hf_greedy
 from tests.engine.test_sampling_lossless import (
     DEPTH,

@@ -8,9 +8,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from specpair.runtime.build import build_drafter, build_target
+from specpair.runtime.build import build_drafter, build_states, build_target
 from specpair.runtime.engine import SpeculativeEngine
-from specpair.runtime.state import build_states
 
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3], [100, 200, 50, 60, 70]]
 NEW_TOKENS = 24

@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from specpair.runtime.build import build_drafter, build_target
+from specpair.runtime.build import build_drafter, build_states, build_target
+from specpair.runtime.draft.pipeline import Outcome, likely_outcomes
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.lookahead import Lookahead
-from specpair.runtime.pipeline import Outcome, likely_outcomes
-from specpair.runtime.state import build_states
 from tests.engine.test_greedy_lossless import NEW_TOKENS, PROMPTS
 
 

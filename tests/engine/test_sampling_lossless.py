@@ -23,10 +23,9 @@ from transformers import LlamaForCausalLM
 import specpair.runtime.accept as accept_module
 import specpair.runtime.sampling as sampling_module
 from specpair.models.tiny import make_tiny_llama
-from specpair.runtime.build import build_drafter, build_target
+from specpair.runtime.build import build_drafter, build_states, build_target
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.sampling import SamplingParams, warp
-from specpair.runtime.state import build_states
 
 VOCAB, PROMPT, DEPTH, RUNS, BATCH = 6, [1, 4, 2], 3, 4096, 256
 PARAMS = [

@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 
 from specpair.models.tiny import make_tiny_llama
-from specpair.runtime.build import build_drafter, build_target
+from specpair.runtime.build import build_drafter, build_states, build_target
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.sampling import SamplingParams
-from specpair.runtime.state import build_states
 
 PROMPTS = [[5 + i, 6, 7 + 2 * i, 100 - i][: 2 + i % 3] for i in range(8)]  # mixed lengths
 SAMPLING = [SamplingParams(temperature=0.8, top_p=0.95, seed=1000 + i) for i in range(8)]

@@ -9,9 +9,8 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from specpair.config import MODELS_DIR
-from specpair.runtime.build import build_drafter, build_target, feature_layers
+from specpair.runtime.build import build_drafter, build_states, build_target, feature_layers
 from specpair.runtime.engine import SpeculativeEngine
-from specpair.runtime.state import build_states
 from tests.conftest import hf_greedy
 
 TARGET = MODELS_DIR / "target"

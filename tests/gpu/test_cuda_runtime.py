@@ -19,17 +19,17 @@ pytest.importorskip("flashinfer")
 from transformers import LlamaForCausalLM
 
 from specpair.models.tiny import make_tiny_eagle, make_tiny_llama
-from specpair.runtime.build import build_drafter, build_target
-from specpair.runtime.draft import Drafter
+from specpair.runtime.build import StateBuilder, build_drafter, build_states, build_target
+from specpair.runtime.draft.drafter import Drafter
 from specpair.runtime.engine import SpeculativeEngine
-from specpair.runtime.graphs.capture import GraphAttention, StageGraph
-from specpair.runtime.graphs.draft import ExtendGraphs, StepGraphs
-from specpair.runtime.graphs.verify import VerifyGraphs
+from specpair.runtime.gpu.capture import GraphAttention, StageGraph
+from specpair.runtime.gpu.draft_graphs import ExtendGraphs, StepGraphs
+from specpair.runtime.gpu.verify_graphs import VerifyGraphs
 from specpair.runtime.layout import BatchLayout
 from specpair.runtime.round import DraftInput
 from specpair.runtime.sampling import SamplingParams
-from specpair.runtime.state import SpecRuntimeState, StateBuilder, build_states
-from specpair.runtime.target import TargetSequence
+from specpair.runtime.state import SpecRuntimeState
+from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import chain
 
 pytestmark = pytest.mark.gpu

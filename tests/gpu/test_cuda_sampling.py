@@ -27,10 +27,10 @@ from transformers import LlamaForCausalLM
 import specpair.runtime.accept as accept_module
 import specpair.runtime.sampling as sampling_module
 from specpair.models.tiny import make_tiny_eagle, make_tiny_llama
-from specpair.runtime.build import build_drafter, build_target
+from specpair.runtime.build import build_drafter, build_states, build_target
 from specpair.runtime.engine import SpeculativeEngine
-from specpair.runtime.graphs.draft import StepGraphs
-from specpair.runtime.graphs.verify import ACCEPT_GRAPH_BATCH, VerifyGraphs
+from specpair.runtime.gpu.draft_graphs import StepGraphs
+from specpair.runtime.gpu.verify_graphs import ACCEPT_GRAPH_BATCH, VerifyGraphs
 from specpair.runtime.sampling import (
     RowParams,
     SamplingParams,
@@ -39,7 +39,6 @@ from specpair.runtime.sampling import (
     warp,
     warp_rows,
 )  # fmt: skip
-from specpair.runtime.state import build_states
 from tests.engine.test_sampling_lossless import PARAMS, fit_pvalue
 
 pytestmark = pytest.mark.gpu

@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from specpair.runtime import fused, triton_kernels
+from specpair.runtime.gpu import fused, triton_kernels
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -88,9 +88,9 @@ def test_silu_mul_sums_partials() -> None:
      ((32, 64, True, 8), 128), (None, 40), ((8, 64, True), 40), (None, 32), (None, 80)],
 )  # fmt: skip
 def test_tree_attention_equals_masked_sdpa_over_the_pages(config: tuple | None, d: int) -> None:
+    from specpair.runtime.gpu.tree_attention import TreeAttention, TreeConfig
     from specpair.runtime.kv_cache import KVCache
     from specpair.runtime.layout import BatchLayout, attention_mask, flat_index
-    from specpair.runtime.tree_attention import TreeAttention, TreeConfig
 
     torch.manual_seed(4)
     n_q, n_kv, t = 8, 2, 4

@@ -17,11 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from specpair.runtime.build import build_target
+from specpair.runtime.build import build_states, build_target
 from specpair.runtime.round import RoundResponse
 from specpair.runtime.sampling import SamplingParams
-from specpair.runtime.state import build_states
-from specpair.runtime.target import TargetSequence
+from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import chain
 from specpair.wire import response_to_proto
 from target_service.scheduler import Scheduler

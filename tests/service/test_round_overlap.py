@@ -10,11 +10,10 @@ from pathlib import Path
 
 from specpair.metrics import ServiceMetrics
 from specpair.models.tiny import make_tiny_llama
-from specpair.runtime.build import build_target
+from specpair.runtime.build import build_states, build_target
 from specpair.runtime.round import RoundRequest, RoundResponse
 from specpair.runtime.sampling import SamplingParams
-from specpair.runtime.state import build_states
-from specpair.runtime.target import TargetSequence
+from specpair.runtime.target.worker import TargetSequence
 from target_service.scheduler import Scheduler
 from target_service.served import RoundEvent, ServedRequest
 

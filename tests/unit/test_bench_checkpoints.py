@@ -12,9 +12,8 @@ from bench.checkpoints import random_pair
 from bench.gpu_common import LLAMA3_8B
 from specpair.models.loading import read_args, read_tensors
 from specpair.models.saving import EAGLE_SHARED, hf_config
-from specpair.runtime.build import build_drafter, build_target
+from specpair.runtime.build import build_drafter, build_states, build_target
 from specpair.runtime.engine import SpeculativeEngine
-from specpair.runtime.state import build_states
 
 # The Llama-3-8B code path (llama3 rope, GQA, untied head) at hidden 64.
 SMALL = replace(

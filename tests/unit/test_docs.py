@@ -62,7 +62,7 @@ def tracked() -> list[str]:
 
 @pytest.mark.parametrize("doc", DOCS)
 def test_every_file_the_docs_name_exists(doc: str) -> None:
-    """A path may be given whole or from a folder down (`graphs/verify.py`)."""
+    """A path may be given whole or from a folder down (`gpu/verify_graphs.py`)."""
     files = tracked()
     named = set(PATH.findall((ROOT / doc).read_text()))
     missing = [p for p in named if not any(f == p or f.endswith("/" + p) for f in files)]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpair.runtime.draft_session import DraftSession
 from specpair.runtime.round import Predraft, RoundResponse
 from specpair.runtime.sampling import SamplingParams
-from specpair.runtime.target import TargetSequence
+from specpair.runtime.target.session import DraftSession
+from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import EMPTY_TREE, CandidateTree, chain
 
 H = 4

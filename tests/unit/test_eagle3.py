@@ -26,7 +26,7 @@ from specpair.models.eagle3_loading import aux_layers, default_aux_layers, load_
 from specpair.models.loading import CheckpointError, eagle_layout, load_llama
 from specpair.models.tiny import make_tiny_eagle3, make_tiny_llama
 from specpair.runtime.build import build_drafter, build_target
-from specpair.runtime.drafters import EagleDrafter
+from specpair.runtime.draft.drafters import EagleDrafter
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
 

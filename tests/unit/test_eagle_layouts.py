@@ -20,8 +20,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from specpair.models.loading import CheckpointError, eagle_layout, load_eagle, load_llama
 from specpair.models.tiny import make_tiny_llama
 from specpair.runtime.build import build_drafter
-from specpair.runtime.drafters import EagleDrafter
-from specpair.runtime.fused import fuse_decoder
+from specpair.runtime.draft.drafters import EagleDrafter
+from specpair.runtime.gpu.fused import fuse_decoder
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
 

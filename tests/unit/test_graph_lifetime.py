@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from specpair.runtime.graphs import capture as graphs
+from specpair.runtime.gpu import capture as graphs
 from specpair.runtime.kv_cache import KVCache
 
 

@@ -9,11 +9,12 @@ import torch
 
 from specpair.models.llama import ModelArgs
 from specpair.models.loading import load_eagle, load_llama
-from specpair.runtime.attention import flat_mask, page_metadata
-from specpair.runtime.drafters import EagleDrafter
+from specpair.runtime.build import build_states
+from specpair.runtime.draft.drafters import EagleDrafter
 from specpair.runtime.engine import SpeculativeEngine
-from specpair.runtime.fused import fuse_decoder
-from specpair.runtime.graphs.capture import bucket_of, buckets_for, pad_layout
+from specpair.runtime.gpu.attention import flat_mask, page_metadata
+from specpair.runtime.gpu.capture import bucket_of, buckets_for, pad_layout
+from specpair.runtime.gpu.fused import fuse_decoder
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import (
     PAD_FREE,
@@ -22,8 +23,7 @@ from specpair.runtime.layout import (
     flat_index,
     padded_groups,
 )
-from specpair.runtime.state import build_states
-from specpair.runtime.target import TargetWorker
+from specpair.runtime.target.worker import TargetWorker
 
 
 def test_page_metadata_worked_example() -> None:

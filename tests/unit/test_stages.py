@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from specpair.runtime.build import build_drafter, build_target
+from specpair.runtime.build import StateBuilder, build_drafter, build_states, build_target
+from specpair.runtime.draft.eager import EagerDraft, EagerExtend
 from specpair.runtime.engine import GREEDY
 from specpair.runtime.round import DraftInput
-from specpair.runtime.stages import EagerDraft, EagerExtend, EagerVerify
-from specpair.runtime.state import StateBuilder, build_states
-from specpair.runtime.target import TargetSequence
+from specpair.runtime.target.verify import EagerVerify
+from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import EMPTY_TREE
 
 

@@ -10,7 +10,7 @@ import torch
 from specpair.models.tiny import make_tiny_llama
 from specpair.runtime.build import build_target
 from specpair.runtime.sampling import SamplingParams
-from specpair.runtime.target import TargetSequence
+from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import chain
 
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13], [3, 9]]

@@ -20,14 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specpair.runtime.graphs.staging import Staging
+from specpair.runtime.gpu.staging import Staging
 from specpair.runtime.layout import BatchLayout, attention_mask, flat_index
 
 WORKSPACE_BYTES = 128 << 20
 # Head sizes flashinfer's paged prefill is built for; other sizes (the shipped pair's 40 and 32)
 # attend eagerly through SDPA over gathered pages, and in graphs through the Triton kernel.
 if TYPE_CHECKING:
-    from specpair.runtime.tree_attention import TreeAttention
+    from specpair.runtime.gpu.tree_attention import TreeAttention
 
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 GRAPH_ATTENTION = ("triton", "flashinfer")
@@ -66,7 +66,7 @@ class PagedAttend:
 
     def rope_write(self, layer: int, qkv: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         # qkv: partials [S, N, (Hq + 2 Hkv) D], cos/sin: [N, D] -> q [N, Hq, D]
-        from specpair.runtime.triton_kernels import rope_write
+        from specpair.runtime.gpu.triton_kernels import rope_write
 
         n_q, n_kv, d = self.heads
         k, v = self.k[layer].view(-1, n_kv, d), self.v[layer].view(-1, n_kv, d)
@@ -181,7 +181,7 @@ class Backends:
     def tree(self, batch: int, tokens: int) -> TreeAttention | None:
         """The Triton tree kernel of a graph over [batch, tokens] where it serves, else None
         (imported here: the CPU never imports Triton)."""
-        from specpair.runtime.tree_attention import TreeAttention
+        from specpair.runtime.gpu.tree_attention import TreeAttention
 
         if self.graph_attention != "triton" or not TreeAttention.fits(tokens, self.heads):
             return None

@@ -33,8 +33,9 @@ from specpair.runtime.sampling import (
     warp,
     warp_rows,
 )  # fmt: skip
-from specpair.runtime.stages import EagerVerify, VerifyStage
+from specpair.runtime.stages import VerifyStage
 from specpair.runtime.state import SpecRuntimeState
+from specpair.runtime.target.verify import EagerVerify
 from specpair.runtime.tree import CandidateTree, full_parents, tree_depths, tree_mask
 
 

@@ -17,9 +17,9 @@ from torch import Tensor
 import specpair.runtime.sampling as sampling
 from specpair.models.llama import LlamaModel
 from specpair.runtime.accept import ChainBatch, accept_chains
-from specpair.runtime.graphs.capture import GraphCapture, StageGraph, bucket_of, pad2d, pad_layout
+from specpair.runtime.gpu.capture import GraphCapture, StageGraph, bucket_of, pad2d, pad_layout
 from specpair.runtime.layout import BatchLayout
-from specpair.runtime.stages import EagerVerify
+from specpair.runtime.stages import VerifyStage
 
 ACCEPT_GRAPH_BATCH = 16  # past it the round's GPU work hides the eager accept's launches
 
@@ -79,9 +79,11 @@ class VerifyGraphs:
 
     plans_ahead = True
 
-    def __init__(self, capture: GraphCapture, model: LlamaModel, tier: int) -> None:
-        self.capture, self.cache = capture, capture.cache
-        self.eager = EagerVerify(model, capture.cache)
+    def __init__(
+        self, capture: GraphCapture, model: LlamaModel, tier: int, eager: VerifyStage
+    ) -> None:
+        """`eager`: the verify of a batch no graph fits."""
+        self.capture, self.cache, self.eager = capture, capture.cache, eager
 
         def build() -> tuple[dict[int, StageGraph], dict[tuple[int, bool], StageGraph]]:
             graphs = {b: verify_graph(capture, model, b, tier + 1) for b in capture.buckets}

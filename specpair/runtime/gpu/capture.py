@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 
 from specpair.logging import get_logger
-from specpair.runtime.attention import AttentionBackend
-from specpair.runtime.graphs.staging import Staging
+from specpair.runtime.gpu.attention import AttentionBackend
+from specpair.runtime.gpu.staging import Staging
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout, eye_mask
 

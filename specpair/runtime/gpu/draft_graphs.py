@@ -16,8 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from specpair.runtime.draft import Drafter, DraftQ, DraftSampling
-from specpair.runtime.graphs.capture import (
+from specpair.runtime.gpu.capture import (
     GraphAttention,
     GraphCapture,
     StageGraph,
@@ -31,22 +30,26 @@ from specpair.runtime.layout import BatchLayout, padded_groups, tril_mask
 from specpair.runtime.lookahead import LOOKAHEAD_TOP, Lookahead
 from specpair.runtime.round import DraftInput
 from specpair.runtime.sampling import RowParams, draft_support
+from specpair.runtime.stages import DraftModel, DraftQ, DraftSampling, DraftStage, ExtendStage
 
 
 class DraftGraphs:
     """A drafter's graphs of every tier: extends by (bucket, tokens), step attention by bucket
     (step k's is the same whatever the tier), the extend planned ahead."""
 
-    def __init__(self, capture: GraphCapture, drafter: Drafter, ahead: bool = False) -> None:
+    def __init__(self, capture: GraphCapture, model: DraftModel, ahead: bool = False) -> None:
         """`ahead`: also the steps of pipelined rounds (`StepGraphs.run_ahead`)."""
-        self.capture, self.drafter, self.cache = capture, drafter, capture.cache
+        self.capture, self.model, self.cache = capture, model, capture.cache
         self.ahead = ahead
         self.steps: dict[int, list[GraphAttention]] = {b: [] for b in capture.buckets}
         self.extends: dict[tuple[int, int], StageGraph] = {}
         self.planned: tuple[object, StageGraph] | None = None  # (key, extend) from `prepare`
         self.steps_paged = False  # the extend ran on a plan ahead, which paged the steps too
 
-    def tier(self, s: int) -> tuple[ExtendGraphs, StepGraphs]:
+    def tier(
+        self, s: int, eager_extend: ExtendStage, eager_draft: DraftStage
+    ) -> tuple[ExtendGraphs, StepGraphs]:
+        """Tier s's stages; where no graph fits they run `eager_extend` / `eager_draft`."""
         top = LOOKAHEAD_TOP if self.ahead else 0
 
         Graphs = dict[int, StageGraph]
@@ -61,10 +64,12 @@ class DraftGraphs:
             return steps, sampled, ahead
 
         steps, sampled, ahead = self.capture.timed(s, build)
-        return ExtendGraphs(self, s), StepGraphs(self, s, steps, ahead, sampled)
+        return ExtendGraphs(self, s, eager_extend), StepGraphs(
+            self, s, eager_draft, steps, ahead, sampled
+        )
 
     def _extend(self, batch: int, tokens: int) -> StageGraph:
-        d, dev = self.drafter, self.cache.device
+        d, dev = self.model, self.cache.device
         inputs = {
             "tokens": torch.zeros(batch, tokens, dtype=torch.long, device=dev),
             "positions": torch.zeros(batch, tokens, dtype=torch.long, device=dev),
@@ -89,7 +94,7 @@ class DraftGraphs:
         `ids`, their probabilities `p` [s + 1, B, top] and the hidden `ahead` [s + 1, B, H].
         `sampled`: each step draws by `draft_support` from the rows' `params` [B, 5] and
         `uniform` [s, B]; its q comes out as `q_ids`, `q` [s, B, K]."""
-        d, dev = self.drafter, self.cache.device
+        d, dev = self.model, self.cache.device
         attns = self.steps[batch]
         forwards = s if top else s - 1
         while len(attns) < forwards:
@@ -167,8 +172,8 @@ class ExtendGraphs:
 
     plans_ahead = True
 
-    def __init__(self, graphs: DraftGraphs, tier: int) -> None:
-        self.graphs, self.tier, self.cache = graphs, tier, graphs.cache
+    def __init__(self, graphs: DraftGraphs, tier: int, eager: ExtendStage) -> None:
+        self.graphs, self.tier, self.cache, self.eager = graphs, tier, graphs.cache, eager
         self.ahead = 0  # extends that ran on a plan made ahead
 
     def prepare(self, slots: list[int]) -> None:
@@ -195,7 +200,7 @@ class ExtendGraphs:
         o.planned = ((s, tuple(slots), tuple(starts), cache.generation), ext)
 
     def run(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor:
-        o, cache, d = self.graphs, self.graphs.cache, self.graphs.drafter
+        o, cache, d = self.graphs, self.graphs.cache, self.graphs.model
         bucket = bucket_of(len(inputs), o.capture.buckets)
         planned, o.planned = o.planned, None
         o.steps_paged = False
@@ -211,7 +216,7 @@ class ExtendGraphs:
             # runs alone: the rounds' short rows in a graph, the prompt eagerly.
             return self._grouped(inputs, slots, groups)
         if bucket is None:
-            return d.extend(inputs, slots)
+            return self.eager.run(inputs, slots)
         tokens, feats, positions, layout, lengths = d.extend_inputs(inputs, slots)
         t = tokens.shape[1]
         ext = None
@@ -259,11 +264,12 @@ class StepGraphs:
         self,
         graphs: DraftGraphs,
         tier: int,
+        eager: DraftStage,
         steps: dict[int, StageGraph],
         ahead: dict[int, StageGraph] | None = None,
         sampled: dict[int, StageGraph] | None = None,
     ) -> None:
-        self.graphs, self.tier, self.steps = graphs, tier, steps
+        self.graphs, self.tier, self.eager, self.steps = graphs, tier, eager, steps
         self.ahead = ahead or {}
         self.sampled = sampled or {}
         self.sampled_replays = 0  # sampled rounds drafted in a graph
@@ -310,8 +316,7 @@ class StepGraphs:
         self, hidden: Tensor, slots: list[int], depths: Sequence[int] | None = None
     ) -> list[list[int]]:
         if self._planned is None:
-            d = self.graphs.drafter
-            return d.draft_steps(hidden[: len(slots)], slots, self.tier, None, depths)[0]
+            return self.eager.run(hidden, slots, depths)
         g = self._replay(hidden, slots)
         drafts: list[list[int]] = g.outputs["tokens"][:, : len(slots)].T.tolist()
         return drafts
@@ -328,10 +333,7 @@ class StepGraphs:
             graph = self.sampled.get(len(self._planned[0].inputs["starts"]))
         if self._planned is None or graph is None:
             self._planned = None
-            eager = self.graphs.drafter.draft_steps(
-                hidden[: len(slots)], slots, self.tier, sampling, depths
-            )
-            return eager[0], eager[1]
+            return self.eager.run_sampled(hidden, slots, sampling, depths)
         bucket, b = len(graph.inputs["starts"]), len(slots)
         params = torch.ones(bucket, 5)  # padding rows: greedy
         params[:b] = sampling.params.table
@@ -350,10 +352,7 @@ class StepGraphs:
     ) -> tuple[list[list[int]], list[Lookahead]]:
         if self._planned is None or top != LOOKAHEAD_TOP:
             self._planned = None
-            steps, _, aheads = self.graphs.drafter.draft_steps(
-                hidden[: len(slots)], slots, self.tier, None, None, top
-            )
-            return steps, aheads
+            return self.eager.run_ahead(hidden, slots, top)
         g, b = self._replay(hidden, slots), len(slots)
         drafts: list[list[int]] = g.outputs["tokens"][:, :b].T.tolist()
         ids = g.outputs["ids"][:, :b].transpose(0, 1).cpu()  # [b, s + 1, top]

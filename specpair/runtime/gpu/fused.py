@@ -38,7 +38,7 @@ def _triton() -> Any:
     """The Triton kernels, compiled on first use (imported lazily: CPU never needs Triton)."""
     global _kernels
     if _kernels is None:
-        from specpair.runtime import triton_kernels
+        from specpair.runtime.gpu import triton_kernels
 
         _kernels = triton_kernels
     return _kernels

@@ -25,7 +25,7 @@ from specpair.runtime.layout import BatchLayout, padded_groups
 from specpair.runtime.lookahead import Lookahead, TopRows
 from specpair.runtime.round import DraftInput
 from specpair.runtime.sampling import RowParams, derived_seed, draft_support, make_generator
-from specpair.runtime.stages import DraftStage, ExtendStage
+from specpair.runtime.stages import DraftQ, DraftSampling, DraftStage, ExtendStage
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.tree import CandidateTree, chain
 
@@ -34,19 +34,6 @@ from specpair.runtime.tree import CandidateTree, chain
 class DraftSlot:
     slot: int
     generator: torch.Generator
-
-
-DraftQ = tuple[Tensor, Tensor]  # a sampled chain's sparse q on the host: ids, probs [d, K]
-
-
-@dataclass(frozen=True, slots=True)
-class DraftSampling:
-    """A round's sampling rows on the host: per request its parameters, its uniforms [B, s]
-    (one per step, from its own generator) and whether it is greedy (it sends no q)."""
-
-    params: RowParams
-    u: Tensor
-    greedy: list[bool]
 
 
 def _split(values: list[Tensor], counts: list[int]) -> list[list[int]]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specpair.logging import get_logger
-from specpair.runtime.draft import Drafter, DraftSlot
+from specpair.runtime.draft.drafter import Drafter, DraftSlot
 from specpair.runtime.lookahead import LOOKAHEAD_TOP, Lookahead
 from specpair.runtime.round import DraftInput, Predraft
 from specpair.runtime.state import SpecRuntimeState

@@ -28,9 +28,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from specpair.runtime.graphs.staging import Staging
+from specpair.runtime.gpu.staging import Staging
+from specpair.runtime.gpu.triton_kernels import await_previous, pdl
 from specpair.runtime.layout import BatchLayout
-from specpair.runtime.triton_kernels import await_previous, pdl
 
 MAX_ROWS = 64  # query rows per KV head (tokens x GQA group) the kernel holds at once
 

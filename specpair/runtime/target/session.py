@@ -27,7 +27,7 @@ from torch import Tensor
 
 from specpair.logging import get_logger
 from specpair.runtime.round import DraftInput, RoundRequest, RoundResponse, StageTimings
-from specpair.runtime.target import TargetSequence
+from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import EMPTY_TREE, CandidateTree, validate_tree
 
 log = get_logger(__name__)

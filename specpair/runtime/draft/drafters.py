@@ -17,7 +17,7 @@ from torch import Tensor
 from specpair.models.eagle import EagleHead
 from specpair.models.eagle3 import Eagle3Head
 from specpair.models.llama import Attend, LlamaModel
-from specpair.runtime.draft import Drafter
+from specpair.runtime.draft.drafter import Drafter
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.round import DraftInput
 

@@ -1,0 +1,67 @@
+"""The drafter's eager stages: its own extend and step loop (the CPU's stages, and what the
+GPU's graphs fall back to where none fits)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from specpair.runtime.draft.drafter import Drafter
+from specpair.runtime.lookahead import Lookahead
+from specpair.runtime.round import DraftInput
+from specpair.runtime.stages import DraftQ, DraftSampling
+
+
+class EagerExtend:
+    """The drafter's own extend (`Drafter.extend`)."""
+
+    plans_ahead = False
+    ahead = 0
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter, self.cache = drafter, drafter.cache
+
+    def prepare(self, slots: list[int]) -> None:
+        return None
+
+    def run(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor:
+        return self.drafter.extend(inputs, slots)
+
+
+class EagerDraft:
+    """The drafter's own step loop (`Drafter.draft_steps`)."""
+
+    def __init__(self, drafter: Drafter, tier: int) -> None:
+        self.drafter, self.tier = drafter, tier
+
+    def plan(self, slots: list[int], ahead: bool = False) -> None:
+        return None
+
+    def run(
+        self, hidden: Tensor, slots: list[int], depths: Sequence[int] | None = None
+    ) -> list[list[int]]:
+        return self.drafter.draft_steps(hidden[: len(slots)], slots, self.tier, None, depths)[0]
+
+    def run_sampled(
+        self,
+        hidden: Tensor,
+        slots: list[int],
+        sampling: DraftSampling,
+        depths: Sequence[int] | None = None,
+    ) -> tuple[list[list[int]], list[DraftQ | None]]:
+        steps, qs, _ = self.drafter.draft_steps(
+            hidden[: len(slots)], slots, self.tier, sampling, depths
+        )
+        return steps, qs
+
+    def run_ahead(
+        self, hidden: Tensor, slots: list[int], top: int
+    ) -> tuple[list[list[int]], list[Lookahead]]:
+        steps, _, aheads = self.drafter.draft_steps(
+            hidden[: len(slots)], slots, self.tier, None, None, top
+        )
+        return steps, aheads
+
+    def read_gpu_ms(self) -> float:
+        return 0.0

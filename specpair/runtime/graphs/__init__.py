@@ -1,1 +1,0 @@
-"""CUDA graphs of the round's stages, per tier and batch bucket (GPU only; see `capture.py`)."""
