@@ -61,7 +61,12 @@ TIERS = (1, 3, 7)
 TEMPERATURES = (0.0, 0.7)
 WARMUP_TOKENS = 8
 # draft kind -> (shipped folder, grown shape)
-DRAFTS = {"eagle": ("eagle", "llama3-8b"), "model": ("draft", "llama3.2-1b")}
+# --draft-kind: (the shipped folder, the shape it grows to); EAGLE-3 is served as `eagle`
+DRAFTS = {
+    "eagle": ("eagle", "llama3-8b"),
+    "eagle3": ("eagle3", "llama3-8b"),
+    "model": ("draft", "llama3.2-1b"),
+}
 GOODPUT = {"kind": "goodput", "candidate_steps": [0, *TIERS]}
 
 
@@ -276,7 +281,7 @@ def services(
                     new_tokens, record)  # fmt: skip
     policy = PolicyConfig(candidate_steps=TIERS)
     with BenchServices(
-        draft=draft, draft_kind=draft_kind, policy=policy.to_dict(), **common
+        draft=draft, draft_kind=draft_kind.removesuffix("3"), policy=policy.to_dict(), **common
     ) as group:
         client = SpecpairClient(group.target, timeout=600)
         wait_draft_connected(client)

@@ -19,6 +19,7 @@ import grpc
 from specpair.client import SpecpairClient
 from specpair.group import Service, ServiceGroup
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
+from specpair.runtime.build import feature_layers
 
 LINKS = ("tcp", "unix")
 
@@ -109,6 +110,12 @@ class BenchServices(ServiceGroup):
                        "--device", target_arg, *model)  # fmt: skip
         if pipeline is not None:
             target_args += ("--pipeline", pipeline)
+        if (
+            draft is not None
+            and draft_kind == "eagle"
+            and (layers := feature_layers(draft, target))
+        ):
+            target_args += ("--feature-layers", ",".join(map(str, layers)))  # an EAGLE-3 head's
         target_args += tuple(target_options)
         services.append(Service("target", self.target, target_args, target_env, pins.get("target")))
         if policy is not None:

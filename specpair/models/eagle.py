@@ -46,6 +46,7 @@ class EagleHead(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, hidden)  # the target's
         self.lm_head = nn.Linear(hidden, args.vocab_size, bias=False)  # the target's
         self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
+        self.feature_width = hidden  # a feature row: the target's final hidden state
         self.layers = nn.ModuleList([DecoderLayer(args, 0, input_norm=input_norm)])
         self.inv_freq: Tensor
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)

@@ -80,6 +80,7 @@ class Eagle3Head(nn.Module):
         h = args.hidden_size
         self.embed_tokens = nn.Embedding(args.vocab_size, h)  # the target's unless shipped
         self.fc = nn.Linear(fc_in, h, bias=fc_bias)
+        self.feature_width = fc_in  # a feature row: the target's aux layers, concatenated
         self.midlayer = Eagle3Layer(args)
         self.norm = RMSNorm(h, args.rms_norm_eps)
         self.lm_head = nn.Linear(h, draft_vocab_size, bias=False)

@@ -35,6 +35,17 @@ class Attend(Protocol):
         """q [B, T, Hq, D] -> [B, T, Hq, D] over the K/V already stored."""
 
 
+class Deferred(Protocol):
+    """A layer output whose last residual add is left to the next kernel (`gpu/fused.py`)."""
+
+    def materialize(self) -> Tensor:
+        """The output as a tensor [B, T, H]."""
+
+
+def materialized(x: Tensor | Deferred) -> Tensor:
+    return x if isinstance(x, Tensor) else x.materialize()
+
+
 # `hidden_act` values of a config, each computed as transformers' ACT2FN computes it.
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "silu": F.silu,
@@ -305,13 +316,13 @@ class LlamaModel(nn.Module):
         hidden = self.run_layers(self.model.embed_tokens(tokens), positions, attend, aux)
         if aux is None:
             return hidden, hidden
-        return hidden, torch.cat([aux[i] for i in layers], dim=-1)
+        return hidden, torch.cat([materialized(aux[i]) for i in layers], dim=-1)
 
     def run_layers(
         self, x: Tensor, positions: Tensor, attend: Attend, aux: dict[int, Tensor] | None = None
     ) -> Tensor:
         """The decoder layers and final norm; each layer's output lands in `aux` if given
-        (unfused layers only: a fused one defers its residual add)."""
+        (a fused GPU layer's with its last residual add still pending: see `materialized`)."""
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype, self.rope_scale)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, attend)

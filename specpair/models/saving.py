@@ -100,7 +100,9 @@ def write_shards(
             tensor = make(name)
             if tensor.shape != shapes[name]:
                 raise ValueError(f"{name}: made {tuple(tensor.shape)}, expected {shapes[name]}")
-            tensors[name] = tensor.to(dtype).cpu().contiguous()
+            if tensor.is_floating_point():  # an index map (EAGLE-3's d2t, t2d) keeps its type
+                tensor = tensor.to(dtype)
+            tensors[name] = tensor.cpu().contiguous()
             weight_map[name] = file
         save_file(tensors, str(directory / file), metadata={"format": "pt"})
         if progress is not None:

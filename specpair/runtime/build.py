@@ -37,9 +37,6 @@ from specpair.runtime.target.worker import TargetWorker
 
 log = get_logger(__name__)
 
-# No fused layer or CUDA graphs for EAGLE-3 yet: refused on a GPU rather than half-served.
-EAGLE3_ON_CPU = "EAGLE-3 drafting is served on the CPU only for now (--device cpu)"
-
 
 def _is_cuda(device: str | torch.device) -> bool:
     return torch.device(device).type == "cuda"
@@ -82,11 +79,8 @@ def build_target(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
 ) -> TargetWorker:
-    """`feature_layers`: an EAGLE-3 draft's (`eagle3_loading.aux_layers`). Such a target is
-    refused on a GPU: its fused layers defer their residual add and its verify graphs return
-    only the final hidden state."""
-    if feature_layers and _is_cuda(device):
-        raise CheckpointError(f"{path}: {EAGLE3_ON_CPU} (feature layers {list(feature_layers)})")
+    """`feature_layers`: an EAGLE-3 draft's (`eagle3_loading.aux_layers`): every forward
+    (prefill, verify, its graphs) returns those layers' outputs as the features."""
     model = load_llama(path, dtype=dtype, device=device, context=max_len)
     cache = make_cache(
         model.args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device
@@ -118,8 +112,6 @@ def build_drafter(
     if layout is not None:
         if target_path is None:
             raise CheckpointError(f"{path}: an EAGLE head; the target checkpoint path is required")
-        if layout == "eagle3" and _is_cuda(device):
-            raise CheckpointError(f"{path}: an EAGLE-3 head; {EAGLE3_ON_CPU}")
         load = load_eagle3 if layout == "eagle3" else load_eagle
         head = load(path, target_path, dtype=dtype, device=device, context=max_len)
         cache = make_cache(
@@ -177,7 +169,7 @@ class StateBuilder:
             t = self.target
             verify = EagerVerify(t.model, t.cache, t.feature_layers)
             if self.target_graphs is not None:
-                verify = VerifyGraphs(self.target_graphs, t.model, tier, verify)
+                verify = VerifyGraphs(self.target_graphs, t.model, tier, verify, t.feature_layers)
         if self.drafter is not None:
             extend, draft = EagerExtend(self.drafter), EagerDraft(self.drafter, tier)
             if self.draft_graphs is not None and tier > 0:

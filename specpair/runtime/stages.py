@@ -44,6 +44,7 @@ class DraftModel(Protocol):
     cache: KVCache
     args: ModelArgs
     needs_features: bool  # EAGLE: the extend reads the target's features
+    feature_width: int  # their row width (EAGLE-3: three target layers, 3H)
 
     def forward(
         self, tokens: Tensor, features: Tensor | None, positions: Tensor, attend: Attend

@@ -18,8 +18,14 @@ pytest.importorskip("flashinfer")
 
 from transformers import LlamaForCausalLM
 
-from specpair.models.tiny import make_tiny_eagle, make_tiny_llama
-from specpair.runtime.build import StateBuilder, build_drafter, build_states, build_target
+from specpair.models.tiny import make_tiny_eagle, make_tiny_eagle3, make_tiny_llama
+from specpair.runtime.build import (
+    StateBuilder,
+    build_drafter,
+    build_states,
+    build_target,
+    feature_layers,
+)
 from specpair.runtime.draft.drafter import Drafter
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.gpu.capture import GraphAttention, StageGraph
@@ -42,18 +48,31 @@ def gpu_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gpu_ckpts")
     shape = dict(hidden_size=256, num_heads=2, num_kv_heads=1, intermediate_size=512)
     target = make_tiny_llama(root / "target", seed=1, num_layers=2, **shape)  # type: ignore[arg-type]
+    # an EAGLE-3 head reads three layers: a 4-layer target, its layers 2, 0 and 1
+    target4 = make_tiny_llama(root / "target4", seed=4, num_layers=4, **shape)  # type: ignore[arg-type]
     return {
         "target": target,
         "draft": make_tiny_llama(root / "draft", seed=2, num_layers=1, **shape),  # type: ignore[arg-type]
         "eagle": make_tiny_eagle(root / "eagle", target, seed=3),
+        "target4": target4,
+        "eagle3": make_tiny_eagle3(
+            root / "eagle3", target4, seed=5, draft_vocab=160, layers=[2, 0, 1]
+        ),
     }
 
 
-def target(path: Path, max_requests: int = 4):
+def target(path: Path, max_requests: int = 4, draft: Path | None = None):
+    """The GPU target worker; with an EAGLE-3 `draft`, sending the layers it reads."""
     gc.collect()  # earlier tests' graphs and caches go before this test captures
+    layers = feature_layers(draft, path) if draft is not None else ()
     return build_target(
-        path, max_requests=max_requests, max_len=256, keep_features=True, dtype=BF16, device="cuda"
-    )
+        path, max_requests=max_requests, max_len=256, keep_features=True, dtype=BF16,
+        device="cuda", feature_layers=layers,
+    )  # fmt: skip
+
+
+def pair_target(gpu_ckpts: dict[str, Path], draft: str) -> Path:
+    return gpu_ckpts["target4" if draft == "eagle3" else "target"]
 
 
 def test_logits_match_transformers(gpu_ckpts: dict[str, Path]) -> None:
@@ -103,7 +122,7 @@ def teacher_forced_logits(worker, prompt: list[int], output: list[int]) -> torch
     return logits[len(prompt) - 1 : len(seq) - 1]
 
 
-@pytest.mark.parametrize("draft", ["draft", "eagle"])
+@pytest.mark.parametrize("draft", ["draft", "eagle", "eagle3"])
 def test_greedy_speculative_equals_gpu_target_only(gpu_ckpts: dict[str, Path], draft: str) -> None:
     """Greedy speculative decoding emits exactly the target's greedy tokens.
 
@@ -119,10 +138,10 @@ def test_greedy_speculative_equals_gpu_target_only(gpu_ckpts: dict[str, Path], d
     divergence from target-only decoding at a clear margin; most generations must still equal
     target-only decoding exactly.
     """
-    worker = target(gpu_ckpts["target"])
+    worker = target(pair_target(gpu_ckpts, draft), draft=gpu_ckpts[draft])
     drafter = build_drafter(
         gpu_ckpts[draft],
-        target_path=gpu_ckpts["target"],
+        target_path=pair_target(gpu_ckpts, draft),
         max_requests=4,
         max_len=256,
         dtype=BF16,
@@ -312,13 +331,13 @@ def test_draft_steps_placed_on_device_equal_host_plans(
             appended[rid] = (*tree.tokens[:accepted], bonus)
 
 
-@pytest.mark.parametrize("draft", ["target", "draft", "eagle"])
+@pytest.mark.parametrize("draft", ["target", "draft", "eagle", "eagle3"])
 def test_pipelined_rounds_on_graphs_equal_unpipelined(gpu_ckpts: dict[str, Path], draft) -> None:
     """The lookahead step graphs (s + 1 steps, top-4 per depth) drive pipelined rounds: the
     output equals the unpipelined engine's on the same graphs, every pre-draft is adopted."""
-    worker = target(gpu_ckpts["target"])
+    worker = target(pair_target(gpu_ckpts, draft), draft=gpu_ckpts[draft])
     drafter = build_drafter(
-        gpu_ckpts[draft], target_path=gpu_ckpts["target"], max_requests=24, max_len=256,
+        gpu_ckpts[draft], target_path=pair_target(gpu_ckpts, draft), max_requests=24, max_len=256,
         dtype=BF16, device="cuda",
     )  # fmt: skip
     builder = StateBuilder(worker, drafter, buckets=[1, 2, 4, 8, 16], ahead=True)

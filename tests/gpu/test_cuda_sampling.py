@@ -26,8 +26,8 @@ from transformers import LlamaForCausalLM
 
 import specpair.runtime.accept as accept_module
 import specpair.runtime.sampling as sampling_module
-from specpair.models.tiny import make_tiny_eagle, make_tiny_llama
-from specpair.runtime.build import build_drafter, build_states, build_target
+from specpair.models.tiny import make_tiny_eagle, make_tiny_eagle3, make_tiny_llama
+from specpair.runtime.build import build_drafter, build_states, build_target, feature_layers
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.gpu.draft_graphs import StepGraphs
 from specpair.runtime.gpu.verify_graphs import ACCEPT_GRAPH_BATCH, VerifyGraphs
@@ -56,6 +56,10 @@ def small_vocab(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "target": target,
         "draft": make_tiny_llama(root / "draft", seed=22, num_layers=1, **common),  # type: ignore[arg-type]
         "eagle": make_tiny_eagle(root / "eagle", target, seed=23),
+        # an EAGLE-3 head naming 4 of the 6 tokens: its q is zero at the other two
+        "eagle3": make_tiny_eagle3(
+            root / "eagle3", target, seed=24, draft_vocab=4, layers=[0, 0, 0]
+        ),
     }
 
 
@@ -79,8 +83,9 @@ def gpu_samples(
     gc.collect()
     target = ckpts["target"]
     worker = build_target(
-        target, max_requests=batch, max_len=64, keep_features=True, dtype=BF16, device="cuda"
-    )
+        target, max_requests=batch, max_len=64, keep_features=True, dtype=BF16, device="cuda",
+        feature_layers=feature_layers(ckpts[draft], target),
+    )  # fmt: skip
     drafter = build_drafter(
         ckpts[draft], target_path=target, max_requests=batch, max_len=64, dtype=BF16,
         device="cuda",
@@ -108,6 +113,14 @@ def gpu_samples(
 @pytest.mark.parametrize("tier", [1, 3, 7])
 def test_gpu_sampling_matches_target_distribution(small_vocab, params, tier) -> None:
     counts = gpu_samples(small_vocab, "eagle", params, tier)
+    assert fit_pvalue(counts, exact_joint(small_vocab["target"], params)) > 1e-3
+
+
+@pytest.mark.parametrize("params", PARAMS[::2], ids=["t1.0", "t0.7-p0.95-minp0.05"])
+def test_gpu_eagle3_sampling_matches_target_distribution(small_vocab, params) -> None:
+    """The fused EAGLE-3 head in its sampled graphs, q on the target's ids (zero off the draft
+    vocabulary), the target's verify graphs sending three layers' features."""
+    counts = gpu_samples(small_vocab, "eagle3", params, 3)
     assert fit_pvalue(counts, exact_joint(small_vocab["target"], params)) > 1e-3
 
 

@@ -33,7 +33,7 @@ NEW_TOKENS = 48
 CROSS_PRECISION_ULPS = 8
 
 
-@pytest.mark.parametrize("kind", ["eagle", "model"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "model"])
 def test_shipped_pair_served_on_cuda_equals_cpu(tmp_path: Path, kind: str) -> None:
     from transformers import AutoTokenizer
 
@@ -46,9 +46,10 @@ def test_shipped_pair_served_on_cuda_equals_cpu(tmp_path: Path, kind: str) -> No
     gpu = build_target(
         MODELS_DIR / "target", max_requests=1, max_len=256, dtype=torch.bfloat16, device="cuda"
     )
-    draft = MODELS_DIR / ("eagle" if kind == "eagle" else "draft")
-    with BenchServices(
-        target=MODELS_DIR / "target", draft=draft, draft_kind=kind, log_dir=tmp_path,
+    draft = MODELS_DIR / ("draft" if kind == "model" else kind)
+    with BenchServices(  # an EAGLE-3 head is served as --draft-kind eagle
+        target=MODELS_DIR / "target", draft=draft, draft_kind=kind.removesuffix("3"),
+        log_dir=tmp_path,
         device="cuda", dtype="bfloat16", max_len=256,
     ) as group:  # fmt: skip
         client = SpecpairClient(group.target, timeout=120)

@@ -25,7 +25,7 @@ from specpair.models.eagle3 import Eagle3Head
 from specpair.models.eagle3_loading import aux_layers, default_aux_layers, load_eagle3
 from specpair.models.loading import CheckpointError, eagle_layout, load_llama
 from specpair.models.tiny import make_tiny_eagle3, make_tiny_llama
-from specpair.runtime.build import build_drafter, build_target
+from specpair.runtime.build import build_drafter
 from specpair.runtime.draft.drafters import EagleDrafter
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
@@ -196,10 +196,30 @@ def test_bad_checkpoints_are_refused(pair, tmp_path: Path) -> None:
     assert isinstance(drafter, EagleDrafter) and isinstance(drafter.head, Eagle3Head)
 
 
-def test_refused_on_a_gpu_before_loading(pair) -> None:
-    """No fused EAGLE-3 layer or graphs yet: a clear refusal, not features from the wrong layer."""
+def test_fused_layers_compute_what_the_plain_ones_do(pair) -> None:
+    """The GPU's fused forms, run in plain torch on the CPU (the same structure, one partial
+    each): a fused target's EAGLE-3 features (its layers defer their residual add, which
+    `materialized` adds back) and the fused midlayer equal the unfused ones."""
+    from specpair.runtime.gpu.fused import FusedEagle3Layer, fuse_decoder
+
     target, head = pair
-    with pytest.raises(CheckpointError, match="EAGLE-3 drafting is served on the CPU only"):
-        build_drafter(head, target_path=target, max_requests=1, max_len=32, device="cuda")
-    with pytest.raises(CheckpointError, match=r"CPU only.*feature layers \[1, 1, 0\]"):
-        build_target(target, max_requests=1, max_len=32, feature_layers=(1, 1, 0), device="cuda")
+    layers = aux_layers(head, 4)
+    tokens, positions = torch.arange(3, 3 + T)[None], torch.arange(T)[None]
+    outs = []
+    for fuse in (False, True):
+        model = load_llama(target)
+        eagle = load_eagle3(head, target)
+        if fuse:
+            fuse_decoder(model)
+            fuse_decoder(eagle)
+            assert isinstance(eagle.midlayer, FusedEagle3Layer)
+        caches = [KVCache.for_model(m.args, max_requests=1, max_len=T) for m in (model, eagle)]
+        binds = []
+        for c in caches:
+            binds.append(c.bind(BatchLayout.causal([c.alloc()], [0], [T])))
+        hidden, feats = model.forward_aux(tokens, positions, binds[0], layers)
+        out = eagle(tokens, feats, positions, binds[1])
+        outs.append((hidden, feats, out, eagle.logits(out[:, -1])))
+    for plain, fused in zip(*outs, strict=True):
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    assert outs[0][1].shape == (1, T, 3 * H)

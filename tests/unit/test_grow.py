@@ -19,6 +19,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specpair.config import MODELS_DIR
+from specpair.models.eagle3_loading import aux_layers, load_eagle3
 from specpair.models.loading import load_eagle, load_llama, read_args
 from training.corpus import is_heldout
 from training.grow import Growth, Shape, grow
@@ -59,6 +60,7 @@ def grown(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "target": grow(MODELS_DIR / "target", root / "target", TARGET_SHAPE, dtype=torch.float32),
         "draft": grow(MODELS_DIR / "draft", root / "draft", DRAFT_SHAPE, dtype=torch.float32),
         "eagle": grow(MODELS_DIR / "eagle", root / "eagle", eagle_shape, dtype=torch.float32),
+        "eagle3": grow(MODELS_DIR / "eagle3", root / "eagle3", eagle_shape, dtype=torch.float32),
     }
 
 
@@ -151,6 +153,52 @@ def test_grown_eagle_head_drafts_what_the_small_one_drafts(
         a, b = small_head.logits(out_small)[0], big_head.logits(out_big)[0]
         assert (a - b[:, :v]).abs().max().item() < 2e-4
         assert (b[:, v:].max(-1).values < -100).all()
+        assert chain(small_head, f_small, 6) == chain(big_head, f_big, 6)
+
+
+def test_grown_eagle3_head_drafts_what_the_small_one_drafts(
+    grown: dict[str, Path], heldout_ids: list[list[int]]
+) -> None:
+    """The grown EAGLE-3 head reads the grown target's three layers and drafts the small
+    head's tokens; its extra draft ids (a bigger reduced vocabulary) map to extra target ids
+    and never win."""
+    small_target = load_llama(MODELS_DIR / "target")
+    big_target = load_llama(grown["target"])
+    small_head = load_eagle3(MODELS_DIR / "eagle3", MODELS_DIR / "target")
+    big_head = load_eagle3(grown["eagle3"], grown["target"])
+    layers = aux_layers(MODELS_DIR / "eagle3", small_target.args.num_layers)
+    assert aux_layers(grown["eagle3"], big_target.args.num_layers) == layers
+    h, v = small_target.args.hidden_size, small_target.args.vocab_size
+    draft_small, draft_big = len(small_head.d2t), len(big_head.d2t)
+    assert draft_big == 4096 + 8448 - 8192  # as many extra draft ids as extra target ids
+    assert torch.equal(big_head.target_ids()[:draft_small], small_head.target_ids())
+    ids = torch.tensor([heldout_ids[2][:96]])
+    positions = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        f_small = small_target.forward_aux(ids, positions, causal_attend, layers)[1]
+        f_big = big_target.forward_aux(ids, positions, causal_attend, layers)[1]
+
+        def chain(head: torch.nn.Module, feats: Tensor, steps: int) -> list[int]:
+            # fc applied up front: the rows then share the width of the head's own outputs
+            tokens, feats, drafted = ids[:, 1:], head.fc(feats[:, :-1]), []
+            for _ in range(steps):
+                pos = torch.arange(tokens.shape[1])[None]
+                out = head(tokens, feats, pos, causal_attend)
+                token = int(head.logits(out[:, -1]).argmax(-1))
+                drafted.append(token)
+                tokens = torch.cat((tokens, torch.tensor([[token]])), 1)
+                feats = torch.cat((feats, out[:, -1:]), 1)
+            return drafted
+
+        pos = torch.arange(ids.shape[1] - 1)[None]
+        out_small = small_head(ids[:, 1:], f_small[:, :-1], pos, causal_attend)
+        out_big = big_head(ids[:, 1:], f_big[:, :-1], pos, causal_attend)
+        assert (out_small - out_big[..., :h]).abs().max().item() < 1e-4
+        a = small_head.draft_logits(out_small)[0]
+        b = big_head.draft_logits(out_big)[0]
+        assert (a - b[:, :draft_small]).abs().max().item() < 2e-4
+        assert (b[:, draft_small:].max(-1).values < -100).all()
+        assert (big_head.logits(out_big[0])[:, v:] < -100).all()
         assert chain(small_head, f_small, 6) == chain(big_head, f_big, 6)
 
 

@@ -48,6 +48,7 @@ def _split(values: list[Tensor], counts: list[int]) -> list[list[int]]:
 
 class Drafter(ABC):
     needs_features = False  # EAGLE: extend rows carry target features
+    feature_width = 0  # their row width
 
     def __init__(self, cache: KVCache, device: torch.device, args: ModelArgs) -> None:
         self.cache = cache

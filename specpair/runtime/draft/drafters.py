@@ -47,6 +47,7 @@ class EagleDrafter(Drafter):
     def __init__(self, head: EagleHead | Eagle3Head, cache: KVCache) -> None:
         super().__init__(cache, head.fc.weight.device, head.args)
         self.head = head
+        self.feature_width = head.feature_width
 
     def extend_rows(
         self, inputs: Sequence[DraftInput]

@@ -76,7 +76,7 @@ class DraftGraphs:
             "last": torch.zeros(batch, dtype=torch.long, device=dev),
         }
         if d.needs_features:
-            inputs["features"] = torch.zeros(batch, tokens, d.args.hidden_size, device=dev)
+            inputs["features"] = torch.zeros(batch, tokens, d.feature_width, device=dev)
         attn = self.capture.attention(batch, tokens)
         inputs["rows"] = torch.arange(batch, device=dev)  # static: read by the graph's gather
         rows = inputs["rows"]

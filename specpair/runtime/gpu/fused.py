@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specpair.models.eagle3 import Eagle3Layer
 from specpair.models.llama import Attend, DecoderLayer, LlamaBody, RMSNorm
 from specpair.models.loading import CheckpointError
 
@@ -50,6 +51,11 @@ class Pending:
 
     x: Tensor
     delta: Tensor
+
+    def materialize(self) -> Tensor:
+        """x + the delta, rounded as the next layer's `add_rmsnorm` rounds it (an EAGLE-3
+        feature: the output of a layer inside a `LlamaBody`)."""
+        return self.x + self.delta.sum(0).view(self.x.shape).to(self.x.dtype)
 
 
 def linear_parts(x: Tensor, weight: Tensor) -> Tensor:
@@ -127,7 +133,7 @@ class FusedLMHead(nn.Module):
 class FusedDecoderLayer(nn.Module):
     """A `DecoderLayer` with concatenated projections; same math, fewer launches."""
 
-    def __init__(self, layer: DecoderLayer) -> None:
+    def __init__(self, layer: DecoderLayer | Eagle3Layer) -> None:
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
         # The kernels below implement bias-free SwiGLU only; anything else would decode wrong.
@@ -159,13 +165,27 @@ class FusedDecoderLayer(nn.Module):
         # x: [B, T, H] (or pending), cos/sin: [B, T, 1, D] -> [B, T, H] (or pending)
         shape = x.x.shape if isinstance(x, Pending) else x.shape
         b, t, h = shape
-        n, d = b * t, self.head_dim
+        n = b * t
         if isinstance(x, Pending):  # inside a LlamaBody, whose layers all have an input norm
             assert self.input_norm is not None
             resid, normed = add_rmsnorm(x.x.reshape(n, h), x.delta, self.input_norm, self.eps)
         else:
             resid = x.reshape(n, h)
             normed = resid if self.input_norm is None else rmsnorm(resid, self.input_norm, self.eps)
+        return self._block(resid, normed, cos, sin, attend, shape)
+
+    def _block(
+        self,
+        resid: Tensor,
+        normed: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        attend: Attend,
+        shape: torch.Size,
+    ) -> Tensor | Pending:
+        # resid [N, H], normed [N, K] (the QKV's input) -> the layer's output [B, T, H]
+        b, t, _ = shape
+        n, d = b * t, self.head_dim
         qkv = linear_parts(normed, self.qkv)
         out = self._attention(qkv, cos.reshape(n, d), sin.reshape(n, d), attend, b, t)
         resid, normed = add_rmsnorm(
@@ -190,11 +210,41 @@ class FusedDecoderLayer(nn.Module):
         return attend(self.layer_index, q.view(b, t, n_q, d), k.view(b, t, n_kv, d), v)
 
 
+class FusedEagle3Layer(FusedDecoderLayer):
+    """An EAGLE-3 midlayer (`Eagle3Layer`): the QKV GEMV reads [input_norm(embeds) ‖
+    hidden_norm(hidden)] (2H wide), the residual stream is `hidden`; the rest is the decoder's."""
+
+    def __init__(self, layer: Eagle3Layer) -> None:
+        super().__init__(layer)
+        self.hidden_norm = layer.hidden_norm.weight
+
+    def forward(  # type: ignore[override]
+        self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, attend: Attend
+    ) -> Tensor:
+        # embeds, hidden: [B, T, H], cos/sin: [B, T, 1, D] -> [B, T, H]
+        assert self.input_norm is not None
+        shape = hidden.shape
+        h = shape[-1]
+        resid = hidden.reshape(-1, h)
+        normed = torch.cat(
+            (
+                rmsnorm(embeds.reshape(-1, h), self.input_norm, self.eps),
+                rmsnorm(resid, self.hidden_norm, self.eps),
+            ),
+            dim=-1,
+        )
+        out = self._block(resid, normed, cos, sin, attend, shape)
+        assert isinstance(out, Tensor)  # a midlayer adds its residual itself
+        return out
+
+
 def fuse_decoder(module: nn.Module) -> nn.Module:
     """Replaces every DecoderLayer / RMSNorm / `lm_head` inside `module` in place (frees the
     split weights); layers of a `LlamaBody` defer their last residual add to what follows."""
     for name, child in list(module.named_children()):
-        if isinstance(child, DecoderLayer):
+        if isinstance(child, Eagle3Layer):
+            setattr(module, name, FusedEagle3Layer(child))
+        elif isinstance(child, DecoderLayer):
             setattr(module, name, FusedDecoderLayer(child))
         elif isinstance(child, RMSNorm):
             setattr(module, name, FusedRMSNorm(child))

@@ -24,8 +24,16 @@ from specpair.runtime.stages import VerifyStage
 ACCEPT_GRAPH_BATCH = 16  # past it the round's GPU work hides the eager accept's launches
 
 
-def verify_graph(capture: GraphCapture, model: LlamaModel, batch: int, tokens: int) -> StageGraph:
-    """The graph of one bucket: static tokens and positions [batch, tokens] in."""
+def verify_graph(
+    capture: GraphCapture,
+    model: LlamaModel,
+    batch: int,
+    tokens: int,
+    feature_layers: tuple[int, ...] = (),
+) -> StageGraph:
+    """The graph of one bucket: static tokens and positions [batch, tokens] in; out the
+    logits and the features an EAGLE head reads (`LlamaModel.forward_aux`: the final hidden
+    state [B, T, H], or `feature_layers`' outputs [B, T, 3H] for EAGLE-3) as `hidden`."""
     dev = capture.cache.device
     inputs = {
         "tokens": torch.zeros(batch, tokens, dtype=torch.long, device=dev),
@@ -34,8 +42,10 @@ def verify_graph(capture: GraphCapture, model: LlamaModel, batch: int, tokens: i
     attn = capture.attention(batch, tokens)
 
     def body() -> dict[str, Tensor]:
-        hidden = model(inputs["tokens"], inputs["positions"], attn.attend)
-        return {"hidden": hidden, "logits": model.logits(hidden)}
+        hidden, features = model.forward_aux(
+            inputs["tokens"], inputs["positions"], attn.attend, feature_layers
+        )
+        return {"hidden": features, "logits": model.logits(hidden)}
 
     return capture.capture(body, inputs, [attn])
 
@@ -80,13 +90,21 @@ class VerifyGraphs:
     plans_ahead = True
 
     def __init__(
-        self, capture: GraphCapture, model: LlamaModel, tier: int, eager: VerifyStage
+        self,
+        capture: GraphCapture,
+        model: LlamaModel,
+        tier: int,
+        eager: VerifyStage,
+        feature_layers: tuple[int, ...] = (),
     ) -> None:
-        """`eager`: the verify of a batch no graph fits."""
+        """`eager`: the verify of a batch no graph fits; `feature_layers`: an EAGLE-3 draft's."""
         self.capture, self.cache, self.eager = capture, capture.cache, eager
 
         def build() -> tuple[dict[int, StageGraph], dict[tuple[int, bool], StageGraph]]:
-            graphs = {b: verify_graph(capture, model, b, tier + 1) for b in capture.buckets}
+            graphs = {
+                b: verify_graph(capture, model, b, tier + 1, feature_layers)
+                for b in capture.buckets
+            }
             accepts = {
                 (b, general): accept_graph(capture, g.outputs["logits"], general)
                 for b, g in graphs.items()

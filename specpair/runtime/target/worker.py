@@ -106,8 +106,6 @@ class TargetWorker:
         self.keep_features = keep_features or bool(feature_layers)
         self.feature_layers = feature_layers  # EAGLE-3: features are these layers' outputs
         self.device = model.lm_head.weight.device
-        if feature_layers and cache.device.type == "cuda":
-            raise ValueError("a target sending EAGLE-3 features is served on the CPU only")
         # the verify of plain decoding (no state)
         self.plain = EagerVerify(model, cache, feature_layers)
         self.last_gpu_ms = 0.0  # GPU time of the last verify's graph replays (0: none ran)
