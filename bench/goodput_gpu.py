@@ -23,7 +23,7 @@ target --no-draft`) is started once more for the no-speculation baseline.
     it below 8), without the ramp and the drain of a closed loop. `--repeat N` serves every
     config N times at each batch size (each turn in the order opposite to the last) and pools
     a config's cells as tokens over seconds: two cells of one static tier, minutes apart,
-    differed by a median of 4 % on the H100 (bench/RESULTS.md, run 15).
+    differ by more than the goal's margin (bench/RESULTS.md, "goodput_gpu").
 (c) Timelines (`<out>_phased.png`, `<out>_sweep.png`): per policy kind over rounds, the active
     tier, the policy's estimate (its pure policy replayed on the run's RoundStats, as
     `bench.adaptive` does: sglang's EMA accept length; goodput's predicted accepted drafts, and
@@ -41,9 +41,8 @@ The JSON (`--out`) is rewritten after every cell, so a run cut short keeps what 
     python -m bench.goodput_gpu --device cpu --shape shipped --per-phase 2 --phase-tokens 12 \\
         --batches 1 2 4 --min-requests 4 --new-tokens 12   # CPU smoke (~2 min)
 
-On an H100 the default run is sized for one device call (about 8 of its 10 minutes: ~2.5 min
-growing the pair and starting two service sets, the rest measuring; sampled phases are the
-slow part).
+On an H100 the default run takes about 8 minutes (~2.5 growing the pair and starting two
+service sets, the rest measuring; sampled phases are the slow part).
 """
 
 from __future__ import annotations
@@ -152,8 +151,8 @@ class Bench:
     def warm_sweep(self, client: SpecpairClient) -> None:
         """Each sweep prompt's prefill once, then a wave at the largest batch: what a process
         pays the first time (a prompt length's prefill, memory for the widest batch) falls
-        here, not in the first config's cells (on the H100 one 450 ms prefill cost goodput's
-        batch-1 cell 10 %)."""
+        here, not in the first config's cells (one cold prefill can cost a batch-1 cell a
+        tenth of its time)."""
         for ids in self.code.ids:
             client.generate(ids, max_tokens=2)
         n = max(self.args.batches)
@@ -203,8 +202,8 @@ class Bench:
     ) -> None:
         """Every config at each batch size in turn, the order reversed at every other batch
         size: cells compared with each other run minutes apart at most, and a slow drift of the
-        machine (static tier 3 at batch 16 ran its rounds in 18.1 ms in one H100 session and
-        15.5 in the next) weighs on every config alike. A kind starts afresh in each cell (from
+        machine (a static tier's rounds move by more than the goal's margin between sessions)
+        weighs on every config alike. A kind starts afresh in each cell (from
         the start-up profile). Every config's RoundStats are kept: a static tier's say what it
         cost and accepted, which a policy's choices can be checked (or replayed) against."""
         sweep, args = self.report["sweep"], self.args
@@ -524,9 +523,8 @@ def main() -> None:
     parser.add_argument("--min-requests", type=int, default=8, help="sweep requests per cell")
     parser.add_argument("--repeat", type=int, default=1,
                         help="sweep turns per batch size (cells pooled per config)")  # fmt: skip
-    # 32-token requests made a cell mostly admission and drain (at batch 16 on the H100 the
-    # static tiers served 0.3–0.4× what their profiled full-batch rounds give, and moved up to a
-    # third between runs); 128 measures decoding, which is what a tier changes.
+    # Short requests make a cell mostly admission and drain, which every tier pays alike; 128
+    # tokens measure decoding, which is what a tier changes.
     parser.add_argument("--new-tokens", type=int, default=128, help="sweep tokens per request")
     parser.add_argument("--sweep-configs", nargs="+", choices=SWEEP_CONFIGS,
                         default=list(SWEEP_CONFIGS))  # fmt: skip

@@ -19,7 +19,8 @@ RoundSample the target would have sent (costs, accept lengths, sampled flag as r
   the first round whose regime differs from the last round's (the target's own map).
 - The first round with drafts after a tier-0 round, unless it admits the request (the draft
   prefills the prompt then anyway), pays the draft's catch-up: `--catchup-ms` more, in total
-  and draft time (run 4: 41.7 ms against 12.1 at tier 3, greedy).
+  and draft time (the default: about what the default run's catch-up rounds cost beyond a
+  round at tier 3).
 - A phase's time is its rounds' plus the time between rounds (client, wire), the median of the
   static runs' recorded phase seconds less their rounds'.
 

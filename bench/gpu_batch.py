@@ -1,4 +1,4 @@
-"""§4d: tokens/s at batch 1, 4, 16, 64 per tier and without speculation, fixed acceptance.
+"""Tokens/s at batch 1, 4, 16, 64 per tier and without speculation, fixed acceptance.
 
     python -m bench.gpu_batch [--rounds 12] [--out FILE.json]
 

@@ -1,4 +1,4 @@
-"""§4a: target forward at Llama-3-8B's shape, batch 1, q tokens after a context, vs the floor.
+"""The target forward at Llama-3-8B's shape, batch 1, q tokens after a context, vs the floor.
 
     python -m bench.gpu_forward [--contexts 512 2048] [--queries 1 2 4 8] [--out FILE.json]
 

@@ -1,10 +1,11 @@
-"""§4b: round time per tier (1, 3, 7) for the 8B target with realistic drafts, split by stage.
+"""Round time per tier (1, 3, 7) for the 8B target with realistic drafts, split by stage.
 
     python -m bench.gpu_rounds [--rounds 30] [--out FILE.json]
 
 Drafts: an EAGLE head at hidden 4096 (one decoder layer + fc, the target's embedding and LM
 head) and a ~1.2B standalone LM. Random weights: acceptance is ~0, so each round extends the
-draft by one token (the bonus); stage costs are what matter here. In-process only (see RESULTS).
+draft by one token (the bonus); stage costs are what matter here. In-process only (two
+services: bench/round_overhead.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 #!/bin/bash
-# Device-machine run of the GPU tests and benchmarks (bench/RESULTS.md, "GPU (issue 5)").
-# Here: .gpu/flashinfer-slim.tgz (../shared/GPU.md) and .whl/ (structlog, grpcio-health-checking and
-# grpcio-reflection 1.84.0 wheels), both git-ignored;
-# call the device tool with carry [".gpu", ".whl"] and the command `bash bench/gpu_run.sh`.
+# The GPU tests and benchmarks on a GPU machine without network access (bench/RESULTS.md, the
+# gpu_* sections). It needs, next to the working tree and both git-ignored: .gpu/flashinfer-slim.tgz
+# (a flashinfer build, unpacked onto PYTHONPATH) and .whl/ (structlog, grpcio-health-checking and
+# grpcio-reflection 1.84.0 wheels). From the repository root: `bash bench/gpu_run.sh`.
 T0=$(date +%s)
 mkdir -p /tmp/site && tar -xzf .gpu/flashinfer-slim.tgz -C /tmp/site &&
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

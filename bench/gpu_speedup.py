@@ -102,8 +102,8 @@ class Cell:
     outputs: list[list[int]] = field(repr=False)
     device: str = ""
     speedup: float | None = None
-    # over the in-process engine's target-only (the same for both deployments): the services'
-    # own target-only under-batches at batch > 1 (bench/RESULTS.md), this one does not
+    # over the in-process engine's target-only (the same for both deployments): the services
+    # admit concurrent requests over several rounds, the engine prefills them together
     speedup_vs_engine: float | None = None
     same_as_target_only: bool | None = None  # greedy: every output equals target-only's
     # in-process only: where a round's time goes, ms per batch round (wall: draft, verify,

@@ -1,4 +1,4 @@
-"""§4c: tier switching — cost of the switch itself and the first round at the new tier.
+"""Tier switching: cost of the switch itself and the first round at the new tier.
 
     python -m bench.gpu_tier_switch [--out FILE.json]
 

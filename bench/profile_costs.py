@@ -4,9 +4,8 @@ size and sampling regime, measured through running services and written as the p
 
 Only time is profiled: acceptance belongs to the workload and is learnt online. With the costs
 known, a policy that meets a batch size or a regime for the first time picks from predictions
-grounded in this hardware instead of learning each tier in turn (on the H100 a sweep cell of 50
-rounds at batch 16 spent a third of its rounds finding out that tier 7 cost 20.6 ms a round
-against tier 3's 16.5).
+grounded in this hardware instead of learning each tier in turn, which in a short cell can take
+a third of its rounds.
 
 Each cell pins one tier through the controller and runs `batch` concurrent requests of
 `--new-tokens`; a round counts if it ran at that tier with the full batch and admitted nobody
@@ -36,9 +35,9 @@ from specpair.proto.v1 import target_pb2
 
 TIERS = (0, 1, 3, 7)
 SKIP_AFTER_PIN = 2  # rounds: the draft's catch-up after tier 0, and the pin landing
-# Tier 0 gains a token a round and its rounds are short: on the H100 at batch 16 the requests
-# still trickled in (one admission a round) when the first of 24 tokens finished, and no round
-# ran the whole batch without admitting. Its cells run this many times the tokens.
+# Tier 0 gains a token a round and its rounds are short: at a large batch the requests still
+# trickle in (one admission a round) when the first of 24 tokens finishes, and no round runs the
+# whole batch without admitting. Its cells run this many times the tokens.
 TIER0_TOKENS = 4
 NEW_TOKENS = 24  # per request at tiers > 0
 

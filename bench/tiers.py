@@ -197,8 +197,8 @@ def main() -> None:
     print(f"device: {device_info()}", flush=True)
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
-    # workload → config → its runs: the configs take turns, so a drift of this machine (the
-    # 2-core VM's target alone served 483 and 585 tok/s in two runs) weighs on each alike
+    # workload → config → its runs: the configs take turns, so a drift of this machine (a
+    # shared VM's drifts by more than the differences measured) weighs on each alike
     results: dict[str, dict[str, list[RunResult]]] = {}
     for workload in workloads:
         requests = args.load_requests if workload == "load" else args.mixed_requests

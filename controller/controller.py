@@ -266,8 +266,8 @@ class AdaptiveController:
         """ApplyTier on `t` (caller holds t.lock); False if it is not connected or refused."""
         assert t.link is not None
         # A policy's per-request and per-regime tiers ride along, also when an unpin hands the
-        # target back to it (else its first round runs without them: a sampled request at
-        # tier 3 took 111 ms on an H100 where tier 0 takes 13); a pin clears them.
+        # target back to it (else its first round runs without them, e.g. a sampled batch at
+        # the greedy tier); a pin clears them.
         policy = t.policy if reason in ("policy", "unpin") else None
         own = policy.request_steps if isinstance(policy, PerRequestPolicy) else {}
         regimes = policy.regime_steps if isinstance(policy, RegimePolicy) else None

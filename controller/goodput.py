@@ -12,25 +12,23 @@ T = 22, 30, 38 ms and T(0) = 20 ms at batch 1 that is 72.7, 72.5, 64.7 and 50 to
 
 Guards, shared with the sglang kind: no decision in the first `warmup_batches` rounds, then one
 every `update_interval` rounds; a move needs a predicted gain over the current tier of more than
-`min_gain` (5 %: noise must not flip a near tie — replaying H100 run 4 offline,
-`bench/goodput_sim.py`, at 3 % bursty code acceptance flipped tiers 3 and 7). At tier 0
+`min_gain` (5 %: bursty acceptance must not flip a near tie between two tiers). At tier 0
 nothing is learnt about drafts, so every `probe_interval` rounds the policy tries the smallest
 positive tier that could pay for at least `probe_rounds` rounds with drafts, then decides again
 from tier 0's standpoint and from what the probe measured (the acceptance learnt before it is
 scaled down to two trials: it spans `acceptance_window` request-rounds, and what made the
 policy leave would outvote a short probe); each probe that returns to tier 0 doubles the
-interval (up to 16×), one that stays resets it: on an H100 a sampled probe at tier 1 cost 31 ms
-a round against 12 at tier 0, so a probe every 64 rounds that never paid took a fifth of the
-time. Probes are also paced by what they cost: the next waits until the time spent at tier 0
-since the last one, times `probe_budget`, covers what the last failed probe cost beyond tier 0
-(its rounds, the draft's catch-up included), or before any has failed what the cost model
-predicts for `probe_rounds` rounds. E.g. budget 2 %, a probe that cost 350 ms (two CPU cores,
-batch 16): the next after 17.5 s at tier 0, whatever the round count says.
+interval (up to 16×), one that stays resets it: a probe that never pays would otherwise cost
+the same share of the time forever. Probes are also paced by what they cost: the next waits
+until the time spent at tier 0 since the last one, times `probe_budget`, covers what the last
+failed probe cost beyond tier 0 (its rounds, the draft's catch-up included), or before any has
+failed what the cost model predicts for `probe_rounds` rounds. E.g. budget 2 %, a probe that
+cost 350 ms: the next after 17.5 s at tier 0, whatever the round count says.
 
 Two regimes, learnt apart: greedy batches and batches where some request samples. They differ
-in both models — on an H100 (grown pair, batch 1) a sampled round at tier 3 took 48 ms against
-11.4 greedy (the draft's sampling and q on the wire), and prose sampled at T = 1 accepted 1.1
-of 3 where code greedy accepted 1.8 — so one model fed both predicts neither. The regime is
+in both models — a sampled round costs more (the warps, the draft's q on the wire) and accepts
+less (e.g. 1.1 of 3 drafts for prose at T = 1 against 1.8 for code greedy) — so one model fed
+both predicts neither. The regime is
 known from the round itself (`RoundSample.sampled`). Each regime resumes at the tier it left
 off at — a regime never seen at the best its start-up profile predicts, else at the starting
 tier — and the target is told both (`regime_steps`), so a batch that changes regime runs at its
@@ -49,8 +47,8 @@ from controller.goodput_model import AcceptanceModel, CostModel, batch_bucket
 from controller.interface import GatedPolicy, RoundSample, TierEstimate, snap_to_candidate
 from specpair.tiers import RegimeSteps
 
-# Per-position acceptance a probe must be able to pay at: above what an EAGLE head reached on
-# held-out code, greedy, on the H100 (0.74 pooled); a tier that loses even at this is not tried.
+# Per-position acceptance a probe must be able to pay at, above what a trained EAGLE head
+# reaches on code, greedy; a tier that loses even at this is not tried.
 OPTIMISTIC_ACCEPTANCE = 0.9
 PROBE_MEMORY = 2.0  # trials of what was learnt before a probe that its rounds start from
 
@@ -127,8 +125,8 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         regime = self.regime
         if not (sample.steps > 0 and self._last_steps == 0):
             # The first round with drafts after rounds without: the draft extends every token
-            # it missed first (an H100 run: 41 ms against 11.4, which set T(3) and kept the
-            # policy at tier 0 for good). What it costs is the catch-up's, not the tier's.
+            # it missed first, several times a round's cost; learnt as the tier's, it would keep
+            # the policy at tier 0 for good. What it costs is the catch-up's, not the tier's.
             regime.cost.observe(sample)
         self._last_steps = sample.steps
         regime.acceptance.observe(sample.steps, sample.accept_lengths, sample.request_steps)
@@ -239,9 +237,8 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
     def _could_pay(self, steps: int) -> bool:
         """Whether tier `steps` would beat tier 0 by `min_gain` at an optimistic acceptance
         (`OPTIMISTIC_ACCEPTANCE` at every position); a probe of a tier that could not is time
-        lost. Sampled on an H100 (batch 1, profiled): tier 7 at 95 ms a round gives at most
-        5.7 / 95 ms = 60 tokens/s against tier 0's 1 / 12.9 ms = 78 (with every draft accepted
-        it would be 84: a probe of 8 rounds at 95 ms each time the interval passed)."""
+        lost. E.g. tier 7 at 95 ms a round gives at most 5.7 / 95 ms = 60 tokens/s against tier
+        0's 1 / 12.9 ms = 78 (with every draft accepted it would be 84): never probed."""
         b = self._batch
         if not self.cost.trusted(steps, b):
             return True  # too few rounds of its own to rule it out

@@ -33,9 +33,8 @@ class GoodputConfig(PolicyKeys):
 
     candidate_steps: tuple[int, ...] = (1, 3, 7)
     ema_alpha: float = 0.1
-    # Request-rounds the acceptance estimate spans. Code acceptance comes in bursts: on an
-    # H100 (greedy, batch 1) a span of 10 moved E[tokens](7) between 2.9 and 5.6 within one
-    # sweep cell, and the policy swung between tiers 3 and 7 with it.
+    # Request-rounds the acceptance estimate spans. Code acceptance comes in bursts: a short
+    # span chases them, and the policy swings between tiers with it.
     acceptance_window: int = 128
     update_interval: int = 5
     warmup_batches: int = 5
@@ -43,9 +42,9 @@ class GoodputConfig(PolicyKeys):
     explore_margin: float = 0.25
     probe_interval: int = 64
     probe_rounds: int = 8
-    # The share of tier-0 time that probes may cost: on two CPU cores a probe of tier 3 at
-    # batch 16 (8 rounds of 37 ms against 12.5, and the draft's catch-up) cost ~0.35 s, so a
-    # probe every 64 rounds (0.8 s) took a third of the time its load ran at tier 0.
+    # The share of tier-0 time that probes may cost: where a probe costs much more than the
+    # rounds between probes (the draft's catch-up, slow rounds at a high tier), pacing by
+    # rounds alone lets probes take a large share of the time.
     probe_budget: float = 0.02
     profile_ms: ProfileMs = ()
     sampled_profile_ms: ProfileMs = ()

@@ -45,7 +45,7 @@ class AcceptanceModel:
             return
         # Only the positions this round could try decay: what tier 7 taught of positions 4–7
         # stands while the policy runs tier 3, instead of fading back to the pooled rate (which
-        # over-predicts a long chain and drew repeated losing moves to tier 7 on an H100).
+        # over-predicts a long chain and draws repeated losing moves to a long tier).
         keep = (1.0 - self.decay) ** len(accept_lengths)
         for i in range(min(steps, len(self._tried))):
             self._tried[i] *= keep
@@ -146,11 +146,10 @@ class CostModel:
     A bucket with nothing measured borrows the nearest one that has.
 
     Given the tokens a request gains per round at each tier (`per_request`, the acceptance
-    model's), D(s) also carries the schedule's share: sched per token · b · E(s). Measured at
-    batch 16 on the CPU, tier 3: T = 174 ms (verify 31, draft 102 = 3 steps of 34, fixed 2.5,
-    schedule 38.5 for 16 · 2.82 tokens: 0.85 ms a token) → T(0) = 174 − 2.5 − 102 − 0.85·16·1.82
-    = 44.7 ms (27 measured; 69.5 without the schedule term, which kept tier 3 at 0.26 tokens/ms
-    against tier 0's measured 0.59).
+    model's), D(s) also carries the schedule's share: sched per token · b · E(s). E.g. batch 16,
+    tier 3: T = 174 ms (verify 31, draft 102 = 3 steps of 34, fixed 2.5, schedule 38.5 for
+    16 · 2.82 tokens: 0.85 ms a token) → T(0) = 174 − 2.5 − 102 − 0.85·16·1.82 = 44.7 ms (69.5
+    without the schedule term, which would charge tier 0 for streaming tier 3's 2.82 tokens).
     """
 
     def __init__(self, alpha: float, profile_ms: Iterable[tuple[int, int, float]] = ()) -> None:
@@ -171,9 +170,7 @@ class CostModel:
         if sample.admit_ms > 0 and entry.skipped < 3 * (entry.n + 1):
             # A request joined: its prefill is in the total (admit_ms), its prompt's extend in
             # the draft's time, and every request costs one admission whatever the tier, so it
-            # is no tier's cost. Learnt from, it set T(3) at 24.5 ms from one 58 ms first round
-            # against 11.3 typical (H100, batch 1), and at batch 32 admission rounds (draft
-            # 25–90 ms against 12) lifted T(7) from 27 to 43 ms within a cell. Only where
+            # is no tier's cost (a first round can take five times a typical one). Only where
             # requests join nearly every round (a closed loop at batch 64 with short requests)
             # is one round in four learnt, clipped.
             entry.skipped += 1

@@ -162,14 +162,13 @@ class ModelServiceConfig:
     """What the draft and the target both take; every "auto" is resolved here, at construction.
 
     threads 0 → half the cores: draft and target usually share the machine, and torch ops
-    launched from a non-main thread with more than one OpenMP thread ran ~1.8x slower on a
-    2-core CPU (bench/RESULTS.md).
+    launched from a non-main thread with more OpenMP threads than that ran much slower on a
+    2-core CPU (`bench/RESULTS.md`, "Measurements behind choices").
 
     busy_poll_ms None → 20 on CUDA, 0 on the CPU: a loop that sleeps in epoll while the peer
-    computes wakes up cold (on the lent H100 host each one-way message took ~0.46 ms against
-    ~0.15 ms between two loops that never sleep, and the compute right after ran slower).
-    Polling costs a core while a round is out, so only a CUDA service, whose compute does not
-    need that core, polls by default.
+    computes wakes up cold, so each one-way message arrives later than between two loops that
+    never sleep, and the compute right after runs slower. Polling costs a core while a round
+    is out, so only a CUDA service, whose compute does not need that core, polls by default.
     """
 
     candidate_steps: tuple[int, ...] = field(

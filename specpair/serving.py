@@ -49,10 +49,10 @@ class Compute:
     """Where a service runs its model compute, one call at a time.
 
     On a CUDA device a call is graph launches and one wait on the GPU: it runs inline on the
-    event loop, because handing it to a thread and back costs two thread wake-ups per call
-    (0.1–0.2 ms each on the lent H100 host, ~0.3 ms of every 10 ms round). On the CPU a call
-    holds a core for tens of milliseconds, so it runs on one worker thread and the loop keeps
-    serving meanwhile.
+    event loop, because handing it to a thread and back costs two thread wake-ups per call, a
+    few per cent of a round (`bench/RESULTS.md`, "Measurements behind choices"). On the CPU a
+    call holds a core for tens of milliseconds, so it runs on one worker thread and the loop
+    keeps serving meanwhile.
     """
 
     def __init__(self, name: str, threads: int, device: str) -> None:
@@ -102,22 +102,20 @@ SETTLE_PER_REQUEST_S = 150e-6  # or than this per running request where that is 
 def settle_budget(requests: int) -> float:
     """How long `settle` may turn the loop after a round of `requests`: each request's stream
     takes passes of its own every round (its event, the detokenized delta, the write and its
-    completion), and a request joining takes several more. Under a fixed 2 ms a batch of 64
-    at tier 0 on an H100 never held 64 requests without one joining (the start-up profile
-    counted no such round; the target alone averaged ~35 of 64 clients in the batch). E.g.
-    16 requests: 2.4 ms; 64: 9.6 ms — a bound, not a wait: idle for 100 µs, it returns."""
+    completion), and a request joining takes several more, so a fixed bound that suits a few
+    requests keeps a large batch from ever filling at tier 0 (a request always still joining).
+    E.g. 16 requests: 2.4 ms; 64: 9.6 ms — a bound, not a wait: idle for 100 µs, it returns."""
     return max(SETTLE_BUDGET_S, requests * SETTLE_PER_REQUEST_S)
 
 
 async def settle(quiet_s: float = SETTLE_QUIET_S, budget_s: float = SETTLE_BUDGET_S) -> None:
     """Turns the event loop until nothing was ready for `quiet_s` (or `budget_s` passed).
 
-    For a loop that just ran a round inline (CUDA compute holds it ~10 ms): one yield runs only
-    what was ready then, and a gRPC call needs several passes to reach a servicer — each of its
-    completions goes poller thread → socket → loop → the call's task. With one yield a round, a
-    request submitted to a target running tier-0 rounds joined several rounds late: 16
-    closed-loop clients got 398 tokens/s from a target-only service on an H100 where the
-    in-process engine gave 1159 (bench/RESULTS.md). Idle, it costs `quiet_s` a round.
+    For a loop that just ran a round inline (CUDA compute holds it for the whole round): one
+    yield runs only what was ready then, and a gRPC call needs several passes to reach a
+    servicer — each of its completions goes poller thread → socket → loop → the call's task.
+    With one yield a round, a request submitted to a target running tier-0 rounds joins several
+    rounds late, and a target-only service under-batches. Idle, it costs `quiet_s` a round.
     """
     # asyncio's own run queue; a loop without one (uvloop) gets a single yield.
     ready = getattr(asyncio.get_running_loop(), "_ready", None)

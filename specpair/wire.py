@@ -48,7 +48,7 @@ def tensor_into(msg: common_pb2.Tensor, t: Tensor) -> None:
 
     The `*_into` writers fill a message in place (`repeated.add()`): building a round's
     messages is per-request host work on the critical path, and a CopyFrom/append per
-    sub-message doubled it (`bench/RESULTS.md`, 4b)."""
+    sub-message copies each one twice."""
     t = t.detach().contiguous().cpu()
     if t.dtype not in _CODES:
         t = t.float()

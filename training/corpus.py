@@ -1,7 +1,8 @@
 """Python-source corpus: collect files, split off held-out files, train the BPE tokenizer, encode.
 
 The corpus is this interpreter's standard library plus the `.py` files of its site-packages, so it
-is reproducible on any machine with the same Python environment (the lent GPU's, see GPU.md).
+is reproducible on any machine with the same Python environment (`models/README.md` names the one
+the shipped pair was trained on).
 """
 
 from __future__ import annotations
