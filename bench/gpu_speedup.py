@@ -50,7 +50,7 @@ from controller.policy import PolicyConfig
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.config import MODELS_DIR, compute_threads
 from specpair.models.loading import read_args
-from specpair.runtime.build import build_drafter, build_states, build_target
+from specpair.runtime.build import build_drafter, build_states, build_target, feature_layers
 from specpair.runtime.engine import SpeculativeEngine, StageTimes
 from specpair.runtime.sampling import SamplingParams
 from specpair.serving import compute_executor
@@ -182,7 +182,8 @@ def in_process(
     the pre-drafts made in line, so its stage_ms shows what a pre-draft costs the draft)."""
     size = max(batches)
     worker = build_target(target, max_requests=size, max_len=max_len, keep_features=True,
-                          dtype=dtype, device=device)  # fmt: skip
+                          feature_layers=feature_layers(draft, target), dtype=dtype,
+                          device=device)  # fmt: skip
     drafter = build_drafter(draft, target_path=target, max_requests=size + pipeline_width,
                             max_len=max_len, dtype=dtype, device=device)  # fmt: skip
     states = build_states(TIERS, worker, drafter, ahead=pipeline_width > 0)

@@ -218,6 +218,9 @@ class ExtendGraphs:
         if bucket is None:
             return self.eager.run(inputs, slots)
         tokens, feats, positions, layout, lengths = d.extend_inputs(inputs, slots)
+        if feats is not None and feats.shape[-1] != d.feature_width:
+            # an EAGLE-3 fork's rows carry the head's own outputs (H wide, not 3H): eagerly
+            return d.extend_forward(tokens, feats, positions, layout, lengths)
         t = tokens.shape[1]
         ext = None
         key = (self.tier, tuple(slots), tuple(starts), cache.generation)
