@@ -263,8 +263,9 @@ class TargetConfig(ModelServiceConfig):
     )  # fmt: skip
     feature_layers: tuple[int, ...] = field(
         default=(),
-        metadata=_help("an EAGLE-3 draft's target layers, e.g. 1,2,4 (its config's "
-                       "eagle_aux_hidden_state_layer_ids); default: the final hidden state"),
+        metadata=_help("the target layers whose outputs an EAGLE-3 draft reads, 0-based, e.g. "
+                       "1,2,4 (as its draft reports them; a vLLM head's ids are one more); "
+                       "default: the final hidden state"),
     )  # fmt: skip
     pipeline: PipelineMode = field(
         default=PipelineMode.AUTO,

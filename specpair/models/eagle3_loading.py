@@ -2,16 +2,24 @@
 
 Layout: `fc.weight` [h, 3h] (a bias where the checkpoint has one), `midlayer.*` (attention q/k/v
 over 2h), `norm.weight`, `lm_head.weight` [draft_vocab_size, h], `d2t` [draft_vocab_size] and
-`t2d` [vocab_size]; optionally `embed_tokens.weight` (else the target's). The target layers whose
-outputs feed `fc` are config.json's `eagle_config.eagle_aux_hidden_state_layer_ids` (or the same
-key at top level), else SGLang's default low / middle / high = [1, L//2 - 1, L - 4] for a target
-of L layers. An id i is the output of target layer i, which SGLang captures as the input of
-layer i + 1, so ids run from 0 to L - 2.
+`t2d` [vocab_size]; optionally `embed_tokens.weight` (else the target's).
+
+The target layers whose outputs feed `fc` are named in config.json under one of two conventions,
+one layer apart (`aux_layers`; worked example for a 32-layer target):
+
+    SpecForge / SGLang: eagle_config.eagle_aux_hidden_state_layer_ids [2, 16, 29]
+        id i = the output of layer i (SGLang captures it entering layer i + 1) -> outputs 2, 16, 29
+    vLLM / speculators: eagle_aux_hidden_state_layer_ids [2, 16, 29] at the top level
+        id i = the state entering layer i, the output of layer i - 1        -> outputs 1, 15, 28
+    no ids (SafeAILab's heads; either of the above without the key): every runtime's default,
+        the states entering layers 2, L//2, L - 3                           -> outputs 1, 15, 28
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,32 +34,114 @@ from specpair.models.loading import (
     read_tensors,
 )
 
+KEY = "eagle_aux_hidden_state_layer_ids"
+
+
+@dataclass(frozen=True, slots=True)
+class LayerIds:
+    """Where a published layout keeps its layer ids and what an id names."""
+
+    runtime: str
+    key: tuple[str, ...]  # the path in config.json
+    place: str  # that path, in words
+    shift: int  # 0-based layer output = id + shift
+    meaning: str  # what id i names
+
+
+# sglang models/llama.py set_eagle3_layers_to_capture: layers_to_capture = [val + 1 for val in
+# layer_ids], captured entering those layers; SpecForge writes eagle_config's ids that way.
+SGLANG = LayerIds(
+    "SGLang / SpecForge", ("eagle_config", KEY), "under eagle_config", 0, "the output of layer i"
+)
+# vllm models/llama.py: `if idx in self.aux_hidden_state_layers` before layer idx runs, with the
+# top-level ids as given (eagle3_utils.get_eagle3_aux_layers_from_config); speculators writes them.
+VLLM = LayerIds("vLLM / speculators", (KEY,), "at the top level", -1, "the state entering layer i")
+CONVENTIONS = (SGLANG, VLLM)
+# What a config's own names say serves it: SGLang registers LlamaForCausalLMEagle3; vLLM's class
+# is Eagle3LlamaForCausalLM, speculators' Eagle3Speculator with its speculators_* keys.
+SGLANG_ARCHITECTURES = {"LlamaForCausalLMEagle3"}
+VLLM_ARCHITECTURES = {"Eagle3LlamaForCausalLM", "Eagle3Speculator"}
+VLLM_KEYS = ("speculators_config", "speculators_model_type")
+
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """SGLang's capture of an EAGLE-3 target without layer ids: low, middle, high."""
+    """The outputs an EAGLE-3 head without layer ids reads, low / middle / high: SGLang's and
+    vLLM's capture of the states entering layers 2, L//2, L - 3, as SafeAILab's EAGLE-3 does."""
     return (1, num_layers // 2 - 1, num_layers - 4)
 
 
 def aux_layers(path: str | Path, target_layers: int) -> tuple[int, ...]:
-    """The target layers an EAGLE-3 head at `path` reads (see the module docstring)."""
+    """The 0-based target layers whose outputs the EAGLE-3 head at `path` reads, in its order.
+
+    Ids under eagle_config read as SGLang's, at the top level as vLLM's, none as the default (see
+    the module docstring). Refused: an id naming no layer output that a later layer reads, and
+    readings that disagree — both keys naming different layers, or ids only under the key that
+    the runtime named by the config (architectures, speculators_* keys) ignores, naming other
+    layers than the default it reads instead."""
     file = Path(path) / "config.json"
     raw = _read_json(file)
-    eagle_config = raw.get("eagle_config") or {}
-    ids = eagle_config.get(
-        "eagle_aux_hidden_state_layer_ids", raw.get("eagle_aux_hidden_state_layer_ids")
+    default = default_aux_layers(target_layers)
+    readings: dict[str, tuple[int, ...]] = {}  # who reads which ids how -> the outputs
+    for c in CONVENTIONS:
+        if (ids := _lookup(raw, c.key)) is not None:
+            outputs = _outputs(file, c, ids, target_layers)
+            readings[f"{c.runtime} reads {KEY} {ids} {c.place} as outputs"] = outputs
+    named = _named_runtime(raw)
+    if readings and named is not None and _lookup(raw, named.key) is None:
+        readings[f"{named.runtime}, which the config names, ignores them: its default"] = default
+    if len(set(readings.values())) > 1:
+        raise CheckpointError(
+            f"{file}: ambiguous layer ids: "
+            + "; ".join(f"{text} {list(outputs)}" for text, outputs in readings.items())
+            + f". Keep the ids under the key meant, with an architecture whose runtime reads "
+            f"it: eagle_config.{KEY} names layer outputs (SGLang's LlamaForCausalLMEagle3), a "
+            f"top-level {KEY} the states entering layers, one more (vLLM's "
+            "Eagle3LlamaForCausalLM)"
+        )
+    if not readings:
+        _check_range(file, f"no {KEY}: the default {list(default)}", default, target_layers)
+    return next(iter(readings.values()), default)
+
+
+def _named_runtime(raw: dict[str, Any]) -> LayerIds | None:
+    """The runtime a config's own names say serves it; None for SafeAILab's plain
+    `LlamaForCausalLM` (its code reads no ids)."""
+    archs = set(raw.get("architectures") or [])
+    if archs & VLLM_ARCHITECTURES or any(key in raw for key in VLLM_KEYS):
+        return VLLM
+    return SGLANG if archs & SGLANG_ARCHITECTURES else None
+
+
+def _lookup(raw: dict[str, Any], key: tuple[str, ...]) -> Any:
+    for name in key[:-1]:
+        raw = raw.get(name) or {}
+        if not isinstance(raw, dict):
+            return None
+    return raw.get(key[-1])
+
+
+def _outputs(file: Path, c: LayerIds, ids: Any, target_layers: int) -> tuple[int, ...]:
+    what = f"{KEY} {ids} {c.place}"
+    if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
+        raise CheckpointError(f"{file}: {what} must be a list of ints")
+    outputs = tuple(i + c.shift for i in ids)
+    _check_range(
+        file, f"{what} ({c.runtime}: id i is {c.meaning})", outputs, target_layers, c.shift
     )
-    key = "eagle_aux_hidden_state_layer_ids"
-    if ids is None:
-        ids, key = list(default_aux_layers(target_layers)), f"no {key}: the default"
-    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids) or not ids:
-        raise CheckpointError(f"{file}: {key} must be a list of ints")
-    bad = [i for i in ids if not 0 <= i <= target_layers - 2]
+    return outputs
+
+
+def _check_range(
+    file: Path, what: str, outputs: tuple[int, ...], layers: int, shift: int = 0
+) -> None:
+    # A feature is a state some later layer reads: outputs 0 .. L - 2 (neither runtime's Llama
+    # captures the last layer's output, and the embedding is no layer's).
+    bad = [o - shift for o in outputs if not 0 <= o <= layers - 2]
     if bad:
         raise CheckpointError(
-            f"{file}: {key} {ids}: {bad[0]} is not a layer whose output a later layer reads "
-            f"(0 .. {target_layers - 2} for a {target_layers}-layer target)"
+            f"{file}: {what}: {bad[0]} is not a layer whose output a later layer reads "
+            f"({-shift} .. {layers - 2 - shift} for a {layers}-layer target)"
         )
-    return tuple(ids)
 
 
 def load_eagle3(

@@ -23,7 +23,8 @@ from specpair.models.llama import (
 )
 
 EAGLE_ARCHITECTURE = "SpecpairEagleHead"
-# SGLang's and SafeAILab's name for an EAGLE-3 head, and vLLM / speculators' (eagle3_loading.py).
+# SGLang's name for an EAGLE-3 head and vLLM's; SafeAILab's config says LlamaForCausalLM (its
+# midlayer.* weights tell it). Which layer ids each means: eagle3_loading.py.
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # model_type -> the architecture it is served as; each is a Llama decoder (Qwen2 adds q/k/v
 # biases, Mistral a sliding window that specpair refuses when it is shorter than the context).
