@@ -71,9 +71,9 @@ def test_the_front_door_settings_are_checked_once(monkeypatch: pytest.MonkeyPatc
         with pytest.raises(ValueError, match=next(iter(bad))):
             target(**bad)
     draft = DraftConfig(ServerConfig("127.0.0.1:0"), Path("d"), max_requests=8)
-    assert draft.max_stream_requests == 8  # 0: every slot
-    with pytest.raises(ValueError, match="max_stream_requests must be in"):
-        DraftConfig(ServerConfig("127.0.0.1:0"), Path("d"), max_requests=8, max_stream_requests=9)
+    assert draft.max_target_requests == 8  # 0: every slot
+    with pytest.raises(ValueError, match="max_target_requests must be in"):
+        DraftConfig(ServerConfig("127.0.0.1:0"), Path("d"), max_requests=8, max_target_requests=9)
 
 
 def test_the_api_key_is_an_option_whose_value_help_never_shows(
