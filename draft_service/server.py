@@ -28,12 +28,13 @@ PROTECTED_METHODS = (f"/{SERVICE_NAME}/Round",)
 MAX_TARGET_CHARS = 128
 
 
-def target_identity(context: grpc.aio.ServicerContext) -> str:
-    """Who opens a Round stream: the target's declared identity (its x-specpair-target
-    metadata), else the peer's address; only [A-Za-z0-9._:[]-] are kept, so it never holds the
-    '#' and '/' of the keys built from it (`target#stream/request`)."""
-    declared = dict(context.invocation_metadata() or ()).get(TARGET_METADATA, "")
-    name = str(declared) or context.peer() or "anonymous"
+def target_identity(context: grpc.aio.ServicerContext, stream: int) -> str:
+    """Who opens Round stream number `stream`: the target's declared identity (its
+    x-specpair-target metadata); without one the stream is a target of its own (its peer's
+    address and number: channels of one process share a connection). Only [A-Za-z0-9._:[]-]
+    are kept, so it never holds the '#' and '/' of the keys built from it."""
+    declared = str(dict(context.invocation_metadata() or ()).get(TARGET_METADATA, ""))
+    name = declared or f"{context.peer() or 'anonymous'}-{stream}"
     return re.sub(r"[^A-Za-z0-9._:\[\]-]", "_", name)[:MAX_TARGET_CHARS]
 
 
@@ -57,7 +58,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if rounds is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "draft model is still loading")
         assert rounds is not None
-        stream_id = f"{target_identity(context)}#{next(self._ids)}"
+        n = next(self._ids)
+        stream_id = f"{target_identity(context, n)}#{n}"
         self.open_streams.add(stream_id)
         log.info("round stream opened", stream=stream_id, peer=context.peer())
         # However the call ends gRPC runs its done callbacks, also when the peer vanishes while

@@ -28,14 +28,21 @@ import ipaddress
 import itertools
 import socket
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 
 from specpair.config import split_address
 from specpair.logging import get_logger
 from specpair.proto.v1 import target_pb2
-from specpair.runtime.round import DraftInput, RoundRequest, RoundResponse, StageTimings
+from specpair.runtime.round import (
+    DraftInput,
+    Predraft,
+    RoundRequest,
+    RoundResponse,
+    StageTimings,
+)
 from specpair.runtime.target import TargetSequence
+from specpair.runtime.tree import CandidateTree
 from target_service.draft_link import DraftLink
 
 log = get_logger(__name__)
@@ -259,10 +266,22 @@ class DraftPool:
         legs = [leg for leg in self._legs if leg.owed > 0] if sent == self._sent else []
         for leg in legs:
             leg.owed -= 1
-        if len(legs) == 1:
-            return await legs[0].link.receive(round_id, legs[0].epoch)
-        responses = await asyncio.gather(*(leg.link.receive(round_id, leg.epoch) for leg in legs))
-        return self._merge(round_id, legs, responses)
+        if len(legs) == 1:  # one replica's answer, as it is
+            responses = [await legs[0].link.receive(round_id, legs[0].epoch)]
+        else:
+            responses = await asyncio.gather(
+                *(leg.link.receive(round_id, leg.epoch) for leg in legs)
+            )
+        for leg, response in zip(legs, responses, strict=True):
+            if response is not None and response.refused:
+                self._move(response.refused, leg.link)
+        return responses[0] if len(legs) == 1 else self._merge(round_id, legs, responses)
+
+    def _move(self, request_ids: Iterable[str], refusing: DraftLink) -> None:
+        """Requests a replica had no room for: homed on another one next round, if any is up."""
+        load = self._load()
+        for rid in request_ids:
+            self._home(rid, load, avoid=refusing)
 
     async def round(self, request: RoundRequest) -> RoundResponse | None:
         """Sends one round and waits for its answers (releases, when idle)."""
@@ -275,26 +294,26 @@ class DraftPool:
         answered = [(leg, r) for leg, r in zip(legs, responses, strict=True) if r is not None]
         if not answered:
             return None
-        merged = RoundResponse(round_id, timings=slowest([r.timings for _, r in answered]))
+        trees: dict[str, CandidateTree] = {}
+        malformed: dict[str, str] = {}
+        predrafts: dict[str, tuple[Predraft, ...]] = {}
+        refused: dict[str, str] = {}
+        adopted: list[str] = []
         errors = []
-        load: Counter[DraftLink] | None = None
         for leg, r in answered:
             if r.error:  # that replica dropped its inputs: no tree, so each is sent whole again
                 errors.append(f"{leg.link.address}: {r.error}")
                 continue
-            merged.trees.update(r.trees)
-            merged.malformed.update(r.malformed)
-            merged.predrafts.update(r.predrafts)
-            merged.refused.update(r.refused)
-            for rid in r.refused:  # no room there: try another replica next round
-                load = self._load() if load is None else load
-                self._home(rid, load, avoid=leg.link)
-        adopted = tuple(a for _, r in answered for a in r.adopted)
+            trees |= r.trees
+            malformed |= r.malformed
+            predrafts |= r.predrafts
+            refused |= r.refused
+            adopted += r.adopted
         error = "; ".join(errors) if len(errors) == len(legs) else ""
+        timings = slowest([r.timings for _, r in answered])
         return RoundResponse(
-            round_id, merged.trees, merged.timings, error, merged.malformed, adopted,
-            merged.predrafts, merged.refused,
-        )  # fmt: skip
+            round_id, trees, timings, error, malformed, tuple(adopted), predrafts, refused
+        )
 
 
 def slowest(timings: Sequence[StageTimings]) -> StageTimings:
