@@ -1,10 +1,12 @@
-"""The target's one long-lived Round stream to the draft service, with reconnects.
+"""The target's one long-lived Round stream to a draft service (one replica of its
+`DraftPool`), with reconnects.
 
 It carries typed rounds (`RoundRequest` out, `RoundResponse` back; `specpair.wire` converts).
 `send()`, `receive()` and `round()` never raise: a failed, late or broken round returns None,
 the stream is dropped, and the link reconnects with exponential backoff (specpair.reconnect).
 Each new stream is a new *epoch*: the draft lost every request's state, so the scheduler
-re-sends their full token history (`DraftSession` sees the new epoch).
+re-sends their full token history (`DraftSession` sees the new epoch, through the pool's
+stream keys).
 """
 
 from __future__ import annotations
