@@ -285,6 +285,8 @@ class TargetConfig(ModelServiceConfig):
                 raise ValueError("draft_address: no address (--no-draft decodes without one)")
             for address in self.draft_addresses:
                 check_grpc_address(address)
+            if len(set(self.draft_addresses)) != len(self.draft_addresses):
+                raise ValueError(f"draft_address: an address appears twice in {self.draft_address}")
         if self.draft_resolve_s <= 0:
             raise ValueError(f"draft_resolve_s must be > 0, got {self.draft_resolve_s}")
         if self.http_address:

@@ -56,7 +56,6 @@ class Leg:
     """The part of a round sent to one replica."""
 
     link: DraftLink
-    request: RoundRequest
     epoch: int  # the link's stream it went out on
     owed: int  # responses still to read: 1, and 1 more for a pipelined round with inputs
 
@@ -99,9 +98,13 @@ class DraftPool:
             await asyncio.sleep(self.resolve_s)
             for entry in filter(is_name, self.entries):
                 addresses = await resolve(entry)
-                if addresses:  # a failed lookup keeps the replicas there are
+                if not addresses:  # a failed lookup keeps the replicas there are
+                    continue
+                try:
                     for gone in self._set(entry, addresses):
                         await gone.close()
+                except Exception:  # a bug here must not end the lookups
+                    log.exception("draft replicas not updated", entry=entry)
 
     def _set(self, entry: str, addresses: Sequence[str]) -> list[DraftLink]:
         """Makes `entry`'s replicas those at `addresses` (started); returns the links dropped."""
@@ -116,10 +119,14 @@ class DraftPool:
                 log.info("draft replica added", entry=entry, address=address)
             links.append(link)
         self._by_entry[entry] = links
-        for gone in current.values():
-            log.info("draft replica removed", entry=entry, address=gone.address)
+        gone = list(current.values())
+        for link in gone:
+            log.info("draft replica removed", entry=entry, address=link.address)
+            self._keys.pop(link, None)
+        # Its requests move at their next round (its stream closes: nothing to release there).
+        self._homes = {rid: home for rid, home in self._homes.items() if home[0] not in gone}
         self.links = [link for e in self.entries for link in self._by_entry.get(e, [])]
-        return list(current.values())
+        return gone
 
     @property
     def connected(self) -> bool:
@@ -253,7 +260,7 @@ class DraftPool:
         else:
             epochs = await asyncio.gather(*(link.send(sub) for link, sub in legs))
         self._legs = [
-            Leg(link, sub, epoch, 1 + sub.predraft)
+            Leg(link, epoch, 1 + sub.predraft)
             for (link, sub), epoch in zip(legs, epochs, strict=True)
             if epoch is not None
         ]

@@ -100,6 +100,8 @@ def test_several_drafts_and_several_targets_are_comma_lists() -> None:
     assert TargetConfig(server, Path("m"), draft_address=None).draft_addresses == ()
     with pytest.raises(ValueError, match="'b' must be HOST:PORT"):
         TargetConfig(server, Path("m"), draft_address="a:1,b")
+    with pytest.raises(ValueError, match="appears twice"):
+        TargetConfig(server, Path("m"), draft_address="a:1,a:1")
     with pytest.raises(ValueError, match="draft_address: no address"):
         TargetConfig(server, Path("m"), draft_address=",")
     # `--target a,b`, repeated `--target`, or both

@@ -229,18 +229,39 @@ def test_localhost_is_one_replica_and_addresses_are_themselves() -> None:
 def test_a_name_with_several_addresses_is_a_replica_each(monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
 
+    ips = ["10.0.0.7", "10.0.0.5", "10.0.0.7"]  # one address per socket type, say
+
     async def getaddrinfo(self: Any, host: str, port: int, **kw: Any) -> list[Any]:
         assert host == "drafts"
-        ips = ["10.0.0.7", "10.0.0.5", "10.0.0.7"]  # one address per socket type, say
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ips]
 
     monkeypatch.setattr(asyncio.BaseEventLoop, "getaddrinfo", getaddrinfo)
 
     async def run() -> None:
         assert await resolve("drafts:50052") == ["10.0.0.5:50052", "10.0.0.7:50052"]
-        pool, links = await pool_of("drafts:50052")
+        links: dict[str, FakeLink] = {}
+
+        def make(address: str, authority: str | None) -> Any:
+            links[address] = FakeLink(address, authority)
+            return links[address]
+
+        pool = DraftPool(["drafts:50052"], make, resolve_s=0.01)
+        await pool.start()
         assert [link.address for link in pool.links] == ["10.0.0.5:50052", "10.0.0.7:50052"]
         assert {link.authority for link in links.values()} == {"drafts"}  # TLS checks the name
+        first = pool.epochs([seq("r0"), seq("r1")])
+        # A pod goes, another comes: .5 is dropped (closed), .9 added; .7 keeps its stream.
+        ips[:] = ["10.0.0.7", "10.0.0.9"]
+        for _ in range(100):
+            if len(links) == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert [link.address for link in pool.links] == ["10.0.0.7:50052", "10.0.0.9:50052"]
+        assert not links["10.0.0.5:50052"].connected
+        again = pool.epochs([seq("r0"), seq("r1")])
+        assert again["r1"] == first["r1"]  # on .7 still
+        assert again["r0"] not in first.values()  # moved to .9, a new stream for it
+        assert [r.requests for r in pool.replicas()] == [1, 1]
         await pool.close()
 
     asyncio.run(run())
