@@ -41,7 +41,7 @@ from specpair.runtime.round import (
     RoundResponse,
     StageTimings,
 )
-from specpair.runtime.target import TargetSequence
+from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import CandidateTree
 from target_service.draft_link import DraftLink
 

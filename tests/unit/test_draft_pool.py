@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from specpair.proto.v1 import target_pb2
-from specpair.runtime.draft_session import DraftSession
 from specpair.runtime.round import RoundRequest, RoundResponse, StageTimings
 from specpair.runtime.sampling import SamplingParams
-from specpair.runtime.target import TargetSequence
+from specpair.runtime.target.session import DraftSession
+from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import CandidateTree
 from target_service.draft_pool import DraftPool, is_name, resolve, slowest
 
