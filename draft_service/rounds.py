@@ -2,8 +2,10 @@
 answer a RoundResponse; pipelined (`RoundRequest.predraft`), then pre-draft the next round's
 likeliest outcomes (`runtime/draft/pipeline.py`) and answer them in a second RoundResponse.
 
-Request ids are namespaced per Round stream, so two targets (or a reconnecting one) never
-share draft state; a stream's requests are freed when it ends.
+Request ids are namespaced per Round stream, whose id names the target that opened it
+(`TARGET#n`, keys `TARGET#n/REQUEST`): two targets sending the same request id, or a
+reconnecting one, never share draft state; a stream's requests are freed when it ends; and a
+target's slots are counted over all its streams, at most `max_target_requests`.
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ class DraftRounds:
         elif any(i.predrafted for i in keyed):
             raise RoundError("inputs: predrafted, but this draft does not pipeline (--pipeline)")
         fresh = [(i, k) for i, k in zip(request.inputs, keyed, strict=True) if not k.predrafted]
-        drafted = self._with_room(fresh, request.round_id, stream_id)
+        drafted, refused = self._with_room(fresh, request.round_id, stream_id)
         inputs = [key for _, key in drafted]
         if not inputs:
             trees = []
@@ -150,6 +152,7 @@ class DraftRounds:
             request.round_id,
             {item.request_id: tree for (item, _), tree in zip(drafted, trees, strict=True)},
             adopted=tuple(key[prefix:] for key in adopted),
+            refused=refused,
         )
 
     def predraft(self, stream_id: str, round_id: int) -> draft_pb2.RoundResponse:
@@ -214,34 +217,55 @@ class DraftRounds:
 
     def _with_room(
         self, decoded: list[tuple[DraftInput, DraftInput]], round_id: int, stream_id: str
-    ) -> list[tuple[DraftInput, DraftInput]]:
-        """The (sent, keyed) requests this cache can hold; the rest get no tree (the target
-        then decodes them plainly and re-sends their tokens later), so one request over the
-        cache's length, or more requests than slots, never costs the others their drafts. A
-        stream holds at most `max_stream_requests` slots, so one peer cannot take them all."""
+    ) -> tuple[list[tuple[DraftInput, DraftInput]], dict[str, str]]:
+        """The (sent, keyed) requests this cache can hold, and why each other one was refused
+        (request id → reason). A refused request gets no tree: the target decodes it plainly
+        and re-sends its tokens later, so one request over the cache's length, or more requests
+        than slots, never costs the others their drafts. A target (all its streams) holds at
+        most `max_target_requests` slots, so one peer cannot take them all."""
+        cfg = self.config
         free = self.drafter.cache.free_slots
-        room = self.config.max_stream_requests  # counted only where it bounds anything
-        if room < self.config.max_requests:
-            prefix = f"{stream_id}/"
+        room = cfg.max_target_requests  # counted only where it bounds anything
+        target = stream_target(stream_id)
+        if room < cfg.max_requests:
+            prefix = f"{target}#"
             room -= sum(1 for key in self.drafter.requests if key.startswith(prefix))
-        kept = []
+        kept, refused = [], {}
         for sent, item in decoded:
             entry = self.drafter.requests.get(item.request_id)
             length = self.drafter.cache.lengths[entry.slot] if entry else 0
             need = length + len(item.appended) + max(self.states)
-            if need > self.config.cache_len:
-                reason = f"{need} positions exceed the draft cache's {self.config.cache_len}"
+            if need > cfg.cache_len:
+                reason = f"OUT_OF_RANGE: {need} positions exceed the draft cache's {cfg.cache_len}"
             elif entry is None and free == 0:
-                reason = "no free draft slot"
+                reason = f"RESOURCE_EXHAUSTED: all max_requests {cfg.max_requests} draft slots held"
             elif entry is None and room <= 0:
-                reason = f"the stream holds max_stream_requests {self.config.max_stream_requests}"
+                reason = (
+                    f"RESOURCE_EXHAUSTED: target {target} holds max_target_requests "
+                    f"{cfg.max_target_requests} draft slots"
+                )
             else:
                 if entry is None:
                     free, room = free - 1, room - 1
                 kept.append((sent, item))
                 continue
             self.release(item.request_id)
+            refused[sent.request_id] = reason
             log.warning(
                 "request not drafted", round_id=round_id, request=sent.request_id, reason=reason
             )
-        return kept
+        return kept, refused
+
+    def usage(self) -> dict[str, int]:
+        """Draft slots held per target (requests keyed under its streams). Read from the event
+        loop while a round may run: `list` copies the keys in one step under the GIL."""
+        held: dict[str, int] = {}
+        for key in list(self.drafter.requests):
+            target = stream_target(key.partition("/")[0])
+            held[target] = held.get(target, 0) + 1
+        return held
+
+
+def stream_target(stream_id: str) -> str:
+    """The target a stream id names: `host:50051#3` → `host:50051` (targets never hold '#')."""
+    return stream_id.rpartition("#")[0]

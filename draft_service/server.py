@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
 
-from draft_service.rounds import DraftRounds
+from draft_service.rounds import DraftRounds, stream_target
+from specpair.channels import TARGET_METADATA
 from specpair.config import DraftConfig, split_address
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
@@ -23,6 +25,17 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 # With an ops token set, only a peer presenting it (the target) may open a Round stream: an
 # anonymous one could hold every draft slot.
 PROTECTED_METHODS = (f"/{SERVICE_NAME}/Round",)
+MAX_TARGET_CHARS = 128
+
+
+def target_identity(context: grpc.aio.ServicerContext, stream: int) -> str:
+    """Who opens Round stream number `stream`: the target's declared identity (its
+    x-specpair-target metadata); without one the stream is a target of its own (its peer's
+    address and number: channels of one process share a connection). Only [A-Za-z0-9._:[]-]
+    are kept, so it never holds the '#' and '/' of the keys built from it."""
+    declared = str(dict(context.invocation_metadata() or ()).get(TARGET_METADATA, ""))
+    name = declared or f"{context.peer() or 'anonymous'}-{stream}"
+    return re.sub(r"[^A-Za-z0-9._:\[\]-]", "_", name)[:MAX_TARGET_CHARS]
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -45,7 +58,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if rounds is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "draft model is still loading")
         assert rounds is not None
-        stream_id = f"s{next(self._ids)}"
+        n = next(self._ids)
+        stream_id = f"{target_identity(context, n)}#{n}"
         self.open_streams.add(stream_id)
         log.info("round stream opened", stream=stream_id, peer=context.peer())
         # However the call ends gRPC runs its done callbacks, also when the peer vanishes while
@@ -107,7 +121,20 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             tokenizer_fingerprint=self.tokenizer_fingerprint,
             feature_layers=self.rounds.feature_layers if self.rounds else [],
             pipeline=self.rounds.pipeline is not None if self.rounds else False,
+            targets=self.usage(),
         )
+
+    def usage(self) -> list[draft_pb2.DraftTargetUsage]:
+        """Per target with a stream open (or slots still held): its streams and slots."""
+        held = self.rounds.usage() if self.rounds else {}
+        streams: dict[str, int] = {}
+        for stream_id in self.open_streams:
+            target = stream_target(stream_id)
+            streams[target] = streams.get(target, 0) + 1
+        return [
+            draft_pb2.DraftTargetUsage(target=t, streams=streams.get(t, 0), requests=held.get(t, 0))
+            for t in sorted(streams.keys() | held.keys())
+        ]
 
 
 @dataclass

@@ -219,7 +219,8 @@ class TargetConfig(ModelServiceConfig):
     model_path: Path = field(metadata=_help("target checkpoint directory", flag="--model"))
     draft_address: str | None = field(
         default=DEFAULT_DRAFT_ADDRESS,
-        metadata=_help("draft service HOST:PORT or unix:PATH", flag="--draft",
+        metadata=_help("draft service HOST:PORT or unix:PATH; several replicas as A,B, or a "
+                       "name resolving to several addresses", flag="--draft",
                        env="SPECPAIR_DRAFT_ADDRESS", off_flag="--no-draft",
                        off_help="decode without speculation"),
     )  # fmt: skip
@@ -233,6 +234,11 @@ class TargetConfig(ModelServiceConfig):
     )  # fmt: skip
     reconnect_min_s: float = 0.2
     reconnect_max_s: float = 5.0
+    draft_resolve_s: float = field(
+        default=30.0,
+        metadata=_help("seconds between lookups of a --draft name resolving to several "
+                       "replicas (pods come and go)", flag="--draft-resolve-interval"),
+    )  # fmt: skip
     eos_stop: bool = True  # stop at the eos ids of generation_config.json and the tokenizer
     # "" (the library's default) disables the HTTP API; the command serves it by default.
     http_address: str = field(
@@ -276,7 +282,14 @@ class TargetConfig(ModelServiceConfig):
     def __post_init__(self) -> None:
         self._resolve()
         if self.draft_address is not None:
-            check_grpc_address(self.draft_address)
+            if not self.draft_addresses:
+                raise ValueError("draft_address: no address (--no-draft decodes without one)")
+            for address in self.draft_addresses:
+                check_grpc_address(address)
+            if len(set(self.draft_addresses)) != len(self.draft_addresses):
+                raise ValueError(f"draft_address: an address appears twice in {self.draft_address}")
+        if self.draft_resolve_s <= 0:
+            raise ValueError(f"draft_resolve_s must be > 0, got {self.draft_resolve_s}")
         if self.http_address:
             split_address(self.http_address)
         if self.api_key is not None and not self.api_key.strip():
@@ -304,6 +317,16 @@ class TargetConfig(ModelServiceConfig):
                 f"feature_layers must be layer indices >= 0, got {self.feature_layers}"
             )
 
+    @property
+    def draft_addresses(self) -> tuple[str, ...]:
+        """The draft replicas as configured: `a:1,b:2` → ("a:1", "b:2"); () without a draft."""
+        return split_list(self.draft_address or "")
+
+
+def split_list(value: str) -> tuple[str, ...]:
+    """A comma-separated list of addresses, blanks dropped."""
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
 
 @dataclass(frozen=True, slots=True)
 class DraftConfig(ModelServiceConfig):
@@ -314,10 +337,10 @@ class DraftConfig(ModelServiceConfig):
         default=None, metadata=_help("target checkpoint (EAGLE only)", flag="--target-model")
     )
     max_requests: int = field(default=64, metadata=_help("requests drafted for at once"))
-    max_stream_requests: int = field(
+    max_target_requests: int = field(
         default=0,
-        metadata=_help("requests one Round stream (one target) may hold; lower it when several "
-                       "targets share this draft (0: max_requests)"),
+        metadata=_help("requests one target (all its Round streams) may hold; lower it when "
+                       "several targets share this draft (0: max_requests)"),
     )  # fmt: skip
     pipeline: PipelineMode = field(
         default=PipelineMode.ON,
@@ -342,13 +365,13 @@ class DraftConfig(ModelServiceConfig):
             raise ValueError("draft_kind 'eagle' needs the target checkpoint (--target-model)")
         if self.max_requests < 1:
             raise ValueError("max_requests must be >= 1")
-        if not 0 <= self.max_stream_requests <= self.max_requests:
+        if not 0 <= self.max_target_requests <= self.max_requests:
             raise ValueError(
-                f"max_stream_requests must be in [0, max_requests {self.max_requests}], "
-                f"got {self.max_stream_requests}"
+                f"max_target_requests must be in [0, max_requests {self.max_requests}], "
+                f"got {self.max_target_requests}"
             )
-        if self.max_stream_requests == 0:
-            object.__setattr__(self, "max_stream_requests", self.max_requests)
+        if self.max_target_requests == 0:
+            object.__setattr__(self, "max_target_requests", self.max_requests)
 
     @property
     def cache_len(self) -> int:
@@ -361,7 +384,8 @@ class ControllerConfig:
     server: ServerConfig
     targets: tuple[str, ...] = field(
         default=(DEFAULT_TARGET_ADDRESS,),
-        metadata=_help("target HOST:PORT (repeatable)", flag="--target",
+        metadata=_help("target HOST:PORT, each with its own policy (repeatable, or A,B)",
+                       flag="--target",
                        env="SPECPAIR_TARGET_ADDRESS"),
     )  # fmt: skip
     policy_file: Path | None = field(
@@ -381,7 +405,11 @@ class ControllerConfig:
     )  # fmt: skip
 
     def __post_init__(self) -> None:
+        # `--target a:1,b:2` and repeated `--target` alike (and SPECPAIR_TARGET_ADDRESS=a:1,b:2)
+        object.__setattr__(self, "targets", tuple(a for t in self.targets for a in split_list(t)))
         if not self.targets:
             raise ValueError("the controller needs at least one target address")
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"targets: an address appears twice in {list(self.targets)}")
         for address in self.targets:
             check_grpc_address(address)

@@ -35,11 +35,13 @@ class ReconnectingLink:
         tls: TLSConfig | None = None,
         backoff_min_s: float = 0.2,
         backoff_max_s: float = 5.0,
+        authority: str | None = None,
     ) -> None:
         if not 0 < backoff_min_s <= backoff_max_s:
             raise ValueError("need 0 < backoff_min_s <= backoff_max_s")
         self.address = address
         self.tls = tls
+        self.authority = authority  # the peer's name when `address` is one of its IPs
         self.backoff = (backoff_min_s, backoff_max_s)
         self._name = name
         self._channel: grpc.aio.Channel | None = None
@@ -56,7 +58,7 @@ class ReconnectingLink:
         await self._drop()
 
     def _open(self) -> grpc.aio.Channel:
-        self._channel = open_channel(self.address, self.tls)
+        self._channel = open_channel(self.address, self.tls, authority=self.authority)
         return self._channel
 
     async def _keep_connected(self) -> None:

@@ -127,6 +127,7 @@ def response_to_proto(response: RoundResponse) -> draft_pb2.RoundResponse:
         round_id=response.round_id,
         error=response.error,
         adopted_request_ids=response.adopted,
+        refused=response.refused,
     )
     for request_id, tree in response.trees.items():
         _tree_into(msg.trees.add(), request_id, tree)
@@ -159,6 +160,7 @@ def response_from_proto(msg: draft_pb2.RoundResponse) -> RoundResponse:
     return RoundResponse(
         msg.round_id, trees, timings_from_proto(msg.timings), msg.error, malformed,
         tuple(msg.adopted_request_ids), {rid: tuple(p) for rid, p in predrafts.items()},
+        dict(msg.refused),
     )  # fmt: skip
 
 

@@ -1,10 +1,12 @@
-"""The target's one long-lived Round stream to the draft service, with reconnects.
+"""The target's one long-lived Round stream to a draft service (one replica of its
+`DraftPool`), with reconnects.
 
 It carries typed rounds (`RoundRequest` out, `RoundResponse` back; `specpair.wire` converts).
 `send()`, `receive()` and `round()` never raise: a failed, late or broken round returns None,
 the stream is dropped, and the link reconnects with exponential backoff (specpair.reconnect).
 Each new stream is a new *epoch*: the draft lost every request's state, so the scheduler
-re-sends their full token history (`DraftSession` sees the new epoch).
+re-sends their full token history (`DraftSession` sees the new epoch, through the pool's
+stream keys).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import asyncio
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specpair.channels import auth_metadata
+from specpair.channels import auth_metadata, target_metadata
 from specpair.config import TLSConfig
 from specpair.logging import get_logger
 from specpair.proto.v1 import draft_pb2, draft_pb2_grpc, target_pb2
@@ -46,10 +48,12 @@ class DraftLink(ReconnectingLink):
         vocab_size: int = 0,
         tokenizer_fingerprint: str = "",
         feature_layers: tuple[int, ...] = (),
+        identity: str = "",
+        authority: str | None = None,
     ) -> None:
         super().__init__(
-            address, name="draft-link", tls=tls, backoff_min_s=backoff_min_s,
-            backoff_max_s=backoff_max_s,
+            address, name=f"draft-link {address}", tls=tls, backoff_min_s=backoff_min_s,
+            backoff_max_s=backoff_max_s, authority=authority,
         )  # fmt: skip
         # What a draft must agree on (0 / "": not checked): its q ranges over our vocabulary
         # and its token ids mean what ours mean.
@@ -57,7 +61,9 @@ class DraftLink(ReconnectingLink):
         self.feature_layers = feature_layers  # the layers our features come from ((): final)
         self.incompatible = ""  # why the draft last refused, shown in GetServerInfo
         self.timeout_s = timeout_s
-        self.metadata = auth_metadata(token)  # the ops token: a draft that has one asks for it
+        # The ops token (a draft that has one asks for it), and who we are: the draft counts
+        # this target's slots over all its streams.
+        self.metadata = auth_metadata(token) + target_metadata(identity)
         self.busy_poll_s = busy_poll_s  # poll for the trees this long (serving.busy_wait)
         self.state: target_pb2.DraftConnectionState.ValueType = (
             State.DRAFT_CONNECTION_STATE_CONNECTING

@@ -22,11 +22,11 @@ from specpair.runtime.round import RoundRequest, StageTimings
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.target.session import Drafts, DraftSession
 from specpair.runtime.tree import EMPTY_TREE
-from target_service.draft_link import DraftLink
+from target_service.draft_pool import DraftPool
 from target_service.served import ServedRequest
 
 
-def pipelines(link: DraftLink | None, mode: PipelineMode, device: str) -> bool:
+def pipelines(link: DraftPool | None, mode: PipelineMode, device: str) -> bool:
     """Whether rounds go out pipelined: the draft pre-drafts, and `mode` is on, or auto with
     the draft on another device (sharing one, its pre-drafts would slow the verify they are
     meant to hide behind)."""
@@ -56,7 +56,7 @@ class Flight:
     predraft_ms: float = 0.0  # the draft's own time pre-drafting the next round
 
     async def drafts(
-        self, link: DraftLink | None, session: DraftSession, metrics: ServiceMetrics
+        self, link: DraftPool | None, session: DraftSession, metrics: ServiceMetrics
     ) -> Drafts:
         """The round's checked trees from the draft service (and its timings); empty trees when
         it is unavailable, with the reason counted."""
@@ -79,7 +79,7 @@ class Flight:
         return drafts
 
     async def after_verify(
-        self, link: DraftLink | None, session: DraftSession, metrics: ServiceMetrics
+        self, link: DraftPool | None, session: DraftSession, metrics: ServiceMetrics
     ) -> None:
         """A pipelined round's answers read after its verify: the deferred response (its
         adoptions), then the pre-drafts of the next round."""

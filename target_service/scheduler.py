@@ -4,11 +4,11 @@ One asyncio task drives every round; model compute runs through `Compute` (inlin
 one worker thread on the CPU). New requests are prefilled and join at the next round boundary;
 finished or cancelled ones leave there, and their draft state is released with the next
 RoundRequest. What goes to the draft and what comes back is the `DraftSession`'s business; the
-wire is the `DraftLink`'s; which answer a round reads when (pipelined: some after its verify),
-the `Flight`'s. A round starts when its RoundRequest goes out: right after the previous round's
-verify when nobody waits for admission, so that streaming results, metrics and round statistics
-overlap the draft's work instead of delaying it. A tier command takes effect when the next
-round starts, never inside one.
+wire is the `DraftPool`'s (a `DraftLink` per draft replica); which answer a round reads when
+(pipelined: some after its verify), the `Flight`'s. A round starts when its RoundRequest goes
+out: right after the previous round's verify when nobody waits for admission, so that
+streaming results, metrics and round statistics overlap the draft's work instead of delaying
+it. A tier command takes effect when the next round starts, never inside one.
 
 Tiers (`target_service/tiers.py`): the batch's, and optionally each request's. A round runs at
 the state of the largest tier among its requests; each request's chain is drafted to its own
@@ -31,7 +31,7 @@ from specpair.runtime.target.session import DraftSession
 from specpair.runtime.target.worker import TargetWorker
 from specpair.serving import Compute, settle, settle_budget
 from specpair.tiers import RegimeSteps
-from target_service.draft_link import DraftLink
+from target_service.draft_pool import DraftPool
 from target_service.flight import Flight, pipelines
 from target_service.round_feed import RoundFeed
 from target_service.served import RoundEvent, ServedRequest
@@ -54,7 +54,7 @@ class Scheduler:
         max_batch: int,
         max_queue: int,
         max_watchers: int = DEFAULT_MAX_WATCHERS,
-        draft: DraftLink | None,
+        draft: DraftPool | None,
         metrics: ServiceMetrics,
         threads: int = 1,
         device: str = "cpu",
@@ -230,8 +230,8 @@ class Scheduler:
             return flight  # target-only: the draft is not called (releases wait for a round)
         seqs = [r.seq for r in batch]
         flight.request = self.session.request(
-            self.round_id, seqs, state.tier, epoch=link.epoch,
-            features=link.draft_kind == "eagle", steps=steps, predraft=self.pipelining,
+            self.round_id, seqs, state.tier, epoch=link.epochs(seqs), features=link.features,
+            steps=steps, predraft=self.pipelining,
         )  # fmt: skip
         flight.hit_ids, flight.misses = frozenset(self.session.hits), self.session.misses
         flight.epoch = await link.send(flight.request)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from specpair.serving import bounded
 from specpair.tiers import RegimeSteps
 from specpair.wire import stats_to_proto
 from target_service.draft_link import DraftLink
+from target_service.draft_pool import DraftPool
 from target_service.frontend import (
     DeadlineExceededError,
     Frontend,
@@ -107,6 +109,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             draft_incompatible_reason=link.incompatible if link else "",
             pipeline=bool(s and link and link.connected and s.pipelining),
             pipeline_hit_rate=s.feed.hit_rate if s else 0.0,
+            draft_replicas=link.replicas() if link else [],
         )
 
     async def ApplyTier(
@@ -276,8 +279,8 @@ async def start(config: TargetConfig) -> RunningTarget:
             scheduler.compute.shutdown()
         raise
     if config.draft_address is not None:
-        scheduler.draft = DraftLink(
-            config.draft_address,
+        make_link = functools.partial(
+            DraftLink,
             tls=config.server.tls,
             timeout_s=config.draft_timeout_s,
             backoff_min_s=config.reconnect_min_s,
@@ -287,8 +290,14 @@ async def start(config: TargetConfig) -> RunningTarget:
             vocab_size=scheduler.worker.model.args.vocab_size,
             tokenizer_fingerprint=tokenizer_fingerprint(frontend.tokenizer),
             feature_layers=config.feature_layers,
+            identity=target_identity(config.server.address, server.port),
         )
-        scheduler.draft.start()
+        scheduler.draft = DraftPool(
+            config.draft_addresses,
+            lambda address, authority: make_link(address, authority=authority),
+            resolve_s=config.draft_resolve_s,
+        )
+        await scheduler.draft.start()
     frontend.scheduler = scheduler
     metrics.kv_cache_usage.set_function(functools.partial(kv_cache_usage, scheduler.worker.cache))
     task = asyncio.create_task(scheduler.run(), name="scheduler")
@@ -300,6 +309,13 @@ async def start(config: TargetConfig) -> RunningTarget:
     await server.ready()
     log.info("target service ready", tiers=list(scheduler.states), draft=config.draft_address)
     return RunningTarget(server, servicer, task, http, stats)
+
+
+def target_identity(address: str, port: int) -> str:
+    """How this target names itself to its drafts (they count its slots over all its streams):
+    the host and the port it serves, `pod-7:50051`, unique on a host and in a cluster."""
+    where = address if address.startswith("unix:") else str(port)
+    return f"{socket.gethostname()}:{where}"
 
 
 def kv_cache_usage(cache: KVCache) -> float:

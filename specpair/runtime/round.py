@@ -100,6 +100,8 @@ class RoundResponse:
     adopted: tuple[str, ...] = ()  # `predrafted` inputs whose fork the draft went on from
     # The second response of a pipelined round: per request, trees for its likeliest outcomes.
     predrafts: dict[str, tuple[Predraft, ...]] = field(default_factory=dict)
+    # Requests the draft kept nothing for, with why (`RESOURCE_EXHAUSTED: … max_target_requests`).
+    refused: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

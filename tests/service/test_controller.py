@@ -20,7 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from controller.policy import PolicyConfig
 from controller.server import RunningController, serve, start
 from specpair.channels import auth_metadata
-from specpair.client.results import TargetState
+from specpair.client.results import ControllerState, TargetState
+from specpair.client_commands import status_table
 from specpair.config import ControllerConfig, ServerConfig, TLSConfig
 from specpair.proto.v1 import controller_pb2, controller_pb2_grpc, target_pb2, target_pb2_grpc
 from specpair.serving import GrpcServer
@@ -488,3 +489,53 @@ async def test_pin_policy_and_ema_survive_a_controller_restart(tmp_path: Path) -
             await second.stop(grace=0.1)
     finally:
         await target.stop(grace=0.1)
+
+
+async def test_two_targets_each_steered_by_its_own_policy() -> None:
+    """One controller, `--target a,b`: a's rounds move a's tier only, b's b's; status has a
+    row per target."""
+    fakes = [FakeTarget(steps=3), FakeTarget(steps=3)]
+    servers = [await serve_target(fake, "127.0.0.1:0") for fake in fakes]
+    addresses = [f"127.0.0.1:{server.port}" for server in servers]
+    config = ControllerConfig(
+        ServerConfig("127.0.0.1:0"), targets=(",".join(addresses),), reconnect_s=0.1
+    )
+    running = await start(config, policy=FAST)
+    controller = running.controller
+    try:
+        await eventually(
+            lambda: (
+                all(t.connected for t in controller.snapshot()) and all(f.watchers for f in fakes)
+            )
+        )
+        a, b = fakes
+        for fake in fakes:
+            fake.applied.clear()
+        for _ in range(150):
+            if (a.steps, b.steps) == (7, 1):
+                break
+            a.push(7, 7)  # a accepts everything
+            b.push(0, 0)  # b nothing
+            await asyncio.sleep(0.02)
+        assert a.applied == [(7, "policy")] and b.applied == [(1, "policy")]
+        rows = controller.snapshot()
+        assert [(t.target_address, t.active_steps) for t in rows] == list(
+            zip(addresses, [7, 1], strict=True)
+        )
+        assert rows[0].ema > 3 > rows[1].ema
+        assert [s.to_steps for s in rows[0].recent_switches] == [7]
+        assert [s.to_steps for s in rows[1].recent_switches] == [1]
+        table = status_table(ControllerState(controller.policy.to_dict(), tuple(rows)))
+        lines = table.splitlines()
+        assert [line.split()[:3] for line in lines if line.startswith("127.0.0.1:")] == [
+            [addresses[0], "yes", "7"],
+            [addresses[1], "yes", "1"],
+        ]
+        # A lost target is reported as such; the other goes on being steered.
+        await servers[1].stop(0)
+        await eventually(lambda: not controller.snapshot()[1].connected)
+        assert controller.snapshot()[0].connected
+    finally:
+        await running.stop(grace=0.1)
+        for server in servers:
+            await server.stop(0)

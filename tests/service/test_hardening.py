@@ -535,7 +535,7 @@ async def test_target_waits_for_a_loading_draft_before_its_first_round(ckpts, mo
                 )
             ]
         assert responses[-1].speculation.plain_rounds == 0
-        assert link.epoch == 1  # no stream was lost on the way
+        assert link.links[0].epoch == 1  # no stream was lost on the way
         await draft.stop(grace=0)
     finally:
         await target.stop()

@@ -44,15 +44,19 @@ async def test_the_draft_round_stream_needs_the_ops_token(ckpts, make_stack) -> 
     assert stack.draft.servicer.streams == 1
 
 
-async def test_one_round_stream_holds_at_most_max_stream_requests(ckpts, make_stack) -> None:
+async def test_an_anonymous_round_stream_holds_at_most_max_target_requests(
+    ckpts, make_stack
+) -> None:
     stack = await make_stack(
-        draft_config(ckpts["draft"], max_requests=6, max_stream_requests=2),
+        draft_config(ckpts["draft"], max_requests=6, max_target_requests=2),
         target_config(ckpts["target"], draft_address=None),
     )
     greedy, other = DraftStream(stack.draft.port), DraftStream(stack.draft.port)
     try:
         taken = await greedy.round(*(draft_input(f"r{i}", [5, 6, 7]) for i in range(5)))
         assert len(taken.trees) == 2 and not taken.error  # the rest get no tree, no error
+        assert all("max_target_requests 2" in why for why in taken.refused.values())
+        assert sorted(taken.refused) == ["r2", "r3", "r4"]
         served = await other.round(*(draft_input(f"q{i}", [5, 6]) for i in range(2)))
         assert len(served.trees) == 2
         assert stack.draft.servicer.rounds.active_requests == 4

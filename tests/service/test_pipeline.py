@@ -153,5 +153,5 @@ async def test_auto_pipelines_only_across_devices(ckpts, make_stack) -> None:
     scheduler = stack.target.servicer.scheduler
     scheduler.pipeline = PipelineMode.AUTO
     assert not scheduler.pipelining  # both on the CPU
-    scheduler.draft.draft_device = "cuda:1"
+    scheduler.draft.links[0].draft_device = "cuda:1"
     assert scheduler.pipelining

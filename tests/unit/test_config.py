@@ -71,9 +71,9 @@ def test_the_front_door_settings_are_checked_once(monkeypatch: pytest.MonkeyPatc
         with pytest.raises(ValueError, match=next(iter(bad))):
             target(**bad)
     draft = DraftConfig(ServerConfig("127.0.0.1:0"), Path("d"), max_requests=8)
-    assert draft.max_stream_requests == 8  # 0: every slot
-    with pytest.raises(ValueError, match="max_stream_requests must be in"):
-        DraftConfig(ServerConfig("127.0.0.1:0"), Path("d"), max_requests=8, max_stream_requests=9)
+    assert draft.max_target_requests == 8  # 0: every slot
+    with pytest.raises(ValueError, match="max_target_requests must be in"):
+        DraftConfig(ServerConfig("127.0.0.1:0"), Path("d"), max_requests=8, max_target_requests=9)
 
 
 def test_the_api_key_is_an_option_whose_value_help_never_shows(
@@ -91,3 +91,21 @@ def test_the_api_key_is_an_option_whose_value_help_never_shows(
         parser.parse_args(["serve", "target", "--help"])
     shown = capsys.readouterr().out
     assert "--api-key" in shown and "sk-from-the-environment" not in shown
+
+
+def test_several_drafts_and_several_targets_are_comma_lists() -> None:
+    server = ServerConfig("127.0.0.1:0")
+    target = TargetConfig(server, Path("m"), draft_address="a:1, b:2,unix:/tmp/d.sock")
+    assert target.draft_addresses == ("a:1", "b:2", "unix:/tmp/d.sock")
+    assert TargetConfig(server, Path("m"), draft_address=None).draft_addresses == ()
+    with pytest.raises(ValueError, match="'b' must be HOST:PORT"):
+        TargetConfig(server, Path("m"), draft_address="a:1,b")
+    with pytest.raises(ValueError, match="appears twice"):
+        TargetConfig(server, Path("m"), draft_address="a:1,a:1")
+    with pytest.raises(ValueError, match="draft_address: no address"):
+        TargetConfig(server, Path("m"), draft_address=",")
+    # `--target a,b`, repeated `--target`, or both
+    controller = ControllerConfig(server, targets=("a:1,b:2", "c:3"))
+    assert controller.targets == ("a:1", "b:2", "c:3")
+    with pytest.raises(ValueError, match="appears twice"):
+        ControllerConfig(server, targets=("a:1,a:1",))

@@ -168,12 +168,33 @@ class RoundResponse(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class RefusedEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     ROUND_ID_FIELD_NUMBER: _builtins.int
     TREES_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     ADOPTED_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     PREDRAFTS_FIELD_NUMBER: _builtins.int
+    REFUSED_FIELD_NUMBER: _builtins.int
     round_id: _builtins.int
     error: _builtins.str
     """Set when the round could not be drafted (e.g. an unknown tier); the target decodes plainly."""
@@ -189,6 +210,13 @@ class RoundResponse(_message.Message):
     def predrafts(self) -> _containers.RepeatedCompositeFieldContainer[Global___Predraft]:
         """The second response of a pipelined round: trees for the likeliest outcomes of its trees."""
 
+    @_builtins.property
+    def refused(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Requests the draft kept no state for, and why, the reason starting with a gRPC code and
+        naming the limit (`RESOURCE_EXHAUSTED: target t holds max_target_requests 4 draft slots`).
+        The target decodes them plainly (or moves them to another replica) and re-sends later.
+        """
+
     def __init__(
         self,
         *,
@@ -198,10 +226,11 @@ class RoundResponse(_message.Message):
         error: _builtins.str = ...,
         adopted_request_ids: _abc.Iterable[_builtins.str] | None = ...,
         predrafts: _abc.Iterable[Global___Predraft] | None = ...,
+        refused: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adopted_request_ids", b"adopted_request_ids", "error", b"error", "predrafts", b"predrafts", "round_id", b"round_id", "timings", b"timings", "trees", b"trees"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adopted_request_ids", b"adopted_request_ids", "error", b"error", "predrafts", b"predrafts", "refused", b"refused", "round_id", b"round_id", "timings", b"timings", "trees", b"trees"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -267,6 +296,7 @@ class DraftServiceGetServerInfoResponse(_message.Message):
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _builtins.int
     FEATURE_LAYERS_FIELD_NUMBER: _builtins.int
     PIPELINE_FIELD_NUMBER: _builtins.int
+    TARGETS_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     draft_kind: _builtins.str
     active_streams: _builtins.int
@@ -290,6 +320,10 @@ class DraftServiceGetServerInfoResponse(_message.Message):
         whose layers differ from the ones it sends (its --feature-layers).
         """
 
+    @_builtins.property
+    def targets(self) -> _containers.RepeatedCompositeFieldContainer[Global___DraftTargetUsage]:
+        """Per target with an open Round stream: the draft slots its requests hold."""
+
     def __init__(
         self,
         *,
@@ -304,11 +338,41 @@ class DraftServiceGetServerInfoResponse(_message.Message):
         tokenizer_fingerprint: _builtins.str = ...,
         feature_layers: _abc.Iterable[_builtins.int] | None = ...,
         pipeline: _builtins.bool = ...,
+        targets: _abc.Iterable[Global___DraftTargetUsage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "active_streams", b"active_streams", "candidate_steps", b"candidate_steps", "device", b"device", "draft_kind", b"draft_kind", "feature_layers", b"feature_layers", "model_path", b"model_path", "pipeline", b"pipeline", "runtime_state_builds", b"runtime_state_builds", "tokenizer_fingerprint", b"tokenizer_fingerprint", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "active_streams", b"active_streams", "candidate_steps", b"candidate_steps", "device", b"device", "draft_kind", b"draft_kind", "feature_layers", b"feature_layers", "model_path", b"model_path", "pipeline", b"pipeline", "runtime_state_builds", b"runtime_state_builds", "targets", b"targets", "tokenizer_fingerprint", b"tokenizer_fingerprint", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DraftServiceGetServerInfoResponse: _TypeAlias = DraftServiceGetServerInfoResponse  # noqa: Y015
+
+@_typing.final
+class DraftTargetUsage(_message.Message):
+    """One target's share of a draft: known by the identity its streams present (the target's
+    x-specpair-target metadata, else the peer address).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TARGET_FIELD_NUMBER: _builtins.int
+    STREAMS_FIELD_NUMBER: _builtins.int
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    target: _builtins.str
+    streams: _builtins.int
+    requests: _builtins.int
+    def __init__(
+        self,
+        *,
+        target: _builtins.str = ...,
+        streams: _builtins.int = ...,
+        requests: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["requests", b"requests", "streams", b"streams", "target", b"target"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DraftTargetUsage: _TypeAlias = DraftTargetUsage  # noqa: Y015

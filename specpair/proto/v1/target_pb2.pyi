@@ -284,6 +284,7 @@ class TargetServiceGetServerInfoResponse(_message.Message):
     DRAFT_INCOMPATIBLE_REASON_FIELD_NUMBER: _builtins.int
     PIPELINE_FIELD_NUMBER: _builtins.int
     PIPELINE_HIT_RATE_FIELD_NUMBER: _builtins.int
+    DRAFT_REPLICAS_FIELD_NUMBER: _builtins.int
     speculative_num_steps: _builtins.int
     avg_spec_accept_length: _builtins.float
     target_model_path: _builtins.str
@@ -304,6 +305,12 @@ class TargetServiceGetServerInfoResponse(_message.Message):
     pipeline_hit_rate: _builtins.float
     @_builtins.property
     def candidate_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def draft_replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___DraftReplica]:
+        """One per draft replica (--draft A,B or a name resolving to several addresses); with one
+        draft, that one. draft_connection_state above sums them up: CONNECTED while any is.
+        """
+
     def __init__(
         self,
         *,
@@ -323,14 +330,46 @@ class TargetServiceGetServerInfoResponse(_message.Message):
         draft_incompatible_reason: _builtins.str = ...,
         pipeline: _builtins.bool = ...,
         pipeline_hit_rate: _builtins.float = ...,
+        draft_replicas: _abc.Iterable[Global___DraftReplica] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["avg_spec_accept_length", b"avg_spec_accept_length", "candidate_steps", b"candidate_steps", "device", b"device", "draft_address", b"draft_address", "draft_connection_state", b"draft_connection_state", "draft_incompatible_reason", b"draft_incompatible_reason", "max_context_length", b"max_context_length", "pipeline", b"pipeline", "pipeline_hit_rate", b"pipeline_hit_rate", "queued_requests", b"queued_requests", "rounds", b"rounds", "running_requests", b"running_requests", "runtime_state_builds", b"runtime_state_builds", "speculative_num_steps", b"speculative_num_steps", "target_model_path", b"target_model_path", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["avg_spec_accept_length", b"avg_spec_accept_length", "candidate_steps", b"candidate_steps", "device", b"device", "draft_address", b"draft_address", "draft_connection_state", b"draft_connection_state", "draft_incompatible_reason", b"draft_incompatible_reason", "draft_replicas", b"draft_replicas", "max_context_length", b"max_context_length", "pipeline", b"pipeline", "pipeline_hit_rate", b"pipeline_hit_rate", "queued_requests", b"queued_requests", "rounds", b"rounds", "running_requests", b"running_requests", "runtime_state_builds", b"runtime_state_builds", "speculative_num_steps", b"speculative_num_steps", "target_model_path", b"target_model_path", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TargetServiceGetServerInfoResponse: _TypeAlias = TargetServiceGetServerInfoResponse  # noqa: Y015
+
+@_typing.final
+class DraftReplica(_message.Message):
+    """A draft replica as this target sees it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    INCOMPATIBLE_REASON_FIELD_NUMBER: _builtins.int
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    address: _builtins.str
+    state: Global___DraftConnectionState.ValueType
+    incompatible_reason: _builtins.str
+    requests: _builtins.int
+    """Running requests homed on it (each request drafts on one replica, kept while it runs)."""
+    def __init__(
+        self,
+        *,
+        address: _builtins.str = ...,
+        state: Global___DraftConnectionState.ValueType = ...,
+        incompatible_reason: _builtins.str = ...,
+        requests: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "incompatible_reason", b"incompatible_reason", "requests", b"requests", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DraftReplica: _TypeAlias = DraftReplica  # noqa: Y015
 
 @_typing.final
 class ApplyTierRequest(_message.Message):

@@ -19,7 +19,7 @@ request's whole history (tokens, and features from the `FeatureLog`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -168,13 +168,14 @@ class DraftSession:
         seqs: Sequence[TargetSequence],
         tier: int,
         *,
-        epoch: int = 0,
+        epoch: int | Mapping[str, int] = 0,
         features: bool = False,
         steps: Sequence[int] | None = None,
         predraft: bool = False,
     ) -> RoundRequest:
-        """The next round for `seqs` on the draft stream `epoch`: per request the tokens the
-        draft has not seen (and, with `features`, the hidden states that predicted them).
+        """The next round for `seqs` on the draft stream `epoch` (or each request's own, by id:
+        a pool of draft replicas): per request the tokens the draft has not seen (and, with
+        `features`, the hidden states that predicted them).
         `steps` (per request, at most `tier`): each one's own tier; one at 0 is not sent, and
         what it appends meanwhile goes out with its next round at a positive tier.
 
@@ -190,8 +191,10 @@ class DraftSession:
             if own == 0:
                 continue
             view = self.views[seq.request_id]
-            if view.epoch != epoch:  # a new stream: the draft re-prefills from scratch
-                view.seen, view.epoch = 0, epoch
+            stream = epoch if isinstance(epoch, int) else epoch[seq.request_id]
+            renewed = view.epoch != stream
+            if renewed:  # a new stream: the draft re-prefills from scratch
+                view.seen, view.epoch = 0, stream
             seen, prompt = view.seen, len(seq.prompt)
             if seen >= prompt:
                 appended = tuple(seq.output[seen - prompt :])
@@ -199,7 +202,7 @@ class DraftSession:
                 appended = (*seq.prompt[seen:], *seq.output)
             rows = view.features.since(seen - 1) if features else None
             hit = None
-            if seq.request_id in ahead:
+            if seq.request_id in ahead and not renewed:  # pre-drafts live on their stream
                 # The outcome of the round just verified: k drafts accepted, then the bonus.
                 hit = ahead[seq.request_id].get((len(appended) - 1, appended[-1]))
                 if hit is None or hit[1] != own:
@@ -251,6 +254,8 @@ class DraftSession:
             if item.predrafted:
                 trees.append(EMPTY_TREE if tree is None else tree)
                 continue
+            if item.request_id in response.refused:  # no room there (the reason names it)
+                fallbacks.append("draft_refused")
             if tree is not None and not self.in_process:
                 why = self._fault(tree, item, item.steps or request.speculative_num_steps)
             if why is not None:
