@@ -5,6 +5,7 @@ trained pair really achieves:
 
     python -m training.grow models/target /tmp/grown/target --shape llama3-8b
     python -m training.grow models/eagle  /tmp/grown/eagle  --shape llama3-8b
+    python -m training.grow models/eagle3 /tmp/grown/eagle3 --shape llama3-8b  # grow_eagle3.py
     python -m training.grow models/draft  /tmp/grown/draft  --shape llama3.2-1b
     python -m training.grow SRC DST --hidden 512 --layers 8 --heads 16 --kv-heads 4 \\
         --head-dim 128 --intermediate 2048 --vocab 8448
