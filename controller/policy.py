@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Self
 
 from controller.interface import GatedPolicy, RoundSample, TierEstimate, snap_to_candidate
@@ -39,17 +37,6 @@ class PolicyKeys:
             )
         # JSON lists arrive as lists; the frozen configs hold tuples.
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
-
-    @classmethod
-    def from_json_file(cls, path: str | Path) -> Self:
-        try:
-            values = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError, RecursionError) as exc:
-            raise ValueError(f"cannot read policy config {path}: {exc}") from exc
-        try:
-            return cls.from_mapping(values)
-        except ValueError as exc:
-            raise ValueError(f"policy config {path}: {exc}") from exc
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
