@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Self
 
 from controller.interface import GatedPolicy, RoundSample, TierEstimate, snap_to_candidate
@@ -15,7 +13,7 @@ from controller.interface import GatedPolicy, RoundSample, TierEstimate, snap_to
 # Sane ranges. A value past these is a typo or an attack, never a policy: 2^31 − 1 batches
 # between decisions is 8 months at 100 rounds a second, and a hysteresis beyond the largest
 # tier can never trigger (the EMA of accept lengths lies in [0, tier]).
-MAX_STEPS = 64  # a tier's chain fits the target's largest tree (draft_session.MAX_TREE_NODES)
+MAX_STEPS = 64  # a tier's chain fits the target's largest tree (target/session.py MAX_TREE_NODES)
 MAX_BATCHES = 1_000_000
 MAX_HYSTERESIS = float(MAX_STEPS)
 MAX_BATCH_SIZE = 65_536
@@ -39,17 +37,6 @@ class PolicyKeys:
             )
         # JSON lists arrive as lists; the frozen configs hold tuples.
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
-
-    @classmethod
-    def from_json_file(cls, path: str | Path) -> Self:
-        try:
-            values = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError, RecursionError) as exc:
-            raise ValueError(f"cannot read policy config {path}: {exc}") from exc
-        try:
-            return cls.from_mapping(values)
-        except ValueError as exc:
-            raise ValueError(f"policy config {path}: {exc}") from exc
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

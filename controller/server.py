@@ -205,7 +205,7 @@ def load_policy(path: Path | None, policy_class: str | None = None) -> PolicySpe
     if path is not None:
         try:
             values = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, json.JSONDecodeError, RecursionError) as exc:
             raise ValueError(f"cannot read policy config {path}: {exc}") from exc
         if not isinstance(values, dict):
             raise ValueError(f"policy config {path} must be a JSON object")

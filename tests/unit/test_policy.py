@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from controller.policy import AdaptiveSpeculativeParams, PolicyConfig, snap_to_candidate
+from controller.server import load_policy
 
 # α = 1 makes the EMA equal to the last batch mean exactly, so thresholds can be hit exactly.
 FAST = PolicyConfig(ema_alpha=1.0, warmup_batches=0, update_interval=1)
@@ -207,29 +208,34 @@ def test_replace_partial() -> None:
         cfg.replace_partial(speed=2)
 
 
-def test_json_file_omitted_keys_take_defaults(tmp_path: Path) -> None:
+def test_policy_file_omitted_keys_take_defaults(tmp_path: Path) -> None:
+    """The controller's `--policy` file, read as `specpair serve controller` reads it."""
     path = tmp_path / "policy.json"
     path.write_text(json.dumps({"candidate_steps": [1, 2, 4], "warmup_batches": 0}))
-    cfg = PolicyConfig.from_json_file(path)
-    assert cfg == PolicyConfig(candidate_steps=(1, 2, 4), warmup_batches=0)
+    spec = load_policy(path)
+    assert spec.kind == "sglang"
+    assert spec.bands[0].config == PolicyConfig(candidate_steps=(1, 2, 4), warmup_batches=0)
 
 
-def test_json_file_errors_name_the_file_and_key(tmp_path: Path) -> None:
+def test_policy_file_errors_name_the_file_and_key(tmp_path: Path) -> None:
     path = tmp_path / "policy.json"
     path.write_text(json.dumps({"ema_alpha": 0.2, "interval": 3}))
     with pytest.raises(ValueError, match=r"policy\.json.*unknown policy key.*interval"):
-        PolicyConfig.from_json_file(path)
+        load_policy(path)
     path.write_text(json.dumps({"ema_alpha": 2}))
     with pytest.raises(ValueError, match=r"policy\.json.*ema_alpha must be in"):
-        PolicyConfig.from_json_file(path)
+        load_policy(path)
     path.write_text("[1, 3, 7]")
     with pytest.raises(ValueError, match="must be a JSON object"):
-        PolicyConfig.from_json_file(path)
+        load_policy(path)
     path.write_text("{not json")
     with pytest.raises(ValueError, match="cannot read policy config"):
-        PolicyConfig.from_json_file(path)
+        load_policy(path)
+    path.write_text("[" * 100_000)
     with pytest.raises(ValueError, match="cannot read policy config"):
-        PolicyConfig.from_json_file(tmp_path / "missing.json")
+        load_policy(path)
+    with pytest.raises(ValueError, match="cannot read policy config"):
+        load_policy(tmp_path / "missing.json")
 
 
 def test_the_wire_carries_every_policy_key() -> None:
