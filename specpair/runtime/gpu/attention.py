@@ -262,8 +262,7 @@ def flat_mask(layout: BatchLayout) -> Tensor:
 
     Each request's rows are its whole visible prefix (start keys) followed by its [T, T] tree
     mask; built per request rather than through the batch's dense [B, T, max start + T] mask,
-    which cost ~0.3 ms of host time per verify at 2k context (the plan sits on the round's
-    critical path)."""
+    whose size grows with the longest context (the plan sits on the round's critical path)."""
     t = layout.new_mask.shape[1]
     parts = []
     for b, start in enumerate(layout.starts.tolist()):

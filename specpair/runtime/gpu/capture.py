@@ -204,7 +204,7 @@ class GraphCapture:
 
     def timed(self, tier: int, build: Callable[[], T]) -> T:
         # Capturing empties the allocator's cache (torch.cuda.graph does): empty it first, or
-        # memory left cached by loading counts against the first tier (-8.7 GiB on an H100).
+        # memory left cached by loading counts against the first tier's graphs.
         torch.cuda.synchronize()
         gc.collect()
         torch.cuda.empty_cache()

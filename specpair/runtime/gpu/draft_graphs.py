@@ -210,10 +210,9 @@ class ExtendGraphs:
         if len(groups) > 1:
             # Every row of one forward is padded to the longest: a prompt joining beside a
             # request deep into its context would write that request's slot past the cache,
-            # and the draft refuse the round (H100, closed loop, 128-token requests: 2–7
-            # rounds a cell, each followed by one re-sending every request whole, 0.5–0.9 s
-            # at batch 64), and every short row would be padded to the prompt. Each group
-            # runs alone: the rounds' short rows in a graph, the prompt eagerly.
+            # and the draft refuse the round (then the next round re-sends every request
+            # whole), and every short row would be padded to the prompt. Each group runs
+            # alone: the rounds' short rows in a graph, the prompt eagerly.
             return self._grouped(inputs, slots, groups)
         if bucket is None:
             return self.eager.run(inputs, slots)

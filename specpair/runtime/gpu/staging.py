@@ -20,8 +20,7 @@ class Staging:
     Copies made `deferred` (plans made ahead, `prepare`) wait in `pending` until the next
     replay flushes them: a service plans while its peer computes, and on a shared GPU a copy
     queued in one process's context then would preempt the peer's kernels (time-slicing
-    between contexts; an H100 run measured the target's verify graphs 4 % slower on the GPU
-    while the draft's plan copies went out during them).
+    between contexts slows the peer's graphs: bench/RESULTS.md).
     """
 
     def __init__(self) -> None:

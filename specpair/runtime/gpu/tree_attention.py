@@ -1,8 +1,8 @@
 """Paged tree attention for few query tokens per request, in Triton (CUDA graphs only).
 
-flashinfer's paged prefill kernel (with the tree as custom mask) costs ~13 µs per layer at
-batch 1 whatever q ≤ 8 is (split-KV prefill + merge; an H100/H200 measurement in
-`bench/gpu_kernels.py`) — 0.4 ms of a 4-5 ms forward of an 8B model. Verify and the draft's
+flashinfer's paged prefill kernel (with the tree as custom mask) costs the same per layer at
+batch 1 whatever q ≤ 8 is (split-KV prefill + merge; `bench/gpu_kernels.py` compares the two,
+bench/RESULTS.md), a large share of an 8B model's forward. Verify and the draft's
 multi-step run at most a few tokens per request, so their graphs use this split-KV kernel
 instead (flash-decoding: every program streams one chunk of one request's keys for all of a
 KV head's query rows, a second kernel merges the chunks). Prefill and long extends stay on
@@ -161,7 +161,7 @@ class TreeConfig:
 
 def tree_config(batch: int, n_kv: int, tokens: int) -> TreeConfig:
     """~256 programs, each a chunk of one request's keys for one KV head. Prefetch pays at one
-    query token (H100, `bench/gpu_kernels.py`: 10.5 vs 11.3 µs per layer at ctx 2048), not at 8."""
+    query token, not at 8 (`bench/gpu_kernels.py`)."""
     splits = max(1, min(32, 256 // (batch * n_kv)))
     return TreeConfig(1 << (splits.bit_length() - 1), prefetch=tokens == 1)
 

@@ -12,8 +12,8 @@ lets the next kernel in the stream launch early (`gdc_launch_dependents`) and wa
 previous one (`gdc_wait`) before touching anything it wrote. Before that wait a kernel may only
 read what no kernel ever writes, the weights: a GEMV fetches its first weight tile while the
 norm, rope or attention before it still runs. The short kernels release their successor at
-once; a GEMV only after its loop (a GEMV launched beside another slowed both). Measured side by
-side (`bench/gpu_forward.py`, "no-PDL"): 1-2 % off the batch-1 forward at q = 1, none at q = 8.
+once; a GEMV only after its loop (a GEMV launched beside another slowed both). What it saves:
+`bench/gpu_forward.py`'s "no-PDL" row (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def _gemv_kernel(
         x = tl.load(x_ptr + rm[:, None] * k + rk[None, :], mask=rm[:, None] < m, other=0.0)
         w = tl.load(w_ptr + rn[None, :] * k + rk[:, None], mask=rn[None, :] < n, other=0.0)
         acc += tl.dot(x, w)
-    if PDL:  # only now: a GEMV launched during this one would contend for its SMs (measured)
+    if PDL:  # only now: a GEMV launched during this one would contend for its SMs
         tl.extra.cuda.gdc_launch_dependents()
     out = part_ptr + pid_k * m * n + rm[:, None] * n + rn[None, :]
     tl.store(out, acc, mask=(rm[:, None] < m) & (rn[None, :] < n))
@@ -220,8 +220,7 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int, int, int] | None:
     """(splits, BN, BK, warps, stages) for an [N, K] weight, or None where the GEMV can't run.
 
     Enough programs to keep every SM streaming (>= 256 on 132 SMs): 64-row tiles, K split in
-    two until there are. Measured on an H200 (`bench/gpu_kernels.py`): at M = 1 this reads
-    0.78-1.05 of the copy bandwidth where cuBLAS read 0.63-1.03 (o-proj 10.2 vs 12.6 µs)."""
+    two until there are (against cuBLAS: `bench/gpu_kernels.py`, bench/RESULTS.md)."""
     bn, bk = 64, 128
     if k % bk:
         return None
