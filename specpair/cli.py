@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--pipeline", choices=["auto", "on", "off"], default="auto",
         help="pipelined rounds (auto, the default: when the draft has a device of its own)",
     )  # fmt: skip
+    up.add_argument(
+        "--tensor-parallel", type=int, default=1, metavar="N",
+        help="split the target over N ranks (CPU; default: %(default)s)",
+    )  # fmt: skip
     up.add_argument("--policy", type=Path, help="the controller's policy JSON file")
     up.add_argument("--demo", action="store_true", help="run the demo client once it is up")
 
@@ -171,6 +175,7 @@ async def _serve(service: Callable[[Any], Coroutine[Any, Any, None]], config: An
 def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specpair.logging import configure_logging
     from specpair.models.loading import CheckpointError
+    from specpair.parallel.ranks import RankExitedError
     from specpair.serving import BindError
 
     try:
@@ -188,7 +193,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
             asyncio.run(_serve(service, config))
-    except (BindError, CheckpointError) as exc:  # the user's to fix: one line, no traceback
+    except (BindError, CheckpointError, RankExitedError) as exc:  # one line, no traceback
         print(f"{parser.prog} serve {args.service}: error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -150,6 +150,10 @@ def same_device(a: str, b: str) -> bool | None:
 
 
 BUSY_POLL_MS_CUDA = 20.0
+GPU_TENSOR_PARALLEL = (
+    "tensor_parallel > 1 runs on the CPU (gloo) only for now: the GPU's fused layers and CUDA "
+    "graphs have no all-reduce yet (--device cpu)"
+)
 
 
 def compute_threads(requested: int) -> int:
@@ -278,9 +282,19 @@ class TargetConfig(ModelServiceConfig):
         metadata=_help("pipelined rounds: the draft pre-drafts the next round while this "
                        "target verifies (auto: when the draft is on another device)"),
     )  # fmt: skip
+    tensor_parallel: int = field(
+        default=1,
+        metadata=_help("ranks the target model is split over, Megatron-style: this process "
+                       "serves as rank 0 and starts the others (CPU, gloo; each rank takes "
+                       "--threads)"),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         self._resolve()
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.tensor_parallel > 1 and self.device != "cpu":
+            raise ValueError(GPU_TENSOR_PARALLEL)
         if self.draft_address is not None:
             if not self.draft_addresses:
                 raise ValueError("draft_address: no address (--no-draft decodes without one)")

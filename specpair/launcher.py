@@ -75,6 +75,8 @@ def up_services(args: argparse.Namespace) -> tuple[list[Service], str]:
         "target", "--model", str(target), *device, "--pipeline", str(args.pipeline),
         "--candidate-steps", "0,1,3,7",
     )  # fmt: skip
+    if args.tensor_parallel > 1:
+        target_args += ("--tensor-parallel", str(args.tensor_parallel))
     if args.draft_kind == "eagle" and (layers := feature_layers(draft, target)):
         target_args += ("--feature-layers", ",".join(map(str, layers)))  # an EAGLE-3 head's
     services = [

@@ -7,7 +7,7 @@ import contextlib
 import functools
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,8 @@ from specpair.config import TargetConfig, is_loopback, split_address
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.models.loading import load_tokenizer, tokenizer_fingerprint
+from specpair.parallel.build import build_parallel_target
+from specpair.parallel.ranks import RankExitedError, RankGroup
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
 from specpair.runtime.build import StateBuilder, build_target
 from specpair.runtime.kv_cache import KVCache
@@ -167,6 +169,22 @@ class RunningTarget:
     task: asyncio.Task[None]
     http: HttpServer | None = None
     stats: asyncio.Task[None] | None = None
+    ranks: RankGroup | None = None  # a tensor-parallel target's followers
+    rank_exit: asyncio.Future[str] | None = None  # what `ranks` said when one exited
+
+    async def wait(self) -> None:
+        """Until the server terminates; raises RankExitedError when a follower rank exits
+        first (the target cannot compute without it)."""
+        done = asyncio.ensure_future(self.server.server.wait_for_termination())
+        waits: set[asyncio.Future[Any]] = {done}
+        if self.rank_exit is not None:
+            waits.add(self.rank_exit)
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            done.cancel()
+        if self.rank_exit is not None and self.rank_exit.done():
+            raise RankExitedError(self.rank_exit.result())
 
     @property
     def port(self) -> int:
@@ -192,14 +210,16 @@ class RunningTarget:
             if scheduler.draft is not None:
                 await scheduler.draft.close()
             scheduler.compute.shutdown()
+        if self.ranks is not None:
+            await asyncio.to_thread(self.ranks.stop)
 
 
 def _build_scheduler(
-    config: TargetConfig, metrics: ServiceMetrics
-) -> tuple[Scheduler, StateBuilder]:
-    log.info("loading target weights", path=str(config.model_path), device=config.device)
-    worker = build_target(
-        config.model_path,
+    config: TargetConfig, metrics: ServiceMetrics, on_rank_exit: Callable[[str], None]
+) -> tuple[Scheduler, StateBuilder, RankGroup | None]:
+    log.info("loading target weights", path=str(config.model_path), device=config.device,
+             tensor_parallel=config.tensor_parallel)  # fmt: skip
+    options: dict[str, Any] = dict(
         max_requests=config.max_batch,
         max_len=config.max_len + MAX_TREE_NODES + 1,  # headroom for a tree past the context
         keep_features=config.draft_address is not None,
@@ -207,6 +227,14 @@ def _build_scheduler(
         dtype=getattr(torch, config.dtype),
         device=config.device,
     )
+    ranks = None
+    if config.tensor_parallel > 1:
+        worker, ranks = build_parallel_target(
+            config.model_path, tensor_parallel=config.tensor_parallel, threads=config.threads,
+            on_exit=on_rank_exit, **options,
+        )  # fmt: skip
+    else:
+        worker = build_target(config.model_path, **options)
     builder = StateBuilder(worker)
     scheduler = Scheduler(
         worker,
@@ -221,7 +249,7 @@ def _build_scheduler(
         device=config.device,
         pipeline=config.pipeline,
     )
-    return scheduler, builder
+    return scheduler, builder, ranks
 
 
 async def start(config: TargetConfig) -> RunningTarget:
@@ -262,9 +290,21 @@ async def start(config: TargetConfig) -> RunningTarget:
                 address=config.http_address,
             )
     scheduler: Scheduler | None = None
+    ranks: RankGroup | None = None
+    loop = asyncio.get_running_loop()
+    rank_exit: asyncio.Future[str] = loop.create_future()
+
+    def exited(message: str) -> None:
+        if not rank_exit.done():
+            rank_exit.set_result(message)
+
+    def on_rank_exit(message: str) -> None:  # from the ranks' watch thread
+        log.error(message)
+        loop.call_soon_threadsafe(exited, message)
+
     try:
-        built = await asyncio.to_thread(_build_scheduler, config, metrics)
-        scheduler, servicer.builder = built
+        built = await asyncio.to_thread(_build_scheduler, config, metrics, on_rank_exit)
+        scheduler, servicer.builder, ranks = built
         frontend.tokenizer = await asyncio.to_thread(load_tokenizer, config.model_path)
         if config.eos_stop:
             frontend.eos = eos_ids(config.model_path, frontend.tokenizer)
@@ -277,6 +317,8 @@ async def start(config: TargetConfig) -> RunningTarget:
         await server.stop(0)
         if scheduler is not None:
             scheduler.compute.shutdown()
+        if ranks is not None:
+            await asyncio.to_thread(ranks.stop)
         raise
     if config.draft_address is not None:
         make_link = functools.partial(
@@ -308,7 +350,8 @@ async def start(config: TargetConfig) -> RunningTarget:
         )
     await server.ready()
     log.info("target service ready", tiers=list(scheduler.states), draft=config.draft_address)
-    return RunningTarget(server, servicer, task, http, stats)
+    exit_ = rank_exit if ranks is not None else None
+    return RunningTarget(server, servicer, task, http, stats, ranks, exit_)
 
 
 def target_identity(address: str, port: int) -> str:
@@ -361,6 +404,6 @@ async def log_throughput(metrics: ServiceMetrics, scheduler: Scheduler, interval
 async def serve(config: TargetConfig) -> None:
     running = await start(config)
     try:
-        await running.server.server.wait_for_termination()
+        await running.wait()
     finally:
         await running.stop()

@@ -1,0 +1,168 @@
+"""A Llama decoder split over N ranks, Megatron-style: one rank's shard of every layer.
+
+Each rank holds heads / N attention heads and KV heads and intermediate / N MLP columns:
+
+    q/k/v_proj, gate/up_proj  column-parallel: this rank's rows of the weight (its heads, its
+                              intermediate columns); no communication
+    o_proj, down_proj         row-parallel: this rank's input columns; the partial outputs are
+                              summed over the ranks (one all-reduce per attention, one per MLP),
+                              then the bias is added once
+    lm_head                   vocab-parallel: this rank's ceil(V / N) vocabulary rows (the last
+                              rank's padded with zeros); the logits shards are all-gathered
+    embedding, norms          replicated
+
+So the residual stream is the same on every rank after each layer, and every rank's KV cache
+holds only its own KV heads. 4 heads, 2 KV heads, N = 2: rank 1 runs q heads 2-3 over KV head 1
+(a q head h reads KV head h // 2, so contiguous chunks keep GQA's groups whole).
+
+Collectives go through the default process group (`torch.distributed`), which the caller
+has initialised (`specpair/parallel/ranks.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specpair.models.llama import DecoderLayer, LlamaModel, ModelArgs
+from specpair.models.loading import CheckpointError, load_llama
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    rank: int
+    world: int  # ranks the model is split over
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"rank {self.rank} is not in [0, {self.world})")
+
+    def chunk(self, n: int) -> slice:
+        """This rank's part of n items (n divisible by world)."""
+        per = n // self.world
+        return slice(self.rank * per, (self.rank + 1) * per)
+
+
+def check_shardable(args: ModelArgs, world: int, path: str | Path = "config.json") -> None:
+    """Refuses a model whose heads or MLP do not split evenly over `world` ranks, naming the
+    config field (the vocabulary need not: the LM head pads)."""
+    for field, value in (
+        ("num_attention_heads", args.num_heads),
+        ("num_key_value_heads", args.num_kv_heads),
+        ("intermediate_size", args.intermediate_size),
+    ):
+        if value % world:
+            raise CheckpointError(
+                f"{path}: {field} ({value}) is not divisible by --tensor-parallel {world}"
+            )
+
+
+def reduce_sum(x: Tensor) -> Tensor:
+    """Sums `x` over the ranks, in place (a test replaces it with a broken one, which the
+    distribution test must catch)."""
+    dist.all_reduce(x)
+    return x
+
+
+class RowParallelLinear(nn.Linear):
+    """y = sum over ranks of (x_r @ W_r^T) + b: W_r [out, in / N] takes this rank's part of the
+    input (its heads' outputs, its intermediate columns); in_features is that part's."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = reduce_sum(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelHead(nn.Linear):
+    """Logits [..., V] from this rank's [ceil(V / N), H] rows, the shards all-gathered."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, world: int) -> None:
+        super().__init__(hidden_size, -(-vocab_size // world), bias=False)
+        self.vocab_size, self.world = vocab_size, world
+
+    def forward(self, x: Tensor) -> Tensor:
+        local = F.linear(x, self.weight).contiguous()  # [..., V / N]
+        shards = [torch.empty_like(local) for _ in range(self.world)]
+        dist.all_gather(shards, local)
+        return torch.cat(shards, dim=-1)[..., : self.vocab_size]
+
+
+class TensorParallelLlama(LlamaModel):
+    """`LlamaModel` with this rank's shard of every layer; built on the meta device and filled
+    by `load_shard`. Its forward and LM head are collectives: every rank must run them."""
+
+    def __init__(self, args: ModelArgs, shard: Shard) -> None:
+        check_shardable(args, shard.world)
+        super().__init__(args)
+        self.shard = shard
+        for layer in self.model.layers:
+            _shard_layer(cast(DecoderLayer, layer), args, shard.world)
+        self.lm_head = VocabParallelHead(args.vocab_size, args.hidden_size, shard.world)
+
+
+def _shard_layer(layer: DecoderLayer, args: ModelArgs, n: int) -> None:
+    """Replaces a layer's projections with one rank's (of n), uninitialised."""
+    attn, mlp, hidden = layer.self_attn, layer.mlp, args.hidden_size
+    attn.n_heads, attn.n_kv = args.num_heads // n, args.num_kv_heads // n
+    q, kv = attn.n_heads * args.head_dim, attn.n_kv * args.head_dim
+    attn.q_proj = nn.Linear(hidden, q, bias=args.qkv_bias)
+    attn.k_proj = nn.Linear(hidden, kv, bias=args.qkv_bias)
+    attn.v_proj = nn.Linear(hidden, kv, bias=args.qkv_bias)
+    attn.o_proj = RowParallelLinear(q, hidden, bias=args.o_bias)
+    inter = args.intermediate_size // n
+    mlp.gate_proj = nn.Linear(hidden, inter, bias=args.mlp_bias)
+    mlp.up_proj = nn.Linear(hidden, inter, bias=args.mlp_bias)
+    mlp.down_proj = RowParallelLinear(inter, hidden, bias=args.mlp_bias)
+
+
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # weight and bias: rows
+ROW = ("o_proj.weight", "down_proj.weight")  # input columns; their biases are whole
+
+
+def shard_state(state: dict[str, Tensor], shard: Shard) -> dict[str, Tensor]:
+    """This rank's part of a full model's state dict (HF names), as `TensorParallelLlama`
+    holds it."""
+    out = {}
+    for name, tensor in state.items():
+        module = name.split(".")[-2]  # model.layers.0.self_attn.q_proj.weight: q_proj
+        if module in COLUMN:
+            tensor = tensor[shard.chunk(tensor.shape[0])]
+        elif name.endswith(ROW):
+            tensor = tensor[:, shard.chunk(tensor.shape[1])]
+        elif name == "lm_head.weight":
+            per = -(-tensor.shape[0] // shard.world)
+            rows = tensor[shard.rank * per : (shard.rank + 1) * per]
+            tensor = torch.zeros(per, tensor.shape[1], dtype=tensor.dtype)
+            tensor[: len(rows)] = rows  # the last rank's rows past V stay zero (cut after gather)
+        out[name] = tensor.clone()
+    return out
+
+
+M = TypeVar("M", bound=TensorParallelLlama)
+
+
+def load_shard(
+    path: str | Path,
+    shard: Shard,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    context: int | None = None,
+    make: Callable[[ModelArgs, Shard], M] = TensorParallelLlama,  # type: ignore[assignment]
+) -> M:
+    """This rank's shard of the checkpoint at `path` (loaded whole on the host first, with
+    every check `load_llama` makes); `make` builds the model class (rank 0's `LeaderModel`)."""
+    full = load_llama(path, dtype=dtype, device="cpu", context=context)
+    check_shardable(full.args, shard.world, Path(path) / "config.json")
+    with torch.device("meta"):
+        model = make(full.args, shard)
+    model.load_state_dict(shard_state(full.state_dict(), shard), assign=True)
+    model.inv_freq = full.inv_freq
+    return model.to(device).eval()

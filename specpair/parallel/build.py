@@ -1,0 +1,62 @@
+"""A tensor-parallel target worker: rank 0's `TargetWorker` over its shard, followers started."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from specpair.models.llama import ModelArgs
+from specpair.models.loading import read_args
+from specpair.models.parallel import Shard, check_shardable, load_shard
+from specpair.parallel.lockstep import LeaderModel, LockstepCache
+from specpair.parallel.ranks import RankGroup, ShardSpec
+from specpair.runtime.target import TargetWorker
+
+
+def build_parallel_target(
+    path: str | Path,
+    *,
+    tensor_parallel: int,
+    max_requests: int,
+    max_len: int,
+    keep_features: bool = False,
+    feature_layers: tuple[int, ...] = (),
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    threads: int = 1,
+    on_exit: Callable[[str], None] | None = None,
+) -> tuple[TargetWorker, RankGroup]:
+    """`build_target` over `tensor_parallel` ranks: this process is rank 0 and returns its
+    worker; ranks 1 … N-1 run in child processes until `RankGroup.stop`. `on_exit` hears of a
+    follower that exits before then (from a thread)."""
+    path = Path(path)
+    check_shardable(read_args(path), tensor_parallel, path / "config.json")  # before any spawn
+    spec = ShardSpec(path, tensor_parallel, max_requests, max_len, dtype, device, threads)
+    group = RankGroup(spec, on_exit)
+    try:
+        group.start()
+
+        def leader(args: ModelArgs, shard: Shard) -> LeaderModel:
+            return LeaderModel(args, shard, group.lockstep)
+
+        model: LeaderModel | None = None
+        error: Exception | None = None
+        try:
+            model = load_shard(
+                path, Shard(0, tensor_parallel), dtype=dtype, device=device, context=max_len,
+                make=leader,
+            )  # fmt: skip
+        except Exception as exc:
+            error = exc
+        group.agree(error)  # raises this rank's error or a follower's
+        assert model is not None
+        cache = LockstepCache(group.lockstep, **spec.cache_options(model.args))
+        worker = TargetWorker(model, cache, keep_features=keep_features,
+                              feature_layers=feature_layers)  # fmt: skip
+        group.watch()
+    except BaseException:
+        group.stop()
+        raise
+    return worker, group

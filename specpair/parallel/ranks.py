@@ -1,0 +1,212 @@
+"""The ranks of a tensor-parallel target: rank 0 (the target service's process) starts ranks
+1 … N-1 as child processes, joins them in a process group and watches them.
+
+Start-up: rank 0 opens a TCP store on a free loopback port and spawns the followers; each
+joins the store, then the process group (gloo), then loads its shard; every rank says whether
+its load worked (`agree`) before any serves. A follower then runs `Follower.run` until rank
+0's `Stop`. A follower that exits before that is reported once, from a watch thread, to the
+`on_exit` callback (the target service stops with that message); rank 0's next collective
+fails at once too (gloo sees the closed connection). A follower whose rank 0 is gone fails
+its next collective the same way and exits.
+
+On GPUs each rank would take cuda:rank and NCCL, and each rank would capture its own verify
+graphs per tier (an NCCL all-reduce can be captured in a CUDA graph), with the followers
+replaying rank 0's graph plans and the fused layers all-reducing. None of that is built:
+`ShardSpec` refuses a CUDA device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import multiprocessing.connection
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from specpair.config import GPU_TENSOR_PARALLEL
+from specpair.logging import get_logger
+from specpair.models.llama import ModelArgs
+from specpair.models.parallel import Shard, TensorParallelLlama, load_shard
+from specpair.parallel.lockstep import Follower, Lockstep
+from specpair.runtime.kv_cache import KVCache
+
+log = get_logger(__name__)
+
+# A follower waits for rank 0's next step as long as the target idles; rank 0 waits for a
+# follower no longer than a shard takes to load (its collectives answer in milliseconds).
+FOLLOWER_TIMEOUT = timedelta(days=3650)
+LEADER_TIMEOUT = timedelta(minutes=10)
+STOP_TIMEOUT_S = 10.0
+
+
+class RankExitedError(RuntimeError):
+    """A follower rank exited while the target needed it."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSpec:
+    """What every rank builds: its shard of the checkpoint and a KV cache for its heads."""
+
+    path: Path
+    world: int
+    max_requests: int
+    max_len: int
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    threads: int = 1  # each rank's intra-op threads
+
+    def __post_init__(self) -> None:
+        if self.world < 2:
+            raise ValueError(f"a tensor-parallel target needs 2 or more ranks, got {self.world}")
+        if self.device != "cpu":
+            raise ValueError(GPU_TENSOR_PARALLEL)
+
+    def cache_options(self, args: ModelArgs) -> dict[str, Any]:
+        """`KVCache`'s arguments for one rank: its heads / N of the model's."""
+        return dict(
+            num_layers=args.num_layers,
+            num_qo_heads=args.num_heads // self.world,
+            num_kv_heads=args.num_kv_heads // self.world,
+            head_dim=args.head_dim,
+            max_requests=self.max_requests,
+            max_len=self.max_len,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+
+def agree(error: str) -> list[str]:
+    """Every rank's load error ('' for none): the same list on every rank."""
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return [str(e) for e in errors]
+
+
+class RankGroup:
+    """Rank 0's handle on the followers: their processes, the process group, a watch."""
+
+    def __init__(self, spec: ShardSpec, on_exit: Callable[[str], None] | None = None) -> None:
+        self.spec = spec
+        self.lockstep = Lockstep()
+        self.procs: list[BaseProcess] = []
+        self.on_exit = on_exit or (lambda message: log.error(message))
+        self._stopping = threading.Event()
+        self._store: Any = None  # the TCP store outlives the start-up: the group was made on it
+
+    def start(self) -> None:
+        """Spawns the followers and joins them in the process group (rank 0)."""
+        world = self.spec.world
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=LEADER_TIMEOUT
+        )
+        context = mp.get_context("spawn")
+        for rank in range(1, world):
+            proc = context.Process(
+                target=follow, args=(self.spec, rank, self._store.port),
+                name=f"specpair-tp-rank{rank}", daemon=True,
+            )  # fmt: skip
+            proc.start()
+            self.procs.append(proc)
+        # The group's rendezvous would wait LEADER_TIMEOUT for a follower that died starting.
+        deadline = time.monotonic() + LEADER_TIMEOUT.total_seconds()
+        while not self._store.check([f"joined/{rank}" for rank in range(1, world)]):
+            self._check_alive("while starting")
+            if time.monotonic() > deadline:
+                raise RankExitedError("tensor-parallel followers did not join in time")
+            time.sleep(0.05)
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore("group", self._store), rank=0, world_size=world,
+            timeout=LEADER_TIMEOUT,
+        )  # fmt: skip
+        log.info("tensor-parallel ranks joined", ranks=world, port=self._store.port)
+
+    def agree(self, error: BaseException | None) -> None:
+        """Raises rank 0's own load error, or a follower's, once every rank has loaded."""
+        try:
+            errors = agree("" if error is None else f"{error}")
+        except RuntimeError:
+            self._check_alive("while loading its shard")
+            raise
+        if error is not None:
+            raise error
+        for rank, message in enumerate(errors):
+            if message:
+                raise RankExitedError(f"tensor-parallel rank {rank} could not load: {message}")
+
+    def watch(self) -> None:
+        """From now on, a follower that exits before `stop` is reported to `on_exit`."""
+        threading.Thread(target=self._watch, name="tensor-parallel-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        by_sentinel = {proc.sentinel: proc for proc in self.procs}
+        ready = multiprocessing.connection.wait(list(by_sentinel))
+        if self._stopping.is_set():
+            return
+        proc = by_sentinel[ready[0]]  # type: ignore[index]
+        proc.join()
+        self.on_exit(self._exited(proc, "while serving"))
+
+    def _check_alive(self, when: str) -> None:
+        for proc in self.procs:
+            if not proc.is_alive():
+                raise RankExitedError(self._exited(proc, when))
+
+    def _exited(self, proc: BaseProcess, when: str) -> str:
+        rank = self.procs.index(proc) + 1
+        return (
+            f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode} "
+            f"{when}: the target cannot compute without it"
+        )
+
+    def stop(self) -> None:
+        """Tells the followers to stop (once no step holds the group), waits for them, and
+        kills any left; rank 0 leaves the process group."""
+        self._stopping.set()
+        if self.procs and all(proc.is_alive() for proc in self.procs) and dist.is_initialized():
+            # a follower that goes meanwhile fails the send: the others fail their next step
+            with contextlib.suppress(RuntimeError):
+                self.lockstep.stop(STOP_TIMEOUT_S)
+        for proc in self.procs:
+            proc.join(STOP_TIMEOUT_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def follow(spec: ShardSpec, rank: int, port: int) -> None:
+    """A follower process: joins the group, loads its shard, follows rank 0 until `Stop`."""
+    # Ctrl-C reaches every process of the terminal's group; rank 0 decides when followers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(spec.threads)
+    store = dist.TCPStore("127.0.0.1", port, spec.world, is_master=False, timeout=LEADER_TIMEOUT)
+    store.set(f"joined/{rank}", "1")
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("group", store), rank=rank, world_size=spec.world,
+        timeout=FOLLOWER_TIMEOUT,
+    )  # fmt: skip
+    follower: Follower | None = None
+    error = ""
+    try:
+        model: TensorParallelLlama = load_shard(
+            spec.path, Shard(rank, spec.world), dtype=spec.dtype, device=spec.device,
+            context=spec.max_len,
+        )  # fmt: skip
+        follower = Follower(model, KVCache(**spec.cache_options(model.args)))
+    except Exception as exc:  # rank 0 raises it (the same error, or this one's)
+        error = f"{exc}" or repr(exc)
+    if not any(agree(error)):
+        assert follower is not None
+        follower.run()
+    dist.destroy_process_group()
