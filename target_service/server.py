@@ -175,15 +175,13 @@ class RunningTarget:
     async def wait(self) -> None:
         """Until the server terminates; raises RankExitedError when a follower rank exits
         first (the target cannot compute without it)."""
-        done = asyncio.ensure_future(self.server.server.wait_for_termination())
-        waits: set[asyncio.Future[Any]] = {done}
-        if self.rank_exit is not None:
-            waits.add(self.rank_exit)
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            done.cancel()
-        if self.rank_exit is not None and self.rank_exit.done():
+        if self.rank_exit is None:
+            await self.server.server.wait_for_termination()
+            return
+        # Shielded, never cancelled: grpc's shutdown awaits the future this wait awaits.
+        done = asyncio.shield(self.server.server.wait_for_termination())
+        await asyncio.wait({done, self.rank_exit}, return_when=asyncio.FIRST_COMPLETED)
+        if self.rank_exit.done():
             raise RankExitedError(self.rank_exit.result())
 
     @property

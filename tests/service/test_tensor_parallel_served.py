@@ -1,0 +1,54 @@
+"""A target service with tensor_parallel=2 (this process is rank 0; one follower process,
+gloo) over real gRPC: it answers as the one-process target does, with a draft, and stops its
+follower cleanly; a follower that dies takes it down with a message naming the rank, and the
+requests that follow fail at once instead of waiting on it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from specpair.parallel.ranks import RankExitedError
+from tests.service.conftest import Stack, draft_config, reference_greedy, target_config
+
+PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3], [100, 200, 50, 60, 70]]
+MAX_TOKENS = 24
+
+
+async def test_a_tensor_parallel_target_answers_like_one_process(ckpts) -> None:
+    stack = Stack(
+        draft_config(ckpts["target"]),
+        target_config(ckpts["target"], tensor_parallel=2, max_batch=4, initial_steps=3),
+    )
+    await stack.start()
+    try:
+        outputs = await asyncio.gather(
+            *(stack.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS) for p in PROMPTS)
+        )
+        assert [t for t, _ in outputs] == reference_greedy(ckpts["target"], PROMPTS, MAX_TOKENS)
+        final = [responses[-1].speculation for _, responses in outputs]
+        assert any(a == 3 for f in final for a in f.accept_lengths)  # drafts were verified
+        ranks = stack.target.ranks
+        assert ranks is not None and ranks.procs[0].is_alive()
+    finally:
+        await stack.stop()
+    assert [p.exitcode for p in ranks.procs] == [0]  # told to stop, it stopped
+
+
+async def test_a_follower_that_dies_takes_the_target_down(ckpts) -> None:
+    stack = Stack(None, target_config(ckpts["target"], draft_address=None, tensor_parallel=2))
+    await stack.start()
+    try:
+        tokens, _ = await stack.generate(prompt_token_ids=PROMPTS[0], max_tokens=4)
+        assert len(tokens) == 4
+        ranks = stack.target.ranks
+        ranks.procs[0].kill()
+        with pytest.raises(RankExitedError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+            await asyncio.wait_for(stack.target.wait(), 30)  # what `serve` waits on
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await asyncio.wait_for(stack.generate(prompt_token_ids=PROMPTS[1], max_tokens=4), 30)
+        assert failed.value.code() == grpc.StatusCode.INTERNAL
+    finally:
+        await asyncio.wait_for(stack.stop(), 30)
