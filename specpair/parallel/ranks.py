@@ -7,7 +7,8 @@ its load worked (`agree`) before any serves. A follower then runs `Follower.run`
 0's `Stop`. A follower that exits before that is reported once, from a watch thread, to the
 `on_exit` callback (the target service stops with that message); rank 0's next collective
 fails at once too (gloo sees the closed connection). A follower whose rank 0 is gone fails
-its next collective the same way and exits.
+its next collective the same way and exits. So does a follower whose step raises: its
+collectives may no longer pair up with rank 0's, and a target that diverged must not serve.
 
 On GPUs each rank would take cuda:rank and NCCL, and each rank would capture its own verify
 graphs per tier (an NCCL all-reduce can be captured in a CUDA graph), with the followers

@@ -13,6 +13,7 @@ import pytest
 from specpair.parallel.ranks import RankExitedError
 from tests.service.conftest import Stack, draft_config, reference_greedy, target_config
 
+pytestmark = pytest.mark.slow  # each starts a follower process: ~20 s on a loaded 2-core box
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3], [100, 200, 50, 60, 70]]
 MAX_TOKENS = 24
 

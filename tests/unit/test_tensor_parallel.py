@@ -143,3 +143,14 @@ def test_rank_0_forwards_only_over_the_attend_it_just_bound(biased: Path) -> Non
         model.forward_aux(
             tokens, tokens, KVCache(**CACHE).bind(BatchLayout.causal([0], [0], [1])), ()
         )
+
+
+def test_up_passes_tensor_parallel_to_the_target() -> None:
+    from specpair.cli import build_parser
+    from specpair.launcher import up_services
+
+    services, _ = up_services(build_parser().parse_args(["up", "--tensor-parallel", "2"]))
+    args = next(s.args for s in services if s.name == "target")
+    assert args[args.index("--tensor-parallel") + 1] == "2"
+    plain, _ = up_services(build_parser().parse_args(["up"]))
+    assert "--tensor-parallel" not in next(s.args for s in plain if s.name == "target")
