@@ -12,7 +12,7 @@ from specpair.models.loading import read_args
 from specpair.models.parallel import Shard, check_shardable, load_shard
 from specpair.parallel.lockstep import LeaderModel, LockstepCache
 from specpair.parallel.ranks import RankGroup, ShardSpec
-from specpair.runtime.target import TargetWorker
+from specpair.runtime.target.worker import TargetWorker
 
 
 def build_parallel_target(

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from specpair.models.llama import Attend, ModelArgs
 from specpair.models.parallel import Shard, TensorParallelLlama
-from specpair.runtime.attention import PagedAttend
+from specpair.runtime.gpu.attention import PagedAttend
 from specpair.runtime.kv_cache import CacheFullError, KVCache
 from specpair.runtime.layout import BatchLayout
 

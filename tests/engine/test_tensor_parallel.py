@@ -29,7 +29,7 @@ from specpair.runtime.build import build_drafter, build_target
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.sampling import SamplingParams, warp
 from specpair.runtime.state import build_states
-from specpair.runtime.target import TargetWorker
+from specpair.runtime.target.worker import TargetWorker
 
 VOCAB = 7
 PROMPTS = [[1, 4, 2], [3, 5, 6, 0, 2, 1, 4, 4, 3], [6]]
