@@ -25,10 +25,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import specpair.models.parallel as parallel_module
 from specpair.models.tiny import make_tiny_family, make_tiny_llama
 from specpair.parallel.build import build_parallel_target
-from specpair.runtime.build import build_drafter, build_target
+from specpair.runtime.build import build_drafter, build_states, build_target
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.sampling import SamplingParams, warp
-from specpair.runtime.state import build_states
 from specpair.runtime.target.worker import TargetWorker
 
 VOCAB = 7
