@@ -173,7 +173,7 @@ def accept_stats(per_request: Sequence[Sequence[int]]) -> tuple[float | None, in
 def in_process(
     target: Path, draft: Path, workloads: list[Workload], batches: list[int], *,
     new_tokens: int, device: str, dtype: torch.dtype, max_len: int, eos: frozenset[int],
-    record: Callable[[Cell], None], pipeline_width: int = 0,
+    record: Callable[[Cell], None], pipeline_width: int = 0, deterministic: bool = False,
 ) -> None:  # fmt: skip
     """Target-only and each static tier in the engine: the requests in groups of `batch`, each
     group decoded to completion (static batching) and stopped at `eos`, as the target service
@@ -183,7 +183,7 @@ def in_process(
     size = max(batches)
     worker = build_target(target, max_requests=size, max_len=max_len, keep_features=True,
                           feature_layers=feature_layers(draft, target), dtype=dtype,
-                          device=device)  # fmt: skip
+                          device=device, deterministic=deterministic)  # fmt: skip
     drafter = build_drafter(draft, target_path=target, max_requests=size + pipeline_width,
                             max_len=max_len, dtype=dtype, device=device)  # fmt: skip
     states = build_states(TIERS, worker, drafter, ahead=pipeline_width > 0)
@@ -269,13 +269,14 @@ def services(
     target: Path, draft: Path, draft_kind: str, workloads: list[Workload], batches: list[int],
     *, new_tokens: int, device: str, dtype: str, max_len: int, log_dir: Path,
     phased: Callable[[BenchServices], dict[str, Any]] | None, record: Callable[[Cell], None],
-    goodput: bool = False,
+    goodput: bool = False, deterministic: bool = False,
 ) -> dict[str, Any] | None:  # fmt: skip
     """Target-only (`--no-draft`), then static tiers and adaptive through the controller
     (SGLang's rule, then with `goodput` the goodput kind)."""
     common: dict[str, Any] = dict(
         target=target, log_dir=log_dir, device=device, dtype=dtype, max_len=max_len,
         candidate_steps=(0, *TIERS),  # the goodput kind's tier 0 is the target alone
+        target_options=("--deterministic",) if deterministic else (),
     )  # fmt: skip
     with BenchServices(draft=None, initial_steps=1, **common) as group:
         serve_cells(SpecpairClient(group.target, timeout=600), "target-only", workloads, batches,
@@ -444,6 +445,9 @@ def main() -> None:
                         default=["services", "in-process"])  # fmt: skip
     parser.add_argument("--phased", action="store_true", help="also the phased workload")
     parser.add_argument("--goodput", action="store_true", help="also the goodput policy kind")
+    parser.add_argument(
+        "--deterministic", action="store_true", help="the target's batch-invariant mode"
+    )
     parser.add_argument("--per-phase", type=int, default=8, help="requests per phase")
     parser.add_argument("--out", type=Path, help="JSON (default: bench/results/…_<kind>.json)")
     parser.add_argument(
@@ -501,7 +505,7 @@ def main() -> None:
             pool.submit(
                 in_process, target, draft, workloads, args.batches, new_tokens=args.new_tokens,
                 device=args.device, dtype=getattr(torch, dtype), max_len=max_len,
-                eos=eos_ids(target, tokenizer), record=record,
+                eos=eos_ids(target, tokenizer), record=record, deterministic=args.deterministic,
             ).result()  # fmt: skip
         gc.collect()
         if torch.cuda.is_available():
@@ -514,7 +518,7 @@ def main() -> None:
         phased = services(
             target, draft, args.draft_kind, workloads, args.batches, new_tokens=args.new_tokens,
             device=args.device, dtype=dtype, max_len=max_len, log_dir=log_dir, phased=run_phased,
-            record=record, goodput=args.goodput,
+            record=record, goodput=args.goodput, deterministic=args.deterministic,
         )  # fmt: skip
     save()
     title = f"{args.draft_kind} draft, {args.shape} pair, {gpu}: tokens/s by configuration"

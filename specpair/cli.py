@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--tensor-parallel", type=int, default=1, metavar="N",
         help="split the target over N ranks (CPU; default: %(default)s)",
     )  # fmt: skip
+    up.add_argument(
+        "--deterministic", action="store_true",
+        help="the target's batch-invariant mode (CUDA; see `serve target --help`)",
+    )  # fmt: skip
     up.add_argument("--policy", type=Path, help="the controller's policy JSON file")
     up.add_argument("--demo", action="store_true", help="run the demo client once it is up")
 

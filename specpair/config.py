@@ -288,9 +288,20 @@ class TargetConfig(ModelServiceConfig):
                        "serves as rank 0 and starts the others (CPU, gloo; each rank takes "
                        "--threads)"),
     )  # fmt: skip
+    deterministic: bool = field(
+        default=False,
+        metadata=_help("the batch-invariant mode (CUDA): a request's tokens do not depend on "
+                       "the batch it runs in, its place there, or the tier; greedy speculation "
+                       "gives the target alone's tokens exactly. Slower: see README"),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         self._resolve()
+        if self.deterministic and not self.device.startswith("cuda"):
+            raise ValueError(
+                f"deterministic: the batch-invariant mode is a GPU mode (--device cuda), not "
+                f"--device {self.device}"
+            )
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
         if self.tensor_parallel > 1 and self.device != "cpu":

@@ -77,6 +77,8 @@ def up_services(args: argparse.Namespace) -> tuple[list[Service], str]:
     )  # fmt: skip
     if args.tensor_parallel > 1:
         target_args += ("--tensor-parallel", str(args.tensor_parallel))
+    if args.deterministic:
+        target_args += ("--deterministic",)
     if args.draft_kind == "eagle" and (layers := feature_layers(draft, target)):
         target_args += ("--feature-layers", ",".join(map(str, layers)))  # an EAGLE-3 head's
     services = [

@@ -50,6 +50,8 @@ def _parser_type(hint: Any) -> tuple[Any, dict[str, Any]]:
         return (steps, {}) if item is int else (item, {"action": "append"})
     if hint in (int, float, str, Path):
         return hint, {}
+    if hint is bool:  # a switch, off by default
+        return None, {"action": "store_true"}
     raise TypeError(f"no option type for {hint!r}")
 
 
@@ -70,6 +72,9 @@ def add_config_options(parser: argparse.ArgumentParser, cls: type) -> None:
             # argparse appends to a list default: the default is applied after parsing.
             parser.add_argument(_flag(f), dest=f.name, type=kind, default=None, help=text,
                                 **extra)  # fmt: skip
+            continue
+        if extra.get("action") == "store_true":
+            parser.add_argument(_flag(f), dest=f.name, help=text, **extra)
             continue
         required = f.default is dataclasses.MISSING and "cli_default" not in f.metadata
         if not required and default not in (None, "") and not f.metadata.get("secret"):

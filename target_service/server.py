@@ -225,6 +225,8 @@ def _build_scheduler(
         dtype=getattr(torch, config.dtype),
         device=config.device,
     )
+    if config.deterministic:
+        options["deterministic"] = True
     ranks = None
     if config.tensor_parallel > 1:
         worker, ranks = build_parallel_target(

@@ -43,18 +43,25 @@ def _is_cuda(device: str | torch.device) -> bool:
 
 
 def make_cache(
-    args: ModelArgs, *, max_requests: int, max_len: int, dtype: torch.dtype, device: str
+    args: ModelArgs,
+    *,
+    max_requests: int,
+    max_len: int,
+    dtype: torch.dtype,
+    device: str,
+    invariant: bool = False,
 ) -> KVCache:
     return KVCache.for_model(
-        args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device
-    )
+        args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device,
+        invariant=invariant,
+    )  # fmt: skip
 
 
 def gpu_target(worker: TargetWorker) -> TargetWorker:
-    """Fuses the target's decoder for the GPU."""
+    """Fuses the target's decoder for the GPU (batch-invariant if the worker is)."""
     from specpair.runtime.gpu.fused import fuse_decoder
 
-    fuse_decoder(worker.model)
+    fuse_decoder(worker.model, invariant=worker.deterministic)
     return worker
 
 
@@ -78,14 +85,22 @@ def build_target(
     feature_layers: tuple[int, ...] = (),
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
+    deterministic: bool = False,
 ) -> TargetWorker:
     """`feature_layers`: an EAGLE-3 draft's (`eagle3_loading.aux_layers`): every forward
-    (prefill, verify, its graphs) returns those layers' outputs as the features."""
+    (prefill, verify, its graphs) returns those layers' outputs as the features.
+    `deterministic`: the batch-invariant mode (a GPU's; see `TargetWorker`)."""
+    if deterministic and not _is_cuda(device):
+        raise ValueError("deterministic: the batch-invariant mode is a GPU mode (--device cuda)")
     model = load_llama(path, dtype=dtype, device=device, context=max_len)
     cache = make_cache(
-        model.args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device
-    )
-    worker = TargetWorker(model, cache, keep_features=keep_features, feature_layers=feature_layers)
+        model.args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device,
+        invariant=deterministic,
+    )  # fmt: skip
+    worker = TargetWorker(
+        model, cache, keep_features=keep_features, feature_layers=feature_layers,
+        deterministic=deterministic,
+    )  # fmt: skip
     return gpu_target(worker) if _is_cuda(device) else worker
 
 

@@ -117,6 +117,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         graph_attention: str = "triton",
+        invariant: bool = False,
     ) -> None:
         self.max_len, self.page_size = max_len, page_size
         self.slots = SlotTable(max_requests)
@@ -129,7 +130,7 @@ class KVCache:
         self.pad_slot = max_requests
         self.pages.grow(self.pad_slot, max_len)
         self.attention = Backends(self.heads, page_size, self.pages_per_slot, max_len, dtype,
-                                  self.device, graph_attention)  # fmt: skip
+                                  self.device, graph_attention, invariant)  # fmt: skip
 
     @classmethod
     def for_model(
@@ -142,6 +143,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         graph_attention: str = "triton",
+        invariant: bool = False,
     ) -> KVCache:
         return cls(
             num_layers=args.num_layers,
@@ -154,6 +156,7 @@ class KVCache:
             dtype=dtype,
             device=device,
             graph_attention=graph_attention,
+            invariant=invariant,
         )
 
     # -- slots and pages ------------------------------------------------------------------------

@@ -110,10 +110,12 @@ class FlashInferAttention:
 
     def __init__(
         self, wrapper: Any, heads: tuple[int, int, int], page_size: int, dtype: torch.dtype,
-        device: torch.device,
+        device: torch.device, invariant: bool = False,
     ) -> None:  # fmt: skip
         self.wrapper, self.heads, self.page_size = wrapper, heads, page_size
         self.dtype, self.device = dtype, device
+        # flashinfer splits a long request's keys by the batch's shape unless told not to
+        self.invariant = invariant
 
     def plan(self, layout: BatchLayout, page_table: Tensor, staging: Staging | None = None) -> None:
         b, t = layout.new_mask.shape[:2]
@@ -133,6 +135,7 @@ class FlashInferAttention:
             custom_mask=flat_mask(layout).to(self.device, non_blocking=True),
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
+            disable_split_kv=self.invariant,
         )
 
     def attend(self, q: Tensor, kv: tuple[Tensor, Tensor]) -> Tensor:
@@ -149,10 +152,14 @@ class Backends:
     def __init__(
         self, heads: tuple[int, int, int], page_size: int, pages_per_slot: int, max_len: int,
         dtype: torch.dtype, device: torch.device, graph_attention: str = "triton",
+        invariant: bool = False,
     ) -> None:  # fmt: skip
+        """`invariant`: the batch-invariant mode: the tree kernel's fixed key chunks
+        (`invariant_tree_config`) in every graph, flashinfer without split KV."""
         self.heads, self.page_size, self.pages_per_slot = heads, page_size, pages_per_slot
         self.max_len, self.dtype, self.device = max_len, dtype, device
         self.graph_attention = graph_attention
+        self.invariant = invariant
         self._workspace: Tensor | None = None
         self._eager: FlashInferAttention | None = None
 
@@ -174,20 +181,28 @@ class Backends:
             return TorchAttention(self.heads, self.page_size, self.device)
         if self._eager is None:
             self._eager = FlashInferAttention(
-                self.flashinfer_wrapper(), self.heads, self.page_size, self.dtype, self.device
-            )
+                self.flashinfer_wrapper(), self.heads, self.page_size, self.dtype, self.device,
+                self.invariant,
+            )  # fmt: skip
         return self._eager
 
     def tree(self, batch: int, tokens: int) -> TreeAttention | None:
         """The Triton tree kernel of a graph over [batch, tokens] where it serves, else None
         (imported here: the CPU never imports Triton)."""
-        from specpair.runtime.gpu.tree_attention import TreeAttention
+        from specpair.runtime.gpu.tree_attention import TreeAttention, invariant_tree_config
 
-        if self.graph_attention != "triton" or not TreeAttention.fits(tokens, self.heads):
+        fits = TreeAttention.fits(tokens, self.heads)
+        if self.invariant and not (fits and self.graph_attention == "triton"):
+            raise ValueError(
+                f"the batch-invariant mode's graphs need the Triton tree kernel: {tokens} tokens "
+                f"x {self.heads[0] // self.heads[1]} q heads per KV head exceed its rows"
+            )
+        if self.graph_attention != "triton" or not fits:
             return None
+        config = invariant_tree_config(self.max_len, tokens) if self.invariant else None
         return TreeAttention(
             batch=batch, tokens=tokens, heads=self.heads, page_size=self.page_size,
-            pages_per_slot=self.pages_per_slot, device=self.device,
+            pages_per_slot=self.pages_per_slot, device=self.device, config=config,
         )  # fmt: skip
 
     def flashinfer_graph(self, batch: int, tokens: int) -> FlashInferAttention:

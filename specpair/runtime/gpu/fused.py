@@ -58,12 +58,23 @@ class Pending:
         return self.x + self.delta.sum(0).view(self.x.shape).to(self.x.dtype)
 
 
-def linear_parts(x: Tensor, weight: Tensor) -> Tensor:
-    # x: [N, K], weight: [out, K] -> partials [S, N, out] whose sum is x @ weight.T
-    if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS:
+def linear_parts(
+    x: Tensor, weight: Tensor, invariant: bool = False, splits: int | None = None
+) -> Tensor:
+    # x: [N, K], weight: [out, K] -> partials [S, N, out] whose sum is x @ weight.T.
+    # `invariant`: every N through the Triton kernel, whose tiles and K order depend on the
+    # weight alone, so a row's result is the same in any batch (cuBLAS picks its kernel by N);
+    # `splits` overrides the weight's split-K.
+    if x.is_cuda and (invariant or x.shape[0] <= GEMV_MAX_ROWS):
         cfg = _triton().gemv_config(weight.shape[0], weight.shape[1])
         if cfg is not None:
+            if splits is not None:
+                cfg = (splits, *cfg[1:])
             return _triton().gemv_partials(x, weight, *cfg)
+        if invariant:
+            raise ValueError(
+                f"the batch-invariant mode needs K a multiple of 128: weight {tuple(weight.shape)}"
+            )
     return F.linear(x, weight)[None]
 
 
@@ -120,12 +131,15 @@ class FusedRMSNorm(nn.Module):
 class FusedLMHead(nn.Module):
     """The LM head as a GEMV at few rows: its one fp32 partial is the logits (no cast kernel)."""
 
-    def __init__(self, head: nn.Linear) -> None:
+    def __init__(self, head: nn.Linear, invariant: bool = False) -> None:
         super().__init__()
         self.weight = head.weight
+        self.invariant = invariant
 
     def forward(self, hidden: Tensor) -> Tensor:
-        parts = linear_parts(hidden.reshape(-1, hidden.shape[-1]), self.weight)
+        x = hidden.reshape(-1, hidden.shape[-1])
+        # invariant: one partial, so no torch reduce (whose order may follow the row count)
+        parts = linear_parts(x, self.weight, self.invariant, 1 if self.invariant else None)
         logits = parts[0] if parts.shape[0] == 1 else parts.sum(0)
         return logits.view(*hidden.shape[:-1], -1)
 
@@ -133,8 +147,9 @@ class FusedLMHead(nn.Module):
 class FusedDecoderLayer(nn.Module):
     """A `DecoderLayer` with concatenated projections; same math, fewer launches."""
 
-    def __init__(self, layer: DecoderLayer | Eagle3Layer) -> None:
+    def __init__(self, layer: DecoderLayer | Eagle3Layer, invariant: bool = False) -> None:
         super().__init__()
+        self.invariant = invariant  # see `linear_parts`
         attn, mlp = layer.self_attn, layer.mlp
         # The kernels below implement bias-free SwiGLU only; anything else would decode wrong.
         biases = [name for name, _ in layer.named_parameters() if name.endswith(".bias")]
@@ -186,12 +201,14 @@ class FusedDecoderLayer(nn.Module):
         # resid [N, H], normed [N, K] (the QKV's input) -> the layer's output [B, T, H]
         b, t, _ = shape
         n, d = b * t, self.head_dim
-        qkv = linear_parts(normed, self.qkv)
+        inv = self.invariant
+        qkv = linear_parts(normed, self.qkv, inv)
         out = self._attention(qkv, cos.reshape(n, d), sin.reshape(n, d), attend, b, t)
         resid, normed = add_rmsnorm(
-            resid, linear_parts(out.reshape(n, -1), self.o), self.post_norm, self.eps
+            resid, linear_parts(out.reshape(n, -1), self.o, inv), self.post_norm, self.eps
         )
-        down = linear_parts(silu_mul(linear_parts(normed, self.gate_up), resid.dtype), self.down)
+        gate_up = linear_parts(normed, self.gate_up, inv)
+        down = linear_parts(silu_mul(gate_up, resid.dtype), self.down, inv)
         if self.defer_residual:
             return Pending(resid.view(shape), down)
         return add_rmsnorm(resid, down, self.post_norm, self.eps)[0].view(shape)
@@ -214,8 +231,8 @@ class FusedEagle3Layer(FusedDecoderLayer):
     """An EAGLE-3 midlayer (`Eagle3Layer`): the QKV GEMV reads [input_norm(embeds) ‖
     hidden_norm(hidden)] (2H wide), the residual stream is `hidden`; the rest is the decoder's."""
 
-    def __init__(self, layer: Eagle3Layer) -> None:
-        super().__init__(layer)
+    def __init__(self, layer: Eagle3Layer, invariant: bool = False) -> None:
+        super().__init__(layer, invariant)
         self.hidden_norm = layer.hidden_norm.weight
 
     def forward(  # type: ignore[override]
@@ -238,20 +255,21 @@ class FusedEagle3Layer(FusedDecoderLayer):
         return out
 
 
-def fuse_decoder(module: nn.Module) -> nn.Module:
+def fuse_decoder(module: nn.Module, invariant: bool = False) -> nn.Module:
     """Replaces every DecoderLayer / RMSNorm / `lm_head` inside `module` in place (frees the
-    split weights); layers of a `LlamaBody` defer their last residual add to what follows."""
+    split weights); layers of a `LlamaBody` defer their last residual add to what follows.
+    `invariant`: the batch-invariant mode's matmuls (`linear_parts`)."""
     for name, child in list(module.named_children()):
         if isinstance(child, Eagle3Layer):
-            setattr(module, name, FusedEagle3Layer(child))
+            setattr(module, name, FusedEagle3Layer(child, invariant))
         elif isinstance(child, DecoderLayer):
-            setattr(module, name, FusedDecoderLayer(child))
+            setattr(module, name, FusedDecoderLayer(child, invariant))
         elif isinstance(child, RMSNorm):
             setattr(module, name, FusedRMSNorm(child))
         elif name == "lm_head" and type(child) is nn.Linear and child.bias is None:
-            setattr(module, name, FusedLMHead(child))
+            setattr(module, name, FusedLMHead(child, invariant))
         else:
-            fuse_decoder(child)
+            fuse_decoder(child, invariant)
     if isinstance(module, LlamaBody):
         for layer in module.layers:
             if isinstance(layer, FusedDecoderLayer):

@@ -65,7 +65,7 @@ def _tree_attn_kernel(
     sm_scale, pages_stride, n_q, n_kv,
     T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
     R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     # grid (B, Hkv, SPLITS); rows r = token * G + group head, for r < T * G; head dims d < D of
     # DP lanes (D rounded up to a power of two, at least 16 for tl.dot)
@@ -73,7 +73,10 @@ def _tree_attn_kernel(
     b, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(starts_ptr + b)
     length = start + T
-    chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+    if CHUNK:  # noqa: SIM108 - a constexpr branch; fixed key positions per chunk
+        chunk = CHUNK
+    else:
+        chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
     lo = sp * chunk
     hi = tl.minimum(lo + chunk, length)
     rows = tl.arange(0, R)
@@ -147,16 +150,21 @@ def _merge_kernel(
 class TreeConfig:
     """How the kernel splits one request's keys: `splits` chunks (a power of two: the merge's
     tl.arange), `block_n` keys per step, the next block's loads issued ahead (`prefetch`),
-    warps per program."""
+    warps per program. `chunk` > 0: chunk i holds key positions [i·chunk, (i + 1)·chunk)
+    whatever the request's length (the batch-invariant mode: `splits` covers the cache);
+    0: the length cut in `splits` equal chunks."""
 
     splits: int
     block_n: int = 32
     prefetch: bool = False
     warps: int = 4
+    chunk: int = 0
 
     def __post_init__(self) -> None:
         if self.splits < 1 or self.splits & (self.splits - 1):
             raise ValueError(f"splits {self.splits}: a power of two")
+        if self.chunk % self.block_n:
+            raise ValueError(f"chunk {self.chunk}: a multiple of block_n {self.block_n}")
 
 
 def tree_config(batch: int, n_kv: int, tokens: int) -> TreeConfig:
@@ -164,6 +172,21 @@ def tree_config(batch: int, n_kv: int, tokens: int) -> TreeConfig:
     query token, not at 8 (`bench/gpu_kernels.py`)."""
     splits = max(1, min(32, 256 // (batch * n_kv)))
     return TreeConfig(1 << (splits.bit_length() - 1), prefetch=tokens == 1)
+
+
+INVARIANT_CHUNK = 256  # keys per chunk in the batch-invariant mode
+
+
+def invariant_tree_config(max_len: int, tokens: int) -> TreeConfig:
+    """The batch-invariant mode's: chunks of INVARIANT_CHUNK fixed key positions, as many as
+    the cache's longest request needs (a program past a request's length exits at once, and
+    its empty partial adds exactly 0 in the merge).
+
+    Worked example: max_len 2056 → 9 chunks → splits 16; a request of 700 keys fills chunks
+    0–2 (keys 0–255, 256–511, 512–699) at batch 1 and at batch 32, in a verify of 1 token or 8."""
+    chunks = -(-max_len // INVARIANT_CHUNK)
+    splits = 1 << max(chunks - 1, 0).bit_length()
+    return TreeConfig(splits, prefetch=tokens == 1, chunk=INVARIANT_CHUNK)
 
 
 class TreeAttention:
@@ -223,7 +246,7 @@ class TreeAttention:
             self.sm_scale, self.pages.stride(0), n_q, n_kv,
             T=self.tokens, G=self.group, D=d, DP=self.lanes, PAGE=self.page_size, R=self.rows,
             BLOCK_N=cfg.block_n, SPLITS=cfg.splits, PREFETCH=cfg.prefetch, num_warps=cfg.warps,
-            **pdl(),
+            CHUNK=cfg.chunk, **pdl(),
         )  # fmt: skip
         _merge_kernel[(self.batch * self.tokens, n_q)](
             self.part_o, self.part_ml, out, n_q, n_kv,

@@ -191,10 +191,12 @@ def _gemv_kernel(
     x_ptr, w_ptr, part_ptr, m, n, k, k_per_split,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    # grid (cdiv(n, BN), splits): rows [pid_n * BN, +BN) of w over k range pid_k; fp32 partials
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    # grid (cdiv(n, BN), splits, cdiv(m, BM)): rows [pid_n * BN, +BN) of w over k range pid_k
+    # for x rows [pid_m * BM, +BM); fp32 partials. Each x row's sum runs the same tiles in the
+    # same order whatever m is: a row's result does not depend on the rows beside it.
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = pid_n * BN + tl.arange(0, BN)
-    rm = tl.arange(0, BM)
+    rm = pid_m * BM + tl.arange(0, BM)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     k0 = pid_k * k_per_split
     if PDL:  # the first weight tile is in flight while the previous kernel finishes
@@ -233,13 +235,14 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int, int, int] | None:
 def gemv_partials(
     x: Tensor, w: Tensor, splits: int, bn: int = 64, bk: int = 128, warps: int = 4, stages: int = 3
 ) -> Tensor:
-    """x [M, K] @ w[N, K]^T as fp32 split-K partials [splits, M, N] (M <= 16): a consumer kernel
-    sums them, so no reduce kernel runs. For the few-row matmuls of batch-1 decoding."""
+    """x [M, K] @ w[N, K]^T as fp32 split-K partials [splits, M, N]: a consumer kernel sums
+    them, so no reduce kernel runs. For the few-row matmuls of batch-1 decoding (M <= 16), and
+    for every matmul of the batch-invariant mode (tiles of 16 rows)."""
     m, k = x.shape
     n = w.shape[0]
-    assert m <= 16 and k % (splits * bk) == 0, (m, k, splits, bk)
+    assert k % (splits * bk) == 0, (k, splits, bk)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, bn), splits)
+    grid = (triton.cdiv(n, bn), splits, triton.cdiv(m, 16))
     _gemv_kernel[grid](
         x.contiguous(), w, part, m, n, k, k // splits,
         BM=16, BN=bn, BK=bk, num_warps=warps, num_stages=stages, **pdl(),

@@ -100,8 +100,13 @@ class TargetWorker:
         *,
         keep_features: bool = False,
         feature_layers: tuple[int, ...] = (),
+        deterministic: bool = False,
     ):
+        """`deterministic`: the batch-invariant mode, with its model and cache (`build_target`):
+        prompts are prefilled one per forward, so no request's rows share a kernel's plan with
+        another's (flashinfer picks its tiles by the batch's lengths)."""
         self.model = model
+        self.deterministic = deterministic
         self.cache = cache
         self.keep_features = keep_features or bool(feature_layers)
         self.feature_layers = feature_layers  # EAGLE-3: features are these layers' outputs
@@ -125,6 +130,8 @@ class TargetWorker:
 
         Returns per request the prompt's hidden states [P, H] (EAGLE features) or None.
         """
+        if self.deterministic and len(seqs) > 1:
+            return [f for seq in seqs for f in self.prefill([seq])]
         lengths = [len(s.prompt) for s in seqs]
         for seq in seqs:
             if seq.slot < 0:
