@@ -52,6 +52,22 @@ def heldout_ids() -> list[list[int]]:
     return windows
 
 
+def chain(head: torch.nn.Module, ids: Tensor, feats: Tensor, steps: int) -> list[int]:
+    """Greedy drafts from the last position: the head runs on its own predictions. An EAGLE-3
+    head's fc runs up front, so its rows share the width of its own outputs."""
+    tokens, feats, drafted = ids[:, 1:], feats[:, :-1], []
+    if feats.shape[-1] != head.args.hidden_size:
+        feats = head.fc(feats)
+    for _ in range(steps):
+        pos = torch.arange(tokens.shape[1])[None]
+        out = head(tokens, feats, pos, causal_attend)
+        token = int(head.logits(out[:, -1]).argmax(-1))
+        drafted.append(token)
+        tokens = torch.cat((tokens, torch.tensor([[token]])), 1)
+        feats = torch.cat((feats, out[:, -1:]), 1)
+    return drafted
+
+
 @pytest.fixture(scope="module")
 def grown(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("grown")
@@ -133,18 +149,6 @@ def test_grown_eagle_head_drafts_what_the_small_one_drafts(
         assert (f_small - f_big[..., :h]).abs().max().item() < 1e-4
         assert (f_big[..., h] > 0).all() and (f_big[..., h + 1 :] == 0).all()
 
-        def chain(head: torch.nn.Module, feats: Tensor, steps: int) -> list[int]:
-            """Greedy drafts from the last position: the head runs on its own predictions."""
-            tokens, feats, drafted = ids[:, 1:], feats[:, :-1], []
-            for _ in range(steps):
-                pos = torch.arange(tokens.shape[1])[None]
-                out = head(tokens, feats, pos, causal_attend)
-                token = int(head.logits(out[:, -1]).argmax(-1))
-                drafted.append(token)
-                tokens = torch.cat((tokens, torch.tensor([[token]])), 1)
-                feats = torch.cat((feats, out[:, -1:]), 1)
-            return drafted
-
         pos = torch.arange(ids.shape[1] - 1)[None]
         out_small = small_head(ids[:, 1:], f_small[:, :-1], pos, causal_attend)
         out_big = big_head(ids[:, 1:], f_big[:, :-1], pos, causal_attend)
@@ -153,7 +157,7 @@ def test_grown_eagle_head_drafts_what_the_small_one_drafts(
         a, b = small_head.logits(out_small)[0], big_head.logits(out_big)[0]
         assert (a - b[:, :v]).abs().max().item() < 2e-4
         assert (b[:, v:].max(-1).values < -100).all()
-        assert chain(small_head, f_small, 6) == chain(big_head, f_big, 6)
+        assert chain(small_head, ids, f_small, 6) == chain(big_head, ids, f_big, 6)
 
 
 def test_grown_eagle3_head_drafts_what_the_small_one_drafts(
@@ -178,18 +182,6 @@ def test_grown_eagle3_head_drafts_what_the_small_one_drafts(
         f_small = small_target.forward_aux(ids, positions, causal_attend, layers)[1]
         f_big = big_target.forward_aux(ids, positions, causal_attend, layers)[1]
 
-        def chain(head: torch.nn.Module, feats: Tensor, steps: int) -> list[int]:
-            # fc applied up front: the rows then share the width of the head's own outputs
-            tokens, feats, drafted = ids[:, 1:], head.fc(feats[:, :-1]), []
-            for _ in range(steps):
-                pos = torch.arange(tokens.shape[1])[None]
-                out = head(tokens, feats, pos, causal_attend)
-                token = int(head.logits(out[:, -1]).argmax(-1))
-                drafted.append(token)
-                tokens = torch.cat((tokens, torch.tensor([[token]])), 1)
-                feats = torch.cat((feats, out[:, -1:]), 1)
-            return drafted
-
         pos = torch.arange(ids.shape[1] - 1)[None]
         out_small = small_head(ids[:, 1:], f_small[:, :-1], pos, causal_attend)
         out_big = big_head(ids[:, 1:], f_big[:, :-1], pos, causal_attend)
@@ -199,7 +191,7 @@ def test_grown_eagle3_head_drafts_what_the_small_one_drafts(
         assert (a - b[:, :draft_small]).abs().max().item() < 2e-4
         assert (b[:, draft_small:].max(-1).values < -100).all()
         assert (big_head.logits(out_big[0])[:, v:] < -100).all()
-        assert chain(small_head, f_small, 6) == chain(big_head, f_big, 6)
+        assert chain(small_head, ids, f_small, 6) == chain(big_head, ids, f_big, 6)
 
 
 def test_growth_refuses_a_shape_too_small_naming_the_field(tmp_path: Path) -> None:
