@@ -35,7 +35,7 @@ from controller.interface import RoundSample, SpeculationPolicy
 from controller.policy import PolicyConfig
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.config import MODELS_DIR
-from specpair.proto.v1 import target_pb2
+from specpair.runtime.round import RoundStats
 
 KINDS = ("sglang", "goodput")  # runs under a policy; the others pin a tier
 RUNS = (*KINDS, "static-1", "static-3", "static-7")
@@ -97,7 +97,7 @@ def run_workload(
     else:
         ctl.pin(int(name.split("-")[1]))
     time.sleep(0.3)
-    rounds: list[target_pb2.RoundStats] = []
+    rounds: list[RoundStats] = []
     call = watch_rounds(group.target, rounds)
     time.sleep(0.3)
     switches_before = len(ctl.state().targets[0].recent_switches)
@@ -140,7 +140,7 @@ def kind_policy(policy: PolicySpec, kind: str) -> dict[str, Any]:
     return policy.to_dict()
 
 
-def round_record(stats: target_pb2.RoundStats) -> dict[str, Any]:
+def round_record(stats: RoundStats) -> dict[str, Any]:
     """A round as a run keeps it (JSON-ready): the RoundSample the policy saw, and the tier the
     target ran it at (`steps` is 0 for a round without drafts)."""
     sample = round_sample(stats)

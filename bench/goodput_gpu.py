@@ -66,7 +66,7 @@ from controller.bands import PolicySpec
 from controller.policy import PolicyConfig
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.models.loading import read_args
-from specpair.proto.v1 import target_pb2
+from specpair.runtime.round import RoundStats
 
 STEPS = (0, 1, 3, 7)
 STATIC = tuple(f"static-{s}" for s in STEPS)
@@ -207,7 +207,7 @@ class Bench:
         the start-up profile). Every config's RoundStats are kept: a static tier's say what it
         cost and accepted, which a policy's choices can be checked (or replayed) against."""
         sweep, args = self.report["sweep"], self.args
-        rounds: list[target_pb2.RoundStats] = []
+        rounds: list[RoundStats] = []
         call = watch_rounds(client.address, rounds)
         for i, batch in enumerate(args.batches):
             # `--repeat` turns at one batch size, each in the order opposite to the last

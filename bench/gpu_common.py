@@ -194,62 +194,54 @@ class RoundTimes:
 
 
 class RoundLoop:
-    """The engine's loop one round at a time, timed per stage (perf_counter around synced work).
+    """The engine's rounds one at a time (`InProcessRounds`), timed per stage (perf_counter
+    around synced work).
 
     Requests are prefilled at construction and never finish, so a tier can change between any
-    two rounds of the same requests, as ApplyTier does. Rounds go through a `DraftSession` and
-    `draft_in_process`, as the engine's do.
+    two rounds of the same requests, as ApplyTier does.
     """
 
     def __init__(self, worker: Any, drafter: Any, prompts: list[list[int]]) -> None:
-        from specpair.runtime.engine import GREEDY
-        from specpair.runtime.target.session import DraftSession
+        from specpair.runtime.engine import GREEDY, InProcessRounds
         from specpair.runtime.target.worker import TargetSequence
 
         self.worker, self.drafter = worker, drafter
         self.seqs = [TargetSequence(f"r{i}", p, GREEDY, 10**9) for i, p in enumerate(prompts)]
-        self.session = DraftSession(worker.model.args.vocab_size, in_process=True)
-        for seq, features in zip(self.seqs, worker.prefill(self.seqs), strict=True):
-            self.session.add(seq, features)
-        self.round_id = 0
+        self.rounds = InProcessRounds(worker, drafter)
+        self.rounds.prefill(self.seqs)
+        self.produced = 0  # tokens of the round just run
         if drafter is not None:
             drafter.profile = True
 
-    def draft(self, state: Any) -> Any:
-        """The round's trees: its RoundRequest extended and drafted in process."""
-        from specpair.runtime.engine import draft_in_process
-        from specpair.runtime.tree import EMPTY_TREE
+    async def next_round(self, done: Any) -> None:  # `Batcher`: one round at a time
+        return None
 
-        if self.drafter is None:
-            return [EMPTY_TREE] * len(self.seqs)
-        self.round_id += 1
-        return draft_in_process(self.drafter, self.session, self.round_id, self.seqs, state)
+    def stream(self, seq: Any, result: Any, drafted: bool, steps: int) -> None:
+        self.produced += len(result.new_tokens)
 
-    def record(self, results: Any) -> None:
-        """After verify: the committed rows' features, for the next round's request."""
-        for seq, res in zip(self.seqs, results, strict=True):
-            self.session.verified(seq, res.features)
+    def start(self, state: Any) -> Any:
+        """A round's request built and drafted, as served (`finish` verifies it)."""
+        return self.rounds.start(self.seqs, state, [state.tier] * len(self.seqs))
+
+    def finish(self, flight: Any) -> None:
+        """The started round verified, accepted and committed."""
+        self.rounds.finish(flight, self)
 
     def step(self, state: Any) -> tuple[float, float, float, float, int]:
         """One round: (extend s, draft s, verify s, accept s, tokens produced)."""
         torch.cuda.synchronize()
+        self.produced = 0
         t0 = time.perf_counter()
-        trees = self.draft(state)
-        ext = self.drafter.last_times[0] if self.drafter is not None else 0.0
-        t1 = time.perf_counter()
-        results = self.worker.verify(self.seqs, trees, state)
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        self.record(results)
+        flight = self.start(state)
+        self.finish(flight)
         t3 = time.perf_counter()
-        produced = sum(len(r.new_tokens) for r in results)
-        return ext, t1 - t0 - ext, t2 - t1, t3 - t2, produced
+        ext = self.drafter.last_times[0] if self.drafter is not None else 0.0
+        draft = flight.sent - t0 - ext
+        return ext, draft, flight.verified - flight.sent, t3 - flight.verified, self.produced
 
     def close(self) -> None:
         for seq in self.seqs:
-            self.worker.release(seq)
-            if self.drafter is not None:
-                self.drafter.release(seq.request_id)
+            self.rounds.release(seq)
 
 
 def run_rounds(

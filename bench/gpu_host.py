@@ -61,12 +61,12 @@ def main() -> None:
             t0 = time.perf_counter()
             if profiled:
                 profiles["draft"].enable()
-            trees = loop.draft(state)  # the round's request built and drafted, as served
+            flight = loop.start(state)  # the round's request built and drafted, as served
             if profiled:
                 profiles["draft"].disable()
                 profiles["verify"].enable()
             t1 = time.perf_counter()
-            results = worker.verify(loop.seqs, trees, state)
+            loop.finish(flight)  # verify, accept, commit; the EAGLE features recorded
             t2 = time.perf_counter()
             if profiled:
                 profiles["verify"].disable()
@@ -75,7 +75,6 @@ def main() -> None:
                 wall["verify"].append(1e3 * (t2 - t1))
                 gpu["draft"].append(gpu_ms(drafter))
                 gpu["verify"].append(gpu_ms(worker))
-            loop.record(results)
     loop.close()
     stages: dict[str, dict[str, Any]] = {
         k: {"wall_ms": median(wall[k]), "gpu_ms": median(gpu[k]),

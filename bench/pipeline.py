@@ -45,7 +45,7 @@ from bench.services import BenchServices, wait_draft_connected, watch_rounds
 from controller.policy import PolicyConfig
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.config import compute_threads
-from specpair.proto.v1 import target_pb2
+from specpair.runtime.round import RoundStats
 from specpair.serving import compute_executor
 from target_service.special_tokens import eos_ids
 
@@ -63,7 +63,7 @@ class Pipelined:
     predraft_ms: float  # mean per pipelined round, the draft's pre-draft
 
 
-def account(rounds: list[target_pb2.RoundStats]) -> Pipelined:
+def account(rounds: list[RoundStats]) -> Pipelined:
     spec = [r for r in rounds if r.speculative]
     hits = sum(sum(r.predrafted) for r in spec)
     misses = sum(r.predraft_misses for r in spec)
@@ -90,7 +90,7 @@ def serve(
     client: SpecpairClient, target: str, deployment: str, config: str, ids: list[list[int]],
     batch: int, new_tokens: int,
 ) -> tuple[Cell, Pipelined]:  # fmt: skip
-    rounds: list[target_pb2.RoundStats] = []
+    rounds: list[RoundStats] = []
     call = watch_rounds(target, rounds)
     time.sleep(0.2)
 

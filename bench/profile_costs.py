@@ -31,7 +31,7 @@ from bench.common import format_table, write_json
 from bench.services import watch_rounds
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.client.requests import Prompt
-from specpair.proto.v1 import target_pb2
+from specpair.runtime.round import RoundStats
 
 TIERS = (0, 1, 3, 7)
 SKIP_AFTER_PIN = 2  # rounds: the draft's catch-up after tier 0, and the pin landing
@@ -47,7 +47,7 @@ def longest(new_tokens: int = NEW_TOKENS) -> int:
     return new_tokens * TIER0_TOKENS
 
 
-def counted_ms(rounds: Sequence[target_pb2.RoundStats], tier: int, batch: int) -> list[float]:
+def counted_ms(rounds: Sequence[RoundStats], tier: int, batch: int) -> list[float]:
     """Round times of `rounds` that show the cost of `tier` at `batch`: at that tier (with
     drafts, unless 0), the whole batch, no admission."""
     out = []
@@ -78,7 +78,7 @@ def profile(
                 ("sampled_profile_ms", 1.0, sampled_batches),
             ):
                 for batch in sizes:
-                    rounds: list[target_pb2.RoundStats] = []
+                    rounds: list[RoundStats] = []
                     call = watch_rounds(client.address, rounds)
                     time.sleep(0.1)
 

@@ -40,9 +40,9 @@ from specpair.client import SpecpairClient
 from specpair.config import CANDIDATE_STEPS, compute_threads
 from specpair.models.loading import is_eagle_checkpoint, read_args
 from specpair.models.tiny import make_tiny_llama
-from specpair.proto.v1 import target_pb2
 from specpair.runtime.build import build_drafter, build_states, build_target
 from specpair.runtime.engine import GREEDY, SpeculativeEngine
+from specpair.runtime.round import RoundStats
 from specpair.runtime.sampling import SamplingParams
 from specpair.serving import compute_executor
 
@@ -147,7 +147,7 @@ def two_services(
             for tier in tiers:
                 apply_tier(group.target, tier)
                 generate(WARMUP_TOKENS)
-                rounds: list[target_pb2.RoundStats] = []
+                rounds: list[RoundStats] = []
                 call = watch_rounds(group.target, rounds)
                 time.sleep(0.5)
                 t0 = time.perf_counter()
@@ -160,7 +160,7 @@ def two_services(
 
 
 def service_run(
-    results: list[Any], rounds: list[target_pb2.RoundStats], tier: int, wall: float
+    results: list[Any], rounds: list[RoundStats], tier: int, wall: float
 ) -> dict[str, Any]:
     spec = [r.timings for r in rounds if r.speculative and r.speculative_num_steps == tier]
     return {

@@ -20,6 +20,8 @@ from specpair.client import SpecpairClient
 from specpair.group import Service, ServiceGroup
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
 from specpair.runtime.build import feature_layers
+from specpair.runtime.round import RoundStats
+from specpair.wire import stats_from_proto
 
 LINKS = ("tcp", "unix")
 
@@ -168,14 +170,15 @@ def apply_tier(address: str, steps: int) -> None:
         stub.ApplyTier(target_pb2.ApplyTierRequest(speculative_num_steps=steps, reason="bench"))
 
 
-def watch_rounds(address: str, sink: list[target_pb2.RoundStats]) -> grpc.Future:
-    """Collects the target's RoundStats in a thread until the returned call is cancelled."""
+def watch_rounds(address: str, sink: list[RoundStats]) -> grpc.Future:
+    """Collects the target's RoundStats (typed: `specpair.wire` decodes them) in a thread until
+    the returned call is cancelled."""
     channel = grpc.insecure_channel(address)
     call = target_pb2_grpc.TargetServiceStub(channel).WatchRounds(target_pb2.WatchRoundsRequest())
 
     def collect() -> None:
         with contextlib.suppress(grpc.RpcError):
-            sink.extend(r.round for r in call)
+            sink.extend(stats_from_proto(r.round) for r in call)
 
     threading.Thread(target=collect, daemon=True).start()
     return call

@@ -36,7 +36,7 @@ from bench.services import BenchServices, wait_draft_connected, watch_rounds
 from controller.bands import PolicySpec
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.config import MODELS_DIR
-from specpair.proto.v1 import target_pb2
+from specpair.runtime.round import RoundStats
 
 STEPS = (0, 1, 3, 7)
 CODE_PROMPTS = 24  # held-out stdlib windows this Python's stdlib gives (bench.acceptance)
@@ -146,7 +146,7 @@ def run_config(
             client.generate(job.prompt, max_tokens=8, temperature=job.temperature, seed=job.seed)
         if name == PROFILED and policy is not None:
             seed_profile(client, ControllerClient(group.controller, timeout=30), policy, jobs, args)
-        rounds: list[target_pb2.RoundStats] = []
+        rounds: list[RoundStats] = []
         call = watch_rounds(group.target, rounds)
         time.sleep(0.3)
 

@@ -6,7 +6,6 @@ import asyncio
 import functools
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +21,7 @@ from specpair.config import ControllerConfig
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import target_pb2
+from specpair.runtime.round import RoundStats
 from specpair.tiers import RegimeSteps
 
 log = get_logger("controller")
@@ -238,10 +238,9 @@ class AdaptiveController:
     def _lost(self, t: _Target) -> None:
         t.connected = False
 
-    async def _on_round(self, t: _Target, stats: target_pb2.RoundStats) -> None:
+    async def _on_round(self, t: _Target, stats: RoundStats) -> None:
         t.rounds_seen += 1
-        accept_lengths: Sequence[int] = list(stats.accept_lengths)
-        if any(a < 0 for a in accept_lengths):
+        if any(a < 0 for a in stats.accept_lengths):
             log.warning("round with negative accept lengths ignored", round_id=stats.round_id)
             return
         t.pipelined = stats.pipelined
@@ -319,7 +318,7 @@ class AdaptiveController:
         return True
 
 
-def round_sample(stats: target_pb2.RoundStats) -> RoundSample:
+def round_sample(stats: RoundStats) -> RoundSample:
     """What a policy sees of a round: a round without drafts (the draft was away, or tier 0) is
     a tier-0 sample, whatever tier was active."""
     speculative = stats.speculative and bool(stats.accept_lengths)
@@ -327,10 +326,10 @@ def round_sample(stats: target_pb2.RoundStats) -> RoundSample:
     return RoundSample(
         steps=stats.speculative_num_steps if speculative else 0,
         batch_size=stats.batch_size,
-        accept_lengths=tuple(stats.accept_lengths) if speculative else (),
-        request_ids=tuple(stats.request_ids) if speculative else (),
-        request_steps=tuple(stats.request_steps) if speculative else (),
-        plain_request_ids=tuple(stats.plain_request_ids),
+        accept_lengths=stats.accept_lengths if speculative else (),
+        request_ids=stats.request_ids if speculative else (),
+        request_steps=stats.request_steps if speculative else (),
+        plain_request_ids=stats.plain_request_ids,
         total_ms=timings.total_ms,
         verify_ms=timings.verify_ms,
         draft_ms=timings.draft_ms,

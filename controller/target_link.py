@@ -12,7 +12,9 @@ from specpair.config import TLSConfig
 from specpair.logging import get_logger
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
 from specpair.reconnect import ReconnectingLink
+from specpair.runtime.round import RoundStats
 from specpair.tiers import RegimeSteps
+from specpair.wire import stats_from_proto
 
 log = get_logger("controller")
 RPC_TIMEOUT_S = 5.0
@@ -26,14 +28,15 @@ class NotConnectedError(ConnectionError):
 
 class TargetLink(ReconnectingLink):
     """Calls `on_connect(info)` once a target answers (raising there fails the attempt), then
-    `on_round(stats)` for each round it reports, and `on_lost()` when the session ends."""
+    `on_round(stats)` for each round it reports (typed: `specpair.wire` decodes it), and
+    `on_lost()` when the session ends."""
 
     def __init__(
         self,
         address: str,
         *,
         on_connect: Callable[[target_pb2.TargetServiceGetServerInfoResponse], Awaitable[None]],
-        on_round: Callable[[target_pb2.RoundStats], Awaitable[None]],
+        on_round: Callable[[RoundStats], Awaitable[None]],
         on_lost: Callable[[], None],
         tls: TLSConfig | None = None,
         token: str | None = None,
@@ -90,7 +93,7 @@ class TargetLink(ReconnectingLink):
             target_pb2.WatchRoundsRequest(), metadata=self.metadata
         )
         async for response in self._rounds:
-            await self.on_round(response.round)
+            await self.on_round(stats_from_proto(response.round))
         log.warning("round stream ended", target=self.address)
 
     def _failed(self, exc: Exception, retry_s: float) -> float:

@@ -1,6 +1,7 @@
-"""The draft service's side of the round: decode a RoundRequest, extend + draft at its tier,
-answer a RoundResponse; pipelined (`RoundRequest.predraft`), then pre-draft the next round's
-likeliest outcomes (`runtime/draft/pipeline.py`) and answer them in a second RoundResponse.
+"""The draft service's side of the round: the wire edge (`specpair.wire` decodes each
+RoundRequest and encodes its RoundResponse), the checks a peer's round must pass, this cache's
+room, then the draft's round itself (`runtime/draft/round.py`: release → extend + draft →
+respond; pipelined, a second response of pre-drafts).
 
 Request ids are namespaced per Round stream, whose id names the target that opened it
 (`TARGET#n`, keys `TARGET#n/REQUEST`): two targets sending the same request id, or a
@@ -11,7 +12,7 @@ target's slots are counted over all its streams, at most `max_target_requests`.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass
 
 import torch
 
@@ -22,17 +23,32 @@ from specpair.proto.v1 import draft_pb2
 from specpair.runtime.build import StateBuilder, build_drafter, feature_layers
 from specpair.runtime.draft.drafter import Drafter
 from specpair.runtime.draft.pipeline import Pipeline
+from specpair.runtime.draft.round import DraftRound, RoundError
 from specpair.runtime.kv_cache import CacheFullError
 from specpair.runtime.round import DraftInput, RoundRequest, RoundResponse, StageTimings
 from specpair.runtime.state import SpecRuntimeState, gpu_ms
-from specpair.wire import request_from_proto, response_to_proto, timings_into
+from specpair.wire import (
+    MalformedRequestError,
+    request_from_proto,
+    response_to_proto,
+    timings_into,
+)
 
+__all__ = ["Answer", "DraftRounds", "RoundError"]
 log = get_logger(__name__)
 MAX_ERROR_CHARS = 500  # an error names the field; it never echoes a whole message back
 
 
-class RoundError(ValueError):
-    """A round the draft cannot serve; sent back in RoundResponse.error."""
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One round off the wire: its request as decoded, its response encoded (on the compute
+    thread: the cost is the draft's) and the draft's timings of it (zero when it drafted
+    nothing: a release, or a refused round)."""
+
+    request: RoundRequest
+    message: draft_pb2.RoundResponse
+    timings: StageTimings
+    refused: bool = False
 
 
 class DraftRounds:
@@ -68,51 +84,27 @@ class DraftRounds:
             if config.pipeline is PipelineMode.ON
             else None
         )
-        # stream id → the keyed round whose outcomes it pre-drafts next (`predraft`)
-        self._ahead: dict[str, tuple[RoundRequest, SpecRuntimeState]] = {}
+        self.round = DraftRound(self.drafter, self.pipeline)
 
     @property
     def active_requests(self) -> int:
         return len(self.drafter.requests)
 
-    def release(self, key: str) -> None:
-        """Frees a request's state (`key`: namespaced), its pre-draft forks included."""
-        if self.pipeline is not None:
-            self.pipeline.release(key)
-        else:
-            self.drafter.release(key)
-
     def release_stream(self, stream_id: str) -> None:
-        prefix = f"{stream_id}/"
-        self._ahead.pop(stream_id, None)
-        if self.pipeline is not None:
-            for key in [k for k in self.pipeline.drafted if k.startswith(prefix)]:
-                self.pipeline.release(key)
-        for key in [k for k in self.drafter.requests if k.startswith(prefix)]:
-            self.drafter.release(key)
+        self.round.release_stream(stream_id)
 
-    def run(self, stream_id: str, message: draft_pb2.RoundRequest) -> draft_pb2.RoundResponse:
+    def run(self, stream_id: str, message: draft_pb2.RoundRequest) -> Answer:
         """One round off the wire; errors in it come back in `error`, never as an exception."""
         t0 = time.perf_counter()
-        self._ahead.pop(stream_id, None)
-        for rid in message.released_request_ids:
-            self.release(f"{stream_id}/{rid}")
-        if not message.inputs:
-            return draft_pb2.RoundResponse(round_id=message.round_id)
         try:
-            response = response_to_proto(self.draft(stream_id, request_from_proto(message)))
+            request = request_from_proto(message)
+            response = self.draft(stream_id, request)
         except Exception as exc:
-            # Bad input (RoundError, ValueError), no room (CacheFullError) or a bug: the target
-            # decodes this round plainly and re-sends these requests' full tokens, so their
-            # state here is dropped either way, and the stream and its other requests go on.
-            for msg in message.inputs:
-                self.release(f"{stream_id}/{msg.request_id}")
-            if isinstance(exc, ValueError | CacheFullError):
-                log.warning("round rejected", round_id=message.round_id, error=str(exc))
-            else:
-                log.exception("round failed", round_id=message.round_id)
-            error = str(exc)[:MAX_ERROR_CHARS] or type(exc).__name__
-            return draft_pb2.RoundResponse(round_id=message.round_id, error=error)
+            request = exc.request if isinstance(exc, MalformedRequestError) else request
+            return self._refuse(stream_id, request, exc)
+        encoded = response_to_proto(response)
+        if not request.inputs:
+            return Answer(request, encoded, StageTimings())
         total = 1e3 * (time.perf_counter() - t0)  # encoding the trees included
         timings = StageTimings(
             draft_ms=total,
@@ -120,72 +112,52 @@ class DraftRounds:
             total_ms=total,
             draft_gpu_ms=gpu_ms(self.drafter),
         )
-        timings_into(response.timings, timings)
-        return response
+        return Answer(request, encoded, timings)
 
     def draft(self, stream_id: str, request: RoundRequest) -> RoundResponse:
-        """Extends and drafts the requests this cache can hold, at the request's tier;
-        pipelined, first goes on from the forks of `predrafted` inputs."""
-        state = self._state(request.speculative_num_steps)
+        """The round's checks, then the draft's round at its tier, within this cache's room."""
+        state = self._state(request.speculative_num_steps) if request.inputs else None
         self._check(request)
-        keyed = [replace(i, request_id=f"{stream_id}/{i.request_id}") for i in request.inputs]
-        pipeline = self.pipeline
-        adopted: list[str] = []
-        if pipeline is not None:
-            adopted = pipeline.begin(keyed, state)
-        elif any(i.predrafted for i in keyed):
-            raise RoundError("inputs: predrafted, but this draft does not pipeline (--pipeline)")
-        fresh = [(i, k) for i, k in zip(request.inputs, keyed, strict=True) if not k.predrafted]
-        drafted, refused = self._with_room(fresh, request.round_id, stream_id)
-        inputs = [key for _, key in drafted]
-        if not inputs:
-            trees = []
-        elif pipeline is not None and state.tier > 0 and request.predraft:
-            # a lookahead only where the target asked for pre-drafts: it costs a draft step
-            trees = pipeline.draft(inputs, state)
-        else:
-            trees = self.drafter.draft(inputs, state)
-        if pipeline is not None and request.predraft:
-            self._ahead[stream_id] = (replace(request, inputs=tuple(keyed)), state)
-        prefix = len(stream_id) + 1
-        return RoundResponse(
-            request.round_id,
-            {item.request_id: tree for (item, _), tree in zip(drafted, trees, strict=True)},
-            adopted=tuple(key[prefix:] for key in adopted),
-            refused=refused,
-        )
+        return self.round.answer(
+            request, state, stream=stream_id,
+            room=lambda inputs, round_id: self._with_room(inputs, round_id, stream_id),
+        )  # fmt: skip
 
     def predraft(self, stream_id: str, round_id: int) -> draft_pb2.RoundResponse:
-        """A pipelined round's second response: trees for the likeliest outcomes of the trees
-        just sent (none when this draft does not pipeline or the round failed)."""
-        ahead = self._ahead.pop(stream_id, None)
-        if ahead is None or self.pipeline is None:
-            return draft_pb2.RoundResponse(round_id=round_id)
-        request, state = ahead
+        """A pipelined round's second response (empty when this draft does not pipeline or
+        the round failed)."""
         t0 = time.perf_counter()
-        try:
-            predrafts = self.pipeline.predraft(request.inputs, state)
-        except CacheFullError as exc:  # forks found no room: only these guesses are lost
-            log.warning("pre-draft skipped", round_id=round_id, error=str(exc))
-            predrafts = {}
-        prefix = len(stream_id) + 1
-        response = response_to_proto(
-            RoundResponse(round_id, predrafts={k[prefix:]: p for k, p in predrafts.items()})
-        )
+        response = self.round.predraft(round_id, stream_id)
+        if response is None:
+            return response_to_proto(RoundResponse(round_id))
+        message = response_to_proto(response)
         total = 1e3 * (time.perf_counter() - t0)
-        timings_into(response.timings, StageTimings(draft_ms=total, total_ms=total))
-        return response
+        timings_into(message.timings, StageTimings(draft_ms=total, total_ms=total))
+        return message
+
+    def _refuse(self, stream_id: str, request: RoundRequest, exc: Exception) -> Answer:
+        """Bad input (RoundError, ValueError), no room (CacheFullError) or a bug: the target
+        decodes this round plainly and re-sends these requests' full tokens, so their state
+        here is dropped either way, and the stream and its other requests go on."""
+        self.round.drop(request, stream_id)
+        if isinstance(exc, ValueError | CacheFullError):
+            log.warning("round rejected", round_id=request.round_id, error=str(exc))
+        else:
+            log.exception("round failed", round_id=request.round_id)
+        error = str(exc)[:MAX_ERROR_CHARS] or type(exc).__name__
+        message = response_to_proto(RoundResponse(request.round_id, error=error))
+        return Answer(request, message, StageTimings(), refused=True)
 
     @property
     def plans_ahead(self) -> bool:
         """Whether `prepare` does anything: the drafter runs CUDA graphs."""
         return any(state.extend_stage().plans_ahead for state in self.states.values())
 
-    def prepare(self, stream_id: str, request: draft_pb2.RoundRequest) -> None:
+    def prepare(self, stream_id: str, request: RoundRequest) -> None:
         """Plans the next round of this round's requests at its tier (see Drafter.prepare)."""
         state = self.states.get(request.speculative_num_steps)
         if state is not None:
-            ids = [f"{stream_id}/{msg.request_id}" for msg in request.inputs]
+            ids = [f"{stream_id}/{item.request_id}" for item in request.inputs]
             self.drafter.prepare(ids, state)
 
     def _state(self, tier: int) -> SpecRuntimeState:
@@ -216,10 +188,10 @@ class DraftRounds:
                 )
 
     def _with_room(
-        self, decoded: list[tuple[DraftInput, DraftInput]], round_id: int, stream_id: str
-    ) -> tuple[list[tuple[DraftInput, DraftInput]], dict[str, str]]:
-        """The (sent, keyed) requests this cache can hold, and why each other one was refused
-        (request id → reason). A refused request gets no tree: the target decodes it plainly
+        self, keyed: list[DraftInput], round_id: int, stream_id: str
+    ) -> tuple[list[DraftInput], dict[str, str]]:
+        """The (keyed) requests this cache can hold, and why each other one was refused (keyed
+        request id → reason). A refused request gets no tree: the target decodes it plainly
         and re-sends its tokens later, so one request over the cache's length, or more requests
         than slots, never costs the others their drafts. A target (all its streams) holds at
         most `max_target_requests` slots, so one peer cannot take them all."""
@@ -228,10 +200,9 @@ class DraftRounds:
         room = cfg.max_target_requests  # counted only where it bounds anything
         target = stream_target(stream_id)
         if room < cfg.max_requests:
-            prefix = f"{target}#"
-            room -= sum(1 for key in self.drafter.requests if key.startswith(prefix))
+            room -= sum(1 for key in self.drafter.requests if key.startswith(f"{target}#"))
         kept, refused = [], {}
-        for sent, item in decoded:
+        for item in keyed:
             entry = self.drafter.requests.get(item.request_id)
             length = self.drafter.cache.lengths[entry.slot] if entry else 0
             need = length + len(item.appended) + max(self.states)
@@ -247,13 +218,14 @@ class DraftRounds:
             else:
                 if entry is None:
                     free, room = free - 1, room - 1
-                kept.append((sent, item))
+                kept.append(item)
                 continue
-            self.release(item.request_id)
-            refused[sent.request_id] = reason
+            self.round.release(item.request_id)
+            refused[item.request_id] = reason
             log.warning(
-                "request not drafted", round_id=round_id, request=sent.request_id, reason=reason
-            )
+                "request not drafted", round_id=round_id,
+                request=item.request_id.removeprefix(f"{stream_id}/"), reason=reason,
+            )  # fmt: skip
         return kept, refused
 
     def usage(self) -> dict[str, int]:

@@ -1,4 +1,5 @@
-"""gRPC front of the draft service: one Round stream per target, rounds through `Compute`."""
+"""gRPC front of the draft service: one Round stream per target, rounds through `Compute`
+(decoded and encoded there by `DraftRounds.run`, through `specpair.wire`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import itertools
 import re
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -19,6 +20,7 @@ from specpair.metrics import ServiceMetrics
 from specpair.models.loading import load_tokenizer, tokenizer_fingerprint
 from specpair.proto.v1 import draft_pb2, draft_pb2_grpc
 from specpair.serving import Compute, GrpcServer, busy_wait
+from specpair.wire import timings_into
 
 log = get_logger(__name__)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -71,19 +73,23 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         try:
             while True:
                 try:  # after a round, poll for the next (it follows the target's verify)
-                    request = await busy_wait(anext(requests), self.busy_poll_s)
+                    message = await busy_wait(anext(requests), self.busy_poll_s)
                 except StopAsyncIteration:
                     break
                 received = time.perf_counter()
-                response = await self.compute(rounds.run, stream_id, request)
+                answer = await self.compute(rounds.run, stream_id, message)
                 held_ms = 1e3 * (time.perf_counter() - received)
-                response.timings.draft_host_ms = max(held_ms - response.timings.total_ms, 0.0)
+                timings = replace(
+                    answer.timings, draft_host_ms=max(held_ms - answer.timings.total_ms, 0.0)
+                )
+                timings_into(answer.message.timings, timings)
+                request = answer.request
                 self.metrics.active_tier.set(request.speculative_num_steps)
-                self.metrics.stage_latency.labels("draft").observe(response.timings.total_ms / 1e3)
-                yield response
+                self.metrics.stage_latency.labels("draft").observe(timings.total_ms / 1e3)
+                yield answer.message
                 if request.predraft and request.inputs:  # the second response, promised
                     yield await self.compute(rounds.predraft, stream_id, request.round_id)
-                if rounds.plans_ahead and not response.error:  # while the target verifies
+                if rounds.plans_ahead and not answer.refused:  # while the target verifies
                     await self.compute(rounds.prepare, stream_id, request)
         finally:
             await self._close_stream(rounds, stream_id)

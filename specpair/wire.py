@@ -1,8 +1,8 @@
 """Conversions between the wire messages (protos) and the round's typed messages.
 
 Whole messages cross here: `request_to_proto` / `request_from_proto` (RoundRequest),
-`response_to_proto` / `response_from_proto` (RoundResponse), `stats_to_proto` (RoundStats).
-Decoding names the field of anything malformed.
+`response_to_proto` / `response_from_proto` (RoundResponse), `stats_to_proto` /
+`stats_from_proto` (RoundStats). Decoding names the field of anything malformed.
 """
 
 from __future__ import annotations
@@ -111,12 +111,31 @@ def request_to_proto(request: RoundRequest) -> draft_pb2.RoundRequest:
     return msg
 
 
+class MalformedRequestError(ValueError):
+    """A RoundRequest with an input that cannot be decoded; the message names its field.
+    `request` holds what can be: the round, its releases and each input's id (nothing else)."""
+
+    def __init__(self, why: str, request: RoundRequest) -> None:
+        super().__init__(why)
+        self.request = request
+
+
 def request_from_proto(msg: draft_pb2.RoundRequest) -> RoundRequest:
-    """Raises ValueError naming the malformed field (`inputs[r7].sampling.top_p: ...`)."""
+    """Raises MalformedRequestError naming the malformed field (`inputs[r7].sampling.top_p:
+    ...`)."""
+    try:
+        inputs = tuple(_draft_input_from_proto(m) for m in msg.inputs)
+    except ValueError as exc:
+        inputs = tuple(DraftInput(m.request_id, (), SamplingParams()) for m in msg.inputs)
+        raise MalformedRequestError(str(exc), _request(msg, inputs)) from None
+    return _request(msg, inputs)
+
+
+def _request(msg: draft_pb2.RoundRequest, inputs: tuple[DraftInput, ...]) -> RoundRequest:
     return RoundRequest(
         msg.round_id,
         msg.speculative_num_steps,
-        tuple(_draft_input_from_proto(m) for m in msg.inputs),
+        inputs,
         tuple(msg.released_request_ids),
         msg.predraft,
     )
@@ -194,6 +213,15 @@ def stats_to_proto(stats: RoundStats) -> target_pb2.RoundStats:
     )
     timings_into(msg.timings, stats.timings)
     return msg
+
+
+def stats_from_proto(msg: target_pb2.RoundStats) -> RoundStats:
+    return RoundStats(
+        msg.round_id, msg.speculative_num_steps, msg.batch_size, tuple(msg.accept_lengths),
+        msg.speculative, timings_from_proto(msg.timings), msg.unix_time, tuple(msg.request_ids),
+        tuple(msg.request_steps), tuple(msg.plain_request_ids), tuple(msg.predrafted),
+        msg.predraft_misses, msg.pipelined, msg.sampled_requests,
+    )  # fmt: skip
 
 
 def _draft_input_into(msg: draft_pb2.DraftInput, item: DraftInput) -> None:

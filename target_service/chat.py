@@ -7,10 +7,10 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from specpair.proto.v1 import target_pb2
+from target_service.request import ChatTurn
 
 
-def chat_prompt_ids(messages: Sequence[target_pb2.ChatMessage], tokenizer: Any) -> list[int]:
+def chat_prompt_ids(messages: Sequence[ChatTurn], tokenizer: Any) -> list[int]:
     """The template's text for `messages` plus the generation prompt, as token ids.
 
     Raises ValueError naming the field. The text is encoded without special tokens: a template

@@ -1,8 +1,9 @@
 """The one request path of the target's front doors (gRPC, HTTP): validate, submit, stream.
 
-Both doors build a `GenerateRequest` and read `GenerateResponse`s from `Frontend.generate`;
-each maps the typed errors below onto its own status codes. Validation, admission,
-detokenization, stop strings, cancellation and the per-request metrics live here only.
+Both doors build a `ClientRequest` (`request.py`) and read `GenerateResponse`s from
+`Frontend.generate`; each maps the typed errors below onto its own status codes. Validation,
+admission, detokenization, stop strings, cancellation and the per-request metrics live here
+only.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import target_pb2
 from specpair.runtime.target.worker import TargetSequence
 from target_service.detokenize import TextStream
+from target_service.request import ClientRequest
 from target_service.scheduler import Scheduler
 from target_service.served import ServedRequest
 from target_service.validation import validate_generate
@@ -61,7 +63,7 @@ class Frontend:
         return self.scheduler
 
     async def generate(
-        self, request: target_pb2.GenerateRequest, *, time_remaining: float | None = None
+        self, request: ClientRequest, *, time_remaining: float | None = None
     ) -> AsyncGenerator[target_pb2.GenerateResponse, None]:
         """One response per round with new tokens; the last carries finish_reason, usage and
         speculation stats.

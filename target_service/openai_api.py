@@ -1,7 +1,7 @@
-"""OpenAI's completions and chat completions as GenerateRequests, and GenerateResponses back.
+"""OpenAI's completions and chat completions as ClientRequests, and GenerateResponses back.
 
 Pure functions of JSON values and protos, no I/O: the HTTP door (`target_service/http_api.py`)
-parses a body into a `GenerateRequest` here, runs it through the same `Frontend.generate` as
+parses a body into a `ClientRequest` here, runs it through the same `Frontend.generate` as
 gRPC, and writes each `GenerateResponse` back as OpenAI's objects. Every error names the
 field as the client sent it (`temperature`, not `sampling.temperature`).
 """
@@ -13,10 +13,11 @@ import math
 import re
 import reprlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specpair.proto.v1 import target_pb2
+from target_service.request import ChatTurn, ClientRequest, SamplingAsked
 from target_service.validation import (
     DEFAULT_MAX_TOKENS,
     MAX_BYTES_PER_TOKEN,
@@ -66,9 +67,9 @@ _FINISH = {target_pb2.FINISH_REASON_LENGTH: "length", target_pb2.FINISH_REASON_S
 
 @dataclass(frozen=True, slots=True)
 class ApiRequest:
-    """One parsed HTTP request: the GenerateRequest and how to answer it."""
+    """One parsed HTTP request: what it asks, and how to answer it."""
 
-    generate: target_pb2.GenerateRequest
+    generate: ClientRequest
     chat: bool
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
@@ -135,7 +136,7 @@ def _token_ids(value: Any, name: str, limit: int, what: str) -> list[int]:
     return [_integer(t, f"{name}[{i}]", 0, INT32_MAX + 1) for i, t in enumerate(value)]
 
 
-def _set_prompt(request: target_pb2.GenerateRequest, prompt: Any, max_len: int) -> None:
+def _prompt(prompt: Any, max_len: int) -> ClientRequest:
     """A string, token ids, or a batch of exactly one of those."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
@@ -144,13 +145,12 @@ def _set_prompt(request: target_pb2.GenerateRequest, prompt: Any, max_len: int) 
             f"prompt: {len(prompt)} items cannot fit the context of {max_len} tokens"
         )
     if isinstance(prompt, str):
-        request.prompt = prompt
-    elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        request.prompt_token_ids.extend(_token_ids(prompt, "prompt", max_len, "too many"))
-    elif isinstance(prompt, list):
+        return ClientRequest(prompt=prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return ClientRequest(prompt_token_ids=_token_ids(prompt, "prompt", max_len, "too many"))
+    if isinstance(prompt, list):
         raise InvalidRequestError("prompt: batches of prompts are not supported; send one each")
-    else:
-        raise InvalidRequestError("prompt: expected a string or a list of token ids")
+    raise InvalidRequestError("prompt: expected a string or a list of token ids")
 
 
 def _content(value: Any, name: str, max_len: int) -> str:
@@ -173,13 +173,13 @@ def _content(value: Any, name: str, max_len: int) -> str:
     return "".join(texts)
 
 
-def _set_messages(request: target_pb2.GenerateRequest, messages: Any, max_len: int) -> None:
+def _messages(messages: Any, max_len: int) -> ClientRequest:
     """The messages, refused as soon as their count or text cannot fit the context: a few MB of
     them would otherwise be copied, templated and tokenized first."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages: expected a non-empty list of messages")
     check_messages_size((), len(messages), max_len)
-    chars = 0
+    chars, turns = 0, []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise InvalidRequestError(f"messages[{i}]: expected an object")
@@ -192,11 +192,12 @@ def _set_messages(request: target_pb2.GenerateRequest, messages: Any, max_len: i
         chars += len(role) + len(content)
         if chars > MAX_BYTES_PER_TOKEN * max_len:
             check_messages_size((chars,), len(messages), max_len)
-        request.messages.add(role=role, content=content)
+        turns.append(ChatTurn(role, content))
+    return ClientRequest(messages=tuple(turns))
 
 
 def parse_request(body: Any, *, chat: bool, max_len: int) -> ApiRequest:
-    """A `/v1/chat/completions` (chat) or `/v1/completions` body as a GenerateRequest.
+    """A `/v1/chat/completions` (chat) or `/v1/completions` body as a ClientRequest.
 
     Unknown fields are ignored, as OpenAI's clients expect of a server; known ones are
     type-checked here and range-checked by the shared validation (`validate_generate`). Lists
@@ -210,39 +211,42 @@ def parse_request(body: Any, *, chat: bool, max_len: int) -> ApiRequest:
             raise InvalidRequestError(
                 f"{name}: not supported ({why}); omit it or send {json.dumps(defaults[0])}"
             )
-    request = target_pb2.GenerateRequest()
     if chat:
-        _set_messages(request, body.get("messages"), max_len)
+        asked = _messages(body.get("messages"), max_len)
     else:
         if "prompt" not in body:
             raise InvalidRequestError("prompt: required")
-        _set_prompt(request, body["prompt"], max_len)
+        asked = _prompt(body["prompt"], max_len)
     max_tokens_field = "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:
         max_tokens_field = "max_completion_tokens"  # OpenAI's newer name wins over max_tokens
     max_tokens = body.get(max_tokens_field)
-    request.max_tokens = (
-        DEFAULT_MAX_TOKENS
-        if max_tokens is None
-        else _integer(max_tokens, max_tokens_field, 1, INT32_MAX + 1)
-    )
-    sampling = request.sampling
-    sampling.temperature = _number(body, "temperature", DEFAULT_TEMPERATURE)
-    sampling.top_p = _number(body, "top_p", 1.0)
-    sampling.min_p = _number(body, "min_p", 0.0)  # vLLM's and SGLang's extension
+    if max_tokens is not None:
+        max_tokens = _integer(max_tokens, max_tokens_field, 1, INT32_MAX + 1)
+    temperature = _number(body, "temperature", DEFAULT_TEMPERATURE)
+    top_p = _number(body, "top_p", 1.0)
+    min_p = _number(body, "min_p", 0.0)  # vLLM's and SGLang's extension
     top_k = body.get("top_k")
     if top_k is not None:
         top_k = _integer(top_k, "top_k", -INT32_MAX, INT32_MAX + 1)
-        sampling.top_k = 0 if top_k == -1 else top_k  # -1: vLLM's and SGLang's "off"
-    if body.get("seed") is not None:
-        sampling.seed = _integer(body["seed"], "seed", 0, UINT64_LIMIT)
-    request.stop.extend(_strings(body.get("stop"), "stop"))
+    seed = body.get("seed")
+    if seed is not None:
+        seed = _integer(seed, "seed", 0, UINT64_LIMIT)
+    stop = _strings(body.get("stop"), "stop")
+    stop_ids: list[int] = []
     if body.get("stop_token_ids") is not None:
         stop_ids = _token_ids(
             body["stop_token_ids"], "stop_token_ids", MAX_STOP_TOKEN_IDS,
             f"at most {MAX_STOP_TOKEN_IDS}",
         )  # fmt: skip
-        request.stop_token_ids.extend(stop_ids)
+    top_k = 0 if top_k in (None, -1) else top_k  # -1: vLLM's and SGLang's "off"
+    request = replace(
+        asked,
+        max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+        sampling=SamplingAsked(temperature, top_p, top_k, seed, min_p),
+        stop=tuple(stop),
+        stop_token_ids=tuple(stop_ids),
+    )
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise InvalidRequestError(f"stream: expected a boolean, got {shown(stream)}")

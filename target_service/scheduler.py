@@ -1,14 +1,14 @@
-"""Continuous batching and the round loop: admit → start (draft, remote) → verify → stream.
+"""Continuous batching: admission, cancels, tiers and the loop; the round itself is
+`TargetRound`'s (`specpair/runtime/target/round.py`), over a `DraftPool` (a `DraftLink` per
+draft replica).
 
 One asyncio task drives every round; model compute runs through `Compute` (inline on a GPU, on
 one worker thread on the CPU). New requests are prefilled and join at the next round boundary;
 finished or cancelled ones leave there, and their draft state is released with the next
-RoundRequest. What goes to the draft and what comes back is the `DraftSession`'s business; the
-wire is the `DraftPool`'s (a `DraftLink` per draft replica); which answer a round reads when
-(pipelined: some after its verify), the `Flight`'s. A round starts when its RoundRequest goes
-out: right after the previous round's verify when nobody waits for admission, so that
-streaming results, metrics and round statistics overlap the draft's work instead of delaying
-it. A tier command takes effect when the next round starts, never inside one.
+RoundRequest. A round starts when its RoundRequest goes out: right after the previous round's
+verify when nobody waits for admission (`next_round`, which the round calls before it streams),
+so that streaming results, metrics and round statistics overlap the draft's work instead of
+delaying it. A tier command takes effect when the next round starts, never inside one.
 
 Tiers (`target_service/tiers.py`): the batch's, and optionally each request's. A round runs at
 the state of the largest tier among its requests; each request's chain is drafted to its own
@@ -26,13 +26,14 @@ import time
 from specpair.config import DEFAULT_MAX_WATCHERS, PipelineMode
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
-from specpair.runtime.state import SpecRuntimeState, gpu_ms
+from specpair.runtime.state import SpecRuntimeState
+from specpair.runtime.target.pipeline import Predrafts
+from specpair.runtime.target.round import Flight, TargetRound
 from specpair.runtime.target.session import DraftSession
-from specpair.runtime.target.worker import TargetWorker
+from specpair.runtime.target.worker import TargetWorker, VerifyResult
 from specpair.serving import Compute, settle, settle_budget
 from specpair.tiers import RegimeSteps
 from target_service.draft_pool import DraftPool
-from target_service.flight import Flight, pipelines
 from target_service.round_feed import RoundFeed
 from target_service.served import RoundEvent, ServedRequest
 from target_service.tiers import Tiers
@@ -65,10 +66,9 @@ class Scheduler:
         self.tiers = Tiers(states, initial_steps, metrics)
         self.max_batch = max_batch
         self.max_queue = max_queue
-        self.draft = draft
         self.metrics = metrics
         self.compute = Compute("target-compute", threads, device)
-        self.device, self.pipeline = device, pipeline
+        self.device = device
         self.session = DraftSession(worker.model.args.vocab_size)
         self.queue: collections.deque[ServedRequest] = collections.deque()
         self.running: list[ServedRequest] = []
@@ -76,6 +76,35 @@ class Scheduler:
         self.recent_accepts: collections.deque[int] = collections.deque(maxlen=256)
         self._wakeup = asyncio.Event()
         self.feed = RoundFeed(metrics, max_watchers)  # each round's RoundStats, for WatchRounds
+        self.round: TargetRound[ServedRequest] = TargetRound(
+            worker, self.session, draft, self.compute, metrics=metrics, publish=self.feed.publish
+        )
+        self._draft = draft
+        self.pipeline = pipeline
+
+    @property
+    def draft(self) -> DraftPool | None:
+        return self._draft
+
+    @draft.setter
+    def draft(self, link: DraftPool | None) -> None:
+        self._draft = self.round.draft = link
+
+    @property
+    def pipeline(self) -> PipelineMode:
+        """`--pipeline`: off, or pre-drafts kept for the rounds that go out pipelined."""
+        predrafts = self.round.predrafts
+        return PipelineMode.OFF if predrafts is None else predrafts.mode
+
+    @pipeline.setter
+    def pipeline(self, mode: PipelineMode) -> None:
+        off = mode is PipelineMode.OFF
+        self.round.predrafts = None if off else Predrafts(mode, self.device)
+
+    @property
+    def pipelining(self) -> bool:
+        """Whether rounds go out pipelined, by `--pipeline` and the draft (`pipeline.pipelines`)."""
+        return self.round.predrafts is not None and self.round.predrafts.pipelined(self.draft)
 
     # ---- called from the servicer -------------------------------------------------------
 
@@ -117,13 +146,13 @@ class Scheduler:
     # ---- the loop -----------------------------------------------------------------------
 
     async def run(self) -> None:
-        flight: Flight | None = None  # a round already started: its RoundRequest is out
+        flight: Flight[ServedRequest] | None = None  # a round already started: its request is out
         while True:
             if flight is None:
                 self.tiers.switch(self.round_id, self._running_ids())
                 self._drop_cancelled()
                 if not self.running and not self.queue:
-                    await self._flush_releases()
+                    await self.round.send_releases(self.round_id)
                     if self.queue:  # submitted while the releases were in flight
                         continue
                     # No await between this check and clear(): a submit cannot slip in unseen.
@@ -140,7 +169,8 @@ class Scheduler:
                         continue
                     flight = await self._start(list(self.running), time.perf_counter() - t0)
                 drafted = flight.request is not None
-                flight = await self._verify(flight)
+                flight = await self.round.run(flight, self)  # the next round is out, or None
+                self._drop_cancelled(keep=flight)
                 # Inline compute with no draft to wait for never suspends: without this a batch
                 # would run to its end before a submit, a cancel or a tier could land.
                 if self.compute.executor is None and not drafted:
@@ -163,7 +193,7 @@ class Scheduler:
         self._wakeup.clear()
         await self._wakeup.wait()
 
-    def _drop_cancelled(self, keep: Flight | None = None) -> None:
+    def _drop_cancelled(self, keep: Flight[ServedRequest] | None = None) -> None:
         """Cancelled requests leave, except those in `keep`'s batch: they leave after its round."""
         for req in [r for r in self.queue if r.cancelled]:
             self.queue.remove(req)
@@ -215,93 +245,32 @@ class Scheduler:
                 self._finish(req, req.seq.finish_reason)
         self.metrics.running.set(len(self.running))
 
-    async def _start(self, batch: list[ServedRequest], admit_s: float) -> Flight:
-        """Starts a round: its RoundRequest goes out (when a draft is connected)."""
+    async def _start(self, batch: list[ServedRequest], admit_s: float) -> Flight[ServedRequest]:
+        """Starts a round of `batch` at its tiers: its RoundRequest goes out."""
         self.round_id += 1
         sampled = any(not r.seq.sampling.greedy for r in batch)
         steps = self.tiers.of([r.seq.request_id for r in batch], sampled)
         state = self.states[max(steps)]
-        flight = Flight(self.round_id, batch, state, time.perf_counter(), admit_s, steps)
-        link = self.draft
-        if link is None or not link.connected:
-            self.session.no_stream()
-            return flight
-        if state.tier == 0:
-            return flight  # target-only: the draft is not called (releases wait for a round)
         seqs = [r.seq for r in batch]
-        flight.request = self.session.request(
-            self.round_id, seqs, state.tier, epoch=link.epochs(seqs), features=link.features,
-            steps=steps, predraft=self.pipelining,
-        )  # fmt: skip
-        flight.hit_ids, flight.misses = frozenset(self.session.hits), self.session.misses
-        flight.epoch = await link.send(flight.request)
-        if flight.epoch is not None and state.verify_stage().plans_ahead:
-            # While the draft service drafts: plan this round's verify graph (see prepare).
-            depths = None if min(steps) == state.tier else steps
-            await self.compute(self.worker.prepare, seqs, state, depths)
-        return flight
+        return await self.round.start(self.round_id, batch, seqs, state, steps, admit_s)
 
-    async def _verify(self, flight: Flight) -> Flight | None:
-        """Verifies a started round; starts the next one (when nothing waits for admission)
-        before streaming this one's results, so that work overlaps the draft's. Returns it."""
-        batch, state = flight.batch, flight.state
-        drafts = await flight.drafts(self.draft, self.session, self.metrics)
-        trees, speculative = drafts.aligned([r.seq.request_id for r in batch]), drafts.speculative
-        t1 = time.perf_counter()
-        results = await self.compute(self.worker.verify, [r.seq for r in batch], trees, state)
-        t2 = time.perf_counter()
-        for req, res in zip(batch, results, strict=True):
-            self.session.verified(req.seq, res.features)
-        await flight.after_verify(self.draft, self.session, self.metrics)
+    # ---- what the round asks of the batching (`Batcher`) ---------------------------------
+
+    async def next_round(self, done: Flight[ServedRequest]) -> Flight[ServedRequest] | None:
+        """The round after `done`, started now unless requests wait for admission (they join
+        at the round boundary, after `done` has streamed)."""
         self.tiers.switch(self.round_id, self._running_ids())
-        ready = [r for r in batch if r.seq.finish_reason is None and not r.cancelled]
-        following = await self._start(ready, 0.0) if ready and not self.queue else None
-        accepts: list[int] = []
-        drafted_ids: list[str] = []
-        drafted_steps: list[int] = []
-        plain_ids: list[str] = []
-        for req, tree, res, steps in zip(batch, trees, results, flight.steps, strict=True):
-            drafted = speculative and len(tree) > 0
-            if drafted:
-                tree_from = "predrafted" if req.seq.request_id in flight.hit_ids else "fresh"
-                self.metrics.tree_accept_length.labels(tree_from).observe(
-                    res.acceptance.accept_length
-                )
-                accepts.append(res.acceptance.accept_length)
-                drafted_ids.append(req.seq.request_id)
-                drafted_steps.append(steps)
-                req.accept_lengths.append(res.acceptance.accept_length)
-                self.metrics.accept_length.observe(res.acceptance.accept_length)
-            else:
-                req.plain_rounds += 1
-                plain_ids.append(req.seq.request_id)
-            accept = res.acceptance.accept_length if drafted else -1
-            req.events.put_nowait(RoundEvent(res.new_tokens, accept, steps, req.seq.finish_reason))
-            if req.seq.finish_reason is not None and req in self.running:
-                self._finish(req, req.seq.finish_reason)
-        self._drop_cancelled(keep=following)
-        self.recent_accepts.extend(accepts)
-        # The round ends where the next one starts (rounds tile time), or here when none has yet.
-        end = following.started if following is not None else time.perf_counter()
-        self.feed.publish(
-            flight.round_id, state.tier, len(batch), accepts, speculative, drafts.timings,
-            rtt_s=t1 - flight.started, verify_s=t2 - t1, verify_gpu_ms=gpu_ms(self.worker),
-            total_s=flight.admit_s + end - flight.started, admit_s=flight.admit_s,
-            request_ids=drafted_ids, request_steps=drafted_steps, plain_request_ids=plain_ids,
-            predrafted=[rid in flight.hit_ids for rid in drafted_ids],
-            predraft_misses=flight.misses, wait_s=flight.wait_s, predraft_ms=flight.predraft_ms,
-            pipelined=flight.request is not None and flight.request.predraft,
-            sampled_requests=sum(not r.seq.sampling.greedy for r in batch),
-        )  # fmt: skip
-        return following
+        ready = [r for r in done.batch if r.seq.finish_reason is None and not r.cancelled]
+        return await self._start(ready, 0.0) if ready and not self.queue else None
 
-    @property
-    def pipelining(self) -> bool:
-        """Whether rounds go out pipelined, by `--pipeline` and the draft (`flight.pipelines`)."""
-        return pipelines(self.draft, self.pipeline, self.device)
-
-    async def _flush_releases(self) -> None:
-        if self.draft is not None and self.draft.connected:
-            request = self.session.releases(self.round_id)
-            if request is not None:
-                await self.draft.round(request)
+    def stream(self, req: ServedRequest, result: VerifyResult, drafted: bool, steps: int) -> None:
+        """A request's new tokens to its client; a finished one leaves the batch."""
+        accept = result.acceptance.accept_length if drafted else -1
+        if drafted:
+            req.accept_lengths.append(accept)
+            self.recent_accepts.append(accept)
+        else:
+            req.plain_rounds += 1
+        req.events.put_nowait(RoundEvent(result.new_tokens, accept, steps, req.seq.finish_reason))
+        if req.seq.finish_reason is not None and req in self.running:
+            self._finish(req, req.seq.finish_reason)

@@ -36,10 +36,11 @@ from target_service.frontend import (
     RoundFailedError,
 )
 from target_service.http_api import HttpServer, OpenAIApp
+from target_service.request import from_proto
 from target_service.round_feed import QUEUE_ROUNDS
 from target_service.scheduler import QueueFullError, Scheduler
 from target_service.special_tokens import eos_ids, prompt_bos
-from target_service.validation import InvalidRequestError, request_bytes_limit
+from target_service.validation import InvalidRequestError, check_sizes, request_bytes_limit
 
 log = get_logger(__name__)
 SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"]
@@ -69,7 +70,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     ) -> AsyncIterator[target_pb2.GenerateResponse]:
         remaining = context.time_remaining()
         try:
-            responses = self.frontend.generate(request, time_remaining=remaining)
+            self.frontend.ready()
+            check_sizes(request, self.config.max_len)  # its lists counted before decoding
+            client = from_proto(request)
+            responses = self.frontend.generate(client, time_remaining=remaining)
             async with contextlib.aclosing(responses) as stream:
                 async for response in stream:
                     yield response

@@ -1,4 +1,5 @@
-"""GenerateRequest validation: every error names the field, as INVALID_ARGUMENT reports it."""
+"""A client's request checked (`ClientRequest`, from either door): every error names the field,
+as INVALID_ARGUMENT reports it."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from typing import Any
 
 from specpair.proto.v1 import target_pb2
 from specpair.runtime.sampling import SamplingParams
-from specpair.wire import sampling_from_proto
 from target_service.chat import chat_prompt_ids
+from target_service.request import ClientRequest
 
 # A served context of max_len tokens holds at most this many bytes of prompt text; real
 # tokenizers average ~4 bytes a token, and a whitespace run is one token of up to ~32.
@@ -39,9 +40,10 @@ class InvalidRequestError(ValueError):
     """Bad client input; the message starts with the offending field."""
 
 
-def check_sizes(request: target_pb2.GenerateRequest, max_len: int) -> None:
+def check_sizes(request: ClientRequest | target_pb2.GenerateRequest, max_len: int) -> None:
     """The bounds that cost nothing to check: counts and lengths, before any per-item work (a
-    prompt of a million ids, or megabytes of chat messages, is refused before templating)."""
+    prompt of a million ids, or megabytes of chat messages, is refused before templating; the
+    gRPC door counts its message's before decoding it)."""
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequestError(
             f"request_id: {len(request.request_id)} characters, at most {MAX_REQUEST_ID_CHARS}"
@@ -97,7 +99,7 @@ class ValidRequest:
 
 
 def validate_generate(
-    request: target_pb2.GenerateRequest,
+    request: ClientRequest,
     *,
     tokenizer: Any,
     vocab_size: int,
@@ -146,8 +148,12 @@ def validate_generate(
             f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) "
             f"exceeds the context length {max_len}"
         )
+    asked = request.sampling
     try:
-        sampling = sampling_from_proto(request.sampling)
+        sampling = SamplingParams(
+            temperature=asked.temperature, top_p=asked.top_p, top_k=asked.top_k,
+            seed=asked.seed, min_p=asked.min_p,
+        )  # fmt: skip
     except ValueError as exc:
         raise InvalidRequestError(f"sampling.{exc}") from exc
     for i, token in enumerate(request.stop_token_ids):

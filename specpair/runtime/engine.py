@@ -1,27 +1,132 @@
-"""In-process speculative generation: draft s steps → verify → accept → roll the draft back.
+"""In-process speculative generation: the target's round (`target/round.py`) with the draft's
+round (`draft/round.py`) answering it in this process instead of over gRPC.
 
-The services run the same stages split across processes; this loop is the reference they are
-measured against (bench/round_overhead.py) and the engine of the offline demo. It speaks the
-round protocol in process: a `DraftSession` builds each RoundRequest, the drafter answers it
-here (`draft_in_process`) instead of over gRPC.
+The services run the same two rounds split across processes; this loop is the reference they
+are measured against (bench/round_overhead.py) and the engine of the offline demo. The round is
+async (a service awaits its draft and its compute thread); here nothing it awaits ever
+suspends, so `run_inline` drives it to its end without an event loop.
 """
 
 from __future__ import annotations
 
+import collections
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
+from specpair.config import PipelineMode
 from specpair.runtime.draft.drafter import Drafter
 from specpair.runtime.draft.pipeline import Pipeline
-from specpair.runtime.round import RoundResponse
+from specpair.runtime.draft.round import DraftRound
+from specpair.runtime.round import RoundRequest, RoundResponse
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.state import SpecRuntimeState, gpu_ms
+from specpair.runtime.target.pipeline import Predrafts
+from specpair.runtime.target.round import Batcher, Flight, TargetRound
 from specpair.runtime.target.session import DraftSession
-from specpair.runtime.target.worker import TargetSequence, TargetWorker
-from specpair.runtime.tree import EMPTY_TREE, CandidateTree
+from specpair.runtime.target.worker import TargetSequence, TargetWorker, VerifyResult
 
 GREEDY = SamplingParams()
+T = TypeVar("T")
+
+
+def run_inline(coroutine: Coroutine[Any, Any, T]) -> T:
+    """The result of a coroutine that never waits on anything (no event loop needed)."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coroutine.close()
+    raise RuntimeError("an in-process round waited on something")
+
+
+async def inline(fn: Callable[..., T], *args: Any) -> T:
+    """Compute in line (`target/round.py: Runs`)."""
+    return fn(*args)
+
+
+class InProcessDraft:
+    """The `DraftTransport` to a drafter in this process: `send` answers at once, as the draft
+    service would (pipelined, its pre-drafts too: in one process nothing overlaps, so this is
+    the protocol's reference, not a speed-up); `receive` hands the answers back in order."""
+
+    connected = True
+
+    def __init__(self, drafter: Drafter, pipeline: Pipeline | None = None) -> None:
+        self.round = DraftRound(drafter, pipeline)
+        self.features = drafter.needs_features
+        self.draft_pipeline, self.draft_device = pipeline is not None, str(drafter.device)
+        self.states: dict[int, SpecRuntimeState] = {}  # tier → the state both sides run
+        self._answers: collections.deque[RoundResponse] = collections.deque()
+
+    def epochs(self, seqs: Sequence[TargetSequence]) -> int:
+        return 0  # one drafter that never loses a request's state
+
+    async def send(self, request: RoundRequest) -> int:
+        state = self.states[request.speculative_num_steps]
+        # The plans a service makes while its peer computes (`prepare`), made in line.
+        self.round.drafter.prepare([item.request_id for item in request.inputs], state)
+        self._answers.append(self.round.answer(request, state))
+        if request.predraft:
+            predrafts = self.round.predraft(request.round_id)
+            self._answers.append(predrafts or RoundResponse(request.round_id))
+        return 0
+
+    async def receive(self, round_id: int, sent: int) -> RoundResponse | None:
+        return self._answers.popleft()
+
+
+class InProcessRounds:
+    """Rounds of a target and a drafter in this process (`drafter` None: plain decoding), one
+    `step` at a time: the engine's, and the GPU benchmarks' (`bench/gpu_common.RoundLoop`)."""
+
+    def __init__(
+        self, target: TargetWorker, drafter: Drafter | None, pipeline: Pipeline | None = None
+    ) -> None:
+        self.target = target
+        eagle = drafter is not None and drafter.needs_features
+        self.session = DraftSession(target.model.args.vocab_size, in_process=True, features=eagle)
+        self.draft = InProcessDraft(drafter, pipeline) if drafter is not None else None
+        on = Predrafts(PipelineMode.ON, str(target.device)) if pipeline is not None else None
+        self.round: TargetRound[TargetSequence] = TargetRound(
+            target, self.session, self.draft, inline, predrafts=on
+        )
+        self.round_id = 0
+
+    def prefill(self, seqs: Sequence[TargetSequence]) -> None:
+        for seq, features in zip(seqs, self.target.prefill(seqs), strict=True):
+            self.session.add(seq, features)
+
+    def start(
+        self, seqs: list[TargetSequence], state: SpecRuntimeState | None, steps: list[int]
+    ) -> Flight[TargetSequence]:
+        """Starts a round of `seqs` at `state` (None: plain decoding), each at its `steps`: its
+        request built and drafted."""
+        self.round_id += 1
+        if self.draft is not None and state is not None:
+            self.draft.states[state.tier] = state
+        return run_inline(self.round.start(self.round_id, seqs, seqs, state, steps))
+
+    def finish(self, flight: Flight[TargetSequence], batcher: Batcher[TargetSequence]) -> None:
+        """Verifies, accepts and commits a started round; `batcher` gets each outcome."""
+        run_inline(self.round.run(flight, batcher))
+
+    def step(
+        self,
+        seqs: list[TargetSequence],
+        state: SpecRuntimeState | None,
+        steps: list[int],
+        batcher: Batcher[TargetSequence],
+    ) -> Flight[TargetSequence]:
+        flight = self.start(seqs, state, steps)
+        self.finish(flight, batcher)
+        return flight
+
+    def release(self, seq: TargetSequence) -> None:
+        self.target.release(seq)
+        if self.draft is not None:
+            self.draft.round.release(seq.request_id)
 
 
 @dataclass
@@ -38,43 +143,6 @@ class StageTimes:
     gpu_ms: list[tuple[float, float]] = field(default_factory=list)  # (draft, verify) graphs
 
 
-def draft_in_process(
-    drafter: Drafter,
-    session: DraftSession,
-    round_id: int,
-    seqs: Sequence[TargetSequence],
-    state: SpecRuntimeState,
-    steps: Sequence[int] | None = None,
-    pipeline: Pipeline | None = None,
-) -> list[CandidateTree]:
-    """One round's draft side without a service: the RoundRequest the draft service would get
-    (releases first), extended and drafted here; the trees align with `seqs` (`steps`: each
-    one's tier, at most the state's; 0: not drafted). With a `pipeline` the round is
-    pipelined as over the wire, its pre-drafts made here before the verify (in one process
-    nothing overlaps: this is the protocol's reference, not a speed-up)."""
-    request = session.request(
-        round_id, seqs, state.tier, features=drafter.needs_features, steps=steps,
-        predraft=pipeline is not None,
-    )  # fmt: skip
-    for request_id in request.released_request_ids:
-        (pipeline or drafter).release(request_id)
-    adopted = pipeline.begin(request.inputs, state) if pipeline is not None else []
-    fresh = [item for item in request.inputs if not item.predrafted]
-    if not fresh:
-        trees = []
-    elif pipeline is not None and state.tier > 0:
-        trees = pipeline.draft(fresh, state)
-    else:
-        trees = drafter.draft(fresh, state)
-    ids = [item.request_id for item in fresh]
-    response = RoundResponse(round_id, dict(zip(ids, trees, strict=True)), adopted=tuple(adopted))
-    drafts = session.drafts(request, response).aligned([s.request_id for s in seqs])
-    if request.predraft and pipeline is not None:
-        ahead = RoundResponse(round_id, predrafts=pipeline.predraft(request.inputs, state))
-        session.predrafted(request, ahead)
-    return drafts
-
-
 @dataclass
 class GenerationResult:
     request_id: str
@@ -83,13 +151,31 @@ class GenerationResult:
     accept_lengths: list[int] = field(default_factory=list)
 
 
+class _Outcomes:
+    """The engine's `Batcher`: rounds do not overlap; each request's accept lengths are kept
+    (with a drafter), and a finished one is released from the draft."""
+
+    def __init__(self, session: DraftSession, seqs: Sequence[TargetSequence], drafting: bool):
+        self.session, self.drafting = session, drafting
+        self.accept_lengths: dict[str, list[int]] = {s.request_id: [] for s in seqs}
+
+    async def next_round(self, done: Flight[TargetSequence]) -> None:
+        return None
+
+    def stream(self, seq: TargetSequence, result: VerifyResult, drafted: bool, steps: int) -> None:
+        if self.drafting:
+            self.accept_lengths[seq.request_id].append(result.acceptance.accept_length)
+        if seq.finish_reason is not None:
+            self.session.release(seq.request_id)
+
+
 class SpeculativeEngine:
     """Runs a batch of requests to completion at a fixed tier (no drafter: plain decoding)."""
 
     def __init__(
         self, target: TargetWorker, drafter: Drafter | None, *, pipeline_width: int = 0
     ) -> None:
-        """`pipeline_width` > 0: rounds run pipelined (see `draft_in_process`)."""
+        """`pipeline_width` > 0: rounds run pipelined (see `InProcessDraft`)."""
         self.target = target
         self.drafter = drafter
         self.pipeline = (
@@ -113,57 +199,30 @@ class SpeculativeEngine:
             TargetSequence(f"r{i}", list(p), sp, max_new_tokens, stop_token_ids)
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
         ]
-        accept_lengths: dict[str, list[int]] = {s.request_id: [] for s in seqs}
         if request_steps is not None and len(request_steps) != len(seqs):
             raise ValueError(f"request_steps: {len(request_steps)} tiers for {len(seqs)} prompts")
         own = dict(zip((s.request_id for s in seqs), request_steps or (), strict=False))
-        session = DraftSession(self.target.model.args.vocab_size, in_process=True)
-        eagle = self.drafter is not None and self.drafter.needs_features
-        for seq, features in zip(seqs, self.target.prefill(seqs), strict=True):
-            session.add(seq, features if eagle else None)
+        rounds = InProcessRounds(self.target, self.drafter, self.pipeline)
+        rounds.prefill(seqs)
+        outcomes = _Outcomes(rounds.session, seqs, self.drafter is not None)
         running = [s for s in seqs if s.finish_reason is None]
-        round_id = 0
         while running:
+            tier = state.tier if state is not None else 0
+            steps = [own.get(s.request_id, tier) for s in running]
             t0 = time.perf_counter()
-            if self.drafter is not None and state is not None:
-                round_id += 1
-                # The plans a service makes while its peer computes (`prepare`), made in line.
-                self.drafter.prepare([s.request_id for s in running], state)
-                steps = [own.get(s.request_id, state.tier) for s in running]
-                trees = draft_in_process(
-                    self.drafter, session, round_id, running, state, steps, self.pipeline
-                )
-            else:
-                trees = [EMPTY_TREE] * len(running)
-            t1 = time.perf_counter()
-            if self.drafter is not None and state is not None:
-                self.target.prepare(running, state)
-            results = self.target.verify(running, trees, state)
-            t2 = time.perf_counter()
-            still = []
-            for seq, res in zip(running, results, strict=True):
-                if self.drafter is not None:
-                    accept_lengths[seq.request_id].append(res.acceptance.accept_length)
-                session.verified(seq, res.features if eagle else None)
-                if seq.finish_reason is None:
-                    still.append(seq)
-                else:
-                    session.release(seq.request_id)
-            running = still
+            flight = rounds.step(running, state, steps, outcomes)
             t3 = time.perf_counter()
-            self.times.draft += t1 - t0
-            self.times.verify += t2 - t1
-            self.times.accept += t3 - t2
+            draft_s, verify_s = flight.sent - t0, flight.verified - flight.sent
+            self.times.draft += draft_s
+            self.times.verify += verify_s
+            self.times.accept += t3 - flight.verified
             self.times.rounds += 1
-            self.times.per_round.append((t1 - t0, t2 - t1, t3 - t2))
+            self.times.per_round.append((draft_s, verify_s, t3 - flight.verified))
             self.times.gpu_ms.append((gpu_ms(self.drafter), gpu_ms(self.target)))
+            running = [s for s in running if s.finish_reason is None]
         for seq in seqs:
-            self.target.release(seq)
-            if self.drafter is not None:
-                (self.pipeline or self.drafter).release(seq.request_id)
+            rounds.release(seq)
         return [
-            GenerationResult(
-                s.request_id, s.output, s.finish_reason or "length", accept_lengths[s.request_id]
-            )
-            for s in seqs
+            GenerationResult(s.request_id, s.output, s.finish_reason or "length", accepts)
+            for s, accepts in zip(seqs, outcomes.accept_lengths.values(), strict=True)
         ]

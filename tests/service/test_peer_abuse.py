@@ -99,8 +99,7 @@ def test_a_watcher_a_whole_queue_behind_is_dropped() -> None:
         slow, live = feed.watch(), feed.watch()
         assert slow is not None and live is not None and feed.watch() is None
         for round_id in range(QUEUE_ROUNDS + 1):
-            feed.publish(round_id, 3, 1, [2], True, StageTimings(), rtt_s=0.0, verify_s=0.0,
-                         verify_gpu_ms=0.0, total_s=0.0)  # fmt: skip
+            feed.publish(RoundStats(round_id, 3, 1, (2,), True, StageTimings(), unix_time=0.0))
             if live.full():
                 live.get_nowait()  # this one keeps up
         assert slow.get_nowait() is None and slow.empty()  # dropped, and told so

@@ -36,8 +36,11 @@ class RecordingLink:
 
     connected = True
     epoch = 1
-    draft_kind = "model"
+    features = False  # no EAGLE features
     draft_pipeline, draft_device = False, "cpu"  # sequential rounds
+
+    def epochs(self, seqs: object) -> int:
+        return self.epoch
 
     def __init__(self) -> None:
         self.events = CountingQueue()

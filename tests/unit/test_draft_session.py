@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specpair.config import PipelineMode
 from specpair.runtime.round import Predraft, RoundResponse
 from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.target.pipeline import Predrafts
 from specpair.runtime.target.session import DraftSession
 from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import EMPTY_TREE, CandidateTree, chain
@@ -124,11 +126,20 @@ def test_an_in_process_session_keeps_only_the_last_rows() -> None:
         session.request(2, [seq], 3, features=True)
 
 
+class Pipelining:
+    """A draft that pre-drafts (`DraftTransport`'s say in it)."""
+
+    draft_pipeline, draft_device = True, "cpu"
+
+
 def test_predrafts_are_checked_and_only_the_actual_outcome_is_used() -> None:
     session = DraftSession(vocab_size=50)
+    book = Predrafts(PipelineMode.ON, "cpu")
     seq = joined([5, 6, 7], 8)
     session.add(seq, None)
-    first = session.request(1, [seq], 3, predraft=True)
+    ahead = book.begin(Pipelining())  # type: ignore[arg-type]
+    assert ahead is not None
+    first = session.request(1, [seq], 3, predrafted=ahead.take)
     assert first.predraft
     session.drafts(first, RoundResponse(1, {"a": chain([9, 4, 1])}))
     good = Predraft(2, 2, chain([30, 31, 32]))
@@ -137,15 +148,19 @@ def test_predrafts_are_checked_and_only_the_actual_outcome_is_used() -> None:
         Predraft(5, 3, chain([1, 2, 3])),  # more accepted than the chain had
         Predraft(1, 3, chain([1, 2, 3, 4])),  # deeper than the tier
     ]
-    assert session.predrafted(first, RoundResponse(1, predrafts={"a": (good, *bad)})) == 3
+    assert book.keep(first, RoundResponse(1, predrafts={"a": (good, *bad)}), session) == 3
     seq.append([9, 4, 2])  # the outcome (2, 2): pre-drafted
-    second = session.request(2, [seq], 3, predraft=True)
-    assert second.inputs[0].predrafted and session.pending_hits(second) is not None
-    assert session.pending_hits(second).trees == [good.tree]  # type: ignore[union-attr]
+    ahead = book.begin(Pipelining())  # type: ignore[arg-type]
+    assert ahead is not None
+    second = session.request(2, [seq], 3, predrafted=ahead.take)
+    assert second.inputs[0].predrafted and ahead.pending(second) is not None
+    assert ahead.pending(second).trees == [good.tree]  # type: ignore[union-attr]
     # The draft could not go on from that fork: it re-prefills the request next round.
-    session.drafts(second, RoundResponse(2, adopted=()))
-    session.predrafted(second, RoundResponse(2))
+    session.drafts(second, RoundResponse(2, adopted=()), ahead.hits)
+    book.keep(second, RoundResponse(2), session)
     seq.append([30, 31, 32, 6])
-    (third,) = session.request(3, [seq], 3, predraft=True).inputs
+    ahead = book.begin(Pipelining())  # type: ignore[arg-type]
+    assert ahead is not None
+    (third,) = session.request(3, [seq], 3, predrafted=ahead.take).inputs
     assert not third.predrafted and third.appended == (5, 6, 7, 8, 9, 4, 2, 30, 31, 32, 6)
-    assert session.misses == 0  # nothing was pre-drafted for this round: not a miss
+    assert ahead.misses == 0  # nothing was pre-drafted for this round: not a miss

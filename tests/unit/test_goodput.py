@@ -524,14 +524,15 @@ def test_probes_take_at_most_their_budget_of_the_time_at_tier_0() -> None:
 def test_the_controller_passes_the_regime_to_the_policy() -> None:
     from controller.controller import round_sample
     from specpair.proto.v1 import target_pb2
+    from specpair.wire import stats_from_proto
 
     stats = target_pb2.RoundStats(
         speculative_num_steps=3, batch_size=2, accept_lengths=[1, 2], speculative=True,
         sampled_requests=1,
     )  # fmt: skip
-    assert round_sample(stats).sampled == 1
+    assert round_sample(stats_from_proto(stats)).sampled == 1
     stats.sampled_requests = 0
-    assert round_sample(stats).sampled == 0
+    assert round_sample(stats_from_proto(stats)).sampled == 0
 
 
 def test_the_drafts_catch_up_round_is_no_cost_of_its_tier() -> None:

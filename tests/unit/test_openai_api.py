@@ -1,4 +1,4 @@
-"""OpenAI request bodies → GenerateRequest, and GenerateResponses → OpenAI's objects (pure)."""
+"""OpenAI request bodies → ClientRequest, and GenerateResponses → OpenAI's objects (pure)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from target_service.openai_api import (
     error_param,
     parse_request,
 )
+from target_service.request import ClientRequest
 from target_service.validation import InvalidRequestError
 
 USER = [{"role": "user", "content": "hi"}]
@@ -63,7 +64,7 @@ def test_omitted_fields_take_openai_defaults() -> None:
     assert list(api.generate.prompt_token_ids) == [1, 2] and api.generate.prompt == ""
     assert api.generate.max_tokens == DEFAULT_MAX_TOKENS
     assert api.generate.sampling.temperature == 1.0 and api.generate.sampling.top_p == 1.0
-    assert not api.generate.sampling.HasField("seed")
+    assert api.generate.sampling.seed is None
     assert not api.stream and not api.include_usage
     assert parse_request({"prompt": ["one"]}, chat=False, max_len=1024).generate.prompt == "one"
 
@@ -103,7 +104,7 @@ def test_bad_fields_are_named(body: dict, field: str) -> None:
 def test_error_param_names_the_field_as_the_client_sent_it(
     message: str, max_field: str, param: str, text: str
 ) -> None:
-    api = ApiRequest(target_pb2.GenerateRequest(), chat=True, max_tokens_field=max_field)
+    api = ApiRequest(ClientRequest(), chat=True, max_tokens_field=max_field)
     assert error_param(message, api) == (param, text)
 
 

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 from bench.profile_costs import SKIP_AFTER_PIN, counted_ms, render
-from specpair.proto.v1 import common_pb2, target_pb2
+from specpair.runtime.round import RoundStats, StageTimings
 
 
-def stats(tier: int, batch: int, ms: float, admit_ms: float = 0.0) -> target_pb2.RoundStats:
-    return target_pb2.RoundStats(
-        speculative_num_steps=tier,
-        batch_size=batch,
-        accept_lengths=[1] * batch if tier else [],
-        speculative=tier > 0,
-        timings=common_pb2.StageTimings(total_ms=ms, admit_ms=admit_ms),
-    )
+def stats(tier: int, batch: int, ms: float, admit_ms: float = 0.0) -> RoundStats:
+    timings = StageTimings(total_ms=ms, admit_ms=admit_ms)
+    return RoundStats(0, tier, batch, (1,) * batch if tier else (), tier > 0, timings, 0.0)
 
 
 def test_only_whole_batches_at_the_tier_without_admission_count() -> None:

@@ -97,7 +97,7 @@ def test_draft_service_names_a_request_tier_above_the_rounds(ckpts: dict[str, Pa
     with pytest.raises(RoundError, match=r"inputs\[a\].speculative_num_steps 3"):
         rounds.draft("s", request)
     answer = rounds.run("s", request_to_proto(request))
-    assert "speculative_num_steps" in answer.error and rounds.active_requests == 0
+    assert "speculative_num_steps" in answer.message.error and rounds.active_requests == 0
 
 
 def test_request_tiers_travel_on_the_wire() -> None:

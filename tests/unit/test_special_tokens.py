@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from specpair.models.loading import CheckpointError
 from specpair.models.tiny import write_tokenizer
-from specpair.proto.v1 import target_pb2
+from target_service.request import ClientRequest
 from target_service.special_tokens import eos_ids, prompt_bos
 from target_service.validation import validate_generate
 
@@ -62,7 +62,7 @@ def test_bos_of_a_post_processor_matches_transformers(tmp_path: Path) -> None:
     assert prompt_bos(path, tok) == bos
     text = "The quick brown fox"
     valid = validate_generate(
-        target_pb2.GenerateRequest(prompt=text, max_tokens=4),
+        ClientRequest(prompt=text, max_tokens=4),
         tokenizer=tok,
         vocab_size=len(tok),
         max_len=64,

@@ -17,6 +17,7 @@ from specpair.wire import (
     request_to_proto,
     response_from_proto,
     response_to_proto,
+    stats_from_proto,
     stats_to_proto,
     tensor_from_proto,
     tensor_into,
@@ -101,6 +102,16 @@ def test_round_stats_travel_whole() -> None:
     assert (msg.round_id, msg.speculative_num_steps, msg.batch_size) == (9, 3, 2)
     assert list(msg.accept_lengths) == [3, 1] and msg.speculative and msg.unix_time == 1.0
     assert timings_from_proto(msg.timings) == stats.timings
+
+
+def test_round_stats_decode_to_what_was_sent() -> None:
+    """The controller and the benchmarks read RoundStats through `stats_from_proto`."""
+    stats = RoundStats(
+        7, 3, 3, (2, 0), True, StageTimings(total_ms=9.5, wait_ms=1.0), 2.5, ("a", "b"), (3, 1),
+        ("c",), (True, False), 1, True, 2,
+    )  # fmt: skip
+    wire = target_pb2.RoundStats.FromString(stats_to_proto(stats).SerializeToString())
+    assert stats_from_proto(wire) == stats
 
 
 @pytest.mark.parametrize("shape", [[3, 4], [-2, -6], [13]])

@@ -26,6 +26,7 @@ import torch
 
 from specpair.logging import get_logger
 from specpair.runtime.draft.drafter import Drafter, DraftSlot
+from specpair.runtime.kv_cache import CacheFullError
 from specpair.runtime.lookahead import LOOKAHEAD_TOP, Lookahead
 from specpair.runtime.round import DraftInput, Predraft
 from specpair.runtime.state import SpecRuntimeState
@@ -129,10 +130,32 @@ class Pipeline:
         self.rates = AcceptRates()
         self.hits = self.misses = 0  # adoptions the draft could and could not serve
         self.predraft_s, self.predraft_rounds = 0.0, 0  # time in `predraft`, and its calls
+        # per stream ("" in process): the inputs whose outcomes it pre-drafts next, at a tier
+        self._promised: dict[str, tuple[tuple[DraftInput, ...], SpecRuntimeState]] = {}
 
     def reset_counters(self) -> None:
         self.hits = self.misses = self.predraft_rounds = 0
         self.predraft_s = 0.0
+
+    def promise(self, stream: str, inputs: Sequence[DraftInput], state: SpecRuntimeState) -> None:
+        """The round just drafted for `stream` asked for pre-drafts: `ahead` makes them."""
+        self._promised[stream] = (tuple(inputs), state)
+
+    def forget(self, stream: str) -> None:
+        """No pre-draft is owed to `stream` (a new round, a failed one, or its end)."""
+        self._promised.pop(stream, None)
+
+    def ahead(self, stream: str, round_id: int) -> dict[str, tuple[Predraft, ...]] | None:
+        """The pre-drafts promised to `stream` (None: none were), keyed as drafted; {} when
+        the forks find no room (only these guesses are lost)."""
+        promised = self._promised.pop(stream, None)
+        if promised is None:
+            return None
+        try:
+            return self.predraft(*promised)
+        except CacheFullError as exc:
+            log.warning("pre-draft skipped", round_id=round_id, error=str(exc))
+            return {}
 
     def release(self, request_id: str) -> None:
         self._drop_forks(request_id)

@@ -1,8 +1,8 @@
 """The target's side of the round protocol: what the draft has seen of each request.
 
 `DraftSession` is the one place that decides what goes to the draft next and what comes back
-is worth verifying. The target service's scheduler, the in-process engine and the GPU
-benchmarks' round loop all drive their rounds through it:
+is worth verifying. The target's round (`round.py`: the target service, the in-process engine
+and the GPU benchmarks alike) drives it:
 
     session.add(seq, prefill_features)              # a prefilled request joins
     request = session.request(round_id, seqs, tier)  # RoundRequest: each one's new tokens
@@ -14,12 +14,13 @@ benchmarks' round loop all drive their rounds through it:
 Per request it counts the tokens (prompt + output) the draft holds. Sent tokens count once the
 draft answers with a tree for them; no tree, a refused round or a new stream (epoch: a
 reconnected draft lost everything) sets the count to 0, so the draft re-prefills from the
-request's whole history (tokens, and features from the `FeatureLog`).
+request's whole history (tokens, and features from the `FeatureLog`). Pre-drafts (pipelined
+rounds) are `pipeline.py`'s: here only an input's `predrafted` mark and its adoption count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -121,36 +122,44 @@ class Drafts:
         return [by_id.get(rid, EMPTY_TREE) for rid in request_ids]
 
 
+# Whether a pipelined round's request found its outcome pre-drafted: (request id, appended,
+# its tier) → True when its tree is there (`pipeline.Ahead.take`).
+Predrafted = Callable[[str, tuple[int, ...], int], bool]
+NO_HITS: Mapping[str, CandidateTree] = {}
+
+
 class DraftSession:
     def __init__(
-        self, vocab_size: int, *, in_process: bool = False, max_tree_nodes: int = MAX_TREE_NODES
+        self,
+        vocab_size: int,
+        *,
+        in_process: bool = False,
+        features: bool = True,
+        max_tree_nodes: int = MAX_TREE_NODES,
     ) -> None:
         # A draft service may be buggy or another build, and may lose every request's state
         # (a reconnect): its trees are checked and each request's features kept whole. A
         # drafter in this process (the engine, the benchmarks) is this code and never forgets:
-        # both would cost its rounds for nothing.
+        # both would cost its rounds for nothing. `features`: keep the target's hidden states
+        # at all (a drafter in this process that reads none needs none).
         self.vocab_size = vocab_size
         self.in_process = in_process
+        self.features = features
         self.max_tree_nodes = max_tree_nodes
         self.views: dict[str, DraftView] = {}
         self._released: list[str] = []
-        # Pipelined: request id → (accepted, bonus) → (tree, its depth), the checked pre-drafts
-        # of the round just verified; the next `request` takes the one its outcome matches.
-        self._ahead: dict[str, dict[tuple[int, int], tuple[CandidateTree, int]]] = {}
-        self.hits: dict[str, CandidateTree] = {}  # the round just requested: pre-drafted trees
-        self.misses = 0  # the round just requested: pipelined requests without a pre-draft
 
     def add(self, seq: TargetSequence, features: Tensor | None) -> None:
         """A prefilled request; `features`: its prompt's hidden states [P, H] (EAGLE) or None."""
         view = DraftView(seq, LastRows() if self.in_process else FeatureLog())
-        if features is not None:
+        if features is not None and self.features:
             view.features.append(features)
         self.views[seq.request_id] = view
 
     def verified(self, seq: TargetSequence, features: Tensor | None) -> None:
         """A verify committed rows of `seq`; `features` [n, H] are theirs (EAGLE) or None."""
         view = self.views.get(seq.request_id)
-        if features is not None and view is not None:
+        if features is not None and view is not None and self.features:
             view.features.append(features)
 
     def release(self, request_id: str) -> None:
@@ -171,13 +180,14 @@ class DraftSession:
         epoch: int | Mapping[str, int] = 0,
         features: bool = False,
         steps: Sequence[int] | None = None,
-        predraft: bool = False,
+        predrafted: Predrafted | None = None,
     ) -> RoundRequest:
         """The next round for `seqs` on the draft stream `epoch` (or each request's own, by id:
         a pool of draft replicas): per request the tokens the draft has not seen (and, with
         `features`, the hidden states that predicted them).
         `steps` (per request, at most `tier`): each one's own tier; one at 0 is not sent, and
-        what it appends meanwhile goes out with its next round at a positive tier.
+        what it appends meanwhile goes out with its next round at a positive tier. With
+        `predrafted` the round goes out pipelined, each input marked whose outcome it found.
 
         Worked example: prompt [5, 6, 7], output [8] (pending), nothing seen → appended
         (5, 6, 7, 8) and the prompt's 3 feature rows; the draft answers, seen = 4; verify
@@ -185,7 +195,6 @@ class DraftSession:
         feature rows from position 3 (those of 8, 9, 4, which predicted 9, 4, 2).
         """
         inputs = []
-        ahead, self._ahead, self.hits, self.misses = self._ahead, {}, {}, 0
         for i, seq in enumerate(seqs):
             own = tier if steps is None else steps[i]
             if own == 0:
@@ -201,22 +210,16 @@ class DraftSession:
             else:
                 appended = (*seq.prompt[seen:], *seq.output)
             rows = view.features.since(seen - 1) if features else None
-            hit = None
-            if seq.request_id in ahead and not renewed:  # pre-drafts live on their stream
-                # The outcome of the round just verified: k drafts accepted, then the bonus.
-                hit = ahead[seq.request_id].get((len(appended) - 1, appended[-1]))
-                if hit is None or hit[1] != own:
-                    self.misses += 1
-                    hit = None
-                else:
-                    self.hits[seq.request_id] = hit[0]
-            own = 0 if own == tier else own  # 0 on the wire: the round's tier
-            inputs.append(
-                DraftInput(seq.request_id, appended, seq.sampling, rows, own, hit is not None)
+            # pre-drafts live on their stream: a renewed one's are gone
+            hit = (
+                predrafted is not None and not renewed and predrafted(seq.request_id, appended, own)
             )
+            own = 0 if own == tier else own  # 0 on the wire: the round's tier
+            inputs.append(DraftInput(seq.request_id, appended, seq.sampling, rows, own, hit))
         released = tuple(self._released)
         self._released.clear()
-        return RoundRequest(round_id, tier, tuple(inputs), released, predraft and bool(inputs))
+        pipelined = predrafted is not None and bool(inputs)
+        return RoundRequest(round_id, tier, tuple(inputs), released, pipelined)
 
     def releases(self, round_id: int) -> RoundRequest | None:
         """A request that only frees state (when no round follows), or None: nothing to free."""
@@ -226,9 +229,15 @@ class DraftSession:
         self._released.clear()
         return request
 
-    def drafts(self, request: RoundRequest, response: RoundResponse | None) -> Drafts:
+    def drafts(
+        self,
+        request: RoundRequest,
+        response: RoundResponse | None,
+        hits: Mapping[str, CandidateTree] = NO_HITS,
+    ) -> Drafts:
         """The trees `response` brings for `request`'s inputs (None: the draft failed to
-        answer). A tree that breaks the rules costs only its request's speculation."""
+        answer); a `predrafted` input's tree is its pre-draft in `hits`. A tree that breaks the
+        rules costs only its request's speculation."""
         empty = [EMPTY_TREE] * len(request.inputs)
         ids = tuple(item.request_id for item in request.inputs)
         if response is None:
@@ -246,7 +255,7 @@ class DraftSession:
             view = self.views.get(item.request_id)
             if item.predrafted:  # verified from the pre-draft; the draft went on from it
                 kept = item.request_id in response.adopted
-                tree, why = self.hits.get(item.request_id), None
+                tree, why = hits.get(item.request_id), None
             else:  # no tree: the draft could not hold it and kept nothing
                 kept = tree is not None or why is not None
             if view is not None:
@@ -257,7 +266,7 @@ class DraftSession:
             if item.request_id in response.refused:  # no room there (the reason names it)
                 fallbacks.append("draft_refused")
             if tree is not None and not self.in_process:
-                why = self._fault(tree, item, item.steps or request.speculative_num_steps)
+                why = self.fault(tree, item, item.steps or request.speculative_num_steps)
             if why is not None:
                 log.warning("malformed candidate tree", request_id=item.request_id, error=why)
                 fallbacks.append("malformed_tree")
@@ -265,41 +274,7 @@ class DraftSession:
             trees.append(EMPTY_TREE if tree is None else tree)
         return Drafts(trees, response.timings, True, fallbacks, ids)
 
-    def pending_hits(self, request: RoundRequest) -> Drafts | None:
-        """The round's trees when every input was pre-drafted (its verify need not wait for the
-        response, whose adoptions `drafts` reads after), else None."""
-        if not request.inputs or not all(item.predrafted for item in request.inputs):
-            return None
-        ids = tuple(item.request_id for item in request.inputs)
-        return Drafts([self.hits[i] for i in ids], StageTimings(), True, [], ids)
-
-    def predrafted(self, request: RoundRequest, response: RoundResponse | None) -> int:
-        """Keeps the pre-drafts that `response` (a pipelined round's second answer) brings for
-        `request`'s outcomes, checked as any tree; returns how many were refused."""
-        self._ahead = {}
-        refused = 0
-        if response is None:
-            return 0
-        asked = {item.request_id: item for item in request.inputs}
-        for request_id, predrafts in response.predrafts.items():
-            item = asked.get(request_id)
-            if item is None or request_id not in self.views:
-                continue  # not asked for, or it left
-            depth = item.steps or request.speculative_num_steps
-            kept = self._ahead.setdefault(request_id, {})
-            for p in predrafts[: self.max_tree_nodes]:
-                why = self._fault(p.tree, item, depth)
-                known = 0 <= p.accepted <= depth and 0 <= p.bonus < self.vocab_size
-                if why is None and not known:
-                    why = f"outcome ({p.accepted}, {p.bonus}) outside [0, {depth}] x vocabulary"
-                if why is not None:
-                    log.warning("malformed pre-draft", request_id=request_id, error=why)
-                    refused += 1
-                    continue
-                kept[(p.accepted, p.bonus)] = (p.tree, depth)
-        return refused
-
-    def _fault(self, tree: CandidateTree, item: DraftInput, tier: int) -> str | None:
+    def fault(self, tree: CandidateTree, item: DraftInput, tier: int) -> str | None:
         """Why `tree` cannot be verified for `item` at `tier`, or None when it can."""
         try:
             validate_tree(

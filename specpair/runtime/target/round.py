@@ -1,0 +1,241 @@
+"""The target's round, for the target service, the in-process engine and the benchmarks alike.
+
+    start  draft-request: the RoundRequest goes out through the `DraftTransport` (gRPC to a
+           draft service, or a drafter in this process); the verify is planned meanwhile
+    run    the trees come back → verify → accept → commit → the next round starts → each
+           request's tokens stream → the round's RoundStats publish
+
+Who runs and at which tier is the caller's (the scheduler's batching, or the engine's loop), as
+is streaming: `run` asks its `Batcher` for the next round after the verify, and starts it
+before this one streams, so that streaming and publishing overlap the draft's work. What goes
+to the draft and what comes back is the `DraftSession`'s; pre-drafts are `pipeline.py`'s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from specpair.metrics import ServiceMetrics
+from specpair.runtime.round import RoundRequest, RoundStats, StageTimings
+from specpair.runtime.state import SpecRuntimeState, gpu_ms
+from specpair.runtime.target.pipeline import Ahead, Predrafts
+from specpair.runtime.target.session import NO_HITS, Drafts, DraftSession
+from specpair.runtime.target.transport import DraftTransport
+from specpair.runtime.target.worker import TargetSequence, TargetWorker, VerifyResult
+from specpair.runtime.tree import EMPTY_TREE
+
+B = TypeVar("B")  # what the caller batches: the served request, or the sequence itself
+T = TypeVar("T")
+
+
+class Runs(Protocol):
+    """Where model compute runs (`specpair.serving.Compute`: inline, or on a worker thread)."""
+
+    def __call__(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]: ...
+
+
+@dataclass(eq=False, slots=True)
+class Flight(Generic[B]):
+    """One round from its start, when its RoundRequest goes out, to its stats."""
+
+    round_id: int
+    batch: list[B]
+    seqs: list[TargetSequence]  # aligned with batch
+    state: SpecRuntimeState | None  # None: plain decoding, no tier's stages
+    steps: list[int]  # each request's tier, aligned with batch
+    started: float  # perf_counter at the start
+    admit_s: float = 0.0  # admission (prefill) just before the start
+    request: RoundRequest | None = None  # None: no draft stream was open, or tier 0
+    epoch: int | None = None  # what `send` returned for `receive`; None: it did not go out
+    ahead: Ahead | None = None  # pipelined: the pre-drafts it may use
+    sent: float = 0.0  # perf_counter once the request is out (the start, without one)
+    verified: float = 0.0  # perf_counter after the verify
+    wait_s: float = 0.0  # the target waited for the draft's messages
+
+
+class Batcher(Protocol[B]):
+    """What the round asks of the one who batches (the scheduler; the engine)."""
+
+    async def next_round(self, done: Flight[B]) -> Flight[B] | None:
+        """Starts the round after `done` now, or returns None (none is ready yet)."""
+        ...
+
+    def stream(self, item: B, result: VerifyResult, drafted: bool, steps: int) -> None:
+        """One request's outcome of the round (`drafted`: it was verified with drafts)."""
+        ...
+
+
+class TargetRound(Generic[B]):
+    def __init__(
+        self,
+        worker: TargetWorker,
+        session: DraftSession,
+        draft: DraftTransport | None,
+        compute: Runs,
+        *,
+        predrafts: Predrafts | None = None,
+        metrics: ServiceMetrics | None = None,
+        publish: Callable[[RoundStats], None] | None = None,
+    ) -> None:
+        self.worker, self.session, self.draft, self.compute = worker, session, draft, compute
+        self.predrafts = predrafts  # None: rounds never go out pipelined
+        self.metrics = metrics
+        self.publish = publish
+
+    async def start(
+        self,
+        round_id: int,
+        batch: list[B],
+        seqs: list[TargetSequence],
+        state: SpecRuntimeState | None,
+        steps: list[int],
+        admit_s: float = 0.0,
+    ) -> Flight[B]:
+        """Starts a round: its RoundRequest goes out (when a draft is connected and the tier
+        is positive) and, while the draft works, the verify is planned."""
+        flight = Flight(round_id, batch, seqs, state, steps, time.perf_counter(), admit_s)
+        flight.sent, draft = flight.started, self.draft
+        if draft is None or not draft.connected:
+            self.session.no_stream()
+            return flight
+        if state is None or state.tier == 0:
+            return flight  # target-only: the draft is not called (releases wait for a round)
+        if self.predrafts is not None:
+            flight.ahead = self.predrafts.begin(draft)
+        flight.request = self.session.request(
+            round_id, seqs, state.tier, epoch=draft.epochs(seqs), features=draft.features,
+            steps=steps, predrafted=flight.ahead.take if flight.ahead is not None else None,
+        )  # fmt: skip
+        flight.epoch = await draft.send(flight.request)
+        flight.sent = time.perf_counter()
+        if flight.epoch is not None and state.verify_stage().plans_ahead:
+            depths = None if min(steps) == state.tier else steps
+            await self.compute(self.worker.prepare, seqs, state, depths)
+        return flight
+
+    async def run(self, flight: Flight[B], batcher: Batcher[B]) -> Flight[B] | None:
+        """Finishes a started round: trees → verify → accept → commit → (the next round starts)
+        → stream → publish. Returns the next round, when `batcher` started one."""
+        seqs, ahead = flight.seqs, flight.ahead
+        drafts = await self._drafts(flight)  # the answer to the request sent at `start`
+        trees = drafts.aligned([seq.request_id for seq in seqs])
+        t1 = time.perf_counter()
+        # verify + accept + commit: every tree in one forward, each accepted path's KV kept
+        results = await self.compute(self.worker.verify, seqs, trees, flight.state)
+        flight.verified = time.perf_counter()
+        for seq, res in zip(seqs, results, strict=True):
+            self.session.verified(seq, res.features)  # EAGLE: the committed rows' features
+        if ahead is not None and flight.request is not None and flight.epoch is not None:
+            await self._after_verify(flight, ahead, flight.request, flight.epoch)
+        following = await batcher.next_round(flight)  # out before this one streams
+        drafted = []  # the requests verified with drafts (the rest decoded plainly)
+        for i, (item, tree, res) in enumerate(zip(flight.batch, trees, results, strict=True)):
+            with_drafts = drafts.speculative and len(tree) > 0
+            if with_drafts:
+                drafted.append(i)
+                self._observe(seqs[i].request_id, res.acceptance.accept_length, ahead)
+            batcher.stream(item, res, with_drafts, flight.steps[i])
+        if self.publish is not None:
+            end = following.started if following is not None else time.perf_counter()
+            verify_gpu_ms = gpu_ms(self.worker)
+            self.publish(round_stats(flight, drafts, results, drafted, t1, end, verify_gpu_ms))
+        return following
+
+    async def _drafts(self, flight: Flight[B]) -> Drafts:
+        """The round's checked trees (and the draft's timings); empty trees when the draft is
+        unavailable, with the reason counted."""
+        request, draft, ahead = flight.request, self.draft, flight.ahead
+        if request is None or draft is None:
+            # A round at tier 0 went without drafts by choice: no fallback to count.
+            tier = flight.state.tier if flight.state is not None else 0
+            why = [] if tier == 0 and draft is not None else ["no_draft"]
+            ids = tuple(seq.request_id for seq in flight.seqs)
+            drafts = Drafts([EMPTY_TREE] * len(ids), StageTimings(), False, why, ids)
+        elif flight.epoch is not None and ahead is not None and (ready := ahead.pending(request)):
+            drafts = ready  # every tree pre-drafted: verify at once
+        else:
+            response = None
+            if flight.epoch is not None:
+                t0 = time.perf_counter()
+                response = await draft.receive(flight.round_id, flight.epoch)
+                flight.wait_s += time.perf_counter() - t0
+            hits = ahead.hits if ahead is not None else NO_HITS
+            drafts = self.session.drafts(request, response, hits)
+        self._count(drafts.fallbacks)
+        return drafts
+
+    async def _after_verify(
+        self, flight: Flight[B], ahead: Ahead, request: RoundRequest, epoch: int
+    ) -> None:
+        if self.predrafts is None or self.draft is None or not request.predraft:
+            return
+        t0 = time.perf_counter()
+        refused = await self.predrafts.after_verify(ahead, request, epoch, self.draft, self.session)
+        flight.wait_s += time.perf_counter() - t0
+        self._count(["malformed_predraft"] * refused)
+
+    def _count(self, fallbacks: list[str]) -> None:
+        if self.metrics is not None:
+            for reason in fallbacks:
+                self.metrics.fallback_rounds.labels(reason).inc()
+
+    def _observe(self, request_id: str, accept_length: int, ahead: Ahead | None) -> None:
+        if self.metrics is not None:
+            tree_from = "predrafted" if ahead is not None and request_id in ahead.hits else "fresh"
+            self.metrics.tree_accept_length.labels(tree_from).observe(accept_length)
+            self.metrics.accept_length.observe(accept_length)
+
+    async def send_releases(self, round_id: int) -> None:
+        """Frees on the draft the requests that left when no round follows to carry them."""
+        draft = self.draft
+        if draft is not None and draft.connected:
+            request = self.session.releases(round_id)
+            if request is not None and (epoch := await draft.send(request)) is not None:
+                await draft.receive(request.round_id, epoch)
+
+
+def round_stats(
+    flight: Flight[Any],
+    drafts: Drafts,
+    results: list[VerifyResult],
+    drafted: list[int],
+    verify_start: float,
+    end: float,
+    verify_gpu_ms: float,
+) -> RoundStats:
+    """The round's account: `drafted` indexes the requests verified with drafts; the round ends
+    where the next one starts (rounds tile time), or at `end`."""
+    seqs, ahead, draft = flight.seqs, flight.ahead, drafts.timings
+    rtt_s = verify_start - flight.started  # the request going out to its trees
+    verify_s = flight.verified - verify_start
+    total_s = flight.admit_s + end - flight.started  # the round's share of the wall time
+    rpc_ms = 1e3 * rtt_s - draft.total_ms - draft.draft_host_ms
+    timings = StageTimings(
+        draft_ms=draft.draft_ms,
+        extend_ms=draft.extend_ms,
+        draft_host_ms=draft.draft_host_ms,
+        draft_gpu_ms=draft.draft_gpu_ms,
+        verify_ms=1e3 * verify_s,
+        verify_gpu_ms=verify_gpu_ms,
+        rpc_ms=max(rpc_ms, 0.0) if drafts.speculative else 0.0,
+        schedule_ms=1e3 * max(total_s - rtt_s - verify_s - flight.admit_s, 0.0),
+        total_ms=1e3 * total_s,
+        wait_ms=1e3 * flight.wait_s,
+        predraft_ms=ahead.predraft_ms if ahead is not None else 0.0,
+        admit_ms=1e3 * flight.admit_s,
+    )
+    drafted_ids = tuple(seqs[i].request_id for i in drafted)
+    plain = set(range(len(seqs))).difference(drafted)
+    hits = ahead.hits if ahead is not None else NO_HITS
+    return RoundStats(
+        flight.round_id, flight.state.tier if flight.state is not None else 0, len(seqs),
+        tuple(results[i].acceptance.accept_length for i in drafted), drafts.speculative, timings,
+        time.time(), drafted_ids, tuple(flight.steps[i] for i in drafted),
+        tuple(seqs[i].request_id for i in sorted(plain)),
+        tuple(rid in hits for rid in drafted_ids), ahead.misses if ahead is not None else 0,
+        flight.request is not None and flight.request.predraft,
+        sum(not seq.sampling.greedy for seq in seqs),
+    )  # fmt: skip

@@ -1,0 +1,48 @@
+"""How the target's round reaches its draft: the one seam between the two sides.
+
+Two transports carry the same typed messages: `DraftPool` (`target_service/draft_pool.py`), a
+long-lived gRPC Round stream to each draft replica (`DraftLink`), and `InProcessDraft`
+(`runtime/engine.py`), a drafter in this process answering each round as the draft service
+would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from specpair.runtime.round import RoundRequest, RoundResponse
+from specpair.runtime.target.worker import TargetSequence
+
+
+class DraftTransport(Protocol):
+    """`send` and `receive` never raise: a failed, late or broken round reads None."""
+
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def features(self) -> bool:
+        """Rounds carry the target's hidden states (an EAGLE draft)."""
+        ...
+
+    @property
+    def draft_pipeline(self) -> bool:
+        """The draft pre-drafts pipelined rounds."""
+        ...
+
+    @property
+    def draft_device(self) -> str: ...
+
+    def epochs(self, seqs: Sequence[TargetSequence]) -> int | Mapping[str, int]:
+        """The stream each request's round goes out on (one for all, or by request id); a new
+        one has lost the request's state."""
+        ...
+
+    async def send(self, request: RoundRequest) -> int | None:
+        """Writes one round; a number for `receive`, or None when it did not go out."""
+        ...
+
+    async def receive(self, round_id: int, sent: int) -> RoundResponse | None:
+        """The round's next answer (a pipelined round has two)."""
+        ...
