@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from specpair.proto.v1 import target_pb2
 
 
-@dataclass(frozen=True, slots=True)
-class ChatTurn:
+class ChatTurn(NamedTuple):
     role: str
     content: str
 

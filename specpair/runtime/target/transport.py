@@ -20,17 +20,10 @@ class DraftTransport(Protocol):
 
     @property
     def connected(self) -> bool: ...
-
     @property
-    def features(self) -> bool:
-        """Rounds carry the target's hidden states (an EAGLE draft)."""
-        ...
-
+    def features(self) -> bool: ...  # rounds carry the target's hidden states (an EAGLE draft)
     @property
-    def draft_pipeline(self) -> bool:
-        """The draft pre-drafts pipelined rounds."""
-        ...
-
+    def draft_pipeline(self) -> bool: ...  # the draft pre-drafts pipelined rounds
     @property
     def draft_device(self) -> str: ...
 
