@@ -16,9 +16,8 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from specpair.metrics import ServiceMetrics
 from specpair.runtime.round import RoundRequest, RoundStats, StageTimings
 from specpair.runtime.state import SpecRuntimeState, gpu_ms
 from specpair.runtime.target.pipeline import Ahead, Predrafts
@@ -26,6 +25,9 @@ from specpair.runtime.target.session import NO_HITS, Drafts, DraftSession
 from specpair.runtime.target.transport import DraftTransport
 from specpair.runtime.target.worker import TargetSequence, TargetWorker, VerifyResult
 from specpair.runtime.tree import EMPTY_TREE
+
+if TYPE_CHECKING:  # the service's counters; the engine keeps none
+    from specpair.metrics import ServiceMetrics
 
 B = TypeVar("B")  # what the caller batches: the served request, or the sequence itself
 T = TypeVar("T")
