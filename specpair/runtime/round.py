@@ -2,8 +2,8 @@
 
 They mirror the protos (`draft.proto`: DraftInput, RoundRequest, RoundResponse;
 `common.proto`: StageTimings; `target.proto`: RoundStats) and `specpair.wire` converts whole
-messages, so that the target's `DraftSession`, the draft service's `DraftRounds`, the
-in-process engine and the benchmarks exchange these types and never a proto. No grpc here.
+messages, so that the two sides' rounds (`target/round.py`, `draft/round.py`), the controller
+and the benchmarks exchange these types and never a proto. No grpc here.
 
 One round at tier s, for a batch of requests:
 
