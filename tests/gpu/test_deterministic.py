@@ -99,9 +99,9 @@ def batches(n: int, size: int, stagger: int = 0) -> list[int]:
 
 
 def test_invariant_chunks_sit_at_fixed_key_positions() -> None:
-    config = invariant_tree_config(2056, 8)
+    config = invariant_tree_config(2056)
     assert config.chunk == INVARIANT_CHUNK == 256 and config.splits == 16
-    assert invariant_tree_config(256, 1).splits == 1
+    assert not config.prefetch and invariant_tree_config(256).splits == 1
     # the default config follows the batch: what the mode removes
     assert tree_config(1, 8, 1).splits != tree_config(32, 8, 1).splits
 

@@ -199,7 +199,7 @@ class Backends:
             )
         if self.graph_attention != "triton" or not fits:
             return None
-        config = invariant_tree_config(self.max_len, tokens) if self.invariant else None
+        config = invariant_tree_config(self.max_len) if self.invariant else None
         return TreeAttention(
             batch=batch, tokens=tokens, heads=self.heads, page_size=self.page_size,
             pages_per_slot=self.pages_per_slot, device=self.device, config=config,

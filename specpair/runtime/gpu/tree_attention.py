@@ -177,7 +177,7 @@ def tree_config(batch: int, n_kv: int, tokens: int) -> TreeConfig:
 INVARIANT_CHUNK = 256  # keys per chunk in the batch-invariant mode
 
 
-def invariant_tree_config(max_len: int, tokens: int) -> TreeConfig:
+def invariant_tree_config(max_len: int) -> TreeConfig:
     """The batch-invariant mode's: chunks of INVARIANT_CHUNK fixed key positions, as many as
     the cache's longest request needs (a program past a request's length exits at once, and
     its empty partial adds exactly 0 in the merge).
@@ -186,7 +186,10 @@ def invariant_tree_config(max_len: int, tokens: int) -> TreeConfig:
     0–2 (keys 0–255, 256–511, 512–699) at batch 1 and at batch 32, in a verify of 1 token or 8."""
     chunks = -(-max_len // INVARIANT_CHUNK)
     splits = 1 << max(chunks - 1, 0).bit_length()
-    return TreeConfig(splits, prefetch=tokens == 1, chunk=INVARIANT_CHUNK)
+    # no prefetch at any width: the two loops compile to different instruction streams, whose
+    # fp32 accumulation into the output need not agree bit for bit (a verify of 1 token
+    # against one of 2 gave other tokens on an H100)
+    return TreeConfig(splits, chunk=INVARIANT_CHUNK)
 
 
 class TreeAttention:

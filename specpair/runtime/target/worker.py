@@ -206,7 +206,9 @@ class TargetWorker:
         # the host's part of the accept runs while the GPU verifies
         sampled = not all(s.sampling.greedy for s in seqs)
         chains = None
-        if sampled and all(tree.is_chain() for tree in trees):
+        # the batch-invariant mode samples on the host, request by request: the batched
+        # accept's GPU kernels (and its graph, up to a bucket) follow the batch's shape
+        if sampled and not self.deterministic and all(tree.is_chain() for tree in trees):
             chains = self._chain_inputs(seqs, trees, t)
         if not sampled:
             argmax = logits.argmax(-1).cpu()  # [B, T]: all greedy acceptance needs
@@ -220,7 +222,7 @@ class TargetWorker:
                 Acceptance(tuple(range(m)), tree.tokens[:m], bonus)
                 for tree, (m, bonus) in zip(trees, verdicts, strict=True)
             ]
-        else:  # sampled trees: the host reference, request by request
+        else:  # sampled trees (or the batch-invariant mode): the host reference, per request
             host = logits.cpu()
             accs = [
                 accept_greedy_argmax(tree, host[i, : len(tree) + 1].argmax(-1).tolist())
