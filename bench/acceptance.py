@@ -1,6 +1,7 @@
 """Mean accept length per tier and draft kind, greedy and sampled, on held-out code and on prose.
 
     python -m bench.acceptance [--models models] [--code-prompts 16] [--new-tokens 64]
+                               [--tiers 1 3 7 4x4x16 6x8x32] [--temperatures 0 0.7 1]
 
 Runs the in-process engine on CPU with the shipped pair (`models/target` with `models/draft`, a
 standalone LM, `models/eagle`, an EAGLE head on the target's last hidden state, and `models/eagle3`,
@@ -29,10 +30,11 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from bench.common import device_info, format_table, write_json
-from specpair.runtime.build import build_drafter, build_states, build_target, feature_layers
+from specpair.runtime.build import StateBuilder, build_drafter, build_target, feature_layers
 from specpair.runtime.draft.drafter import Drafter
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.shape import TreeShape
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.target.worker import TargetWorker
 from training.corpus import MAX_FILE_BYTES, is_heldout
@@ -70,9 +72,11 @@ PROSE_PROMPTS = (
 
 FOOTNOTE = """\
 accept s=k: mean accepted draft tokens per round (bonus token excluded, at most k), over every
-  request-round of the cell. rounds: request-rounds per tier s=1/3/7 (one round of a batch of n
-  requests counts n). tokens: generated tokens per tier (fewer than prompts x new tokens where a
-  request stopped at <|endoftext|>).
+  request-round of the cell; a tree shape STEPSxTOPKxNODES (EAGLE-2: topk candidates a node,
+  the topk best expanded each step, the best NODES kept) accepts at most STEPS.
+  rounds: request-rounds per tier (one round of a batch of n requests counts n). tokens:
+  generated tokens per tier (fewer than prompts x new tokens where a request stopped at
+  <|endoftext|>).
 greedy = target: every greedy cell's output equals target-only greedy decoding, token for token.
 T > 0: speculative sampling (drafts accepted by rejection sampling against the target's
   distribution at that temperature); one fixed seed per prompt, the same in every cell."""
@@ -90,7 +94,7 @@ class Cell:
     prompts: str  # "code" | "prose"
     draft: str  # one of DRAFT_KINDS
     temperature: float
-    tier: int
+    tier: str  # the shape: "7" (a chain), "4x4x16" (a tree)
     mean_accept: float
     rounds: int  # request-rounds: one batch round of n running requests counts n
     tokens: int
@@ -203,8 +207,8 @@ def generate(
     return [r.token_ids for r in results], [r.accept_lengths for r in results]
 
 
-def render(cells: Sequence[Cell], tiers: Sequence[int]) -> str:
-    groups: dict[tuple[str, str, float], dict[int, Cell]] = {}
+def render(cells: Sequence[Cell], tiers: Sequence[str]) -> str:
+    groups: dict[tuple[str, str, float], dict[str, Cell]] = {}
     for c in cells:
         groups.setdefault((c.prompts, c.draft, c.temperature), {})[c.tier] = c
     headers = ["prompts", "draft", "T", *(f"accept s={t}" for t in tiers)]
@@ -234,7 +238,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--code-prompts", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=[96, 128], metavar="N")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--tiers", type=int, nargs="+", default=[1, 3, 7])
+    parser.add_argument(
+        "--tiers", type=TreeShape.parse, nargs="+", default=[TreeShape(s) for s in (1, 3, 7)],
+        help="shapes: STEPS (a chain) or STEPSxTOPKxNUM_DRAFT_TOKENS (a tree)",
+    )  # fmt: skip
+    parser.add_argument("--temperatures", type=float, nargs="+", default=list(TEMPERATURES))
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=0, help="first sampling seed (one per prompt)")
     parser.add_argument("--out", type=Path, default=Path("bench/out/acceptance.json"))
@@ -269,7 +277,8 @@ def main() -> None:
 
     batch = max(len(p) for p in prompt_sets.values())
     longest = max(len(p.ids) for ps in prompt_sets.values() for p in ps)
-    sizes = dict(max_requests=batch, max_len=longest + args.new_tokens + max(args.tiers) + 1)
+    room = max(max(s.num_draft_tokens, s.draft_rows) for s in args.tiers)
+    sizes = dict(max_requests=batch, max_len=longest + args.new_tokens + room + 1)
     # An EAGLE head drafts from the target's last hidden states, an EAGLE-3 head from three of
     # its layers: one target per kind of features.
     layers = {kind: feature_layers(args.models / kind, target_path) for kind in args.drafts}
@@ -281,9 +290,10 @@ def main() -> None:
         kind: build_drafter(args.models / kind, target_path=target_path, **sizes)
         for kind in args.drafts
     }
-    states = {
-        kind: build_states(args.tiers, targets[layers[kind]], d) for kind, d in drafters.items()
-    }
+    states = {}
+    for kind, d in drafters.items():
+        builder = StateBuilder(targets[layers[kind]], d)
+        states[kind] = {str(shape): builder.build(shape) for shape in args.tiers}
 
     cells: list[Cell] = []
     start = time.perf_counter()
@@ -291,7 +301,7 @@ def main() -> None:
         greedy = sampling_for(prompts, 0.0, args.seed)
         reference, _ = generate(targets[()], None, None, prompts, greedy, args.new_tokens)
         for kind, drafter in drafters.items():
-            for temperature in TEMPERATURES:
+            for temperature in args.temperatures:
                 sampling = sampling_for(prompts, temperature, args.seed)
                 for tier, state in states[kind].items():
                     t0 = time.perf_counter()
@@ -320,6 +330,7 @@ def main() -> None:
     print(f"{len(cells)} cells in {time.perf_counter() - start:.0f}s")
 
     settings = {k: v for k, v in vars(args).items() if k != "out"}
+    settings["tiers"] = [str(s) for s in args.tiers]
     write_json(
         args.out,
         {
@@ -336,7 +347,7 @@ def main() -> None:
     print(f"wrote {args.out}\n")
     print(FOOTNOTE)
     print()
-    print(render(cells, args.tiers))
+    print(render(cells, [str(s) for s in args.tiers]))
 
 
 if __name__ == "__main__":

@@ -80,7 +80,9 @@ def accept_sampling(
       accept x with probability min(1, p(x) / q(x)) — q ≤ p: always accept;
       on rejection p ← normalize((p − q)+) and try the next sibling;
       when no child is accepted the bonus is sampled from the current p.
-    For a chain this is the standard rejection sampler of Leviathan et al. / Chen et al.
+    For a chain this is the standard rejection sampler of Leviathan et al. / Chen et al. With
+    q left unchanged after a rejection it is exact for i.i.d. siblings, not for siblings drawn
+    without replacement; the tree shapes' trees carry no q and take `accept_trees`.
     """
     if len(tree) and tree.draft_probs is None:
         raise ValueError("sampling verification needs the tree's draft_probs")
@@ -141,6 +143,67 @@ def accept_chains(
         rejected = (accepted < lengths)[:, None]
         last = torch.where(rejected, residual(last, q[rows, accepted.clamp(max=n - 1)]), last)
     return accepted, sample_rows(last, u[rows, lengths])
+
+
+def accept_trees(p: Tensor, tokens: Tensor, parents: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+    """SGLang's target-only tree rule (`tree_speculative_sampling_target_only`, at its exact
+    thresholds of 1) for a batch of trees as batched tensor ops: (accepted [B, T] bool over
+    the full tree, the root never; last token [B]).
+
+    p: [B, T, V] warped target distributions over each full tree (row j after node j);
+    tokens: [B, T] (column 0, the root, unused); parents: [B, T] full-tree parents (-1: the
+    root, or padding past a tree's end); u: [B, T] uniforms: u[b, j] decides node j (j ≥ 1),
+    u[b, 0] draws the last token.
+
+    The candidates are a function of the draft alone, so q is the one-hot of each node:
+    SpecInfer's recursive rejection with per-node q reduces to, at the current node, trying its
+    children in order: accept child x with probability p(x); on a rejection p ← p with x
+    removed, renormalised; no child accepted → the last token is drawn from what p is left;
+    after a leaf, from the leaf's row (the bonus). Its output is distributed as p exactly
+    (sampling p by elimination), whatever candidates the draft chose. Children come after
+    their parent, so one pass over the nodes in order visits each node's children in order,
+    after the node itself was accepted: at node 5, parent 2, accepted 2 → try 5; else skip.
+    A greedy row is one-hot p: the argmax child is accepted, and the last token is the argmax.
+    """
+    b, t, _ = p.shape
+    rows = torch.arange(b, device=p.device)
+    node = torch.zeros(b, dtype=torch.long, device=p.device)
+    current = p[:, 0].clone()  # [B, V]
+    accepted = torch.zeros(b, t, dtype=torch.bool, device=p.device)
+    for j in range(1, t):
+        x = tokens[:, j]
+        tried = parents[:, j] == node
+        px = current[rows, x]
+        take = tried & (u[:, j] < px)
+        drop = tried & ~take
+        accepted[:, j] = take
+        node = torch.where(take, j, node)
+        removed = current.scatter(-1, x[:, None], 0.0)  # norm((p − onehot(x))+)
+        total = removed.sum(-1, keepdim=True)
+        removed = torch.where(total > 0, removed / total.clamp_min(1e-30), current)
+        current = torch.where(take[:, None], p[:, j], torch.where(drop[:, None], removed, current))
+    return accepted, sample_rows(current, u[:, 0])
+
+
+def accept_tree_batch(
+    logits: Tensor, trees: Sequence[CandidateTree], u: Tensor, params: RowParams
+) -> list[Acceptance]:
+    """`accept_trees` for a batch's trees drafted without q (greedy requests among them),
+    eagerly on the logits' device [B, T, V]; u: [B, T] on the host."""
+    b, t, v = logits.shape
+    dev = logits.device
+    p = warp_rows(logits.reshape(b * t, v), params.repeat(t).to(dev)).view(b, t, v)
+    tokens = torch.zeros(b, t, dtype=torch.long)
+    parents = torch.full((b, t), -1, dtype=torch.long)
+    for i, tree in enumerate(trees):
+        tokens[i, 1 : len(tree) + 1] = torch.tensor(tree.tokens, dtype=torch.long)
+        parents[i, : len(tree) + 1] = torch.tensor(full_parents(tree))
+    accepted, last = accept_trees(p, tokens.to(dev), parents.to(dev), u.to(dev))
+    out = []
+    for tree, row, bonus in zip(trees, accepted.cpu().tolist(), last.tolist(), strict=True):
+        nodes = tuple(j - 1 for j, ok in enumerate(row) if ok)
+        out.append(Acceptance(nodes, tuple(tree.tokens[n] for n in nodes), bonus))
+    return out
 
 
 def accept_chain_batch(logits: Tensor, chains: ChainBatch) -> list[list[int]]:

@@ -30,8 +30,9 @@ from specpair.runtime.gpu.capture import GraphCapture
 from specpair.runtime.gpu.draft_graphs import DraftGraphs
 from specpair.runtime.gpu.verify_graphs import VerifyGraphs
 from specpair.runtime.kv_cache import KVCache
+from specpair.runtime.shape import TreeShape
 from specpair.runtime.stages import DraftStage, ExtendStage, VerifyStage
-from specpair.runtime.state import SpecRuntimeState, chain_state
+from specpair.runtime.state import SpecRuntimeState, tier_state
 from specpair.runtime.target.verify import EagerVerify
 from specpair.runtime.target.worker import TargetWorker
 
@@ -173,10 +174,17 @@ class StateBuilder:
         draft = None if self.draft_graphs is None else self.draft_graphs.capture
         return sum(g.captures for g in (self.target_graphs, draft) if g is not None)
 
-    def build(self, tier: int) -> SpecRuntimeState:
-        """The tier's state, its stages complete (graphs captured)."""
-        if tier < 0:
-            raise ValueError(f"a tier (speculative_num_steps) must be >= 0, got {tier}")
+    def build(self, tier: int | TreeShape) -> SpecRuntimeState:
+        """The tier's state (s: the chain of s drafts; or a tree shape), its stages complete
+        (graphs captured). Tree shapes draft and verify eagerly and are CPU-only for now: on a
+        CUDA worker they are refused, naming the field."""
+        shape = tier if isinstance(tier, TreeShape) else TreeShape(tier)
+        if not shape.is_chain and (self.target_graphs or self.draft_graphs):
+            raise ValueError(
+                f"candidate_steps: tree shape {shape} on a CUDA device; tree shapes run on the "
+                "CPU only for now (no CUDA graphs for tree drafting or tree verify yet)"
+            )
+        tier = shape.steps
         verify: VerifyStage | None = None
         extend: ExtendStage | None = None
         draft: DraftStage | None = None
@@ -190,7 +198,7 @@ class StateBuilder:
             if self.draft_graphs is not None and tier > 0:
                 extend, draft = self.draft_graphs.tier(tier, extend, draft)
         self.builds += 1
-        return chain_state(tier, verify, extend, draft)
+        return tier_state(shape, verify, extend, draft)
 
     def build_all(self, tiers: Iterable[int]) -> dict[int, SpecRuntimeState]:
         """One state per candidate tier — called once, at start-up; logs each one's build time."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import specpair.runtime.target.worker as target_module
+import specpair.runtime.target.accepting as target_module
 from specpair.models.eagle3_loading import load_eagle3
 from specpair.models.tiny import make_tiny_eagle3, make_tiny_llama
 from specpair.runtime.build import build_drafter, build_states, build_target, feature_layers

@@ -55,3 +55,42 @@ def test_sampling_accepts_when_q_equals_p_and_rejects_impossible_tokens() -> Non
     rejected = accept_sampling(chain([2], q[None]), torch.stack([p, p]), gen)
     # p(2) = 0: always rejected; the residual (p - q)+ is p itself
     assert rejected.tokens == () and rejected.bonus in (0, 1)
+
+
+def test_accept_trees_greedy_rows_take_the_argmax_path() -> None:
+    """One-hot p (greedy rows): the target-only rule accepts the argmax child, as
+    `accept_greedy_argmax` does, and the last token is the argmax."""
+    from specpair.runtime.accept import accept_greedy_argmax, accept_tree_batch
+    from specpair.runtime.sampling import RowParams, SamplingParams
+
+    torch.manual_seed(0)
+    tree = CandidateTree((3, 1, 4, 1, 5), (-1, -1, 0, 1, 2))
+    logits = torch.randn(2, 6, 8)
+    logits[0, 0, 1] = logits[0, 2, 1] = 9.0  # root → node 1 (token 1) → node 3 (token 1)
+    accs = accept_tree_batch(
+        logits, [tree, tree], torch.rand(2, 6), RowParams.of([SamplingParams()] * 2)
+    )
+    for acc, row in zip(accs, logits, strict=True):
+        assert acc == accept_greedy_argmax(tree, row.argmax(-1).tolist())
+    assert accs[0].nodes == (1, 3)
+
+
+def test_accept_trees_samples_p_by_elimination() -> None:
+    """A root with three children: the outcome (accepted child or last token) is p."""
+    from specpair.runtime.accept import accept_trees
+
+    p = torch.tensor([0.1, 0.4, 0.2, 0.3])
+    n = 200_000
+    tokens = torch.tensor([0, 1, 3, 2]).expand(n, 4)
+    parents = torch.tensor([-1, 0, 0, 0]).expand(n, 4)
+    accepted, last = accept_trees(
+        p.expand(n, 4, 4).clone(),
+        tokens,
+        parents,
+        torch.rand(n, 4, generator=torch.Generator().manual_seed(1)),
+    )
+    first = torch.where(
+        accepted.any(-1), tokens.gather(1, accepted.long().argmax(-1, keepdim=True))[:, 0], last
+    )
+    freq = torch.bincount(first, minlength=4).float() / n
+    assert torch.allclose(freq, p, atol=0.005), freq

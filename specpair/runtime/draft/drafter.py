@@ -5,23 +5,26 @@ confirmed. Draft steps write tentatively past it and are never committed: the ne
 appended tokens (accepted drafts + bonus) overwrite them, which is the rollback.
 
 `Drafter` is that round, shared by the two drafters of `drafters.py` (a standalone LM, an EAGLE
-head), which differ in their extend rows and one forward. A pipelined round drafts each chain
-with its lookahead (`draft_ahead`, `lookahead.py`); the forks that use it are `pipeline.py`'s.
+head), which differ in their extend rows and one forward (`extend.py`: `DraftForward`, the
+extend). A tier of a tree shape drafts its trees eagerly (`tree_draft.py`). A pipelined round
+drafts each chain with its lookahead (`draft_ahead`, `lookahead.py`); the forks that use it are
+`pipeline.py`'s.
 """
 
 from __future__ import annotations
 
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from specpair.models.llama import Attend, ModelArgs
+from specpair.models.llama import ModelArgs
+from specpair.runtime.draft.extend import DraftForward
+from specpair.runtime.draft.tree_draft import draft_trees
 from specpair.runtime.kv_cache import KVCache
-from specpair.runtime.layout import BatchLayout, padded_groups
+from specpair.runtime.layout import BatchLayout
 from specpair.runtime.lookahead import Lookahead, TopRows
 from specpair.runtime.round import DraftInput
 from specpair.runtime.sampling import RowParams, derived_seed, draft_support, make_generator
@@ -46,10 +49,7 @@ def _split(values: list[Tensor], counts: list[int]) -> list[list[int]]:
     return rows
 
 
-class Drafter(ABC):
-    needs_features = False  # EAGLE: extend rows carry target features
-    feature_width = 0  # their row width
-
+class Drafter(DraftForward):
     def __init__(self, cache: KVCache, device: torch.device, args: ModelArgs) -> None:
         self.cache = cache
         self.device = device
@@ -115,6 +115,13 @@ class Drafter(ABC):
             torch.cuda.synchronize()
         t1 = time.perf_counter()
         sampling = self._sampling(inputs, entries, state.tier)
+        if not state.is_chain:  # a tree shape: eager (`tree_draft.py`), never pipelined
+            if width:
+                raise ValueError("drafting ahead (pipelined rounds) drafts chains only")
+            trees = draft_trees(self, hidden[: len(slots)], slots, state.tree_shape, sampling,
+                                depths)  # fmt: skip
+            self.last_times = (t1 - t0, time.perf_counter() - t1)
+            return trees, []
         qs: list[DraftQ | None] = [None] * len(inputs)
         aheads: list[Lookahead] = []
         if width and sampling is not None:  # pipelined sampled rounds: the eager steps
@@ -228,89 +235,3 @@ class Drafter(ABC):
         if extend.cache is not self.cache:
             raise RuntimeError("this state's draft stages were built for another drafter")
         return extend, state.draft_stage()
-
-    @abstractmethod
-    def extend_rows(
-        self, inputs: Sequence[DraftInput]
-    ) -> tuple[list[Sequence[int]], list[Tensor] | None]:
-        """Per request the token rows extend runs (and, for EAGLE, their features [n, H])."""
-
-    @abstractmethod
-    def forward(
-        self, tokens: Tensor, features: Tensor | None, positions: Tensor, attend: Attend
-    ) -> Tensor:
-        """tokens, positions: [B, T] (+ features [B, T, H]) on the device -> hidden [B, T, H]."""
-
-    @abstractmethod
-    def logits(self, hidden: Tensor) -> Tensor:
-        """hidden [B, T, H] -> float logits of the last row [B, V]."""
-
-    def extend_inputs(
-        self, inputs: Sequence[DraftInput], slots: list[int]
-    ) -> tuple[Tensor, Tensor | None, Tensor, BatchLayout, list[int]]:
-        """Commits the extend rows; returns host tokens, features, positions [B, T], layout."""
-        rows, feats = self.extend_rows(inputs)
-        tokens, positions, layout, lengths = self._commit_rows(rows, slots)
-        features = None
-        if feats is not None:
-            features = feats[0].new_zeros(len(rows), tokens.shape[1], feats[0].shape[-1])
-            for b, f in enumerate(feats):
-                features[b, : len(f)] = f
-        return tokens, features, positions, layout, lengths
-
-    def extend(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor:
-        """Eager extend: commits the rows, returns each request's last hidden [B, 1, H]."""
-        starts = [self.cache.lengths[s] for s in slots]
-        lengths = [len(item.appended) for item in inputs]  # EAGLE runs as many rows or one less
-        groups = padded_groups(starts, lengths, self.cache.max_len)
-        if len(groups) == 1:
-            return self._extend_group(inputs, slots)
-        out: list[Tensor] = [torch.empty(0)] * len(inputs)
-        for group in groups:
-            hidden = self._extend_group([inputs[i] for i in group], [slots[i] for i in group])
-            for row, i in enumerate(group):
-                out[i] = hidden[row]
-        return torch.stack(out)
-
-    def _extend_group(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor:
-        return self.extend_forward(*self.extend_inputs(inputs, slots))
-
-    def extend_forward(
-        self,
-        tokens: Tensor,
-        features: Tensor | None,
-        positions: Tensor,
-        layout: BatchLayout,
-        lengths: list[int],
-    ) -> Tensor:
-        """The eager forward of `extend_inputs`' rows: each request's last hidden [B, 1, H]."""
-        hidden = self.forward(
-            tokens.to(self.device),
-            None if features is None else features.to(self.device),
-            positions.to(self.device),
-            self.cache.bind(layout),
-        )
-        return hidden[torch.arange(len(lengths)), torch.tensor(lengths) - 1][:, None]
-
-    def _step(self, tokens: Tensor, hidden: Tensor, layout: BatchLayout) -> Tensor:
-        positions = layout.starts[:, None]
-        return self.forward(
-            tokens.to(self.device), hidden, positions.to(self.device), self.cache.bind(layout)
-        )
-
-    def _commit_rows(
-        self, rows: Sequence[Sequence[int]], slots: list[int]
-    ) -> tuple[Tensor, Tensor, BatchLayout, list[int]]:
-        """Pads per-request rows into [B, T] tokens + positions after each committed prefix."""
-        lengths = [len(r) for r in rows]
-        starts = [self.cache.lengths[s] for s in slots]
-        t = max(lengths)
-        tokens = torch.zeros(len(rows), t, dtype=torch.long)
-        for b, row in enumerate(rows):
-            self.cache.check_room(slots[b], starts[b], t)
-            tokens[b, : lengths[b]] = torch.tensor(list(row))
-        positions = torch.tensor(starts)[:, None] + torch.arange(t)
-        layout = BatchLayout.causal(slots, starts, lengths)
-        for slot, start, n in zip(slots, starts, lengths, strict=True):
-            self.cache.commit(slot, start, range(n))
-        return tokens, positions, layout, lengths

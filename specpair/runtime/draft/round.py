@@ -62,12 +62,12 @@ class DraftRound:
             fresh, refused = room(fresh, request.round_id)
         if not fresh:
             trees = []
-        elif pipeline is not None and state.tier > 0 and request.predraft:
+        elif pipeline is not None and state.tier > 0 and request.predraft and state.is_chain:
             # a lookahead only where the target asked for pre-drafts: it costs a draft step
             trees = pipeline.draft(fresh, state)
         else:
             trees = self.drafter.draft(fresh, state)  # extend + draft
-        if pipeline is not None and request.predraft:
+        if pipeline is not None and request.predraft and state.is_chain:  # chains only
             pipeline.promise(stream, keyed, state)
         n = len(prefix)
         return RoundResponse(

@@ -105,7 +105,7 @@ class TargetRound(Generic[B]):
             return flight
         if state is None or state.tier == 0:
             return flight  # target-only: the draft is not called (releases wait for a round)
-        if self.predrafts is not None:
+        if self.predrafts is not None and state.is_chain:  # trees are never pre-drafted
             flight.ahead = self.predrafts.begin(draft)
         flight.request = self.session.request(
             round_id, seqs, state.tier, epoch=draft.epochs(seqs), features=draft.features,

@@ -15,14 +15,7 @@ import torch
 from torch import Tensor
 
 from specpair.models.llama import LlamaModel
-from specpair.runtime.accept import (
-    Acceptance,
-    ChainBatch,
-    accept_chain_batch,
-    accept_greedy_argmax,
-    accept_sampling,
-    sparse_q,
-)  # fmt: skip
+from specpair.runtime.accept import Acceptance
 from specpair.runtime.kv_cache import CacheFullError, KVCache
 from specpair.runtime.layout import BatchLayout, eye_mask
 from specpair.runtime.sampling import (
@@ -30,11 +23,11 @@ from specpair.runtime.sampling import (
     SamplingParams,
     make_generator,
     sample_rows,
-    warp,
     warp_rows,
 )  # fmt: skip
 from specpair.runtime.stages import VerifyStage
 from specpair.runtime.state import SpecRuntimeState
+from specpair.runtime.target.accepting import accept_batch, uniforms
 from specpair.runtime.target.verify import EagerVerify
 from specpair.runtime.tree import CandidateTree, full_parents, tree_depths, tree_mask
 
@@ -121,7 +114,7 @@ class TargetWorker:
         if all(s.sampling.greedy for s in seqs):
             return logits.argmax(-1).tolist()
         params = RowParams.of([s.sampling for s in seqs]).to(self.device)
-        u = torch.tensor([_uniforms(s, 1)[0] for s in seqs]).to(self.device)
+        u = torch.tensor([uniforms(s, 1)[0] for s in seqs]).to(self.device)
         return sample_rows(warp_rows(logits, params), u).tolist()
 
     @torch.inference_mode()
@@ -203,35 +196,7 @@ class TargetWorker:
         else:
             positions, layout = self._layout(seqs, parents, state)
             hidden, logits = self._forward_tree(tokens, positions, layout, state)
-        # the host's part of the accept runs while the GPU verifies
-        sampled = not all(s.sampling.greedy for s in seqs)
-        chains = None
-        # the batch-invariant mode samples on the host, request by request: the batched
-        # accept's GPU kernels (and its graph, up to a bucket) follow the batch's shape
-        if sampled and not self.deterministic and all(tree.is_chain() for tree in trees):
-            chains = self._chain_inputs(seqs, trees, t)
-        if not sampled:
-            argmax = logits.argmax(-1).cpu()  # [B, T]: all greedy acceptance needs
-            accs = [
-                accept_greedy_argmax(tree, argmax[i, : len(tree) + 1].tolist())
-                for i, tree in enumerate(trees)
-            ]
-        elif chains is not None:
-            verdicts = stage.accept(chains) or accept_chain_batch(logits, chains)
-            accs = [
-                Acceptance(tuple(range(m)), tree.tokens[:m], bonus)
-                for tree, (m, bonus) in zip(trees, verdicts, strict=True)
-            ]
-        else:  # sampled trees (or the batch-invariant mode): the host reference, per request
-            host = logits.cpu()
-            accs = [
-                accept_greedy_argmax(tree, host[i, : len(tree) + 1].argmax(-1).tolist())
-                if seq.sampling.greedy
-                else accept_sampling(
-                    tree, warp(host[i, : len(tree) + 1], seq.sampling), seq.generator
-                )
-                for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True))
-            ]
+        accs = accept_batch(seqs, trees, logits, t, stage.accept, self.deterministic)
         self.last_gpu_ms = stage.read_gpu_ms()  # the replay is done: its GPU time is readable
         results = []
         for i, (seq, acc) in enumerate(zip(seqs, accs, strict=True)):
@@ -240,29 +205,6 @@ class TargetWorker:
             feats = hidden[i, acc.keep].cpu() if self.keep_features else None
             results.append(VerifyResult(acc, seq.append([*acc.tokens, acc.bonus]), feats))
         return results
-
-    def _chain_inputs(
-        self, seqs: Sequence[TargetSequence], trees: Sequence[CandidateTree], t: int
-    ) -> ChainBatch:
-        """What rejection sampling needs of a batch of chains besides the logits, on the
-        host: each request's uniforms drawn from its generator, its q sparse."""
-        b, n = len(seqs), t - 1
-        drafts = torch.zeros(b, n, dtype=torch.long)
-        u = torch.full((b, t), 0.5)  # a greedy request's verdicts need no randomness
-        for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
-            drafts[i, : len(tree)] = torch.tensor(tree.tokens, dtype=torch.long)
-            if not seq.sampling.greedy:
-                u[i, : len(tree) + 1] = _uniforms(seq, len(tree) + 1)
-        q_ids, q, dense = sparse_q([s.sampling.greedy for s in seqs], trees, drafts)
-        return ChainBatch(
-            params=RowParams.of([s.sampling for s in seqs]).repeat(t),
-            drafts=drafts,
-            lengths=torch.tensor([len(tree) for tree in trees]),
-            u=u,
-            q_ids=q_ids,
-            q=q,
-            dense=dense,
-        )
 
     def _layout(
         self,
@@ -325,9 +267,3 @@ class TargetWorker:
         if seq.slot >= 0:
             self.cache.free(seq.slot)
             seq.slot = -1
-
-
-def _uniforms(seq: TargetSequence, n: int) -> Tensor:
-    """n uniforms in [0, 1) from the request's own generator: what its seeded tokens depend
-    on, whatever batch it runs in."""
-    return torch.rand(n, generator=seq.generator)

@@ -1,0 +1,124 @@
+"""The accept step of a verify: which acceptance rule a batch's trees take.
+
+all greedy                  accept_greedy_argmax per tree (the longest argmax path)
+sampled, all chains         accept_chains, batched (a graph's on a GPU); a chain without q
+                            is one-hot q, SGLang's target-only rule
+sampled trees without q     accept_trees, batched: SGLang's target-only rule (the draft's
+                            tree shapes send no q)
+sampled trees with q        accept_sampling per request: the host reference (SpecInfer
+                            with per-node q)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from specpair.runtime.accept import (
+    Acceptance,
+    ChainBatch,
+    accept_chain_batch,
+    accept_greedy_argmax,
+    accept_sampling,
+    accept_tree_batch,
+    sparse_q,
+)  # fmt: skip
+from specpair.runtime.sampling import RowParams, SamplingParams, warp
+from specpair.runtime.tree import CandidateTree
+
+
+class TargetSequence(Protocol):
+    """What the accept reads of a request (`worker.TargetSequence`)."""
+
+    sampling: SamplingParams
+    generator: torch.Generator
+
+
+# The verify stage's accept graph for a batch of chains (None: accept eagerly)
+ChainAccept = Callable[[ChainBatch], "list[list[int]] | None"]
+
+
+def accept_batch(
+    seqs: Sequence[TargetSequence],
+    trees: Sequence[CandidateTree],
+    logits: Tensor,
+    t: int,
+    graph: ChainAccept,
+    per_request: bool = False,
+) -> list[Acceptance]:
+    """Each request's acceptance of its tree from the verify's logits [B, t, V].
+    `per_request`: the batch-invariant mode samples on the host, request by request (the
+    batched accept's GPU kernels, and its graph up to a bucket, follow the batch's shape)."""
+    sampled = not all(s.sampling.greedy for s in seqs)
+    chains = None  # the host's part of the accept runs while the GPU verifies
+    if sampled and not per_request and all(tree.is_chain() for tree in trees):
+        chains = chain_inputs(seqs, trees, t)
+    if not sampled:
+        argmax = logits.argmax(-1).cpu()  # [B, T]: all greedy acceptance needs
+        return [
+            accept_greedy_argmax(tree, argmax[i, : len(tree) + 1].tolist())
+            for i, tree in enumerate(trees)
+        ]
+    if chains is not None:
+        verdicts = graph(chains) or accept_chain_batch(logits, chains)
+        return [
+            Acceptance(tuple(range(m)), tree.tokens[:m], bonus)
+            for tree, (m, bonus) in zip(trees, verdicts, strict=True)
+        ]
+    if not per_request and all(tree.draft_probs is None for tree in trees):  # drafted without q
+        params = RowParams.of([s.sampling for s in seqs])
+        return accept_tree_batch(logits, trees, tree_uniforms(seqs, trees, t), params)
+    host = logits.cpu()  # sampled trees with q (or per request): the host, request by request
+    return [
+        accept_greedy_argmax(tree, host[i, : len(tree) + 1].argmax(-1).tolist())
+        if seq.sampling.greedy
+        else accept_sampling(tree, warp(host[i, : len(tree) + 1], seq.sampling), seq.generator)
+        if tree.draft_probs is not None or not len(tree)
+        else accept_tree_batch(
+            host[i : i + 1, : len(tree) + 1], [tree], tree_uniforms([seq], [tree], len(tree) + 1),
+            RowParams.of([seq.sampling]),
+        )[0]
+        for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True))
+    ]  # fmt: skip
+
+
+def tree_uniforms(seqs: Sequence[TargetSequence], trees: Sequence[CandidateTree], t: int) -> Tensor:
+    """[B, t] uniforms of `accept_trees`, each sampling request's from its generator."""
+    u = torch.full((len(seqs), t), 0.5)  # a greedy request's verdicts need no randomness
+    for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
+        if not seq.sampling.greedy:
+            u[i, : len(tree) + 1] = uniforms(seq, len(tree) + 1)
+    return u
+
+
+def chain_inputs(
+    seqs: Sequence[TargetSequence], trees: Sequence[CandidateTree], t: int
+) -> ChainBatch:
+    """What rejection sampling needs of a batch of chains besides the logits, on the
+    host: each request's uniforms drawn from its generator, its q sparse."""
+    b, n = len(seqs), t - 1
+    drafts = torch.zeros(b, n, dtype=torch.long)
+    u = torch.full((b, t), 0.5)  # a greedy request's verdicts need no randomness
+    for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
+        drafts[i, : len(tree)] = torch.tensor(tree.tokens, dtype=torch.long)
+        if not seq.sampling.greedy:
+            u[i, : len(tree) + 1] = uniforms(seq, len(tree) + 1)
+    q_ids, q, dense = sparse_q([s.sampling.greedy for s in seqs], trees, drafts)
+    return ChainBatch(
+        params=RowParams.of([s.sampling for s in seqs]).repeat(t),
+        drafts=drafts,
+        lengths=torch.tensor([len(tree) for tree in trees]),
+        u=u,
+        q_ids=q_ids,
+        q=q,
+        dense=dense,
+    )
+
+
+def uniforms(seq: TargetSequence, n: int) -> Tensor:
+    """n uniforms in [0, 1) from the request's own generator: what its seeded tokens depend
+    on, whatever batch it runs in."""
+    return torch.rand(n, generator=seq.generator)
