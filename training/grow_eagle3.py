@@ -47,13 +47,6 @@ def eagle3_tensors(
         # [out, 2h] -> [out', 2H]: each half grown as a decoder layer's input projection
         return torch.cat((grow_half(w[:, :h]), grow_half(w[:, h:])), dim=1)
 
-    def fc() -> Tensor:
-        w = torch.zeros(hh, chunks * hh, device=g.device)
-        for k in range(chunks):
-            w[:h, k * hh : k * hh + h] = small["fc.weight"][:, k * h : (k + 1) * h].float()
-        w[g.pad_dim, g.pad_dim] = 1.0
-        return w
-
     def lm_head() -> Tensor:
         w = torch.zeros(draft, hh, device=g.device)
         w[:small_draft, :h] = small["lm_head.weight"].float()
@@ -72,7 +65,7 @@ def eagle3_tensors(
 
     mid = {k.removeprefix("midlayer."): v for k, v in small.items() if k.startswith("midlayer.")}
     makers: dict[str, Callable[[], Tensor]] = {
-        "fc.weight": fc,
+        "fc.weight": lambda: g.fc(small["fc.weight"])[0],
         "midlayer.hidden_norm.weight": lambda: g.norm(mid["hidden_norm.weight"]),
         "midlayer.input_layernorm.weight": lambda: g.norm(mid["input_layernorm.weight"]),
         "midlayer.self_attn.q_proj.weight": lambda: both_halves(

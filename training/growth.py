@@ -178,16 +178,20 @@ class Growth:
             "mlp.down_proj.weight": self.mlp_out(small["mlp.down_proj.weight"]),
         }
 
-    def fc(self, weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
-        """EAGLE's fc [h, 2h] over cat(embed, feature) -> [H, 2H]; row P copies the embedding's
-        constant, so the head's residual (and its prediction) carries c at P."""
+    def fc(self, weight: Tensor, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """An EAGLE fc [h, k·h] over k concatenated h-wide inputs -> [H, k·H], input chunk i at
+        [i·H, i·H + h): EAGLE-1's cat(embed, feature) (k = 2), EAGLE-3's three target layers
+        (k = 3). Row P copies chunk 0's constant, so the head's residual (and its prediction)
+        carries c at P."""
         h, hh = self.small.hidden_size, self.big.hidden_size
-        w = torch.zeros(hh, 2 * hh, device=self.device)
-        w[:h, :h] = weight[:, :h].float()
-        w[:h, hh : hh + h] = weight[:, h:].float()
+        chunks = weight.shape[1] // h
+        w = torch.zeros(hh, chunks * hh, device=self.device)
+        for i in range(chunks):
+            w[:h, i * hh : i * hh + h] = weight[:, i * h : (i + 1) * h].float()
         w[self.pad_dim, self.pad_dim] = 1.0
         b = torch.zeros(hh, device=self.device)
-        b[:h] = bias.float()
+        if bias is not None:
+            b[:h] = bias.float()
         return w, b
 
     # -- helpers ---------------------------------------------------------------------------------

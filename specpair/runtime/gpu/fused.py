@@ -53,8 +53,9 @@ class Pending:
     delta: Tensor
 
     def materialize(self) -> Tensor:
-        """x + the delta, rounded as the next layer's `add_rmsnorm` rounds it (an EAGLE-3
-        feature: the output of a layer inside a `LlamaBody`)."""
+        """x + the delta (an EAGLE-3 feature: the output of a layer inside a `LlamaBody`), as
+        the CPU's `add_rmsnorm` sums it; the GPU kernel may round the last bit otherwise, which
+        only steers the draft, never what the target accepts."""
         return self.x + self.delta.sum(0).view(self.x.shape).to(self.x.dtype)
 
 
