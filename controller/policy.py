@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 from controller.interface import GatedPolicy, RoundSample, TierEstimate, snap_to_candidate
+from specpair.runtime.shape import MAX_TREE_NODES
 
 # Sane ranges. A value past these is a typo or an attack, never a policy: 2^31 − 1 batches
 # between decisions is 8 months at 100 rounds a second, and a hysteresis beyond the largest
 # tier can never trigger (the EMA of accept lengths lies in [0, tier]).
-MAX_STEPS = 64  # a tier's chain fits the target's largest tree (target/session.py MAX_TREE_NODES)
+MAX_STEPS = MAX_TREE_NODES  # a tier's chain fits the target's largest tree
 MAX_BATCHES = 1_000_000
 MAX_HYSTERESIS = float(MAX_STEPS)
 MAX_BATCH_SIZE = 65_536

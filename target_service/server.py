@@ -23,7 +23,7 @@ from specpair.parallel.ranks import RankExitedError, RankGroup
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
 from specpair.runtime.build import StateBuilder, build_target
 from specpair.runtime.kv_cache import KVCache
-from specpair.runtime.target.session import MAX_TREE_NODES
+from specpair.runtime.shape import MAX_TREE_NODES
 from specpair.serving import bounded
 from specpair.tiers import RegimeSteps
 from specpair.wire import stats_to_proto

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The largest tree a target accepts (`DraftSession.max_tree_nodes`): a shape's num_draft_tokens.
+# The largest tree a target accepts (`DraftSession.max_tree_nodes`, a request's KV headroom past
+# its context): bounds a shape's num_draft_tokens.
 MAX_TREE_NODES = 64
 
 

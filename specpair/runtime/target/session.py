@@ -28,11 +28,11 @@ from torch import Tensor
 
 from specpair.logging import get_logger
 from specpair.runtime.round import DraftInput, RoundRequest, RoundResponse, StageTimings
+from specpair.runtime.shape import MAX_TREE_NODES
 from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import EMPTY_TREE, CandidateTree, validate_tree
 
 log = get_logger(__name__)
-MAX_TREE_NODES = 64
 
 
 class FeatureLog:
