@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from specpair.runtime.shape import TreeShape, parse_tiers
+
 DEFAULT_TARGET_ADDRESS = "127.0.0.1:50051"
 DEFAULT_DRAFT_ADDRESS = "127.0.0.1:50052"
 DEFAULT_CONTROLLER_ADDRESS = "127.0.0.1:50053"
@@ -179,6 +181,11 @@ class ModelServiceConfig:
         default=CANDIDATE_STEPS,
         metadata=_help("tiers (speculative_num_steps) to build; 0: no drafts"),
     )
+    tree_shapes: tuple[str, ...] = field(
+        default=(),
+        metadata=_help("tree-shaped tiers to build beside the chains, STEPSxTOPKxNODES "
+                       "(e.g. 4x4x16; repeat the flag for more; CPU only for now)"),
+    )  # fmt: skip
     max_len: int = field(
         default=1024,
         metadata=_help("context length served: prompt + max_tokens must fit"),
@@ -197,6 +204,7 @@ class ModelServiceConfig:
     def _resolve(self) -> None:
         _check_steps(self.candidate_steps)
         check_device(self.device)
+        parse_tiers(self.candidate_steps, self.tree_shapes)  # ShapeError names the shape
         if self.max_len < 1:
             raise ValueError("max_len must be >= 1")
         cuda = self.device.startswith("cuda")
@@ -211,6 +219,11 @@ class ModelServiceConfig:
         if poll is None:
             poll = BUSY_POLL_MS_CUDA if cuda else 0.0
         object.__setattr__(self, "busy_poll_ms", max(float(poll), 0.0))
+
+    @property
+    def tiers(self) -> tuple[TreeShape, ...]:
+        """Every tier to build: candidate_steps' chains and tree_shapes, sorted."""
+        return parse_tiers(self.candidate_steps, self.tree_shapes)
 
     @property
     def busy_poll_s(self) -> float:
@@ -229,6 +242,10 @@ class TargetConfig(ModelServiceConfig):
                        off_help="decode without speculation"),
     )  # fmt: skip
     initial_steps: int = field(default=3, metadata=_help("tier of the first rounds"))
+    initial_shape: str = field(
+        default="", metadata=_help("tree-shaped tier of the first rounds, in place of "
+                                   "initial_steps (one of tree_shapes)"),
+    )  # fmt: skip
     max_batch: int = field(default=16, metadata=_help("requests decoded together"))
     max_queue: int = field(default=256, metadata=_help("requests waiting beyond the batch"))
     draft_timeout_s: float = field(
@@ -327,9 +344,10 @@ class TargetConfig(ModelServiceConfig):
             raise ValueError(f"stats_log_interval_s must be >= 0, got {self.stats_log_interval_s}")
         if self.max_watchers < 1:
             raise ValueError(f"max_watchers must be >= 1, got {self.max_watchers}")
-        if self.initial_steps not in self.candidate_steps:
+        if self.initial_tier not in self.tiers:
+            name = "initial_shape" if self.initial_shape else "initial_steps"
             raise ValueError(
-                f"initial_steps {self.initial_steps} is not a candidate {self.candidate_steps}"
+                f"{name} {self.initial_tier} is not a candidate {[str(t) for t in self.tiers]}"
             )
         for name in ("max_batch", "max_queue"):
             if getattr(self, name) < 1:
@@ -341,6 +359,14 @@ class TargetConfig(ModelServiceConfig):
             raise ValueError(
                 f"feature_layers must be layer indices >= 0, got {self.feature_layers}"
             )
+
+    @property
+    def initial_tier(self) -> TreeShape:
+        return (
+            TreeShape.parse(self.initial_shape)
+            if self.initial_shape
+            else TreeShape(self.initial_steps)
+        )
 
     @property
     def draft_addresses(self) -> tuple[str, ...]:
@@ -401,7 +427,7 @@ class DraftConfig(ModelServiceConfig):
     @property
     def cache_len(self) -> int:
         """Positions a request may hold: the context served plus the deepest tier's drafts."""
-        return self.max_len + max(self.candidate_steps)
+        return self.max_len + max(t.num_draft_tokens for t in self.tiers)
 
 
 @dataclass(frozen=True, slots=True)

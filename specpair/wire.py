@@ -26,6 +26,7 @@ from specpair.runtime.round import (
     StageTimings,
 )
 from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.shape import ShapeError, TreeShape, tier_from_wire, tier_name
 from specpair.runtime.tree import CandidateTree
 
 _DTYPES = {
@@ -105,6 +106,7 @@ def request_to_proto(request: RoundRequest) -> draft_pb2.RoundRequest:
         speculative_num_steps=request.speculative_num_steps,
         released_request_ids=request.released_request_ids,
         predraft=request.predraft,
+        shape=tier_name(request.tier),
     )
     for item in request.inputs:
         _draft_input_into(msg.inputs.add(), item)
@@ -122,22 +124,31 @@ class MalformedRequestError(ValueError):
 
 def request_from_proto(msg: draft_pb2.RoundRequest) -> RoundRequest:
     """Raises MalformedRequestError naming the malformed field (`inputs[r7].sampling.top_p:
-    ...`)."""
+    ...`, `shape: ...`)."""
+    try:
+        shape = tier_from_wire(msg.speculative_num_steps, msg.shape, "shape")
+    except ShapeError as exc:
+        inputs = tuple(DraftInput(m.request_id, (), SamplingParams()) for m in msg.inputs)
+        raise MalformedRequestError(str(exc), _request(msg, inputs, None)) from None
+    tree = None if shape.is_chain else shape
     try:
         inputs = tuple(_draft_input_from_proto(m) for m in msg.inputs)
     except ValueError as exc:
         inputs = tuple(DraftInput(m.request_id, (), SamplingParams()) for m in msg.inputs)
-        raise MalformedRequestError(str(exc), _request(msg, inputs)) from None
-    return _request(msg, inputs)
+        raise MalformedRequestError(str(exc), _request(msg, inputs, tree)) from None
+    return _request(msg, inputs, tree)
 
 
-def _request(msg: draft_pb2.RoundRequest, inputs: tuple[DraftInput, ...]) -> RoundRequest:
+def _request(
+    msg: draft_pb2.RoundRequest, inputs: tuple[DraftInput, ...], shape: TreeShape | None
+) -> RoundRequest:
     return RoundRequest(
         msg.round_id,
         msg.speculative_num_steps,
         inputs,
         tuple(msg.released_request_ids),
         msg.predraft,
+        shape,
     )
 
 
@@ -210,17 +221,21 @@ def stats_to_proto(stats: RoundStats) -> target_pb2.RoundStats:
         predraft_misses=stats.predraft_misses,
         pipelined=stats.pipelined,
         sampled_requests=stats.sampled_requests,
+        shape=tier_name(stats.tier),
     )
     timings_into(msg.timings, stats.timings)
     return msg
 
 
 def stats_from_proto(msg: target_pb2.RoundStats) -> RoundStats:
+    """Raises ShapeError on a shape that is not one (the controller drops that round)."""
+    shape = tier_from_wire(msg.speculative_num_steps, msg.shape, "shape")
     return RoundStats(
         msg.round_id, msg.speculative_num_steps, msg.batch_size, tuple(msg.accept_lengths),
         msg.speculative, timings_from_proto(msg.timings), msg.unix_time, tuple(msg.request_ids),
         tuple(msg.request_steps), tuple(msg.plain_request_ids), tuple(msg.predrafted),
         msg.predraft_misses, msg.pipelined, msg.sampled_requests,
+        None if shape.is_chain else shape,
     )  # fmt: skip
 
 

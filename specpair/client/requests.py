@@ -159,7 +159,7 @@ _SCALARS = {
 POLICY_FIELDS = {
     fd.name: (_SCALARS[fd.cpp_type], fd.is_repeated)
     for fd in controller_pb2.UpdatePolicyRequest.DESCRIPTOR.fields
-    if fd.name != "options_json"
+    if fd.name not in ("options_json", "set_tree_shapes")  # the latter: set by tree_shapes
 }
 # Keys of the goodput kind and of bands, sent as UpdatePolicyRequest.options_json; None: any
 # JSON value (a string is parsed as JSON: `bands='[{"min_batch_size": 16, "candidate_steps":
@@ -196,7 +196,9 @@ def build_policy_update(**changes: Any) -> controller_pb2.UpdatePolicyRequest:
         kind, repeated = POLICY_FIELDS[key]
         if repeated:
             items = value.split(",") if isinstance(value, str) else value
+            items = [i for i in items if i != ""]  # `tree_shapes=` drops every tree shape
             getattr(request, key).extend([_coerce(key, kind, item) for item in items])
+            request.set_tree_shapes |= key == "tree_shapes"
         else:
             setattr(request, key, _coerce(key, kind, value))
     if options:

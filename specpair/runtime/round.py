@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.shape import TreeShape
 from specpair.runtime.tree import CandidateTree
 
 
@@ -55,6 +56,11 @@ class RoundRequest:
     # Pipelined: after the response, draft ahead for this round's likeliest outcomes and send
     # them in a second RoundResponse (`predrafts`) while the target verifies.
     predraft: bool = False
+    shape: TreeShape | None = None  # the round's tier when a tree (its steps: the int above)
+
+    @property
+    def tier(self) -> TreeShape:
+        return self.shape or TreeShape(self.speculative_num_steps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,3 +129,8 @@ class RoundStats:
     predraft_misses: int = 0  # pipelined requests whose outcome had no pre-draft
     pipelined: bool = False  # the round was requested pipelined
     sampled_requests: int = 0  # requests of the batch that sample (temperature > 0)
+    shape: TreeShape | None = None  # the round's tier when a tree (its steps: the int above)
+
+    @property
+    def tier(self) -> TreeShape:
+        return self.shape or TreeShape(self.speculative_num_steps)

@@ -11,6 +11,7 @@ A chain is written as its steps alone, so `[1, 3, 7]` keeps meaning chains of 1,
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 # The largest tree a target accepts (`DraftSession.max_tree_nodes`, a request's KV headroom past
@@ -89,5 +90,41 @@ class TreeShape:
         return TreeShape(*values)
 
 
-def chain_shape(steps: int) -> TreeShape:
-    return TreeShape(steps)
+def tier_name(shape: TreeShape) -> str:
+    """A tier's wire string beside its int steps: "" for a chain, "4x4x16" for a tree."""
+    return "" if shape.is_chain else str(shape)
+
+
+def tier_from_wire(steps: int, shape: str, name: str) -> TreeShape:
+    """The tier a message names by its int steps and, for a tree, its shape string; raises
+    ShapeError naming the field (`name`, e.g. "speculative_num_steps") of a bad one.
+
+    (7, "") → the chain of 7; (0 or 4, "4x4x16") → the tree; (3, "4x4x16") → refused."""
+    if not shape:
+        if steps < 0:
+            raise ShapeError(f"{name} must be >= 0, got {steps}")
+        return TreeShape(steps)
+    try:
+        tree = TreeShape.parse(shape)
+    except ShapeError as exc:
+        raise ShapeError(f"{name}: {exc}") from None
+    if steps not in (0, tree.steps):
+        raise ShapeError(f"{name} {steps} disagrees with shape {shape!r} ({tree.steps} steps)")
+    return tree
+
+
+def parse_tiers(steps: Iterable[int], shapes: Iterable[str]) -> tuple[TreeShape, ...]:
+    """The candidates a config or a policy names: chains of `steps` and the tree `shapes`,
+    sorted; raises ShapeError naming the bad one (a shape that is a chain belongs in steps)."""
+    tiers = [TreeShape(s) for s in steps]
+    for text in shapes:
+        try:
+            tree = TreeShape.parse(text)
+        except ShapeError as exc:
+            raise ShapeError(f"tree_shapes: {exc}") from None
+        if tree.is_chain:
+            raise ShapeError(f"tree_shapes {text!r} is a chain: list it in candidate_steps")
+        tiers.append(tree)
+    if len(set(tiers)) != len(tiers):
+        raise ShapeError(f"tree_shapes repeat a tier: {[str(t) for t in tiers]}")
+    return tuple(sorted(tiers))

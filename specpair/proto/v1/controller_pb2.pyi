@@ -37,6 +37,7 @@ class PolicyConfig(_message.Message):
     UP_HYSTERESIS_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     OPTIONS_JSON_FIELD_NUMBER: _builtins.int
+    TREE_SHAPES_FIELD_NUMBER: _builtins.int
     ema_alpha: _builtins.float
     update_interval: _builtins.int
     warmup_batches: _builtins.int
@@ -46,6 +47,10 @@ class PolicyConfig(_message.Message):
     options_json: _builtins.str
     @_builtins.property
     def candidate_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def tree_shapes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Tree-shaped tiers beside candidate_steps' chains ("4x4x16"), each one the targets build."""
+
     def __init__(
         self,
         *,
@@ -57,10 +62,11 @@ class PolicyConfig(_message.Message):
         up_hysteresis: _builtins.float = ...,
         kind: _builtins.str = ...,
         options_json: _builtins.str = ...,
+        tree_shapes: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidate_steps", b"candidate_steps", "down_hysteresis", b"down_hysteresis", "ema_alpha", b"ema_alpha", "kind", b"kind", "options_json", b"options_json", "up_hysteresis", b"up_hysteresis", "update_interval", b"update_interval", "warmup_batches", b"warmup_batches"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidate_steps", b"candidate_steps", "down_hysteresis", b"down_hysteresis", "ema_alpha", b"ema_alpha", "kind", b"kind", "options_json", b"options_json", "tree_shapes", b"tree_shapes", "up_hysteresis", b"up_hysteresis", "update_interval", b"update_interval", "warmup_batches", b"warmup_batches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -77,6 +83,7 @@ class TierEstimate(_message.Message):
     ROUND_MS_FIELD_NUMBER: _builtins.int
     TOKENS_PER_ROUND_FIELD_NUMBER: _builtins.int
     OBSERVED_ROUNDS_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
     steps: _builtins.int
     tokens_per_s: _builtins.float
     round_ms: _builtins.float
@@ -84,6 +91,8 @@ class TierEstimate(_message.Message):
     """Per request: accepted drafts + the bonus token."""
     observed_rounds: _builtins.int
     """Rounds measured at this tier and batch bucket; 0: the time is predicted."""
+    shape: _builtins.str
+    """Set where the tier is a tree shape (steps is its depth)."""
     def __init__(
         self,
         *,
@@ -92,10 +101,11 @@ class TierEstimate(_message.Message):
         round_ms: _builtins.float = ...,
         tokens_per_round: _builtins.float = ...,
         observed_rounds: _builtins.int = ...,
+        shape: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["observed_rounds", b"observed_rounds", "round_ms", b"round_ms", "steps", b"steps", "tokens_per_round", b"tokens_per_round", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["observed_rounds", b"observed_rounds", "round_ms", b"round_ms", "shape", b"shape", "steps", b"steps", "tokens_per_round", b"tokens_per_round", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -111,6 +121,8 @@ class TierSwitch(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     EMA_FIELD_NUMBER: _builtins.int
     UNIX_TIME_FIELD_NUMBER: _builtins.int
+    FROM_SHAPE_FIELD_NUMBER: _builtins.int
+    TO_SHAPE_FIELD_NUMBER: _builtins.int
     round_id: _builtins.int
     from_steps: _builtins.int
     to_steps: _builtins.int
@@ -118,6 +130,9 @@ class TierSwitch(_message.Message):
     """"policy", "pin", "unpin" or "reconnect"."""
     ema: _builtins.float
     unix_time: _builtins.float
+    from_shape: _builtins.str
+    """Set where a tier is a tree shape."""
+    to_shape: _builtins.str
     def __init__(
         self,
         *,
@@ -127,10 +142,12 @@ class TierSwitch(_message.Message):
         reason: _builtins.str = ...,
         ema: _builtins.float = ...,
         unix_time: _builtins.float = ...,
+        from_shape: _builtins.str = ...,
+        to_shape: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ema", b"ema", "from_steps", b"from_steps", "reason", b"reason", "round_id", b"round_id", "to_steps", b"to_steps", "unix_time", b"unix_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ema", b"ema", "from_shape", b"from_shape", "from_steps", b"from_steps", "reason", b"reason", "round_id", b"round_id", "to_shape", b"to_shape", "to_steps", b"to_steps", "unix_time", b"unix_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -153,6 +170,8 @@ class TargetState(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     PIPELINE_FIELD_NUMBER: _builtins.int
     PIPELINE_HIT_RATE_FIELD_NUMBER: _builtins.int
+    ACTIVE_SHAPE_FIELD_NUMBER: _builtins.int
+    PINNED_SHAPE_FIELD_NUMBER: _builtins.int
     target_address: _builtins.str
     connected: _builtins.bool
     active_steps: _builtins.int
@@ -166,6 +185,9 @@ class TargetState(_message.Message):
     pipeline: _builtins.bool
     """The target's rounds are pipelined, and the share of their trees that was pre-drafted."""
     pipeline_hit_rate: _builtins.float
+    active_shape: _builtins.str
+    """Set where the tier is a tree shape."""
+    pinned_shape: _builtins.str
     @_builtins.property
     def recent_switches(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierSwitch]: ...
     @_builtins.property
@@ -188,10 +210,12 @@ class TargetState(_message.Message):
         model: _builtins.str = ...,
         pipeline: _builtins.bool = ...,
         pipeline_hit_rate: _builtins.float = ...,
+        active_shape: _builtins.str = ...,
+        pinned_shape: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_steps", b"active_steps", "batches_counted", b"batches_counted", "connected", b"connected", "ema", b"ema", "estimates", b"estimates", "model", b"model", "pinned", b"pinned", "pinned_steps", b"pinned_steps", "pipeline", b"pipeline", "pipeline_hit_rate", b"pipeline_hit_rate", "recent_switches", b"recent_switches", "rounds_seen", b"rounds_seen", "target_address", b"target_address"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_shape", b"active_shape", "active_steps", b"active_steps", "batches_counted", b"batches_counted", "connected", b"connected", "ema", b"ema", "estimates", b"estimates", "model", b"model", "pinned", b"pinned", "pinned_shape", b"pinned_shape", "pinned_steps", b"pinned_steps", "pipeline", b"pipeline", "pipeline_hit_rate", b"pipeline_hit_rate", "recent_switches", b"recent_switches", "rounds_seen", b"rounds_seen", "target_address", b"target_address"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -250,6 +274,8 @@ class UpdatePolicyRequest(_message.Message):
     UP_HYSTERESIS_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     OPTIONS_JSON_FIELD_NUMBER: _builtins.int
+    TREE_SHAPES_FIELD_NUMBER: _builtins.int
+    SET_TREE_SHAPES_FIELD_NUMBER: _builtins.int
     ema_alpha: _builtins.float
     update_interval: _builtins.int
     warmup_batches: _builtins.int
@@ -258,8 +284,13 @@ class UpdatePolicyRequest(_message.Message):
     kind: _builtins.str
     options_json: _builtins.str
     """Further keys as a JSON object, e.g. {"min_gain": 0.05, "bands": [...]}."""
+    set_tree_shapes: _builtins.bool
     @_builtins.property
     def candidate_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def tree_shapes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Replaces the tree-shaped candidates when set_tree_shapes (an empty list drops them)."""
+
     def __init__(
         self,
         *,
@@ -271,10 +302,12 @@ class UpdatePolicyRequest(_message.Message):
         up_hysteresis: _builtins.float | None = ...,
         kind: _builtins.str | None = ...,
         options_json: _builtins.str = ...,
+        tree_shapes: _abc.Iterable[_builtins.str] | None = ...,
+        set_tree_shapes: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_down_hysteresis", b"_down_hysteresis", "_ema_alpha", b"_ema_alpha", "_kind", b"_kind", "_up_hysteresis", b"_up_hysteresis", "_update_interval", b"_update_interval", "_warmup_batches", b"_warmup_batches", "down_hysteresis", b"down_hysteresis", "ema_alpha", b"ema_alpha", "kind", b"kind", "up_hysteresis", b"up_hysteresis", "update_interval", b"update_interval", "warmup_batches", b"warmup_batches"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_down_hysteresis", b"_down_hysteresis", "_ema_alpha", b"_ema_alpha", "_kind", b"_kind", "_up_hysteresis", b"_up_hysteresis", "_update_interval", b"_update_interval", "_warmup_batches", b"_warmup_batches", "candidate_steps", b"candidate_steps", "down_hysteresis", b"down_hysteresis", "ema_alpha", b"ema_alpha", "kind", b"kind", "options_json", b"options_json", "up_hysteresis", b"up_hysteresis", "update_interval", b"update_interval", "warmup_batches", b"warmup_batches"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_down_hysteresis", b"_down_hysteresis", "_ema_alpha", b"_ema_alpha", "_kind", b"_kind", "_up_hysteresis", b"_up_hysteresis", "_update_interval", b"_update_interval", "_warmup_batches", b"_warmup_batches", "candidate_steps", b"candidate_steps", "down_hysteresis", b"down_hysteresis", "ema_alpha", b"ema_alpha", "kind", b"kind", "options_json", b"options_json", "set_tree_shapes", b"set_tree_shapes", "tree_shapes", b"tree_shapes", "up_hysteresis", b"up_hysteresis", "update_interval", b"update_interval", "warmup_batches", b"warmup_batches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__down_hysteresis: _TypeAlias = _typing.Literal["down_hysteresis"]  # noqa: Y015
     _WhichOneofArgType__down_hysteresis: _TypeAlias = _typing.Literal["_down_hysteresis", b"_down_hysteresis"]  # noqa: Y015
@@ -328,15 +361,19 @@ class PinTierRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SPECULATIVE_NUM_STEPS_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
     speculative_num_steps: _builtins.int
+    shape: _builtins.str
+    """A tree-shaped tier in place of speculative_num_steps."""
     def __init__(
         self,
         *,
         speculative_num_steps: _builtins.int = ...,
+        shape: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["shape", b"shape", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

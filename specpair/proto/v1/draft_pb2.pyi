@@ -85,6 +85,7 @@ class RoundRequest(_message.Message):
     INPUTS_FIELD_NUMBER: _builtins.int
     RELEASED_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     PREDRAFT_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
     round_id: _builtins.int
     speculative_num_steps: _builtins.int
     """The tier for this round; the draft switches to its pre-built state before drafting. With
@@ -93,6 +94,10 @@ class RoundRequest(_message.Message):
     predraft: _builtins.bool
     """Pipelined: a request with inputs and predraft set gets two responses. The first carries
     the trees; the second, sent while the target verifies, carries `predrafts` (possibly none).
+    """
+    shape: _builtins.str
+    """The round's tier when it is a tree ("4x4x16": steps x topk x num_draft_tokens, steps =
+    speculative_num_steps); empty: the chain of speculative_num_steps.
     """
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___DraftInput]: ...
@@ -108,10 +113,11 @@ class RoundRequest(_message.Message):
         inputs: _abc.Iterable[Global___DraftInput] | None = ...,
         released_request_ids: _abc.Iterable[_builtins.str] | None = ...,
         predraft: _builtins.bool = ...,
+        shape: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "predraft", b"predraft", "released_request_ids", b"released_request_ids", "round_id", b"round_id", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "predraft", b"predraft", "released_request_ids", b"released_request_ids", "round_id", b"round_id", "shape", b"shape", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -297,6 +303,7 @@ class DraftServiceGetServerInfoResponse(_message.Message):
     FEATURE_LAYERS_FIELD_NUMBER: _builtins.int
     PIPELINE_FIELD_NUMBER: _builtins.int
     TARGETS_FIELD_NUMBER: _builtins.int
+    TREE_SHAPES_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     draft_kind: _builtins.str
     active_streams: _builtins.int
@@ -324,6 +331,10 @@ class DraftServiceGetServerInfoResponse(_message.Message):
     def targets(self) -> _containers.RepeatedCompositeFieldContainer[Global___DraftTargetUsage]:
         """Per target with an open Round stream: the draft slots its requests hold."""
 
+    @_builtins.property
+    def tree_shapes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The tree-shaped tiers built beside candidate_steps' chains ("4x4x16")."""
+
     def __init__(
         self,
         *,
@@ -339,10 +350,11 @@ class DraftServiceGetServerInfoResponse(_message.Message):
         feature_layers: _abc.Iterable[_builtins.int] | None = ...,
         pipeline: _builtins.bool = ...,
         targets: _abc.Iterable[Global___DraftTargetUsage] | None = ...,
+        tree_shapes: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "active_streams", b"active_streams", "candidate_steps", b"candidate_steps", "device", b"device", "draft_kind", b"draft_kind", "feature_layers", b"feature_layers", "model_path", b"model_path", "pipeline", b"pipeline", "runtime_state_builds", b"runtime_state_builds", "targets", b"targets", "tokenizer_fingerprint", b"tokenizer_fingerprint", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "active_streams", b"active_streams", "candidate_steps", b"candidate_steps", "device", b"device", "draft_kind", b"draft_kind", "feature_layers", b"feature_layers", "model_path", b"model_path", "pipeline", b"pipeline", "runtime_state_builds", b"runtime_state_builds", "targets", b"targets", "tokenizer_fingerprint", b"tokenizer_fingerprint", "tree_shapes", b"tree_shapes", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -285,6 +285,8 @@ class TargetServiceGetServerInfoResponse(_message.Message):
     PIPELINE_FIELD_NUMBER: _builtins.int
     PIPELINE_HIT_RATE_FIELD_NUMBER: _builtins.int
     DRAFT_REPLICAS_FIELD_NUMBER: _builtins.int
+    TREE_SHAPES_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
     speculative_num_steps: _builtins.int
     avg_spec_accept_length: _builtins.float
     target_model_path: _builtins.str
@@ -303,12 +305,19 @@ class TargetServiceGetServerInfoResponse(_message.Message):
     pipelined request-rounds whose tree was pre-drafted, over the last rounds.
     """
     pipeline_hit_rate: _builtins.float
+    shape: _builtins.str
     @_builtins.property
     def candidate_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def draft_replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___DraftReplica]:
         """One per draft replica (--draft A,B or a name resolving to several addresses); with one
         draft, that one. draft_connection_state above sums them up: CONNECTED while any is.
+        """
+
+    @_builtins.property
+    def tree_shapes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The tree-shaped tiers built beside candidate_steps' chains ("4x4x16"), and the batch tier
+        when it is one of them (speculative_num_steps is its steps).
         """
 
     def __init__(
@@ -331,10 +340,12 @@ class TargetServiceGetServerInfoResponse(_message.Message):
         pipeline: _builtins.bool = ...,
         pipeline_hit_rate: _builtins.float = ...,
         draft_replicas: _abc.Iterable[Global___DraftReplica] | None = ...,
+        tree_shapes: _abc.Iterable[_builtins.str] | None = ...,
+        shape: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["avg_spec_accept_length", b"avg_spec_accept_length", "candidate_steps", b"candidate_steps", "device", b"device", "draft_address", b"draft_address", "draft_connection_state", b"draft_connection_state", "draft_incompatible_reason", b"draft_incompatible_reason", "draft_replicas", b"draft_replicas", "max_context_length", b"max_context_length", "pipeline", b"pipeline", "pipeline_hit_rate", b"pipeline_hit_rate", "queued_requests", b"queued_requests", "rounds", b"rounds", "running_requests", b"running_requests", "runtime_state_builds", b"runtime_state_builds", "speculative_num_steps", b"speculative_num_steps", "target_model_path", b"target_model_path", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["avg_spec_accept_length", b"avg_spec_accept_length", "candidate_steps", b"candidate_steps", "device", b"device", "draft_address", b"draft_address", "draft_connection_state", b"draft_connection_state", "draft_incompatible_reason", b"draft_incompatible_reason", "draft_replicas", b"draft_replicas", "max_context_length", b"max_context_length", "pipeline", b"pipeline", "pipeline_hit_rate", b"pipeline_hit_rate", "queued_requests", b"queued_requests", "rounds", b"rounds", "running_requests", b"running_requests", "runtime_state_builds", b"runtime_state_builds", "shape", b"shape", "speculative_num_steps", b"speculative_num_steps", "target_model_path", b"target_model_path", "tree_shapes", b"tree_shapes", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -400,6 +411,9 @@ class ApplyTierRequest(_message.Message):
     REQUEST_STEPS_FIELD_NUMBER: _builtins.int
     GREEDY_STEPS_FIELD_NUMBER: _builtins.int
     SAMPLED_STEPS_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    GREEDY_SHAPE_FIELD_NUMBER: _builtins.int
+    SAMPLED_SHAPE_FIELD_NUMBER: _builtins.int
     speculative_num_steps: _builtins.int
     reason: _builtins.str
     greedy_steps: _builtins.int
@@ -409,6 +423,13 @@ class ApplyTierRequest(_message.Message):
     change would land rounds later. Replaces the previous pair; unset: speculative_num_steps.
     """
     sampled_steps: _builtins.int
+    shape: _builtins.str
+    """A tree-shaped tier ("4x4x16", one of tree_shapes) in place of the int beside it: shape for
+    speculative_num_steps, greedy_shape and sampled_shape for the regimes'. Per-request tiers
+    are chains; in a tree round a request's own tier caps its depth.
+    """
+    greedy_shape: _builtins.str
+    sampled_shape: _builtins.str
     @_builtins.property
     def request_steps(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """Per-request tiers (request id -> tier, each a candidate; 0: no drafts for it); a request
@@ -423,10 +444,13 @@ class ApplyTierRequest(_message.Message):
         request_steps: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         greedy_steps: _builtins.int | None = ...,
         sampled_steps: _builtins.int | None = ...,
+        shape: _builtins.str = ...,
+        greedy_shape: _builtins.str = ...,
+        sampled_shape: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_greedy_steps", b"_greedy_steps", "_sampled_steps", b"_sampled_steps", "greedy_steps", b"greedy_steps", "sampled_steps", b"sampled_steps"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_greedy_steps", b"_greedy_steps", "_sampled_steps", b"_sampled_steps", "greedy_steps", b"greedy_steps", "reason", b"reason", "request_steps", b"request_steps", "sampled_steps", b"sampled_steps", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_greedy_steps", b"_greedy_steps", "_sampled_steps", b"_sampled_steps", "greedy_shape", b"greedy_shape", "greedy_steps", b"greedy_steps", "reason", b"reason", "request_steps", b"request_steps", "sampled_shape", b"sampled_shape", "sampled_steps", b"sampled_steps", "shape", b"shape", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__greedy_steps: _TypeAlias = _typing.Literal["greedy_steps"]  # noqa: Y015
     _WhichOneofArgType__greedy_steps: _TypeAlias = _typing.Literal["_greedy_steps", b"_greedy_steps"]  # noqa: Y015
@@ -446,20 +470,27 @@ class ApplyTierResponse(_message.Message):
     PREVIOUS_STEPS_FIELD_NUMBER: _builtins.int
     SPECULATIVE_NUM_STEPS_FIELD_NUMBER: _builtins.int
     CURRENT_ROUND_FIELD_NUMBER: _builtins.int
+    PREVIOUS_SHAPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
     previous_steps: _builtins.int
     speculative_num_steps: _builtins.int
     current_round: _builtins.int
     """The tier takes effect from the round after this one."""
+    previous_shape: _builtins.str
+    """Set where the tier is a tree shape."""
+    shape: _builtins.str
     def __init__(
         self,
         *,
         previous_steps: _builtins.int = ...,
         speculative_num_steps: _builtins.int = ...,
         current_round: _builtins.int = ...,
+        previous_shape: _builtins.str = ...,
+        shape: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["current_round", b"current_round", "previous_steps", b"previous_steps", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["current_round", b"current_round", "previous_shape", b"previous_shape", "previous_steps", b"previous_steps", "shape", b"shape", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -498,6 +529,7 @@ class RoundStats(_message.Message):
     PREDRAFT_MISSES_FIELD_NUMBER: _builtins.int
     PIPELINED_FIELD_NUMBER: _builtins.int
     SAMPLED_REQUESTS_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
     round_id: _builtins.int
     speculative_num_steps: _builtins.int
     batch_size: _builtins.int
@@ -511,6 +543,8 @@ class RoundStats(_message.Message):
     """Requests of the batch that sample (temperature > 0): a sampled round costs more per
     drafted token and accepts differently, so a policy models the two regimes apart.
     """
+    shape: _builtins.str
+    """The round's tier when it is a tree shape ("4x4x16"); empty: a chain."""
     @_builtins.property
     def accept_lengths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Per request, accepted draft tokens (bonus excluded); empty for rounds without drafts."""
@@ -550,10 +584,11 @@ class RoundStats(_message.Message):
         predraft_misses: _builtins.int = ...,
         pipelined: _builtins.bool = ...,
         sampled_requests: _builtins.int = ...,
+        shape: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_lengths", b"accept_lengths", "batch_size", b"batch_size", "pipelined", b"pipelined", "plain_request_ids", b"plain_request_ids", "predraft_misses", b"predraft_misses", "predrafted", b"predrafted", "request_ids", b"request_ids", "request_steps", b"request_steps", "round_id", b"round_id", "sampled_requests", b"sampled_requests", "speculative", b"speculative", "speculative_num_steps", b"speculative_num_steps", "timings", b"timings", "unix_time", b"unix_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_lengths", b"accept_lengths", "batch_size", b"batch_size", "pipelined", b"pipelined", "plain_request_ids", b"plain_request_ids", "predraft_misses", b"predraft_misses", "predrafted", b"predrafted", "request_ids", b"request_ids", "request_steps", b"request_steps", "round_id", b"round_id", "sampled_requests", b"sampled_requests", "shape", b"shape", "speculative", b"speculative", "speculative_num_steps", b"speculative_num_steps", "timings", b"timings", "unix_time", b"unix_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
