@@ -45,6 +45,7 @@ from __future__ import annotations
 from controller.goodput_config import GoodputConfig, Regime
 from controller.goodput_model import AcceptanceModel, CostModel, batch_bucket
 from controller.interface import GatedPolicy, RoundSample, TierEstimate, snap_to_candidate
+from specpair.runtime.shape import TreeShape
 from specpair.tiers import RegimeSteps
 
 # Per-position acceptance a probe must be able to pay at, above what a trained EAGLE head
@@ -155,7 +156,7 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         the first round; the decision below follows a round or more later."""
         other = self._regime_start(not self._sampled)
         greedy, sampled = (other, self._steps) if self._sampled else (self._steps, other)
-        return RegimeSteps(greedy=greedy, sampled=sampled)
+        return RegimeSteps(greedy=TreeShape(greedy), sampled=TreeShape(sampled))
 
     def _regime_start(self, sampled: bool) -> int:
         """Where regime `sampled` starts: where it left off; never seen, the best its profile

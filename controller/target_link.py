@@ -13,8 +13,9 @@ from specpair.logging import get_logger
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
 from specpair.reconnect import ReconnectingLink
 from specpair.runtime.round import RoundStats
+from specpair.runtime.shape import ShapeError, TreeShape
 from specpair.tiers import RegimeSteps
-from specpair.wire import stats_from_proto
+from specpair.wire import apply_tier_to_proto, stats_from_proto
 
 log = get_logger("controller")
 RPC_TIMEOUT_S = 5.0
@@ -66,11 +67,7 @@ class TargetLink(ReconnectingLink):
         given); raises NotConnectedError or grpc.aio.AioRpcError."""
         if self._stub is None:
             raise NotConnectedError(f"target {self.address} is not connected")
-        request = target_pb2.ApplyTierRequest(
-            speculative_num_steps=steps, reason=reason, request_steps=dict(request_steps or {})
-        )
-        if regimes is not None:
-            request.greedy_steps, request.sampled_steps = regimes.greedy, regimes.sampled
+        request = apply_tier_to_proto(TreeShape(steps), reason, request_steps, regimes)
         return await self._stub.ApplyTier(  # type: ignore[no-any-return]
             request, metadata=self.metadata, timeout=RPC_TIMEOUT_S
         )
@@ -93,7 +90,12 @@ class TargetLink(ReconnectingLink):
             target_pb2.WatchRoundsRequest(), metadata=self.metadata
         )
         async for response in self._rounds:
-            await self.on_round(stats_from_proto(response.round))
+            try:
+                stats = stats_from_proto(response.round)
+            except ShapeError as exc:  # only this round is lost to the policy
+                log.warning("round dropped", target=self.address, error=str(exc))
+                continue
+            await self.on_round(stats)
         log.warning("round stream ended", target=self.address)
 
     def _failed(self, exc: Exception, retry_s: float) -> float:
