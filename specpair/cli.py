@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--deterministic", action="store_true",
         help="the target's batch-invariant mode (CUDA; see `serve target --help`)",
     )  # fmt: skip
+    up.add_argument(
+        "--tree-shapes", action="append", default=[], metavar="SHAPE",
+        help="build a tree-shaped tier on the target and the draft, e.g. 4x4x16 (repeat for "
+        "more; CPU only for now); the controller chooses it where its policy lists it",
+    )  # fmt: skip
     up.add_argument("--policy", type=Path, help="the controller's policy JSON file")
     up.add_argument("--demo", action="store_true", help="run the demo client once it is up")
 

@@ -63,6 +63,8 @@ def up_services(args: argparse.Namespace) -> tuple[list[Service], str]:
     )
     if args.pipeline == "off":
         draft_args += ("--pipeline", "off")
+    shapes = tuple(arg for shape in args.tree_shapes for arg in ("--tree-shapes", shape))
+    draft_args += shapes
     if args.draft_kind == "eagle":
         draft_args += ("--target-model", str(target))
     controller_args: tuple[str, ...] = ("controller", "--target", env_address("target"))
@@ -75,6 +77,7 @@ def up_services(args: argparse.Namespace) -> tuple[list[Service], str]:
         "target", "--model", str(target), *device, "--pipeline", str(args.pipeline),
         "--candidate-steps", "0,1,3,7",
     )  # fmt: skip
+    target_args += shapes
     if args.tensor_parallel > 1:
         target_args += ("--tensor-parallel", str(args.tensor_parallel))
     if args.deterministic:

@@ -15,8 +15,8 @@ from typing import TypeVar
 import torch
 
 from specpair.logging import get_logger
+from specpair.models.args import ModelArgs
 from specpair.models.eagle3_loading import aux_layers, load_eagle3
-from specpair.models.llama import ModelArgs
 from specpair.models.loading import (
     CheckpointError,
     eagle_layout,
