@@ -22,7 +22,7 @@ import os
 import sysconfig
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -30,13 +30,18 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from bench.common import device_info, format_table, write_json
+from specpair.config import FeatureDType
+from specpair.proto.v1 import common_pb2
 from specpair.runtime.build import StateBuilder, build_drafter, build_target, feature_layers
 from specpair.runtime.draft.drafter import Drafter
 from specpair.runtime.engine import SpeculativeEngine
+from specpair.runtime.round import DraftInput
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.shape import TreeShape
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.target.worker import TargetWorker
+from specpair.runtime.tree import CandidateTree
+from specpair.wire import fp8_rows_into, tensor_from_proto
 from training.corpus import MAX_FILE_BYTES, is_heldout
 
 EOT_ID = 0  # <|endoftext|>: bos, eos and pad of the shared tokenizer
@@ -207,6 +212,27 @@ def generate(
     return [r.token_ids for r in results], [r.accept_lengths for r in results]
 
 
+DraftCall = Callable[[Sequence[DraftInput], SpecRuntimeState], list[CandidateTree]]
+
+
+def through_float8(draft: DraftCall) -> DraftCall:
+    """`draft` reading its inputs' features as the draft service would from a target with
+    `--feature-dtype float8`: encoded by `wire.fp8_rows_into`, decoded by the service's
+    decoder."""
+
+    def drafted(inputs: Sequence[DraftInput], state: SpecRuntimeState) -> list[CandidateTree]:
+        sent = []
+        for item in inputs:
+            if item.features is not None:
+                msg = common_pb2.Tensor()
+                fp8_rows_into(msg, item.features)
+                item = replace(item, features=tensor_from_proto(msg, "features"))
+            sent.append(item)
+        return draft(sent, state)
+
+    return drafted
+
+
 def render(cells: Sequence[Cell], tiers: Sequence[str]) -> str:
     groups: dict[tuple[str, str, float], dict[str, Cell]] = {}
     for c in cells:
@@ -243,6 +269,11 @@ def parse_args() -> argparse.Namespace:
         help="shapes: STEPS (a chain) or STEPSxTOPKxNUM_DRAFT_TOKENS (a tree)",
     )  # fmt: skip
     parser.add_argument("--temperatures", type=float, nargs="+", default=list(TEMPERATURES))
+    parser.add_argument(
+        "--feature-dtype", choices=list(FeatureDType), default=FeatureDType.AUTO,
+        help="EAGLE features as the target would send them (float8: through the wire's e4m3 "
+        "per-row encoding and back, as `serve target --feature-dtype float8`)",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=0, help="first sampling seed (one per prompt)")
     parser.add_argument("--out", type=Path, default=Path("bench/out/acceptance.json"))
@@ -290,6 +321,9 @@ def main() -> None:
         kind: build_drafter(args.models / kind, target_path=target_path, **sizes)
         for kind in args.drafts
     }
+    if args.feature_dtype == FeatureDType.FLOAT8:
+        for drafter in drafters.values():
+            drafter.draft = through_float8(drafter.draft)  # type: ignore[method-assign,assignment]
     states = {}
     for kind, d in drafters.items():
         builder = StateBuilder(targets[layers[kind]], d)

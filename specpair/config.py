@@ -127,6 +127,13 @@ class DraftKind(StrEnum):
     EAGLE = "eagle"  # an EAGLE head over the target's features (needs the target checkpoint)
 
 
+class FeatureDType(StrEnum):
+    """How a target sends EAGLE features (`wire.tensor_into`)."""
+
+    AUTO = "auto"  # the dtype they were computed in
+    FLOAT8 = "float8"  # e4m3, one scale per row
+
+
 class PipelineMode(StrEnum):
     """Pipelined rounds (`runtime/draft/pipeline.py`): the draft pre-drafts round n + 1 while the
     target verifies round n."""
@@ -294,6 +301,13 @@ class TargetConfig(ModelServiceConfig):
                        "1,2,4 (as its draft reports them; a vLLM head's ids are one more); "
                        "default: the final hidden state"),
     )  # fmt: skip
+    feature_dtype: FeatureDType = field(
+        default=FeatureDType.AUTO,
+        metadata=_help("how EAGLE features travel to the draft: auto, as computed (bfloat16 on "
+                       "CUDA, float32 on the CPU); float8, e4m3 scaled per row (half "
+                       "bfloat16's bytes, 1 + 4/width bytes a value; drafts change slightly, "
+                       "outputs do not)"),
+    )  # fmt: skip
     pipeline: PipelineMode = field(
         default=PipelineMode.AUTO,
         metadata=_help("pipelined rounds: the draft pre-drafts the next round while this "
@@ -355,6 +369,10 @@ class TargetConfig(ModelServiceConfig):
         if not 0 < self.reconnect_min_s <= self.reconnect_max_s:
             raise ValueError("need 0 < reconnect_min_s <= reconnect_max_s")
         object.__setattr__(self, "pipeline", PipelineMode(self.pipeline))
+        if self.feature_dtype not in set(FeatureDType):
+            choices = ", ".join(FeatureDType)
+            raise ValueError(f"feature_dtype must be one of {choices}, got {self.feature_dtype!r}")
+        object.__setattr__(self, "feature_dtype", FeatureDType(self.feature_dtype))
         if any(i < 0 for i in self.feature_layers):
             raise ValueError(
                 f"feature_layers must be layer indices >= 0, got {self.feature_layers}"

@@ -47,6 +47,10 @@ _NP_DTYPES: dict[torch.dtype, np.dtype[Any]] = {  # bfloat16: its 16-bit pattern
 }
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
+
 def tensor_into(msg: common_pb2.Tensor, t: Tensor) -> None:
     """Writes `t` into `msg` as raw little-endian bytes (bfloat16 travels as its 16-bit pattern).
 
@@ -65,8 +69,43 @@ def tensor_into(msg: common_pb2.Tensor, t: Tensor) -> None:
     msg.shape.extend(t.shape)
 
 
+def fp8_rows_into(msg: common_pb2.Tensor, t: Tensor) -> None:
+    """Writes `t` [..., W] as float8 e4m3 with one float32 scale per row: each row's largest
+    magnitude maps to e4m3's 448, so a row keeps ~2 significant bits below its own top value
+    whatever its range. 1 + 4/W bytes a value: a row of W = 4096 takes 4100 bytes (bfloat16:
+    8192). An all-zero row has scale 0."""
+    x = t.detach().float()
+    rows = x.reshape(-1, x.shape[-1])
+    scale = rows.abs().amax(-1) / FP8_MAX
+    q = (rows / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]).to(FP8)
+    msg.data = q.view(torch.uint8).cpu().numpy().tobytes()
+    msg.dtype = common_pb2.D_TYPE_FLOAT8_E4M3
+    del msg.shape[:]
+    msg.shape.extend(t.shape)
+    del msg.row_scales[:]
+    msg.row_scales.extend(scale.cpu().tolist())
+
+
+def _fp8_rows_from_proto(msg: common_pb2.Tensor, field: str) -> Tensor:
+    shape = tuple(msg.shape)
+    if not shape or any(n < 0 for n in shape) or math.prod(shape) != len(msg.data):
+        raise ValueError(f"{field}: {len(msg.data)} bytes do not hold float8 shape {list(shape)}")
+    rows = math.prod(shape[:-1])
+    scales = np.asarray(msg.row_scales, dtype=np.float32)
+    if len(scales) != rows:
+        raise ValueError(f"{field}.row_scales: {len(scales)} scales for {rows} rows")
+    if not np.all(np.isfinite(scales)) or np.any(scales < 0):
+        raise ValueError(f"{field}.row_scales: each scale must be finite and >= 0")
+    q = torch.from_numpy(np.frombuffer(msg.data, dtype=np.uint8).copy()).view(FP8)
+    values = q.float().view(rows, shape[-1]) * torch.from_numpy(scales)[:, None]
+    return values.view(shape)
+
+
 def tensor_from_proto(msg: common_pb2.Tensor, field: str) -> Tensor:
-    """Decodes a Tensor message; `field` names it in the error of a malformed one."""
+    """Decodes a Tensor message; `field` names it in the error of a malformed one. A float8
+    one decodes to float32."""
+    if msg.dtype == common_pb2.D_TYPE_FLOAT8_E4M3:
+        return _fp8_rows_from_proto(msg, field)
     if msg.dtype not in _DTYPES:
         raise ValueError(f"{field}.dtype: unsupported {msg.dtype}")
     dtype = _DTYPES[msg.dtype]
@@ -103,7 +142,8 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     )
 
 
-def request_to_proto(request: RoundRequest) -> draft_pb2.RoundRequest:
+def request_to_proto(request: RoundRequest, fp8_features: bool = False) -> draft_pb2.RoundRequest:
+    """`fp8_features`: EAGLE features as float8 scaled per row (`fp8_rows_into`)."""
     msg = draft_pb2.RoundRequest(
         round_id=request.round_id,
         speculative_num_steps=request.speculative_num_steps,
@@ -112,7 +152,7 @@ def request_to_proto(request: RoundRequest) -> draft_pb2.RoundRequest:
         shape=tier_name(request.tier),
     )
     for item in request.inputs:
-        _draft_input_into(msg.inputs.add(), item)
+        _draft_input_into(msg.inputs.add(), item, fp8_features)
     return msg
 
 
@@ -242,14 +282,14 @@ def stats_from_proto(msg: target_pb2.RoundStats) -> RoundStats:
     )  # fmt: skip
 
 
-def _draft_input_into(msg: draft_pb2.DraftInput, item: DraftInput) -> None:
+def _draft_input_into(msg: draft_pb2.DraftInput, item: DraftInput, fp8: bool) -> None:
     msg.request_id = item.request_id
     msg.appended_token_ids.extend(item.appended)
     msg.speculative_num_steps = item.steps
     msg.predrafted = item.predrafted
     sampling_into(msg.sampling, item.sampling)
     if item.features is not None:
-        tensor_into(msg.features, item.features)
+        (fp8_rows_into if fp8 else tensor_into)(msg.features, item.features)
 
 
 def _draft_input_from_proto(msg: draft_pb2.DraftInput) -> DraftInput:

@@ -48,6 +48,7 @@ class DraftLink(ReconnectingLink):
         vocab_size: int = 0,
         tokenizer_fingerprint: str = "",
         feature_layers: tuple[int, ...] = (),
+        fp8_features: bool = False,
         identity: str = "",
         authority: str | None = None,
     ) -> None:
@@ -59,6 +60,7 @@ class DraftLink(ReconnectingLink):
         # and its token ids mean what ours mean.
         self.vocab_size, self.tokenizer_fingerprint = vocab_size, tokenizer_fingerprint
         self.feature_layers = feature_layers  # the layers our features come from ((): final)
+        self.fp8_features = fp8_features  # features sent as float8 scaled per row
         self.incompatible = ""  # why the draft last refused, shown in GetServerInfo
         self.timeout_s = timeout_s
         # The ops token (a draft that has one asks for it), and who we are: the draft counts
@@ -153,7 +155,7 @@ class DraftLink(ReconnectingLink):
         call = self._call
         if not self.connected or call is None:
             return None
-        message = request_to_proto(request)
+        message = request_to_proto(request, self.fp8_features)
         try:
             async with asyncio.timeout(self.timeout_s):
                 await call.write(message)

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import torch
 
-from specpair.config import TargetConfig, is_loopback, split_address
+from specpair.config import FeatureDType, TargetConfig, is_loopback, split_address
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.models.loading import load_tokenizer, tokenizer_fingerprint
@@ -329,6 +329,7 @@ async def start(config: TargetConfig) -> RunningTarget:
             vocab_size=scheduler.worker.model.args.vocab_size,
             tokenizer_fingerprint=tokenizer_fingerprint(frontend.tokenizer),
             feature_layers=config.feature_layers,
+            fp8_features=config.feature_dtype is FeatureDType.FLOAT8,
             identity=target_identity(config.server.address, server.port),
         )
         scheduler.draft = DraftPool(

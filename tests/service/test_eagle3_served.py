@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from specpair.models.tiny import make_tiny_eagle3
-from specpair.proto.v1 import target_pb2
+from specpair.proto.v1 import common_pb2, target_pb2
 from tests.service.conftest import draft_config, reference_greedy, target_config
 
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42]]
@@ -64,3 +64,36 @@ async def test_target_sending_other_features_refuses_the_draft(
     assert "reads target layers [0, 0, 0]" in reason and "--feature-layers 0,0,0" in reason
     tokens, _ = await stack.generate(prompt_token_ids=PROMPTS[0], max_tokens=12)
     assert tokens == reference_greedy(ckpts["target"], PROMPTS[:1], 12)[0]
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+async def test_float8_features_change_no_output(
+    ckpts: Any, make_stack: Any, head: Path, kind: str
+) -> None:
+    """--feature-dtype float8: the draft receives e4m3 features scaled per row; the target's
+    output is unchanged (the tiny heads' drafts are random: acceptance is the benchmarks')."""
+    if kind == "eagle3":
+        draft, layers = eagle3_draft(head, ckpts["target"]), (0, 0, 0)
+    else:
+        draft, layers = draft_config(ckpts["eagle"], draft_kind="eagle",
+                                     target_path=ckpts["target"]), ()  # fmt: skip
+    stack = await make_stack(
+        draft,
+        target_config(ckpts["target"], feature_layers=layers, initial_steps=3,
+                      feature_dtype="float8"),
+    )  # fmt: skip
+    rounds = stack.draft.servicer.rounds
+    run, dtypes = rounds.run, set()
+
+    def spied(stream_id: str, message: Any) -> Any:
+        dtypes.update(i.features.dtype for i in message.inputs if i.HasField("features"))
+        return run(stream_id, message)
+
+    rounds.run = spied
+    expected = reference_greedy(ckpts["target"], PROMPTS, 20)
+    outputs = await asyncio.gather(
+        *(stack.generate(prompt_token_ids=p, max_tokens=20) for p in PROMPTS)
+    )
+    assert [t for t, _ in outputs] == expected
+    assert dtypes == {common_pb2.D_TYPE_FLOAT8_E4M3}
+    assert all(r.speculation.accept_lengths for _, rs in outputs for r in rs[-1:])  # drafted

@@ -122,3 +122,42 @@ def test_malformed_tensor_names_its_field(shape: list[int]) -> None:
     msg.dtype = 99  # type: ignore[assignment]
     with pytest.raises(ValueError, match=r"features\.dtype"):
         tensor_from_proto(msg, "inputs[a].features")
+
+
+def test_float8_features_are_half_of_bfloat16_and_close_per_row() -> None:
+    # rows of very different ranges: each keeps its own scale
+    feats = torch.randn(5, 4096) * torch.tensor([1e-3, 1.0, 30.0, 1e3, 0.0])[:, None]
+    sent = RoundRequest(1, 7, (DraftInput("a", (5, 6, 7, 8, 9), SamplingParams(), feats),))
+    fp8 = request_to_proto(sent, fp8_features=True)
+    bf16 = request_to_proto(
+        RoundRequest(1, 7, (DraftInput("a", (5, 6, 7, 8, 9), SamplingParams(), feats.bfloat16()),))
+    )
+    assert len(fp8.inputs[0].features.data) == 5 * 4096  # + 5 float32 scales
+    assert fp8.ByteSize() < 0.51 * bf16.ByteSize()
+    got = request_from_proto(draft_pb2.RoundRequest.FromString(fp8.SerializeToString()))
+    decoded = got.inputs[0].features
+    assert decoded is not None and decoded.dtype == torch.float32 and decoded.shape == (5, 4096)
+    # e4m3 keeps 3 mantissa bits: within 1/16 of each value, or of 2^-9 of the row's top below
+    # e4m3's normal range
+    top = feats.abs().amax(-1, keepdim=True)
+    bound = torch.maximum(feats.abs() / 16, top / 448 * 2.0**-9) + 1e-12
+    assert torch.all((decoded - feats).abs() <= bound)
+    assert torch.equal(decoded[4], torch.zeros(4096))  # an all-zero row: scale 0, exact
+    assert not torch.equal(decoded, feats)  # it is lossy: the drafts may change, outputs do not
+
+
+@pytest.mark.parametrize(
+    ("spoil", "match"),
+    [
+        (lambda f: f.row_scales.append(1.0), r"features\.row_scales: 3 scales for 2 rows"),
+        (lambda f: f.row_scales.__setitem__(0, float("nan")), "finite and >= 0"),
+        (lambda f: f.row_scales.__setitem__(1, -1.0), "finite and >= 0"),
+        (lambda f: setattr(f, "data", f.data[:-1]), "do not hold float8 shape"),
+    ],
+)
+def test_malformed_float8_features_name_their_field(spoil, match) -> None:
+    sent = RoundRequest(1, 3, (DraftInput("r7", (1, 2), SamplingParams(), torch.randn(2, 8)),))
+    msg = request_to_proto(sent, fp8_features=True)
+    spoil(msg.inputs[0].features)
+    with pytest.raises(ValueError, match=rf"inputs\[r7\]\.{match}" if "row" in match else match):
+        request_from_proto(msg)

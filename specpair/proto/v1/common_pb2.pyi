@@ -31,6 +31,8 @@ class _DTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DType.ValueType
     D_TYPE_FLOAT16: _DType.ValueType  # 2
     D_TYPE_BFLOAT16: _DType.ValueType  # 3
     D_TYPE_INT32: _DType.ValueType  # 4
+    D_TYPE_FLOAT8_E4M3: _DType.ValueType  # 5
+    """float8 e4m3fn (OCP), one byte each, scaled per row (row_scales); EAGLE features only."""
 
 class DType(_DType, metaclass=_DTypeEnumTypeWrapper): ...
 
@@ -39,6 +41,8 @@ D_TYPE_FLOAT32: DType.ValueType  # 1
 D_TYPE_FLOAT16: DType.ValueType  # 2
 D_TYPE_BFLOAT16: DType.ValueType  # 3
 D_TYPE_INT32: DType.ValueType  # 4
+D_TYPE_FLOAT8_E4M3: DType.ValueType  # 5
+"""float8 e4m3fn (OCP), one byte each, scaled per row (row_scales); EAGLE features only."""
 Global___DType: _TypeAlias = DType  # noqa: Y015
 
 @_typing.final
@@ -93,20 +97,28 @@ class Tensor(_message.Message):
     DATA_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
     SHAPE_FIELD_NUMBER: _builtins.int
+    ROW_SCALES_FIELD_NUMBER: _builtins.int
     data: _builtins.bytes
     dtype: Global___DType.ValueType
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def row_scales(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """D_TYPE_FLOAT8_E4M3 only: one scale per row (every dimension but the last), value = the
+        row's e4m3 byte times its scale.
+        """
+
     def __init__(
         self,
         *,
         data: _builtins.bytes = ...,
         dtype: Global___DType.ValueType = ...,
         shape: _abc.Iterable[_builtins.int] | None = ...,
+        row_scales: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "dtype", b"dtype", "shape", b"shape"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "dtype", b"dtype", "row_scales", b"row_scales", "shape", b"shape"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -82,7 +82,8 @@ class DraftForward(ABC):
         """The eager forward of `extend_inputs`' rows: each request's last hidden [B, 1, H]."""
         hidden = self.forward(
             tokens.to(self.device),
-            None if features is None else features.to(self.device),
+            # float8 on the wire arrives as float32: compute in the cache's (the model's) dtype
+            None if features is None else features.to(self.device, self.cache.dtype),
             positions.to(self.device),
             self.cache.bind(layout),
         )
