@@ -7,13 +7,14 @@ from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
 
+from controller.interface import RegimeTiers
 from specpair.channels import auth_metadata
 from specpair.config import TLSConfig
 from specpair.logging import get_logger
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
 from specpair.reconnect import ReconnectingLink
 from specpair.runtime.round import RoundStats
-from specpair.tiers import RegimeSteps
+from specpair.runtime.shape import TreeShape, tier_name
 from specpair.wire import stats_from_proto
 
 log = get_logger("controller")
@@ -57,20 +58,27 @@ class TargetLink(ReconnectingLink):
 
     async def apply_tier(
         self,
-        steps: int,
+        tier: TreeShape,
         reason: str,
         request_steps: Mapping[str, int] | None = None,
-        regimes: RegimeSteps | None = None,
+        regimes: RegimeTiers | None = None,
     ) -> target_pb2.ApplyTierResponse:
         """ApplyTier on the connected target (with per-request and per-regime tiers, where
-        given); raises NotConnectedError or grpc.aio.AioRpcError."""
+        given); raises NotConnectedError or grpc.aio.AioRpcError. A tree goes as its steps in
+        the int field and its shape beside it ("" for a chain)."""
         if self._stub is None:
             raise NotConnectedError(f"target {self.address} is not connected")
         request = target_pb2.ApplyTierRequest(
-            speculative_num_steps=steps, reason=reason, request_steps=dict(request_steps or {})
+            speculative_num_steps=tier.steps,
+            reason=reason,
+            request_steps=dict(request_steps or {}),
+            shape=tier_name(tier),
         )
         if regimes is not None:
-            request.greedy_steps, request.sampled_steps = regimes.greedy, regimes.sampled
+            request.greedy_steps = regimes.greedy.steps
+            request.sampled_steps = regimes.sampled.steps
+            request.greedy_shape = tier_name(regimes.greedy)
+            request.sampled_shape = tier_name(regimes.sampled)
         return await self._stub.ApplyTier(  # type: ignore[no-any-return]
             request, metadata=self.metadata, timeout=RPC_TIMEOUT_S
         )
