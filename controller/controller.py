@@ -383,5 +383,5 @@ def target_tiers(
 
 
 def _names(tiers: Iterable[TreeShape]) -> str:
-    """"[1, 3, 4x4x16]": chains by their steps, as a policy lists them."""
+    """ "[1, 3, 4x4x16]": chains by their steps, as a policy lists them."""
     return "[" + ", ".join(str(t) for t in sorted(tiers)) + "]"

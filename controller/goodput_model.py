@@ -153,11 +153,13 @@ class CostModel:
     request verifies (num_draft_tokens + 1: a chain's s + 1, a tree's n + 1), and the draft's
     steps after the first forward topk nodes each, (s − 1)(topk − 1) more than the chain of
     its depth, each costing `draft_node_ms` (learnt from tree rounds; before one, the verify
-    line's slope, a token of the target's standing in for a node of the draft). So D(s, k, n)
-    = verify(n + 1) + fixed + step·s + node·(s − 1)(k − 1), and a chain's D is as above. E.g.
+    line's slope, a token of the target's standing in for a node of the draft). A tree lies
+    many verified tokens from the chains: where its bucket's verify line has one point, the
+    nearest bucket's slope, scaled by the batch, stands in for the flat line (`_verify_slope`).
+    So D(s, k, n) = verify(n + 1) + fixed + step·s + node·(s − 1)(k − 1), a chain's as above. E.g.
     batch 1, chains 3 and 7 measured with verify 18 and 22 ms (1 ms a token), step 2, fixed 4:
     4x4x16 = T(7) + (31 − 22) + 2·(4 − 7) + 1·9 = T(7) + 12 ms; at batch 64, with 6 ms a
-    token, T(7) + 72 ms: the slope that grows with the batch drops the tree.
+    token, T(7) + 54 − 6 + 54 = T(7) + 102 ms: the slope that grows with the batch drops the tree.
 
     Given the tokens a request gains per round at each tier (`per_request`, the acceptance
     model's), D(s) also carries the schedule's share: sched per token · b · E(s). E.g. batch 16,
@@ -198,8 +200,8 @@ class CostModel:
             b.fixed_ms.add(fixed, a)
             if t.is_chain:
                 b.draft_step_ms.add(draft / s, a)
-            elif (nodes := _extra_nodes(t)) and b.draft_step_ms.n:
-                b.draft_node_ms.add(max(draft - b.draft_step_ms.value * s, 0.0) / nodes, a)
+            elif (nodes := _extra_nodes(t)) and (step := self._draft_terms(b)[1]) is not None:
+                b.draft_node_ms.add(max(draft - step * s, 0.0) / nodes, a)
         tokens = sample.batch_size + sum(sample.accept_lengths)
         b.sched_token_ms.add(sample.schedule_ms / tokens, a)
 
@@ -240,7 +242,10 @@ class CostModel:
         if tier in known:
             return known[tier]
         ref = min(known, key=lambda t: (abs(t.verified - tier.verified), not t.is_chain, t))
-        d_steps, d_ref = self._stage_ms(b, tier), self._stage_ms(b, ref)
+        # Between a tree and its reference lie many verified tokens: where this bucket's own
+        # verify times give no slope, a borrowed one stands in (chains alone keep a flat line).
+        borrow = not (tier.is_chain and ref.is_chain)
+        d_steps, d_ref = self._stage_ms(b, tier, borrow), self._stage_ms(b, ref, borrow)
         if d_steps is None or d_ref is None:
             return None
         sched = 0.0
@@ -276,9 +281,15 @@ class CostModel:
             return None
         return min(keys, key=lambda k: (abs(k.bit_length() - key.bit_length()), k))
 
-    def _stage_ms(self, b: _Bucket, tier: TreeShape) -> float | None:
-        points = {t.num_draft_tokens: e.value for t, e in b.verify_ms.items() if e.n}
-        verify = _line_at(points, tier.num_draft_tokens)
+    def _stage_ms(self, b: _Bucket, tier: TreeShape, borrow: bool = False) -> float | None:
+        points = self._verify_points(b)
+        x = tier.num_draft_tokens
+        if borrow and len(points) < 2:
+            slope = self._verify_slope(b)
+            x0, v0 = next(iter(points.items()), (x, 0.0))
+            verify = v0 + slope * (x - x0)
+        else:
+            verify, slope = _line_at(points, x), max(_slope(points), 0.0)
         if tier.steps == 0:
             return verify
         fixed, step = self._draft_terms(b)
@@ -286,9 +297,27 @@ class CostModel:
             return None
         draft = step * tier.steps
         if nodes := _extra_nodes(tier):
-            node = b.draft_node_ms.value if b.draft_node_ms.n else max(_slope(points), 0.0)
+            node = b.draft_node_ms.value if b.draft_node_ms.n else slope
             draft += node * nodes
         return verify + fixed + draft
+
+    @staticmethod
+    def _verify_points(b: _Bucket) -> dict[int, float]:
+        """Verify ms by tokens drafted per request (a chain's s, a tree's n)."""
+        return {t.num_draft_tokens: e.value for t, e in b.verify_ms.items() if e.n}
+
+    def _verify_slope(self, b: _Bucket) -> float:
+        """Verify ms per verified token of a request in bucket `b`: its own line's slope, else
+        the nearest bucket's that has one, scaled by the batch (a request's token is a token
+        of every request's forward): 0.2 ms at batch 1 → 6.4 ms at batch 32. 0 with none."""
+        if len(points := self._verify_points(b)) >= 2:
+            return max(_slope(points), 0.0)
+        own = next(k for k, o in self._buckets.items() if o is b)
+        have = [k for k, o in self._buckets.items() if len(self._verify_points(o)) >= 2]
+        if not have:
+            return 0.0
+        near = min(have, key=lambda k: abs(k.bit_length() - own.bit_length()))
+        return max(_slope(self._verify_points(self._buckets[near])), 0.0) * own / near
 
     def _draft_terms(self, b: _Bucket) -> tuple[float | None, float | None]:
         """This bucket's draft terms, else the nearest bucket's that has them."""
