@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from specpair.models.llama import ModelArgs
+from specpair.models.args import ModelArgs
 from specpair.models.loading import EAGLE_ARCHITECTURE
 from specpair.models.saving import (
     SHARD_BYTES,

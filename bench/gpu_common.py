@@ -10,8 +10,10 @@ from typing import Any
 
 import torch
 
+from specpair.models.args import ModelArgs
 from specpair.models.eagle import EagleHead
-from specpair.models.llama import LlamaModel, ModelArgs, rope_inv_freq
+from specpair.models.llama import LlamaModel
+from specpair.models.rope import rope_inv_freq
 
 LLAMA3_ROPE = (
     ("factor", 8.0),

@@ -21,7 +21,8 @@ import torch
 
 from bench.common import device_info, format_table, write_json
 from bench.gpu_common import LLAMA3_8B, copy_bandwidth, median, time_cuda, weight_bytes
-from specpair.models.llama import LlamaModel, rope_inv_freq
+from specpair.models.llama import LlamaModel
+from specpair.models.rope import rope_inv_freq
 from specpair.runtime.gpu.capture import GraphCapture
 from specpair.runtime.gpu.fused import fuse_decoder
 from specpair.runtime.gpu.verify_graphs import verify_graph

@@ -29,7 +29,6 @@ from controller.goodput import GoodputPolicy
 from controller.goodput_config import GoodputConfig
 from controller.interface import (
     RegimePolicy,
-    RegimeTiers,
     RoundSample,
     SpeculationPolicy,
     TierEstimate,
@@ -245,13 +244,6 @@ class BandedPolicy:
     @property
     def regime_steps(self) -> RegimeSteps | None:
         return self.band.regime_steps if isinstance(self.band, RegimePolicy) else None
-
-    @property
-    def regime_tiers(self) -> RegimeTiers | None:
-        band = self.band
-        if isinstance(band, GoodputPolicy):
-            return band.regime_tiers
-        return None
 
     def observe(self, sample: RoundSample) -> bool:
         old = self.current_tier

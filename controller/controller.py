@@ -16,7 +16,6 @@ from controller import memory
 from controller.bands import PolicySpec
 from controller.interface import (
     PerRequestPolicy,
-    RegimeTiers,
     RoundSample,
     SpeculationPolicy,
     as_tier,
@@ -32,6 +31,7 @@ from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import target_pb2
 from specpair.runtime.round import RoundStats
 from specpair.runtime.shape import ShapeError, TreeShape, tier_from_wire, tier_name
+from specpair.tiers import RegimeSteps
 
 log = get_logger("controller")
 
@@ -49,7 +49,7 @@ class _Target:
     # Created at first contact, from the tier the target reports (GetServerInfo).
     policy: SpeculationPolicy | None = None
     target_candidates: tuple[TreeShape, ...] = ()  # its chains and the trees it built
-    regimes: RegimeTiers | None = None  # the per-regime tiers last sent
+    regimes: RegimeSteps | None = None  # the per-regime tiers last sent
     link: TargetLink | None = None
     rounds_seen: int = 0
     switches: deque[TierSwitch] = field(default_factory=lambda: deque(maxlen=RECENT_SWITCHES))

@@ -46,7 +46,6 @@ from controller.goodput_config import GoodputConfig, Regime
 from controller.goodput_model import AcceptanceModel, CostModel, batch_bucket
 from controller.interface import (
     GatedPolicy,
-    RegimeTiers,
     RoundSample,
     TierEstimate,
     as_tier,
@@ -157,17 +156,13 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         return due and self._decide()
 
     @property
-    def regime_tiers(self) -> RegimeTiers:
+    def regime_steps(self) -> RegimeSteps:
         """The tier for each regime: the current one's, and where the other left off (or where
         it would start). The target runs a batch that changes regime at its regime's tier from
         the first round; the decision below follows a round or more later."""
         other = self._regime_start(not self._sampled)
         greedy, sampled = (other, self._tier) if self._sampled else (self._tier, other)
-        return RegimeTiers(greedy=greedy, sampled=sampled)
-
-    @property
-    def regime_steps(self) -> RegimeSteps:
-        return self.regime_tiers.steps
+        return RegimeSteps(greedy=greedy, sampled=sampled)
 
     def _regime_start(self, sampled: bool) -> TreeShape:
         """Where regime `sampled` starts: where it left off; never seen, the best its profile

@@ -145,30 +145,6 @@ class ShapedPolicy(SpeculationPolicy, Protocol):
     def current_tier(self) -> TreeShape: ...
 
 
-@runtime_checkable
-class RegimeTreePolicy(RegimePolicy, Protocol):
-    """A regime policy whose regime tiers may be trees."""
-
-    @property
-    def regime_tiers(self) -> RegimeTiers | None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class RegimeTiers:
-    """`RegimeSteps` with shapes: the batch tier for greedy batches and for sampled ones."""
-
-    greedy: TreeShape
-    sampled: TreeShape
-
-    @property
-    def steps(self) -> RegimeSteps:
-        return RegimeSteps(greedy=self.greedy.steps, sampled=self.sampled.steps)
-
-    @staticmethod
-    def of(steps: RegimeSteps) -> RegimeTiers:
-        return RegimeTiers(TreeShape(steps.greedy), TreeShape(steps.sampled))
-
-
 def policy_tier(policy: SpeculationPolicy) -> TreeShape:
     """The tier `policy` chose: its shape, or the chain of its steps."""
     if isinstance(policy, ShapedPolicy):
@@ -182,12 +158,9 @@ def policy_tiers(policy: SpeculationPolicy) -> tuple[TreeShape, ...]:
     return tuple(TreeShape(s) for s in policy.candidate_steps)
 
 
-def policy_regimes(policy: SpeculationPolicy) -> RegimeTiers | None:
-    if isinstance(policy, RegimeTreePolicy):
-        return policy.regime_tiers
-    if isinstance(policy, RegimePolicy) and (steps := policy.regime_steps) is not None:
-        return RegimeTiers.of(steps)
-    return None
+def policy_regimes(policy: SpeculationPolicy) -> RegimeSteps | None:
+    """The batch tier per sampling regime, where `policy` keeps one (ints read as chains)."""
+    return policy.regime_steps if isinstance(policy, RegimePolicy) else None
 
 
 def as_tier(tier: int | TreeShape) -> TreeShape:

@@ -7,15 +7,15 @@ from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
 
-from controller.interface import RegimeTiers
 from specpair.channels import auth_metadata
 from specpair.config import TLSConfig
 from specpair.logging import get_logger
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
 from specpair.reconnect import ReconnectingLink
 from specpair.runtime.round import RoundStats
-from specpair.runtime.shape import TreeShape, tier_name
-from specpair.wire import stats_from_proto
+from specpair.runtime.shape import ShapeError, TreeShape
+from specpair.tiers import RegimeSteps
+from specpair.wire import apply_tier_to_proto, stats_from_proto
 
 log = get_logger("controller")
 RPC_TIMEOUT_S = 5.0
@@ -61,24 +61,14 @@ class TargetLink(ReconnectingLink):
         tier: TreeShape,
         reason: str,
         request_steps: Mapping[str, int] | None = None,
-        regimes: RegimeTiers | None = None,
+        regimes: RegimeSteps | None = None,
     ) -> target_pb2.ApplyTierResponse:
         """ApplyTier on the connected target (with per-request and per-regime tiers, where
         given); raises NotConnectedError or grpc.aio.AioRpcError. A tree goes as its steps in
         the int field and its shape beside it ("" for a chain)."""
         if self._stub is None:
             raise NotConnectedError(f"target {self.address} is not connected")
-        request = target_pb2.ApplyTierRequest(
-            speculative_num_steps=tier.steps,
-            reason=reason,
-            request_steps=dict(request_steps or {}),
-            shape=tier_name(tier),
-        )
-        if regimes is not None:
-            request.greedy_steps = regimes.greedy.steps
-            request.sampled_steps = regimes.sampled.steps
-            request.greedy_shape = tier_name(regimes.greedy)
-            request.sampled_shape = tier_name(regimes.sampled)
+        request = apply_tier_to_proto(tier, reason, request_steps, regimes)
         return await self._stub.ApplyTier(  # type: ignore[no-any-return]
             request, metadata=self.metadata, timeout=RPC_TIMEOUT_S
         )
@@ -101,7 +91,12 @@ class TargetLink(ReconnectingLink):
             target_pb2.WatchRoundsRequest(), metadata=self.metadata
         )
         async for response in self._rounds:
-            await self.on_round(stats_from_proto(response.round))
+            try:
+                stats = stats_from_proto(response.round)
+            except ShapeError as exc:  # only this round is lost to the policy
+                log.warning("round dropped", target=self.address, error=str(exc))
+                continue
+            await self.on_round(stats)
         log.warning("round stream ended", target=self.address)
 
     def _failed(self, exc: Exception, retry_s: float) -> float:

@@ -26,6 +26,7 @@ from specpair.runtime.draft.pipeline import Pipeline
 from specpair.runtime.draft.round import DraftRound, RoundError
 from specpair.runtime.kv_cache import CacheFullError
 from specpair.runtime.round import DraftInput, RoundRequest, RoundResponse, StageTimings
+from specpair.runtime.shape import TreeShape
 from specpair.runtime.state import SpecRuntimeState, gpu_ms
 from specpair.wire import (
     MalformedRequestError,
@@ -78,13 +79,14 @@ class DraftRounds:
             else []
         )
         self.builder = StateBuilder(drafter=self.drafter, ahead=config.pipeline is PipelineMode.ON)
-        self.states: dict[int, SpecRuntimeState] = self.builder.build_all(config.candidate_steps)
+        self.states: dict[TreeShape, SpecRuntimeState] = self.builder.build_all(config.tiers)
         self.pipeline = (
             Pipeline(self.drafter, config.pipeline_width)
             if config.pipeline is PipelineMode.ON
             else None
         )
         self.round = DraftRound(self.drafter, self.pipeline)
+        self.headroom = max(t.draft_headroom for t in self.states)
 
     @property
     def active_requests(self) -> int:
@@ -116,7 +118,7 @@ class DraftRounds:
 
     def draft(self, stream_id: str, request: RoundRequest) -> RoundResponse:
         """The round's checks, then the draft's round at its tier, within this cache's room."""
-        state = self._state(request.speculative_num_steps) if request.inputs else None
+        state = self._state(request.tier) if request.inputs else None
         self._check(request)
         return self.round.answer(
             request, state, stream=stream_id,
@@ -155,17 +157,17 @@ class DraftRounds:
 
     def prepare(self, stream_id: str, request: RoundRequest) -> None:
         """Plans the next round of this round's requests at its tier (see Drafter.prepare)."""
-        state = self.states.get(request.speculative_num_steps)
+        state = self.states.get(request.tier)
         if state is not None:
             ids = [f"{stream_id}/{item.request_id}" for item in request.inputs]
             self.drafter.prepare(ids, state)
 
-    def _state(self, tier: int) -> SpecRuntimeState:
+    def _state(self, tier: TreeShape) -> SpecRuntimeState:
         state = self.states.get(tier)
         if state is None:
-            raise RoundError(
-                f"speculative_num_steps {tier} is not a candidate tier {sorted(self.states)}"
-            )
+            name = "speculative_num_steps" if tier.is_chain else "shape"
+            tiers = [str(t) for t in sorted(self.states)]
+            raise RoundError(f"{name} {tier} is not a candidate tier {tiers}")
         return state
 
     def _check(self, request: RoundRequest) -> None:
@@ -205,7 +207,7 @@ class DraftRounds:
         for item in keyed:
             entry = self.drafter.requests.get(item.request_id)
             length = self.drafter.cache.lengths[entry.slot] if entry else 0
-            need = length + len(item.appended) + max(self.states)
+            need = length + len(item.appended) + self.headroom
             if need > cfg.cache_len:
                 reason = f"OUT_OF_RANGE: {need} positions exceed the draft cache's {cfg.cache_len}"
             elif entry is None and free == 0:

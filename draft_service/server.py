@@ -119,6 +119,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             model_path=str(cfg.model_path),
             draft_kind=cfg.draft_kind,
             candidate_steps=list(cfg.candidate_steps),
+            tree_shapes=list(cfg.tree_shapes),
             active_streams=self.streams,
             active_requests=self.rounds.active_requests if self.rounds else 0,
             runtime_state_builds=self.rounds.builder.builds if self.rounds else 0,

@@ -427,7 +427,7 @@ class DraftConfig(ModelServiceConfig):
     @property
     def cache_len(self) -> int:
         """Positions a request may hold: the context served plus the deepest tier's drafts."""
-        return self.max_len + max(t.num_draft_tokens for t in self.tiers)
+        return self.max_len + max(t.draft_headroom for t in self.tiers)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specpair.runtime.shape import TreeShape
+
 
 @dataclass(frozen=True, slots=True)
 class TierEstimate:
@@ -28,8 +30,13 @@ class RegimeSteps:
     where some request samples (they differ in both acceptance and cost; see the goodput
     policy). The target picks by the batch at each round's start."""
 
-    greedy: int
-    sampled: int
+    greedy: TreeShape
+    sampled: TreeShape
 
-    def of(self, sampled: bool) -> int:
+    def __post_init__(self) -> None:  # an int is the chain of that many steps
+        for name in ("greedy", "sampled"):
+            if isinstance(tier := getattr(self, name), int):
+                object.__setattr__(self, name, TreeShape(tier))
+
+    def of(self, sampled: bool) -> TreeShape:
         return self.sampled if sampled else self.greedy

@@ -2,13 +2,15 @@
 
 Whole messages cross here: `request_to_proto` / `request_from_proto` (RoundRequest),
 `response_to_proto` / `response_from_proto` (RoundResponse), `stats_to_proto` /
-`stats_from_proto` (RoundStats). Decoding names the field of anything malformed.
+`stats_from_proto` (RoundStats), and the tiers of an ApplyTier (`apply_tier_to_proto` /
+`apply_tier_from_proto`). Decoding names the field of anything malformed.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
@@ -28,6 +30,7 @@ from specpair.runtime.round import (
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.shape import ShapeError, TreeShape, tier_from_wire, tier_name
 from specpair.runtime.tree import CandidateTree
+from specpair.tiers import RegimeSteps
 
 _DTYPES = {
     common_pb2.D_TYPE_FLOAT32: torch.float32,
@@ -284,3 +287,44 @@ def _tree_from_proto(msg: draft_pb2.CandidateTree) -> CandidateTree:
             raise ValueError(f"{field}.draft_token_ids: int32 ids expected, got {ids.dtype}")
         ids = ids.long()
     return CandidateTree(tuple(msg.token_ids), tuple(msg.parents), probs, ids)
+
+
+def apply_tier_to_proto(
+    tier: TreeShape,
+    reason: str,
+    request_steps: Mapping[str, int] | None = None,
+    regimes: RegimeSteps | None = None,
+) -> target_pb2.ApplyTierRequest:
+    """An ApplyTier command: each tier as its steps, with its shape string beside when a tree;
+    per-request tiers are chains."""
+    msg = target_pb2.ApplyTierRequest(
+        speculative_num_steps=tier.steps, shape=tier_name(tier), reason=reason,
+        request_steps=dict(request_steps or {}),
+    )  # fmt: skip
+    if regimes is not None:
+        msg.greedy_steps, msg.greedy_shape = regimes.greedy.steps, tier_name(regimes.greedy)
+        msg.sampled_steps, msg.sampled_shape = regimes.sampled.steps, tier_name(regimes.sampled)
+    return msg
+
+
+def apply_tier_from_proto(
+    msg: target_pb2.ApplyTierRequest,
+) -> tuple[TreeShape, dict[str, TreeShape], RegimeSteps | None]:
+    """The batch tier, per-request tiers and per-regime tiers an ApplyTier names (a regime left
+    unset takes the batch tier); raises ShapeError naming the field. Whether each one is a
+    candidate is the target's check."""
+    tier = tier_from_wire(msg.speculative_num_steps, msg.shape, "speculative_num_steps")
+    own = {
+        rid: tier_from_wire(steps, "", f"request_steps[{rid}]")
+        for rid, steps in msg.request_steps.items()
+    }
+    regimes = None
+    greedy, sampled = msg.HasField("greedy_steps"), msg.HasField("sampled_steps")
+    if greedy or sampled or msg.greedy_shape or msg.sampled_shape:
+        regimes = RegimeSteps(
+            tier_from_wire(msg.greedy_steps, msg.greedy_shape, "greedy_steps")
+            if greedy or msg.greedy_shape else tier,
+            tier_from_wire(msg.sampled_steps, msg.sampled_shape, "sampled_steps")
+            if sampled or msg.sampled_shape else tier,
+        )  # fmt: skip
+    return tier, own, regimes

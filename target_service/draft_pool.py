@@ -29,7 +29,7 @@ import itertools
 import socket
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from specpair.config import split_address
 from specpair.logging import get_logger
@@ -244,9 +244,9 @@ class DraftPool:
         for link in self.links:
             mine, freed = inputs.get(link, []), released.get(link, [])
             if mine or freed:
-                sub = RoundRequest(
-                    request.round_id, request.speculative_num_steps, tuple(mine), tuple(freed),
-                    request.predraft and bool(mine),
+                sub = replace(
+                    request, inputs=tuple(mine), released_request_ids=tuple(freed),
+                    predraft=request.predraft and bool(mine),
                 )  # fmt: skip
                 legs.append((link, sub))
         return legs

@@ -6,115 +6,47 @@ service's own event loop, each request run through the same `Frontend.generate` 
     POST /v1/completions          prompt (text or token ids) → text; stream: server-sent events
     POST /v1/chat/completions     messages → the assistant's reply (the chat template)
 
-What any client may do is bounded before the request path sees it: the Host (bound to
-loopback, only loopback names: a web page that rebinds its DNS name to 127.0.0.1 is refused),
-the API key (`Authorization: Bearer KEY` on /v1/, when one is set), a JSON content type, the
-body's size (413) and the time to send it (408), the nesting of its JSON (400).
+What any client may do is bounded before the request path sees it (`http_guards.py`); bodies
+become requests in `openai_request.py`, responses OpenAI's objects in `openai_response.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import socket
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any
 
-import h11
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from specpair.config import split_address
 from specpair.logging import get_logger
 from specpair.proto.v1 import target_pb2
-from specpair.serving import bounded
 from target_service.frontend import Frontend, NotReadyError, RoundFailedError
-from target_service.openai_api import ApiRequest, ResponseWriter, error_param, parse_request
+from target_service.http_guards import (
+    BodyError,
+    Gate,
+    TimedProtocol,
+    body_limit,
+    error_response,
+    parse_json,
+    read_body,
+)
+from target_service.openai_request import ApiRequest, error_param, parse_request
+from target_service.openai_response import ResponseWriter
 from target_service.scheduler import QueueFullError
-from target_service.validation import InvalidRequestError, request_bytes_limit
+from target_service.validation import InvalidRequestError
 
 log = get_logger(__name__)
 CLIENT_CLOSED = 499  # nginx's status for a client that went away; nobody reads it
-# Bodies above this are parsed on a worker thread: json.loads grows with the body (milliseconds
-# by 1 MB) and would hold every other request on the loop meanwhile.
-PARSE_INLINE_BYTES = 64 * 1024
-LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
-
-
-def body_limit(max_len: int) -> int:
-    """The largest body read: 8 × what a gRPC request may be (JSON escapes a character in up
-    to 6 bytes), at least 1 MiB. 1024 tokens of context: 1 MiB."""
-    return max(1024 * 1024, 8 * request_bytes_limit(max_len))
-
-
-def error_response(
-    status: int,
-    message: str,
-    *,
-    kind: str,
-    param: str | None = None,
-    code: str | None = None,
-    headers: Mapping[str, str] | None = None,
-) -> JSONResponse:
-    """OpenAI's error object: the `openai` client raises it as e.g. BadRequestError. The
-    message is cut as gRPC's details are (`serving.bounded`)."""
-    error = {"message": bounded(message), "type": kind, "param": param, "code": code}
-    return JSONResponse({"error": error}, status_code=status, headers=headers)
-
-
-class _BodyError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")  # Python's json would accept NaN
-
-
-async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The body, all of it within `timeout_s` (408 otherwise: a slow sender holds a
-    connection and its buffers). Past `limit` it is read on and dropped, within the same
-    time, before the 413: a server that answers and closes while the client still sends
-    resets the connection, and the client sees that instead of the 413. A client that waits
-    for `100 Continue` before sending (curl, for large bodies) gets the 413 at once instead."""
-    declared = request.headers.get("content-length", "")
-    if (
-        declared.isdigit()
-        and int(declared) > limit
-        and "100-continue" in request.headers.get("expect", "").lower()
-    ):
-        raise _BodyError(413, f"body: larger than {limit} bytes")
-    chunks, size = [], 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size <= limit:
-                    chunks.append(chunk)
-                else:
-                    chunks.clear()
-    except TimeoutError:
-        raise _BodyError(408, f"body: not received within {timeout_s:g} s") from None
-    if size > limit:
-        raise _BodyError(413, f"body: larger than {limit} bytes")
-    return b"".join(chunks)
-
-
-def _parse_json(raw: bytes) -> Any:
-    try:
-        return json.loads(raw, parse_constant=_refuse_constant)
-    except RecursionError:  # nesting deeper than the interpreter's recursion limit
-        raise ValueError("nested too deeply") from None
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -158,50 +90,9 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return error_response(500, "internal error; see the server's log", kind="internal_error")
 
 
-def host_name(header: str) -> str:
-    """The name in a Host header: "[::1]:8000" → "::1", "Localhost:8000" → "localhost"."""
-    if header.startswith("["):
-        return header[1:].partition("]")[0]
-    return header.rpartition(":")[0].lower() if ":" in header else header.lower()
-
-
-class _Gate:
-    """Checks what every request must pass before routing: the Host header (bound to loopback,
-    a loopback name or none) and, on /v1/, the API key."""
-
-    def __init__(self, app: ASGIApp, *, loopback: bool, api_key: str | None) -> None:
-        self.app = app
-        self.loopback = loopback
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        host = headers.get(b"host", b"").decode("latin-1")
-        refusal = None
-        if self.loopback and host and host_name(host) not in LOOPBACK_NAMES:
-            refusal = error_response(
-                421, f"Host: {host!r} is not a name of this server (it listens on loopback)",
-                kind="invalid_request_error", param="Host",
-            )  # fmt: skip
-        elif self.expected is not None and scope["path"].startswith("/v1/"):
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                refusal = error_response(
-                    401, "missing or wrong API key (send Authorization: Bearer KEY)",
-                    kind="invalid_request_error", code="invalid_api_key",
-                )  # fmt: skip
-        if refusal is None:
-            await self.app(scope, receive, send)
-        else:
-            await refusal(scope, receive, send)
-
-
 class OpenAIApp:
     """The routes; `model` is the id /v1/models lists and responses echo. `loopback`: the
-    server listens on loopback only, so a request must name it so (`_Gate`)."""
+    server listens on loopback only, so a request must name it so (`Gate`)."""
 
     def __init__(
         self,
@@ -226,7 +117,7 @@ class OpenAIApp:
             ],
             exception_handlers={HTTPException: _http_error, Exception: _internal_error},
         )
-        self.app = _Gate(starlette, loopback=loopback, api_key=api_key)
+        self.app = Gate(starlette, loopback=loopback, api_key=api_key)
 
     async def health(self, request: Request) -> Response:
         if self.frontend.scheduler is None:
@@ -257,20 +148,17 @@ class OpenAIApp:
                 kind="invalid_request_error", param="Content-Type",
             )  # fmt: skip
         try:
-            raw = await _read_body(request, self.max_body, self.read_timeout_s)
+            raw = await read_body(request, self.max_body, self.read_timeout_s)
         except ClientDisconnect:  # gone before its body arrived: nothing was submitted
             return Response(status_code=CLIENT_CLOSED)
-        except _BodyError as exc:  # the connection is closed after: its state is unknown
+        except BodyError as exc:  # the connection is closed after: its state is unknown
             return error_response(
                 exc.status, str(exc), kind="invalid_request_error", param="body",
                 headers={"Connection": "close"},
             )  # fmt: skip
         api: ApiRequest | None = None
         try:
-            if len(raw) > PARSE_INLINE_BYTES:
-                body = await asyncio.to_thread(_parse_json, raw)
-            else:
-                body = _parse_json(raw)
+            body = await parse_json(raw)
         except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             return error_response(
                 400, f"body: not valid JSON ({exc})", kind="invalid_request_error", param="body"
@@ -348,46 +236,6 @@ class _Server(uvicorn.Server):
         yield
 
 
-class _TimedProtocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol, closing a connection whose request line and headers take
-    longer than `read_timeout_s` (uvicorn times out only idle kept-alive connections, so a
-    client sending a byte a second held its connection for ever)."""
-
-    read_timeout_s = 10.0
-    _headers_timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)  # type: ignore[arg-type]
-        self._arm()
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:  # the request's headers are in
-            self._disarm()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._arm()  # the next request's headers, on a kept-alive connection
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
-
-    def _arm(self) -> None:
-        self._disarm()
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self._headers_timer = self.loop.call_later(self.read_timeout_s, self._timed_out)
-
-    def _disarm(self) -> None:
-        if self._headers_timer is not None:
-            self._headers_timer.cancel()
-            self._headers_timer = None
-
-    def _timed_out(self) -> None:
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self.transport.close()
-
-
 class HttpServer:
     """uvicorn on an already bound socket, as a task on the running event loop."""
 
@@ -399,7 +247,7 @@ class HttpServer:
         except OSError as exc:
             raise OSError(exc.errno, f"HTTP API address {address}: {exc.strerror}") from None
         self.port = int(self.socket.getsockname()[1])  # the real one for port 0
-        protocol = type("Protocol", (_TimedProtocol,), {"read_timeout_s": app.read_timeout_s})
+        protocol = type("Protocol", (TimedProtocol,), {"read_timeout_s": app.read_timeout_s})
         config = uvicorn.Config(
             app.app,
             http=protocol,

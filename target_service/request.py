@@ -1,7 +1,7 @@
 """What a client asks of the target, whichever door it came in by, as it was sent.
 
 The gRPC door decodes its GenerateRequest (`from_proto`), the HTTP door parses its JSON body
-(`openai_api.parse_request`); both hand a `ClientRequest` to the one request path
+(`openai_request.parse_request`); both hand a `ClientRequest` to the one request path
 (`frontend.py`), whose validation (`validation.validate_generate`) checks every field, naming
 it. Nothing here is checked yet.
 """

@@ -26,6 +26,7 @@ import time
 from specpair.config import DEFAULT_MAX_WATCHERS, PipelineMode
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
+from specpair.runtime.shape import TreeShape
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.target.pipeline import Predrafts
 from specpair.runtime.target.round import Flight, TargetRound
@@ -49,9 +50,9 @@ class Scheduler:
     def __init__(
         self,
         worker: TargetWorker,
-        states: dict[int, SpecRuntimeState],
+        states: dict[TreeShape, SpecRuntimeState],
         *,
-        initial_steps: int,
+        initial_tier: TreeShape,
         max_batch: int,
         max_queue: int,
         max_watchers: int = DEFAULT_MAX_WATCHERS,
@@ -63,7 +64,7 @@ class Scheduler:
     ) -> None:
         self.worker = worker
         self.states = states
-        self.tiers = Tiers(states, initial_steps, metrics)
+        self.tiers = Tiers(states, initial_tier, metrics)
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.metrics = metrics
@@ -122,17 +123,17 @@ class Scheduler:
 
     def apply_tier(
         self,
-        tier: int,
+        tier: TreeShape,
         reason: str,
-        request_steps: dict[str, int] | None = None,
+        request_steps: dict[str, TreeShape] | None = None,
         regimes: RegimeSteps | None = None,
-    ) -> int:
+    ) -> TreeShape:
         """Queues a tier switch (with per-request and per-regime tiers) for the next round;
         returns the batch tier active now."""
         return self.tiers.ask(tier, reason, request_steps, regimes)
 
     @property
-    def tier(self) -> int:
+    def tier(self) -> TreeShape:
         return self.tiers.batch
 
     @property
@@ -182,7 +183,7 @@ class Scheduler:
                 log.exception("round failed", round_id=self.round_id)
                 flight = None
                 for req in list(self.running):
-                    req.events.put_nowait(RoundEvent([], -1, self.tier, "error"))
+                    req.events.put_nowait(RoundEvent([], -1, self.tier.steps, "error"))
                     self._finish(req, "error")
 
     async def _no_room(self) -> None:
@@ -216,7 +217,7 @@ class Scheduler:
         while self.queue and len(new) < room:
             req = self.queue.popleft()
             if req.expired:  # its client gave up while it queued: not worth a prefill
-                req.events.put_nowait(RoundEvent([], -1, self.tier, "expired"))
+                req.events.put_nowait(RoundEvent([], -1, self.tier.steps, "expired"))
                 self.metrics.requests.labels("expired").inc()
                 continue
             new.append(req)
@@ -232,14 +233,14 @@ class Scheduler:
             log.exception("prefill failed", requests=[s.request_id for s in seqs])
             for req in new:
                 self.worker.release(req.seq)
-                req.events.put_nowait(RoundEvent([], -1, self.tier, "error"))
+                req.events.put_nowait(RoundEvent([], -1, self.tier.steps, "error"))
                 self.metrics.requests.labels("error").inc()
             return
         for req, f in zip(new, feats, strict=True):
             self.session.add(req.seq, f)
             self.running.append(req)
             req.events.put_nowait(
-                RoundEvent(list(req.seq.output), -1, self.tier, req.seq.finish_reason)
+                RoundEvent(list(req.seq.output), -1, self.tier.steps, req.seq.finish_reason)
             )
             if req.seq.finish_reason is not None:
                 self._finish(req, req.seq.finish_reason)
@@ -249,9 +250,10 @@ class Scheduler:
         """Starts a round of `batch` at its tiers: its RoundRequest goes out."""
         self.round_id += 1
         sampled = any(not r.seq.sampling.greedy for r in batch)
-        steps = self.tiers.of([r.seq.request_id for r in batch], sampled)
-        state = self.states[max(steps)]
+        tiers = self.tiers.of([r.seq.request_id for r in batch], sampled)
+        state = self.states[max(tiers)]
         seqs = [r.seq for r in batch]
+        steps = [t.steps for t in tiers]  # a tree round caps each request at its own depth
         return await self.round.start(self.round_id, batch, seqs, state, steps, admit_s)
 
     # ---- what the round asks of the batching (`Batcher`) ---------------------------------

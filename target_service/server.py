@@ -23,10 +23,9 @@ from specpair.parallel.ranks import RankExitedError, RankGroup
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
 from specpair.runtime.build import StateBuilder, build_target
 from specpair.runtime.kv_cache import KVCache
-from specpair.runtime.shape import MAX_TREE_NODES
+from specpair.runtime.shape import MAX_TREE_NODES, tier_name
 from specpair.serving import bounded
-from specpair.tiers import RegimeSteps
-from specpair.wire import stats_to_proto
+from specpair.wire import apply_tier_from_proto, stats_to_proto
 from target_service.draft_link import DraftLink
 from target_service.draft_pool import DraftPool
 from target_service.frontend import (
@@ -98,10 +97,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         state = target_pb2.DRAFT_CONNECTION_STATE_NONE if cfg.draft_address is None else (
             link.state if link else target_pb2.DRAFT_CONNECTION_STATE_CONNECTING
         )  # fmt: skip
+        tier = s.tier if s else cfg.initial_tier
         return target_pb2.TargetServiceGetServerInfoResponse(
-            speculative_num_steps=s.tier if s else cfg.initial_steps,
+            speculative_num_steps=tier.steps,
+            shape=tier_name(tier),
             avg_spec_accept_length=s.avg_accept_length if s else 0.0,
             candidate_steps=list(cfg.candidate_steps),
+            tree_shapes=[str(t) for t in cfg.tiers if not t.is_chain],
             target_model_path=str(cfg.model_path),
             draft_address=cfg.draft_address or "",
             draft_connection_state=state,
@@ -122,25 +124,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self, request: target_pb2.ApplyTierRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.ApplyTierResponse:
         scheduler = await self._ready(context)
-        regimes = None
-        if request.HasField("greedy_steps") or request.HasField("sampled_steps"):
-            tier = request.speculative_num_steps
-            regimes = RegimeSteps(
-                request.greedy_steps if request.HasField("greedy_steps") else tier,
-                request.sampled_steps if request.HasField("sampled_steps") else tier,
-            )
         try:
-            previous = scheduler.apply_tier(
-                request.speculative_num_steps,
-                request.reason or "ops",
-                dict(request.request_steps),
-                regimes,
-            )
-        except ValueError as exc:
+            tier, own, regimes = apply_tier_from_proto(request)
+            previous = scheduler.apply_tier(tier, request.reason or "ops", own, regimes)
+        except ValueError as exc:  # ShapeError too: each names its field
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(exc)))
         return target_pb2.ApplyTierResponse(
-            previous_steps=previous,
-            speculative_num_steps=request.speculative_num_steps,
+            previous_steps=previous.steps,
+            previous_shape=tier_name(previous),
+            speculative_num_steps=tier.steps,
+            shape=tier_name(tier),
             current_round=scheduler.round_id,
         )
 
@@ -242,8 +235,8 @@ def _build_scheduler(
     builder = StateBuilder(worker)
     scheduler = Scheduler(
         worker,
-        builder.build_all(config.candidate_steps),
-        initial_steps=config.initial_steps,
+        builder.build_all(config.tiers),
+        initial_tier=config.initial_tier,
         max_batch=config.max_batch,
         max_queue=config.max_queue,
         max_watchers=config.max_watchers,
@@ -400,7 +393,7 @@ async def log_throughput(metrics: ServiceMetrics, scheduler: Scheduler, interval
                 kv_cache_usage=round(
                     metrics.registry.get_sample_value("specpair_target_kv_cache_usage") or 0.0, 3
                 ),
-                tier=scheduler.tier,
+                tier=str(scheduler.tier),
             )
         last, t_last = now, t_now
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from specpair.models.llama import ModelArgs
+from specpair.models.args import ModelArgs
 
 PAD_WEIGHT = 2.0**14  # exact in bf16
 INIT_STD = 0.02  # the random inputs of extra heads, units and layers

@@ -15,14 +15,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from specpair.models.llama import (
-    Attend,
-    DecoderLayer,
-    ModelArgs,
-    rope_cos_sin,
-    rope_inv_freq,
-    rope_scale,
-)
+from specpair.models.args import ModelArgs
+from specpair.models.llama import Attend, DecoderLayer
+from specpair.models.rope import rope_cos_sin, rope_inv_freq, rope_scale
 
 
 class EagleHead(nn.Module):

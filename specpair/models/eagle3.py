@@ -20,16 +20,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from specpair.models.llama import (
-    MLP,
-    Attend,
-    Attention,
-    ModelArgs,
-    RMSNorm,
-    rope_cos_sin,
-    rope_inv_freq,
-    rope_scale,
-)
+from specpair.models.args import ModelArgs
+from specpair.models.llama import MLP, Attend, Attention, RMSNorm
+from specpair.models.rope import rope_cos_sin, rope_inv_freq, rope_scale
 
 
 class Eagle3Layer(nn.Module):

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from specpair.models.eagle3 import Eagle3Head
-from specpair.models.llama import rope_inv_freq
 from specpair.models.loading import (
     CheckpointError,
     _load_into,
@@ -33,6 +32,7 @@ from specpair.models.loading import (
     read_args,
     read_tensors,
 )
+from specpair.models.rope import rope_inv_freq
 
 KEY = "eagle_aux_hidden_state_layer_ids"
 

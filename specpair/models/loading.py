@@ -12,15 +12,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from specpair.models.args import ACTIVATIONS, ModelArgs
 from specpair.models.eagle import EagleHead
-from specpair.models.llama import (
-    ACTIVATIONS,
-    ROPE_TYPES,
-    LlamaModel,
-    ModelArgs,
-    rope_inv_freq,
-    rope_scale,
-)
+from specpair.models.llama import LlamaModel
+from specpair.models.rope import ROPE_TYPES, rope_inv_freq, rope_scale
 
 EAGLE_ARCHITECTURE = "SpecpairEagleHead"
 # SGLang's name for an EAGLE-3 head and vLLM's; SafeAILab's config says LlamaForCausalLM (its

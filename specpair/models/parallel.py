@@ -31,7 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specpair.models.llama import DecoderLayer, LlamaModel, ModelArgs
+from specpair.models.args import ModelArgs
+from specpair.models.llama import DecoderLayer, LlamaModel
 from specpair.models.loading import CheckpointError, load_llama
 
 

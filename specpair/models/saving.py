@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from specpair.models.args import ModelArgs
 from specpair.models.eagle import EagleHead
-from specpair.models.llama import LlamaModel, ModelArgs
+from specpair.models.llama import LlamaModel
 
 SHARD_BYTES = 2 * 2**30
 # An EAGLE head reads these from its target's checkpoint; its own stores neither.

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from specpair.models.llama import ModelArgs
+from specpair.models.args import ModelArgs
 from specpair.models.loading import read_args
 from specpair.models.parallel import Shard, check_shardable, load_shard
 from specpair.parallel.lockstep import LeaderModel, LockstepCache

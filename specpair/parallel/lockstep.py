@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from specpair.models.llama import Attend, ModelArgs
+from specpair.models.args import ModelArgs
+from specpair.models.llama import Attend
 from specpair.models.parallel import Shard, TensorParallelLlama
 from specpair.runtime.gpu.attention import PagedAttend
 from specpair.runtime.kv_cache import CacheFullError, KVCache

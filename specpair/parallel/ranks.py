@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from specpair.config import GPU_TENSOR_PARALLEL
 from specpair.logging import get_logger
-from specpair.models.llama import ModelArgs
+from specpair.models.args import ModelArgs
 from specpair.models.parallel import Shard, TensorParallelLlama, load_shard
 from specpair.parallel.lockstep import Follower, Lockstep
 from specpair.runtime.kv_cache import KVCache

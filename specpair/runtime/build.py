@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -37,6 +38,8 @@ from specpair.runtime.target.verify import EagerVerify
 from specpair.runtime.target.worker import TargetWorker
 
 log = get_logger(__name__)
+
+Tier = TypeVar("Tier", int, TreeShape)  # how a caller names its tiers: chain steps, or shapes
 
 
 def _is_cuda(device: str | torch.device) -> bool:
@@ -181,7 +184,7 @@ class StateBuilder:
         shape = tier if isinstance(tier, TreeShape) else TreeShape(tier)
         if not shape.is_chain and (self.target_graphs or self.draft_graphs):
             raise ValueError(
-                f"candidate_steps: tree shape {shape} on a CUDA device; tree shapes run on the "
+                f"tree_shapes: tree shape {shape} on a CUDA device; tree shapes run on the "
                 "CPU only for now (no CUDA graphs for tree drafting or tree verify yet)"
             )
         tier = shape.steps
@@ -200,24 +203,25 @@ class StateBuilder:
         self.builds += 1
         return tier_state(shape, verify, extend, draft)
 
-    def build_all(self, tiers: Iterable[int]) -> dict[int, SpecRuntimeState]:
-        """One state per candidate tier — called once, at start-up; logs each one's build time."""
+    def build_all(self, tiers: Iterable[Tier]) -> dict[Tier, SpecRuntimeState]:
+        """One state per candidate tier, keyed as given (ints for chains, or `TreeShape`s) —
+        called once, at start-up; logs each one's build time."""
         states = {}
         for tier in sorted(set(tiers)):
             t0 = time.perf_counter()
             states[tier] = self.build(tier)
             ms = round(1e3 * (time.perf_counter() - t0), 2)
-            log.info("built runtime state", tier=tier, ms=ms)
+            log.info("built runtime state", tier=str(tier), ms=ms)
         return states
 
 
 def build_states(
-    tiers: Iterable[int],
+    tiers: Iterable[Tier],
     target: TargetWorker | None = None,
     drafter: Drafter | None = None,
     *,
     buckets: Sequence[int] | None = None,
     ahead: bool = False,
-) -> dict[int, SpecRuntimeState]:
+) -> dict[Tier, SpecRuntimeState]:
     """`StateBuilder(target, drafter).build_all(tiers)`, for callers that count nothing."""
     return StateBuilder(target, drafter, buckets=buckets, ahead=ahead).build_all(tiers)

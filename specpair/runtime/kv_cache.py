@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from specpair.models.llama import ModelArgs
+from specpair.models.args import ModelArgs
 from specpair.runtime.gpu.attention import AttentionBackend, Backends, PagedAttend
 from specpair.runtime.layout import BatchLayout, flat_index
 

@@ -65,6 +65,12 @@ class TreeShape:
         after the root; a tree's last forward, every expanded node ((s - 1) · topk)."""
         return max(self.steps - 1, 0) * self.topk
 
+    @property
+    def draft_headroom(self) -> int:
+        """Cache positions a draft keeps free past a request's tokens for this tier: a chain's
+        steps, a tree's kept nodes or its last forward's rows, whichever is more (6x8x32: 40)."""
+        return max(self.num_draft_tokens, self.draft_rows)
+
     def __str__(self) -> str:
         if self.is_chain:
             return str(self.steps)

@@ -16,7 +16,8 @@ from typing import Protocol
 
 from torch import Tensor
 
-from specpair.models.llama import Attend, ModelArgs
+from specpair.models.args import ModelArgs
+from specpair.models.llama import Attend
 from specpair.runtime.accept import ChainBatch
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout

@@ -20,6 +20,7 @@ from specpair.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2,
 from specpair.runtime.build import build_states, build_target
 from specpair.runtime.round import RoundResponse
 from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.shape import TreeShape
 from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import chain
 from specpair.wire import response_to_proto
@@ -182,7 +183,8 @@ async def test_more_requests_than_draft_slots_keeps_the_others_speculating(
 async def test_request_expired_in_the_queue_is_not_prefilled(ckpts) -> None:
     worker = build_target(ckpts["target"], max_requests=2, max_len=64)
     scheduler = Scheduler(
-        worker, build_states([3], worker), initial_steps=3, max_batch=2, max_queue=4, draft=None,
+        worker, build_states([TreeShape(3)], worker), initial_tier=TreeShape(3),
+        max_batch=2, max_queue=4, draft=None,
         metrics=ServiceMetrics("target"),
     )  # fmt: skip
     prefilled: list[str] = []

@@ -23,7 +23,7 @@ from structlog.testing import capture_logs
 
 from specpair.config import MODELS_DIR
 from specpair.proto.v1 import target_pb2
-from target_service.http_api import body_limit
+from target_service.http_guards import body_limit
 from tests.service.conftest import Stack, draft_config, eventually, target_config
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -28,7 +28,8 @@ from specpair.demo import chat_over_http
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import target_pb2
 from target_service.frontend import Frontend
-from target_service.http_api import HttpServer, OpenAIApp, body_limit
+from target_service.http_api import HttpServer, OpenAIApp
+from target_service.http_guards import body_limit
 from tests.conftest import hf_greedy
 from tests.service.conftest import Stack, draft_config, target_config
 

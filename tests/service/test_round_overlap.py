@@ -13,6 +13,7 @@ from specpair.models.tiny import make_tiny_llama
 from specpair.runtime.build import build_states, build_target
 from specpair.runtime.round import RoundRequest, RoundResponse
 from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.shape import TreeShape
 from specpair.runtime.target.worker import TargetSequence
 from target_service.scheduler import Scheduler
 from target_service.served import RoundEvent, ServedRequest
@@ -65,7 +66,8 @@ async def test_next_round_goes_out_before_the_results_stream(tmp_path: Path) -> 
     worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=2, max_len=64)
     link = RecordingLink()
     scheduler = Scheduler(
-        worker, build_states([3], worker), initial_steps=3, max_batch=2, max_queue=4,
+        worker, build_states([TreeShape(3)], worker), initial_tier=TreeShape(3),
+        max_batch=2, max_queue=4,
         draft=link, metrics=ServiceMetrics("target"),  # type: ignore[arg-type]
     )  # fmt: skip
     seq = TargetSequence("r", [5, 6, 7], SamplingParams(), max_new_tokens=NEW_TOKENS)
@@ -96,7 +98,8 @@ def inline_scheduler(tmp_path: Path) -> Scheduler:
     """A target with no draft whose compute runs inline on the event loop, as on a GPU."""
     worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=2, max_len=96)
     scheduler = Scheduler(
-        worker, build_states([1], worker), initial_steps=1, max_batch=2, max_queue=4, draft=None,
+        worker, build_states([TreeShape(1)], worker), initial_tier=TreeShape(1),
+        max_batch=2, max_queue=4, draft=None,
         metrics=ServiceMetrics("target"),
     )  # fmt: skip
     scheduler.compute.shutdown()

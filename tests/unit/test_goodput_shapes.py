@@ -94,8 +94,7 @@ def test_a_tree_whose_measured_acceptance_pays_wins_at_batch_1_and_drops_at_batc
     ran = run(policy, target, 32, 40)
     assert ran[0] == TREE  # the batch grew under the tree
     assert policy.current_tier.is_chain and TREE not in ran[-20:]
-    assert policy.regime_tiers.greedy == policy.current_tier
-    assert policy.regime_steps.greedy == policy.current_steps
+    assert policy.regime_steps.greedy == policy.current_tier
 
 
 def test_an_unmeasured_tree_is_predicted_as_the_chain_of_its_depth() -> None:

@@ -7,15 +7,10 @@ import re
 import pytest
 
 from specpair.proto.v1 import target_pb2
-from target_service.openai_api import (
-    DEFAULT_MAX_TOKENS,
-    ApiRequest,
-    ResponseWriter,
-    error_param,
-    parse_request,
-)
+from target_service.openai_request import ApiRequest, error_param, parse_request
+from target_service.openai_response import ResponseWriter
 from target_service.request import ClientRequest
-from target_service.validation import InvalidRequestError
+from target_service.validation import DEFAULT_MAX_TOKENS, InvalidRequestError
 
 USER = [{"role": "user", "content": "hi"}]
 

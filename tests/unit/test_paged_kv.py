@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from specpair.models.llama import ModelArgs
+from specpair.models.args import ModelArgs
 from specpair.models.loading import load_eagle, load_llama
 from specpair.runtime.build import build_states
 from specpair.runtime.draft.drafters import EagleDrafter

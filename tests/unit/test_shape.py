@@ -45,6 +45,6 @@ def test_a_tree_state_keeps_its_shape_and_its_depth_chain() -> None:
 def test_tree_shapes_are_refused_on_cuda() -> None:
     builder = StateBuilder()
     builder.target_graphs = object()  # type: ignore[assignment]  # what a CUDA worker has
-    with pytest.raises(ValueError, match="candidate_steps: tree shape 4x4x16 on a CUDA device"):
+    with pytest.raises(ValueError, match="tree_shapes: tree shape 4x4x16 on a CUDA device"):
         builder.build(TreeShape(4, 4, 16))
     assert builder.build(0).tier == 0  # chains still build

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specpair.models.llama import ModelArgs
+from specpair.models.args import ModelArgs
 from specpair.runtime.draft.extend import DraftForward
 from specpair.runtime.draft.tree_draft import draft_trees
 from specpair.runtime.kv_cache import KVCache

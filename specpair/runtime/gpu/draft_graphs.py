@@ -1,10 +1,9 @@
-"""The draft's stages in CUDA graphs, per batch bucket: extend, then s steps.
+"""The draft's stages in CUDA graphs, per batch bucket: extend, then s steps (what each graph
+computes is `draft_capture.py`; here, their planning, replay and eager fallback).
 
 - extend: B × (s + 1) appended tokens (accepted + bonus; longer rows, e.g. a first round's
   prompt, run eagerly) → hidden of each request's last row [B, 1, H];
-- draft: s steps of one token per request → tokens [s, B]: greedy (argmax inside the graph),
-  or sampled (`draft_support` inside a graph of its own: per-row parameters and uniforms in,
-  each step's sparse q out, [s, B, K]).
+- draft: s steps of one token per request → tokens [s, B], greedy or sampled.
 The graphs of every tier share one `DraftGraphs` (the extend graphs, the steps' attention and
 the plan made ahead), so a tier switch stays a reference swap.
 """
@@ -25,11 +24,11 @@ from specpair.runtime.gpu.capture import (
     pad_layout,
     pad_rows,
 )  # fmt: skip
+from specpair.runtime.gpu.draft_capture import extend_graph, step_graph
 from specpair.runtime.kv_cache import CacheFullError
 from specpair.runtime.layout import BatchLayout, padded_groups, tril_mask
 from specpair.runtime.lookahead import LOOKAHEAD_TOP, Lookahead
 from specpair.runtime.round import DraftInput
-from specpair.runtime.sampling import RowParams, draft_support
 from specpair.runtime.stages import DraftModel, DraftQ, DraftSampling, DraftStage, ExtendStage
 
 
@@ -57,7 +56,7 @@ class DraftGraphs:
         def build() -> tuple[Graphs, Graphs, Graphs]:
             buckets = self.capture.buckets
             for b in buckets:
-                self.extends[(b, s + 1)] = self._extend(b, s + 1)
+                self.extends[(b, s + 1)] = extend_graph(self.capture, self.model, b, s + 1)
             steps = {b: self._multi_step(b, s) for b in buckets}
             sampled = {b: self._multi_step(b, s, sampled=True) for b in buckets}
             ahead = {b: self._multi_step(b, s, top) for b in buckets} if top else {}
@@ -68,33 +67,9 @@ class DraftGraphs:
             self, s, eager_draft, steps, ahead, sampled
         )
 
-    def _extend(self, batch: int, tokens: int) -> StageGraph:
-        d, dev = self.model, self.cache.device
-        inputs = {
-            "tokens": torch.zeros(batch, tokens, dtype=torch.long, device=dev),
-            "positions": torch.zeros(batch, tokens, dtype=torch.long, device=dev),
-            "last": torch.zeros(batch, dtype=torch.long, device=dev),
-        }
-        if d.needs_features:
-            inputs["features"] = torch.zeros(batch, tokens, d.feature_width, device=dev)
-        attn = self.capture.attention(batch, tokens)
-        inputs["rows"] = torch.arange(batch, device=dev)  # static: read by the graph's gather
-        rows = inputs["rows"]
-
-        def body() -> dict[str, Tensor]:
-            feats = inputs.get("features")
-            hidden = d.forward(inputs["tokens"], feats, inputs["positions"], attn.attend)
-            return {"hidden": hidden[rows, inputs["last"]][:, None]}  # [B, 1, H]
-
-        return self.capture.capture(body, inputs, [attn])
-
     def _multi_step(self, batch: int, s: int, top: int = 0, sampled: bool = False) -> StageGraph:
-        """s greedy steps → tokens [s, B]. With `top`, one step more (the chain's last K/V
-        written, the distribution after it) and per depth 0..s the `top` likeliest tokens
-        `ids`, their probabilities `p` [s + 1, B, top] and the hidden `ahead` [s + 1, B, H].
-        `sampled`: each step draws by `draft_support` from the rows' `params` [B, 5] and
-        `uniform` [s, B]; its q comes out as `q_ids`, `q` [s, B, K]."""
-        d, dev = self.model, self.cache.device
+        """`step_graph` of s steps (s + 1 with `top`) over the bucket's shared step attention,
+        grown to as many forwards as the graph runs."""
         attns = self.steps[batch]
         forwards = s if top else s - 1
         while len(attns) < forwards:
@@ -103,46 +78,7 @@ class DraftGraphs:
             if attns[-1].on_device and first is not None and last is not None:
                 # one request's page row serves every step
                 last.pages = first.pages
-        inputs = {
-            "hidden": torch.zeros(batch, 1, d.args.hidden_size, dtype=self.cache.dtype, device=dev),
-            "starts": torch.zeros(batch, dtype=torch.long, device=dev),
-        }
-        if sampled:  # its q fills `ids` and `ps`, which a lookahead fills otherwise
-            assert not top, "a sampled graph has no lookahead (pipelined sampled rounds: eager)"
-            inputs["params"] = torch.ones(batch, 5, device=dev)  # RowParams.table
-            inputs["uniform"] = torch.zeros(s, batch, device=dev)
-
-        def body() -> dict[str, Tensor]:
-            hidden, out, ids, ps, hs = inputs["hidden"], [], [], [], []
-            for k in range(forwards + 1):
-                logits = d.logits(hidden)  # [B, V]
-                if sampled:
-                    params = RowParams(inputs["params"])  # every branch: rows differ
-                    token, support, q = draft_support(logits, params, inputs["uniform"][k])
-                    ids.append(support)
-                    ps.append(q)
-                else:
-                    token = logits.argmax(-1)  # [B]
-                if k < s:
-                    out.append(token)
-                if top:
-                    best = torch.softmax(logits, -1).topk(top)
-                    ids.append(best.indices)
-                    ps.append(best.values)
-                    hs.append(hidden[:, -1])
-                if k < forwards:
-                    pos = inputs["starts"] + k  # [B]
-                    if attns[k].on_device:
-                        attns[k].follow(pos)
-                    hidden = d.forward(token[:, None], hidden, pos[:, None], attns[k].attend)
-            result = {"tokens": torch.stack(out)}  # [s, B]
-            if sampled:
-                result |= {"q_ids": torch.stack(ids), "q": torch.stack(ps)}
-            if top:
-                result |= {"ids": torch.stack(ids), "p": torch.stack(ps), "ahead": torch.stack(hs)}
-            return result
-
-        return self.capture.capture(body, inputs, attns[:forwards])
+        return step_graph(self.capture, self.model, attns[:forwards], batch, s, top, sampled)
 
     def plan_step_pages(self, bucket: int, slots: list[int], ends: list[int]) -> None:
         """Pages up to `ends` and their rows, for steps that place themselves (`on_device`)."""

@@ -110,6 +110,7 @@ class TargetRound(Generic[B]):
         flight.request = self.session.request(
             round_id, seqs, state.tier, epoch=draft.epochs(seqs), features=draft.features,
             steps=steps, predrafted=flight.ahead.take if flight.ahead is not None else None,
+            shape=None if state.is_chain else state.shape,
         )  # fmt: skip
         flight.epoch = await draft.send(flight.request)
         flight.sent = time.perf_counter()
@@ -240,4 +241,5 @@ def round_stats(
         tuple(rid in hits for rid in drafted_ids), ahead.misses if ahead is not None else 0,
         flight.request is not None and flight.request.predraft,
         sum(not seq.sampling.greedy for seq in seqs),
+        None if flight.state is None or flight.state.is_chain else flight.state.shape,
     )  # fmt: skip

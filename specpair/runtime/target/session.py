@@ -28,7 +28,7 @@ from torch import Tensor
 
 from specpair.logging import get_logger
 from specpair.runtime.round import DraftInput, RoundRequest, RoundResponse, StageTimings
-from specpair.runtime.shape import MAX_TREE_NODES
+from specpair.runtime.shape import MAX_TREE_NODES, TreeShape
 from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import EMPTY_TREE, CandidateTree, validate_tree
 
@@ -181,6 +181,7 @@ class DraftSession:
         features: bool = False,
         steps: Sequence[int] | None = None,
         predrafted: Predrafted | None = None,
+        shape: TreeShape | None = None,
     ) -> RoundRequest:
         """The next round for `seqs` on the draft stream `epoch` (or each request's own, by id:
         a pool of draft replicas): per request the tokens the draft has not seen (and, with
@@ -188,6 +189,7 @@ class DraftSession:
         `steps` (per request, at most `tier`): each one's own tier; one at 0 is not sent, and
         what it appends meanwhile goes out with its next round at a positive tier. With
         `predrafted` the round goes out pipelined, each input marked whose outcome it found.
+        `shape`: the round's tree shape, when it is one (`tier` is its steps).
 
         Worked example: prompt [5, 6, 7], output [8] (pending), nothing seen → appended
         (5, 6, 7, 8) and the prompt's 3 feature rows; the draft answers, seen = 4; verify
@@ -219,7 +221,7 @@ class DraftSession:
         released = tuple(self._released)
         self._released.clear()
         pipelined = predrafted is not None and bool(inputs)
-        return RoundRequest(round_id, tier, tuple(inputs), released, pipelined)
+        return RoundRequest(round_id, tier, tuple(inputs), released, pipelined, shape)
 
     def releases(self, round_id: int) -> RoundRequest | None:
         """A request that only frees state (when no round follows), or None: nothing to free."""

@@ -1,0 +1,96 @@
+"""What the draft's CUDA graphs compute: the bodies `DraftGraphs` captures per batch bucket.
+
+- `extend_graph`: B × T appended tokens → hidden of each request's last row [B, 1, H];
+- `step_graph`: s steps of one token per request → tokens [s, B]: greedy (argmax inside the
+  graph), or sampled (`draft_support` inside a graph of its own: per-row parameters and uniforms
+  in, each step's sparse q out, [s, B, K]), or with a lookahead for pipelined rounds.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specpair.runtime.gpu.capture import GraphAttention, GraphCapture, StageGraph
+from specpair.runtime.sampling import RowParams, draft_support
+from specpair.runtime.stages import DraftModel
+
+
+def extend_graph(capture: GraphCapture, d: DraftModel, batch: int, tokens: int) -> StageGraph:
+    """`batch` requests appending `tokens` rows each → `hidden` [B, 1, H] at each one's `last`."""
+    dev = capture.cache.device
+    inputs = {
+        "tokens": torch.zeros(batch, tokens, dtype=torch.long, device=dev),
+        "positions": torch.zeros(batch, tokens, dtype=torch.long, device=dev),
+        "last": torch.zeros(batch, dtype=torch.long, device=dev),
+    }
+    if d.needs_features:
+        inputs["features"] = torch.zeros(batch, tokens, d.feature_width, device=dev)
+    attn = capture.attention(batch, tokens)
+    inputs["rows"] = torch.arange(batch, device=dev)  # static: read by the graph's gather
+    rows = inputs["rows"]
+
+    def body() -> dict[str, Tensor]:
+        feats = inputs.get("features")
+        hidden = d.forward(inputs["tokens"], feats, inputs["positions"], attn.attend)
+        return {"hidden": hidden[rows, inputs["last"]][:, None]}  # [B, 1, H]
+
+    return capture.capture(body, inputs, [attn])
+
+
+def step_graph(
+    capture: GraphCapture,
+    d: DraftModel,
+    attns: list[GraphAttention],
+    batch: int,
+    s: int,
+    top: int = 0,
+    sampled: bool = False,
+) -> StageGraph:
+    """s greedy steps → tokens [s, B]. With `top`, one step more (the chain's last K/V
+    written, the distribution after it) and per depth 0..s the `top` likeliest tokens
+    `ids`, their probabilities `p` [s + 1, B, top] and the hidden `ahead` [s + 1, B, H].
+    `sampled`: each step draws by `draft_support` from the rows' `params` [B, 5] and
+    `uniform` [s, B]; its q comes out as `q_ids`, `q` [s, B, K]. `attns`: one step attention
+    per forward after the first token (s with `top`, else s - 1)."""
+    dev, forwards = capture.cache.device, len(attns)
+    inputs = {
+        "hidden": torch.zeros(batch, 1, d.args.hidden_size, dtype=capture.cache.dtype, device=dev),
+        "starts": torch.zeros(batch, dtype=torch.long, device=dev),
+    }
+    if sampled:  # its q fills `ids` and `ps`, which a lookahead fills otherwise
+        assert not top, "a sampled graph has no lookahead (pipelined sampled rounds: eager)"
+        inputs["params"] = torch.ones(batch, 5, device=dev)  # RowParams.table
+        inputs["uniform"] = torch.zeros(s, batch, device=dev)
+
+    def body() -> dict[str, Tensor]:
+        hidden, out, ids, ps, hs = inputs["hidden"], [], [], [], []
+        for k in range(forwards + 1):
+            logits = d.logits(hidden)  # [B, V]
+            if sampled:
+                params = RowParams(inputs["params"])  # every branch: rows differ
+                token, support, q = draft_support(logits, params, inputs["uniform"][k])
+                ids.append(support)
+                ps.append(q)
+            else:
+                token = logits.argmax(-1)  # [B]
+            if k < s:
+                out.append(token)
+            if top:
+                best = torch.softmax(logits, -1).topk(top)
+                ids.append(best.indices)
+                ps.append(best.values)
+                hs.append(hidden[:, -1])
+            if k < forwards:
+                pos = inputs["starts"] + k  # [B]
+                if attns[k].on_device:
+                    attns[k].follow(pos)
+                hidden = d.forward(token[:, None], hidden, pos[:, None], attns[k].attend)
+        result = {"tokens": torch.stack(out)}  # [s, B]
+        if sampled:
+            result |= {"q_ids": torch.stack(ids), "q": torch.stack(ps)}
+        if top:
+            result |= {"ids": torch.stack(ids), "p": torch.stack(ps), "ahead": torch.stack(hs)}
+        return result
+
+    return capture.capture(body, inputs, attns)
