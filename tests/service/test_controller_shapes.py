@@ -21,9 +21,11 @@ from specpair.client.results import ControllerState
 from specpair.client_commands import status_table
 from specpair.config import ControllerConfig, ServerConfig
 from specpair.proto.v1 import common_pb2, target_pb2
+from specpair.runtime.shape import TreeShape
 from specpair.serving import GrpcServer
-from tests.service.conftest import eventually
+from tests.service.conftest import draft_config, eventually, reference_greedy, target_config
 from tests.service.test_controller import FakeTarget, serve_target
+from tests.service.test_tiers import watch
 
 TREE = "4x4x16"
 GOODPUT = {"kind": "goodput", "candidate_steps": [0, 1, 3], "tree_shapes": [TREE]}
@@ -208,3 +210,41 @@ async def test_ctl_pins_a_tree_and_sets_tree_shapes() -> None:
         assert code == 2 and "STEPSxTOPKxNUM_DRAFT_TOKENS" in out
         code, out = await ctl("status")
         assert code == 0 and out.splitlines()[2].split()[2:4] == [TREE, TREE]
+
+
+async def test_the_controller_pins_a_tree_on_real_services(ckpts, make_stack) -> None:
+    """Controller, target and draft on the CPU, the tree built beside the chains: pinned by
+    shape, every drafted round runs the tree and the outputs are target-alone greedy's; the
+    controller learns the tree's acceptance and cost from those rounds."""
+    steps, shapes = (1, 3, 7), (TREE,)
+    stack = await make_stack(
+        draft_config(ckpts["eagle"], draft_kind="eagle", target_path=ckpts["target"],
+                     candidate_steps=steps, tree_shapes=shapes),
+        target_config(ckpts["target"], candidate_steps=steps, tree_shapes=shapes, max_batch=4),
+    )  # fmt: skip
+    config = ControllerConfig(
+        ServerConfig("127.0.0.1:0"), targets=(f"127.0.0.1:{stack.target.port}",), reconnect_s=0.1
+    )
+    policy = PolicySpec.from_mapping({**GOODPUT, "candidate_steps": list(steps)})
+    running = await start(config, policy=policy)
+    try:
+        await eventually(lambda: running.controller.snapshot()[0].connected)
+        await running.controller.pin(TreeShape.parse(TREE))
+        rounds, task = await watch(stack)  # the tier lands with the next round
+        prompts = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3], [100, 200, 50, 60, 70]]
+        outputs = await asyncio.gather(
+            *(stack.generate(prompt_token_ids=p, max_tokens=24) for p in prompts)
+        )
+        task.cancel()
+        assert [t for t, _ in outputs] == reference_greedy(ckpts["target"], prompts, 24)
+        drafted = [r for r in rounds.values() if r.accept_lengths]
+        assert drafted and {(r.speculative_num_steps, r.shape) for r in drafted} == {(4, TREE)}
+        info = await stack.stub.GetServerInfo(target_pb2.TargetServiceGetServerInfoRequest())
+        assert (info.speculative_num_steps, info.shape) == (4, TREE)
+        await eventually(lambda: running.controller.snapshot()[0].rounds_seen >= len(drafted))
+        (state,) = running.controller.snapshot()
+        assert (state.active_shape, state.pinned_shape) == (TREE, TREE)
+        (tree,) = [e for e in state.estimates if e.shape == TREE]
+        assert tree.observed_rounds > 0 and tree.tokens_per_round > 1.0
+    finally:
+        await running.stop(grace=0.1)
