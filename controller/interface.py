@@ -152,12 +152,6 @@ def policy_tier(policy: SpeculationPolicy) -> TreeShape:
     return TreeShape(policy.current_steps)
 
 
-def policy_tiers(policy: SpeculationPolicy) -> tuple[TreeShape, ...]:
-    if isinstance(policy, ShapedPolicy):
-        return policy.candidate_tiers
-    return tuple(TreeShape(s) for s in policy.candidate_steps)
-
-
 def policy_regimes(policy: SpeculationPolicy) -> RegimeSteps | None:
     """The batch tier per sampling regime, where `policy` keeps one (ints read as chains)."""
     return policy.regime_steps if isinstance(policy, RegimePolicy) else None
