@@ -164,7 +164,7 @@ def simulate(
                     applied = pending.popleft()[1]
                 regimes = getattr(policy, "regime_steps", None) if regime_map else None
                 if regimes is not None and last_sampled not in (None, sampled):
-                    applied = regimes.of(sampled)
+                    applied = regimes.of(sampled).steps  # the replays are of chains
                 last_sampled = sampled
                 if applied not in rec.traces:
                     raise ValueError(f"{name}: tier {applied} has no static run to replay")

@@ -10,6 +10,9 @@ The JSON file (and a live update) is one object; without "kind" it is SGLang's r
 The top-level keys are the band from batch size 1; each band overrides some of them from its
 `min_batch_size` up to the next band's (batch 1–15: [0, 1, 3, 7], 16–63: [0, 1, 3], 64+: [0, 1]).
 A round goes to the band of its batch size, and the tier commanded is that band's choice.
+Tree shapes are listed beside the chains (`"tree_shapes": ["4x4x16"]`, the goodput kind only);
+a band that lists its candidate_steps lists its trees too (none unless it sets tree_shapes), so
+that `{"min_batch_size": 64, "candidate_steps": [0, 1]}` drops the trees from batch 64 up.
 "kind" may also be "package.module:Class" (set at start-up only): a SpeculationPolicy built as
 `Class(options, initial_steps)` from the other keys, which it validates itself.
 """
@@ -24,8 +27,20 @@ from typing import Any
 
 from controller.goodput import GoodputPolicy
 from controller.goodput_config import GoodputConfig
-from controller.interface import RegimePolicy, RoundSample, SpeculationPolicy, TierEstimate
-from controller.policy import MAX_BATCH_SIZE, AdaptiveSpeculativeParams, PolicyConfig, is_int
+from controller.interface import (
+    RegimePolicy,
+    RoundSample,
+    SpeculationPolicy,
+    TierEstimate,
+)
+from controller.policy import (
+    MAX_BATCH_SIZE,
+    AdaptiveSpeculativeParams,
+    PolicyConfig,
+    is_int,
+    refuse_tree_shapes,
+)
+from specpair.runtime.shape import TreeShape
 from specpair.tiers import RegimeSteps
 
 KindConfig = PolicyConfig | GoodputConfig
@@ -73,6 +88,9 @@ class PolicySpec:
         raw_bands = rest.pop("bands", [])
         if not isinstance(raw_bands, list | tuple):
             raise ValueError(f"bands must be a list of objects, got {raw_bands!r}")
+        if kind == "sglang":
+            rest = _chains(rest)
+            raw_bands = [_chains(b) if isinstance(b, Mapping) else b for b in raw_bands]
         top = KINDS[kind][0].from_mapping(rest)
         bands = [Band(1, {}, top)]
         for i, raw in enumerate(raw_bands):
@@ -86,8 +104,11 @@ class PolicySpec:
                     f"(bands ascend; batch 1 is the top level) and at most {MAX_BATCH_SIZE}, "
                     f"got {start!r}"
                 )
+            own = dict(overrides)
+            if "candidate_steps" in own and "tree_shapes" in top.field_names():
+                own.setdefault("tree_shapes", ())  # a band lists its tiers: trees too
             try:
-                config = top.replace_partial(**overrides)
+                config = top.replace_partial(**own)
             except ValueError as exc:
                 raise ValueError(f"bands[{i}]: {exc}") from None
             bands.append(Band(start, {"min_batch_size": start, **overrides}, config))
@@ -100,10 +121,17 @@ class PolicySpec:
 
     @property
     def candidate_steps(self) -> tuple[int, ...]:
-        """Every tier some band may choose."""
+        """Every chain some band may choose, by its steps."""
         if self.policy_class is not None:
             return self.class_steps
         return tuple(sorted({s for b in self.bands for s in b.config.candidate_steps}))
+
+    @property
+    def candidate_tiers(self) -> tuple[TreeShape, ...]:
+        """Every tier some band may choose, chains and trees."""
+        if self.policy_class is not None:
+            return tuple(TreeShape(s) for s in self.class_steps)
+        return tuple(sorted({t for b in self.bands for t in b.config.tiers}))
 
     def to_dict(self) -> dict[str, Any]:
         if self.policy_class is not None:
@@ -129,10 +157,11 @@ class PolicySpec:
             base = {k: v for k, v in base.items() if k in names or k == "bands"}
         return PolicySpec.from_mapping({**base, **changes, "kind": kind})
 
-    def build(self, initial_steps: int) -> SpeculationPolicy:
-        if self.policy_class is not None:
-            return _construct(self.policy_class, self.kind, self.options, initial_steps)
-        return BandedPolicy(self, initial_steps)
+    def build(self, initial: int | TreeShape) -> SpeculationPolicy:
+        if self.policy_class is not None:  # a class policy chooses among chains
+            steps = initial.steps if isinstance(initial, TreeShape) else initial
+            return _construct(self.policy_class, self.kind, self.options, steps)
+        return BandedPolicy(self, initial)
 
 
 def _construct(
@@ -145,6 +174,14 @@ def _construct(
     if not isinstance(policy, SpeculationPolicy):
         raise ValueError(f"policy class {kind} does not implement SpeculationPolicy")
     return policy
+
+
+def _chains(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The sglang kind's keys: `tree_shapes` refused by name (an empty list names none)."""
+    out = dict(values)
+    if shapes := out.pop("tree_shapes", ()):
+        refuse_tree_shapes(shapes)
+    return out
 
 
 def kind_of(config: KindConfig) -> str:
@@ -166,14 +203,14 @@ def load_policy_class(path: str) -> type:
 class BandedPolicy:
     """One kind policy per band; a round feeds its batch size's band, whose tier is current."""
 
-    def __init__(self, spec: PolicySpec, initial_steps: int) -> None:
-        self._start(spec, initial_steps)
+    def __init__(self, spec: PolicySpec, initial: int | TreeShape) -> None:
+        self._start(spec, initial)
 
-    def _start(self, spec: PolicySpec, initial_steps: int) -> None:
+    def _start(self, spec: PolicySpec, initial: int | TreeShape) -> None:
         self.spec = spec
         policy_cls = KINDS[spec.kind][1]
         self._starts = [b.min_batch_size for b in spec.bands]
-        self._policies: list[KindPolicy] = [policy_cls(b.config, initial_steps) for b in spec.bands]
+        self._policies: list[KindPolicy] = [policy_cls(b.config, initial) for b in spec.bands]
         self._active = 0
 
     @property
@@ -185,8 +222,16 @@ class BandedPolicy:
         return self.spec.candidate_steps
 
     @property
+    def candidate_tiers(self) -> tuple[TreeShape, ...]:
+        return self.spec.candidate_tiers
+
+    @property
     def current_steps(self) -> int:
         return self.band.current_steps
+
+    @property
+    def current_tier(self) -> TreeShape:
+        return self.band.current_tier
 
     @property
     def ema(self) -> float:
@@ -201,10 +246,10 @@ class BandedPolicy:
         return self.band.regime_steps if isinstance(self.band, RegimePolicy) else None
 
     def observe(self, sample: RoundSample) -> bool:
-        old = self.current_steps
+        old = self.current_tier
         self._active = bisect_right(self._starts, max(sample.batch_size, 1)) - 1
         self.band.observe(sample)
-        return self.current_steps != old
+        return self.current_tier != old
 
     def resume(self, ema: float, count: int) -> None:
         for policy in self._policies:
@@ -214,7 +259,7 @@ class BandedPolicy:
         """Same kind and band starts: each band keeps what it learnt; otherwise a fresh start
         at the current tier."""
         spec = PolicySpec.from_mapping(options)
-        old = self.current_steps
+        old = self.current_tier
         same_shape = (
             spec.kind == self.spec.kind and [b.min_batch_size for b in spec.bands] == self._starts
         )
@@ -224,7 +269,7 @@ class BandedPolicy:
             self.spec = spec
         else:
             self._start(spec, old)
-        return self.current_steps != old
+        return self.current_tier != old
 
     def estimates(self) -> tuple[TierEstimate, ...]:
         return self.band.estimates()

@@ -6,6 +6,7 @@ import asyncio
 import functools
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +14,14 @@ import grpc
 
 from controller import memory
 from controller.bands import PolicySpec
-from controller.interface import PerRequestPolicy, RegimePolicy, RoundSample, SpeculationPolicy
+from controller.interface import (
+    PerRequestPolicy,
+    RoundSample,
+    SpeculationPolicy,
+    as_tier,
+    policy_regimes,
+    policy_tier,
+)
 from controller.policy import PolicyConfig
 from controller.target_link import NotConnectedError, TargetLink
 from specpair.client.results import TargetState, TierSwitch
@@ -22,6 +30,7 @@ from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import target_pb2
 from specpair.runtime.round import RoundStats
+from specpair.runtime.shape import ShapeError, TreeShape, tier_from_wire, tier_name
 from specpair.tiers import RegimeSteps
 
 log = get_logger("controller")
@@ -36,10 +45,10 @@ class _Target:
     connected: bool = False
     ever_connected: bool = False
     # The tier last commanded (or reported by GetServerInfo on connect); 0 before first contact.
-    active_steps: int = 0
+    active: TreeShape = field(default_factory=lambda: TreeShape(0))
     # Created at first contact, from the tier the target reports (GetServerInfo).
     policy: SpeculationPolicy | None = None
-    target_candidates: tuple[int, ...] = ()
+    target_candidates: tuple[TreeShape, ...] = ()  # its chains and the trees it built
     regimes: RegimeSteps | None = None  # the per-regime tiers last sent
     link: TargetLink | None = None
     rounds_seen: int = 0
@@ -68,10 +77,10 @@ class AdaptiveController:
         if isinstance(policy, PolicyConfig):
             policy = PolicySpec.of(policy)
         self.policy = PolicySpec.from_mapping(saved.policy) if saved.policy else policy
-        self.pinned_steps: int | None = saved.pinned_steps
+        self.pinned: TreeShape | None = saved.pinned
         self._remembered = saved.targets
-        if config.state_file and (saved.pinned_steps is not None or saved.targets):
-            log.info("state restored", path=str(config.state_file), pinned=saved.pinned_steps)
+        if config.state_file and (saved.pinned is not None or saved.targets):
+            log.info("state restored", path=str(config.state_file), pinned=str(saved.pinned))
         self._targets = [_Target(address) for address in config.targets]
         for t in self._targets:
             t.link = TargetLink(
@@ -83,6 +92,10 @@ class AdaptiveController:
                 token=config.server.ops_token,
                 backoff_max_s=config.reconnect_s,
             )
+
+    @property
+    def pinned_steps(self) -> int | None:
+        return None if self.pinned is None else self.pinned.steps
 
     async def start(self) -> None:
         for t in self._targets:
@@ -102,9 +115,9 @@ class AdaptiveController:
         for t in self._targets:
             if t.policy is not None:
                 targets[t.address] = memory.TargetMemory(
-                    t.policy.current_steps, t.policy.ema, t.policy.count
+                    policy_tier(t.policy), t.policy.ema, t.policy.count
                 )
-        state = memory.Memory(self.pinned_steps, self.policy.to_dict(), targets)
+        state = memory.Memory(self.pinned, self.policy.to_dict(), targets)
         try:
             memory.save(self.config.state_file, state)
         except OSError as exc:  # a full disk costs the memory, not the serving
@@ -117,7 +130,7 @@ class AdaptiveController:
             TargetState(
                 target_address=t.address,
                 connected=t.connected,
-                active_steps=t.active_steps,
+                active_steps=t.active.steps,
                 ema=t.policy.ema if t.policy else 0.0,
                 pinned_steps=self.pinned_steps,
                 rounds_seen=t.rounds_seen,
@@ -127,6 +140,8 @@ class AdaptiveController:
                 model=t.policy.describe() if t.policy else "",
                 pipeline=t.pipelined,
                 pipeline_hit_rate=sum(t.predrafted) / len(t.predrafted) if t.predrafted else 0.0,
+                active_shape=tier_name(t.active),
+                pinned_shape=tier_name(self.pinned) if self.pinned else "",
             )
             for t in self._targets
         ]
@@ -136,18 +151,20 @@ class AdaptiveController:
     async def update_policy(self, **changes: Any) -> PolicySpec:
         """Validates and swaps in a partial update; ValueError names the bad field."""
         new = self.policy.replace_partial(**changes)
-        if self.pinned_steps is not None and self.pinned_steps not in new.candidate_steps:
+        tiers = new.candidate_tiers
+        if self.pinned is not None and self.pinned not in tiers:
             raise ValueError(
-                f"candidate_steps {list(new.candidate_steps)} must include the pinned tier "
-                f"{self.pinned_steps} (unpin first)"
+                f"candidate_steps and tree_shapes {_names(tiers)} must include the pinned tier "
+                f"{self.pinned} (unpin first)"
             )
         for t in self._targets:
             # A tier the target has not built would make every ApplyTier fail later.
-            missing = set(new.candidate_steps) - set(t.target_candidates or new.candidate_steps)
+            missing = set(tiers) - set(t.target_candidates or tiers)
             if missing:
+                field = "tree_shapes" if all(not m.is_chain for m in missing) else "candidate_steps"
                 raise ValueError(
-                    f"candidate_steps {sorted(missing)} are not tiers of target {t.address} "
-                    f"(it has {list(t.target_candidates)})"
+                    f"{field} {_names(missing)} are not tiers of target {t.address} "
+                    f"(it has {_names(t.target_candidates)})"
                 )
         old_kind, self.policy = self.policy.kind, new
         log.info("policy updated", policy=new.to_dict())
@@ -159,42 +176,44 @@ class AdaptiveController:
                 if new.kind != old_kind:
                     # Another kind learns from scratch, starting where the target runs: at the
                     # pinned tier while one is pinned, not at the old kind's choice.
-                    start = self.pinned_steps
-                    t.policy = new.build(t.policy.current_steps if start is None else start)
-                    changed = isinstance(t.policy, RegimePolicy)  # its regime tiers go out
+                    start = self.pinned
+                    t.policy = new.build(policy_tier(t.policy) if start is None else start)
+                    changed = policy_regimes(t.policy) is not None  # its regime tiers go out
                 else:
                     changed = t.policy.reconfigure(new.policy_options())
-                if changed and self.pinned_steps is None:
-                    await self._apply(t, t.policy.current_steps, "policy")
+                if changed and self.pinned is None:
+                    await self._apply(t, policy_tier(t.policy), "policy")
         return new
 
-    async def pin(self, steps: int) -> None:
-        if steps not in self.policy.candidate_steps:
+    async def pin(self, tier: int | TreeShape) -> None:
+        """Pins a chain (by its steps) or a tree shape; ValueError names the field."""
+        tier = as_tier(tier)
+        field = "speculative_num_steps" if tier.is_chain else "shape"
+        if tier not in self.policy.candidate_tiers:
             raise ValueError(
-                f"speculative_num_steps {steps} is not a candidate tier "
-                f"{list(self.policy.candidate_steps)}"
+                f"{field} {tier} is not a candidate tier {_names(self.policy.candidate_tiers)}"
             )
         for t in self._targets:
-            if t.target_candidates and steps not in t.target_candidates:
+            if t.target_candidates and tier not in t.target_candidates:
                 raise ValueError(
-                    f"speculative_num_steps {steps} is not a tier of target {t.address} "
-                    f"(it has {list(t.target_candidates)})"
+                    f"{field} {tier} is not a tier of target {t.address} "
+                    f"(it has {_names(t.target_candidates)})"
                 )
-        self.pinned_steps = steps
-        log.info("tier pinned", steps=steps)
+        self.pinned = tier
+        log.info("tier pinned", tier=str(tier))
         self._save()
         for t in self._targets:
             async with t.lock:
-                await self._apply(t, steps, "pin")
+                await self._apply(t, tier, "pin")
 
     async def unpin(self) -> None:
-        self.pinned_steps = None
+        self.pinned = None
         log.info("tier unpinned")
         self._save()
         for t in self._targets:
             async with t.lock:
                 if t.policy is not None:
-                    await self._apply(t, t.policy.current_steps, "unpin")
+                    await self._apply(t, policy_tier(t.policy), "unpin")
 
     # --- per target --------------------------------------------------------------------------
 
@@ -202,36 +221,35 @@ class AdaptiveController:
         self, t: _Target, info: target_pb2.TargetServiceGetServerInfoResponse
     ) -> None:
         async with t.lock:
-            t.active_steps = info.speculative_num_steps
-            t.target_candidates = tuple(info.candidate_steps)
-            if not set(self.policy.candidate_steps) <= set(t.target_candidates or ()):
+            active, built = target_tiers(info)
+            t.active, t.target_candidates = active, built
+            if not set(self.policy.candidate_tiers) <= set(built):
                 log.warning(
                     "policy tiers missing on target",
                     target=t.address,
-                    policy=list(self.policy.candidate_steps),
-                    target_tiers=list(t.target_candidates),
+                    policy=_names(self.policy.candidate_tiers),
+                    target_tiers=_names(built),
                 )
             if t.policy is None:
                 saved = self._remembered.get(t.address)
-                steps = saved.steps if saved else info.speculative_num_steps
-                t.policy = self.policy.build(steps)
+                t.policy = self.policy.build(saved.tier if saved else active)
                 if saved:
                     t.policy.resume(saved.ema, saved.count)
-            desired = t.policy.current_steps if self.pinned_steps is None else self.pinned_steps
+            desired = policy_tier(t.policy) if self.pinned is None else self.pinned
             # Applied even when the target already runs `desired`: a restarted target comes back
             # at its configured tier, and the call proves that the target accepts our ops token
             # (GetServerInfo is not protected) before we report it connected.
-            reason = "policy" if self.pinned_steps is None else "pin"
+            reason = "policy" if self.pinned is None else "pin"
             if t.ever_connected:
                 reason = "reconnect"
             await self._apply(t, desired, reason, raise_errors=True)
             t.connected = t.ever_connected = True
-        self.metrics.active_tier.set(t.active_steps)
+        self.metrics.active_tier.set(t.active.steps)
         log.info(
             "target connected",
             target=t.address,
-            steps=t.active_steps,
-            pinned=self.pinned_steps,
+            tier=str(t.active),
+            pinned=str(self.pinned),
             ema=round(t.policy.ema, 4),
         )
 
@@ -254,13 +272,13 @@ class AdaptiveController:
             assert t.policy is not None  # set by _connect before the stream starts
             # While pinned the policy keeps learning, but its decisions are not applied.
             changed = t.policy.observe(sample)
-            if isinstance(t.policy, RegimePolicy) and t.policy.regime_steps != t.regimes:
+            if (regimes := policy_regimes(t.policy)) is not None and regimes != t.regimes:
                 changed = True  # e.g. a regime first seen: its tier is now known
-            if changed and self.pinned_steps is None:
-                await self._apply(t, t.policy.current_steps, "policy")
+            if changed and self.pinned is None:
+                await self._apply(t, policy_tier(t.policy), "policy")
 
     async def _apply(
-        self, t: _Target, steps: int, reason: str, *, raise_errors: bool = False
+        self, t: _Target, tier: TreeShape, reason: str, *, raise_errors: bool = False
     ) -> bool:
         """ApplyTier on `t` (caller holds t.lock); False if it is not connected or refused."""
         assert t.link is not None
@@ -269,9 +287,9 @@ class AdaptiveController:
         # the greedy tier); a pin clears them.
         policy = t.policy if reason in ("policy", "unpin") else None
         own = policy.request_steps if isinstance(policy, PerRequestPolicy) else {}
-        regimes = policy.regime_steps if isinstance(policy, RegimePolicy) else None
+        regimes = policy_regimes(policy) if policy is not None else None
         try:
-            response = await t.link.apply_tier(steps, reason, own, regimes)
+            response = await t.link.apply_tier(tier, reason, own, regimes)
         except NotConnectedError:
             return False
         except grpc.aio.AioRpcError as exc:
@@ -281,7 +299,7 @@ class AdaptiveController:
             log.warning(
                 "ApplyTier failed",
                 target=t.address,
-                steps=steps,
+                tier=str(tier),
                 reason=reason,
                 code=exc.code().name,
                 details=exc.details(),
@@ -289,19 +307,25 @@ class AdaptiveController:
             return False
         # Switches are counted against the tier we last commanded: the target reports as
         # previous_steps the tier of its running round, which lags a command not yet started.
-        previous, t.active_steps = t.active_steps, response.speculative_num_steps
+        try:
+            applied = tier_from_wire(response.speculative_num_steps, response.shape, "shape")
+        except ShapeError:
+            applied = tier  # a reply we cannot read: the target accepted what we sent
+        previous, t.active = t.active, applied
         t.regimes = regimes
-        self.metrics.active_tier.set(t.active_steps)
-        if previous != t.active_steps:
+        self.metrics.active_tier.set(t.active.steps)
+        if previous != t.active:
             ema = t.policy.ema if t.policy else 0.0
             t.switches.append(
                 TierSwitch(
                     round_id=response.current_round,
-                    from_steps=previous,
-                    to_steps=t.active_steps,
+                    from_steps=previous.steps,
+                    to_steps=t.active.steps,
                     reason=reason,
                     ema=ema,
                     unix_time=time.time(),
+                    from_shape=tier_name(previous),
+                    to_shape=tier_name(t.active),
                 )
             )
             self.metrics.tier_switches.inc()
@@ -309,8 +333,8 @@ class AdaptiveController:
             log.info(
                 "tier switched",
                 target=t.address,
-                from_steps=previous,
-                to_steps=t.active_steps,
+                from_tier=str(previous),
+                to_tier=str(t.active),
                 reason=reason,
                 ema=round(ema, 4),
                 round_id=response.current_round,
@@ -336,4 +360,28 @@ def round_sample(stats: RoundStats) -> RoundSample:
         schedule_ms=timings.schedule_ms,
         admit_ms=timings.admit_ms,
         sampled=stats.sampled_requests,
+        shape=stats.shape if speculative else None,
     )
+
+
+def target_tiers(
+    info: target_pb2.TargetServiceGetServerInfoResponse,
+) -> tuple[TreeShape, tuple[TreeShape, ...]]:
+    """The tier a target runs and every tier it built (its chains and tree shapes); a shape
+    it reports that is none is left out (logged): the policy's own is then refused."""
+    try:
+        active = tier_from_wire(info.speculative_num_steps, info.shape, "shape")
+    except ShapeError:
+        active = TreeShape(max(info.speculative_num_steps, 0))
+    built = [TreeShape(s) for s in info.candidate_steps if s >= 0]
+    for text in info.tree_shapes:
+        try:
+            built.append(TreeShape.parse(text))
+        except ShapeError as exc:
+            log.warning("target reports a shape that is none", shape=text, error=str(exc))
+    return active, tuple(sorted(set(built)))
+
+
+def _names(tiers: Iterable[TreeShape]) -> str:
+    """ "[1, 3, 4x4x16]": chains by their steps, as a policy lists them."""
+    return "[" + ", ".join(str(t) for t in sorted(tiers)) + "]"

@@ -44,8 +44,14 @@ from __future__ import annotations
 
 from controller.goodput_config import GoodputConfig, Regime
 from controller.goodput_model import AcceptanceModel, CostModel, batch_bucket
-from controller.interface import GatedPolicy, RoundSample, TierEstimate, snap_to_candidate
-from specpair.runtime.shape import TreeShape
+from controller.interface import (
+    GatedPolicy,
+    RoundSample,
+    TierEstimate,
+    as_tier,
+    snap_tier,
+)
+from specpair.runtime.shape import TreeShape, tier_name
 from specpair.tiers import RegimeSteps
 
 # Per-position acceptance a probe must be able to pay at, above what a trained EAGLE head
@@ -57,9 +63,9 @@ PROBE_MEMORY = 2.0  # trials of what was learnt before a probe that its rounds s
 class GoodputPolicy(GatedPolicy[GoodputConfig]):
     """Chooses the tier with the highest predicted tokens/s; see the module docstring."""
 
-    def __init__(self, config: GoodputConfig, initial_steps: int) -> None:
-        super().__init__(config, initial_steps)  # counts every round, tier 0's included
-        self._start = self._steps
+    def __init__(self, config: GoodputConfig, initial: int | TreeShape) -> None:
+        super().__init__(config, initial)  # counts every round, tier 0's included
+        self._start = self._tier
         self._regimes = {
             False: Regime.fresh(config, config.profile_ms),
             True: Regime.fresh(config, config.sampled_profile_ms),
@@ -68,10 +74,10 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         self._batch = 1
         self._rounds_at_zero = 0
         self._zero_ms = 0.0  # the time of those rounds
-        self._last_steps = self._steps  # the tier the last round ran at
+        self._last_steps = self._tier.steps  # the tier the last round ran at
         self._probe_rounds: int | None = None  # rounds with drafts so far while probing
         self._probe_ms = 0.0  # their time
-        self._explored: set[tuple[bool, int, int]] = set()  # (sampled, batch bucket, tier)
+        self._explored: set[tuple[bool, int, TreeShape]] = set()  # (sampled, bucket, tier)
 
     @property
     def regime(self) -> Regime:
@@ -88,7 +94,7 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
     @property
     def ema(self) -> float:
         """Predicted accepted drafts per request per round at the current tier."""
-        return self.acceptance.tokens_per_round(self._steps) - 1.0
+        return self.regime.tokens_per_round(self._tier) - 1.0
 
     @property
     def probing(self) -> bool:
@@ -110,18 +116,18 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         for regime in self._regimes.values():
             regime.acceptance.decay = config.acceptance_decay
             regime.cost.alpha = config.ema_alpha
-            if regime.steps is not None:  # where it resumes must stay a tier the target has
-                regime.steps = snap_to_candidate(regime.steps, config.candidate_steps)
+            if regime.tier is not None:  # where it resumes must stay a tier the target has
+                regime.tier = snap_tier(regime.tier, config.tiers)
         return self._swap_config(config)
 
     def observe(self, sample: RoundSample) -> bool:
-        old = self._steps
+        old = self._tier
         changed_regime = (sample.sampled > 0) != self._sampled
         if changed_regime:
             # Where the target ran this round (`regime_steps`), from what was known before it.
-            self._regimes[self._sampled].steps = old
+            self._regimes[self._sampled].tier = old
             self._sampled = not self._sampled
-            self._steps = self._regime_start(self._sampled)
+            self._tier = self._regime_start(self._sampled)
             self._probe_rounds, self._rounds_at_zero, self._zero_ms = None, 0, 0.0
         regime = self.regime
         if not (sample.steps > 0 and self._last_steps == 0):
@@ -130,13 +136,13 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
             # the policy at tier 0 for good. What it costs is the catch-up's, not the tier's.
             regime.cost.observe(sample)
         self._last_steps = sample.steps
-        regime.acceptance.observe(sample.steps, sample.accept_lengths, sample.request_steps)
+        regime.observe(sample)
         regime.rounds += 1
         self._batch = sample.batch_size
         if self._probe_rounds is not None and sample.speculative:
             self._probe_rounds += 1
             self._probe_ms += sample.total_ms
-        elif self._steps == 0:
+        elif self._tier.steps == 0:
             self._rounds_at_zero += 1
             self._zero_ms += sample.total_ms
         due = self._gate.tick()
@@ -144,9 +150,9 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
             # Decided at once from what this regime taught before (a regime never seen, or seen
             # only at tier 0 and now at a positive tier, learns first).
             learnt = regime.rounds > self.config.warmup_batches + 1
-            if learnt and (self._steps == 0 or regime.acceptance.trials > 0):
+            if learnt and (self._tier.steps == 0 or regime.acceptance.trials > 0):
                 self._decide()
-            return self._steps != old
+            return self._tier != old
         return due and self._decide()
 
     @property
@@ -155,149 +161,165 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         it would start). The target runs a batch that changes regime at its regime's tier from
         the first round; the decision below follows a round or more later."""
         other = self._regime_start(not self._sampled)
-        greedy, sampled = (other, self._steps) if self._sampled else (self._steps, other)
-        return RegimeSteps(greedy=TreeShape(greedy), sampled=TreeShape(sampled))
+        greedy, sampled = (other, self._tier) if self._sampled else (self._tier, other)
+        return RegimeSteps(greedy=greedy, sampled=sampled)
 
-    def _regime_start(self, sampled: bool) -> int:
+    def _regime_start(self, sampled: bool) -> TreeShape:
         """Where regime `sampled` starts: where it left off; never seen, the best its profile
         predicts (with the prior acceptance), else the starting tier."""
         regime = self._regimes[sampled]
-        if regime.steps is not None:
-            return regime.steps
+        if regime.tier is not None:
+            return regime.tier
         b = self._batch
-        rates = {s: r for s in self.config.candidate_steps if (r := regime.tokens_per_s(s, b))}
+        rates = {t: r for t in self.config.tiers if (r := regime.tokens_per_s(t, b))}
         if rates:
-            return max(rates, key=lambda s: (rates[s], -s))
-        positive = [s for s in self.config.candidate_steps if s > 0]
-        return self._start if self._start > 0 else (positive or [0])[0]
+            return max(rates, key=lambda t: _rank(t, rates[t]))
+        positive = [t for t in self.config.tiers if t.steps > 0]
+        return self._start if self._start.steps > 0 else (positive or [TreeShape(0)])[0]
 
-    def tokens_per_s(self, steps: int, batch_size: int | None = None) -> float | None:
+    def tokens_per_s(self, steps: int | TreeShape, batch_size: int | None = None) -> float | None:
         return self.regime.tokens_per_s(steps, batch_size or self._batch)
 
     def _decide(self) -> bool:
-        old, baseline = self._steps, self._steps
+        old, baseline = self._tier, self._tier
         probed = self._probe_rounds is not None
         probe_cost = 0.0
+        zero = TreeShape(0)
         if self._probe_rounds is not None:
             if self._probe_rounds < self.config.probe_rounds:
                 return False
             probe_cost = self._probe_cost(self._probe_rounds, self._probe_ms)
-            self._probe_rounds, baseline = None, 0  # the probe must earn its way off tier 0
-        elif self._steps == 0 and self._rounds_at_zero >= self.regime.probe_every:
-            positive = [s for s in self.config.candidate_steps if s > 0 and self._could_pay(s)]
+            self._probe_rounds, baseline = None, zero  # the probe must earn its way off tier 0
+        elif self._tier == zero and self._rounds_at_zero >= self.regime.probe_every:
+            positive = [t for t in self.config.tiers if t.steps > 0 and self._could_pay(t)]
             if positive and self._probe_paid_for(positive[0]):
                 self._rounds_at_zero, self._zero_ms = 0, 0.0
-                self._steps, self._probe_rounds, self._probe_ms = positive[0], 0, 0.0
+                self._tier, self._probe_rounds, self._probe_ms = positive[0], 0, 0.0
                 # The probe's own rounds decide: the long acceptance window would otherwise
                 # let what made the policy leave (say 30 rejections) outvote them for good.
                 self.acceptance.forget(PROBE_MEMORY)
                 return True
-        rates = {s: r for s in self.config.candidate_steps if (r := self.tokens_per_s(s))}
+        rates = {t: r for t in self.config.tiers if (r := self.tokens_per_s(t))}
         if not rates:
             return False
-        best = max(rates, key=lambda s: (rates[s], -s))  # a tie goes to the cheaper tier
+        best = max(rates, key=lambda t: _rank(t, rates[t]))
         base_rate = rates.get(baseline)
-        if base_rate is None and baseline > 0 and not probed:
+        if base_rate is None and baseline.steps > 0 and not probed:
             return False  # no estimate of the current tier yet: learn it before comparing
         if (young := self._young(rates, best)) is not None:
-            self._steps = young
+            self._tier = young
         elif base_rate is None or rates[best] > base_rate * (1.0 + self.config.min_gain):
-            self._steps = best
+            self._tier = best
         else:
-            self._steps = baseline
-        if self._steps == 0 and old != 0:
+            self._tier = baseline
+        if self._tier == zero and old != zero:
             self._rounds_at_zero, self._zero_ms = 0, 0.0
         if probed:
             limit = 16 * self.config.probe_interval
-            failed = self._steps == 0
+            failed = self._tier == zero
             self.regime.probe_every = (
                 min(2 * self.regime.probe_every, limit) if failed else self.config.probe_interval
             )
             self.regime.probe_cost_ms = probe_cost if failed else None
-        return self._steps != old
+        return self._tier != old
 
     def _probe_cost(self, rounds: int, ms: float) -> float:
         """What `rounds` probe rounds taking `ms` cost beyond as many rounds at tier 0."""
         zero = self.cost.round_ms(0, self._batch)
         return max(ms - rounds * (zero or 0.0), 0.0)
 
-    def _probe_paid_for(self, steps: int) -> bool:
+    def _probe_paid_for(self, tier: TreeShape) -> bool:
         """Whether the time at tier 0 since the last probe, times `probe_budget`, covers what a
         probe of `steps` costs: the last failed probe's, else the cost model's prediction (none
         predicted: the round count alone decides). E.g. a probe that cost 350 ms, budget 2 %:
         due after 17.5 s at tier 0."""
         cost = self.regime.probe_cost_ms
         if cost is None:
-            rounds_ms = self.cost.round_ms(steps, self._batch, self.acceptance.tokens_per_round)
+            rounds_ms = self.cost.round_ms(tier, self._batch, self.regime.tokens_per_round)
             if rounds_ms is None or self.cost.round_ms(0, self._batch) is None:
                 return True
             n = self.config.probe_rounds
             cost = self._probe_cost(n, n * rounds_ms)
         return self._zero_ms * self.config.probe_budget >= cost
 
-    def _could_pay(self, steps: int) -> bool:
+    def _could_pay(self, tier: TreeShape) -> bool:
         """Whether tier `steps` would beat tier 0 by `min_gain` at an optimistic acceptance
         (`OPTIMISTIC_ACCEPTANCE` at every position); a probe of a tier that could not is time
         lost. E.g. tier 7 at 95 ms a round gives at most 5.7 / 95 ms = 60 tokens/s against tier
         0's 1 / 12.9 ms = 78 (with every draft accepted it would be 84): never probed."""
         b = self._batch
-        if not self.cost.trusted(steps, b):
+        if not self.cost.trusted(tier, b):
             return True  # too few rounds of its own to rule it out
 
-        def optimistic(s: int) -> float:
-            return sum(OPTIMISTIC_ACCEPTANCE**k for k in range(s + 1))
+        def optimistic(t: int | TreeShape) -> float:
+            # a tree accepts at most its depth: its ceiling is its depth's chain's
+            return sum(OPTIMISTIC_ACCEPTANCE**k for k in range(as_tier(t).steps + 1))
 
-        ceiling = self.cost.round_ms(steps, b, optimistic)
+        ceiling = self.cost.round_ms(tier, b, optimistic)
         zero = self.cost.round_ms(0, b, optimistic)
         if ceiling is None or zero is None:
             return True
-        return optimistic(steps) / ceiling > (1.0 + self.config.min_gain) / zero
+        return optimistic(tier) / ceiling > (1.0 + self.config.min_gain) / zero
 
-    def _young(self, rates: dict[int, float], best: int) -> int | None:
+    def _young(self, rates: dict[TreeShape, float], best: TreeShape) -> TreeShape | None:
         """The best-predicted tier never measured (nor profiled) at this batch size and regime,
         if it comes within `explore_margin` of the best: with margin 0.25 and predictions
         {1: 700, 3: 800} (tier 1 unmeasured), tier 1 is tried; at {1: 500, 3: 800} it is not."""
         floor = rates[best] * (1.0 - self.config.explore_margin)
         bucket = batch_bucket(self._batch)
         young = [
-            s
-            for s, r in rates.items()
-            if s != self._steps
+            t
+            for t, r in rates.items()
+            if t != self._tier
             and r >= floor
-            and not self.cost.measured(s, self._batch)
-            and (self._sampled, bucket, s) not in self._explored
+            and not self.cost.measured(t, self._batch)
+            and (self._sampled, bucket, t) not in self._explored
         ]
         if not young:
             return None
-        steps = max(young, key=lambda s: rates[s])
-        self._explored.add((self._sampled, bucket, steps))  # once: its rounds may not teach
-        return steps
+        tier = max(young, key=lambda t: _rank(t, rates[t]))
+        self._explored.add((self._sampled, bucket, tier))  # once: its rounds may not teach
+        return tier
 
     def estimates(self) -> tuple[TierEstimate, ...]:
         out = []
-        for s in self.config.candidate_steps:
-            round_ms = self.cost.round_ms(s, self._batch, self.acceptance.tokens_per_round)
+        for t in self.config.tiers:
+            round_ms = self.cost.round_ms(t, self._batch, self.regime.tokens_per_round)
             if round_ms is None:
                 continue
-            e = self.acceptance.tokens_per_round(s)
+            e = self.regime.tokens_per_round(t)
             out.append(
                 TierEstimate(
-                    steps=s,
+                    steps=t.steps,
                     tokens_per_s=1e3 * self._batch * e / round_ms,
                     round_ms=round_ms,
                     tokens_per_round=e,
-                    observed_rounds=self.cost.measured_rounds(s, self._batch),
+                    observed_rounds=self.cost.measured_rounds(t, self._batch),
+                    shape=tier_name(t),
                 )
             )
         return tuple(out)
 
     def describe(self) -> str:
         a = self.acceptance
-        rates = ", ".join(f"{p:.2f}" for p in a.position_rates(max(self.candidate_steps)))
+        longest = max(self.candidate_steps, default=0)
+        rates = ", ".join(f"{p:.2f}" for p in a.position_rates(longest))
         state = " (probing)" if self.probing else ""
         regime = "sampled" if self._sampled else "greedy"
+        trees = "".join(
+            f"; tree {t}: E {self.regime.tokens_per_round(t):.2f} ({m.trials:.0f} trials)"
+            for t, m in sorted(self.regime.trees.items())
+            if t in self.config.tiers
+        )
         return (
             f"goodput at batch {self._batch}, {regime} batches{state}: acceptance α "
-            f"{a.alpha:.3f} ({a.trials:.0f} decayed trials), per position [{rates}]; tokens/s = "
-            f"batch · E[tokens/round] / round time; switch on > {self.config.min_gain:.0%} gain"
+            f"{a.alpha:.3f} ({a.trials:.0f} decayed trials), per position [{rates}]{trees}; "
+            f"tokens/s = batch · E[tokens/round] / round time; switch on > "
+            f"{self.config.min_gain:.0%} gain"
         )
+
+
+def _rank(tier: TreeShape, rate: float) -> tuple[float, int, int]:
+    """Orders tiers by predicted tokens/s, a tie going to the cheaper tier (fewer tokens
+    verified, then fewer steps)."""
+    return rate, -tier.verified, -tier.steps

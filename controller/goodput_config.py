@@ -4,10 +4,11 @@ keeps per sampling regime (`Regime`); the policy itself is `controller/goodput.p
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from controller.goodput_model import AcceptanceModel, CostModel
+from controller.interface import RoundSample, as_tier
 from controller.policy import (
     MAX_BATCH_SIZE,
     MAX_BATCHES,
@@ -16,8 +17,10 @@ from controller.policy import (
     check_gates,
     check_int,
     check_steps,
+    check_tree_shapes,
     finite_float,
 )
+from specpair.runtime.shape import TreeShape
 
 MAX_GAIN = 10.0  # a predicted gain of 1000 % is never required to move
 MAX_ROUND_MS = 1e6
@@ -29,7 +32,8 @@ ProfileMs = tuple[tuple[int, int, float], ...]  # (batch size, tier, round ms)
 class GoodputConfig(PolicyKeys):
     """`profile_ms` seeds the greedy regime's cost model, in vLLM's batch_stats shape: {"1":
     {"0": 20.1, "3": 30.4}, "16": {...}} (batch size → tier → round ms); tiers it omits are
-    predicted. `sampled_profile_ms` seeds the sampled regime's, likewise."""
+    predicted. `sampled_profile_ms` seeds the sampled regime's, likewise. `tree_shapes` are
+    tree tiers ("4x4x16") beside candidate_steps' chains; the profiles name chains only."""
 
     candidate_steps: tuple[int, ...] = (1, 3, 7)
     ema_alpha: float = 0.1
@@ -48,12 +52,15 @@ class GoodputConfig(PolicyKeys):
     probe_budget: float = 0.02
     profile_ms: ProfileMs = ()
     sampled_profile_ms: ProfileMs = ()
+    tree_shapes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         steps = check_steps(self.candidate_steps, minimum=0)
-        if not steps:
-            raise ValueError("candidate_steps needs at least one tier")
+        shapes = check_tree_shapes(self.tree_shapes, steps)
+        if not steps and not shapes:
+            raise ValueError("candidate_steps (with tree_shapes) needs at least one tier")
         object.__setattr__(self, "candidate_steps", steps)
+        object.__setattr__(self, "tree_shapes", shapes)
         check_gates(self)
         gain = finite_float("min_gain", self.min_gain)
         if not 0.0 <= gain <= MAX_GAIN:
@@ -71,6 +78,12 @@ class GoodputConfig(PolicyKeys):
             check_int(name, getattr(self, name), 1, MAX_BATCHES)
         for name in ("profile_ms", "sampled_profile_ms"):
             object.__setattr__(self, name, parse_profile(getattr(self, name), name))
+
+    @property
+    def tiers(self) -> tuple[TreeShape, ...]:
+        """Every candidate, sorted: [0, 1, 3] and ["4x4x16"] → 0, 1, 3, 4x4x16."""
+        return tuple(sorted([*map(TreeShape, self.candidate_steps),
+                             *map(TreeShape.parse, self.tree_shapes)]))  # fmt: skip
 
     @property
     def acceptance_decay(self) -> float:
@@ -115,14 +128,18 @@ def parse_profile(raw: object, name: str = "profile_ms") -> ProfileMs:
 class Regime:
     """What the policy learnt of one sampling regime (greedy, or some request sampling)."""
 
-    acceptance: AcceptanceModel
+    acceptance: AcceptanceModel  # the chains'
     cost: CostModel
     probe_every: int  # rounds at tier 0 between probes, doubled by each probe that failed
     # What the last probe that failed cost beyond tier 0's rounds, the draft's catch-up
     # included (None before one has: the cost model predicts it)
     probe_cost_ms: float | None = None
     rounds: int = 0
-    steps: int | None = None  # the tier it ran at when the batch last left it
+    tier: TreeShape | None = None  # the tier it ran at when the batch last left it
+    # Per tree shape, its own acceptance by depth: a tree's branches are no chain's positions.
+    # Before its rounds teach it, a tree is predicted as the chain of its depth (the chains'
+    # pooled rate at every depth): its extra branches are credited nothing until measured.
+    trees: dict[TreeShape, AcceptanceModel] = field(default_factory=dict)
 
     @classmethod
     def fresh(cls, config: GoodputConfig, profile: ProfileMs = ()) -> Regime:
@@ -132,8 +149,28 @@ class Regime:
             config.probe_interval,
         )
 
-    def tokens_per_s(self, steps: int, batch_size: int) -> float | None:
-        round_ms = self.cost.round_ms(steps, batch_size, self.acceptance.tokens_per_round)
+    def tree(self, shape: TreeShape) -> AcceptanceModel:
+        model = self.trees.get(shape)
+        if model is None:
+            model = self.trees[shape] = AcceptanceModel(self.acceptance.decay)
+        model.prior_alpha = self.acceptance.alpha
+        return model
+
+    def observe(self, sample: RoundSample) -> None:
+        """The round's accept lengths, to the chains' model or to its tree's."""
+        tier = sample.tier
+        model = self.acceptance if tier.is_chain else self.tree(tier)
+        model.observe(tier.steps, sample.accept_lengths, sample.request_steps)
+
+    def tokens_per_round(self, tier: int | TreeShape) -> float:
+        """Expected tokens a request gains per round at `tier` (E of a chain or of a tree)."""
+        tier = as_tier(tier)
+        if tier.is_chain:
+            return self.acceptance.tokens_per_round(tier.steps)
+        return self.tree(tier).tokens_per_round(tier.steps)
+
+    def tokens_per_s(self, tier: int | TreeShape, batch_size: int) -> float | None:
+        round_ms = self.cost.round_ms(tier, batch_size, self.tokens_per_round)
         if round_ms is None:
             return None
-        return 1e3 * batch_size * self.acceptance.tokens_per_round(steps) / round_ms
+        return 1e3 * batch_size * self.tokens_per_round(tier) / round_ms

@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from controller.interface import RoundSample
+from controller.interface import RoundSample, as_tier
+from specpair.runtime.shape import TreeShape
 
 
 class AcceptanceModel:
@@ -125,9 +126,12 @@ class _Ema:
 
 @dataclass
 class _Bucket:
-    round_ms: dict[int, _Ema] = field(default_factory=dict)  # per tier: the round's wall time
-    verify_ms: dict[int, _Ema] = field(default_factory=dict)
-    draft_step_ms: _Ema = field(default_factory=_Ema)  # draft time / tier
+    # per tier: the round's wall time
+    round_ms: dict[TreeShape, _Ema] = field(default_factory=dict)
+    verify_ms: dict[TreeShape, _Ema] = field(default_factory=dict)
+    draft_step_ms: _Ema = field(default_factory=_Ema)  # a chain's draft time / its steps
+    # a tree's draft time beyond its depth's chain, per extra node drafted ((s − 1)(topk − 1))
+    draft_node_ms: _Ema = field(default_factory=_Ema)
     fixed_ms: _Ema = field(default_factory=_Ema)  # round trip − draft: wire + extend + host
     # schedule (admission, prefill, streaming) per token the round gave: a tier that gives
     # more tokens a round finishes, and so admits, more requests a round
@@ -145,6 +149,18 @@ class CostModel:
     T(7) = 30 + 4·2 = 38 ms (verify(s) held flat until two tiers are measured, then a line).
     A bucket with nothing measured borrows the nearest one that has.
 
+    Tree shapes extend the stage model by what a tree adds: verify is a line in the tokens a
+    request verifies (num_draft_tokens + 1: a chain's s + 1, a tree's n + 1), and the draft's
+    steps after the first forward topk nodes each, (s − 1)(topk − 1) more than the chain of
+    its depth, each costing `draft_node_ms` (learnt from tree rounds; before one, the verify
+    line's slope, a token of the target's standing in for a node of the draft). A tree lies
+    many verified tokens from the chains: where its bucket's verify line has one point, the
+    nearest bucket's slope, scaled by the batch, stands in for the flat line (`_verify_slope`).
+    So D(s, k, n) = verify(n + 1) + fixed + step·s + node·(s − 1)(k − 1), a chain's as above. E.g.
+    batch 1, chains 3 and 7 measured with verify 18 and 22 ms (1 ms a token), step 2, fixed 4:
+    4x4x16 = T(7) + (31 − 22) + 2·(4 − 7) + 1·9 = T(7) + 12 ms; at batch 64, with 6 ms a
+    token, T(7) + 54 − 6 + 54 = T(7) + 102 ms: the slope that grows with the batch drops the tree.
+
     Given the tokens a request gains per round at each tier (`per_request`, the acceptance
     model's), D(s) also carries the schedule's share: sched per token · b · E(s). E.g. batch 16,
     tier 3: T = 174 ms (verify 31, draft 102 = 3 steps of 34, fixed 2.5, schedule 38.5 for
@@ -156,7 +172,8 @@ class CostModel:
         self.alpha = alpha
         self._buckets: dict[int, _Bucket] = {}
         for batch, steps, ms in profile_ms:
-            entry = self._bucket(batch_bucket(batch)).round_ms.setdefault(steps, _Ema())
+            tier = TreeShape(steps)
+            entry = self._bucket(batch_bucket(batch)).round_ms.setdefault(tier, _Ema())
             entry.value, entry.seeded = ms, True
 
     def _bucket(self, key: int) -> _Bucket:
@@ -165,8 +182,9 @@ class CostModel:
     def observe(self, sample: RoundSample) -> None:
         if sample.total_ms <= 0.0 or sample.batch_size < 1:
             return  # a target that reports no timings teaches nothing
-        b, s, a = self._bucket(batch_bucket(sample.batch_size)), sample.steps, self.alpha
-        entry = b.round_ms.setdefault(s, _Ema())
+        b, t, a = self._bucket(batch_bucket(sample.batch_size)), sample.tier, self.alpha
+        s = t.steps
+        entry = b.round_ms.setdefault(t, _Ema())
         if sample.admit_ms > 0 and entry.skipped < 3 * (entry.n + 1):
             # A request joined: its prefill is in the total (admit_ms), its prompt's extend in
             # the draft's time, and every request costs one admission whatever the tier, so it
@@ -177,52 +195,62 @@ class CostModel:
             return
         total, draft, fixed = uniform_round(sample)
         entry.add(total, a)
-        b.verify_ms.setdefault(s, _Ema()).add(sample.verify_ms, a)
+        b.verify_ms.setdefault(t, _Ema()).add(sample.verify_ms, a)
         if s > 0:
-            b.draft_step_ms.add(draft / s, a)
             b.fixed_ms.add(fixed, a)
+            if t.is_chain:
+                b.draft_step_ms.add(draft / s, a)
+            elif (nodes := _extra_nodes(t)) and (step := self._draft_terms(b)[1]) is not None:
+                b.draft_node_ms.add(max(draft - step * s, 0.0) / nodes, a)
         tokens = sample.batch_size + sum(sample.accept_lengths)
         b.sched_token_ms.add(sample.schedule_ms / tokens, a)
 
-    def _own(self, steps: int, batch_size: int) -> _Ema | None:
-        """`steps`'s round time in this batch bucket itself (no borrowing), if it has one."""
+    def _own(self, tier: int | TreeShape, batch_size: int) -> _Ema | None:
+        """`tier`'s round time in this batch bucket itself (no borrowing), if it has one."""
         bucket = self._buckets.get(batch_bucket(batch_size))
-        return bucket.round_ms.get(steps) if bucket else None
+        return bucket.round_ms.get(as_tier(tier)) if bucket else None
 
-    def measured(self, steps: int, batch_size: int) -> bool:
+    def measured(self, steps: int | TreeShape, batch_size: int) -> bool:
         """Whether `steps` has a time of its own (learnt or profiled) in this batch bucket."""
         entry = self._own(steps, batch_size)
         return entry is not None and entry.known
 
-    def trusted(self, steps: int, batch_size: int) -> bool:
+    def trusted(self, steps: int | TreeShape, batch_size: int) -> bool:
         """Whether `steps`'s time here rests on a profile or on 3 rounds of its own."""
         entry = self._own(steps, batch_size)
         return entry is not None and (entry.seeded or entry.n >= 3)
 
-    def measured_rounds(self, steps: int, batch_size: int) -> int:
+    def measured_rounds(self, steps: int | TreeShape, batch_size: int) -> int:
         entry = self._own(steps, batch_size)
         return entry.n if entry else 0
 
     def round_ms(
-        self, steps: int, batch_size: int, per_request: Callable[[int], float] | None = None
+        self,
+        steps: int | TreeShape,
+        batch_size: int,
+        per_request: Callable[[int | TreeShape], float] | None = None,
     ) -> float | None:
-        """Predicted wall time of a round at `steps` for `batch_size`; None if unknown.
-        `per_request(s)`: tokens a request gains per round at tier s (then the schedule's
-        share follows the tokens)."""
+        """Predicted wall time of a round at tier `steps` for `batch_size`; None if unknown.
+        `per_request(t)`: tokens a request gains per round at tier t, a chain named by its
+        steps (then the schedule's share follows the tokens). The reference is the nearest
+        measured tier by verified tokens, a chain before a tree."""
         key = self._nearest_bucket(batch_bucket(batch_size))
         if key is None:
             return None
-        b = self._buckets[key]
-        known = {s: e.value for s, e in b.round_ms.items() if e.known}
-        if steps in known:
-            return known[steps]
-        ref = min(known, key=lambda s: (abs(s - steps), s))
-        d_steps, d_ref = self._stage_ms(b, steps), self._stage_ms(b, ref)
+        b, tier = self._buckets[key], as_tier(steps)
+        known = {t: e.value for t, e in b.round_ms.items() if e.known}
+        if tier in known:
+            return known[tier]
+        ref = min(known, key=lambda t: (abs(t.verified - tier.verified), not t.is_chain, t))
+        # Between a tree and its reference lie many verified tokens: where this bucket's own
+        # verify times give no slope, a borrowed one stands in (chains alone keep a flat line).
+        borrow = not (tier.is_chain and ref.is_chain)
+        d_steps, d_ref = self._stage_ms(b, tier, borrow), self._stage_ms(b, ref, borrow)
         if d_steps is None or d_ref is None:
             return None
         sched = 0.0
         if per_request is not None and b.sched_token_ms.n:
-            gained = batch_size * (per_request(steps) - per_request(ref))
+            gained = batch_size * (per_request(_named(tier)) - per_request(_named(ref)))
             sched = b.sched_token_ms.value * gained
         return max(known[ref] + d_steps - d_ref + sched, 1e-3)
 
@@ -236,7 +264,7 @@ class CostModel:
         40 − 8·1/4 − 2·(7·4 − 15)/4 = 31.5 ms.
         """
         b, m = len(steps), max(steps, default=0)
-        full = self.round_ms(m, b)
+        full = self.round_ms(TreeShape(m), b)
         key = self._nearest_bucket(batch_bucket(b))
         if full is None or key is None or m == 0:
             return full
@@ -253,14 +281,43 @@ class CostModel:
             return None
         return min(keys, key=lambda k: (abs(k.bit_length() - key.bit_length()), k))
 
-    def _stage_ms(self, b: _Bucket, steps: int) -> float | None:
-        verify = _line_at({s: e.value for s, e in b.verify_ms.items() if e.n}, steps)
-        if steps == 0:
+    def _stage_ms(self, b: _Bucket, tier: TreeShape, borrow: bool = False) -> float | None:
+        points = self._verify_points(b)
+        x = tier.num_draft_tokens
+        if borrow and len(points) < 2:
+            slope = self._verify_slope(b)
+            x0, v0 = next(iter(points.items()), (x, 0.0))
+            verify = v0 + slope * (x - x0)
+        else:
+            verify, slope = _line_at(points, x), max(_slope(points), 0.0)
+        if tier.steps == 0:
             return verify
         fixed, step = self._draft_terms(b)
         if fixed is None or step is None:
             return None
-        return verify + fixed + step * steps
+        draft = step * tier.steps
+        if nodes := _extra_nodes(tier):
+            node = b.draft_node_ms.value if b.draft_node_ms.n else slope
+            draft += node * nodes
+        return verify + fixed + draft
+
+    @staticmethod
+    def _verify_points(b: _Bucket) -> dict[int, float]:
+        """Verify ms by tokens drafted per request (a chain's s, a tree's n)."""
+        return {t.num_draft_tokens: e.value for t, e in b.verify_ms.items() if e.n}
+
+    def _verify_slope(self, b: _Bucket) -> float:
+        """Verify ms per verified token of a request in bucket `b`: its own line's slope, else
+        the nearest bucket's that has one, scaled by the batch (a request's token is a token
+        of every request's forward): 0.2 ms at batch 1 → 6.4 ms at batch 32. 0 with none."""
+        if len(points := self._verify_points(b)) >= 2:
+            return max(_slope(points), 0.0)
+        own = next(k for k, o in self._buckets.items() if o is b)
+        have = [k for k, o in self._buckets.items() if len(self._verify_points(o)) >= 2]
+        if not have:
+            return 0.0
+        near = min(have, key=lambda k: abs(k.bit_length() - own.bit_length()))
+        return max(_slope(self._verify_points(self._buckets[near])), 0.0) * own / near
 
     def _draft_terms(self, b: _Bucket) -> tuple[float | None, float | None]:
         """This bucket's draft terms, else the nearest bucket's that has them."""
@@ -282,12 +339,24 @@ def uniform_round(sample: RoundSample) -> tuple[float, float, float]:
     fixed = max(sample.round_trip_ms - sample.draft_ms, 0.0)
     steps = (*sample.request_steps, *(0 for _ in sample.plain_request_ids))
     b, s, done = sample.batch_size, sample.steps, sum(sample.request_steps)
-    if s < 1 or len(steps) != b or not sample.request_steps or done >= b * s:
+    # A tree round's requests cap its depth but each draft step forwards the whole frontier:
+    # learnt as run.
+    tree = sample.shape is not None and not sample.shape.is_chain
+    if tree or s < 1 or len(steps) != b or not sample.request_steps or done >= b * s:
         return sample.total_ms - sample.admit_ms, sample.draft_ms, fixed
     draft = sample.draft_ms * b * s / done
     full_fixed = fixed * b / len(sample.request_steps)
     total = sample.total_ms - sample.admit_ms + (draft - sample.draft_ms) + (full_fixed - fixed)
     return total, draft, full_fixed
+
+
+def _named(tier: TreeShape) -> int | TreeShape:
+    return tier.steps if tier.is_chain else tier
+
+
+def _extra_nodes(tier: TreeShape) -> int:
+    """Nodes a tree's draft forwards beyond the chain of its depth: 4x4x16 → 3 · 3 = 9."""
+    return max(tier.steps - 1, 0) * (tier.topk - 1)
 
 
 def _line_at(points: dict[int, float], x: int) -> float:
@@ -303,6 +372,14 @@ def _line_at(points: dict[int, float], x: int) -> float:
         return next(iter(points.values()))
     n = len(points)
     mx, my = sum(points) / n, sum(points.values()) / n
+    return my + _slope(points) * (x - mx)
+
+
+def _slope(points: dict[int, float]) -> float:
+    """The least-squares slope through `points`; 0 below two points."""
+    if len(points) < 2:
+        return 0.0
+    n = len(points)
+    mx, my = sum(points) / n, sum(points.values()) / n
     sxx = sum((p - mx) ** 2 for p in points)
-    slope = sum((p - mx) * (v - my) for p, v in points.items()) / sxx
-    return my + slope * (x - mx)
+    return sum((p - mx) * (v - my) for p, v in points.items()) / sxx

@@ -2,7 +2,9 @@
 
 A policy is pure: the controller turns each RoundStats into a `RoundSample`, feeds it to
 `observe`, and sends ApplyTier when `observe` says the tier changed. Tier 0 means no drafts:
-the target verifies one token per request (a plain decode round).
+the target verifies one token per request (a plain decode round). A tier is a `TreeShape`: a
+chain of s drafts (`TreeShape(s)`, "7") or a tree ("4x4x16"); a policy that names its tiers by
+int steps alone (a `--policy-class` written for chains) chooses among chains.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
+from specpair.runtime.shape import TreeShape
 from specpair.tiers import RegimeSteps, TierEstimate
 
 
@@ -18,8 +21,10 @@ from specpair.tiers import RegimeSteps, TierEstimate
 class RoundSample:
     """One round of the running batch, as the target reported it (times in ms).
 
-    `steps` is the tier the round ran at, 0 for a round without drafts (`accept_lengths` empty);
-    `accept_lengths` are accepted drafts per request, bonus excluded. The round's wall time is
+    `steps` is the tier the round ran at, 0 for a round without drafts (`accept_lengths` empty),
+    and `shape` that tier where it is a tree (`steps` its depth; in a tree round a request's own
+    tier in `request_steps` caps its depth); `accept_lengths` are accepted drafts per request,
+    bonus excluded. The round's wall time is
     `total_ms`; its speculation overhead is `total_ms − verify_ms − schedule_ms` (the round trip
     to the draft: wire, extend and draft), of which `draft_ms` grows with the tier.
     """
@@ -38,6 +43,11 @@ class RoundSample:
     request_steps: tuple[int, ...] = ()
     plain_request_ids: tuple[str, ...] = ()
     sampled: int = 0  # requests of the batch that sample (temperature > 0)
+    shape: TreeShape | None = None  # the round's tier where it is a tree
+
+    @property
+    def tier(self) -> TreeShape:
+        return self.shape or TreeShape(self.steps)
 
     @property
     def speculative(self) -> bool:
@@ -120,6 +130,38 @@ class RegimePolicy(SpeculationPolicy, Protocol):
         ...
 
 
+@runtime_checkable
+class ShapedPolicy(SpeculationPolicy, Protocol):
+    """A policy whose tiers may be trees (the built-in kinds): the controller reads its tiers
+    as shapes; `current_steps` and `candidate_steps` are then the current tier's depth and the
+    chains' steps."""
+
+    @property
+    def candidate_tiers(self) -> tuple[TreeShape, ...]:
+        """Every tier the policy may choose, chains and trees; the target must have built each."""
+        ...
+
+    @property
+    def current_tier(self) -> TreeShape: ...
+
+
+def policy_tier(policy: SpeculationPolicy) -> TreeShape:
+    """The tier `policy` chose: its shape, or the chain of its steps."""
+    if isinstance(policy, ShapedPolicy):
+        return policy.current_tier
+    return TreeShape(policy.current_steps)
+
+
+def policy_regimes(policy: SpeculationPolicy) -> RegimeSteps | None:
+    """The batch tier per sampling regime, where `policy` keeps one (ints read as chains)."""
+    return policy.regime_steps if isinstance(policy, RegimePolicy) else None
+
+
+def as_tier(tier: int | TreeShape) -> TreeShape:
+    """A tier named by its int steps (a chain) or by its shape."""
+    return tier if isinstance(tier, TreeShape) else TreeShape(tier)
+
+
 class DecisionGate:
     """The warm-up and interval guards: no decision in the first `warmup` counted rounds, then
     one every `interval`. With warmup 10 and interval 5, counts 15, 20, 25, … decide."""
@@ -145,9 +187,19 @@ def snap_to_candidate(steps: int, candidates: Sequence[int]) -> int:
     return min(candidates, key=lambda c: (abs(c - steps), -c))
 
 
+def snap_tier(tier: TreeShape, candidates: Sequence[TreeShape]) -> TreeShape:
+    """`tier` if a candidate, else the nearest by steps, a chain before a tree, ties to the
+    larger: with [1, 3, 7, 4x4x16], 2 → 3, 5 → 4x4x16, 6x8x32 → 7."""
+    if tier in candidates:
+        return tier
+    return min(candidates, key=lambda c: (abs(c.steps - tier.steps), not c.is_chain, -c.steps))
+
+
 class GateConfig(Protocol):
     @property
     def candidate_steps(self) -> tuple[int, ...]: ...
+    @property
+    def tiers(self) -> tuple[TreeShape, ...]: ...
     @property
     def warmup_batches(self) -> int: ...
     @property
@@ -160,9 +212,9 @@ C = TypeVar("C", bound=GateConfig)
 class GatedPolicy(Generic[C]):
     """What the built-in kinds share: their config, the tier, and the gate."""
 
-    def __init__(self, config: C, initial_steps: int) -> None:
+    def __init__(self, config: C, initial: int | TreeShape) -> None:
         self.config = config
-        self._steps = snap_to_candidate(initial_steps, config.candidate_steps)
+        self._tier = snap_tier(as_tier(initial), config.tiers)
         self._gate = DecisionGate(config.warmup_batches, config.update_interval)
 
     @property
@@ -170,8 +222,16 @@ class GatedPolicy(Generic[C]):
         return self.config.candidate_steps
 
     @property
+    def candidate_tiers(self) -> tuple[TreeShape, ...]:
+        return self.config.tiers
+
+    @property
     def current_steps(self) -> int:
-        return self._steps
+        return self._tier.steps
+
+    @property
+    def current_tier(self) -> TreeShape:
+        return self._tier
 
     @property
     def count(self) -> int:
@@ -180,8 +240,8 @@ class GatedPolicy(Generic[C]):
 
     def _swap_config(self, config: C) -> bool:
         """Takes `config`; the tier snaps to its candidates. True if the tier changed."""
-        old = self._steps
+        old = self._tier
         self.config = config
         self._gate.retune(config.warmup_batches, config.update_interval)
-        self._steps = snap_to_candidate(old, config.candidate_steps)
-        return self._steps != old
+        self._tier = snap_tier(old, config.tiers)
+        return self._tier != old

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 from controller.interface import GatedPolicy, RoundSample, TierEstimate, snap_to_candidate
-from specpair.runtime.shape import MAX_TREE_NODES
+from specpair.runtime.shape import MAX_TREE_NODES, ShapeError, TreeShape, parse_tiers
 
 # Sane ranges. A value past these is a typo or an attack, never a policy: 2^31 − 1 batches
 # between decisions is 8 months at 100 rounds a second, and a hysteresis beyond the largest
@@ -78,8 +78,25 @@ class PolicyConfig(PolicyKeys):
                                  f"got {value:g}")  # fmt: skip
             object.__setattr__(self, name, value)
 
+    @property
+    def tiers(self) -> tuple[TreeShape, ...]:
+        return tuple(TreeShape(s) for s in self.candidate_steps)
+
 
 FIELD_NAMES = PolicyConfig.field_names()
+# The keys the wire's PolicyConfig and UpdatePolicyRequest name: SGLang's, and the tree shapes
+# of the kinds that take them.
+WIRE_FIELD_NAMES = (*FIELD_NAMES, "tree_shapes")
+
+
+def refuse_tree_shapes(shapes: object) -> None:
+    """SGLang's adaptive rule moves along one line of tiers by accept length (its topk > 1
+    support, PR #24054, keeps one topk and num_draft_tokens for every tier); a chain and a tree
+    of one depth accept and cost differently, which the rule cannot weigh."""
+    raise ValueError(
+        f"tree_shapes {shapes!r}: sglang's rule chooses among chains by accept length; "
+        'choose tree shapes with kind "goodput"'
+    )
 
 
 def check_steps(steps: object, *, minimum: int) -> tuple[int, ...]:
@@ -91,6 +108,20 @@ def check_steps(steps: object, *, minimum: int) -> tuple[int, ...]:
             f"candidate_steps must be ints in [{minimum}, {MAX_STEPS}], got {list(steps)}"
         )
     return tuple(sorted(set(steps)))
+
+
+def check_tree_shapes(shapes: object, steps: tuple[int, ...]) -> tuple[str, ...]:
+    """`tree_shapes` as their canonical strings ("4X4X16" → "4x4x16"), in the order of the
+    tiers; ValueError names the bad one, and any that repeats a tier."""
+    if isinstance(shapes, str | bytes) or not isinstance(shapes, Sequence):
+        raise ValueError(f'tree_shapes must be a list of shapes such as "4x4x16", got {shapes!r}')
+    if not all(isinstance(s, str) for s in shapes):
+        raise ValueError(f'tree_shapes must be strings such as "4x4x16", got {list(shapes)}')
+    try:
+        tiers = parse_tiers(steps, shapes)
+    except ShapeError as exc:
+        raise ValueError(str(exc)) from None
+    return tuple(str(t) for t in tiers if not t.is_chain)
 
 
 def check_gates(config: Any) -> None:
@@ -121,14 +152,17 @@ def finite_float(name: str, value: object) -> float:
 
 __all__ = [
     "FIELD_NAMES",
+    "WIRE_FIELD_NAMES",
     "AdaptiveSpeculativeParams",
     "PolicyConfig",
     "PolicyKeys",
     "check_gates",
     "check_int",
     "check_steps",
+    "check_tree_shapes",
     "finite_float",
     "is_int",
+    "refuse_tree_shapes",
     "snap_to_candidate",  # defined beside the gate both kinds share
 ]
 
@@ -141,10 +175,10 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
     policy moves down to 1 when ema ≤ 1 − 0.5 − 0.25 = 0.25 and up to 7 when ema > 3 − 0.5 = 2.5.
     """
 
-    def __init__(self, config: PolicyConfig, initial_steps: int) -> None:
-        super().__init__(config, initial_steps)  # counts non-empty batches only
+    def __init__(self, config: PolicyConfig, initial: int | TreeShape) -> None:
+        super().__init__(config, initial)  # counts non-empty batches only
         # Neutral start: a tier of s drafts is "right" when about s − 1 of them are accepted.
-        self._ema = float(self._steps - 1)
+        self._ema = float(self.current_steps - 1)
 
     @property
     def ema(self) -> float:
@@ -162,12 +196,13 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
         return ()  # the rule reads acceptance only: it predicts no speed
 
     def describe(self) -> str:
-        c, i = self.config.candidate_steps, self.config.candidate_steps.index(self._steps)
+        steps = self.current_steps
+        c, i = self.config.candidate_steps, self.config.candidate_steps.index(steps)
         down = c[i - 1] - 0.5 + self.config.down_hysteresis if i > 0 else None
         up = c[i] - 0.5 + self.config.up_hysteresis if i < len(c) - 1 else None
         return (
             f"sglang: EMA accept length {self._ema:.2f} over {self.count} batches; "
-            f"at {self._steps}: down when EMA <= {down}, up when EMA > {up}"
+            f"at {steps}: down when EMA <= {down}, up when EMA > {up}"
         )
 
     def update(self, accept_lengths: Sequence[int]) -> bool:
@@ -183,15 +218,15 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
         return self._gate.tick() and self._decide()
 
     def _decide(self) -> bool:
-        c, old = self.config.candidate_steps, self._steps
+        c, old = self.config.candidate_steps, self.current_steps
         i = c.index(old)
         # Several tiers may be crossed in one decision (7 → 1 when the EMA collapsed).
         while i > 0 and self._ema <= c[i - 1] - 0.5 + self.config.down_hysteresis:
             i -= 1
         while i < len(c) - 1 and self._ema > c[i] - 0.5 + self.config.up_hysteresis:
             i += 1
-        self._steps = c[i]
-        return self._steps != old
+        self._tier = TreeShape(c[i])
+        return c[i] != old
 
     def reconfigure(self, config: PolicyConfig) -> bool:
         """Swaps in `config`, keeping the EMA and batch count; the tier snaps to the new

@@ -29,6 +29,7 @@ from controller.goodput import GoodputPolicy
 from controller.goodput_config import GoodputConfig
 from controller.goodput_model import AcceptanceModel
 from controller.interface import GatedPolicy, RoundSample, TierEstimate
+from specpair.runtime.shape import TreeShape
 
 SWEEPS = 2
 REQUEST_PRIOR = 4.0  # pseudo-trials at the batch's pooled rate behind each request's estimate
@@ -36,7 +37,7 @@ REQUEST_PRIOR = 4.0  # pseudo-trials at the batch's pooled rate behind each requ
 
 class RequestTiers(GatedPolicy[GoodputConfig]):
     def __init__(self, options: Mapping[str, Any], initial_steps: int) -> None:
-        super().__init__(GoodputConfig.from_mapping(options), initial_steps)
+        super().__init__(chains_only(GoodputConfig.from_mapping(options)), initial_steps)
         self.batch = GoodputPolicy(self.config, initial_steps)  # pooled acceptance + cost
         self._own: dict[str, int] = {}  # request id → its tier, where not _steps
         self._models: dict[str, AcceptanceModel] = {}
@@ -60,7 +61,7 @@ class RequestTiers(GatedPolicy[GoodputConfig]):
     def reconfigure(self, options: Mapping[str, Any]) -> bool:
         """New keys keep what was learnt; the batch tier snaps to the new candidates and a
         request whose tier is no longer one runs at it."""
-        config = GoodputConfig.from_mapping(options)
+        config = chains_only(GoodputConfig.from_mapping(options))
         self.batch.reconfigure(config)
         own = dict(self._own)
         self._own = {r: s for r, s in own.items() if s in config.candidate_steps}
@@ -97,7 +98,7 @@ class RequestTiers(GatedPolicy[GoodputConfig]):
     # ---- the decision -------------------------------------------------------------------
 
     def tier_of(self, request_id: str) -> int:
-        return self._own.get(request_id, self._steps)
+        return self._own.get(request_id, self.current_steps)
 
     def tokens_per_s(self, steps: Sequence[int]) -> float | None:
         """Predicted tokens/s of the live batch at `steps` (aligned with the live requests)."""
@@ -155,10 +156,21 @@ class RequestTiers(GatedPolicy[GoodputConfig]):
         return steps
 
     def _take(self, steps: Sequence[int]) -> bool:
-        old = (self._steps, dict(self._own))
-        self._steps = max(steps)
-        self._own = {r: s for r, s in zip(self._live, steps, strict=True) if s != self._steps}
+        old = (self.current_steps, dict(self._own))
+        self._tier = TreeShape(max(steps))
+        m = self.current_steps
+        self._own = {r: s for r, s in zip(self._live, steps, strict=True) if s != m}
         for r, s in zip(self._live, steps, strict=True):
             if s > 0:
                 self._at_zero[r] = 0
-        return (self._steps, self._own) != old
+        return (self.current_steps, self._own) != old
+
+
+def chains_only(config: GoodputConfig) -> GoodputConfig:
+    """Per-request tiers are chains (ApplyTier's request_steps): tree shapes are refused."""
+    if config.tree_shapes:
+        raise ValueError(
+            f"tree_shapes {list(config.tree_shapes)}: per-request tiers are chains; choose "
+            'tree shapes with kind "goodput"'
+        )
+    return config

@@ -13,12 +13,13 @@ import grpc
 
 from controller.bands import PolicySpec
 from controller.controller import AdaptiveController
-from controller.policy import FIELD_NAMES, PolicyConfig
+from controller.policy import WIRE_FIELD_NAMES, PolicyConfig
 from specpair.client.results import TargetState
 from specpair.config import ControllerConfig, split_address
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import controller_pb2, controller_pb2_grpc
+from specpair.runtime.shape import tier_from_wire
 from specpair.serving import GrpcServer, bounded
 
 log = get_logger("controller")
@@ -31,10 +32,11 @@ PROTECTED_METHODS = tuple(
 
 
 def policy_to_pb(policy: PolicySpec) -> controller_pb2.PolicyConfig:
-    """SGLang's keys by name, the kind, and every other key as one JSON object."""
+    """SGLang's keys and the tree shapes by name, the kind, and every other key as one JSON
+    object."""
     values = policy.to_dict()
     kind = values.pop("kind")
-    named = {k: values.pop(k) for k in FIELD_NAMES if k in values}
+    named = {k: values.pop(k) for k in WIRE_FIELD_NAMES if k in values}
     options = json.dumps(values) if values else ""
     return controller_pb2.PolicyConfig(**named, kind=kind, options_json=options)
 
@@ -57,6 +59,8 @@ def target_to_pb(t: TargetState) -> controller_pb2.TargetState:
                 reason=s.reason,
                 ema=s.ema,
                 unix_time=s.unix_time,
+                from_shape=s.from_shape,
+                to_shape=s.to_shape,
             )
             for s in t.recent_switches
         ],
@@ -67,23 +71,30 @@ def target_to_pb(t: TargetState) -> controller_pb2.TargetState:
                 round_ms=e.round_ms,
                 tokens_per_round=e.tokens_per_round,
                 observed_rounds=e.observed_rounds,
+                shape=e.shape,
             )
             for e in t.estimates
         ],
         model=t.model,
         pipeline=t.pipeline,
         pipeline_hit_rate=t.pipeline_hit_rate,
+        active_shape=t.active_shape,
+        pinned_shape=t.pinned_shape,
     )
 
 
 def policy_changes(request: controller_pb2.UpdatePolicyRequest) -> dict[str, Any]:
     """The fields a partial UpdatePolicy sets: optional scalars that are present, lists that
-    are non-empty (the request's fields are the policy's keys), and the keys of `options_json`."""
+    are non-empty (the request's fields are the policy's keys), tree_shapes where
+    set_tree_shapes says so (empty: none), and the keys of `options_json`."""
     changes: dict[str, Any] = {}
     for fd in request.DESCRIPTOR.fields:
-        if fd.name == "options_json":
+        if fd.name in ("options_json", "set_tree_shapes"):
             continue
-        if fd.is_repeated:
+        if fd.name == "tree_shapes":
+            if request.set_tree_shapes:
+                changes["tree_shapes"] = tuple(request.tree_shapes)
+        elif fd.is_repeated:
             if values := getattr(request, fd.name):
                 changes[fd.name] = tuple(values)
         elif request.HasField(fd.name):  # type: ignore[arg-type]
@@ -132,8 +143,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         self, request: controller_pb2.PinTierRequest, context: grpc.aio.ServicerContext
     ) -> controller_pb2.PinTierResponse:
         try:
-            await self.controller.pin(request.speculative_num_steps)
-        except ValueError as exc:
+            tier = tier_from_wire(request.speculative_num_steps, request.shape, "shape")
+            await self.controller.pin(tier)
+        except ValueError as exc:  # a ShapeError too
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(exc)))
         return controller_pb2.PinTierResponse(targets=self._targets())
 

@@ -58,16 +58,17 @@ class TargetLink(ReconnectingLink):
 
     async def apply_tier(
         self,
-        steps: int,
+        tier: TreeShape,
         reason: str,
         request_steps: Mapping[str, int] | None = None,
         regimes: RegimeSteps | None = None,
     ) -> target_pb2.ApplyTierResponse:
         """ApplyTier on the connected target (with per-request and per-regime tiers, where
-        given); raises NotConnectedError or grpc.aio.AioRpcError."""
+        given); raises NotConnectedError or grpc.aio.AioRpcError. A tree goes as its steps in
+        the int field and its shape beside it ("" for a chain)."""
         if self._stub is None:
             raise NotConnectedError(f"target {self.address} is not connected")
-        request = apply_tier_to_proto(TreeShape(steps), reason, request_steps, regimes)
+        request = apply_tier_to_proto(tier, reason, request_steps, regimes)
         return await self._stub.ApplyTier(  # type: ignore[no-any-return]
             request, metadata=self.metadata, timeout=RPC_TIMEOUT_S
         )

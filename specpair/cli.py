@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     status = ops.add_parser("status", help="state of every target")
     status.add_argument("--json", action="store_true", help="the state as JSON (for scripts)")
     pin = ops.add_parser("pin", help="pin a tier (overrides the policy)")
-    pin.add_argument("steps", type=int, help="the tier: speculative_num_steps, a candidate")
+    pin.add_argument("tier", help="the tier, a candidate: a chain's speculative_num_steps (7) "
+                     "or a tree shape STEPSxTOPKxNUM_DRAFT_TOKENS (4x4x16)")  # fmt: skip
     ops.add_parser("unpin", help="hand the tier back to the policy")
     policy = ops.add_parser("policy", help="update policy keys live: KEY=VALUE …")
     policy.add_argument("changes", nargs="+", metavar="KEY=VALUE",

@@ -117,12 +117,14 @@ def _policy_changes(items: Sequence[str]) -> dict[str, Any]:
 
 
 def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from specpair.client import ControllerClient, SpecpairError
+    from specpair.client import ControllerClient, SpecpairError, build_pin
 
     try:
         changes = _policy_changes(args.changes) if args.op == "policy" else {}
+        if args.op == "pin":
+            build_pin(args.tier)  # a tier that is none fails here, offline
     except ValueError as exc:
-        print(f"{parser.prog} ctl policy: error: {exc}", file=sys.stderr)
+        print(f"{parser.prog} ctl {args.op}: error: {exc}", file=sys.stderr)
         return 2  # a usage error, as argparse exits for its own
     tls = client_tls(args, parser)
     client = ControllerClient(args.address, token=os.environ.get(args.token_env), tls=tls)
@@ -134,7 +136,7 @@ def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.op == "status":
             result = client.state().to_dict()
         elif args.op == "pin":
-            result = {"targets": [t.to_dict() for t in client.pin(args.steps)]}
+            result = {"targets": [t.to_dict() for t in client.pin(args.tier)]}
         elif args.op == "unpin":
             result = {"targets": [t.to_dict() for t in client.unpin()]}
         else:
@@ -150,19 +152,21 @@ def status_table(state: ControllerState) -> str:
     """`specpair ctl status` for a person: the policy on one line, a row per target, then each
     target's estimates, model and recent switches (`--json` gives everything, for scripts).
 
-        policy: sglang  candidate_steps=[1, 3, 7]  ema_alpha=0.2  …
-        target            connected  tier  pinned  EMA   rounds  pipeline
-        127.0.0.1:50051   yes        7     -       6.29  120     off
-          round 51: 3 → 7 (policy, EMA 2.51)
+        policy: goodput  candidate_steps=[0, 1, 3, 7]  tree_shapes=["4x4x16"]  …
+        target            connected  tier    pinned  EMA   rounds  pipeline
+        127.0.0.1:50051   yes        4x4x16  -       3.91  120     off
+          round 51: 3 → 4x4x16 (policy, EMA 2.51)
     """
     policy = dict(state.policy)
     kind = policy.pop("kind", "?")
+    if not policy.get("tree_shapes", True):
+        del policy["tree_shapes"]  # a kind of chains only
     lines = [f"policy: {kind}  " + "  ".join(f"{k}={_short(v)}" for k, v in policy.items())]
     rows = [("target", "connected", "tier", "pinned", "EMA", "rounds", "pipeline")]
     for t in state.targets:
         pipeline = f"on ({t.pipeline_hit_rate:.0%} hits)" if t.pipeline else "off"
-        pinned = "-" if t.pinned_steps is None else str(t.pinned_steps)
-        rows.append((t.target_address, "yes" if t.connected else "no", str(t.active_steps),
+        pinned = t.pinned_tier or "-"
+        rows.append((t.target_address, "yes" if t.connected else "no", t.active_tier,
                      pinned, f"{t.ema:.2f}", str(t.rounds_seen), pipeline))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for i, row in enumerate(rows):
@@ -172,13 +176,13 @@ def status_table(state: ControllerState) -> str:
         target = state.targets[i - 1]
         for e in target.estimates:
             lines.append(
-                f"  tier {e.steps}: {e.tokens_per_s:.0f} tok/s predicted, {e.round_ms:.1f} ms "
+                f"  tier {e.tier}: {e.tokens_per_s:.0f} tok/s predicted, {e.round_ms:.1f} ms "
                 f"a round ({e.observed_rounds} rounds measured)"
             )
         if target.model:
             lines.append(f"  {target.model}")
         for s in target.recent_switches:
-            lines.append(f"  round {s.round_id}: {s.from_steps} → {s.to_steps} "
+            lines.append(f"  round {s.round_id}: {s.from_tier} → {s.to_tier} "
                          f"({s.reason}, EMA {s.ema:.2f})")  # fmt: skip
     if not state.targets:
         lines.append("(no targets)")

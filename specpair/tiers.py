@@ -16,6 +16,12 @@ class TierEstimate:
     round_ms: float
     tokens_per_round: float  # per request: accepted drafts + the bonus token
     observed_rounds: int  # rounds measured at this tier and batch bucket (0: predicted)
+    shape: str = ""  # the tier where it is a tree ("4x4x16"; `steps` is its depth)
+
+    @property
+    def tier(self) -> str:
+        """The tier as written: "7", "4x4x16"."""
+        return self.shape or str(self.steps)
 
 
 @dataclass(frozen=True, slots=True)

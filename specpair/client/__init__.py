@@ -13,7 +13,7 @@ Importing this package must not import torch: it is all a client needs on its ma
 """
 
 from specpair.client.aio import AsyncControllerClient, AsyncSpecpairClient
-from specpair.client.requests import GenerateParams, build_policy_update
+from specpair.client.requests import GenerateParams, build_pin, build_policy_update
 from specpair.client.results import (
     ControllerState,
     GenerateDelta,
@@ -36,5 +36,6 @@ __all__ = [
     "SpecpairError",
     "TargetState",
     "TierSwitch",
+    "build_pin",
     "build_policy_update",
 ]

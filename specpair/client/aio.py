@@ -19,6 +19,7 @@ from specpair.client.requests import (
     Prompt,
     build_chat_request,
     build_generate_request,
+    build_pin,
     build_policy_update,
     to_delta,
 )
@@ -173,9 +174,10 @@ class AsyncControllerClient(Connection):
         reply = await self._unary(self._stub().UpdatePolicy, build_policy_update(**changes))
         return message_to_dict(reply.policy)
 
-    async def pin(self, steps: int) -> tuple[TargetState, ...]:
-        """Pins every target to tier `steps` (the policy keeps learning but is not applied)."""
-        request = controller_pb2.PinTierRequest(speculative_num_steps=steps)
+    async def pin(self, tier: int | str) -> tuple[TargetState, ...]:
+        """Pins every target to `tier`, a chain's steps (7, "7") or a tree shape ("4x4x16"):
+        the policy keeps learning but is not applied. ValueError on a tier that is none."""
+        request = build_pin(tier)
         return targets_from_pb((await self._unary(self._stub().PinTier, request)).targets)
 
     async def unpin(self) -> tuple[TargetState, ...]:

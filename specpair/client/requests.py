@@ -12,6 +12,7 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from specpair.client.results import GenerateDelta, GenerateResult, SpecpairError
 from specpair.proto.v1 import common_pb2, controller_pb2, target_pb2
+from specpair.runtime.shape import TreeShape, tier_name
 
 Prompt = str | Sequence[int]
 # [{"role": "system", "content": "…"}, {"role": "user", "content": "…"}, …]
@@ -226,3 +227,12 @@ def _coerce(key: str, kind: type, value: Any) -> Any:
         return kind(value)
     except (TypeError, ValueError):
         raise ValueError(f"{key}: expected {kind.__name__}, got {value!r}") from None
+
+
+def build_pin(tier: int | str) -> controller_pb2.PinTierRequest:
+    """A PinTierRequest for a chain (7, "7") or a tree shape ("4x4x16": its steps in the int
+    field, the shape beside it); ValueError (a ShapeError) names a tier that is none."""
+    if isinstance(tier, bool) or not isinstance(tier, int | str):
+        raise ValueError(f"a tier is STEPS or STEPSxTOPKxNUM_DRAFT_TOKENS, got {tier!r}")
+    shape = TreeShape.parse(tier)
+    return controller_pb2.PinTierRequest(speculative_num_steps=shape.steps, shape=tier_name(shape))

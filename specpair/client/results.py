@@ -82,6 +82,16 @@ class TierSwitch(_JSONReady):
     reason: str  # "policy", "pin", "unpin" or "reconnect"
     ema: float
     unix_time: float
+    from_shape: str = ""  # set where a tier is a tree ("4x4x16"; the steps are its depth)
+    to_shape: str = ""
+
+    @property
+    def from_tier(self) -> str:
+        return self.from_shape or str(self.from_steps)
+
+    @property
+    def to_tier(self) -> str:
+        return self.to_shape or str(self.to_steps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +110,18 @@ class TargetState(_JSONReady):
     model: str = ""  # one line on the model behind the estimates
     pipeline: bool = False  # its rounds are pipelined (the draft pre-drafts while it verifies)
     pipeline_hit_rate: float = 0.0  # pre-drafted share of pipelined request-rounds, recent
+    # Set where the active or the pinned tier is a tree ("4x4x16"; the steps are its depth).
+    active_shape: str = ""
+    pinned_shape: str = ""
+
+    @property
+    def active_tier(self) -> str:
+        """The active tier as written: "7", "4x4x16"."""
+        return self.active_shape or str(self.active_steps)
+
+    @property
+    def pinned_tier(self) -> str | None:
+        return None if self.pinned_steps is None else self.pinned_shape or str(self.pinned_steps)
 
     @staticmethod
     def from_pb(t: controller_pb2.TargetState) -> TargetState:
@@ -112,18 +134,34 @@ class TargetState(_JSONReady):
             rounds_seen=t.rounds_seen,
             batches_counted=t.batches_counted,
             recent_switches=tuple(
-                TierSwitch(s.round_id, s.from_steps, s.to_steps, s.reason, s.ema, s.unix_time)
+                TierSwitch(
+                    s.round_id,
+                    s.from_steps,
+                    s.to_steps,
+                    s.reason,
+                    s.ema,
+                    s.unix_time,
+                    s.from_shape,
+                    s.to_shape,
+                )
                 for s in t.recent_switches
             ),
             estimates=tuple(
                 TierEstimate(
-                    e.steps, e.tokens_per_s, e.round_ms, e.tokens_per_round, e.observed_rounds
+                    e.steps,
+                    e.tokens_per_s,
+                    e.round_ms,
+                    e.tokens_per_round,
+                    e.observed_rounds,
+                    e.shape,
                 )
                 for e in t.estimates
             ),
             model=t.model,
             pipeline=t.pipeline,
             pipeline_hit_rate=t.pipeline_hit_rate,
+            active_shape=t.active_shape,
+            pinned_shape=t.pinned_shape if t.pinned else "",
         )
 
 

@@ -133,8 +133,8 @@ class ControllerClient(_Blocking[AsyncControllerClient]):
     def update_policy(self, **changes: Any) -> dict[str, Any]:
         return self._loop.run(self._async.update_policy(**changes))
 
-    def pin(self, steps: int) -> tuple[TargetState, ...]:
-        return self._loop.run(self._async.pin(steps))
+    def pin(self, tier: int | str) -> tuple[TargetState, ...]:
+        return self._loop.run(self._async.pin(tier))
 
     def unpin(self) -> tuple[TargetState, ...]:
         return self._loop.run(self._async.unpin())

@@ -47,7 +47,7 @@ def test_goodput_benchmark_measures_every_goal(tmp_path: Path) -> None:
     fresh = PolicySpec.from_mapping(report["policies"]["goodput"]).build(3)
     assert isinstance(fresh, RegimePolicy)
     first, regimes = runs["goodput"]["rounds"][0], fresh.regime_steps
-    assert regimes is not None and first["sampled"] and first["tier"] == regimes.sampled
+    assert regimes is not None and first["sampled"] and first["tier"] == regimes.sampled.steps
     assert {r["tier"] for r in runs["static-0"]["rounds"]} == {0}
     assert {r["tier"] for r in runs["static-7"]["rounds"]} == {7}
 

@@ -434,3 +434,21 @@ def test_a_token_grpc_cannot_send_is_a_specpair_error() -> None:
     with pytest.raises(SpecpairError) as info:
         ControllerClient("127.0.0.1:1", token="…")  # README's old placeholder
     assert info.value.code == "INVALID_ARGUMENT" and info.value.details.startswith("token:")
+
+
+def test_pin_and_tree_shape_requests_name_the_shape() -> None:
+    from specpair.client import build_pin, build_policy_update
+
+    assert build_pin(7) == controller_pb2.PinTierRequest(speculative_num_steps=7)
+    assert build_pin("7") == controller_pb2.PinTierRequest(speculative_num_steps=7)
+    assert build_pin("4x4x16") == controller_pb2.PinTierRequest(
+        speculative_num_steps=4, shape="4x4x16"
+    )
+    for bad in ("4x4", "x", True, 2.5):
+        with pytest.raises(ValueError):
+            build_pin(bad)  # type: ignore[arg-type]
+    request = build_policy_update(tree_shapes="4x4x16,6x8x32")
+    assert list(request.tree_shapes) == ["4x4x16", "6x8x32"] and request.set_tree_shapes
+    dropped = build_policy_update(tree_shapes="")  # `ctl policy tree_shapes=`: drop them all
+    assert list(dropped.tree_shapes) == [] and dropped.set_tree_shapes
+    assert not build_policy_update(min_gain=0.1).set_tree_shapes

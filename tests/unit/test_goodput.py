@@ -14,6 +14,7 @@ from controller.goodput import GoodputPolicy
 from controller.goodput_config import GoodputConfig, parse_profile
 from controller.goodput_model import AcceptanceModel, CostModel, _line_at, batch_bucket
 from controller.interface import RoundSample
+from specpair.runtime.shape import TreeShape
 from specpair.tiers import RegimeSteps
 
 
@@ -415,17 +416,17 @@ def test_each_regime_starts_where_it_left_off_and_the_target_is_told_before() ->
     run(policy, 60, sampled)
     assert policy.regime_steps == RegimeSteps(greedy=greedy_tier, sampled=0)
     told = policy.regime_steps
-    assert run(policy, 1, greedy) == [told.greedy]
-    assert policy.regime_steps.sampled == 0
+    assert run(policy, 1, greedy) == [told.greedy.steps]
+    assert policy.regime_steps.sampled == TreeShape(0)
 
 
 def test_a_regimes_resume_tier_stays_a_candidate_after_a_reconfigure() -> None:
     cfg = GoodputConfig(candidate_steps=(0, 1, 3, 7), warmup_batches=5, update_interval=5)
     policy = GoodputPolicy(cfg, 7)
     run(policy, 3, regime_round(True))  # greedy left at 7
-    assert policy.regime_steps.greedy == 7
+    assert policy.regime_steps.greedy == TreeShape(7)
     policy.reconfigure(replace(cfg, candidate_steps=(0, 1, 3)))
-    assert policy.regime_steps.greedy == 3  # 7 is no tier any more: the nearest is
+    assert policy.regime_steps.greedy == TreeShape(3)  # 7 is no tier any more: the nearest is
 
 
 def test_a_regime_never_seen_starts_where_its_profile_says() -> None:
@@ -437,7 +438,8 @@ def test_a_regime_never_seen_starts_where_its_profile_says() -> None:
     policy = GoodputPolicy(cfg, 3)
     assert policy.regime_steps == RegimeSteps(greedy=3, sampled=0)
     assert run(policy, 1, regime_round(True)) == [0]
-    assert GoodputPolicy(replace(cfg, sampled_profile_ms=()), 3).regime_steps.sampled == 3
+    unprofiled = GoodputPolicy(replace(cfg, sampled_profile_ms=()), 3)
+    assert unprofiled.regime_steps.sampled == TreeShape(3)
     assert cfg.to_dict()["sampled_profile_ms"] == {
         "1": {"0": 12.0, "1": 30.0, "3": 48.0, "7": 90.0}
     }

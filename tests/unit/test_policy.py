@@ -241,10 +241,13 @@ def test_policy_file_errors_name_the_file_and_key(tmp_path: Path) -> None:
 def test_the_wire_carries_every_policy_key() -> None:
     # The dataclass is where SGLang's keys are declared; the SDK and the servicer read them off
     # these messages, so a key added to one side only fails here. The kind travels beside them,
-    # and other kinds' keys (goodput, bands) in options_json.
-    from controller.policy import FIELD_NAMES
+    # the tree shapes after them (with, in an update, the flag that they are set), and other
+    # kinds' keys (goodput, bands) in options_json.
+    from controller.policy import FIELD_NAMES, WIRE_FIELD_NAMES
     from specpair.proto.v1 import controller_pb2
 
-    for message in (controller_pb2.PolicyConfig, controller_pb2.UpdatePolicyRequest):
-        names = [f.name for f in message.DESCRIPTOR.fields]
-        assert names == [*FIELD_NAMES, "kind", "options_json"], message
+    assert (*FIELD_NAMES, "tree_shapes") == WIRE_FIELD_NAMES
+    config = [f.name for f in controller_pb2.PolicyConfig.DESCRIPTOR.fields]
+    assert config == [*FIELD_NAMES, "kind", "options_json", "tree_shapes"]
+    update = [f.name for f in controller_pb2.UpdatePolicyRequest.DESCRIPTOR.fields]
+    assert update == [*config, "set_tree_shapes"]

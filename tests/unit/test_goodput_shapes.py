@@ -1,0 +1,209 @@
+"""Tree-shaped tiers in the policies: the goodput kind weighs trees against chains by
+predicted tokens/s (a tree's acceptance its own, its cost growing with its nodes and the
+batch); SGLang's rule and per-request tiers refuse them by name."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from controller.bands import PolicySpec
+from controller.goodput import GoodputPolicy
+from controller.goodput_config import GoodputConfig
+from controller.goodput_model import CostModel
+from controller.interface import RoundSample
+from controller.request_tiers import RequestTiers
+from specpair.runtime.shape import TreeShape
+
+TREE = TreeShape(4, 4, 16)
+
+
+def tree_round(tier: TreeShape, batch: int, accepts: list[int], **ms: float) -> RoundSample:
+    return RoundSample(tier.steps, batch, tuple(accepts), shape=None if tier.is_chain else tier,
+                       schedule_ms=0.0, **ms)  # fmt: skip
+
+
+class Target:
+    """A simulated target whose verify grows with the tokens of its forward (0.2 ms per token
+    of every request) and whose draft forwards each step's frontier (0.1 ms per node of every
+    request, plus 1 ms a step): at batch 1 the tree costs little more than a chain, at batch 32
+    several times one. Acceptance repeats fixed patterns: the tree accepts 3.4 of 4 a round,
+    the chain's positions about half."""
+
+    CHAIN = (1, 2, 0, 3, 1, 0, 2, 1)  # accepted drafts of a long enough chain, in turn
+    TREE = (4, 3, 4, 2, 4)
+
+    def __init__(self) -> None:
+        self._turn: Iterator[int] = itertools.count()
+
+    def round(self, tier: TreeShape, batch: int) -> RoundSample:
+        s, k, n = tier.steps, tier.topk, tier.num_draft_tokens
+        verify = 10.0 + 0.2 * batch * (n + 1)
+        draft = s * 1.0 + 0.1 * batch * (1 + (s - 1) * k) if s else 0.0
+        fixed = 2.0 if s else 0.0
+        accepts = []
+        for _ in range(batch):
+            i = next(self._turn)
+            pattern = self.TREE if not tier.is_chain else self.CHAIN
+            accepts.append(min(pattern[i % len(pattern)], s))
+        total = verify + draft + fixed
+        return tree_round(tier, batch, accepts if s else [], total_ms=total, verify_ms=verify,
+                          draft_ms=draft)  # fmt: skip
+
+    def tokens_per_s(self, tier: TreeShape, batch: int) -> float:
+        """The truth the policy should find: mean tokens a round over its time."""
+        pattern = self.TREE if not tier.is_chain else self.CHAIN
+        gained = 1 + sum(min(a, tier.steps) for a in pattern) / len(pattern)
+        return 1e3 * batch * gained / self.round(tier, batch).total_ms
+
+
+def run(policy: GoodputPolicy, target: Target, batch: int, rounds: int) -> list[TreeShape]:
+    """Feeds `rounds` rounds at the policy's tier; the tiers they ran at."""
+    ran = []
+    for _ in range(rounds):
+        tier = policy.current_tier
+        policy.observe(target.round(tier, batch))
+        ran.append(tier)
+    return ran
+
+
+def test_a_tree_whose_measured_acceptance_pays_wins_at_batch_1_and_drops_at_batch_32() -> None:
+    config = GoodputConfig(candidate_steps=(0, 1, 3), tree_shapes=("4x4x16",), warmup_batches=0,
+                           update_interval=2, explore_margin=0.3)  # fmt: skip
+    target = Target()
+    tiers = config.tiers
+    assert tiers == (TreeShape(0), TreeShape(1), TreeShape(3), TREE)
+    # The truth: the tree is best at batch 1 and worst of the drafting tiers at batch 32.
+    best = {b: max(tiers, key=lambda t: target.tokens_per_s(t, b)) for b in (1, 32)}
+    assert best[1] == TREE and best[32].is_chain
+    assert target.tokens_per_s(TREE, 32) < target.tokens_per_s(TreeShape(3), 32)
+
+    policy = GoodputPolicy(config, 3)
+    ran = run(policy, target, 1, 60)
+    assert TREE in ran[:20]  # tried early: never measured, predicted near the best
+    assert policy.current_tier == TREE and ran[-20:] == [TREE] * 20
+    # Its acceptance is its own: above what the chains' rate predicts for a chain of depth 4.
+    assert policy.regime.tokens_per_round(TREE) > policy.regime.tokens_per_round(4) + 0.5
+    (estimate,) = [e for e in policy.estimates() if e.shape == "4x4x16"]
+    assert estimate.steps == 4 and estimate.observed_rounds > 0
+
+    ran = run(policy, target, 32, 40)
+    assert ran[0] == TREE  # the batch grew under the tree
+    assert policy.current_tier.is_chain and TREE not in ran[-20:]
+    assert policy.regime_steps.greedy == policy.current_tier
+
+
+def test_an_unmeasured_tree_is_predicted_as_the_chain_of_its_depth() -> None:
+    # Conservative: the chains' acceptance at every depth, its branches credited nothing.
+    policy = GoodputPolicy(GoodputConfig(candidate_steps=(1, 3), tree_shapes=("4x4x16",)), 3)
+    policy.observe(tree_round(TreeShape(3), 1, [3], total_ms=30.0, verify_ms=18.0, draft_ms=6.0))
+    chain_alpha = policy.acceptance.alpha
+    expected = sum(chain_alpha**k for k in range(5))
+    assert policy.regime.tokens_per_round(TREE) == pytest.approx(expected)
+    assert policy.regime.tokens_per_round(TREE) <= policy.regime.tokens_per_round(4) + 1e-9
+
+
+def test_the_tree_cost_worked_example() -> None:
+    # The CostModel docstring: chains 3 and 7 at verify 18 and 22 ms, step 2, fixed 4 →
+    # 4x4x16 = T(7) + 12 ms at batch 1; its own rounds then replace the prediction.
+    cost = CostModel(alpha=1.0)
+    cost.observe(tree_round(TreeShape(3), 1, [1], total_ms=28.0, verify_ms=18.0, draft_ms=6.0))
+    cost.observe(tree_round(TreeShape(7), 1, [1], total_ms=40.0, verify_ms=22.0, draft_ms=14.0))
+    assert cost.round_ms(7, 1) == 40.0
+    assert cost.round_ms(TREE, 1) == pytest.approx(40.0 + 12.0)
+    assert cost.round_ms(5, 1) == pytest.approx(40.0 - 2 - 4)  # chains as before
+    # At batch 64 with only one chain measured there, batch 1's slope (1 ms a token) scaled by
+    # the batch stands in: 64 ms a token, so the tree's 9 more tokens and 9 more nodes cost
+    # 1152 ms more than tier 7 (less the 3 steps it drafts fewer).
+    cost.observe(tree_round(TreeShape(7), 64, [1] * 64, total_ms=90.0, verify_ms=60.0,
+                            draft_ms=26.0))  # fmt: skip
+    assert cost.round_ms(TREE, 64) == pytest.approx(90.0 + 64 * 9 - 3 * 26 / 7 + 64 * 9)
+    assert cost.round_ms(3, 64) == pytest.approx(90.0 - 4 * 26 / 7)  # a chain: flat verify
+    cost.observe(tree_round(TREE, 1, [4], total_ms=45.0, verify_ms=30.0, draft_ms=11.0))
+    assert cost.round_ms(TREE, 1) == 45.0
+    assert cost.measured(TREE, 1) and not cost.measured(TREE, 64)
+
+
+def test_tree_shapes_validate_naming_the_field() -> None:
+    config = GoodputConfig.from_mapping({"candidate_steps": [0, 3], "tree_shapes": ["4X4X16"]})
+    assert config.tree_shapes == ("4x4x16",) and config.to_dict()["tree_shapes"] == ("4x4x16",)
+    only_trees = GoodputConfig(candidate_steps=(), tree_shapes=("4x4x16", "2x2x4"))
+    assert only_trees.tiers == (TreeShape(2, 2, 4), TREE)
+    assert GoodputPolicy(only_trees, 7).current_tier == TREE  # snapped by depth
+    for shapes, message in [
+        (["4x4"], "tree_shapes: a tree shape is STEPSxTOPKxNUM_DRAFT_TOKENS"),
+        (["7"], "tree_shapes '7' is a chain: list it in candidate_steps"),
+        (["4x4x99"], r"num_draft_tokens must be in \[1, 52\]"),
+        (["4x4x16", "4x4x16"], "tree_shapes repeat a tier"),
+        ("4x4x16", "tree_shapes must be a list"),
+        ([4], "tree_shapes must be strings"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            GoodputConfig.from_mapping({"tree_shapes": shapes})
+
+
+def test_sglang_refuses_tree_shapes_and_keeps_its_chains() -> None:
+    with pytest.raises(ValueError, match="sglang's rule chooses among chains by accept length"):
+        PolicySpec.from_mapping({"tree_shapes": ["4x4x16"]})
+    with pytest.raises(ValueError, match=r"tree_shapes.*sglang's rule"):
+        PolicySpec.from_mapping({"bands": [{"min_batch_size": 8, "tree_shapes": ["4x4x16"]}]})
+    goodput = PolicySpec.from_mapping({"kind": "goodput", "tree_shapes": ["4x4x16"]})
+    with pytest.raises(ValueError, match="sglang's rule"):
+        goodput.replace_partial(kind="sglang", tree_shapes=["4x4x16"])
+    plain = goodput.replace_partial(kind="sglang")  # a key sglang has not: left behind
+    assert plain.kind == "sglang" and plain.candidate_tiers == (TreeShape(1), TreeShape(3),
+                                                                 TreeShape(7))  # fmt: skip
+    assert "tree_shapes" not in plain.to_dict()
+    # An empty list names no shape: the rule runs over its chains as it always has.
+    assert PolicySpec.from_mapping({"tree_shapes": []}) == PolicySpec.from_mapping({})
+
+
+def test_per_request_tiers_refuse_tree_shapes() -> None:
+    with pytest.raises(ValueError, match="per-request tiers are chains"):
+        RequestTiers({"tree_shapes": ["4x4x16"]}, 3)
+    policy = RequestTiers({"candidate_steps": [0, 1, 3]}, 3)
+    with pytest.raises(ValueError, match="per-request tiers are chains"):
+        policy.reconfigure({"candidate_steps": [0, 1, 3], "tree_shapes": ["4x4x16"]})
+
+
+def test_a_band_that_lists_its_chains_lists_its_trees() -> None:
+    spec = PolicySpec.from_mapping({
+        "kind": "goodput", "candidate_steps": [0, 1, 3], "tree_shapes": ["4x4x16"],
+        "bands": [{"min_batch_size": 8, "min_gain": 0.1},
+                  {"min_batch_size": 16, "candidate_steps": [0, 1, 3], "tree_shapes": ["2x2x4"]},
+                  {"min_batch_size": 64, "candidate_steps": [0, 1]}],
+    })  # fmt: skip
+    tiers = [b.config.tiers for b in spec.bands]
+    assert [str(t) for t in tiers[1]] == ["0", "1", "3", "4x4x16"]  # inherited
+    assert [str(t) for t in tiers[2]] == ["0", "1", "2x2x4", "3"]
+    assert [str(t) for t in tiers[3]] == ["0", "1"]  # the trees dropped from batch 64 up
+    assert spec.candidate_tiers == (TreeShape(0), TreeShape(1), TreeShape(2, 2, 4), TreeShape(3),
+                                    TREE)  # fmt: skip
+    assert spec.to_dict()["bands"][2] == {"min_batch_size": 64, "candidate_steps": [0, 1]}
+    assert PolicySpec.from_mapping(spec.to_dict()) == spec
+    policy = spec.build(TREE)
+    assert policy.current_tier == TREE  # type: ignore[attr-defined]
+    policy.observe(tree_round(TREE, 64, [4] * 64, total_ms=500.0, verify_ms=300.0, draft_ms=150.0))
+    assert policy.current_tier.is_chain  # type: ignore[attr-defined]
+
+
+def test_the_state_file_keeps_a_tree_pin_and_a_tree_tier(tmp_path: Path) -> None:
+    from controller import memory
+
+    path = tmp_path / "state.json"
+    saved = memory.Memory(TREE, {"kind": "goodput"}, {"t:1": memory.TargetMemory(TREE, 3.2, 9)})
+    memory.save(path, saved)
+    raw = json.loads(path.read_text())
+    assert (raw["pinned_steps"], raw["pinned_shape"]) == (4, "4x4x16")  # as on the wire
+    assert raw["targets"]["t:1"] == {"steps": 4, "ema": 3.2, "count": 9, "shape": "4x4x16"}
+    assert memory.load(path) == saved
+    memory.save(path, memory.Memory(TreeShape(7), None, {}))  # a chain: the file of before
+    assert json.loads(path.read_text())["pinned_steps"] == 7
+    assert "pinned_shape" not in path.read_text() and memory.load(path).pinned == TreeShape(7)
+    path.write_text(json.dumps({"pinned_steps": 3, "pinned_shape": "4x4x16"}))
+    with pytest.raises(ValueError, match="pinned_shape 3 disagrees with shape"):
+        memory.load(path)
