@@ -24,26 +24,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import itertools
-import socket
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 from specpair.config import split_address
 from specpair.logging import get_logger
 from specpair.proto.v1 import target_pb2
-from specpair.runtime.round import (
-    DraftInput,
-    Predraft,
-    RoundRequest,
-    RoundResponse,
-    StageTimings,
-)
+from specpair.runtime.round import DraftInput, RoundRequest, RoundResponse
 from specpair.runtime.target.worker import TargetSequence
-from specpair.runtime.tree import CandidateTree
 from target_service.draft_link import DraftLink
+from target_service.draft_merge import merge
+from target_service.draft_resolve import is_name, resolve
 
 log = get_logger(__name__)
 State = target_pb2.DraftConnectionState
@@ -282,7 +275,11 @@ class DraftPool:
         for leg, response in zip(legs, responses, strict=True):
             if response is not None and response.refused:
                 self._move(response.refused, leg.link)
-        return responses[0] if len(legs) == 1 else self._merge(round_id, legs, responses)
+        if len(legs) == 1:
+            return responses[0]
+        return merge(
+            round_id, [(leg.link.address, r) for leg, r in zip(legs, responses, strict=True)]
+        )
 
     def _move(self, request_ids: Iterable[str], refusing: DraftLink) -> None:
         """Requests a replica had no room for: homed on another one next round, if any is up."""
@@ -294,67 +291,3 @@ class DraftPool:
         """Sends one round and waits for its answers (releases, when idle)."""
         sent = await self.send(request)
         return None if sent is None else await self.receive(request.round_id, sent)
-
-    def _merge(
-        self, round_id: int, legs: Sequence[Leg], responses: Sequence[RoundResponse | None]
-    ) -> RoundResponse | None:
-        answered = [(leg, r) for leg, r in zip(legs, responses, strict=True) if r is not None]
-        if not answered:
-            return None
-        trees: dict[str, CandidateTree] = {}
-        malformed: dict[str, str] = {}
-        predrafts: dict[str, tuple[Predraft, ...]] = {}
-        refused: dict[str, str] = {}
-        adopted: list[str] = []
-        errors = []
-        for leg, r in answered:
-            if r.error:  # that replica dropped its inputs: no tree, so each is sent whole again
-                errors.append(f"{leg.link.address}: {r.error}")
-                continue
-            trees |= r.trees
-            malformed |= r.malformed
-            predrafts |= r.predrafts
-            refused |= r.refused
-            adopted += r.adopted
-        error = "; ".join(errors) if len(errors) == len(legs) else ""
-        timings = slowest([r.timings for _, r in answered])
-        return RoundResponse(
-            round_id, trees, timings, error, malformed, tuple(adopted), predrafts, refused
-        )
-
-
-def slowest(timings: Sequence[StageTimings]) -> StageTimings:
-    """A round waits for its slowest replica: each stage's time, the largest of the replicas'."""
-    names = [f.name for f in fields(StageTimings)]
-    return StageTimings(**{name: max(getattr(t, name) for t in timings) for name in names})
-
-
-def is_name(entry: str) -> bool:
-    """Whether `entry` is HOST:PORT with a host name (not unix:, not an IP literal)."""
-    if entry.startswith("unix:"):
-        return False
-    host = split_address(entry)[0]
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return True
-    return False
-
-
-async def resolve(entry: str) -> list[str]:
-    """The replicas behind `entry`: itself, unless it is a name resolving to several addresses
-    of one family (IPv4 first: `localhost` is one replica, not its IPv4 and IPv6 twins); []
-    when the lookup fails."""
-    if not is_name(entry):
-        return [entry]
-    host, port = split_address(entry)
-    try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        log.warning("draft address lookup failed", address=entry, error=str(exc))
-        return []
-    for family, form in ((socket.AF_INET, "{}:{}"), (socket.AF_INET6, "[{}]:{}")):
-        ips = sorted({str(info[4][0]) for info in infos if info[0] == family})
-        if ips:
-            return [entry] if len(ips) == 1 else [form.format(ip, port) for ip in ips]
-    return [entry]

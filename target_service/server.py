@@ -1,4 +1,5 @@
-"""gRPC front of the target service: validate, hand to the scheduler, stream results back."""
+"""The target service's life: bind (health NOT_SERVING), load the model and its states,
+connect the draft, serve (SERVING), and stop (`specpair serve target`)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,10 @@ import asyncio
 import contextlib
 import functools
 import socket
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import torch
 
 from specpair.config import FeatureDType, TargetConfig, is_loopback, split_address
@@ -20,143 +19,20 @@ from specpair.metrics import ServiceMetrics
 from specpair.models.loading import load_tokenizer, tokenizer_fingerprint
 from specpair.parallel.build import build_parallel_target
 from specpair.parallel.ranks import RankExitedError, RankGroup
-from specpair.proto.v1 import target_pb2, target_pb2_grpc
+from specpair.proto.v1 import target_pb2_grpc
 from specpair.runtime.build import StateBuilder, build_target
-from specpair.runtime.kv_cache import KVCache
-from specpair.runtime.shape import MAX_TREE_NODES, tier_name
-from specpair.serving import bounded
-from specpair.wire import apply_tier_from_proto, stats_to_proto
+from specpair.runtime.shape import MAX_TREE_NODES
 from target_service.draft_link import DraftLink
 from target_service.draft_pool import DraftPool
-from target_service.frontend import (
-    DeadlineExceededError,
-    Frontend,
-    NotReadyError,
-    RoundFailedError,
-)
+from target_service.frontend import Frontend
 from target_service.http_api import HttpServer, OpenAIApp
-from target_service.request import from_proto
-from target_service.round_feed import QUEUE_ROUNDS
-from target_service.scheduler import QueueFullError, Scheduler
+from target_service.scheduler import Scheduler
+from target_service.servicer import OPS_METHODS, SERVICE, TargetServicer
 from target_service.special_tokens import eos_ids, prompt_bos
-from target_service.validation import InvalidRequestError, check_sizes, request_bytes_limit
+from target_service.usage import kv_cache_usage, log_throughput
+from target_service.validation import request_bytes_limit
 
 log = get_logger(__name__)
-SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"]
-OPS_METHODS = [f"/{SERVICE.full_name}/{m}" for m in ("ApplyTier", "WatchRounds")]
-
-
-class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    """Maps the shared request path (`Frontend`) and the ops calls onto gRPC."""
-
-    def __init__(self, frontend: Frontend) -> None:
-        self.frontend = frontend
-        self.config = frontend.config
-        self.builder: StateBuilder | None = None  # set once the states are built
-
-    @property
-    def scheduler(self) -> Scheduler | None:
-        return self.frontend.scheduler
-
-    async def _ready(self, context: grpc.aio.ServicerContext) -> Scheduler:
-        if self.scheduler is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "target model is still loading")
-        assert self.scheduler is not None
-        return self.scheduler
-
-    async def Generate(
-        self, request: target_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[target_pb2.GenerateResponse]:
-        remaining = context.time_remaining()
-        try:
-            self.frontend.ready()
-            check_sizes(request, self.config.max_len)  # its lists counted before decoding
-            client = from_proto(request)
-            responses = self.frontend.generate(client, time_remaining=remaining)
-            async with contextlib.aclosing(responses) as stream:
-                async for response in stream:
-                    yield response
-        except NotReadyError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(exc)))
-        except QueueFullError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except DeadlineExceededError as exc:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
-        except RoundFailedError as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
-
-    async def GetServerInfo(
-        self,
-        request: target_pb2.TargetServiceGetServerInfoRequest,
-        context: grpc.aio.ServicerContext,
-    ) -> target_pb2.TargetServiceGetServerInfoResponse:
-        cfg, s = self.config, self.scheduler
-        link = s.draft if s else None
-        state = target_pb2.DRAFT_CONNECTION_STATE_NONE if cfg.draft_address is None else (
-            link.state if link else target_pb2.DRAFT_CONNECTION_STATE_CONNECTING
-        )  # fmt: skip
-        tier = s.tier if s else cfg.initial_tier
-        return target_pb2.TargetServiceGetServerInfoResponse(
-            speculative_num_steps=tier.steps,
-            shape=tier_name(tier),
-            avg_spec_accept_length=s.avg_accept_length if s else 0.0,
-            candidate_steps=list(cfg.candidate_steps),
-            tree_shapes=[str(t) for t in cfg.tiers if not t.is_chain],
-            target_model_path=str(cfg.model_path),
-            draft_address=cfg.draft_address or "",
-            draft_connection_state=state,
-            running_requests=len(s.running) if s else 0,
-            queued_requests=len(s.queue) if s else 0,
-            rounds=s.round_id if s else 0,
-            runtime_state_builds=self.builder.builds if self.builder else 0,
-            device=cfg.device,
-            max_context_length=cfg.max_len,
-            vocab_size=s.worker.model.args.vocab_size if s else 0,
-            draft_incompatible_reason=link.incompatible if link else "",
-            pipeline=bool(s and link and link.connected and s.pipelining),
-            pipeline_hit_rate=s.feed.hit_rate if s else 0.0,
-            draft_replicas=link.replicas() if link else [],
-        )
-
-    async def ApplyTier(
-        self, request: target_pb2.ApplyTierRequest, context: grpc.aio.ServicerContext
-    ) -> target_pb2.ApplyTierResponse:
-        scheduler = await self._ready(context)
-        try:
-            tier, own, regimes = apply_tier_from_proto(request)
-            previous = scheduler.apply_tier(tier, request.reason or "ops", own, regimes)
-        except ValueError as exc:  # ShapeError too: each names its field
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(exc)))
-        return target_pb2.ApplyTierResponse(
-            previous_steps=previous.steps,
-            previous_shape=tier_name(previous),
-            speculative_num_steps=tier.steps,
-            shape=tier_name(tier),
-            current_round=scheduler.round_id,
-        )
-
-    async def WatchRounds(
-        self, request: target_pb2.WatchRoundsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[target_pb2.WatchRoundsResponse]:
-        scheduler = await self._ready(context)
-        queue = scheduler.feed.watch()
-        if queue is None:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self.config.max_watchers} WatchRounds streams already open (max_watchers)",
-            )
-        assert queue is not None
-        try:
-            while (stats := await queue.get()) is not None:
-                yield target_pb2.WatchRoundsResponse(round=stats_to_proto(stats))
-        finally:
-            scheduler.feed.unwatch(queue)
-        await context.abort(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"this watcher fell {QUEUE_ROUNDS} rounds behind and was dropped; watch again",
-        )
 
 
 @dataclass
@@ -357,46 +233,6 @@ def target_identity(address: str, port: int) -> str:
     the host and the port it serves, `pod-7:50051`, unique on a host and in a cluster."""
     where = address if address.startswith("unix:") else str(port)
     return f"{socket.gethostname()}:{where}"
-
-
-def kv_cache_usage(cache: KVCache) -> float:
-    """Pages requests hold over the pages they may hold: the padding slot of graph buckets
-    holds a whole slot's pages from the start, and they are nobody's."""
-    usable = cache.pages.num_pages - cache.pages_per_slot
-    return (usable - len(cache.pages.free)) / usable
-
-
-async def log_throughput(metrics: ServiceMetrics, scheduler: Scheduler, interval_s: float) -> None:
-    """Every `interval_s` with work done or waiting, one line as vLLM's and SGLang's: prompt
-    and generation tokens/s, running and queued requests, the KV cache's use. It reads the
-    metrics' counters, so the round loop does nothing for it."""
-
-    def totals() -> tuple[float, float]:
-        sample = metrics.registry.get_sample_value
-        return (
-            sample("specpair_target_prompt_tokens_total") or 0.0,
-            sample("specpair_target_generation_tokens_total") or 0.0,
-        )
-
-    last, t_last = totals(), time.perf_counter()
-    while True:
-        await asyncio.sleep(interval_s)
-        now, t_now = totals(), time.perf_counter()
-        busy = scheduler.running or scheduler.queue
-        if now != last or busy:
-            span = t_now - t_last
-            log.info(
-                "throughput",
-                prompt_tokens_per_s=round((now[0] - last[0]) / span, 1),
-                generation_tokens_per_s=round((now[1] - last[1]) / span, 1),
-                running=len(scheduler.running),
-                queued=len(scheduler.queue),
-                kv_cache_usage=round(
-                    metrics.registry.get_sample_value("specpair_target_kv_cache_usage") or 0.0, 3
-                ),
-                tier=str(scheduler.tier),
-            )
-        last, t_last = now, t_now
 
 
 async def serve(config: TargetConfig) -> None:

@@ -14,7 +14,9 @@ from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.target.session import DraftSession
 from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import CandidateTree
-from target_service.draft_pool import DraftPool, is_name, resolve, slowest
+from target_service.draft_merge import slowest
+from target_service.draft_pool import DraftPool
+from target_service.draft_resolve import is_name, resolve
 
 State = target_pb2.DraftConnectionState
 

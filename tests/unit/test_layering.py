@@ -47,8 +47,13 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
     graph = {m: _imports(p, modules) - {m} for m, p in modules.items()}
-    # a package's own __init__ is not an edge worth following (ours are empty)
-    return {m: {d for d in deps if modules[d].name != "__init__.py"} for m, deps in graph.items()}
+
+    # `from pkg import mod` names `pkg` too: an __init__ that imports nothing is no edge worth
+    # following; one that re-exports (specpair/config/, specpair/client/) is a real edge
+    def empty_init(d: str) -> bool:
+        return modules[d].name == "__init__.py" and not _imports(modules[d], modules) - {d}
+
+    return {m: {d for d in deps if not empty_init(d)} for m, deps in graph.items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:

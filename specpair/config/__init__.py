@@ -1,0 +1,73 @@
+"""Service configuration: frozen dataclasses, validated once at the edge (CLI, environment).
+
+One module per concern; import from here (`from specpair.config import TargetConfig`):
+addresses.py (defaults, environment, checks), server.py (`ServerConfig`, `TLSConfig`),
+model_service.py (`ModelServiceConfig`, what the draft and the target both take), target.py,
+draft.py, controller.py (each service's own), option.py (a field's `specpair serve` option).
+"""
+
+from specpair.config.addresses import (
+    DEFAULT_CONTROLLER_ADDRESS,
+    DEFAULT_DRAFT_ADDRESS,
+    DEFAULT_HTTP_ADDRESS,
+    DEFAULT_METRICS,
+    DEFAULT_TARGET_ADDRESS,
+    check_grpc_address,
+    env_address,
+    env_http_address,
+    is_loopback,
+    split_address,
+    split_list,
+)
+from specpair.config.controller import ControllerConfig
+from specpair.config.draft import DraftConfig, DraftKind
+from specpair.config.model_service import (
+    BUSY_POLL_MS_CUDA,
+    CANDIDATE_STEPS,
+    MODELS_DIR,
+    DType,
+    ModelServiceConfig,
+    PipelineMode,
+    check_device,
+    compute_threads,
+    same_device,
+)
+from specpair.config.server import ServerConfig, TLSConfig
+from specpair.config.target import (
+    DEFAULT_MAX_WATCHERS,
+    GPU_TENSOR_PARALLEL,
+    FeatureDType,
+    TargetConfig,
+)
+
+__all__ = [
+    "BUSY_POLL_MS_CUDA",
+    "CANDIDATE_STEPS",
+    "DEFAULT_CONTROLLER_ADDRESS",
+    "DEFAULT_DRAFT_ADDRESS",
+    "DEFAULT_HTTP_ADDRESS",
+    "DEFAULT_MAX_WATCHERS",
+    "DEFAULT_METRICS",
+    "DEFAULT_TARGET_ADDRESS",
+    "GPU_TENSOR_PARALLEL",
+    "MODELS_DIR",
+    "ControllerConfig",
+    "DType",
+    "DraftConfig",
+    "DraftKind",
+    "FeatureDType",
+    "ModelServiceConfig",
+    "PipelineMode",
+    "ServerConfig",
+    "TLSConfig",
+    "TargetConfig",
+    "check_device",
+    "check_grpc_address",
+    "compute_threads",
+    "env_address",
+    "env_http_address",
+    "is_loopback",
+    "same_device",
+    "split_address",
+    "split_list",
+]

@@ -1,0 +1,67 @@
+"""The draft service's settings (`specpair serve draft`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+from specpair.config.model_service import ModelServiceConfig, PipelineMode
+from specpair.config.option import option
+from specpair.config.server import ServerConfig
+
+
+class DraftKind(StrEnum):
+    MODEL = "model"  # a standalone small LM sharing the target's tokenizer
+    EAGLE = "eagle"  # an EAGLE head over the target's features (needs the target checkpoint)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftConfig(ModelServiceConfig):
+    server: ServerConfig
+    model_path: Path = field(metadata=option("draft LM or EAGLE head dir", flag="--model"))
+    draft_kind: DraftKind = field(default=DraftKind.MODEL, metadata=option("what --model is"))
+    target_path: Path | None = field(
+        default=None, metadata=option("target checkpoint (EAGLE only)", flag="--target-model")
+    )
+    max_requests: int = field(default=64, metadata=option("requests drafted for at once"))
+    max_target_requests: int = field(
+        default=0,
+        metadata=option("requests one target (all its Round streams) may hold; lower it when "
+                        "several targets share this draft (0: max_requests)"),
+    )  # fmt: skip
+    pipeline: PipelineMode = field(
+        default=PipelineMode.ON,
+        metadata=option("pre-draft the next round's likeliest outcomes while the target "
+                        "verifies, for targets that ask (off: answer each round only)"),
+    )  # fmt: skip
+    pipeline_width: int = field(
+        default=16,
+        metadata=option("pre-drafted outcomes per round, over the whole batch (each a KV fork; "
+                        "slots beyond the batch's)"),
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        self._resolve()
+        object.__setattr__(self, "draft_kind", DraftKind(self.draft_kind))
+        object.__setattr__(self, "pipeline", PipelineMode(self.pipeline))
+        if self.pipeline is PipelineMode.AUTO:
+            raise ValueError("pipeline: the draft takes on or off (auto is the target's)")
+        if self.pipeline_width < 1:
+            raise ValueError(f"pipeline_width must be >= 1, got {self.pipeline_width}")
+        if self.draft_kind is DraftKind.EAGLE and self.target_path is None:
+            raise ValueError("draft_kind 'eagle' needs the target checkpoint (--target-model)")
+        if self.max_requests < 1:
+            raise ValueError("max_requests must be >= 1")
+        if not 0 <= self.max_target_requests <= self.max_requests:
+            raise ValueError(
+                f"max_target_requests must be in [0, max_requests {self.max_requests}], "
+                f"got {self.max_target_requests}"
+            )
+        if self.max_target_requests == 0:
+            object.__setattr__(self, "max_target_requests", self.max_requests)
+
+    @property
+    def cache_len(self) -> int:
+        """Positions a request may hold: the context served plus the deepest tier's drafts."""
+        return self.max_len + max(t.draft_headroom for t in self.tiers)

@@ -1,0 +1,187 @@
+"""The target service's settings (`specpair serve target`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+from specpair.config.addresses import (
+    DEFAULT_DRAFT_ADDRESS,
+    DEFAULT_HTTP_ADDRESS,
+    check_grpc_address,
+    split_address,
+    split_list,
+)
+from specpair.config.model_service import ModelServiceConfig, PipelineMode
+from specpair.config.option import option
+from specpair.config.server import ServerConfig
+from specpair.runtime.shape import TreeShape
+
+DEFAULT_MAX_WATCHERS = 8  # WatchRounds streams a target serves at once
+GPU_TENSOR_PARALLEL = (
+    "tensor_parallel > 1 runs on the CPU (gloo) only for now: the GPU's fused layers and CUDA "
+    "graphs have no all-reduce yet (--device cpu)"
+)
+
+
+class FeatureDType(StrEnum):
+    """How a target sends EAGLE features (`wire.tensor_into`, `wire.fp8_rows_into`)."""
+
+    AUTO = "auto"  # the dtype they were computed in
+    FLOAT8 = "float8"  # e4m3, one scale per row
+
+
+@dataclass(frozen=True, slots=True)
+class TargetConfig(ModelServiceConfig):
+    server: ServerConfig
+    model_path: Path = field(metadata=option("target checkpoint directory", flag="--model"))
+    draft_address: str | None = field(
+        default=DEFAULT_DRAFT_ADDRESS,
+        metadata=option("draft service HOST:PORT or unix:PATH; several replicas as A,B, or a "
+                        "name resolving to several addresses", flag="--draft",
+                        env="SPECPAIR_DRAFT_ADDRESS", off_flag="--no-draft",
+                        off_help="decode without speculation"),
+    )  # fmt: skip
+    initial_steps: int = field(default=3, metadata=option("tier of the first rounds"))
+    initial_shape: str = field(
+        default="", metadata=option("tree-shaped tier of the first rounds, in place of "
+                                    "initial_steps (one of tree_shapes)"),
+    )  # fmt: skip
+    max_batch: int = field(default=16, metadata=option("requests decoded together"))
+    max_queue: int = field(default=256, metadata=option("requests waiting beyond the batch"))
+    draft_timeout_s: float = field(
+        default=5.0,
+        metadata=option("seconds per round; a round whose drafts come later is decoded "
+                        "without them", flag="--draft-timeout"),
+    )  # fmt: skip
+    reconnect_min_s: float = 0.2
+    reconnect_max_s: float = 5.0
+    draft_resolve_s: float = field(
+        default=30.0,
+        metadata=option("seconds between lookups of a --draft name resolving to several "
+                        "replicas (pods come and go)", flag="--draft-resolve-interval"),
+    )  # fmt: skip
+    eos_stop: bool = True  # stop at the eos ids of generation_config.json and the tokenizer
+    # "" (the library's default) disables the HTTP API; the command serves it by default.
+    http_address: str = field(
+        default="",
+        metadata=option("HOST:PORT of the OpenAI-compatible HTTP API ('' disables)",
+                        env="SPECPAIR_HTTP_ADDRESS", cli_default=DEFAULT_HTTP_ADDRESS),
+    )  # fmt: skip
+    api_key: str | None = field(
+        default=None,
+        metadata=option("key the HTTP API requires on /v1/ as 'Authorization: Bearer KEY' (what "
+                        "OpenAI clients send as api_key); prefer the variable to the flag, "
+                        "which other users see in ps", env="SPECPAIR_API_KEY", secret=True),
+    )  # fmt: skip
+    http_read_timeout_s: float = field(
+        default=10.0,
+        metadata=option("seconds an HTTP client has to send a request's headers, and again its "
+                        "body", flag="--http-read-timeout"),
+    )  # fmt: skip
+    max_watchers: int = field(
+        default=DEFAULT_MAX_WATCHERS,
+        metadata=option("WatchRounds streams served at once (the controller holds one); more are "
+                        "refused, and one that falls a queue behind is dropped"),
+    )  # fmt: skip
+    stats_log_interval_s: float = field(
+        default=10.0,
+        metadata=option("seconds between throughput log lines (tokens/s, requests, KV cache "
+                        "use) while there is work; 0: none", flag="--stats-log-interval"),
+    )  # fmt: skip
+    feature_layers: tuple[int, ...] = field(
+        default=(),
+        metadata=option("the target layers whose outputs an EAGLE-3 draft reads, 0-based, e.g. "
+                        "1,2,4 (as its draft reports them; a vLLM head's ids are one more); "
+                        "default: the final hidden state"),
+    )  # fmt: skip
+    feature_dtype: FeatureDType = field(
+        default=FeatureDType.AUTO,
+        metadata=option("how EAGLE features travel to the draft: auto, as computed (bfloat16 "
+                        "on CUDA, float32 on the CPU); float8, e4m3 scaled per row (half "
+                        "bfloat16's bytes, 1 + 4/width bytes a value; drafts change slightly, "
+                        "outputs do not)"),
+    )  # fmt: skip
+    pipeline: PipelineMode = field(
+        default=PipelineMode.AUTO,
+        metadata=option("pipelined rounds: the draft pre-drafts the next round while this "
+                        "target verifies (auto: when the draft is on another device)"),
+    )  # fmt: skip
+    tensor_parallel: int = field(
+        default=1,
+        metadata=option("ranks the target model is split over, Megatron-style: this process "
+                        "serves as rank 0 and starts the others (CPU, gloo; each rank takes "
+                        "--threads)"),
+    )  # fmt: skip
+    deterministic: bool = field(
+        default=False,
+        metadata=option("the batch-invariant mode (CUDA): a request's tokens do not depend on "
+                        "the batch it runs in, its place there, or the tier; greedy speculation "
+                        "gives the target alone's tokens exactly. Slower: see README"),
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        self._resolve()
+        if self.deterministic and not self.device.startswith("cuda"):
+            raise ValueError(
+                f"deterministic: the batch-invariant mode is a GPU mode (--device cuda), not "
+                f"--device {self.device}"
+            )
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.tensor_parallel > 1 and self.device != "cpu":
+            raise ValueError(GPU_TENSOR_PARALLEL)
+        if self.draft_address is not None:
+            if not self.draft_addresses:
+                raise ValueError("draft_address: no address (--no-draft decodes without one)")
+            for address in self.draft_addresses:
+                check_grpc_address(address)
+            if len(set(self.draft_addresses)) != len(self.draft_addresses):
+                raise ValueError(f"draft_address: an address appears twice in {self.draft_address}")
+        if self.draft_resolve_s <= 0:
+            raise ValueError(f"draft_resolve_s must be > 0, got {self.draft_resolve_s}")
+        if self.http_address:
+            split_address(self.http_address)
+        if self.api_key is not None and not self.api_key.strip():
+            object.__setattr__(self, "api_key", None)  # SPECPAIR_API_KEY="", as compose sets it
+        if not 0 < self.http_read_timeout_s <= 3600:
+            raise ValueError(
+                f"http_read_timeout_s must be in (0, 3600], got {self.http_read_timeout_s}"
+            )
+        if self.stats_log_interval_s < 0:
+            raise ValueError(f"stats_log_interval_s must be >= 0, got {self.stats_log_interval_s}")
+        if self.max_watchers < 1:
+            raise ValueError(f"max_watchers must be >= 1, got {self.max_watchers}")
+        if self.initial_tier not in self.tiers:
+            name = "initial_shape" if self.initial_shape else "initial_steps"
+            raise ValueError(
+                f"{name} {self.initial_tier} is not a candidate {[str(t) for t in self.tiers]}"
+            )
+        for name in ("max_batch", "max_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not 0 < self.reconnect_min_s <= self.reconnect_max_s:
+            raise ValueError("need 0 < reconnect_min_s <= reconnect_max_s")
+        object.__setattr__(self, "pipeline", PipelineMode(self.pipeline))
+        if self.feature_dtype not in set(FeatureDType):
+            choices = ", ".join(FeatureDType)
+            raise ValueError(f"feature_dtype must be one of {choices}, got {self.feature_dtype!r}")
+        object.__setattr__(self, "feature_dtype", FeatureDType(self.feature_dtype))
+        if any(i < 0 for i in self.feature_layers):
+            raise ValueError(
+                f"feature_layers must be layer indices >= 0, got {self.feature_layers}"
+            )
+
+    @property
+    def initial_tier(self) -> TreeShape:
+        return (
+            TreeShape.parse(self.initial_shape)
+            if self.initial_shape
+            else TreeShape(self.initial_steps)
+        )
+
+    @property
+    def draft_addresses(self) -> tuple[str, ...]:
+        """The draft replicas as configured: `a:1,b:2` → ("a:1", "b:2"); () without a draft."""
+        return split_list(self.draft_address or "")

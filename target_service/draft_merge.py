@@ -1,0 +1,46 @@
+"""One round's answers from several draft replicas, merged into one RoundResponse: trees,
+adoptions, pre-drafts and refusals united, each stage's time the slowest replica's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import fields
+
+from specpair.runtime.round import Predraft, RoundResponse, StageTimings
+from specpair.runtime.tree import CandidateTree
+
+
+def merge(
+    round_id: int, answers: Sequence[tuple[str, RoundResponse | None]]
+) -> RoundResponse | None:
+    """The replicas' answers, (address, its answer or None when none came), as one; None when
+    none came. The round is an error only when every replica's is."""
+    answered = [(address, r) for address, r in answers if r is not None]
+    if not answered:
+        return None
+    trees: dict[str, CandidateTree] = {}
+    malformed: dict[str, str] = {}
+    predrafts: dict[str, tuple[Predraft, ...]] = {}
+    refused: dict[str, str] = {}
+    adopted: list[str] = []
+    errors = []
+    for address, r in answered:
+        if r.error:  # that replica dropped its inputs: no tree, so each is sent whole again
+            errors.append(f"{address}: {r.error}")
+            continue
+        trees |= r.trees
+        malformed |= r.malformed
+        predrafts |= r.predrafts
+        refused |= r.refused
+        adopted += r.adopted
+    error = "; ".join(errors) if len(errors) == len(answers) else ""
+    timings = slowest([r.timings for _, r in answered])
+    return RoundResponse(
+        round_id, trees, timings, error, malformed, tuple(adopted), predrafts, refused
+    )
+
+
+def slowest(timings: Sequence[StageTimings]) -> StageTimings:
+    """A round waits for its slowest replica: each stage's time, the largest of the replicas'."""
+    names = [f.name for f in fields(StageTimings)]
+    return StageTimings(**{name: max(getattr(t, name) for t in timings) for name in names})
