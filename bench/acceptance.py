@@ -41,7 +41,7 @@ from specpair.runtime.shape import TreeShape
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.target.worker import TargetWorker
 from specpair.runtime.tree import CandidateTree
-from specpair.wire import fp8_rows_into, tensor_from_proto
+from specpair.wire_tensor import fp8_rows_into, tensor_from_proto
 from training.corpus import MAX_FILE_BYTES, is_heldout
 
 EOT_ID = 0  # <|endoftext|>: bos, eos and pad of the shared tokenizer
@@ -217,7 +217,7 @@ DraftCall = Callable[[Sequence[DraftInput], SpecRuntimeState], list[CandidateTre
 
 def through_float8(draft: DraftCall) -> DraftCall:
     """`draft` reading its inputs' features as the draft service would from a target with
-    `--feature-dtype float8`: encoded by `wire.fp8_rows_into`, decoded by the service's
+    `--feature-dtype float8`: encoded by `wire_tensor.fp8_rows_into`, decoded by the service's
     decoder."""
 
     def drafted(inputs: Sequence[DraftInput], state: SpecRuntimeState) -> list[CandidateTree]:

@@ -26,7 +26,7 @@ GPU_TENSOR_PARALLEL = (
 
 
 class FeatureDType(StrEnum):
-    """How a target sends EAGLE features (`wire.tensor_into`, `wire.fp8_rows_into`)."""
+    """How a target sends EAGLE features (`specpair.wire_tensor`)."""
 
     AUTO = "auto"  # the dtype they were computed in
     FLOAT8 = "float8"  # e4m3, one scale per row

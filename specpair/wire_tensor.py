@@ -1,0 +1,106 @@
+"""Tensors on the wire (`common.proto`'s Tensor): raw little-endian bytes of a dtype, or EAGLE
+features as float8 scaled per row. Decoding names the field of anything malformed."""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from specpair.proto.v1 import common_pb2
+
+_DTYPES = {
+    common_pb2.D_TYPE_FLOAT32: torch.float32,
+    common_pb2.D_TYPE_FLOAT16: torch.float16,
+    common_pb2.D_TYPE_BFLOAT16: torch.bfloat16,
+    common_pb2.D_TYPE_INT32: torch.int32,
+}
+_CODES = {v: k for k, v in _DTYPES.items()}
+_NP_DTYPES: dict[torch.dtype, np.dtype[Any]] = {  # bfloat16: its 16-bit pattern
+    torch.float32: np.dtype("<f4"),
+    torch.float16: np.dtype("<f2"),
+    torch.bfloat16: np.dtype("<i2"),
+    torch.int32: np.dtype("<i4"),
+}
+
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
+
+def tensor_into(msg: common_pb2.Tensor, t: Tensor) -> None:
+    """Writes `t` into `msg` as raw little-endian bytes (bfloat16 travels as its 16-bit pattern).
+
+    The `*_into` writers fill a message in place (`repeated.add()`): building a round's
+    messages is per-request host work on the critical path, and a CopyFrom/append per
+    sub-message copies each one twice."""
+    t = t.detach().contiguous().cpu()
+    if t.dtype not in _CODES:
+        t = t.float()
+    arr = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+    if sys.byteorder != "little":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    msg.data = arr.tobytes()
+    msg.dtype = _CODES[t.dtype]
+    del msg.shape[:]
+    msg.shape.extend(t.shape)
+
+
+def fp8_rows_into(msg: common_pb2.Tensor, t: Tensor) -> None:
+    """Writes `t` [..., W] as float8 e4m3 with one float32 scale per row: each row's largest
+    magnitude maps to e4m3's 448, so a row keeps ~2 significant bits below its own top value
+    whatever its range. 1 + 4/W bytes a value: a row of W = 4096 takes 4100 bytes (bfloat16:
+    8192). An all-zero row has scale 0."""
+    x = t.detach().float()
+    rows = x.reshape(-1, x.shape[-1])
+    scale = rows.abs().amax(-1) / FP8_MAX
+    q = (rows / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]).to(FP8)
+    msg.data = q.view(torch.uint8).cpu().numpy().tobytes()
+    msg.dtype = common_pb2.D_TYPE_FLOAT8_E4M3
+    del msg.shape[:]
+    msg.shape.extend(t.shape)
+    del msg.row_scales[:]
+    msg.row_scales.extend(scale.cpu().tolist())
+
+
+def _fp8_rows_from_proto(msg: common_pb2.Tensor, field: str) -> Tensor:
+    shape = tuple(msg.shape)
+    if not shape or any(n < 0 for n in shape) or math.prod(shape) != len(msg.data):
+        raise ValueError(f"{field}: {len(msg.data)} bytes do not hold float8 shape {list(shape)}")
+    rows = math.prod(shape[:-1])
+    scales = np.asarray(msg.row_scales, dtype=np.float32)
+    if len(scales) != rows:
+        raise ValueError(f"{field}.row_scales: {len(scales)} scales for {rows} rows")
+    if not np.all(np.isfinite(scales)) or np.any(scales < 0):
+        raise ValueError(f"{field}.row_scales: each scale must be finite and >= 0")
+    q = torch.from_numpy(np.frombuffer(msg.data, dtype=np.uint8).copy()).view(FP8)
+    values = q.float().view(rows, shape[-1]) * torch.from_numpy(scales)[:, None]
+    return values.view(shape)
+
+
+def tensor_from_proto(msg: common_pb2.Tensor, field: str) -> Tensor:
+    """Decodes a Tensor message; `field` names it in the error of a malformed one. A float8
+    one decodes to float32."""
+    if msg.dtype == common_pb2.D_TYPE_FLOAT8_E4M3:
+        return _fp8_rows_from_proto(msg, field)
+    if msg.dtype not in _DTYPES:
+        raise ValueError(f"{field}.dtype: unsupported {msg.dtype}")
+    dtype = _DTYPES[msg.dtype]
+    np_dtype = _NP_DTYPES[dtype]
+    shape = tuple(msg.shape)
+    if any(n < 0 for n in shape) or math.prod(shape) * np_dtype.itemsize != len(msg.data):
+        raise ValueError(f"{field}: {len(msg.data)} bytes do not hold shape {list(shape)}")
+    arr = np.frombuffer(msg.data, dtype=np_dtype).reshape(shape)
+    t = torch.from_numpy(arr.copy())
+    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+
+
+def float_tensor(msg: common_pb2.Tensor, field: str) -> Tensor:
+    t = tensor_from_proto(msg, field)
+    if not t.dtype.is_floating_point:
+        raise ValueError(f"{field}: floating point expected, got {t.dtype}")
+    return t
