@@ -30,7 +30,7 @@ from bench.acceptance import code_prompts, prose_prompts
 from bench.common import device_info, format_table, write_json
 from bench.services import BenchServices, watch_rounds
 from controller.bands import PolicySpec
-from controller.controller import round_sample
+from controller.controlled_target import round_sample
 from controller.interface import RoundSample, SpeculationPolicy
 from controller.policy import PolicyConfig
 from specpair.client import ControllerClient, SpecpairClient

@@ -1,63 +1,26 @@
-"""AdaptiveController: each target's WatchRounds → its policy → ApplyTier; pin and reconnect."""
+"""AdaptiveController: each target's WatchRounds → its policy → ApplyTier; pin and reconnect;
+the ops surface. What it keeps of each target, and ApplyTier itself: controlled_target.py."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import time
-from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
-
-import grpc
 
 from controller import memory
 from controller.bands import PolicySpec
-from controller.interface import (
-    PerRequestPolicy,
-    RoundSample,
-    SpeculationPolicy,
-    as_tier,
-    policy_regimes,
-    policy_tier,
-)
+from controller.controlled_target import ControlledTarget, round_sample, target_tiers, tier_names
+from controller.interface import as_tier, policy_regimes, policy_tier
 from controller.policy import PolicyConfig
-from controller.target_link import NotConnectedError, TargetLink
-from specpair.client.results import TargetState, TierSwitch
+from controller.target_link import TargetLink
+from specpair.client.results import TargetState
 from specpair.config import ControllerConfig
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import target_pb2
 from specpair.runtime.round import RoundStats
-from specpair.runtime.shape import ShapeError, TreeShape, tier_from_wire, tier_name
-from specpair.tiers import RegimeSteps
+from specpair.runtime.shape import TreeShape
 
 log = get_logger("controller")
-
-RECENT_SWITCHES = 32
-RECENT_PREDRAFTS = 256  # request-rounds behind the hit rate in GetState
-
-
-@dataclass(slots=True)
-class _Target:
-    address: str
-    connected: bool = False
-    ever_connected: bool = False
-    # The tier last commanded (or reported by GetServerInfo on connect); 0 before first contact.
-    active: TreeShape = field(default_factory=lambda: TreeShape(0))
-    # Created at first contact, from the tier the target reports (GetServerInfo).
-    policy: SpeculationPolicy | None = None
-    target_candidates: tuple[TreeShape, ...] = ()  # its chains and the trees it built
-    regimes: RegimeSteps | None = None  # the per-regime tiers last sent
-    link: TargetLink | None = None
-    rounds_seen: int = 0
-    switches: deque[TierSwitch] = field(default_factory=lambda: deque(maxlen=RECENT_SWITCHES))
-    # Serializes ApplyTier between the round stream and the ops RPCs.
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    pipelined: bool = False  # its last round was
-    # Recent pipelined request-rounds: was the tree pre-drafted?
-    predrafted: deque[bool] = field(default_factory=lambda: deque(maxlen=RECENT_PREDRAFTS))
 
 
 class AdaptiveController:
@@ -81,7 +44,9 @@ class AdaptiveController:
         self._remembered = saved.targets
         if config.state_file and (saved.pinned is not None or saved.targets):
             log.info("state restored", path=str(config.state_file), pinned=str(saved.pinned))
-        self._targets = [_Target(address) for address in config.targets]
+        self._targets = [
+            ControlledTarget(address, self.metrics, self._save) for address in config.targets
+        ]
         for t in self._targets:
             t.link = TargetLink(
                 t.address,
@@ -126,25 +91,7 @@ class AdaptiveController:
             )
 
     def snapshot(self) -> list[TargetState]:
-        return [
-            TargetState(
-                target_address=t.address,
-                connected=t.connected,
-                active_steps=t.active.steps,
-                ema=t.policy.ema if t.policy else 0.0,
-                pinned_steps=self.pinned_steps,
-                rounds_seen=t.rounds_seen,
-                batches_counted=t.policy.count if t.policy else 0,
-                recent_switches=tuple(t.switches),
-                estimates=t.policy.estimates() if t.policy else (),
-                model=t.policy.describe() if t.policy else "",
-                pipeline=t.pipelined,
-                pipeline_hit_rate=sum(t.predrafted) / len(t.predrafted) if t.predrafted else 0.0,
-                active_shape=tier_name(t.active),
-                pinned_shape=tier_name(self.pinned) if self.pinned else "",
-            )
-            for t in self._targets
-        ]
+        return [t.state(self.pinned) for t in self._targets]
 
     # --- ops ---------------------------------------------------------------------------------
 
@@ -154,7 +101,7 @@ class AdaptiveController:
         tiers = new.candidate_tiers
         if self.pinned is not None and self.pinned not in tiers:
             raise ValueError(
-                f"candidate_steps and tree_shapes {_names(tiers)} must include the pinned tier "
+                f"candidate_steps and tree_shapes {tier_names(tiers)} must include the pinned tier "
                 f"{self.pinned} (unpin first)"
             )
         for t in self._targets:
@@ -163,8 +110,8 @@ class AdaptiveController:
             if missing:
                 field = "tree_shapes" if all(not m.is_chain for m in missing) else "candidate_steps"
                 raise ValueError(
-                    f"{field} {_names(missing)} are not tiers of target {t.address} "
-                    f"(it has {_names(t.target_candidates)})"
+                    f"{field} {tier_names(missing)} are not tiers of target {t.address} "
+                    f"(it has {tier_names(t.target_candidates)})"
                 )
         old_kind, self.policy = self.policy.kind, new
         log.info("policy updated", policy=new.to_dict())
@@ -182,7 +129,7 @@ class AdaptiveController:
                 else:
                     changed = t.policy.reconfigure(new.policy_options())
                 if changed and self.pinned is None:
-                    await self._apply(t, policy_tier(t.policy), "policy")
+                    await t.apply(policy_tier(t.policy), "policy")
         return new
 
     async def pin(self, tier: int | TreeShape) -> None:
@@ -191,20 +138,20 @@ class AdaptiveController:
         field = "speculative_num_steps" if tier.is_chain else "shape"
         if tier not in self.policy.candidate_tiers:
             raise ValueError(
-                f"{field} {tier} is not a candidate tier {_names(self.policy.candidate_tiers)}"
+                f"{field} {tier} is not a candidate tier {tier_names(self.policy.candidate_tiers)}"
             )
         for t in self._targets:
             if t.target_candidates and tier not in t.target_candidates:
                 raise ValueError(
                     f"{field} {tier} is not a tier of target {t.address} "
-                    f"(it has {_names(t.target_candidates)})"
+                    f"(it has {tier_names(t.target_candidates)})"
                 )
         self.pinned = tier
         log.info("tier pinned", tier=str(tier))
         self._save()
         for t in self._targets:
             async with t.lock:
-                await self._apply(t, tier, "pin")
+                await t.apply(tier, "pin")
 
     async def unpin(self) -> None:
         self.pinned = None
@@ -213,12 +160,12 @@ class AdaptiveController:
         for t in self._targets:
             async with t.lock:
                 if t.policy is not None:
-                    await self._apply(t, policy_tier(t.policy), "unpin")
+                    await t.apply(policy_tier(t.policy), "unpin")
 
     # --- per target --------------------------------------------------------------------------
 
     async def _connect(
-        self, t: _Target, info: target_pb2.TargetServiceGetServerInfoResponse
+        self, t: ControlledTarget, info: target_pb2.TargetServiceGetServerInfoResponse
     ) -> None:
         async with t.lock:
             active, built = target_tiers(info)
@@ -227,8 +174,8 @@ class AdaptiveController:
                 log.warning(
                     "policy tiers missing on target",
                     target=t.address,
-                    policy=_names(self.policy.candidate_tiers),
-                    target_tiers=_names(built),
+                    policy=tier_names(self.policy.candidate_tiers),
+                    target_tiers=tier_names(built),
                 )
             if t.policy is None:
                 saved = self._remembered.get(t.address)
@@ -242,7 +189,7 @@ class AdaptiveController:
             reason = "policy" if self.pinned is None else "pin"
             if t.ever_connected:
                 reason = "reconnect"
-            await self._apply(t, desired, reason, raise_errors=True)
+            await t.apply(desired, reason, raise_errors=True)
             t.connected = t.ever_connected = True
         self.metrics.active_tier.set(t.active.steps)
         log.info(
@@ -253,10 +200,10 @@ class AdaptiveController:
             ema=round(t.policy.ema, 4),
         )
 
-    def _lost(self, t: _Target) -> None:
+    def _lost(self, t: ControlledTarget) -> None:
         t.connected = False
 
-    async def _on_round(self, t: _Target, stats: RoundStats) -> None:
+    async def _on_round(self, t: ControlledTarget, stats: RoundStats) -> None:
         t.rounds_seen += 1
         if any(a < 0 for a in stats.accept_lengths):
             log.warning("round with negative accept lengths ignored", round_id=stats.round_id)
@@ -275,113 +222,4 @@ class AdaptiveController:
             if (regimes := policy_regimes(t.policy)) is not None and regimes != t.regimes:
                 changed = True  # e.g. a regime first seen: its tier is now known
             if changed and self.pinned is None:
-                await self._apply(t, policy_tier(t.policy), "policy")
-
-    async def _apply(
-        self, t: _Target, tier: TreeShape, reason: str, *, raise_errors: bool = False
-    ) -> bool:
-        """ApplyTier on `t` (caller holds t.lock); False if it is not connected or refused."""
-        assert t.link is not None
-        # A policy's per-request and per-regime tiers ride along, also when an unpin hands the
-        # target back to it (else its first round runs without them, e.g. a sampled batch at
-        # the greedy tier); a pin clears them.
-        policy = t.policy if reason in ("policy", "unpin") else None
-        own = policy.request_steps if isinstance(policy, PerRequestPolicy) else {}
-        regimes = policy_regimes(policy) if policy is not None else None
-        try:
-            response = await t.link.apply_tier(tier, reason, own, regimes)
-        except NotConnectedError:
-            return False
-        except grpc.aio.AioRpcError as exc:
-            # A refused tier is a config mismatch worth logging, not a reason to reconnect.
-            if raise_errors and exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
-                raise
-            log.warning(
-                "ApplyTier failed",
-                target=t.address,
-                tier=str(tier),
-                reason=reason,
-                code=exc.code().name,
-                details=exc.details(),
-            )
-            return False
-        # Switches are counted against the tier we last commanded: the target reports as
-        # previous_steps the tier of its running round, which lags a command not yet started.
-        try:
-            applied = tier_from_wire(response.speculative_num_steps, response.shape, "shape")
-        except ShapeError:
-            applied = tier  # a reply we cannot read: the target accepted what we sent
-        previous, t.active = t.active, applied
-        t.regimes = regimes
-        self.metrics.active_tier.set(t.active.steps)
-        if previous != t.active:
-            ema = t.policy.ema if t.policy else 0.0
-            t.switches.append(
-                TierSwitch(
-                    round_id=response.current_round,
-                    from_steps=previous.steps,
-                    to_steps=t.active.steps,
-                    reason=reason,
-                    ema=ema,
-                    unix_time=time.time(),
-                    from_shape=tier_name(previous),
-                    to_shape=tier_name(t.active),
-                )
-            )
-            self.metrics.tier_switches.inc()
-            self._save()
-            log.info(
-                "tier switched",
-                target=t.address,
-                from_tier=str(previous),
-                to_tier=str(t.active),
-                reason=reason,
-                ema=round(ema, 4),
-                round_id=response.current_round,
-            )
-        return True
-
-
-def round_sample(stats: RoundStats) -> RoundSample:
-    """What a policy sees of a round: a round without drafts (the draft was away, or tier 0) is
-    a tier-0 sample, whatever tier was active."""
-    speculative = stats.speculative and bool(stats.accept_lengths)
-    timings = stats.timings
-    return RoundSample(
-        steps=stats.speculative_num_steps if speculative else 0,
-        batch_size=stats.batch_size,
-        accept_lengths=stats.accept_lengths if speculative else (),
-        request_ids=stats.request_ids if speculative else (),
-        request_steps=stats.request_steps if speculative else (),
-        plain_request_ids=stats.plain_request_ids,
-        total_ms=timings.total_ms,
-        verify_ms=timings.verify_ms,
-        draft_ms=timings.draft_ms,
-        schedule_ms=timings.schedule_ms,
-        admit_ms=timings.admit_ms,
-        sampled=stats.sampled_requests,
-        shape=stats.shape if speculative else None,
-    )
-
-
-def target_tiers(
-    info: target_pb2.TargetServiceGetServerInfoResponse,
-) -> tuple[TreeShape, tuple[TreeShape, ...]]:
-    """The tier a target runs and every tier it built (its chains and tree shapes); a shape
-    it reports that is none is left out (logged): the policy's own is then refused."""
-    try:
-        active = tier_from_wire(info.speculative_num_steps, info.shape, "shape")
-    except ShapeError:
-        active = TreeShape(max(info.speculative_num_steps, 0))
-    built = [TreeShape(s) for s in info.candidate_steps if s >= 0]
-    for text in info.tree_shapes:
-        try:
-            built.append(TreeShape.parse(text))
-        except ShapeError as exc:
-            log.warning("target reports a shape that is none", shape=text, error=str(exc))
-    return active, tuple(sorted(set(built)))
-
-
-def _names(tiers: Iterable[TreeShape]) -> str:
-    """ "[1, 3, 4x4x16]": chains by their steps, as a policy lists them."""
-    return "[" + ", ".join(str(t) for t in sorted(tiers)) + "]"
+                await t.apply(policy_tier(t.policy), "policy")

@@ -4,26 +4,18 @@ For each candidate tier s at the current batch size b the policy predicts
 
     tokens/s(s) = b · E[tokens per round](s) / T(s, b)
 
-from an acceptance model (E, per-position acceptance learnt from accept lengths) and a cost
-model (T, round time per tier and batch size, profiled at start-up and learnt from the rounds'
-timings): see goodput_model.py. E.g. α = 0.6 → E = 1.6, 2.18, 2.46 at tiers 1, 3, 7; with
-T = 22, 30, 38 ms and T(0) = 20 ms at batch 1 that is 72.7, 72.5, 64.7 and 50 tokens/s: tier 1
-(but by 0.3 %, inside the default margin: from tier 3 the policy would stay).
+from an acceptance model (E, per-position acceptance learnt from accept lengths:
+goodput_acceptance.py) and a cost model (T, round time per tier and batch size, profiled at
+start-up and learnt from the rounds' timings: goodput_cost.py). E.g. α = 0.6 → E = 1.6, 2.18,
+2.46 at tiers 1, 3, 7; with T = 22, 30, 38 ms and T(0) = 20 ms at batch 1 that is 72.7, 72.5,
+64.7 and 50 tokens/s: tier 1 (but by 0.3 %, inside the default margin: from tier 3 the policy
+would stay).
 
 Guards, shared with the sglang kind: no decision in the first `warmup_batches` rounds, then one
 every `update_interval` rounds; a move needs a predicted gain over the current tier of more than
 `min_gain` (5 %: bursty acceptance must not flip a near tie between two tiers). At tier 0
-nothing is learnt about drafts, so every `probe_interval` rounds the policy tries the smallest
-positive tier that could pay for at least `probe_rounds` rounds with drafts, then decides again
-from tier 0's standpoint and from what the probe measured (the acceptance learnt before it is
-scaled down to two trials: it spans `acceptance_window` request-rounds, and what made the
-policy leave would outvote a short probe); each probe that returns to tier 0 doubles the
-interval (up to 16×), one that stays resets it: a probe that never pays would otherwise cost
-the same share of the time forever. Probes are also paced by what they cost: the next waits
-until the time spent at tier 0 since the last one, times `probe_budget`, covers what the last
-failed probe cost beyond tier 0 (its rounds, the draft's catch-up included), or before any has
-failed what the cost model predicts for `probe_rounds` rounds. E.g. budget 2 %, a probe that
-cost 350 ms: the next after 17.5 s at tier 0, whatever the round count says.
+nothing is learnt about drafts, so now and then the policy probes a positive tier, paced by
+rounds and by what probes cost, backing off while they fail (goodput_probe.py).
 
 Two regimes, learnt apart: greedy batches and batches where some request samples. They differ
 in both models — a sampled round costs more (the warps, the draft's q on the wire) and accepts
@@ -42,22 +34,13 @@ it — e.g. verify held flat when only one tier was measured — cannot hide a b
 
 from __future__ import annotations
 
+from controller.goodput_acceptance import AcceptanceModel
 from controller.goodput_config import GoodputConfig, Regime
-from controller.goodput_model import AcceptanceModel, CostModel, batch_bucket
-from controller.interface import (
-    GatedPolicy,
-    RoundSample,
-    TierEstimate,
-    as_tier,
-    snap_tier,
-)
+from controller.goodput_cost import CostModel, batch_bucket
+from controller.goodput_probe import PROBE_MEMORY, could_pay, probe_cost, probe_paid_for
+from controller.interface import GatedPolicy, RoundSample, TierEstimate, snap_tier
 from specpair.runtime.shape import TreeShape, tier_name
 from specpair.tiers import RegimeSteps
-
-# Per-position acceptance a probe must be able to pay at, above what a trained EAGLE head
-# reaches on code, greedy; a tier that loses even at this is not tried.
-OPTIMISTIC_ACCEPTANCE = 0.9
-PROBE_MEMORY = 2.0  # trials of what was learnt before a probe that its rounds start from
 
 
 class GoodputPolicy(GatedPolicy[GoodputConfig]):
@@ -183,16 +166,19 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
     def _decide(self) -> bool:
         old, baseline = self._tier, self._tier
         probed = self._probe_rounds is not None
-        probe_cost = 0.0
+        probe_ms = 0.0
         zero = TreeShape(0)
         if self._probe_rounds is not None:
             if self._probe_rounds < self.config.probe_rounds:
                 return False
-            probe_cost = self._probe_cost(self._probe_rounds, self._probe_ms)
+            probe_ms = probe_cost(self.cost, self._batch, self._probe_rounds, self._probe_ms)
             self._probe_rounds, baseline = None, zero  # the probe must earn its way off tier 0
         elif self._tier == zero and self._rounds_at_zero >= self.regime.probe_every:
-            positive = [t for t in self.config.tiers if t.steps > 0 and self._could_pay(t)]
-            if positive and self._probe_paid_for(positive[0]):
+            min_gain, b = self.config.min_gain, self._batch
+            positive = [
+                t for t in self.config.tiers if t.steps > 0 and could_pay(self.cost, t, b, min_gain)
+            ]
+            if positive and probe_paid_for(self.regime, self.config, positive[0], b, self._zero_ms):
                 self._rounds_at_zero, self._zero_ms = 0, 0.0
                 self._tier, self._probe_rounds, self._probe_ms = positive[0], 0, 0.0
                 # The probe's own rounds decide: the long acceptance window would otherwise
@@ -220,46 +206,8 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
             self.regime.probe_every = (
                 min(2 * self.regime.probe_every, limit) if failed else self.config.probe_interval
             )
-            self.regime.probe_cost_ms = probe_cost if failed else None
+            self.regime.probe_cost_ms = probe_ms if failed else None
         return self._tier != old
-
-    def _probe_cost(self, rounds: int, ms: float) -> float:
-        """What `rounds` probe rounds taking `ms` cost beyond as many rounds at tier 0."""
-        zero = self.cost.round_ms(0, self._batch)
-        return max(ms - rounds * (zero or 0.0), 0.0)
-
-    def _probe_paid_for(self, tier: TreeShape) -> bool:
-        """Whether the time at tier 0 since the last probe, times `probe_budget`, covers what a
-        probe of `steps` costs: the last failed probe's, else the cost model's prediction (none
-        predicted: the round count alone decides). E.g. a probe that cost 350 ms, budget 2 %:
-        due after 17.5 s at tier 0."""
-        cost = self.regime.probe_cost_ms
-        if cost is None:
-            rounds_ms = self.cost.round_ms(tier, self._batch, self.regime.tokens_per_round)
-            if rounds_ms is None or self.cost.round_ms(0, self._batch) is None:
-                return True
-            n = self.config.probe_rounds
-            cost = self._probe_cost(n, n * rounds_ms)
-        return self._zero_ms * self.config.probe_budget >= cost
-
-    def _could_pay(self, tier: TreeShape) -> bool:
-        """Whether tier `steps` would beat tier 0 by `min_gain` at an optimistic acceptance
-        (`OPTIMISTIC_ACCEPTANCE` at every position); a probe of a tier that could not is time
-        lost. E.g. tier 7 at 95 ms a round gives at most 5.7 / 95 ms = 60 tokens/s against tier
-        0's 1 / 12.9 ms = 78 (with every draft accepted it would be 84): never probed."""
-        b = self._batch
-        if not self.cost.trusted(tier, b):
-            return True  # too few rounds of its own to rule it out
-
-        def optimistic(t: int | TreeShape) -> float:
-            # a tree accepts at most its depth: its ceiling is its depth's chain's
-            return sum(OPTIMISTIC_ACCEPTANCE**k for k in range(as_tier(t).steps + 1))
-
-        ceiling = self.cost.round_ms(tier, b, optimistic)
-        zero = self.cost.round_ms(0, b, optimistic)
-        if ceiling is None or zero is None:
-            return True
-        return optimistic(tier) / ceiling > (1.0 + self.config.min_gain) / zero
 
     def _young(self, rates: dict[TreeShape, float], best: TreeShape) -> TreeShape | None:
         """The best-predicted tier never measured (nor profiled) at this batch size and regime,

@@ -7,7 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.goodput_model import AcceptanceModel, CostModel
+from controller.goodput_acceptance import AcceptanceModel
+from controller.goodput_cost import CostModel
 from controller.interface import RoundSample, as_tier
 from controller.policy import (
     MAX_BATCH_SIZE,

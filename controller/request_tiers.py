@@ -26,8 +26,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from controller.goodput import GoodputPolicy
+from controller.goodput_acceptance import AcceptanceModel
 from controller.goodput_config import GoodputConfig
-from controller.goodput_model import AcceptanceModel
 from controller.interface import GatedPolicy, RoundSample, TierEstimate
 from specpair.runtime.shape import TreeShape
 

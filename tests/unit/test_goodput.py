@@ -11,8 +11,9 @@ from dataclasses import replace
 import pytest
 
 from controller.goodput import GoodputPolicy
+from controller.goodput_acceptance import AcceptanceModel
 from controller.goodput_config import GoodputConfig, parse_profile
-from controller.goodput_model import AcceptanceModel, CostModel, _line_at, batch_bucket
+from controller.goodput_cost import CostModel, _line_at, batch_bucket
 from controller.interface import RoundSample
 from specpair.runtime.shape import TreeShape
 from specpair.tiers import RegimeSteps
@@ -524,7 +525,7 @@ def test_probes_take_at_most_their_budget_of_the_time_at_tier_0() -> None:
 
 
 def test_the_controller_passes_the_regime_to_the_policy() -> None:
-    from controller.controller import round_sample
+    from controller.controlled_target import round_sample
     from specpair.proto.v1 import target_pb2
     from specpair.wire import stats_from_proto
 

@@ -14,7 +14,7 @@ import pytest
 from controller.bands import PolicySpec
 from controller.goodput import GoodputPolicy
 from controller.goodput_config import GoodputConfig
-from controller.goodput_model import CostModel
+from controller.goodput_cost import CostModel
 from controller.interface import RoundSample
 from controller.request_tiers import RequestTiers
 from specpair.runtime.shape import TreeShape

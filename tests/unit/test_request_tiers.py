@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from controller.bands import PolicySpec
-from controller.goodput_model import CostModel
+from controller.goodput_cost import CostModel
 from controller.interface import PerRequestPolicy, RoundSample
 from controller.request_tiers import RequestTiers
 

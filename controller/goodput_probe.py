@@ -1,0 +1,70 @@
+"""When the goodput policy probes from tier 0, and which tier: what a probe costs and whether
+it could pay.
+
+At tier 0 nothing is learnt about drafts, so every `probe_interval` rounds the policy tries the
+smallest positive tier that could pay for at least `probe_rounds` rounds with drafts
+(`could_pay`), then decides again from tier 0's standpoint and from what the probe measured
+(the acceptance learnt before it is scaled down to `PROBE_MEMORY` trials: it spans
+`acceptance_window` request-rounds, and what made the policy leave would outvote a short
+probe); each probe that returns to tier 0 doubles the interval (up to 16×), one that stays
+resets it: a probe that never pays would otherwise cost the same share of the time forever.
+Probes are also paced by what they cost (`probe_paid_for`): the next waits until the time
+spent at tier 0 since the last one, times `probe_budget`, covers what the last failed probe
+cost beyond tier 0 (its rounds, the draft's catch-up included), or before any has failed what
+the cost model predicts for `probe_rounds` rounds. E.g. budget 2 %, a probe that cost 350 ms:
+the next after 17.5 s at tier 0, whatever the round count says.
+"""
+
+from __future__ import annotations
+
+from controller.goodput_config import GoodputConfig, Regime
+from controller.goodput_cost import CostModel
+from controller.interface import as_tier
+from specpair.runtime.shape import TreeShape
+
+# Per-position acceptance a probe must be able to pay at, above what a trained EAGLE head
+# reaches on code, greedy; a tier that loses even at this is not tried.
+OPTIMISTIC_ACCEPTANCE = 0.9
+PROBE_MEMORY = 2.0  # trials of what was learnt before a probe that its rounds start from
+
+
+def probe_cost(cost: CostModel, batch_size: int, rounds: int, ms: float) -> float:
+    """What `rounds` probe rounds taking `ms` cost beyond as many rounds at tier 0."""
+    zero = cost.round_ms(0, batch_size)
+    return max(ms - rounds * (zero or 0.0), 0.0)
+
+
+def probe_paid_for(
+    regime: Regime, config: GoodputConfig, tier: TreeShape, batch_size: int, zero_ms: float
+) -> bool:
+    """Whether `zero_ms` at tier 0 since the last probe, times `probe_budget`, covers what a
+    probe of `tier` costs: the last failed probe's, else the cost model's prediction (none
+    predicted: the round count alone decides). E.g. a probe that cost 350 ms, budget 2 %:
+    due after 17.5 s at tier 0."""
+    cost = regime.probe_cost_ms
+    if cost is None:
+        rounds_ms = regime.cost.round_ms(tier, batch_size, regime.tokens_per_round)
+        if rounds_ms is None or regime.cost.round_ms(0, batch_size) is None:
+            return True
+        n = config.probe_rounds
+        cost = probe_cost(regime.cost, batch_size, n, n * rounds_ms)
+    return zero_ms * config.probe_budget >= cost
+
+
+def could_pay(cost: CostModel, tier: TreeShape, batch_size: int, min_gain: float) -> bool:
+    """Whether `tier` would beat tier 0 by `min_gain` at an optimistic acceptance
+    (`OPTIMISTIC_ACCEPTANCE` at every position); a probe of a tier that could not is time
+    lost. E.g. tier 7 at 95 ms a round gives at most 5.7 / 95 ms = 60 tokens/s against tier
+    0's 1 / 12.9 ms = 78 (with every draft accepted it would be 84): never probed."""
+    if not cost.trusted(tier, batch_size):
+        return True  # too few rounds of its own to rule it out
+
+    def optimistic(t: int | TreeShape) -> float:
+        # a tree accepts at most its depth: its ceiling is its depth's chain's
+        return sum(OPTIMISTIC_ACCEPTANCE**k for k in range(as_tier(t).steps + 1))
+
+    ceiling = cost.round_ms(tier, batch_size, optimistic)
+    zero = cost.round_ms(0, batch_size, optimistic)
+    if ceiling is None or zero is None:
+        return True
+    return optimistic(tier) / ceiling > (1.0 + min_gain) / zero
