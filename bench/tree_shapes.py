@@ -8,7 +8,11 @@ per request and drafts `topk` rows per step, so it wins where a round costs litt
 tokens (small batches) and loses as the batch grows.
 
     python -m bench.tree_shapes [--shapes 3 7 3x2x6 4x4x16 6x4x24] [--batches 1 4 16]
-        [--requests 16] [--new-tokens 48] [--draft-kind eagle] [--out bench/out/tree_shapes.json]
+        [--requests 16] [--new-tokens 48] [--draft-kind eagle] [--adaptive]
+        [--out bench/out/tree_shapes.json]
+
+`--adaptive` adds a row for the controller's goodput kind over every shape of the run (chains
+1 / 3 / 7 and the trees), started fresh on chain 3: what it chose, by rounds, is printed.
 
 Prints a table (tokens/s and × the target alone per batch, mean accepted drafts per round),
 writes JSON and a PNG beside it.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +39,7 @@ from specpair.runtime.round import RoundStats
 from specpair.runtime.shape import TreeShape
 
 ALONE = "target alone"
+ADAPTIVE = "goodput"  # the controller's goodput kind choosing among every shape of the run
 CHAINS = (1, 3, 7)  # built beside each tree (a target needs a chain tier to start on)
 
 
@@ -45,6 +51,7 @@ class Cell:
     seconds: float
     mean_accept: float  # accepted drafts per drafted request-round (bonus excluded)
     rounds: int
+    tiers: dict[str, int]  # drafted rounds by the tier they ran at
 
     @property
     def tokens_per_s(self) -> float:
@@ -52,18 +59,28 @@ class Cell:
 
 
 def run_shape(shape: str, prompts: list[list[int]], args: argparse.Namespace) -> list[Cell]:
-    """Every batch of `args.batches` at `shape` (or the target alone) in one service group."""
-    tree = None if shape == ALONE else TreeShape.parse(shape)
-    trees = () if tree is None or tree.is_chain else ("--tree-shapes", shape)
-    initial = ("--initial-shape", shape) if trees else ()
+    """Every batch of `args.batches` at `shape` (or the target alone, or the goodput policy
+    over every shape of the run) in one service group."""
+    shapes = [TreeShape.parse(s) for s in args.shapes]
+    trees = [str(t) for t in shapes if not t.is_chain]
+    policy = None
+    if shape == ADAPTIVE:  # every tree built; the controller chooses, starting on chain 3
+        tree: TreeShape | None = TreeShape(3)
+        built = trees
+        policy = {"kind": "goodput", "candidate_steps": list(CHAINS), "tree_shapes": trees}
+    else:
+        tree = None if shape == ALONE else TreeShape.parse(shape)
+        built = [] if tree is None or tree.is_chain else [shape]
+    flags = tuple(arg for t in built for arg in ("--tree-shapes", t))
+    initial = ("--initial-shape", shape) if built and policy is None else ()
     log_dir = args.log_dir / shape.replace(" ", "_")
     log_dir.mkdir(parents=True, exist_ok=True)
     with BenchServices(
         target=args.target, draft=None if tree is None else args.draft,
-        draft_kind=args.draft_kind, log_dir=log_dir,
+        draft_kind=args.draft_kind, log_dir=log_dir, policy=policy,
         initial_steps=tree.steps if tree is not None and tree.is_chain else CHAINS[0],
-        candidate_steps=CHAINS, draft_options=trees,
-        target_options=(*trees, *initial, "--max-batch", str(max(args.batches))),
+        candidate_steps=CHAINS, draft_options=flags,
+        target_options=(*flags, *initial, "--max-batch", str(max(args.batches))),
     ) as group:  # fmt: skip
         client = SpecpairClient(group.target, timeout=600)
         if tree is not None:
@@ -88,11 +105,13 @@ def run_shape(shape: str, prompts: list[list[int]], args: argparse.Namespace) ->
             call.cancel()
             accepts = [a for r in rounds for a in r.accept_lengths]
             mean = sum(accepts) / len(accepts) if accepts else 0.0
-            cell = Cell(shape, batch, tokens, seconds, mean, len(rounds))
+            chosen = Counter(str(r.tier) for r in rounds if r.accept_lengths)
+            cell = Cell(shape, batch, tokens, seconds, mean, len(rounds), dict(chosen))
             cells.append(cell)
+            share = ", ".join(f"{t} {n / max(len(rounds), 1):.0%}" for t, n in chosen.most_common())
             print(
                 f"  {shape:12s} batch {batch:3d}: {cell.tokens_per_s:7.1f} tok/s, "
-                f"accept {mean:.2f}, {len(rounds)} rounds",
+                f"accept {mean:.2f}, {len(rounds)} rounds ({share})",
                 flush=True,
             )
     return cells
@@ -102,7 +121,7 @@ def render(cells: list[Cell], shapes: list[str], batches: list[int]) -> str:
     by = {(c.shape, c.batch): c for c in cells}
     headers = ["shape"] + [f"batch {b}" for b in batches] + ["accept (b=1)"]
     rows = []
-    for shape in [ALONE, *shapes]:
+    for shape in [ALONE, *shapes, *([ADAPTIVE] if ADAPTIVE in {c.shape for c in cells} else [])]:
         row = [shape]
         for b in batches:
             c, alone = by[(shape, b)], by[(ALONE, b)]
@@ -121,9 +140,10 @@ def plot(cells: list[Cell], shapes: list[str], batches: list[int], path: Path) -
 
     by = {(c.shape, c.batch): c for c in cells}
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for shape in [ALONE, *shapes]:
+    for shape in [ALONE, *shapes, *([ADAPTIVE] if ADAPTIVE in {c.shape for c in cells} else [])]:
         ys = [by[(shape, b)].tokens_per_s for b in batches]
-        ax.plot(batches, ys, marker="o", linestyle="--" if shape == ALONE else "-", label=shape)
+        style = {ALONE: "--", ADAPTIVE: ":"}.get(shape, "-")
+        ax.plot(batches, ys, marker="o", linestyle=style, label=shape)
     ax.set_xscale("log", base=2)
     ax.set_xticks(batches, [str(b) for b in batches])
     ax.set_xlabel("batch (concurrent clients)")
@@ -143,6 +163,10 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--requests", type=int, default=16, help="per batch (at least batch)")
     parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument(
+        "--adaptive", action="store_true",
+        help="add the goodput policy choosing among every shape of the run (a controller)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/out/tree_shapes.json"))
     parser.add_argument("--log-dir", type=Path, default=Path("bench/out/tree_shapes-logs"))
     args = parser.parse_args()
@@ -153,7 +177,7 @@ def main() -> None:
     device = device_info()
     print(f"device: {device['cpu']}; {len(prompts)} held-out code prompts, greedy")
     cells: list[Cell] = []
-    for shape in [ALONE, *args.shapes]:
+    for shape in [ALONE, *args.shapes, *([ADAPTIVE] if args.adaptive else [])]:
         cells += run_shape(shape, prompts, args)
     settings: dict[str, Any] = {k: str(v) for k, v in vars(args).items()}
     write_json(args.out, {"device": device, "settings": settings, "cells": cells})
