@@ -33,10 +33,5 @@ class RegimeSteps:
     greedy: TreeShape
     sampled: TreeShape
 
-    def __post_init__(self) -> None:  # an int is the chain of that many steps
-        for name in ("greedy", "sampled"):
-            if isinstance(tier := getattr(self, name), int):
-                object.__setattr__(self, name, TreeShape(tier))
-
     def of(self, sampled: bool) -> TreeShape:
         return self.sampled if sampled else self.greedy

@@ -412,10 +412,11 @@ def test_each_regime_starts_where_it_left_off_and_the_target_is_told_before() ->
     policy = GoodputPolicy(cfg, 3)
     greedy, sampled = regime_round(False), regime_round(True)
     run(policy, 60, greedy)
-    greedy_tier = policy.current_steps
-    assert policy.regime_steps == RegimeSteps(greedy=greedy_tier, sampled=3)  # never seen
+    greedy_tier = TreeShape(policy.current_steps)
+    # the sampled regime, never seen, starts at 3
+    assert policy.regime_steps == RegimeSteps(greedy=greedy_tier, sampled=TreeShape(3))
     run(policy, 60, sampled)
-    assert policy.regime_steps == RegimeSteps(greedy=greedy_tier, sampled=0)
+    assert policy.regime_steps == RegimeSteps(greedy=greedy_tier, sampled=TreeShape(0))
     told = policy.regime_steps
     assert run(policy, 1, greedy) == [told.greedy.steps]
     assert policy.regime_steps.sampled == TreeShape(0)
@@ -437,7 +438,7 @@ def test_a_regime_never_seen_starts_where_its_profile_says() -> None:
     profile = {"1": {"0": 12.0, "1": 30.0, "3": 48.0, "7": 90.0}}
     cfg = GoodputConfig(candidate_steps=(0, 1, 3, 7), sampled_profile_ms=profile)  # type: ignore[arg-type]
     policy = GoodputPolicy(cfg, 3)
-    assert policy.regime_steps == RegimeSteps(greedy=3, sampled=0)
+    assert policy.regime_steps == RegimeSteps(greedy=TreeShape(3), sampled=TreeShape(0))
     assert run(policy, 1, regime_round(True)) == [0]
     unprofiled = GoodputPolicy(replace(cfg, sampled_profile_ms=()), 3)
     assert unprofiled.regime_steps.sampled == TreeShape(3)

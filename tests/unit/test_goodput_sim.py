@@ -14,6 +14,7 @@ import pytest
 from bench.goodput_sim import Pinned, Recorded, load, main, simulate
 from controller.bands import PolicySpec
 from controller.interface import RoundSample, TierEstimate
+from specpair.runtime.shape import TreeShape
 from specpair.tiers import RegimeSteps
 
 HERE = "tests.unit.test_goodput_sim"
@@ -111,7 +112,7 @@ class SwitchAt(FixedTier):
 class RegimeMapped(FixedTier):
     @property
     def regime_steps(self) -> RegimeSteps:
-        return RegimeSteps(greedy=3, sampled=0)
+        return RegimeSteps(greedy=TreeShape(3), sampled=TreeShape(0))
 
 
 def built(cls: str, **options: Any) -> Any:
