@@ -84,7 +84,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             shape=tier_name(tier),
             avg_spec_accept_length=s.avg_accept_length if s else 0.0,
             candidate_steps=list(cfg.candidate_steps),
-            tree_shapes=[str(t) for t in cfg.tiers if not t.is_chain],
+            tree_shapes=list(cfg.tree_shapes),
             target_model_path=str(cfg.model_path),
             draft_address=cfg.draft_address or "",
             draft_connection_state=state,

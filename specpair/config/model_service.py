@@ -103,7 +103,9 @@ class ModelServiceConfig:
     def _resolve(self) -> None:
         _check_steps(self.candidate_steps)
         check_device(self.device)
-        parse_tiers(self.candidate_steps, self.tree_shapes)  # ShapeError names the shape
+        tiers = parse_tiers(self.candidate_steps, self.tree_shapes)  # ShapeError names the shape
+        # canonical ("4X4X16" → "4x4x16"), as the controller keeps them: GetServerInfo reports them
+        object.__setattr__(self, "tree_shapes", tuple(str(t) for t in tiers if not t.is_chain))
         if self.max_len < 1:
             raise ValueError("max_len must be >= 1")
         cuda = self.device.startswith("cuda")

@@ -80,7 +80,8 @@ def test_the_services_build_tree_shapes_beside_the_chains() -> None:
     from specpair.launcher import up_services
 
     server = ServerConfig(address="127.0.0.1:0")
-    cfg = TargetConfig(server, Path("m"), tree_shapes=("6x8x32", "4x4x16"), initial_shape="4x4x16")
+    cfg = TargetConfig(server, Path("m"), tree_shapes=("6X8X32", "4x4x16"), initial_shape="4x4x16")
+    assert cfg.tree_shapes == ("4x4x16", "6x8x32")  # canonical, as GetServerInfo reports them
     assert [str(t) for t in cfg.tiers] == ["1", "3", "4x4x16", "6x8x32", "7"]
     assert cfg.initial_tier == TreeShape(4, 4, 16)
     # the draft keeps room for a tree's widest forward: 6x8x32 writes (6 - 1) * 8 = 40 rows
