@@ -23,7 +23,7 @@ from specpair.runtime.round import (
     StageTimings,
 )
 from specpair.runtime.sampling import SamplingParams
-from specpair.runtime.shape import ShapeError, TreeShape, tier_from_wire, tier_name
+from specpair.runtime.shape import TreeShape, tier_from_wire, tier_name
 from specpair.runtime.tree import CandidateTree
 from specpair.tiers import RegimeSteps
 from specpair.wire_tensor import float_tensor, fp8_rows_into, tensor_from_proto, tensor_into
@@ -72,17 +72,14 @@ class MalformedRequestError(ValueError):
 def request_from_proto(msg: draft_pb2.RoundRequest) -> RoundRequest:
     """Raises MalformedRequestError naming the malformed field (`inputs[r7].sampling.top_p:
     ...`, `shape: ...`)."""
-    try:
+    tree = None
+    try:  # a ShapeError is a ValueError
         shape = tier_from_wire(msg.speculative_num_steps, msg.shape, "shape")
-    except ShapeError as exc:
-        inputs = tuple(DraftInput(m.request_id, (), SamplingParams()) for m in msg.inputs)
-        raise MalformedRequestError(str(exc), _request(msg, inputs, None)) from None
-    tree = None if shape.is_chain else shape
-    try:
+        tree = None if shape.is_chain else shape
         inputs = tuple(_draft_input_from_proto(m) for m in msg.inputs)
     except ValueError as exc:
-        inputs = tuple(DraftInput(m.request_id, (), SamplingParams()) for m in msg.inputs)
-        raise MalformedRequestError(str(exc), _request(msg, inputs, tree)) from None
+        ids = tuple(DraftInput(m.request_id, (), SamplingParams()) for m in msg.inputs)
+        raise MalformedRequestError(str(exc), _request(msg, ids, tree)) from None
     return _request(msg, inputs, tree)
 
 

@@ -11,18 +11,19 @@ import torch
 from specpair.proto.v1 import common_pb2, draft_pb2, target_pb2
 from specpair.runtime.round import DraftInput, RoundRequest, RoundResponse, RoundStats, StageTimings
 from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.shape import TreeShape
 from specpair.runtime.tree import CandidateTree
 from specpair.wire import (
+    MalformedRequestError,
     request_from_proto,
     request_to_proto,
     response_from_proto,
     response_to_proto,
     stats_from_proto,
     stats_to_proto,
-    tensor_from_proto,
-    tensor_into,
     timings_from_proto,
 )
+from specpair.wire_tensor import tensor_from_proto, tensor_into
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -161,3 +162,13 @@ def test_malformed_float8_features_name_their_field(spoil, match) -> None:
     spoil(msg.inputs[0].features)
     with pytest.raises(ValueError, match=rf"inputs\[r7\]\.{match}" if "row" in match else match):
         request_from_proto(msg)
+
+
+def test_a_bad_round_shape_names_the_field_and_keeps_the_ids_to_release() -> None:
+    msg = request_to_proto(RoundRequest(1, 3, (DraftInput("r7", (1,), SamplingParams()),)))
+    msg.shape = "3x2"
+    with pytest.raises(MalformedRequestError, match=r"^shape: a tree shape is") as err:
+        request_from_proto(msg)
+    assert [i.request_id for i in err.value.request.inputs] == ["r7"]
+    msg.shape = "3x2x6"
+    assert request_from_proto(msg).tier == TreeShape(3, 2, 6)
