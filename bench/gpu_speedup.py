@@ -53,6 +53,7 @@ from specpair.models.loading import read_args
 from specpair.runtime.build import build_drafter, build_states, build_target, feature_layers
 from specpair.runtime.engine import SpeculativeEngine, StageTimes
 from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.shape import TreeShape
 from specpair.serving import compute_executor
 from target_service.special_tokens import eos_ids
 from training.grow import SHAPES, grow
@@ -174,11 +175,13 @@ def in_process(
     target: Path, draft: Path, workloads: list[Workload], batches: list[int], *,
     new_tokens: int, device: str, dtype: torch.dtype, max_len: int, eos: frozenset[int],
     record: Callable[[Cell], None], pipeline_width: int = 0, deterministic: bool = False,
+    trees: Sequence[TreeShape] = (),
 ) -> None:  # fmt: skip
     """Target-only and each static tier in the engine: the requests in groups of `batch`, each
     group decoded to completion (static batching) and stopped at `eos`, as the target service
     stops them. Target-only replays tier 1's verify graph with no drafts (one token per
-    request, padded to two). `pipeline_width` > 0: each tier also pipelined ("tier s pre":
+    request, padded to two). `trees`: tree shapes beside the chains ("tree 4x4x16").
+    `pipeline_width` > 0: each tier also pipelined ("tier s pre":
     the pre-drafts made in line, so its stage_ms shows what a pre-draft costs the draft)."""
     size = max(batches)
     worker = build_target(target, max_requests=size, max_len=max_len, keep_features=True,
@@ -186,10 +189,12 @@ def in_process(
                           device=device, deterministic=deterministic)  # fmt: skip
     drafter = build_drafter(draft, target_path=target, max_requests=size + pipeline_width,
                             max_len=max_len, dtype=dtype, device=device)  # fmt: skip
-    states = build_states(TIERS, worker, drafter, ahead=pipeline_width > 0)
-    configs = [("target-only", 1), *((f"tier {t}", t) for t in TIERS)]
+    states = build_states([*map(TreeShape, TIERS), *trees], worker, drafter,
+                          ahead=pipeline_width > 0)  # fmt: skip
+    configs = [("target-only", TreeShape(1)), *((f"tier {t}", TreeShape(t)) for t in TIERS)]
+    configs += [(f"tree {t}", t) for t in trees]
     if pipeline_width:
-        configs += [(f"tier {t} pre", t) for t in TIERS]
+        configs += [(f"tier {t} pre", TreeShape(t)) for t in TIERS]
     for config, tier in configs:
         width = pipeline_width if config.endswith("pre") else 0
         engine = SpeculativeEngine(
@@ -269,10 +274,11 @@ def services(
     target: Path, draft: Path, draft_kind: str, workloads: list[Workload], batches: list[int],
     *, new_tokens: int, device: str, dtype: str, max_len: int, log_dir: Path,
     phased: Callable[[BenchServices], dict[str, Any]] | None, record: Callable[[Cell], None],
-    goodput: bool = False, deterministic: bool = False,
+    goodput: bool = False, deterministic: bool = False, trees: Sequence[TreeShape] = (),
 ) -> dict[str, Any] | None:  # fmt: skip
-    """Target-only (`--no-draft`), then static tiers and adaptive through the controller
-    (SGLang's rule, then with `goodput` the goodput kind)."""
+    """Target-only (`--no-draft`), then static tiers (`trees` too, pinned by shape) and adaptive
+    through the controller (SGLang's rule over the chains, then with `goodput` the goodput kind,
+    over the trees too)."""
     common: dict[str, Any] = dict(
         target=target, log_dir=log_dir, device=device, dtype=dtype, max_len=max_len,
         candidate_steps=(0, *TIERS),  # the goodput kind's tier 0 is the target alone
@@ -282,9 +288,12 @@ def services(
         serve_cells(SpecpairClient(group.target, timeout=600), "target-only", workloads, batches,
                     new_tokens, record)  # fmt: skip
     policy = PolicyConfig(candidate_steps=TIERS)
+    flags = tuple(arg for t in trees for arg in ("--tree-shapes", str(t)))
+    common["target_options"] += flags
     with BenchServices(
-        draft=draft, draft_kind=draft_kind.removesuffix("3"), policy=policy.to_dict(), **common
-    ) as group:
+        draft=draft, draft_kind=draft_kind.removesuffix("3"), policy=policy.to_dict(),
+        draft_options=flags, **common,
+    ) as group:  # fmt: skip
         client = SpecpairClient(group.target, timeout=600)
         wait_draft_connected(client)
         ctl = ControllerClient(group.controller, timeout=30)
@@ -295,9 +304,18 @@ def services(
         ctl.unpin()
         time.sleep(0.3)
         serve_cells(client, "adaptive", workloads, batches, new_tokens, record)
-        if goodput:  # the goodput kind, afresh from tier 3, over tiers 0 / 1 / 3 / 7
+        # the goodput kind over tiers 0 / 1 / 3 / 7 and the trees (SGLang's rule knows chains
+        # only, so the trees are pinned under it)
+        spec = PolicySpec.from_mapping(GOODPUT | {"tree_shapes": [str(t) for t in trees]})
+        if trees:
+            ctl.update_policy(**spec.policy_options())
+        for tree in trees:
+            ctl.pin(str(tree))
+            time.sleep(0.3)
+            serve_cells(client, f"tree {tree}", workloads, batches, new_tokens, record)
+        if goodput:  # afresh from tier 3
             ctl.pin(3)
-            ctl.update_policy(**PolicySpec.from_mapping(GOODPUT).policy_options())
+            ctl.update_policy(**spec.policy_options())
             ctl.unpin()
             time.sleep(0.3)
             serve_cells(client, "goodput", workloads, batches, new_tokens, record)
@@ -448,6 +466,10 @@ def main() -> None:
     parser.add_argument(
         "--deterministic", action="store_true", help="the target's batch-invariant mode"
     )
+    parser.add_argument(
+        "--tree-shapes", nargs="+", default=[], metavar="SHAPE",
+        help="tree shapes (STEPSxTOPKxNODES) measured beside the chains, and offered to goodput",
+    )  # fmt: skip
     parser.add_argument("--per-phase", type=int, default=8, help="requests per phase")
     parser.add_argument("--out", type=Path, help="JSON (default: bench/results/…_<kind>.json)")
     parser.add_argument(
@@ -457,6 +479,7 @@ def main() -> None:
     if args.replot:
         replot(args.replot)
         return
+    trees = [TreeShape.parse(t) for t in args.tree_shapes]  # a bad one fails before any run
     if max(args.batches) > args.requests:
         parser.error(f"--requests {args.requests} < the largest batch {max(args.batches)}")
     from transformers import AutoTokenizer
@@ -506,6 +529,7 @@ def main() -> None:
                 in_process, target, draft, workloads, args.batches, new_tokens=args.new_tokens,
                 device=args.device, dtype=getattr(torch, dtype), max_len=max_len,
                 eos=eos_ids(target, tokenizer), record=record, deterministic=args.deterministic,
+                trees=trees,
             ).result()  # fmt: skip
         gc.collect()
         if torch.cuda.is_available():
@@ -518,7 +542,7 @@ def main() -> None:
         phased = services(
             target, draft, args.draft_kind, workloads, args.batches, new_tokens=args.new_tokens,
             device=args.device, dtype=dtype, max_len=max_len, log_dir=log_dir, phased=run_phased,
-            record=record, goodput=args.goodput, deterministic=args.deterministic,
+            record=record, goodput=args.goodput, deterministic=args.deterministic, trees=trees,
         )  # fmt: skip
     save()
     title = f"{args.draft_kind} draft, {args.shape} pair, {gpu}: tokens/s by configuration"

@@ -179,15 +179,10 @@ class StateBuilder:
 
     def build(self, tier: int | TreeShape) -> SpecRuntimeState:
         """The tier's state (s: the chain of s drafts; or a tree shape), its stages complete
-        (graphs captured). Tree shapes draft and verify eagerly and are CPU-only for now: on a
-        CUDA worker they are refused, naming the field."""
+        (graphs captured). On a GPU a tree verifies in graphs of its num_draft_tokens + 1 rows
+        and extends in its depth's graphs (a chain's of the same steps); it drafts eagerly,
+        its steps' tensors on the device and one read back at the end (`tree_draft.py`)."""
         shape = tier if isinstance(tier, TreeShape) else TreeShape(tier)
-        if not shape.is_chain and (self.target_graphs or self.draft_graphs):
-            raise ValueError(
-                f"tree_shapes: tree shape {shape} on a CUDA device; tree shapes run on the "
-                "CPU only for now (no CUDA graphs for tree drafting or tree verify yet)"
-            )
-        tier = shape.steps
         verify: VerifyStage | None = None
         extend: ExtendStage | None = None
         draft: DraftStage | None = None
@@ -195,11 +190,14 @@ class StateBuilder:
             t = self.target
             verify = EagerVerify(t.model, t.cache, t.feature_layers)
             if self.target_graphs is not None:
-                verify = VerifyGraphs(self.target_graphs, t.model, tier, verify, t.feature_layers)
+                verify = VerifyGraphs(self.target_graphs, t.model, shape, verify, t.feature_layers)
         if self.drafter is not None:
-            extend, draft = EagerExtend(self.drafter), EagerDraft(self.drafter, tier)
-            if self.draft_graphs is not None and tier > 0:
-                extend, draft = self.draft_graphs.tier(tier, extend, draft)
+            extend, draft = EagerExtend(self.drafter), EagerDraft(self.drafter, shape.steps)
+            if self.draft_graphs is not None and shape.steps > 0:
+                if shape.is_chain:
+                    extend, draft = self.draft_graphs.tier(shape.steps, extend, draft)
+                else:
+                    extend = self.draft_graphs.extend_tier(shape.steps, extend)
         self.builds += 1
         return tier_state(shape, verify, extend, draft)
 

@@ -34,6 +34,7 @@ from specpair.runtime.gpu.verify_graphs import VerifyGraphs
 from specpair.runtime.layout import BatchLayout
 from specpair.runtime.round import DraftInput
 from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.shape import TreeShape
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import chain
@@ -122,6 +123,46 @@ def teacher_forced_logits(worker, prompt: list[int], output: list[int]) -> torch
     return logits[len(prompt) - 1 : len(seq) - 1]
 
 
+def check_greedy(worker, spec, plain, label: str) -> tuple[int, int, float]:  # type: ignore[no-untyped-def]
+    """Asserts that every token of `spec` (generations of PROMPTS) is the target's argmax given
+    its own prefix, up to a tie (see below), and that a divergence from target-only `plain`
+    starts at a tie; returns (generations identical to plain, generations, largest deficit in
+    tie tolerances)."""
+    worst, identical = 0.0, 0
+    for prompt, s_res, p_res in zip(PROMPTS, spec, plain, strict=True):
+        out, ref = s_res.token_ids, p_res.token_ids
+        assert len(out) == len(ref)
+        logits = teacher_forced_logits(worker, prompt, out)
+        picked = logits.gather(1, torch.tensor(out, device="cuda")[:, None])[:, 0]
+        deficit = logits.max(-1).values - picked  # 0 where the emitted token is the argmax
+        tol = tie_tolerance(logits)
+        worst = max(worst, float((deficit / tol).max()))
+        bad = (deficit > tol).nonzero().flatten().tolist()
+        for j in deficit.nonzero().flatten().tolist():
+            print(
+                f"{label} prompt {prompt[:4]}: token {j} is {float(deficit[j]):.4f} under the "
+                f"argmax (tie tolerance {float(tol[j]):.4f})"
+            )
+        assert not bad, (
+            f"{label}, prompt {prompt[:4]}: tokens {bad} are not the target's greedy choice "
+            f"(deficits {deficit[bad].tolist()})"
+        )
+        if out == ref:
+            identical += 1
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(out, ref, strict=True)) if a != b)
+        row = logits[i]
+        margin = float(row[ref[i]] - row[out[i]])
+        top2 = row.topk(2).values.tolist()
+        print(
+            f"{label} prompt {prompt[:4]}: diverges from target-only at token {i}: spec "
+            f"{out[i]} vs plain {ref[i]}, logit margin {margin:+.4f} (top-2 {top2[0]:.4f} / "
+            f"{top2[1]:.4f})"
+        )
+        assert abs(margin) <= float(tol[i]), f"{label}: diverged at a clear margin {margin}"
+    return identical, len(PROMPTS), worst
+
+
 @pytest.mark.parametrize("draft", ["draft", "eagle", "eagle3"])
 def test_greedy_speculative_equals_gpu_target_only(gpu_ckpts: dict[str, Path], draft: str) -> None:
     """Greedy speculative decoding emits exactly the target's greedy tokens.
@@ -155,7 +196,7 @@ def test_greedy_speculative_equals_gpu_target_only(gpu_ckpts: dict[str, Path], d
     before = builder.captures, builder.builds
     # verify, two sampled accepts, extend, greedy and sampled steps x buckets 1, 2, 4 x 3 tiers
     assert before == (6 * 3 * 3, 3), before
-    worst, identical, total = 0.0, 0, 0
+    counts = []
     for tier in (3, 1, 7, 3):  # tier switches: reference swaps only
         engine = SpeculativeEngine(worker, drafter)
         spec = engine.generate(PROMPTS, max_new_tokens=32, state=states[tier])
@@ -164,44 +205,48 @@ def test_greedy_speculative_equals_gpu_target_only(gpu_ckpts: dict[str, Path], d
             engine.times.per_round, engine.times.gpu_ms, strict=True
         ):
             assert 0 < draft_gpu <= 1e3 * draft_s and 0 < verify_gpu <= 1e3 * verify_s
-        for prompt, s_res, p_res in zip(PROMPTS, spec, plain, strict=True):
-            out, ref = s_res.token_ids, p_res.token_ids
-            assert len(out) == len(ref) == 32
-            total += 1
-            logits = teacher_forced_logits(worker, prompt, out)
-            picked = logits.gather(1, torch.tensor(out, device="cuda")[:, None])[:, 0]
-            deficit = logits.max(-1).values - picked  # 0 where the emitted token is the argmax
-            tol = tie_tolerance(logits)
-            worst = max(worst, float((deficit / tol).max()))
-            bad = (deficit > tol).nonzero().flatten().tolist()
-            for j in deficit.nonzero().flatten().tolist():
-                print(
-                    f"[{draft}] tier {tier} prompt {prompt[:4]}: token {j} is "
-                    f"{float(deficit[j]):.4f} under the argmax (tie tolerance {float(tol[j]):.4f})"
-                )
-            assert not bad, (
-                f"tier {tier}, prompt {prompt[:4]}: tokens {bad} are not the target's greedy "
-                f"choice (deficits {deficit[bad].tolist()})"
-            )
-            if out == ref:
-                identical += 1
-                continue
-            i = next(j for j, (a, b) in enumerate(zip(out, ref, strict=True)) if a != b)
-            row = logits[i]
-            margin = float(row[ref[i]] - row[out[i]])
-            top2 = row.topk(2).values.tolist()
-            print(
-                f"[{draft}] tier {tier} prompt {prompt[:4]}: diverges from target-only at token "
-                f"{i}: spec {out[i]} vs plain {ref[i]}, logit margin {margin:+.4f} "
-                f"(top-2 {top2[0]:.4f} / {top2[1]:.4f})"
-            )
-            assert abs(margin) <= float(tol[i]), f"tier {tier}: diverged at a clear margin {margin}"
+        counts.append(check_greedy(worker, spec, plain, f"[{draft}] tier {tier}"))
+    identical, total = (sum(c[i] for c in counts) for i in (0, 1))
+    worst = max(c[2] for c in counts)
     print(
         f"[{draft}] {identical}/{total} generations identical to target-only; "
         f"largest argmax deficit {worst:.2f} of the tie tolerance"
     )
     assert identical >= total // 2, "most generations must equal target-only exactly"
     assert (builder.captures, builder.builds) == before, "captured/built after start-up"
+
+
+@pytest.mark.parametrize("draft", ["draft", "eagle", "eagle3"])
+def test_tree_shapes_on_graphs_give_the_target_greedy_tokens(
+    gpu_ckpts: dict[str, Path], draft: str
+) -> None:
+    """Tree shapes beside a chain on the GPU: the verify in graphs of the tree's root and kept
+    nodes, the extend in the depth's graphs, the tree drafted eagerly; every token the target's
+    greedy choice (as above), shape switches mid-run, nothing captured after start-up."""
+    path = pair_target(gpu_ckpts, draft)
+    worker = target(path, draft=gpu_ckpts[draft])
+    drafter = build_drafter(
+        gpu_ckpts[draft], target_path=path, max_requests=4, max_len=256, dtype=BF16,
+        device="cuda",
+    )  # fmt: skip
+    shapes = [TreeShape(3), TreeShape(3, 2, 6), TreeShape(4, 4, 16)]
+    builder = StateBuilder(worker, drafter)
+    states = builder.build_all(shapes)
+    for shape in shapes[1:]:
+        verify, extend = states[shape].verify, states[shape].extend
+        assert isinstance(verify, VerifyGraphs) and isinstance(extend, ExtendGraphs)
+        assert verify.graphs[4].inputs["tokens"].shape == (4, shape.verified)
+    before = builder.captures
+    plain = SpeculativeEngine(worker, None).generate(PROMPTS, max_new_tokens=32, state=None)
+    identical = 0
+    for shape in (shapes[2], shapes[0], shapes[1], shapes[2]):
+        engine = SpeculativeEngine(worker, drafter)
+        spec = engine.generate(PROMPTS, max_new_tokens=32, state=states[shape])
+        identical += check_greedy(worker, spec, plain, f"[{draft}] {shape}")[0]
+        if not shape.is_chain:
+            assert engine.times.gpu_ms and all(v > 0 for _, v in engine.times.gpu_ms)
+    assert identical >= 2 * len(PROMPTS), "most generations must equal target-only exactly"
+    assert builder.captures == before, "captured after start-up"
 
 
 def test_graph_replay_equals_eager(gpu_ckpts: dict[str, Path]) -> None:

@@ -3,9 +3,10 @@
 The distribution test of `tests/engine/test_sampling_lossless.py` on the CUDA runtime (bf16,
 flashinfer attention, per-tier graphs, the sampled twin of each draft step graph): the joint
 distribution of 3 sampled tokens of a 6-token vocabulary against the target's exact one, for
-every warp and tiers 1 / 3 / 7, with sparse q, and a broken residual that must fail. Then the
-seeded-sampling promise: a seed gives the same tokens run after run, and a row's draw does not
-depend on the rows beside it.
+every warp and tiers 1 / 3 / 7, with sparse q, and a broken residual that must fail; tree
+shapes by SGLang's target-only rule, and a verifier accepting every first child that must
+fail. Then the seeded-sampling promise: a seed gives the same tokens run after run, and a
+row's draw does not depend on the rows beside it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from specpair.runtime.sampling import (
     warp,
     warp_rows,
 )  # fmt: skip
+from specpair.runtime.shape import TreeShape
 from tests.engine.test_sampling_lossless import PARAMS, fit_pvalue
 
 pytestmark = pytest.mark.gpu
@@ -76,10 +78,14 @@ def exact_joint(target: Path, params: SamplingParams) -> dict[tuple[int, ...], f
 
 
 def gpu_samples(
-    ckpts: dict[str, Path], draft: str, params: SamplingParams, tier: int, batch: int = 16
+    ckpts: dict[str, Path],
+    draft: str,
+    params: SamplingParams,
+    tier: int | TreeShape,
+    batch: int = 16,
 ) -> Counter:
-    """RUNS seeded samples in batches of `batch`: up to 16 the accept runs in its graph, past
-    it eagerly."""
+    """RUNS seeded samples in batches of `batch`: up to 16 a chain's accept runs in its graph,
+    past it eagerly; a tree shape verifies in its graphs and accepts eagerly."""
     gc.collect()
     target = ckpts["target"]
     worker = build_target(
@@ -91,7 +97,8 @@ def gpu_samples(
         device="cuda",
     )  # fmt: skip
     state = build_states([tier], worker, drafter)[tier]
-    assert isinstance(state.draft, StepGraphs) and state.draft.sampled
+    chain = state.is_chain
+    assert not chain or (isinstance(state.draft, StepGraphs) and state.draft.sampled)
     engine = SpeculativeEngine(worker, drafter)
     counts: Counter = Counter()
     for start in range(0, RUNS, batch):
@@ -103,9 +110,11 @@ def gpu_samples(
             [PROMPT] * batch, max_new_tokens=DEPTH, state=state, sampling=sampling
         )
         counts.update(tuple(r.token_ids) for r in results)
-    assert state.draft.sampled_replays > 0  # the sampled graph drew the drafts
     assert isinstance(state.verify, VerifyGraphs)
-    assert (state.verify.graph_accepts > 0) == (batch <= ACCEPT_GRAPH_BATCH)
+    if chain:
+        assert isinstance(state.draft, StepGraphs)
+        assert state.draft.sampled_replays > 0  # the sampled graph drew the drafts
+        assert (state.verify.graph_accepts > 0) == (batch <= ACCEPT_GRAPH_BATCH)
     return counts
 
 
@@ -128,6 +137,31 @@ def test_gpu_sparse_q_of_a_draft_lm_matches_target_distribution(small_vocab, mon
     monkeypatch.setattr(sampling_module, "DRAFT_SUPPORT", 2)  # read when the graphs capture
     counts = gpu_samples(small_vocab, "draft", PARAMS[0], 3, batch=64)
     assert fit_pvalue(counts, exact_joint(small_vocab["target"], PARAMS[0])) > 1e-3
+
+
+TREES = [TreeShape(3, 2, 4), TreeShape(3, 3, 9)]
+
+
+@pytest.mark.parametrize("shape", TREES, ids=str)
+@pytest.mark.parametrize("draft", ["draft", "eagle"])
+def test_gpu_sampled_trees_match_target_distribution(small_vocab, draft, shape) -> None:
+    """Trees drafted on the device, verified in the shape's graphs by SGLang's target-only rule
+    (`accept.accept_trees`)."""
+    counts = gpu_samples(small_vocab, draft, PARAMS[2], shape)
+    assert fit_pvalue(counts, exact_joint(small_vocab["target"], PARAMS[2])) > 1e-3
+
+
+def test_gpu_trees_accepting_every_first_child_fail_the_same_test(small_vocab, monkeypatch):
+    real = accept_module.accept_trees
+
+    def first_child(p, tokens, parents, u):  # type: ignore[no-untyped-def]
+        u = u.clone()
+        u[:, 1:] = 0.0  # accepts any child with mass; the last token drawn as before
+        return real(p, tokens, parents, u)
+
+    monkeypatch.setattr(accept_module, "accept_trees", first_child)
+    counts = gpu_samples(small_vocab, "eagle", PARAMS[0], TREES[0])
+    assert fit_pvalue(counts, exact_joint(small_vocab["target"], PARAMS[0])) < 1e-6
 
 
 @pytest.mark.parametrize("batch", [16, 64])

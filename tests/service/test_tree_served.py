@@ -12,9 +12,10 @@ from typing import Any
 import grpc
 import pytest
 
-from specpair.proto.v1 import target_pb2
+from specpair.proto.v1 import common_pb2, target_pb2
 from specpair.runtime.build import StateBuilder, build_drafter, build_target
 from specpair.runtime.engine import SpeculativeEngine
+from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.shape import TreeShape
 from tests.service.conftest import draft_config, reference_greedy, target_config
 from tests.service.test_tiers import no_slots_left, watch
@@ -57,6 +58,37 @@ async def test_a_tree_tier_serves_what_the_target_alone_would(ckpts, make_stack,
     assert any(a >= 1 for r in drafted for a in r.accept_lengths)  # trees were accepted
     info = await stack.stub.GetServerInfo(target_pb2.TargetServiceGetServerInfoRequest())
     assert info.runtime_state_builds == builds  # nothing built after start-up
+    await no_slots_left(stack)
+
+
+async def test_sampled_requests_draft_trees_and_match_the_engine_seed_for_seed(
+    ckpts, make_stack
+) -> None:
+    """A tree round's sampled trees carry no q (the target-only rule needs none): the target
+    verifies them rather than refusing them as malformed, and a seeded request gives what the
+    in-process engine gives at the same shape and seed."""
+    stack = await tree_stack(ckpts, make_stack, "eagle", initial_shape="4x4x16")
+    rounds, task = await watch(stack)
+    seeded = common_pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+    outputs = await asyncio.gather(
+        *(stack.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS, sampling=seeded)
+          for p in PROMPTS)
+    )  # fmt: skip
+    task.cancel()
+    drafted = [r for r in rounds.values() if r.accept_lengths]
+    assert drafted and all(r.shape == "4x4x16" for r in drafted)
+    assert not any(r.plain_request_ids for r in drafted)  # no tree refused
+    assert any(a >= 1 for r in drafted for a in r.accept_lengths)
+    worker = build_target(ckpts["target"], max_requests=4, max_len=160, keep_features=True)
+    drafter = build_drafter(ckpts["eagle"], target_path=ckpts["target"], max_requests=4,
+                            max_len=160)  # fmt: skip
+    state = StateBuilder(worker, drafter).build(TreeShape(4, 4, 16))
+    sampling = [SamplingParams(temperature=0.8, top_p=0.95, seed=11)] * len(PROMPTS)
+    in_process = SpeculativeEngine(worker, drafter).generate(
+        PROMPTS, max_new_tokens=MAX_TOKENS, state=state, sampling=sampling,
+        stop_token_ids=frozenset({0}),
+    )  # fmt: skip
+    assert [t for t, _ in outputs] == [r.token_ids for r in in_process]
     await no_slots_left(stack)
 
 

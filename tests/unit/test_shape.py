@@ -44,14 +44,6 @@ def test_a_tree_state_keeps_its_shape_and_its_depth_chain() -> None:
     assert tier_state(3).is_chain and tier_state(3).tree_shape == TreeShape(3)
 
 
-def test_tree_shapes_are_refused_on_cuda() -> None:
-    builder = StateBuilder()
-    builder.target_graphs = object()  # type: ignore[assignment]  # what a CUDA worker has
-    with pytest.raises(ValueError, match="tree_shapes: tree shape 4x4x16 on a CUDA device"):
-        builder.build(TreeShape(4, 4, 16))
-    assert builder.build(0).tier == 0  # chains still build
-
-
 @pytest.mark.parametrize(
     ("steps", "shape", "expected"),
     [(7, "", TreeShape(7)), (0, "4x4x16", TreeShape(4, 4, 16)), (4, "4x4x16", TreeShape(4, 4, 16))],

@@ -166,7 +166,7 @@ class GraphCapture:
         self.pool = torch.cuda.graph_pool_handle()
         self.owner = owner
         self.captures = 0
-        self.stats: dict[int, dict[str, float]] = {}
+        self.stats: dict[str, dict[str, float]] = {}  # by tier: "3", "4x4x16", "3 extend"
         self._events = [torch.cuda.Event(enable_timing=True) for _ in range(8)]
         self._spans = 0
         self.staging = Staging()
@@ -202,7 +202,7 @@ class GraphCapture:
         self._spans = 0
         return ms
 
-    def timed(self, tier: int, build: Callable[[], T]) -> T:
+    def timed(self, tier: str, build: Callable[[], T]) -> T:
         # Capturing empties the allocator's cache (torch.cuda.graph does): empty it first, or
         # memory left cached by loading counts against the first tier's graphs.
         torch.cuda.synchronize()

@@ -55,17 +55,29 @@ class DraftGraphs:
 
         def build() -> tuple[Graphs, Graphs, Graphs]:
             buckets = self.capture.buckets
-            for b in buckets:
-                self.extends[(b, s + 1)] = extend_graph(self.capture, self.model, b, s + 1)
+            self._extends(s + 1)
             steps = {b: self._multi_step(b, s) for b in buckets}
             sampled = {b: self._multi_step(b, s, sampled=True) for b in buckets}
             ahead = {b: self._multi_step(b, s, top) for b in buckets} if top else {}
             return steps, sampled, ahead
 
-        steps, sampled, ahead = self.capture.timed(s, build)
+        steps, sampled, ahead = self.capture.timed(str(s), build)
         return ExtendGraphs(self, s, eager_extend), StepGraphs(
             self, s, eager_draft, steps, ahead, sampled
         )
+
+    def extend_tier(self, s: int, eager_extend: ExtendStage) -> ExtendGraphs:
+        """The extend of a tree s deep (its steps draft eagerly): the graphs of s + 1 rows,
+        shared with chain tier s's."""
+
+        self.capture.timed(f"{s} extend", lambda: self._extends(s + 1))
+        return ExtendGraphs(self, s, eager_extend)
+
+    def _extends(self, width: int) -> None:
+        """Each bucket's extend graph of `width` rows, unless a tier of that width has one."""
+        for b in self.capture.buckets:
+            if (b, width) not in self.extends:
+                self.extends[(b, width)] = extend_graph(self.capture, self.model, b, width)
 
     def _multi_step(self, batch: int, s: int, top: int = 0, sampled: bool = False) -> StageGraph:
         """`step_graph` of s steps (s + 1 with `top`) over the bucket's shared step attention,

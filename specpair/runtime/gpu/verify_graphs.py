@@ -1,4 +1,5 @@
-"""The verify stage in CUDA graphs: B × (s + 1) tree tokens → hidden [B, s + 1, H], logits.
+"""The verify stage in CUDA graphs: B × T tree tokens → hidden [B, T, H], logits (T: a chain's
+s + 1, a tree shape's root and kept nodes).
 
 One graph per batch bucket of a tier; a verify that no graph fits (a batch past the largest
 bucket, a tree past the cache's end) runs the eager stage instead. A sampled round's accept
@@ -19,6 +20,7 @@ from specpair.models.llama import LlamaModel
 from specpair.runtime.accept import ChainBatch, accept_chains
 from specpair.runtime.gpu.capture import GraphCapture, StageGraph, bucket_of, pad2d, pad_layout
 from specpair.runtime.layout import BatchLayout
+from specpair.runtime.shape import TreeShape
 from specpair.runtime.stages import VerifyStage
 
 ACCEPT_GRAPH_BATCH = 16  # past it the round's GPU work hides the eager accept's launches
@@ -93,16 +95,17 @@ class VerifyGraphs:
         self,
         capture: GraphCapture,
         model: LlamaModel,
-        tier: int,
+        shape: TreeShape,
         eager: VerifyStage,
         feature_layers: tuple[int, ...] = (),
     ) -> None:
-        """`eager`: the verify of a batch no graph fits; `feature_layers`: an EAGLE-3 draft's."""
+        """Graphs of `shape.verified` tokens (the root and the kept nodes: a chain's s + 1);
+        `eager`: the verify of a batch no graph fits; `feature_layers`: an EAGLE-3 draft's."""
         self.capture, self.cache, self.eager = capture, capture.cache, eager
 
         def build() -> tuple[dict[int, StageGraph], dict[tuple[int, bool], StageGraph]]:
             graphs = {
-                b: verify_graph(capture, model, b, tier + 1, feature_layers)
+                b: verify_graph(capture, model, b, shape.verified, feature_layers)
                 for b in capture.buckets
             }
             accepts = {
@@ -113,7 +116,7 @@ class VerifyGraphs:
             }
             return graphs, accepts
 
-        self.graphs, self.accepts = capture.timed(tier, build)
+        self.graphs, self.accepts = capture.timed(str(shape), build)
         self._planned: tuple[StageGraph, int, object] | None = None  # graph, batch, key
         self._ran: tuple[int, int] | None = None  # the last run's (bucket, batch), in a graph
         self.graph_accepts = 0  # sampled accepts that ran in an accept graph

@@ -268,7 +268,8 @@ class DraftSession:
             if item.request_id in response.refused:  # no room there (the reason names it)
                 fallbacks.append("draft_refused")
             if tree is not None and not self.in_process:
-                why = self.fault(tree, item, item.steps or request.speculative_num_steps)
+                tier = item.steps or request.speculative_num_steps
+                why = self.fault(tree, item, tier, request.shape is not None)
             if why is not None:
                 log.warning("malformed candidate tree", request_id=item.request_id, error=why)
                 fallbacks.append("malformed_tree")
@@ -276,14 +277,18 @@ class DraftSession:
             trees.append(EMPTY_TREE if tree is None else tree)
         return Drafts(trees, response.timings, True, fallbacks, ids)
 
-    def fault(self, tree: CandidateTree, item: DraftInput, tier: int) -> str | None:
-        """Why `tree` cannot be verified for `item` at `tier`, or None when it can."""
+    def fault(
+        self, tree: CandidateTree, item: DraftInput, tier: int, tree_round: bool = False
+    ) -> str | None:
+        """Why `tree` cannot be verified for `item` at `tier`, or None when it can. A sampled
+        chain carries the q it was drawn from; a tree round's trees carry none (they are
+        accepted by the target-only rule, exact without q)."""
         try:
             validate_tree(
                 tree, max_nodes=self.max_tree_nodes, max_depth=tier, vocab_size=self.vocab_size
             )
         except ValueError as exc:  # MalformedTreeError, or a shape torch refuses
             return str(exc)
-        if len(tree) and not item.sampling.greedy and tree.draft_probs is None:
+        if len(tree) and not item.sampling.greedy and tree.draft_probs is None and not tree_round:
             return "sampling round without draft_probs"
         return None

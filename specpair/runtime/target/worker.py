@@ -161,8 +161,8 @@ class TargetWorker:
         follows uses it when its trees are full chains of the tier (the usual round).
         """
         stage = self._stage(state)
-        if not stage.plans_ahead:
-            return
+        if not stage.plans_ahead or not state.is_chain:
+            return  # a tree's mask is known only once it arrives
         if depths is None:
             parents = [list(state.chain_parents)] * len(seqs)
         else:
