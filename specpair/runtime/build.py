@@ -29,6 +29,7 @@ from specpair.runtime.draft.drafters import EagleDrafter, LMDrafter
 from specpair.runtime.draft.eager import EagerDraft, EagerExtend
 from specpair.runtime.gpu.capture import GraphCapture
 from specpair.runtime.gpu.draft_graphs import DraftGraphs
+from specpair.runtime.gpu.tree_graphs import TreeGraphs
 from specpair.runtime.gpu.verify_graphs import VerifyGraphs
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.shape import TreeShape
@@ -179,9 +180,9 @@ class StateBuilder:
 
     def build(self, tier: int | TreeShape) -> SpecRuntimeState:
         """The tier's state (s: the chain of s drafts; or a tree shape), its stages complete
-        (graphs captured). On a GPU a tree verifies in graphs of its num_draft_tokens + 1 rows
-        and extends in its depth's graphs (a chain's of the same steps); it drafts eagerly,
-        its steps' tensors on the device and one read back at the end (`tree_draft.py`)."""
+        (graphs captured). On a GPU a tree verifies in graphs of its num_draft_tokens + 1 rows,
+        extends in its depth's graphs (a chain's of the same steps) and drafts in graphs of its
+        own where its steps fit the Triton tree kernel (`gpu/tree_graphs.py`), else eagerly."""
         shape = tier if isinstance(tier, TreeShape) else TreeShape(tier)
         verify: VerifyStage | None = None
         extend: ExtendStage | None = None
@@ -192,12 +193,13 @@ class StateBuilder:
             if self.target_graphs is not None:
                 verify = VerifyGraphs(self.target_graphs, t.model, shape, verify, t.feature_layers)
         if self.drafter is not None:
-            extend, draft = EagerExtend(self.drafter), EagerDraft(self.drafter, shape.steps)
-            if self.draft_graphs is not None and shape.steps > 0:
+            extend, draft = EagerExtend(self.drafter), EagerDraft(self.drafter, shape)
+            if (graphs := self.draft_graphs) is not None and shape.steps > 0:
                 if shape.is_chain:
-                    extend, draft = self.draft_graphs.tier(shape.steps, extend, draft)
+                    extend, draft = graphs.tier(shape.steps, extend, draft)
                 else:
-                    extend = self.draft_graphs.extend_tier(shape.steps, extend)
+                    extend = graphs.extend_tier(shape.steps, extend)
+                    draft = TreeGraphs(graphs.capture, self.drafter, shape, draft)
         self.builds += 1
         return tier_state(shape, verify, extend, draft)
 

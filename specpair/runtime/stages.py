@@ -24,6 +24,7 @@ from specpair.runtime.layout import BatchLayout
 from specpair.runtime.lookahead import Lookahead
 from specpair.runtime.round import DraftInput
 from specpair.runtime.sampling import RowParams
+from specpair.runtime.tree import CandidateTree
 
 DraftQ = tuple[Tensor, Tensor]  # a sampled chain's sparse q on the host: ids, probs [d, K]
 
@@ -142,6 +143,16 @@ class DraftStage(Protocol):
     ) -> tuple[list[list[int]], list[Lookahead]]:
         """`run` for s tokens each, and one step more: every request's `Lookahead` with the
         `top` likeliest tokens at each depth (planned with `plan(slots, ahead=True)`)."""
+
+    def run_tree(
+        self,
+        hidden: Tensor,
+        slots: list[int],
+        sampling: DraftSampling | None = None,
+        depths: Sequence[int] | None = None,
+    ) -> list[CandidateTree]:
+        """A tree shape's draft (EAGLE-2 style, `draft/tree_draft.py`): a tree per request,
+        `depths[b]` deep at most (default the shape's steps)."""
 
     def read_gpu_ms(self) -> float:
         """GPU time of the extend's and the steps' graph replays since the last read."""

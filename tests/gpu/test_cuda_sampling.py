@@ -31,6 +31,7 @@ from specpair.models.tiny import make_tiny_eagle, make_tiny_eagle3, make_tiny_ll
 from specpair.runtime.build import build_drafter, build_states, build_target, feature_layers
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.gpu.draft_graphs import StepGraphs
+from specpair.runtime.gpu.tree_graphs import TreeGraphs
 from specpair.runtime.gpu.verify_graphs import ACCEPT_GRAPH_BATCH, VerifyGraphs
 from specpair.runtime.sampling import (
     RowParams,
@@ -111,7 +112,9 @@ def gpu_samples(
         )
         counts.update(tuple(r.token_ids) for r in results)
     assert isinstance(state.verify, VerifyGraphs)
-    if chain:
+    if not chain:
+        assert isinstance(state.draft, TreeGraphs) and state.draft.replays > 0
+    else:
         assert isinstance(state.draft, StepGraphs)
         assert state.draft.sampled_replays > 0  # the sampled graph drew the drafts
         assert (state.verify.graph_accepts > 0) == (batch <= ACCEPT_GRAPH_BATCH)
@@ -145,8 +148,8 @@ TREES = [TreeShape(3, 2, 4), TreeShape(3, 3, 9)]
 @pytest.mark.parametrize("shape", TREES, ids=str)
 @pytest.mark.parametrize("draft", ["draft", "eagle"])
 def test_gpu_sampled_trees_match_target_distribution(small_vocab, draft, shape) -> None:
-    """Trees drafted on the device, verified in the shape's graphs by SGLang's target-only rule
-    (`accept.accept_trees`)."""
+    """Trees drafted in their graphs, verified in the shape's graphs by SGLang's target-only
+    rule (`accept.accept_trees`)."""
     counts = gpu_samples(small_vocab, draft, PARAMS[2], shape)
     assert fit_pvalue(counts, exact_joint(small_vocab["target"], PARAMS[2])) > 1e-3
 

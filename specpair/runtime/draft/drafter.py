@@ -22,7 +22,6 @@ from torch import Tensor
 
 from specpair.models.args import ModelArgs
 from specpair.runtime.draft.extend import DraftForward
-from specpair.runtime.draft.tree_draft import draft_trees
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
 from specpair.runtime.lookahead import Lookahead, TopRows
@@ -115,11 +114,11 @@ class Drafter(DraftForward):
             torch.cuda.synchronize()
         t1 = time.perf_counter()
         sampling = self._sampling(inputs, entries, state.tier)
-        if not state.is_chain:  # a tree shape: eager (`tree_draft.py`), never pipelined
+        if not state.is_chain:  # a tree shape: never pipelined
             if width:
                 raise ValueError("drafting ahead (pipelined rounds) drafts chains only")
-            trees = draft_trees(self, hidden[: len(slots)], slots, state.tree_shape, sampling,
-                                depths)  # fmt: skip
+            trees = draft.run_tree(hidden, slots, sampling, depths)
+            self.last_gpu_ms = draft.read_gpu_ms()
             self.last_times = (t1 - t0, time.perf_counter() - t1)
             return trees, []
         qs: list[DraftQ | None] = [None] * len(inputs)

@@ -8,9 +8,12 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from specpair.runtime.draft.drafter import Drafter
+from specpair.runtime.draft.tree_draft import draft_trees
 from specpair.runtime.lookahead import Lookahead
 from specpair.runtime.round import DraftInput
+from specpair.runtime.shape import TreeShape
 from specpair.runtime.stages import DraftQ, DraftSampling
+from specpair.runtime.tree import CandidateTree
 
 
 class EagerExtend:
@@ -30,10 +33,11 @@ class EagerExtend:
 
 
 class EagerDraft:
-    """The drafter's own step loop (`Drafter.draft_steps`)."""
+    """The drafter's own step loop (`Drafter.draft_steps`), or a tree shape's eager draft
+    (`tree_draft.draft_trees`)."""
 
-    def __init__(self, drafter: Drafter, tier: int) -> None:
-        self.drafter, self.tier = drafter, tier
+    def __init__(self, drafter: Drafter, shape: TreeShape) -> None:
+        self.drafter, self.shape, self.tier = drafter, shape, shape.steps
 
     def plan(self, slots: list[int], ahead: bool = False) -> None:
         return None
@@ -62,6 +66,15 @@ class EagerDraft:
             hidden[: len(slots)], slots, self.tier, None, None, top
         )
         return steps, aheads
+
+    def run_tree(
+        self,
+        hidden: Tensor,
+        slots: list[int],
+        sampling: DraftSampling | None = None,
+        depths: Sequence[int] | None = None,
+    ) -> list[CandidateTree]:
+        return draft_trees(self.drafter, hidden[: len(slots)], slots, self.shape, sampling, depths)
 
     def read_gpu_ms(self) -> float:
         return 0.0

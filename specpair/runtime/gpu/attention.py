@@ -186,6 +186,12 @@ class Backends:
             )  # fmt: skip
         return self._eager
 
+    def tree_fits(self, tokens: int) -> bool:
+        """Whether a graph of `tokens` rows per request gets the Triton tree kernel."""
+        from specpair.runtime.gpu.tree_attention import TreeAttention
+
+        return self.graph_attention == "triton" and TreeAttention.fits(tokens, self.heads)
+
     def tree(self, batch: int, tokens: int) -> TreeAttention | None:
         """The Triton tree kernel of a graph over [batch, tokens] where it serves, else None
         (imported here: the CPU never imports Triton)."""

@@ -111,13 +111,18 @@ class GraphAttention:
         self.staging.copy(self.tree.pages, self.cache.page_table[padded])
 
     def follow(self, starts: Tensor) -> None:
-        """Inside a graph: starts and write rows of one new token per request at device
-        positions `starts` [B] (`on_device` only), through the planned page rows."""
+        """Inside a graph: starts and write rows of the `tokens` new rows per request from
+        device positions `starts` [B] on (`on_device` only), through the planned page rows."""
         assert self.tree is not None, "follow: the tree kernel's graphs only"
         page = self.cache.page_size
         self.tree.starts.copy_(starts)
-        pages = self.tree.pages.gather(1, (starts // page)[:, None])[:, 0]
-        self.rows.copy_(pages.long() * page + starts % page)
+        if self.tokens == 1:  # a chain's step
+            pages = self.tree.pages.gather(1, (starts // page)[:, None])[:, 0]
+            self.rows.copy_(pages.long() * page + starts % page)
+            return
+        pos = starts[:, None] + torch.arange(self.tokens, device=starts.device)  # [B, T]
+        pages = self.tree.pages.gather(1, pos // page)
+        self.rows.copy_((pages.long() * page + pos % page).view(-1))
 
 
 @dataclass

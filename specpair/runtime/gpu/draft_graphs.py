@@ -30,6 +30,7 @@ from specpair.runtime.layout import BatchLayout, padded_groups, tril_mask
 from specpair.runtime.lookahead import LOOKAHEAD_TOP, Lookahead
 from specpair.runtime.round import DraftInput
 from specpair.runtime.stages import DraftModel, DraftQ, DraftSampling, DraftStage, ExtendStage
+from specpair.runtime.tree import CandidateTree
 
 
 class DraftGraphs:
@@ -309,6 +310,15 @@ class StepGraphs:
         p = g.outputs["p"][:, :b].transpose(0, 1).float().cpu()
         states = g.outputs["ahead"][:, :b].transpose(0, 1).clone()  # the next replay reuses it
         return drafts, [Lookahead(ids[i], p[i], states[i]) for i in range(b)]
+
+    def run_tree(
+        self,
+        hidden: Tensor,
+        slots: list[int],
+        sampling: DraftSampling | None = None,
+        depths: Sequence[int] | None = None,
+    ) -> list[CandidateTree]:
+        return self.eager.run_tree(hidden, slots, sampling, depths)
 
     def read_gpu_ms(self) -> float:
         return self.graphs.capture.read_gpu_ms()
