@@ -418,13 +418,11 @@ def test_tree_graphs_draft_the_trees_the_eager_draft_does(
         for rid, tree in zip(appended, trees, strict=True):
             assert len(tree) == shape.num_draft_tokens
             accepted = int(torch.randint(0, 4, (1,), generator=gen))
-            path = [tree.tokens[0]]  # a root-to-leaf path: node 0, then first children
-            while len(path) < accepted and (
-                kids := [i for i, p in enumerate(tree.parents) if p == tree.tokens.index(path[-1])]
-            ):
-                path.append(tree.tokens[kids[0]])
+            path = [0]  # nodes of an accepted path: node 0, then each one's first child
+            while kids := [i for i, p in enumerate(tree.parents) if p == path[-1]]:
+                path.append(kids[0])
             bonus = int(torch.randint(0, 320, (1,), generator=gen))
-            appended[rid] = (*path[:accepted], bonus)
+            appended[rid] = (*(tree.tokens[i] for i in path[:accepted]), bonus)
     print(f"[{draft}] {same}/{total} trees drafted in graphs equal the eager ones")
     assert tier.draft.replays == 12
     assert same >= 0.75 * total
