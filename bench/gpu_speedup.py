@@ -498,7 +498,8 @@ def main() -> None:
         if wl.prompts in args.prompts
     ]
     dtype = "float32" if args.device == "cpu" else "bfloat16"
-    max_len = max(256, max(len(p) for wl in workloads for p in wl.ids) + args.new_tokens + 16)
+    room = 16 + max((t.verified for t in trees), default=0)  # a round's verify past the end
+    max_len = max(256, max(len(p) for wl in workloads for p in wl.ids) + args.new_tokens + room)
     cells: list[Cell] = []
     shape = {"target": str(read_args(target)), "draft": str(read_args(draft, allow_eagle=True))}
     phased = None
