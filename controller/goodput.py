@@ -29,7 +29,9 @@ tier from the first round; the policy then decides at once from what that regime
 A prediction is only as good as what it extrapolates from: a tier never measured in this
 batch bucket and regime whose predicted tokens/s is within `explore_margin` of the best is
 tried (for one interval) before the policy settles, so that a stage model that mispredicts
-it — e.g. verify held flat when only one tier was measured — cannot hide a better tier.
+it — e.g. verify held flat when only one tier was measured — cannot hide a better tier. Once
+settled, the runner-up is re-measured now and then (goodput_probe.py): what a tier measured in
+its first rounds would otherwise stand for good once another looks better.
 """
 
 from __future__ import annotations
@@ -37,7 +39,15 @@ from __future__ import annotations
 from controller.goodput_acceptance import AcceptanceModel
 from controller.goodput_config import GoodputConfig, Regime
 from controller.goodput_cost import CostModel, batch_bucket
-from controller.goodput_probe import PROBE_MEMORY, could_pay, probe_cost, probe_paid_for
+from controller.goodput_probe import (
+    PROBE_MEMORY,
+    could_pay,
+    probe_cost,
+    probe_paid_for,
+    rank,
+    runner_up,
+    start_remeasure,
+)
 from controller.interface import GatedPolicy, RoundSample, TierEstimate, snap_tier
 from specpair.runtime.shape import TreeShape, tier_name
 from specpair.tiers import RegimeSteps
@@ -61,6 +71,8 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         self._probe_rounds: int | None = None  # rounds with drafts so far while probing
         self._probe_ms = 0.0  # their time
         self._explored: set[tuple[bool, int, TreeShape]] = set()  # (sampled, bucket, tier)
+        self._stay = 0  # rounds since the tier last changed
+        self._remeasured: TreeShape | None = None  # the tier left to re-measure the runner-up
 
     @property
     def regime(self) -> Regime:
@@ -112,7 +124,9 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
             self._sampled = not self._sampled
             self._tier = self._regime_start(self._sampled)
             self._probe_rounds, self._rounds_at_zero, self._zero_ms = None, 0, 0.0
+            self._stay, self._remeasured = 0, None
         regime = self.regime
+        self._stay += 1
         if not (sample.steps > 0 and self._last_steps == 0):
             # The first round with drafts after rounds without: the draft extends every token
             # it missed first, several times a round's cost; learnt as the tier's, it would keep
@@ -156,7 +170,7 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         b = self._batch
         rates = {t: r for t in self.config.tiers if (r := regime.tokens_per_s(t, b))}
         if rates:
-            return max(rates, key=lambda t: _rank(t, rates[t]))
+            return max(rates, key=lambda t: rank(t, rates[t]))
         positive = [t for t in self.config.tiers if t.steps > 0]
         return self._start if self._start.steps > 0 else (positive or [TreeShape(0)])[0]
 
@@ -166,6 +180,9 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
     def _decide(self) -> bool:
         old, baseline = self._tier, self._tier
         probed = self._probe_rounds is not None
+        remeasured, self._remeasured = self._remeasured, None
+        if remeasured is not None:
+            baseline = remeasured  # the runner-up must earn its way off the tier it left
         probe_ms = 0.0
         zero = TreeShape(0)
         if self._probe_rounds is not None:
@@ -181,6 +198,7 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
             if positive and probe_paid_for(self.regime, self.config, positive[0], b, self._zero_ms):
                 self._rounds_at_zero, self._zero_ms = 0, 0.0
                 self._tier, self._probe_rounds, self._probe_ms = positive[0], 0, 0.0
+                self._stay = 0
                 # The probe's own rounds decide: the long acceptance window would otherwise
                 # let what made the policy leave (say 30 rejections) outvote them for good.
                 self.acceptance.forget(PROBE_MEMORY)
@@ -188,7 +206,7 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         rates = {t: r for t in self.config.tiers if (r := self.tokens_per_s(t))}
         if not rates:
             return False
-        best = max(rates, key=lambda t: _rank(t, rates[t]))
+        best = max(rates, key=lambda t: rank(t, rates[t]))
         base_rate = rates.get(baseline)
         if base_rate is None and baseline.steps > 0 and not probed:
             return False  # no estimate of the current tier yet: learn it before comparing
@@ -200,6 +218,15 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
             self._tier = baseline
         if self._tier == zero and old != zero:
             self._rounds_at_zero, self._zero_ms = 0, 0.0
+        if remeasured is not None:  # `old` is the runner-up: it kept its place or lost it
+            interval = self.config.probe_interval
+            every = self.regime.remeasure_every
+            lost = self._tier != old
+            every[old] = min(2 * every.get(old, interval), 16 * interval) if lost else interval
+        elif self._tier == old and old.steps > 0 and not probed:
+            self._remeasure(rates)
+        if self._tier != old:
+            self._stay = 0
         if probed:
             limit = 16 * self.config.probe_interval
             failed = self._tier == zero
@@ -208,6 +235,21 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
             )
             self.regime.probe_cost_ms = probe_ms if failed else None
         return self._tier != old
+
+    def _remeasure(self, rates: dict[TreeShape, float]) -> None:
+        """Runs the runner-up for one interval, of the tiers whose wait is over: a tier that
+        lost its last re-measure waits longer, and must not hold back one that did not."""
+        every, wait = self.regime.remeasure_every, self.config.probe_interval
+        due = {
+            t: r for t, r in rates.items() if t == self._tier or self._stay >= every.get(t, wait)
+        }
+        few = 1.0 / self.config.ema_alpha  # rounds a tier's own time is a plain mean of
+        unsettled = {t for t in due if 0 < self.cost.measured_rounds(t, self._batch) < few}
+        tier = runner_up(due, self._tier, self.config.explore_margin, unsettled)
+        if tier is None:
+            return
+        start_remeasure(self.regime, tier, self._tier, self._batch)
+        self._remeasured, self._tier = self._tier, tier
 
     def _young(self, rates: dict[TreeShape, float], best: TreeShape) -> TreeShape | None:
         """The best-predicted tier never measured (nor profiled) at this batch size and regime,
@@ -225,7 +267,7 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         ]
         if not young:
             return None
-        tier = max(young, key=lambda t: _rank(t, rates[t]))
+        tier = max(young, key=lambda t: rank(t, rates[t]))
         self._explored.add((self._sampled, bucket, tier))  # once: its rounds may not teach
         return tier
 
@@ -265,9 +307,3 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
             f"tokens/s = batch · E[tokens/round] / round time; switch on > "
             f"{self.config.min_gain:.0%} gain"
         )
-
-
-def _rank(tier: TreeShape, rate: float) -> tuple[float, int, int]:
-    """Orders tiers by predicted tokens/s, a tie going to the cheaper tier (fewer tokens
-    verified, then fewer steps)."""
-    return rate, -tier.verified, -tier.steps

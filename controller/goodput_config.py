@@ -137,6 +137,9 @@ class Regime:
     probe_cost_ms: float | None = None
     rounds: int = 0
     tier: TreeShape | None = None  # the tier it ran at when the batch last left it
+    # Per tier, rounds the policy stays at another before re-measuring it (the probe interval
+    # until it lost a re-measure; each loss doubles it: goodput_probe.py)
+    remeasure_every: dict[TreeShape, int] = field(default_factory=dict)
     # Per tree shape, its own acceptance by depth: a tree's branches are no chain's positions.
     # Before its rounds teach it, a tree is predicted as the chain of its depth (the chains'
     # pooled rate at every depth): its extra branches are credited nothing until measured.
@@ -150,6 +153,10 @@ class Regime:
             config.probe_interval,
         )
 
+    def model(self, tier: TreeShape) -> AcceptanceModel:
+        """The acceptance model `tier`'s rounds teach: the chains' or its tree's own."""
+        return self.acceptance if tier.is_chain else self.tree(tier)
+
     def tree(self, shape: TreeShape) -> AcceptanceModel:
         model = self.trees.get(shape)
         if model is None:
@@ -160,8 +167,7 @@ class Regime:
     def observe(self, sample: RoundSample) -> None:
         """The round's accept lengths, to the chains' model or to its tree's."""
         tier = sample.tier
-        model = self.acceptance if tier.is_chain else self.tree(tier)
-        model.observe(tier.steps, sample.accept_lengths, sample.request_steps)
+        self.model(tier).observe(tier.steps, sample.accept_lengths, sample.request_steps)
 
     def tokens_per_round(self, tier: int | TreeShape) -> float:
         """Expected tokens a request gains per round at `tier` (E of a chain or of a tree)."""

@@ -22,6 +22,10 @@ class _Ema:
     n: int = 0  # samples measured (a profiled seed counts 0)
     seeded: bool = False
     skipped: int = 0  # rounds not learnt (a request joined in them)
+    # A tier's own time: the mean of its first 1/alpha rounds, then a moving average. Seeded
+    # with its first round alone, the average keeps (1 − alpha)^(n − 1) of it (66 % after 5
+    # at 0.1), and a tier's first round after a switch (or a re-measure) is its least typical.
+    averaged: bool = False
 
     @property
     def known(self) -> bool:
@@ -32,7 +36,8 @@ class _Ema:
             # A round that also admitted a request carries its prefill; clipping at twice the
             # estimate keeps one such spike from moving it far, a real slow-down still wins.
             x = min(x, 2.0 * self.value)
-        self.value = x if not self.known else (1.0 - alpha) * self.value + alpha * x
+        weight = max(alpha, 1.0 / (self.n + 1)) if self.averaged and not self.seeded else alpha
+        self.value = x if not self.known else (1.0 - weight) * self.value + weight * x
         self.n += 1
 
 
@@ -96,7 +101,7 @@ class CostModel:
             return  # a target that reports no timings teaches nothing
         b, t, a = self._bucket(batch_bucket(sample.batch_size)), sample.tier, self.alpha
         s = t.steps
-        entry = b.round_ms.setdefault(t, _Ema())
+        entry = b.round_ms.setdefault(t, _Ema(averaged=True))
         if sample.admit_ms > 0 and entry.skipped < 3 * (entry.n + 1):
             # A request joined: its prefill is in the total (admit_ms), its prompt's extend in
             # the draft's time, and every request costs one admission whatever the tier, so it
@@ -107,7 +112,7 @@ class CostModel:
             return
         total, draft, fixed = uniform_round(sample)
         entry.add(total, a)
-        b.verify_ms.setdefault(t, _Ema()).add(sample.verify_ms, a)
+        b.verify_ms.setdefault(t, _Ema(averaged=True)).add(sample.verify_ms, a)
         if s > 0:
             b.fixed_ms.add(fixed, a)
             if t.is_chain:
@@ -116,6 +121,15 @@ class CostModel:
                 b.draft_node_ms.add(max(draft - step * s, 0.0) / nodes, a)
         tokens = sample.batch_size + sum(sample.accept_lengths)
         b.sched_token_ms.add(sample.schedule_ms / tokens, a)
+
+    def forget(self, tier: int | TreeShape, batch_size: int) -> None:
+        """Drops `tier`'s own round and verify times in this batch bucket: the rounds that
+        follow set them afresh (until then the stage model predicts it). For a re-measure: a
+        time learnt in a tier's first rounds and never since would otherwise outweigh them."""
+        bucket, t = self._buckets.get(batch_bucket(batch_size)), as_tier(tier)
+        if bucket is not None:
+            bucket.round_ms.pop(t, None)
+            bucket.verify_ms.pop(t, None)
 
     def _own(self, tier: int | TreeShape, batch_size: int) -> _Ema | None:
         """`tier`'s round time in this batch bucket itself (no borrowing), if it has one."""

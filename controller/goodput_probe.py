@@ -13,9 +13,20 @@ spent at tier 0 since the last one, times `probe_budget`, covers what the last f
 cost beyond tier 0 (its rounds, the draft's catch-up included), or before any has failed what
 the cost model predicts for `probe_rounds` rounds. E.g. budget 2 %, a probe that cost 350 ms:
 the next after 17.5 s at tier 0, whatever the round count says.
+
+At a positive tier the policy re-measures the runner-up (`runner_up`): a tier learns only
+from its own rounds, so one measured in a handful of early rounds (the first requests'
+openings, which drafts predict worst; a host still busy) keeps that estimate for good once
+another looks better. After `remeasure_every` rounds at a tier, the best other tier predicted
+within `explore_margin` of it, or whose own time is still the mean of its first few rounds
+(fewer than 1 / ema_alpha), runs one interval, its own time and acceptance dropped first
+(`start_remeasure`) so that those rounds decide; it must then beat the tier it left by
+`min_gain` to stay. Each loss doubles that tier's wait (up to 16×), a win resets it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 from controller.goodput_config import GoodputConfig, Regime
 from controller.goodput_cost import CostModel
@@ -68,3 +79,38 @@ def could_pay(cost: CostModel, tier: TreeShape, batch_size: int, min_gain: float
     if ceiling is None or zero is None:
         return True
     return optimistic(tier) / ceiling > (1.0 + min_gain) / zero
+
+
+def runner_up(
+    rates: dict[TreeShape, float],
+    current: TreeShape,
+    margin: float,
+    unsettled: Collection[TreeShape] = (),
+) -> TreeShape | None:
+    """The best-predicted positive tier but `current` that is within `margin` of it, or whose
+    own time is `unsettled` (a mean of its first few rounds: they may all be atypical). At
+    margin 0.25 and {1: 72, 3: 68, 3x2x6: 89}, from 3x2x6 it is tier 1 (≥ 66.75); at {1: 42,
+    3: 47} none, unless tier 3's time is unsettled."""
+    floor = rates[current] * (1.0 - margin)
+    near = [
+        t
+        for t, r in rates.items()
+        if t != current and t.steps > 0 and (r >= floor or t in unsettled)
+    ]
+    return max(near, key=lambda t: rank(t, rates[t]), default=None)
+
+
+def start_remeasure(regime: Regime, tier: TreeShape, incumbent: TreeShape, batch_size: int) -> None:
+    """Drops what `tier` learnt in rounds of its own: its time in this batch bucket and,
+    unless the incumbent's rounds teach the same model (two chains), its acceptance down to
+    `PROBE_MEMORY` trials."""
+    regime.cost.forget(tier, batch_size)
+    model = regime.model(tier)
+    if model is not regime.model(incumbent):
+        model.forget(PROBE_MEMORY)
+
+
+def rank(tier: TreeShape, rate: float) -> tuple[float, int, int]:
+    """Orders tiers by predicted tokens/s, a tie going to the cheaper tier (fewer tokens
+    verified, then fewer steps)."""
+    return rate, -tier.verified, -tier.steps
