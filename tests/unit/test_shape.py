@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from specpair.runtime.build import StateBuilder
 from specpair.runtime.shape import MAX_TREE_NODES, ShapeError, TreeShape, tier_from_wire, tier_name
 from specpair.runtime.state import tier_state
 
