@@ -29,7 +29,7 @@ from specpair.runtime.draft.drafters import EagleDrafter, LMDrafter
 from specpair.runtime.draft.eager import EagerDraft, EagerExtend
 from specpair.runtime.gpu.capture import GraphCapture
 from specpair.runtime.gpu.draft_graphs import DraftGraphs
-from specpair.runtime.gpu.tree_graphs import TreeGraphs
+from specpair.runtime.gpu.tree_graphs import tree_stages
 from specpair.runtime.gpu.verify_graphs import VerifyGraphs
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.shape import TreeShape
@@ -198,8 +198,7 @@ class StateBuilder:
                 if shape.is_chain:
                     extend, draft = graphs.tier(shape.steps, extend, draft)
                 else:
-                    extend = graphs.extend_tier(shape.steps, extend)
-                    draft = TreeGraphs(graphs.capture, self.drafter, shape, draft)
+                    extend, draft = tree_stages(graphs, shape, extend, draft)
         self.builds += 1
         return tier_state(shape, verify, extend, draft)
 

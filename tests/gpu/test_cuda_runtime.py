@@ -222,8 +222,8 @@ def test_tree_shapes_on_graphs_give_the_target_greedy_tokens(
     gpu_ckpts: dict[str, Path], draft: str
 ) -> None:
     """Tree shapes beside a chain on the GPU: the verify in graphs of the tree's root and kept
-    nodes, the extend in the depth's graphs, the tree drafted in graphs of its own (6x8x32's
-    widest step, 40 rows x 2 q heads per KV head, exceeds the tree kernel: eagerly); every
+    nodes, the extend in the depth's graphs, the tree drafted in graphs of its own (10x8x32's
+    widest step, 72 rows x 2 q heads per KV head, exceeds the tree kernel: eagerly); every
     token the target's greedy choice (as above), shape switches mid-run, nothing captured
     after start-up."""
     path = pair_target(gpu_ckpts, draft)
@@ -232,7 +232,7 @@ def test_tree_shapes_on_graphs_give_the_target_greedy_tokens(
         gpu_ckpts[draft], target_path=path, max_requests=4, max_len=256, dtype=BF16,
         device="cuda",
     )  # fmt: skip
-    shapes = [TreeShape(3), TreeShape(3, 2, 6), TreeShape(4, 4, 16), TreeShape(6, 8, 32)]
+    shapes = [TreeShape(3), TreeShape(3, 2, 6), TreeShape(4, 4, 16), TreeShape(10, 8, 32)]
     builder = StateBuilder(worker, drafter)
     states = builder.build_all(shapes)
     for shape in shapes[1:]:

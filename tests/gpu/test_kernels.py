@@ -83,17 +83,22 @@ def test_silu_mul_sums_partials() -> None:
 
 
 @pytest.mark.parametrize(
-    ("config", "d"),
-    [(None, 128), ((8, 64, True), 128), ((64, 16, True, 8), 128), ((16, 32, False, 4), 128),
-     ((32, 64, True, 8), 128), (None, 40), ((8, 64, True), 40), (None, 32), (None, 80)],
+    ("config", "d", "t"),
+    [(None, 128, 4), ((8, 64, True), 128, 4), ((64, 16, True, 8), 128, 4),
+     ((16, 32, False, 4), 128, 4), ((32, 64, True, 8), 128, 4), (None, 40, 4),
+     ((8, 64, True), 40, 4), (None, 32, 4), (None, 80, 4), (None, 128, 32), (None, 128, 17)],
 )  # fmt: skip
-def test_tree_attention_equals_masked_sdpa_over_the_pages(config: tuple | None, d: int) -> None:
+def test_tree_attention_equals_masked_sdpa_over_the_pages(
+    config: tuple | None, d: int, t: int
+) -> None:
+    """t 32: 128 query rows per KV head (the kernel's most, at 8 warps); 17 pads rows to 128."""
     from specpair.runtime.gpu.tree_attention import TreeAttention, TreeConfig
     from specpair.runtime.kv_cache import KVCache
     from specpair.runtime.layout import BatchLayout, attention_mask, flat_index
+    from specpair.runtime.tree import tree_mask
 
     torch.manual_seed(4)
-    n_q, n_kv, t = 8, 2, 4
+    n_q, n_kv = 8, 2
     cache = KVCache(
         num_layers=1, num_qo_heads=n_q, num_kv_heads=n_kv, head_dim=d, max_requests=3,
         max_len=700, page_size=16, dtype=BF16, device="cuda",
@@ -102,6 +107,8 @@ def test_tree_attention_equals_masked_sdpa_over_the_pages(config: tuple | None, 
     cache.v.normal_()
     slots = [cache.alloc() for _ in range(3)]
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    if t > 4:  # a random tree: each node's parent an earlier node
+        tree = tree_mask([-1] + [int(torch.randint(0, i, (1,))) for i in range(1, t)])
     causal = torch.ones(t, t, dtype=torch.bool).tril()
     layout = BatchLayout(
         torch.tensor(slots), torch.tensor([0, 37, 611]), torch.stack([tree, causal, tree])

@@ -56,7 +56,7 @@ class DraftGraphs:
 
         def build() -> tuple[Graphs, Graphs, Graphs]:
             buckets = self.capture.buckets
-            self._extends(s + 1)
+            self.extend_graphs(s + 1)
             steps = {b: self._multi_step(b, s) for b in buckets}
             sampled = {b: self._multi_step(b, s, sampled=True) for b in buckets}
             ahead = {b: self._multi_step(b, s, top) for b in buckets} if top else {}
@@ -67,14 +67,7 @@ class DraftGraphs:
             self, s, eager_draft, steps, ahead, sampled
         )
 
-    def extend_tier(self, s: int, eager_extend: ExtendStage) -> ExtendGraphs:
-        """The extend of a tree s deep (its steps draft eagerly): the graphs of s + 1 rows,
-        shared with chain tier s's."""
-
-        self.capture.timed(f"{s} extend", lambda: self._extends(s + 1))
-        return ExtendGraphs(self, s, eager_extend)
-
-    def _extends(self, width: int) -> None:
+    def extend_graphs(self, width: int) -> None:
         """Each bucket's extend graph of `width` rows, unless a tier of that width has one."""
         for b in self.capture.buckets:
             if (b, width) not in self.extends:

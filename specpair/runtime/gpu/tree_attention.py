@@ -32,7 +32,10 @@ from specpair.runtime.gpu.staging import Staging
 from specpair.runtime.gpu.triton_kernels import await_previous, pdl
 from specpair.runtime.layout import BatchLayout
 
-MAX_ROWS = 64  # query rows per KV head (tokens x GQA group) the kernel holds at once
+# query rows per KV head (tokens x GQA group) the kernel holds at once: 128 holds a tree verify
+# of 32 tokens at Llama-3's 4 q heads per KV head (flashinfer's graph attention, past it, is
+# planned on the host: ~2 ms a round on an H100 for a 21-token tree)
+MAX_ROWS = 128
 
 
 @triton.jit
@@ -210,6 +213,8 @@ class TreeAttention:
         self.lanes = max(16, triton.next_power_of_2(d))  # head dims held per row (DP)
         self.config = config or tree_config(batch, n_kv, tokens)
         self.splits = self.config.splits
+        # 128 rows of fp32 accumulator over 128 head dims: 128 registers a thread at 4 warps
+        self.warps = self.config.warps if self.rows <= 64 else max(self.config.warps, 8)
         self.pages = torch.zeros(batch, pages_per_slot, dtype=torch.int32, device=device)
         self.starts = torch.zeros(batch, dtype=torch.int32, device=device)
         self.mask = torch.zeros(batch, tokens, tokens, dtype=torch.int8, device=device)
@@ -248,7 +253,7 @@ class TreeAttention:
             q, k, v, self.pages, self.starts, self.mask, self.part_o, self.part_ml,
             self.sm_scale, self.pages.stride(0), n_q, n_kv,
             T=self.tokens, G=self.group, D=d, DP=self.lanes, PAGE=self.page_size, R=self.rows,
-            BLOCK_N=cfg.block_n, SPLITS=cfg.splits, PREFETCH=cfg.prefetch, num_warps=cfg.warps,
+            BLOCK_N=cfg.block_n, SPLITS=cfg.splits, PREFETCH=cfg.prefetch, num_warps=self.warps,
             CHUNK=cfg.chunk, **pdl(),
         )  # fmt: skip
         _merge_kernel[(self.batch * self.tokens, n_q)](

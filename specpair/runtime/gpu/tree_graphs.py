@@ -11,7 +11,7 @@ the GQA group > its MAX_ROWS), or a graph attention of flashinfer (planned on th
 eagerly (`draft/tree_draft.py`).
 
     4x4x16, Llama-3-8B's 4 q heads per KV head: steps of 4, 8 and 12 rows, 48 kernel rows at
-    most: in graphs. 6x4x24: 20 rows × 4 = 80 > 64: eager.
+    most: in graphs. 6x8x32: 40 rows × 4 = 160 > 128: eager.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ from specpair.runtime.gpu.capture import (
     bucket_of,
     pad_rows,
 )
+from specpair.runtime.gpu.draft_graphs import DraftGraphs, ExtendGraphs
 from specpair.runtime.kv_cache import CacheFullError
 from specpair.runtime.lookahead import Lookahead
 from specpair.runtime.shape import TreeShape
-from specpair.runtime.stages import DraftModel, DraftQ, DraftSampling, DraftStage
+from specpair.runtime.stages import DraftModel, DraftQ, DraftSampling, DraftStage, ExtendStage
 from specpair.runtime.tree import CandidateTree
 from specpair.runtime.tree_grow import grow_tree, rerank_trees
 
@@ -64,6 +65,17 @@ def tree_graph(
         return dict(zip(("tokens", "scores", "parents"), pool, strict=True))
 
     return capture.capture(body, inputs, attns)
+
+
+def tree_stages(
+    graphs: DraftGraphs, shape: TreeShape, eager_extend: ExtendStage, eager_draft: DraftStage
+) -> tuple[ExtendGraphs, TreeGraphs]:
+    """A tree shape's draft stages: the extend graphs of its depth (steps + 1 rows, shared with
+    the chain tier of as many steps) and its own draft graphs."""
+    width = shape.steps + 1
+    graphs.capture.timed(f"{shape.steps} extend", lambda: graphs.extend_graphs(width))
+    extend = ExtendGraphs(graphs, shape.steps, eager_extend)
+    return extend, TreeGraphs(graphs.capture, graphs.model, shape, eager_draft)
 
 
 class TreeGraphs:
