@@ -29,7 +29,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from bench.common import device_info, format_table, write_json
+from bench.common import device_info, format_table, shape_arg, write_json
 from specpair.config import FeatureDType
 from specpair.proto.v1 import common_pb2
 from specpair.runtime.build import StateBuilder, build_drafter, build_target, feature_layers
@@ -265,7 +265,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=[96, 128], metavar="N")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument(
-        "--tiers", type=TreeShape.parse, nargs="+", default=[TreeShape(s) for s in (1, 3, 7)],
+        "--tiers", type=shape_arg, nargs="+", default=[TreeShape(s) for s in (1, 3, 7)],
         help="shapes: STEPS (a chain) or STEPSxTOPKxNUM_DRAFT_TOKENS (a tree)",
     )  # fmt: skip
     parser.add_argument("--temperatures", type=float, nargs="+", default=list(TEMPERATURES))

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from specpair.runtime.shape import ShapeError, TreeShape
+
 
 def add_output_args(parser: argparse.ArgumentParser, default_out: str) -> None:
     """`--out` (full JSON results) and `--repeats` (timed runs after one warm-up)."""
@@ -38,6 +40,15 @@ def cpu_list(text: str) -> set[int]:
         lo, _, hi = part.partition("-")
         cpus.update(range(int(lo), int(hi or lo) + 1))
     return cpus
+
+
+def shape_arg(text: str) -> TreeShape:
+    """An argparse type: "7" → the chain of 7, "4x4x16" → a tree; a bad shape is a usage error
+    that says why (argparse would print only "invalid value" for the ShapeError)."""
+    try:
+        return TreeShape.parse(text)
+    except ShapeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def device_info() -> dict[str, Any]:

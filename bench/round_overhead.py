@@ -1,14 +1,15 @@
 """Per-round cost of the two-service deployment vs the in-process engine, same models, per tier.
 
-Both run the same greedy workload (a batch of concurrent requests at a fixed tier). In-process
-rounds split into draft / verify / accept bookkeeping; service rounds, as the target reports
-them on WatchRounds, into draft (the draft's own compute) / draft_host (the draft service's
-event loop and thread hand-offs around it) / verify / serialization + gRPC (round trip minus the
-draft service's time) / scheduling (admission, bookkeeping, streaming). One service group
-serves every tier, pinned in turn with ApplyTier (no controller).
+Both run the same greedy workload (a batch of concurrent requests at a fixed tier: a chain "7"
+or a tree "5x4x20", STEPSxTOPKxNUM_DRAFT_TOKENS). In-process rounds split into draft / verify /
+accept bookkeeping; service rounds, as the target reports them on WatchRounds, into draft (the
+draft's own compute) / draft_host (the draft service's event loop and thread hand-offs around
+it) / verify / serialization + gRPC (round trip minus the draft service's time) / scheduling
+(admission, bookkeeping, streaming). One service group serves every tier (the trees built with
+`--tree-shapes`), pinned in turn with ApplyTier (no controller).
 
     python -m bench.round_overhead [--target models/target --draft models/draft] [--tiers 3]
-    python -m bench.round_overhead --device cuda --shape llama3-8b --tiers 1 3 7 \\
+    python -m bench.round_overhead --device cuda --shape llama3-8b --tiers 1 3 7 5x4x20 \\
         [--draft-device cuda:1] [--models-dir /tmp/llama3-8b] [--links tcp unix]
 
 `--links tcp unix` runs the services twice against the same in-process run: the target reaches
@@ -33,7 +34,14 @@ import torch
 
 from bench import common
 from bench.checkpoints import random_pair
-from bench.common import add_output_args, device_info, format_table, percentile, write_json
+from bench.common import (
+    add_output_args,
+    device_info,
+    format_table,
+    percentile,
+    shape_arg,
+    write_json,
+)
 from bench.gpu_common import LLAMA3_8B
 from bench.services import LINKS, BenchServices, apply_tier, wait_draft_connected, watch_rounds
 from specpair.client import SpecpairClient
@@ -44,6 +52,7 @@ from specpair.runtime.build import build_drafter, build_states, build_target
 from specpair.runtime.engine import GREEDY, SpeculativeEngine
 from specpair.runtime.round import RoundStats
 from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.shape import TreeShape
 from specpair.serving import compute_executor
 
 STAGES = ("draft", "draft_gpu", "draft_host", "verify", "verify_gpu", "rpc", "schedule", "total")
@@ -62,13 +71,13 @@ def in_process(
     draft: Path,
     work: list[list[int]],
     tokens: int,
-    tiers: list[int],
+    tiers: list[TreeShape],
     *,
     device: str,
     dtype: torch.dtype,
     max_len: int,
     sampling: SamplingParams = GREEDY,
-) -> dict[int, dict]:
+) -> dict[TreeShape, dict]:
     """One engine; every tier's state (and, on a GPU, graphs) built up front, as the services do."""
     worker = build_target(
         target, max_requests=len(work), max_len=max_len, keep_features=True, dtype=dtype,
@@ -110,7 +119,7 @@ def two_services(
     draft: Path,
     work: list[list[int]],
     tokens: int,
-    tiers: list[int],
+    tiers: list[TreeShape],
     *,
     threads: int,
     device: str,
@@ -122,13 +131,19 @@ def two_services(
     cpus: dict[str, set[int]] | None = None,
     link: str = "tcp",
     sampling: SamplingParams = GREEDY,
-) -> dict[int, dict]:
+) -> dict[TreeShape, dict]:
+    """Both services built with every tier of `tiers` (the trees through `--tree-shapes`,
+    starting at the first), each pinned in turn by ApplyTier."""
     kind = "eagle" if is_eagle_checkpoint(draft) else "model"
+    chains = {t.steps for t in tiers if t.is_chain}
+    trees = tuple(arg for t in tiers if not t.is_chain for arg in ("--tree-shapes", str(t)))
+    first = () if tiers[0].is_chain else ("--initial-shape", str(tiers[0]))
     with BenchServices(
-        target=target, draft=draft, log_dir=log_dir, initial_steps=tiers[0], draft_kind=kind,
-        threads=threads, device=device, draft_device=draft_device, dtype=dtype, max_len=max_len,
-        candidate_steps=sorted(set(CANDIDATE_STEPS) | set(tiers)), busy_poll_ms=busy_poll_ms,
-        cpus=cpus, link=link,
+        target=target, draft=draft, log_dir=log_dir, initial_steps=tiers[0].steps,
+        draft_kind=kind, threads=threads, device=device, draft_device=draft_device, dtype=dtype,
+        max_len=max_len, candidate_steps=sorted(set(CANDIDATE_STEPS) | chains),
+        busy_poll_ms=busy_poll_ms, cpus=cpus, link=link, draft_options=trees,
+        target_options=(*trees, *first),
     ) as group:  # fmt: skip
         client = SpecpairClient(group.target, timeout=600)
         wait_draft_connected(client)
@@ -160,9 +175,9 @@ def two_services(
 
 
 def service_run(
-    results: list[Any], rounds: list[RoundStats], tier: int, wall: float
+    results: list[Any], rounds: list[RoundStats], tier: TreeShape, wall: float
 ) -> dict[str, Any]:
-    spec = [r.timings for r in rounds if r.speculative and r.speculative_num_steps == tier]
+    spec = [r.timings for r in rounds if r.speculative and r.tier == tier]
     return {
         "outputs": [list(r.token_ids) for r in results],
         "tokens_per_s": sum(len(r.token_ids) for r in results) / wall,
@@ -180,7 +195,7 @@ def service_run(
     }
 
 
-def table_rows(tier: int, local: dict, remote: dict) -> list[list[str]]:
+def table_rows(tier: TreeShape, local: dict, remote: dict) -> list[list[str]]:
     """One row per stage: p50/p99 of each, and two services / in-process at p50. The GPU-time
     rows only where graphs ran (not on the CPU)."""
     rows = []
@@ -203,12 +218,18 @@ def table_rows(tier: int, local: dict, remote: dict) -> list[list[str]]:
     return rows
 
 
+def headroom(tiers: list[TreeShape]) -> int:
+    """Cache positions a round needs past a request's tokens: the verified root and nodes, or the
+    draft's tentative rows where more (a chain of s: s + 1; 6x8x32: 40)."""
+    return max(max(t.verified, t.draft_headroom) for t in tiers)
+
+
 def same_device(a: str, b: str) -> bool:
     da, db = torch.device(a), torch.device(b)
     return da.type == db.type and (da.index or 0) == (db.index or 0)
 
 
-def main() -> None:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -222,7 +243,10 @@ def main() -> None:
         "--models-dir", type=Path,
         help="where generated checkpoints go, kept and reused (default: a temp dir, removed)",
     )  # fmt: skip
-    parser.add_argument("--tiers", "--tier", type=int, nargs="+", default=[3])
+    parser.add_argument(
+        "--tiers", "--tier", type=shape_arg, nargs="+", default=[TreeShape(3)], metavar="TIER",
+        help="chains (STEPS: 1 3 7) and trees (STEPSxTOPKxNUM_DRAFT_TOKENS: 5x4x20)",
+    )  # fmt: skip
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -248,6 +272,11 @@ def main() -> None:
         help="CPU lists (e.g. 0-3 4-7 8-11) for the in-process run and each service",
     )  # fmt: skip
     add_output_args(parser, "bench/out/round_overhead.json")
+    return parser
+
+
+def main() -> None:
+    parser = make_parser()
     args = parser.parse_args()
     draft_device = args.draft_device or args.device
     for dev in {args.device, draft_device}:
@@ -285,7 +314,7 @@ def compare(
     target: Path,
     draft: Path,
     work: list[list[int]],
-    tiers: list[int],
+    tiers: list[TreeShape],
     threads: int,
     draft_device: str,
     dtype_name: str,
@@ -305,7 +334,7 @@ def compare(
     with compute_executor("bench-compute", threads) as pool:
         local = pool.submit(
             in_process, target, draft, work, args.new_tokens, tiers, device=args.device,
-            dtype=getattr(torch, dtype_name), max_len=context + max(tiers) + 1, sampling=sampling,
+            dtype=getattr(torch, dtype_name), max_len=context + headroom(tiers), sampling=sampling,
         ).result()  # fmt: skip
     if torch.cuda.is_available():  # the in-process models leave the GPU to the services
         gc.collect()
@@ -327,7 +356,7 @@ def compare(
         mode = "two services, same GPU"
     else:
         mode = "two services, one GPU each"
-    per_tier: dict[int, dict[str, Any]] = {}
+    per_tier: dict[str, dict[str, Any]] = {}  # "3", "5x4x20": JSON keys
     rows: dict[str, list[list[str]]] = {link: [] for link in args.links}
     for tier in tiers:
         p50_local = percentile(local[tier]["stages_ms"]["total"], 50)
@@ -340,7 +369,7 @@ def compare(
             }
             rows[link] += table_rows(tier, local[tier], runs[tier])
         first = links[args.links[0]]
-        per_tier[tier] = {"in_process": local[tier], **first, "links": links}
+        per_tier[str(tier)] = {"in_process": local[tier], **first, "links": links}
     result: dict[str, Any] = {
         "device": info, "mode": mode, "target_device": args.device, "draft_device": draft_device,
         "dtype": dtype_name, "shape": args.shape, "tiers": per_tier, "batch": args.batch,
@@ -354,10 +383,10 @@ def compare(
           f"{args.new_tokens} new tokens, prompts of {len(work[0])}+ tokens, {threads} intra-op "
           f"thread(s) per process, services' --busy-poll-ms "
           f"{'default' if args.busy_poll_ms is None else args.busy_poll_ms}")  # fmt: skip
-    for tier, r in per_tier.items():
+    for name, r in per_tier.items():
         for link, lr in r["links"].items():
             print(
-                f"tier {tier}, {link}: round time p50 two services / in-process = "
+                f"tier {name}, {link}: round time p50 two services / in-process = "
                 f"{lr['total_p50_ratio']:.3f}x (goal <= 1.05); tokens/s "
                 f"{lr['two_services']['tokens_per_s']:.1f} vs "
                 f"{r['in_process']['tokens_per_s']:.1f}; "

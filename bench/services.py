@@ -21,7 +21,8 @@ from specpair.group import Service, ServiceGroup
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
 from specpair.runtime.build import feature_layers
 from specpair.runtime.round import RoundStats
-from specpair.wire import stats_from_proto
+from specpair.runtime.shape import TreeShape
+from specpair.wire import apply_tier_to_proto, stats_from_proto
 
 LINKS = ("tcp", "unix")
 
@@ -163,11 +164,13 @@ def wait_draft_connected(client: SpecpairClient, timeout_s: float = 300.0) -> No
         time.sleep(0.1)
 
 
-def apply_tier(address: str, steps: int) -> None:
-    """Pins the target's tier (ApplyTier, as the controller does) from its next round on."""
+def apply_tier(address: str, tier: TreeShape | str | int) -> None:
+    """Pins the target's tier (ApplyTier, as the controller does) from its next round on: a chain
+    (3, "3") or a tree ("4x4x16"), which both services must have built (`--tree-shapes`)."""
+    shape = tier if isinstance(tier, TreeShape) else TreeShape.parse(tier)
     with grpc.insecure_channel(address) as channel:
         stub = target_pb2_grpc.TargetServiceStub(channel)
-        stub.ApplyTier(target_pb2.ApplyTierRequest(speculative_num_steps=steps, reason="bench"))
+        stub.ApplyTier(apply_tier_to_proto(shape, reason="bench"))
 
 
 def watch_rounds(address: str, sink: list[RoundStats]) -> grpc.Future:
