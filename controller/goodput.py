@@ -41,6 +41,7 @@ from controller.goodput_config import GoodputConfig, Regime
 from controller.goodput_cost import CostModel, batch_bucket
 from controller.goodput_probe import (
     PROBE_MEMORY,
+    REMEASURE_REQUEST_ROUNDS,
     could_pay,
     probe_cost,
     probe_paid_for,
@@ -73,6 +74,7 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         self._explored: set[tuple[bool, int, TreeShape]] = set()  # (sampled, bucket, tier)
         self._stay = 0  # rounds since the tier last changed
         self._remeasured: TreeShape | None = None  # the tier left to re-measure the runner-up
+        self._remeasure_requests = 0  # request-rounds with drafts at the runner-up's tier
 
     @property
     def regime(self) -> Regime:
@@ -124,7 +126,7 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
             self._sampled = not self._sampled
             self._tier = self._regime_start(self._sampled)
             self._probe_rounds, self._rounds_at_zero, self._zero_ms = None, 0, 0.0
-            self._stay, self._remeasured = 0, None
+            self._stay, self._remeasured, self._remeasure_requests = 0, None, 0
         regime = self.regime
         self._stay += 1
         if not (sample.steps > 0 and self._last_steps == 0):
@@ -136,6 +138,8 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         regime.observe(sample)
         regime.rounds += 1
         self._batch = sample.batch_size
+        if self._remeasured is not None and sample.speculative and sample.tier == self._tier:
+            self._remeasure_requests += len(sample.accept_lengths)
         if self._probe_rounds is not None and sample.speculative:
             self._probe_rounds += 1
             self._probe_ms += sample.total_ms
@@ -180,6 +184,8 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
     def _decide(self) -> bool:
         old, baseline = self._tier, self._tier
         probed = self._probe_rounds is not None
+        if self._remeasured is not None and not self._remeasure_judged():
+            return False
         remeasured, self._remeasured = self._remeasured, None
         if remeasured is not None:
             baseline = remeasured  # the runner-up must earn its way off the tier it left
@@ -250,6 +256,15 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
             return
         start_remeasure(self.regime, tier, self._tier, self._batch)
         self._remeasured, self._tier = self._tier, tier
+        self._remeasure_requests = 0
+
+    def _remeasure_judged(self) -> bool:
+        """Whether the runner-up has run long enough to be judged: `REMEASURE_REQUEST_ROUNDS`
+        request-rounds with drafts at its tier (the round the target still ran at the tier
+        left not counted), or `probe_interval` rounds when its rounds do not come."""
+        if self._remeasure_requests >= REMEASURE_REQUEST_ROUNDS:
+            return True
+        return self._stay >= self.config.probe_interval
 
     def _young(self, rates: dict[TreeShape, float], best: TreeShape) -> TreeShape | None:
         """The best-predicted tier never measured (nor profiled) at this batch size and regime,

@@ -229,9 +229,10 @@ def test_nothing_accepted_turns_speculation_off_then_probes() -> None:
     first = tiers.index(1)
     assert 15 <= first <= 21 and tiers[first : first + 4] == [1] * 4
     assert tiers[first + 4] == 0
-    # When drafts became good meanwhile, the probe finds it and speculation resumes.
+    # When drafts became good meanwhile, the probe finds it and speculation resumes, at tier 7
+    # between re-measures of a runner-up (the last rounds may be one: 16 request-rounds).
     tiers = run(policy, 60, cpu_round(accept=7))
-    assert tiers[-1] == 7
+    assert 0 not in tiers[-30:] and tiers[-30:].count(7) >= 15
 
 
 def test_min_gain_hysteresis() -> None:
