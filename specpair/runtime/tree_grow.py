@@ -77,14 +77,17 @@ def grow_tree(
 
 
 def rerank_trees(
-    pool: tuple[Tensor, Tensor, Tensor], shape: TreeShape, caps: Sequence[int]
+    pool: tuple[Tensor, Tensor, Tensor],
+    shape: TreeShape,
+    n: int,
+    depths: Sequence[int] | None = None,
 ) -> list[CandidateTree]:
-    """Each request's tree from its candidate pool (`grow_tree`; rows past len(caps) are a
-    graph's padding), read back once; caps[b]: request b's depth."""
-    k, n = shape.topk, len(caps)
-    levels = 1 + (pool[0].shape[1] - k) // (k * k)
+    """The trees of the pool's first `n` requests (`grow_tree`; rows past them are a graph's
+    padding), read back once; `depths[b]` caps request b's tree (default `shape.steps`)."""
+    k = shape.topk
     depth_of = torch.cat([torch.full((k,), 1)] + [torch.full((k * k,), j + 2) for j in
-                         range(levels - 1)])  # fmt: skip
+                         range(shape.steps - 1)])  # fmt: skip
+    caps = list(depths) if depths is not None else [shape.steps] * n
     host = [x[:n].cpu() for x in pool]
     return [
         _rerank(host[0][i], host[1][i], host[2][i], depth_of, shape.num_draft_tokens, caps[i])

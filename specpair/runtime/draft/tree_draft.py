@@ -61,4 +61,4 @@ def draft_trees(
     pool = grow_tree(
         drafter.logits, drafter.needs_features, hidden, starts.to(dev), shape, temperature, forward
     )
-    return rerank_trees(pool, shape, depths if depths is not None else [shape.steps] * b)
+    return rerank_trees(pool, shape, b, depths)

@@ -110,6 +110,12 @@ class GraphAttention:
         padded[: len(slots)] = torch.tensor(slots)
         self.staging.copy(self.tree.pages, self.cache.page_table[padded])
 
+    def share_pages(self, first: GraphAttention) -> None:
+        """Reads `first`'s page rows (one request's page row serves every step of a draft),
+        so that planning `first`'s pages plans this one's too (`on_device` ones only)."""
+        if self.tree is not None and first.tree is not None:
+            self.tree.pages = first.tree.pages
+
     def follow(self, starts: Tensor) -> None:
         """Inside a graph: starts and write rows of the `tokens` new rows per request from
         device positions `starts` [B] on (`on_device` only), through the planned page rows."""

@@ -80,10 +80,7 @@ class DraftGraphs:
         forwards = s if top else s - 1
         while len(attns) < forwards:
             attns.append(self.capture.attention(batch, 1))
-            first, last = attns[0].tree, attns[-1].tree
-            if attns[-1].on_device and first is not None and last is not None:
-                # one request's page row serves every step
-                last.pages = first.pages
+            attns[-1].share_pages(attns[0])
         return step_graph(self.capture, self.model, attns[:forwards], batch, s, top, sampled)
 
     def plan_step_pages(self, bucket: int, slots: list[int], ends: list[int]) -> None:

@@ -96,9 +96,8 @@ class TreeGraphs:
             graphs = {}
             for b in capture.buckets:
                 attns = [capture.attention(b, t) for t in widths]
-                for a in attns[1:]:  # one request's page row serves every step
-                    assert a.tree is not None and attns[0].tree is not None
-                    a.tree.pages = attns[0].tree.pages
+                for a in attns[1:]:
+                    a.share_pages(attns[0])
                 graphs[b] = tree_graph(capture, model, attns, b, shape)
             return graphs
 
@@ -114,22 +113,21 @@ class TreeGraphs:
         b, shape, cache = len(slots), self.shape, self.cache
         bucket = bucket_of(b, self.capture.buckets)
         g = self.graphs.get(bucket) if bucket is not None else None
+        if g is None or bucket is None:
+            return self.eager.run_tree(hidden, slots, sampling, depths)
         starts = [cache.lengths[slot] for slot in slots]
         try:
-            if g is None:
-                raise CacheFullError("no graph")
             for slot, start in zip(slots, starts, strict=True):
                 cache.reserve(slot, start + shape.draft_rows)
         except CacheFullError:
-            return self.eager.run_tree(hidden, slots, sampling, depths)
-        assert g.attention[0].tree is not None and bucket is not None
+            return self.eager.run_tree(hidden, slots, sampling, depths)  # it reports the room
         g.attention[0].plan_pages(slots)
         padded = torch.zeros(bucket, dtype=torch.long)
         padded[:b] = torch.tensor(starts)
         g.load("starts", padded)
         temperature = torch.ones(bucket, 1)  # greedy and padding rows rank at 1
         if sampling is not None:
-            temperature[:b] = sampling.params.table[:, :1]
+            temperature[:b] = sampling.params.temperature
         g.load("temperature", temperature)
         if hidden.shape[0] != bucket:  # from the eager extend
             hidden = pad_rows(hidden, bucket)
@@ -137,7 +135,7 @@ class TreeGraphs:
         self.capture.replay(g)
         self.replays += 1
         pool = (g.outputs["tokens"], g.outputs["scores"], g.outputs["parents"])
-        return rerank_trees(pool, shape, depths if depths is not None else [shape.steps] * b)
+        return rerank_trees(pool, shape, b, depths)
 
     def plan(self, slots: list[int], ahead: bool = False) -> None:
         self.eager.plan(slots, ahead)
