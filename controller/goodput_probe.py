@@ -22,12 +22,10 @@ within `explore_margin` of it, or whose own time is still the mean of its first 
 (fewer than 1 / ema_alpha), runs with its own time and acceptance dropped first (`start_remeasure`)
 so that its rounds decide; it must then beat the tier it left by `min_gain` to stay. Each loss
 doubles that tier's wait (up to 16×), a win resets it. It runs at least one interval and
-`REMEASURE_REQUEST_ROUNDS` request-rounds of its own: code acceptance comes in bursts that hit
-every tier alike, and the tier left is judged by its long-run acceptance. At batch 1 a 5-round
-interval is 4 rounds of the runner-up (the target runs one more at the tier left before the
-controller's answer lands): chain 3, re-measured on 4 rounds that accepted [2, 0, 0, 0] (2.03 a
-round over the run; 3x2x6 accepts the same [2, 0, 0, 0] on that text), lost to the tree, which
-then kept batch 1.
+`REMEASURE_REQUEST_ROUNDS` request-rounds of its own (the target's first round after the switch
+still runs at the tier left): code acceptance comes in bursts that hit every tier alike, and the
+tier left is judged by its long-run acceptance, so a few rounds meeting a burst would decide
+against the runner-up (bench/RESULTS.md, "Measurements behind choices in the code").
 """
 
 from __future__ import annotations
