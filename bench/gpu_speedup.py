@@ -282,7 +282,9 @@ def services(
     common: dict[str, Any] = dict(
         target=target, log_dir=log_dir, device=device, dtype=dtype, max_len=max_len,
         candidate_steps=(0, *TIERS),  # the goodput kind's tier 0 is the target alone
-        target_options=("--deterministic",) if deterministic else (),
+        # the target's default max_batch (16) would run a batch-64 cell 16 at a time
+        target_options=("--max-batch", str(max(batches)),
+                        *(("--deterministic",) if deterministic else ())),
     )  # fmt: skip
     with BenchServices(draft=None, initial_steps=1, **common) as group:
         serve_cells(SpecpairClient(group.target, timeout=600), "target-only", workloads, batches,
