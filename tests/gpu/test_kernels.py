@@ -29,6 +29,28 @@ def test_gemv_partials_sum_to_the_matmul(m: int, n: int, k: int) -> None:
     torch.testing.assert_close(parts.sum(0), ref, atol=1e-3, rtol=1e-3)
 
 
+def test_invariant_tiles_give_a_row_the_same_bits_in_any_batch() -> None:
+    """The batch-invariant mode's tile (`fused.INVARIANT_TILE_ROWS`): row 3's result alone, at
+    64 rows and at 150 (three tiles, the row in each position), bit for bit; the matmul's."""
+    torch.manual_seed(0)
+    k, n, bm = 4096, 6144, fused.INVARIANT_TILE_ROWS
+    w = torch.randn(n, k, dtype=BF16, device="cuda") * 0.02
+    rows = torch.randn(150, k, dtype=BF16, device="cuda")
+    cfg = triton_kernels.gemv_config(n, k)
+    assert cfg is not None
+
+    def row_sum(x: torch.Tensor, i: int) -> torch.Tensor:
+        return triton_kernels.gemv_partials(x, w, *cfg, bm=bm)[:, i].sum(0)
+
+    alone = row_sum(rows[3:4], 0)
+    for m, at in ((64, 3), (150, 3), (150, 70), (150, 140)):
+        x = rows[:m].clone()
+        x[at] = rows[3]
+        assert torch.equal(row_sum(x, at), alone), (m, at)
+    ref = rows[3].float() @ w.float().T
+    torch.testing.assert_close(alone, ref, atol=1e-3, rtol=1e-3)
+
+
 def test_gemv_config_fills_the_gpu_and_splits_k_evenly() -> None:
     assert triton_kernels.gemv_config(4096, 4096) == (4, 64, 128, 4, 4)  # 64 tiles x 4 splits
     assert triton_kernels.gemv_config(128256, 4096) == (1, 64, 128, 4, 3)

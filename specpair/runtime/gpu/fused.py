@@ -33,6 +33,10 @@ from specpair.models.loading import CheckpointError
 
 _kernels: Any = None
 GEMV_MAX_ROWS = 16
+# The batch-invariant mode's row tile, one size for every M so that a row's sum never depends on
+# the rows beside it. Each tile streams the whole weight: 64 rows (batch 8 at tier 7) read it once
+# where tiles of 16 read it four times, and a 128-token prompt's prefill twice rather than eight.
+INVARIANT_TILE_ROWS = 64
 
 
 def _triton() -> Any:
@@ -71,7 +75,8 @@ def linear_parts(
         if cfg is not None:
             if splits is not None:
                 cfg = (splits, *cfg[1:])
-            return _triton().gemv_partials(x, weight, *cfg)
+            bm = INVARIANT_TILE_ROWS if invariant else GEMV_MAX_ROWS
+            return _triton().gemv_partials(x, weight, *cfg, bm=bm)
         if invariant:
             raise ValueError(
                 f"the batch-invariant mode needs K a multiple of 128: weight {tuple(weight.shape)}"

@@ -233,18 +233,20 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int, int, int] | None:
 
 
 def gemv_partials(
-    x: Tensor, w: Tensor, splits: int, bn: int = 64, bk: int = 128, warps: int = 4, stages: int = 3
-) -> Tensor:
+    x: Tensor, w: Tensor, splits: int, bn: int = 64, bk: int = 128, warps: int = 4, stages: int = 3,
+    bm: int = 16,
+) -> Tensor:  # fmt: skip
     """x [M, K] @ w[N, K]^T as fp32 split-K partials [splits, M, N]: a consumer kernel sums
     them, so no reduce kernel runs. For the few-row matmuls of batch-1 decoding (M <= 16), and
-    for every matmul of the batch-invariant mode (tiles of 16 rows)."""
+    for every matmul of the batch-invariant mode (tiles of `bm` rows, one size for every M).
+    Each tile of rows streams the whole weight: M = 64 at bm 16 reads it four times."""
     m, k = x.shape
     n = w.shape[0]
     assert k % (splits * bk) == 0, (k, splits, bk)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, bn), splits, triton.cdiv(m, 16))
+    grid = (triton.cdiv(n, bn), splits, triton.cdiv(m, bm))
     _gemv_kernel[grid](
         x.contiguous(), w, part, m, n, k, k // splits,
-        BM=16, BN=bn, BK=bk, num_warps=warps, num_stages=stages, **pdl(),
+        BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, **pdl(),
     )  # fmt: skip
     return part
