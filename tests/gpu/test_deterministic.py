@@ -2,9 +2,10 @@
 
 Target alone: the same prompts (mixed lengths) decoded one at a time, 8 and 32 at a time, and
 joining a running batch at staggered rounds give identical tokens, greedy and seeded sampling.
-Speculative at tiers 1 / 3 / 7: greedy tokens identical to the target alone's at batch 1, 8 and
-32. The negative control: the default mode, same comparison, differs at least once (a random
-model's bf16 logits hold near-ties that the batch's reduction order flips).
+Speculative at tiers 1 / 3 / 7 and a tree (4x4x16): greedy tokens identical to the target
+alone's at batch 1, 8 and 32. The negative control: the default mode, same comparison, differs
+at least once (a random model's bf16 logits hold near-ties that the batch's reduction order
+flips).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from specpair.runtime.build import build_drafter, build_states, build_target
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.gpu.tree_attention import INVARIANT_CHUNK, invariant_tree_config, tree_config
 from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.shape import TreeShape
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.target.worker import TargetSequence, TargetWorker
 from specpair.runtime.tree import EMPTY_TREE
@@ -35,6 +37,8 @@ MAX_LEN = 600  # chunks of 256: a request crosses a chunk boundary while it deco
 SHAPE = dict(hidden_size=1024, num_heads=8, num_kv_heads=2, intermediate_size=2816,
              vocab_size=2048, init_std=0.05)  # fmt: skip
 GREEDY = SamplingParams()
+TREE = TreeShape.parse("4x4x16")
+ALONE = TreeShape(0)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +65,8 @@ def setup(ckpts: dict[str, Path], deterministic: bool) -> tuple[TargetWorker, di
         ckpts["eagle"], target_path=ckpts["target"], max_requests=32, max_len=MAX_LEN,
         dtype=BF16, device="cuda",
     )  # fmt: skip
-    return worker, build_states([0, 1, 3, 7], worker, drafter), drafter
+    tiers = [ALONE, *map(TreeShape, (1, 3, 7)), TREE]
+    return worker, build_states(tiers, worker, drafter), drafter
 
 
 def alone(
@@ -118,7 +123,7 @@ def test_target_alone_is_the_same_in_any_batch(ckpts, prompts, sampled: bool) ->
     ]
     n = len(prompts)
     runs = [
-        alone(worker, states[0], prompts, joins, sampling)
+        alone(worker, states[ALONE], prompts, joins, sampling)
         for joins in (batches(n, 1), batches(n, 8), batches(n, 32), batches(n, 32, stagger=3))
     ]
     assert all(len(out) == NEW for out in runs[0])
@@ -130,10 +135,10 @@ def test_greedy_speculation_gives_the_target_alones_tokens_at_every_tier_and_bat
 ) -> None:
     worker, states, drafter = setup(ckpts, deterministic=True)
     n = len(prompts)
-    reference = alone(worker, states[0], prompts, batches(n, 1), [GREEDY] * n)
+    reference = alone(worker, states[ALONE], prompts, batches(n, 1), [GREEDY] * n)
     engine = SpeculativeEngine(worker, drafter)
     accepted = 0
-    for tier in (1, 3, 7):
+    for tier in (*map(TreeShape, (1, 3, 7)), TREE):
         for size in (1, 8, 32):
             out: list[list[int]] = []
             for lo in range(0, n, size):
@@ -151,7 +156,7 @@ def test_the_default_mode_differs_with_the_batch(ckpts, prompts) -> None:
     worker, states, _ = setup(ckpts, deterministic=False)
     n = len(prompts)
     runs = [
-        alone(worker, states[0], prompts, joins, [GREEDY] * n)
+        alone(worker, states[ALONE], prompts, joins, [GREEDY] * n)
         for joins in (batches(n, 1), batches(n, 32))
     ]
     assert differences(runs) > 0, "the default mode never differed: the test cannot fail"
