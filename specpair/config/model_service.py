@@ -83,7 +83,7 @@ class ModelServiceConfig:
     tree_shapes: tuple[str, ...] = field(
         default=(),
         metadata=option("tree-shaped tiers to build beside the chains, STEPSxTOPKxNODES "
-                        "(e.g. 4x4x16; repeat the flag for more; CPU only for now)"),
+                        "(e.g. 4x4x16; repeat the flag for more)"),
     )  # fmt: skip
     max_len: int = field(
         default=1024,

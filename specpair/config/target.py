@@ -16,7 +16,7 @@ from specpair.config.addresses import (
 from specpair.config.model_service import ModelServiceConfig, PipelineMode
 from specpair.config.option import option
 from specpair.config.server import ServerConfig
-from specpair.runtime.shape import TreeShape
+from specpair.runtime.shape import DETERMINISTIC_TREES, TreeShape
 
 DEFAULT_MAX_WATCHERS = 8  # WatchRounds streams a target serves at once
 GPU_TENSOR_PARALLEL = (
@@ -128,6 +128,8 @@ class TargetConfig(ModelServiceConfig):
                 f"deterministic: the batch-invariant mode is a GPU mode (--device cuda), not "
                 f"--device {self.device}"
             )
+        if self.deterministic and self.tree_shapes:
+            raise ValueError(DETERMINISTIC_TREES)
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
         if self.tensor_parallel > 1 and self.device != "cpu":

@@ -32,7 +32,7 @@ from specpair.runtime.gpu.draft_graphs import DraftGraphs
 from specpair.runtime.gpu.tree_graphs import tree_stages
 from specpair.runtime.gpu.verify_graphs import VerifyGraphs
 from specpair.runtime.kv_cache import KVCache
-from specpair.runtime.shape import TreeShape
+from specpair.runtime.shape import DETERMINISTIC_TREES, TreeShape
 from specpair.runtime.stages import DraftStage, ExtendStage, VerifyStage
 from specpair.runtime.state import SpecRuntimeState, tier_state
 from specpair.runtime.target.verify import EagerVerify
@@ -184,6 +184,8 @@ class StateBuilder:
         extends in its depth's graphs (a chain's of the same steps) and drafts in graphs of its
         own where its steps fit the Triton tree kernel (`gpu/tree_graphs.py`), else eagerly."""
         shape = tier if isinstance(tier, TreeShape) else TreeShape(tier)
+        if self.target is not None and self.target.deterministic and not shape.is_chain:
+            raise ValueError(DETERMINISTIC_TREES)
         verify: VerifyStage | None = None
         extend: ExtendStage | None = None
         draft: DraftStage | None = None

@@ -2,10 +2,10 @@
 
 Target alone: the same prompts (mixed lengths) decoded one at a time, 8 and 32 at a time, and
 joining a running batch at staggered rounds give identical tokens, greedy and seeded sampling.
-Speculative at tiers 1 / 3 / 7 and a tree (4x4x16): greedy tokens identical to the target
-alone's at batch 1, 8 and 32. The negative control: the default mode, same comparison, differs
-at least once (a random model's bf16 logits hold near-ties that the batch's reduction order
-flips).
+Speculative at tiers 1 / 3 / 7: greedy tokens identical to the target alone's at batch 1, 8
+and 32 (trees are refused in the mode: tests/unit/test_deterministic_config.py). The negative
+control: the default mode, same comparison, differs at least once (a random model's bf16 logits
+hold near-ties that the batch's reduction order flips).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ MAX_LEN = 600  # chunks of 256: a request crosses a chunk boundary while it deco
 SHAPE = dict(hidden_size=1024, num_heads=8, num_kv_heads=2, intermediate_size=2816,
              vocab_size=2048, init_std=0.05)  # fmt: skip
 GREEDY = SamplingParams()
-TREE = TreeShape.parse("4x4x16")
 ALONE = TreeShape(0)
 
 
@@ -65,7 +64,7 @@ def setup(ckpts: dict[str, Path], deterministic: bool) -> tuple[TargetWorker, di
         ckpts["eagle"], target_path=ckpts["target"], max_requests=32, max_len=MAX_LEN,
         dtype=BF16, device="cuda",
     )  # fmt: skip
-    tiers = [ALONE, *map(TreeShape, (1, 3, 7)), TREE]
+    tiers = [ALONE, *map(TreeShape, (1, 3, 7))]
     return worker, build_states(tiers, worker, drafter), drafter
 
 
@@ -138,7 +137,7 @@ def test_greedy_speculation_gives_the_target_alones_tokens_at_every_tier_and_bat
     reference = alone(worker, states[ALONE], prompts, batches(n, 1), [GREEDY] * n)
     engine = SpeculativeEngine(worker, drafter)
     accepted = 0
-    for tier in (*map(TreeShape, (1, 3, 7)), TREE):
+    for tier in map(TreeShape, (1, 3, 7)):
         for size in (1, 8, 32):
             out: list[list[int]] = []
             for lo in range(0, n, size):
