@@ -191,10 +191,12 @@ def _gemv_kernel(
     x_ptr, w_ptr, part_ptr, m, n, k, k_per_split,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    # grid (cdiv(n, BN), splits, cdiv(m, BM)): rows [pid_n * BN, +BN) of w over k range pid_k
+    # grid (cdiv(m, BM), cdiv(n, BN), splits): rows [pid_n * BN, +BN) of w over k range pid_k
     # for x rows [pid_m * BM, +BM); fp32 partials. Each x row's sum runs the same tiles in the
-    # same order whatever m is: a row's result does not depend on the rows beside it.
-    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # same order whatever m is: a row's result does not depend on the rows beside it. The row
+    # tiles vary fastest, so the programs that read one weight tile run side by side and all
+    # but the first find it in L2: M = 128 at BM 64 streams the weight from HBM once, not twice.
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = pid_n * BN + tl.arange(0, BN)
     rm = pid_m * BM + tl.arange(0, BM)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -239,12 +241,12 @@ def gemv_partials(
     """x [M, K] @ w[N, K]^T as fp32 split-K partials [splits, M, N]: a consumer kernel sums
     them, so no reduce kernel runs. For the few-row matmuls of batch-1 decoding (M <= 16), and
     for every matmul of the batch-invariant mode (tiles of `bm` rows, one size for every M).
-    Each tile of rows streams the whole weight: M = 64 at bm 16 reads it four times."""
+    Each tile of rows reads the whole weight; the tiles of one weight tile run together (L2)."""
     m, k = x.shape
     n = w.shape[0]
     assert k % (splits * bk) == 0, (k, splits, bk)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, bn), splits, triton.cdiv(m, bm))
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), splits)
     _gemv_kernel[grid](
         x.contiguous(), w, part, m, n, k, k // splits,
         BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, **pdl(),
