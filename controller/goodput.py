@@ -49,8 +49,9 @@ from controller.goodput_probe import (
     runner_up,
     start_remeasure,
 )
+from controller.goodput_report import description, tier_estimates
 from controller.interface import GatedPolicy, RoundSample, TierEstimate, snap_tier
-from specpair.runtime.shape import TreeShape, tier_name
+from specpair.runtime.shape import TreeShape
 from specpair.tiers import RegimeSteps
 
 
@@ -287,38 +288,7 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         return tier
 
     def estimates(self) -> tuple[TierEstimate, ...]:
-        out = []
-        for t in self.config.tiers:
-            round_ms = self.cost.round_ms(t, self._batch, self.regime.tokens_per_round)
-            if round_ms is None:
-                continue
-            e = self.regime.tokens_per_round(t)
-            out.append(
-                TierEstimate(
-                    steps=t.steps,
-                    tokens_per_s=1e3 * self._batch * e / round_ms,
-                    round_ms=round_ms,
-                    tokens_per_round=e,
-                    observed_rounds=self.cost.measured_rounds(t, self._batch),
-                    shape=tier_name(t),
-                )
-            )
-        return tuple(out)
+        return tier_estimates(self.regime, self.config, self._batch)
 
     def describe(self) -> str:
-        a = self.acceptance
-        longest = max(self.candidate_steps, default=0)
-        rates = ", ".join(f"{p:.2f}" for p in a.position_rates(longest))
-        state = " (probing)" if self.probing else ""
-        regime = "sampled" if self._sampled else "greedy"
-        trees = "".join(
-            f"; tree {t}: E {self.regime.tokens_per_round(t):.2f} ({m.trials:.0f} trials)"
-            for t, m in sorted(self.regime.trees.items())
-            if t in self.config.tiers
-        )
-        return (
-            f"goodput at batch {self._batch}, {regime} batches{state}: acceptance α "
-            f"{a.alpha:.3f} ({a.trials:.0f} decayed trials), per position [{rates}]{trees}; "
-            f"tokens/s = batch · E[tokens/round] / round time; switch on > "
-            f"{self.config.min_gain:.0%} gain"
-        )
+        return description(self.regime, self.config, self._batch, self._sampled, self.probing)
