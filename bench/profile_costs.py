@@ -13,7 +13,7 @@ Each cell pins one tier through the controller and runs `batch` concurrent reque
 catching up on tokens it missed at tier 0).
 
     python -m bench.profile_costs --target HOST:PORT --controller HOST:PORT \\
-        --prompt "def parse(argv):" --batches 1 2 4 8 16 --out policy.json
+        --prompt "def parse(argv):" --batches 1 2 4 8 16 [--tree-shapes 5x4x20] --out policy.json
     specpair serve controller --policy policy.json ...   # with "kind": "goodput" added
 """
 
@@ -32,8 +32,9 @@ from bench.services import watch_rounds
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.client.requests import Prompt
 from specpair.runtime.round import RoundStats
+from specpair.runtime.shape import TreeShape
 
-TIERS = (0, 1, 3, 7)
+TIERS = tuple(map(TreeShape, (0, 1, 3, 7)))
 SKIP_AFTER_PIN = 2  # rounds: the draft's catch-up after tier 0, and the pin landing
 # Tier 0 gains a token a round and its rounds are short: at a large batch the requests still
 # trickle in (one admission a round) when the first of 24 tokens finishes, and no round runs the
@@ -47,15 +48,15 @@ def longest(new_tokens: int = NEW_TOKENS) -> int:
     return new_tokens * TIER0_TOKENS
 
 
-def counted_ms(rounds: Sequence[RoundStats], tier: int, batch: int) -> list[float]:
-    """Round times of `rounds` that show the cost of `tier` at `batch`: at that tier (with
-    drafts, unless 0), the whole batch, no admission."""
+def counted_ms(rounds: Sequence[RoundStats], tier: TreeShape, batch: int) -> list[float]:
+    """Round times of `rounds` that show the cost of `tier` (a chain or a tree) at `batch`: at
+    that tier (with drafts, unless 0), the whole batch, no admission."""
     out = []
     for r in rounds[SKIP_AFTER_PIN:]:
         drafted = r.speculative and len(r.accept_lengths) > 0
-        if r.batch_size != batch or r.timings.admit_ms > 0 or drafted != (tier > 0):
+        if r.batch_size != batch or r.timings.admit_ms > 0 or drafted != (tier.steps > 0):
             continue
-        if tier > 0 and r.speculative_num_steps != tier:
+        if tier.steps > 0 and r.tier != tier:
             continue
         out.append(r.timings.total_ms)
     return out
@@ -63,15 +64,16 @@ def counted_ms(rounds: Sequence[RoundStats], tier: int, batch: int) -> list[floa
 
 def profile(
     client: SpecpairClient, ctl: ControllerClient, prompts: Sequence[Prompt], *,
-    tiers: Sequence[int] = TIERS, batches: Sequence[int] = (1,),
+    tiers: Sequence[TreeShape] = TIERS, batches: Sequence[int] = (1,),
     sampled_batches: Sequence[int] = (1,), new_tokens: int = NEW_TOKENS,
 ) -> dict[str, Any]:  # fmt: skip
     """{"profile_ms": {batch: {tier: ms}}, "sampled_profile_ms": …, "rounds": {…}} (keys as
-    strings, the policy file's shape); the controller is left unpinned."""
+    strings, the policy file's shape: a tree by its shape, "5x4x20"); the controller is left
+    unpinned."""
     out: dict[str, Any] = {"profile_ms": {}, "sampled_profile_ms": {}, "rounds": {}}
     try:
         for tier in tiers:
-            ctl.pin(tier)
+            ctl.pin(str(tier))
             time.sleep(0.1)
             for key, temperature, sizes in (
                 ("profile_ms", 0.0, batches),
@@ -82,7 +84,7 @@ def profile(
                     call = watch_rounds(client.address, rounds)
                     time.sleep(0.1)
 
-                    tokens = new_tokens * (TIER0_TOKENS if tier == 0 else 1)
+                    tokens = new_tokens * (TIER0_TOKENS if tier.steps == 0 else 1)
 
                     def one(i: int, temperature: float = temperature, tokens: int = tokens) -> None:
                         client.generate(prompts[i % len(prompts)], max_tokens=tokens,
@@ -104,12 +106,15 @@ def profile(
 
 
 def render(result: dict[str, Any]) -> str:
+    names = {t for key in ("profile_ms", "sampled_profile_ms") for b in result[key].values()
+             for t in b}  # fmt: skip
+    columns = sorted({*map(str, TIERS), *names}, key=TreeShape.parse)
     rows = []
     for key in ("profile_ms", "sampled_profile_ms"):
         for batch, tiers in sorted(result[key].items(), key=lambda kv: int(kv[0])):
-            cells = [f"{tiers[str(t)]:.1f}" if str(t) in tiers else "-" for t in TIERS]
+            cells = [f"{tiers[t]:.1f}" if t in tiers else "-" for t in columns]
             rows.append(["sampled" if key.startswith("sampled") else "greedy", batch, *cells])
-    return format_table(["regime", "batch", *(f"tier {t} ms" for t in TIERS)], rows)
+    return format_table(["regime", "batch", *(f"tier {t} ms" for t in columns)], rows)
 
 
 def main() -> None:
@@ -121,13 +126,16 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1])
     parser.add_argument("--sampled-batches", type=int, nargs="+", default=[1])
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    parser.add_argument("--tree-shapes", nargs="+", default=[], metavar="SHAPE",
+                        help="tree shapes to profile beside the chains (the services' and the "
+                             "controller's tree_shapes)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("/tmp/specpair-profile.json"))
     args = parser.parse_args()
     prompts: list[Prompt] = args.prompt or ["def parse_args(argv):\n    parser = "]
     result = profile(
         SpecpairClient(args.target, timeout=600), ControllerClient(args.controller, timeout=30),
-        prompts, batches=args.batches, sampled_batches=args.sampled_batches,
-        new_tokens=args.new_tokens,
+        prompts, tiers=(*TIERS, *map(TreeShape.parse, args.tree_shapes)), batches=args.batches,
+        sampled_batches=args.sampled_batches, new_tokens=args.new_tokens,
     )  # fmt: skip
     write_json(args.out, {k: result[k] for k in ("profile_ms", "sampled_profile_ms")})
     print(render(result))

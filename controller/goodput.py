@@ -268,22 +268,28 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         return self._stay >= self.config.probe_interval
 
     def _young(self, rates: dict[TreeShape, float], best: TreeShape) -> TreeShape | None:
-        """The best-predicted tier never measured (nor profiled) at this batch size and regime,
-        if it comes within `explore_margin` of the best: with margin 0.25 and predictions
-        {1: 700, 3: 800} (tier 1 unmeasured), tier 1 is tried; at {1: 500, 3: 800} it is not."""
+        """The best tier never tried at this batch size and regime, if it could come within
+        `explore_margin` of the best: a chain whose time is unknown (nor profiled), or a tree
+        whose acceptance is (`Regime.unlearnt`), judged by its ceiling. With margin 0.25 and
+        predictions {1: 700, 3: 800} (tier 1 unmeasured), tier 1 is tried; at {1: 500, 3: 800}
+        it is not. A tree predicted at 600 as its depth's chain, at 900 by its ceiling: tried."""
         floor = rates[best] * (1.0 - self.config.explore_margin)
-        bucket = batch_bucket(self._batch)
+        bucket, regime = batch_bucket(self._batch), self.regime
+
+        def could(t: TreeShape) -> float:
+            return rates[t] * regime.ceiling_per_round(t) / regime.tokens_per_round(t)
+
         young = [
             t
-            for t, r in rates.items()
+            for t in rates
             if t != self._tier
-            and r >= floor
-            and not self.cost.measured(t, self._batch)
+            and could(t) >= floor
+            and (not self.cost.measured(t, self._batch) or regime.unlearnt(t))
             and (self._sampled, bucket, t) not in self._explored
         ]
         if not young:
             return None
-        tier = max(young, key=lambda t: rank(t, rates[t]))
+        tier = max(young, key=lambda t: rank(t, could(t)))
         self._explored.add((self._sampled, bucket, tier))  # once: its rounds may not teach
         return tier
 

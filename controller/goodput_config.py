@@ -26,7 +26,7 @@ from specpair.runtime.shape import TreeShape
 MAX_GAIN = 10.0  # a predicted gain of 1000 % is never required to move
 MAX_ROUND_MS = 1e6
 
-ProfileMs = tuple[tuple[int, int, float], ...]  # (batch size, tier, round ms)
+ProfileMs = tuple[tuple[int, TreeShape, float], ...]  # (batch size, tier, round ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +34,8 @@ class GoodputConfig(PolicyKeys):
     """`profile_ms` seeds the greedy regime's cost model, in vLLM's batch_stats shape: {"1":
     {"0": 20.1, "3": 30.4}, "16": {...}} (batch size → tier → round ms); tiers it omits are
     predicted. `sampled_profile_ms` seeds the sampled regime's, likewise. `tree_shapes` are
-    tree tiers ("4x4x16") beside candidate_steps' chains; the profiles name chains only."""
+    tree tiers ("4x4x16") beside candidate_steps' chains; the profiles name them by shape:
+    {"1": {"7": 11.8, "5x4x20": 12.3}}."""
 
     candidate_steps: tuple[int, ...] = (1, 3, 7)
     ema_alpha: float = 0.1
@@ -95,14 +96,15 @@ class GoodputConfig(PolicyKeys):
         out = PolicyKeys.to_dict(self)
         for name in ("profile_ms", "sampled_profile_ms"):
             profile: dict[str, dict[str, float]] = {}
-            for batch, steps, ms in getattr(self, name):
-                profile.setdefault(str(batch), {})[str(steps)] = ms
+            for batch, tier, ms in getattr(self, name):
+                profile.setdefault(str(batch), {})[str(tier)] = ms
             out[name] = profile
         return out
 
 
 def parse_profile(raw: object, name: str = "profile_ms") -> ProfileMs:
-    """{batch: {tier: ms}} (JSON keys are strings) or (batch, tier, ms) triples → triples."""
+    """{batch: {tier: ms}} (JSON keys are strings; a tier is a chain's steps or a tree's shape,
+    "7" or "4x4x16") or (batch, tier, ms) triples → triples."""
     if isinstance(raw, Mapping):
         if not all(isinstance(v, Mapping) for v in raw.values()):
             raise ValueError(f"{name} must map batch size → {{tier: ms}}, got {raw!r}")
@@ -112,17 +114,27 @@ def parse_profile(raw: object, name: str = "profile_ms") -> ProfileMs:
     out = []
     for item in raw:
         try:
-            batch, steps, ms = (int(item[0]), int(item[1]), float(item[2]))
+            batch, tier, ms = int(item[0]), _profile_tier(item[1]), float(item[2])
         except (TypeError, ValueError, IndexError, KeyError):
             raise ValueError(f"{name} entry {item!r} is not (batch, tier, ms)") from None
-        if not (1 <= batch <= MAX_BATCH_SIZE and 0 <= steps <= MAX_STEPS
+        if not (1 <= batch <= MAX_BATCH_SIZE and tier.steps <= MAX_STEPS
                 and 0.0 < ms <= MAX_ROUND_MS):  # fmt: skip
             raise ValueError(
-                f"{name}: batch {batch} tier {steps} ms {ms:g} needs batch in [1, "
-                f"{MAX_BATCH_SIZE}], tier in [0, {MAX_STEPS}], ms in (0, {MAX_ROUND_MS:g}]"
+                f"{name}: batch {batch} tier {tier} ms {ms:g} needs batch in [1, "
+                f"{MAX_BATCH_SIZE}], tier steps in [0, {MAX_STEPS}], ms in (0, {MAX_ROUND_MS:g}]"
             )
-        out.append((batch, steps, ms))
+        out.append((batch, tier, ms))
     return tuple(sorted(out))
+
+
+def _profile_tier(raw: object) -> TreeShape:
+    """A profile's tier: an int or a numeric string is a chain, "4x4x16" a tree (a bool or a
+    float is neither); ShapeError, a ValueError, on anything else."""
+    if isinstance(raw, TreeShape):
+        return raw
+    if isinstance(raw, bool) or not isinstance(raw, int | str):
+        raise ValueError(f"not a tier: {raw!r}")
+    return TreeShape.parse(raw)
 
 
 @dataclass
@@ -175,6 +187,17 @@ class Regime:
         if tier.is_chain:
             return self.acceptance.tokens_per_round(tier.steps)
         return self.tree(tier).tokens_per_round(tier.steps)
+
+    def unlearnt(self, tier: TreeShape) -> bool:
+        """A tree none of whose rounds has run in this regime: its acceptance is a guess."""
+        return not tier.is_chain and (tier not in self.trees or self.trees[tier].trials == 0)
+
+    def ceiling_per_round(self, tier: TreeShape) -> float:
+        """What `tier` could gain a request per round: an unlearnt tree's ceiling (the chains'
+        rates at its topk candidates a depth), else its expectation."""
+        if self.unlearnt(tier):
+            return self.acceptance.tokens_per_round(tier.steps, tier.topk)
+        return self.tokens_per_round(tier)
 
     def tokens_per_s(self, tier: int | TreeShape, batch_size: int) -> float | None:
         round_ms = self.cost.round_ms(tier, batch_size, self.tokens_per_round)

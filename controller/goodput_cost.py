@@ -85,11 +85,13 @@ class CostModel:
     without the schedule term, which would charge tier 0 for streaming tier 3's 2.82 tokens).
     """
 
-    def __init__(self, alpha: float, profile_ms: Iterable[tuple[int, int, float]] = ()) -> None:
+    def __init__(
+        self, alpha: float, profile_ms: Iterable[tuple[int, int | TreeShape, float]] = ()
+    ) -> None:
         self.alpha = alpha
         self._buckets: dict[int, _Bucket] = {}
         for batch, steps, ms in profile_ms:
-            tier = TreeShape(steps)
+            tier = as_tier(steps)
             entry = self._bucket(batch_bucket(batch)).round_ms.setdefault(tier, _Ema())
             entry.value, entry.seeded = ms, True
 

@@ -286,7 +286,7 @@ def test_config_round_trips_through_json_shape() -> None:
         {"candidate_steps": [7, 0, 1], "profile_ms": {"16": {"0": 30.5}, "1": {"3": 9}}}
     )
     assert cfg.candidate_steps == (0, 1, 7)
-    assert cfg.profile_ms == ((1, 3, 9.0), (16, 0, 30.5))
+    assert cfg.profile_ms == ((1, TreeShape(3), 9.0), (16, TreeShape(0), 30.5))
     assert cfg.to_dict()["profile_ms"] == {"1": {"3": 9.0}, "16": {"0": 30.5}}
     assert GoodputConfig.from_mapping(cfg.to_dict()) == cfg
     assert cfg.replace_partial(min_gain=0.1).profile_ms == cfg.profile_ms
