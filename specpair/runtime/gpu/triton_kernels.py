@@ -194,8 +194,8 @@ def _gemv_kernel(
     # grid (cdiv(m, BM), cdiv(n, BN), splits): rows [pid_n * BN, +BN) of w over k range pid_k
     # for x rows [pid_m * BM, +BM); fp32 partials. Each x row's sum runs the same tiles in the
     # same order whatever m is: a row's result does not depend on the rows beside it. The row
-    # tiles vary fastest, so the programs that read one weight tile run side by side and all
-    # but the first find it in L2: M = 128 at BM 64 streams the weight from HBM once, not twice.
+    # tiles vary fastest, so the programs that read one weight tile run side by side and the
+    # later ones can find it in L2 (M = 128 at BM 64: each weight tile read twice, together).
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = pid_n * BN + tl.arange(0, BN)
     rm = pid_m * BM + tl.arange(0, BM)
