@@ -1,0 +1,71 @@
+"""The recursive rejection rule `bench.accept_rules` measures (k drafts drawn from q without
+replacement, each tried against the last residual) emits tokens distributed as p, whatever q
+and k; a variant that leaves p unchanged after a rejection does not (the test's power)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from bench.accept_rules import rrs_level
+
+N = 12_000
+
+
+def emitted(p: torch.Tensor, q: torch.Tensor, k: int, level=rrs_level) -> torch.Tensor:
+    g = torch.Generator().manual_seed(k)
+    counts = torch.zeros(p.numel(), dtype=torch.float64)
+    for _ in range(N):
+        counts[level(p, q, k, g)[1]] += 1
+    return counts
+
+
+def fits(counts: torch.Tensor, p: torch.Tensor) -> bool:
+    keep = p > 0
+    assert counts[~keep].sum() == 0  # never a token p excludes
+    mass = p[keep].double()
+    expected = (mass / mass.sum() * float(counts.sum())).tolist()
+    return bool(chisquare(counts[keep].tolist(), expected).pvalue > 1e-3)
+
+
+def cases() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(8, generator=g) * 1.5, 0)
+    q = torch.softmax(torch.randn(8, generator=g) * 1.5, 0)
+    p_cut = p.clone()
+    p_cut[[1, 5]] = 0.0  # top-p left two tokens out of p: q still proposes them
+    return [(p, q), (p_cut / p_cut.sum(), q), (p, torch.full((8,), 1 / 8))]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("case", range(3))
+def test_recursive_rejection_emits_p(case: int, k: int) -> None:
+    p, q = cases()[case]
+    assert fits(emitted(p, q, k), p)
+
+
+def no_residual(p: torch.Tensor, q: torch.Tensor, k: int, g: torch.Generator) -> tuple[int, int]:
+    """The rule with p kept after a rejection (no residual): biased toward q's tokens."""
+    pj, qj = p.double(), q.double()
+    for j in range(k):
+        qj = qj / qj.sum()
+        x = int(torch.multinomial(qj, 1, generator=g))
+        if float(torch.rand((), generator=g, dtype=torch.float64)) * qj[x] < pj[x]:
+            return j, x
+        qj = qj.clone()
+        qj[x] = 0.0
+    return -1, int(torch.multinomial(pj, 1, generator=g))
+
+
+def test_without_the_residual_the_same_test_fails() -> None:
+    p, q = cases()[0]
+    assert not fits(emitted(p, q, 4, no_residual), p)
+
+
+def test_more_drafts_accept_more() -> None:
+    p, q = cases()[0]
+    g = torch.Generator().manual_seed(3)
+    rates = [sum(rrs_level(p, q, k, g)[0] >= 0 for _ in range(4000)) / 4000 for k in (1, 2, 4)]
+    assert rates[0] == pytest.approx(float(torch.minimum(p, q).sum()), abs=0.03)
+    assert rates[0] < rates[1] < rates[2]
