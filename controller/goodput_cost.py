@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from controller.interface import RoundSample, as_tier
+from controller.least_squares import line_at, slope
 from specpair.runtime.shape import TreeShape
 
 
@@ -213,11 +214,11 @@ class CostModel:
         points = self._verify_points(b)
         x = tier.num_draft_tokens
         if borrow and len(points) < 2:
-            slope = self._verify_slope(b)
+            per_token = self._verify_slope(b)
             x0, v0 = next(iter(points.items()), (x, 0.0))
-            verify = v0 + slope * (x - x0)
+            verify = v0 + per_token * (x - x0)
         else:
-            verify, slope = _line_at(points, x), max(_slope(points), 0.0)
+            verify, per_token = line_at(points, x), max(slope(points), 0.0)
         if tier.steps == 0:
             return verify
         fixed, step = self._draft_terms(b)
@@ -225,7 +226,7 @@ class CostModel:
             return None
         draft = step * tier.steps
         if nodes := _extra_nodes(tier):
-            node = b.draft_node_ms.value if b.draft_node_ms.n else slope
+            node = b.draft_node_ms.value if b.draft_node_ms.n else per_token
             draft += node * nodes
         return verify + fixed + draft
 
@@ -239,13 +240,13 @@ class CostModel:
         the nearest bucket's that has one, scaled by the batch (a request's token is a token
         of every request's forward): 0.2 ms at batch 1 → 6.4 ms at batch 32. 0 with none."""
         if len(points := self._verify_points(b)) >= 2:
-            return max(_slope(points), 0.0)
+            return max(slope(points), 0.0)
         own = next(k for k, o in self._buckets.items() if o is b)
         have = [k for k, o in self._buckets.items() if len(self._verify_points(o)) >= 2]
         if not have:
             return 0.0
         near = min(have, key=lambda k: abs(k.bit_length() - own.bit_length()))
-        return max(_slope(self._verify_points(self._buckets[near])), 0.0) * own / near
+        return max(slope(self._verify_points(self._buckets[near])), 0.0) * own / near
 
     def _draft_terms(self, b: _Bucket) -> tuple[float | None, float | None]:
         """This bucket's draft terms, else the nearest bucket's that has them."""
@@ -285,29 +286,3 @@ def _named(tier: TreeShape) -> int | TreeShape:
 def _extra_nodes(tier: TreeShape) -> int:
     """Nodes a tree's draft forwards beyond the chain of its depth: 4x4x16 → 3 · 3 = 9."""
     return max(tier.steps - 1, 0) * (tier.topk - 1)
-
-
-def _line_at(points: dict[int, float], x: int) -> float:
-    """Least-squares line through `points` at x; flat with one point, 0 with none.
-
-    {1: 10, 3: 14} at 7 → 22 (slope 2).
-    """
-    if not points:
-        return 0.0
-    if x in points:
-        return points[x]
-    if len(points) == 1:
-        return next(iter(points.values()))
-    n = len(points)
-    mx, my = sum(points) / n, sum(points.values()) / n
-    return my + _slope(points) * (x - mx)
-
-
-def _slope(points: dict[int, float]) -> float:
-    """The least-squares slope through `points`; 0 below two points."""
-    if len(points) < 2:
-        return 0.0
-    n = len(points)
-    mx, my = sum(points) / n, sum(points.values()) / n
-    sxx = sum((p - mx) ** 2 for p in points)
-    return sum((p - mx) * (v - my) for p, v in points.items()) / sxx

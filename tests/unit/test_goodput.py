@@ -13,8 +13,9 @@ import pytest
 from controller.goodput import GoodputPolicy
 from controller.goodput_acceptance import AcceptanceModel
 from controller.goodput_config import GoodputConfig, parse_profile
-from controller.goodput_cost import CostModel, _line_at, batch_bucket
+from controller.goodput_cost import CostModel, batch_bucket
 from controller.interface import RoundSample
+from controller.least_squares import line_at
 from specpair.runtime.shape import TreeShape
 from specpair.tiers import RegimeSteps
 
@@ -148,9 +149,9 @@ def test_cost_model_measured_tiers_win_and_verify_becomes_a_line() -> None:
     cost.observe(RoundSample(0, 1, (), 13.0, 11.0, 0.0, 2.0))  # a round without drafts
     assert cost.round_ms(0, 1) == pytest.approx(13)
     # From tier 3: verify line through (0, 11), (1, 10), (3, 14) at 7 → 19.36.
-    line = _line_at({0: 11.0, 1: 10.0, 3: 14.0}, 7)
+    line = line_at({0: 11.0, 1: 10.0, 3: 14.0}, 7)
     assert cost.round_ms(7, 1) == pytest.approx(28 + (line - 14) + 4 * 2)
-    assert _line_at({1: 10.0, 3: 14.0}, 7) == pytest.approx(22)
+    assert line_at({1: 10.0, 3: 14.0}, 7) == pytest.approx(22)
 
 
 def test_cost_model_profile_seeds_and_spikes_are_clipped() -> None:
