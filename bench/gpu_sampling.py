@@ -11,11 +11,16 @@ events) and the host's wall time (launch to synchronised result) of one call, me
   p that rejection needs nor a draw from the request's own generator;
 - `draft step`: `draft_support`, a draft step's sparse q of 64 tokens;
 - `accept, tier 7`: the verify's accept for `rows` requests of 7 drafts (8 rows each): warp,
-  `accept_chains`, one read back.
+  `accept_chains`, one read back;
+- `accept over the vocabulary`: the warp and `accept_chains` over every row's 128 256 tokens
+  (the accept graph of batches with unfiltered rows);
+- `accept over candidates`: `accept_candidates`, q sparse over 64 tokens (the accept graph of
+  batches whose sampled rows filter);
+- `topk 256`: the candidates' topk of 8 rows a request.
 Rows marked `graph` replay the same ops captured in a CUDA graph, as the draft's step graphs
 and the target's accept graphs run them.
 
-    python -m bench.gpu_sampling [--rows 1 8 64] [--iters 200]
+    python -m bench.gpu_sampling [--rows 1 8 64] [--iters 200] [--no-flashinfer]
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 
 import specpair.runtime.sampling as sampling_module
 from bench.common import device_info, format_table, write_json
-from specpair.runtime.accept import accept_chains
+from specpair.runtime.accept import accept_candidates, accept_chains
 from specpair.runtime.sampling import (
     RowParams,
     SamplingParams,
@@ -75,7 +80,7 @@ def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
     return graph.replay
 
 
-def kernels(rows: int) -> dict[str, Callable[[], Any]]:
+def kernels(rows: int, flashinfer: bool) -> dict[str, Callable[[], Any]]:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     # peaked as an LM's logits are: T = 0.7, top-p 0.95 keeps tens of tokens, as on code
@@ -99,9 +104,21 @@ def kernels(rows: int) -> dict[str, Callable[[], Any]]:
         p = warp_rows(tree_logits.view(rows * 8, VOCAB), tree_params).view(rows, 8, VOCAB)
         return torch.stack(accept_chains(p, q, drafts, lengths, tree_u)).tolist()
 
-    def accept_candidates() -> Any:
+    def accept_over_vocabulary() -> Any:
         p, _ = warp_candidates(tree_logits.view(rows * 8, VOCAB), tree_params)
         return torch.stack(accept_chains(p.view(rows, 8, VOCAB), q, drafts, lengths, tree_u))
+
+    q_ids = torch.randint(
+        0, VOCAB, (rows, 7, sampling_module.DRAFT_SUPPORT), device=dev, generator=gen
+    )
+    q_ids[..., 0] = drafts
+    q_sparse = torch.softmax(torch.randn(q_ids.shape, device=dev, generator=gen), -1)
+    flat = (tree_logits.view(rows * 8, VOCAB) / TEMPERATURE).contiguous()
+
+    def over_candidates() -> Any:
+        return torch.stack(
+            accept_candidates(tree_logits, tree_params, drafts, lengths, tree_u, q_ids, q_sparse)
+        )
 
     out: dict[str, Callable[[], Any]] = {
         "warp (candidates)": lambda: warp_rows(logits, params),
@@ -110,8 +127,12 @@ def kernels(rows: int) -> dict[str, Callable[[], Any]]:
         "draft step": lambda: draft_support(logits, params, u),
         "accept, tier 7": accept,
         "draft step, graph": graphed(lambda: draft_support(logits, params, u)),
-        "accept, tier 7, graph": graphed(accept_candidates),
+        "topk 256, graph": graphed(lambda: flat.topk(256, dim=-1)),
+        "accept over the vocabulary, graph": graphed(accept_over_vocabulary),
+        "accept over candidates, graph": graphed(over_candidates),
     }
+    if not flashinfer:
+        return out
     try:
         import flashinfer.sampling as fs
     except ImportError:
@@ -129,12 +150,15 @@ def main() -> None:
     )
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument(
+        "--no-flashinfer", action="store_true", help="skip flashinfer's kernels (JIT at start)"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/gpu_sampling.json"))
     args = parser.parse_args()
     info = device_info()
     results: dict[str, dict[int, tuple[float, float]]] = {}
     for rows in args.rows:
-        for name, fn in kernels(rows).items():
+        for name, fn in kernels(rows, not args.no_flashinfer).items():
             gpu, wall = results.setdefault(name, {})[rows] = timed_us(fn, args.iters)
             print(f"  {name:26s} rows {rows:3d} gpu {gpu:8.1f} us wall {wall:8.1f} us", flush=True)
     write_json(args.out, {"device": info, "vocab": VOCAB, "us (gpu, wall)": results})

@@ -12,7 +12,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specpair.runtime.sampling import RowParams, sample, sample_rows, warp_rows
+from specpair.runtime.sampling import (
+    RowParams,
+    candidate_probs,
+    sample,
+    sample_rows,
+    warp_rows,
+)  # fmt: skip
 from specpair.runtime.tree import CandidateTree, children, full_parents
 
 
@@ -145,6 +151,49 @@ def accept_chains(
     return accepted, sample_rows(last, u[rows, lengths])
 
 
+def accept_candidates(
+    logits: Tensor,
+    params: RowParams,
+    drafts: Tensor,
+    lengths: Tensor,
+    u: Tensor,
+    q_ids: Tensor,
+    q: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`accept_chains` over each row's candidates (`candidate_probs`) rather than the
+    vocabulary: (accepted [B], last token [B], covered [B]); a request whose rows' cuts do
+    not all fall among their candidates is not covered, and its verdict needs the warp over
+    the vocabulary. For rows with top-k, top-p or min-p, and greedy rows (one-hot at the
+    first argmax). On a Llama-3 vocabulary a tier-7 chain's rows are 8 × 257 floats, not
+    8 × 128 256, so the work is the candidates' topk and one normaliser over the row.
+
+    logits: [B, n + 1, V]; params: B × (n + 1) rows; q_ids, q: [B, n, K], q sparse (padding:
+    probability 0); drafts, lengths, u as `accept_chains` takes them. Column c (past the c
+    candidates) holds no mass: a draft off the candidates lands there, p(x) = 0, rejected as
+    over the vocabulary; q's mass off them falls where (p − q)+ is 0 either way, so the
+    residual is the same distribution.
+    """
+    b, t, v = logits.shape
+    n = t - 1
+    flat = logits.reshape(b * t, v)
+    ids, p, covered = candidate_probs(flat.float() / params.temperature, params)
+    c = ids.shape[-1]
+    if params.any_greedy:
+        hit = ids == flat.argmax(-1, keepdim=True)
+        first = hit & (hit.cumsum(-1) == 1)  # ids are distinct; the guard costs nothing
+        p = torch.where(params.greedy[:, None], first.to(p.dtype), p)
+        covered = torch.where(params.greedy, hit.any(-1), covered)
+    ids, p = ids.view(b, t, c), torch.nn.functional.pad(p, (0, 1)).view(b, t, c + 1)
+    # q on the candidates: [B, n, K, c] matches of q's ids, summed over K
+    qc = (q[..., None] * (q_ids[..., None] == ids[:, :n, None, :])).sum(-2)
+    match = (ids[:, :n] == drafts[..., None]) & (p[:, :n, :c] > 0)  # [B, n, c]
+    where = torch.where(match.any(-1), match.to(torch.int32).argmax(-1), c)
+    accepted, last = accept_chains(p, torch.nn.functional.pad(qc, (0, 1)), where, lengths, u)
+    rows = torch.arange(b, device=logits.device)
+    token = ids[rows, accepted].gather(-1, last.clamp(max=c - 1)[:, None])[:, 0]
+    return accepted, token, covered.view(b, t).all(-1)
+
+
 def accept_trees(p: Tensor, tokens: Tensor, parents: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
     """SGLang's target-only tree rule (`tree_speculative_sampling_target_only`, at its exact
     thresholds of 1) for a batch of trees as batched tensor ops: (accepted [B, T] bool over
@@ -211,14 +260,20 @@ def accept_chain_batch(logits: Tensor, chains: ChainBatch) -> list[list[int]]:
     the logits' device: per request [accepted drafts, last token]."""
     b, t, v = logits.shape
     dev = logits.device
-    p = warp_rows(logits.reshape(b * t, v), chains.params.to(dev)).view(b, t, v)
-    q = torch.zeros(b, t - 1, v, device=dev)
-    q.scatter_add_(-1, chains.q_ids.to(dev), chains.q.to(dev))
+    params = chains.params.to(dev)
+    drafts, lengths, u = chains.drafts.to(dev), chains.lengths.to(dev), chains.u.to(dev)
+    q_ids, q_sparse = chains.q_ids.to(dev), chains.q.to(dev)
+    if not params.any_plain and not chains.dense:
+        accepted, last, covered = accept_candidates(
+            logits, params, drafts, lengths, u, q_ids, q_sparse
+        )
+        if bool(covered.all()):
+            return torch.stack([accepted, last], -1).tolist()
+    p = warp_rows(logits.reshape(b * t, v), params).view(b, t, v)
+    q = torch.zeros(b, t - 1, v, device=dev).scatter_add_(-1, q_ids, q_sparse)
     for i, rows in chains.dense:
         q[i, : len(rows)] = rows.to(dev)
-    accepted, last = accept_chains(
-        p, q, chains.drafts.to(dev), chains.lengths.to(dev), chains.u.to(dev)
-    )
+    accepted, last = accept_chains(p, q, drafts, lengths, u)
     return torch.stack([accepted, last], -1).tolist()
 
 

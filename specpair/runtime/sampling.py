@@ -114,7 +114,7 @@ class RowParams:
 
     table: Tensor
     filters: bool = True  # some row has top-k, top-p or min-p
-    any_plain: bool = True  # some row has none of them (its warp is a softmax)
+    any_plain: bool = True  # some sampled row has none of them (its warp is a softmax)
     any_greedy: bool = True  # some row is greedy (else the warp needs no one-hot rows)
 
     @staticmethod
@@ -126,7 +126,8 @@ class RowParams:
         ]
         filtered = [bool(p.top_k or p.top_p < 1.0 or p.min_p > 0.0) for p in params]
         table = torch.tensor(rows, dtype=torch.float32).view(-1, 5)
-        return RowParams(table, any(filtered), not all(filtered), any(p.greedy for p in params))
+        plain = any(not f and not p.greedy for f, p in zip(filtered, params, strict=True))
+        return RowParams(table, any(filtered), plain, any(p.greedy for p in params))
 
     def _with(self, table: Tensor) -> RowParams:
         return RowParams(table, self.filters, self.any_plain, self.any_greedy)
@@ -191,11 +192,12 @@ def warp_candidates(logits: Tensor, params: RowParams) -> tuple[Tensor, Tensor |
     they hold for ([R] bool; None when no row filters). A row whose cut lies past its
     candidates needs `warp_rows`. The host flags of `params` skip what no row needs."""
     x = logits.float() / params.temperature
-    probs = torch.softmax(x, -1) if params.any_plain else None
+    probs = torch.softmax(x, -1) if params.any_plain or not params.filters else None
     covered = None
     if params.filters:
         plain = params.plain
-        filtered, covered = _candidate_warp(x, params)
+        ids, kept, covered = candidate_probs(x, params)
+        filtered = torch.zeros_like(x).scatter_(-1, ids, kept)
         covered |= plain | params.greedy  # a greedy row is one-hot below
         probs = filtered if probs is None else torch.where(plain[:, None], probs, filtered)
     assert probs is not None
@@ -205,12 +207,15 @@ def warp_candidates(logits: Tensor, params: RowParams) -> tuple[Tensor, Tensor |
     return probs, covered
 
 
-def _candidate_warp(x: Tensor, params: RowParams) -> tuple[Tensor, Tensor]:
-    """The warp of temperature-scaled logits x [R, V] from their top candidates, and which
-    rows it holds for ([R] bool; not where a row's cut lies past them)."""
+def candidate_probs(x: Tensor, params: RowParams) -> tuple[Tensor, Tensor, Tensor]:
+    """The warp of temperature-scaled logits x [R, V] over each row's c = min(CANDIDATES, V)
+    likeliest tokens: (ids [R, c], probabilities [R, c], descending, 0 past the cut; covered
+    [R] bool). A row is covered when its cut, and every token tied at it, lies among the
+    candidates: no token off them has mass, so the c columns are the whole distribution.
+    Rows with top-k, top-p or min-p only (an unfiltered row's cut is the whole vocabulary)."""
     v = x.shape[-1]
     c = min(CANDIDATES, v)
-    top = x.topk(c, dim=-1).values  # [R, c], descending
+    top, ids = x.topk(c, dim=-1)  # descending
     k = params.top_k(v)  # [R, 1]; v keeps every token
     kth = top.gather(-1, k.clamp(max=c) - 1)
     in_k = (top >= kth) | (k >= v)
@@ -221,12 +226,13 @@ def _candidate_warp(x: Tensor, params: RowParams) -> tuple[Tensor, Tensor]:
     keep = in_k & (((p.cumsum(-1) - p) < params.top_p) | (params.top_p >= 1.0))
     keep &= p >= params.min_p * p[:, :1]
     n = keep.sum(-1, keepdim=True)  # a prefix: the row's kept count
-    # the cut is known when it falls before the last candidate, or the candidates are all
-    covered = (n < c) | (c == v)
-    covered &= (k <= c) | (k >= v)  # a top-k past the candidates: its normaliser is unknown
     threshold = top.gather(-1, n - 1)
-    probs = (x - top[:, :1]).exp().masked_fill(x < threshold, 0.0)
-    return probs / probs.sum(-1, keepdim=True), covered[:, 0]
+    # ties with the cut (or with a top-k's k-th token, which the normaliser counts) may go
+    # on past the last candidate: only a last candidate below them proves they do not
+    last = top[:, -1:]
+    covered = (c == v) | torch.where(k >= v, last < threshold, last < kth)
+    probs = (top - top[:, :1]).exp().masked_fill(top < threshold, 0.0)
+    return ids, probs / probs.sum(-1, keepdim=True), covered[:, 0]
 
 
 def _sorted_warp(x: Tensor, params: RowParams) -> Tensor:

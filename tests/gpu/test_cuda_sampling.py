@@ -235,3 +235,37 @@ def test_a_rows_draw_does_not_depend_on_the_batch_around_it(rows: int) -> None:
         assert int(sample_rows(warp_rows(logits[i : i + 1], alone), u[i : i + 1])) == together[i]
         one = draft_support(logits[i : i + 1], alone, u[i : i + 1])
         assert all(torch.equal(a[0], b[i]) for a, b in zip(one, drafted, strict=True))
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_the_candidates_accept_in_a_graph_gives_the_vocabulary_wide_verdicts(batch: int) -> None:
+    """On a Llama-3 vocabulary, tier-7 chains with a 64-token q: `accept_candidates` replayed
+    in a CUDA graph (its topk in two levels) accepts as many drafts as `accept_chains` over
+    the whole vocabulary for the same uniforms, and draws its last tokens where p has mass."""
+    v, n, dev = 128256, 7, torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(batch)
+    logits = torch.randn(batch, n + 1, v, device=dev, generator=gen) * 4
+    logits[..., :32] += 24  # T 0.7, top-p 0.95 keeps several of these 32
+    drafts = logits[:, :n].argmax(-1)
+    drafts[:, n // 2 :] = torch.randint(0, 32, (batch, n - n // 2), device=dev, generator=gen)
+    q_ids = torch.randint(0, v, (batch, n, 64), device=dev, generator=gen)
+    q_ids[..., 0] = drafts
+    q = torch.softmax(torch.randn(batch, n, 64, device=dev, generator=gen), -1)
+    lengths = torch.full((batch,), n, device=dev)
+    u = torch.rand(batch, n + 1, device=dev, generator=gen)
+    params = RowParams.of([SamplingParams(temperature=0.7, top_p=0.95)] * batch).repeat(n + 1)
+    params = params.to(dev)
+    args = (logits, params, drafts, lengths, u, q_ids, q)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    accept_module.accept_candidates(*args)  # warm-up outside the capture
+    with torch.cuda.graph(graph):
+        out = accept_module.accept_candidates(*args)
+    graph.replay()
+    accepted, last, covered = (t.cpu() for t in out)
+    p = warp_rows(logits.view(-1, v), params).view(batch, n + 1, v)
+    dense_q = torch.zeros(batch, n, v, device=dev).scatter_add_(-1, q_ids, q)
+    reference, _ = accept_module.accept_chains(p, dense_q, drafts, lengths, u)
+    assert covered.all()
+    assert accepted.tolist() == reference.tolist()
+    assert (p[torch.arange(batch), accepted.to(dev), last.to(dev)] > 0).all()

@@ -17,7 +17,7 @@ from torch import Tensor
 
 import specpair.runtime.sampling as sampling
 from specpair.models.llama import LlamaModel
-from specpair.runtime.accept import ChainBatch, accept_chains
+from specpair.runtime.accept import ChainBatch, accept_candidates, accept_chains
 from specpair.runtime.gpu.capture import GraphCapture, StageGraph, bucket_of, pad2d, pad_layout
 from specpair.runtime.layout import BatchLayout
 from specpair.runtime.shape import TreeShape
@@ -57,9 +57,10 @@ def accept_graph(capture: GraphCapture, logits: Tensor, general: bool) -> StageG
     rows' `params` [B * T, 5], `drafts` [B, T - 1], `lengths` [B], uniforms `u` [B, T] and q
     sparse (`q_ids`, `q` [B, T - 1, K]) in; `verdicts` [3, B] out: accepted drafts, last
     token, and whether every row's warp cut fell among its candidates (else: accept eagerly).
-    Not `general`: for batches whose every request samples with a filter (top-k, top-p or
-    min-p), without the softmax and one-hot passes over the whole vocabulary that unfiltered
-    and greedy rows need (padding rows keep top-k 1: one-hot alike)."""
+    Not `general`: for batches whose every sampled request has a filter (top-k, top-p or
+    min-p), greedy requests among them: `accept_candidates`, over each row's candidates, not
+    the vocabulary (padding rows are greedy). `general`: the warp and rejection over the
+    whole vocabulary that an unfiltered row's softmax needs."""
     b, t, v = logits.shape
     dev, k = logits.device, sampling.DRAFT_SUPPORT
     inputs = {
@@ -72,14 +73,18 @@ def accept_graph(capture: GraphCapture, logits: Tensor, general: bool) -> StageG
     }
 
     def body() -> dict[str, Tensor]:
-        params = sampling.RowParams(inputs["params"], True, general, general)
-        p, covered = sampling.warp_candidates(logits.view(b * t, v), params)
-        assert covered is not None
+        params = sampling.RowParams(inputs["params"], True, general, True)
+        drafts, lengths, u = inputs["drafts"], inputs["lengths"], inputs["u"]
+        if not general:
+            accepted, last, covered = accept_candidates(
+                logits, params, drafts, lengths, u, inputs["q_ids"], inputs["q"]
+            )
+            return {"verdicts": torch.stack([accepted, last, covered.long()])}
+        p, rows_covered = sampling.warp_candidates(logits.view(b * t, v), params)
+        assert rows_covered is not None
         q = torch.zeros(b, t - 1, v, device=dev).scatter_add_(-1, inputs["q_ids"], inputs["q"])
-        accepted, last = accept_chains(
-            p.view(b, t, v), q, inputs["drafts"], inputs["lengths"], inputs["u"]
-        )
-        return {"verdicts": torch.stack([accepted, last, covered.view(b, t).all(-1).long()])}
+        accepted, last = accept_chains(p.view(b, t, v), q, drafts, lengths, u)
+        return {"verdicts": torch.stack([accepted, last, rows_covered.view(b, t).all(-1).long()])}
 
     return capture.capture(body, inputs, [])
 
@@ -174,7 +179,7 @@ class VerifyGraphs:
 
     def accept(self, chains: ChainBatch) -> list[list[int]] | None:
         """The accept graph of the bucket that ran (see `VerifyStage.accept`)."""
-        general = chains.params.any_plain or chains.params.any_greedy
+        general = chains.params.any_plain
         graph = None if self._ran is None else self.accepts.get((self._ran[0], general))
         if graph is None or chains.dense or chains.q_ids.shape[-1] > sampling.DRAFT_SUPPORT:
             return None

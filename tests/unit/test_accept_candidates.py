@@ -1,0 +1,136 @@
+"""The sampled accept over each row's candidates is the vocabulary-wide rule.
+
+`accept_candidates` must give the exact one-draft outcome distribution (drafts on and off the
+candidates, q sparse; a broken residual fails the same test), the same verdicts as
+`accept_chains` over the vocabulary for the same uniforms, the argmax rule on greedy rows,
+and say which requests it cannot cover (their cut lies past the candidates).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specpair.runtime.accept as accept_module
+import specpair.runtime.sampling as sampling_module
+from specpair.runtime.accept import (
+    ChainBatch,
+    accept_candidates,
+    accept_chain_batch,
+    accept_chains,
+    accept_greedy_argmax,
+)  # fmt: skip
+from specpair.runtime.sampling import RowParams, SamplingParams, warp, warp_rows
+from specpair.runtime.tree import chain
+from tests.unit.test_sampling_rows import fits, one_draft_outcomes
+
+V, CANDIDATES = 300, 32
+SAMPLED = SamplingParams(temperature=0.7, top_p=0.9)
+
+
+@pytest.fixture(autouse=True)
+def few_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sampling_module, "CANDIDATES", CANDIDATES)
+
+
+def peaked(rows: int, seed: int) -> torch.Tensor:
+    """Logits whose top-p 0.9 cut at T = 0.7 falls among the first ~10 tokens."""
+    logits = torch.randn(rows, V, generator=torch.Generator().manual_seed(seed))
+    logits[:, :10] += 6
+    return logits
+
+
+def one_draft_counts(n_runs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(observed [2, V] counts of (accepted, last token), their exact distribution) of a
+    one-draft chain whose sparse q puts mass on and off the target's candidates."""
+    gen = torch.Generator().manual_seed(5)
+    logits = peaked(2, seed=4)
+    q_ids = torch.tensor([0, 1, 2, 3, 50, 120, 200, 299])  # 4 among the candidates, 4 off
+    q = torch.softmax(torch.randn(8, generator=gen), -1)
+    x = q_ids[torch.multinomial(q, n_runs, replacement=True, generator=gen)]
+    params = RowParams.of([SAMPLED] * 2 * n_runs)
+    accepted, last, covered = accept_candidates(
+        logits.expand(n_runs, -1, -1), params, x[:, None], torch.ones(n_runs).long(),
+        torch.rand(n_runs, 2, generator=gen), q_ids.expand(n_runs, 1, -1), q.expand(n_runs, 1, -1),
+    )  # fmt: skip
+    assert covered.all()
+    observed = torch.zeros(2, V)
+    for a in (0, 1):
+        observed[a] = torch.bincount(last[accepted == a], minlength=V)
+    p = warp(logits, SAMPLED)
+    return observed, one_draft_outcomes(p[0], p[1], torch.zeros(V).scatter_(0, q_ids, q))
+
+
+def test_accept_candidates_matches_the_exact_one_draft_outcome_distribution() -> None:
+    observed, exact = one_draft_counts(20000)
+    assert fits(observed, exact)
+
+
+def test_a_broken_residual_fails_the_same_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The negative control: the last token from p after a rejection, not norm((p − q)+)."""
+    monkeypatch.setattr(accept_module, "residual", lambda p, q: p)
+    observed, exact = one_draft_counts(20000)
+    assert not fits(observed, exact)
+
+
+def test_verdicts_equal_accept_chains_over_the_vocabulary() -> None:
+    """Same uniforms, same accepted counts (p(x) and q(x) are the same floats); the last
+    token lies where its distribution has mass. Greedy and filtered requests mixed."""
+    b, n = 6, 3
+    gen = torch.Generator().manual_seed(9)
+    logits = peaked(b * (n + 1), seed=8).view(b, n + 1, V)
+    requests = [
+        SAMPLED, SamplingParams(), SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(temperature=0.5, min_p=0.1), SAMPLED, SamplingParams(top_p=0.5),
+    ]  # fmt: skip
+    params = RowParams.of(requests).repeat(n + 1)
+    drafts = torch.randint(0, 12, (b, n), generator=gen)
+    drafts[0] = logits[0, :n].argmax(-1)  # likely accepted throughout
+    q_ids = torch.stack([torch.randperm(40, generator=gen)[:8] for _ in range(b * n)])
+    q_ids = q_ids.view(b, n, 8)
+    q_ids[..., 0] = drafts
+    q = torch.softmax(torch.randn(b, n, 8, generator=gen), -1)
+    lengths = torch.tensor([3, 3, 2, 3, 1, 3])
+    u = torch.rand(b, n + 1, generator=gen)
+    accepted, last, covered = accept_candidates(logits, params, drafts, lengths, u, q_ids, q)
+    assert covered.all()
+    p = warp_rows(logits.view(-1, V), params).view(b, n + 1, V)
+    dense_q = torch.zeros(b, n, V).scatter_add_(-1, q_ids, q)
+    ref_accepted, _ = accept_chains(p, dense_q, drafts, lengths, u)
+    assert accepted.tolist() == ref_accepted.tolist()
+    for i, (m, token) in enumerate(zip(accepted.tolist(), last.tolist(), strict=True)):
+        assert p[i, m, token] > 0
+        if requests[i].greedy:
+            ref = accept_greedy_argmax(chain(drafts[i].tolist()), logits[i].argmax(-1).tolist())
+            assert (m, token) == (min(ref.accept_length, 3), ref.bonus)
+
+
+def test_greedy_rows_take_the_first_argmax_among_ties() -> None:
+    logits = torch.zeros(1, 2, V)
+    logits[0, :, [7, 3]] = 5.0  # tied: the argmax is 3
+    q_ids = torch.tensor([[[3]]])
+    accepted, last, _ = accept_candidates(
+        logits, RowParams.of([SamplingParams()] * 2), torch.tensor([[3]]), torch.tensor([1]),
+        torch.full((1, 2), 0.5), q_ids, torch.ones(1, 1, 1),
+    )  # fmt: skip
+    assert (int(accepted[0]), int(last[0])) == (1, 3)
+
+
+def test_a_cut_past_the_candidates_is_not_covered_and_the_batch_accepts_all_the_same() -> None:
+    """T = 2, top-p 0.99 over 300 near-flat tokens keeps more than 32: that request is not
+    covered, and `accept_chain_batch` falls back to the warp over the vocabulary."""
+    logits = peaked(4, seed=2).view(2, 2, V)
+    logits[1] = torch.randn(2, V, generator=torch.Generator().manual_seed(3)) * 0.1
+    requests = [SAMPLED, SamplingParams(temperature=2.0, top_p=0.99)]
+    params = RowParams.of(requests).repeat(2)
+    drafts = torch.tensor([[1], [2]])
+    q_ids, q = drafts[..., None], torch.ones(2, 1, 1)
+    u = torch.full((2, 2), 0.3)
+    lengths = torch.tensor([1, 1])
+    _, _, covered = accept_candidates(logits, params, drafts, lengths, u, q_ids, q)
+    assert covered.tolist() == [True, False]
+    batch = ChainBatch(params, drafts, lengths, u, q_ids, q)
+    verdicts = accept_chain_batch(logits, batch)
+    p = warp_rows(logits.view(-1, V), params).view(2, 2, V)
+    for i, (m, token) in enumerate(verdicts):
+        assert p[i, m, token] > 0
