@@ -36,7 +36,8 @@ import torch
 
 import specpair.runtime.sampling as sampling_module
 from bench.common import device_info, format_table, write_json
-from specpair.runtime.accept import accept_candidates, accept_chains
+from specpair.runtime.accept import accept_chains
+from specpair.runtime.accept_batch import accept_candidates
 from specpair.runtime.sampling import (
     RowParams,
     SamplingParams,

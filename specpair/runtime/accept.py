@@ -12,13 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specpair.runtime.sampling import (
-    RowParams,
-    candidate_probs,
-    sample,
-    sample_rows,
-    warp_rows,
-)  # fmt: skip
+from specpair.runtime.sampling import sample, sample_rows
 from specpair.runtime.tree import CandidateTree, children, full_parents
 
 
@@ -37,20 +31,6 @@ class Acceptance:
     def keep(self) -> list[int]:
         """Full-tree indices whose KV is committed: the root and the accepted nodes."""
         return [0] + [n + 1 for n in self.nodes]
-
-
-@dataclass(frozen=True, slots=True)
-class ChainBatch:
-    """B chains of up to n drafts as `accept_chains` takes them, on the host (an accept graph
-    loads them into its buffers, the eager accept copies them to the logits' device)."""
-
-    params: RowParams  # B * (n + 1) rows: each request's sampling, once per tree row
-    drafts: Tensor  # [B, n]
-    lengths: Tensor  # [B] drafts per chain
-    u: Tensor  # [B, n + 1] uniforms, from each request's generator
-    q_ids: Tensor  # [B, n, K]: q sparse (a greedy request's: one-hot at its drafts)
-    q: Tensor  # [B, n, K]
-    dense: tuple[tuple[int, Tensor], ...] = ()  # (request, q [m, V]) that came dense
 
 
 def accept_greedy(tree: CandidateTree, target_logits: Tensor) -> Acceptance:
@@ -151,49 +131,6 @@ def accept_chains(
     return accepted, sample_rows(last, u[rows, lengths])
 
 
-def accept_candidates(
-    logits: Tensor,
-    params: RowParams,
-    drafts: Tensor,
-    lengths: Tensor,
-    u: Tensor,
-    q_ids: Tensor,
-    q: Tensor,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """`accept_chains` over each row's candidates (`candidate_probs`) rather than the
-    vocabulary: (accepted [B], last token [B], covered [B]); a request whose rows' cuts do
-    not all fall among their candidates is not covered, and its verdict needs the warp over
-    the vocabulary. For rows with top-k, top-p or min-p, and greedy rows (one-hot at the
-    first argmax). On a Llama-3 vocabulary a tier-7 chain's rows are 8 × 257 floats, not
-    8 × 128 256, so the work is the candidates' topk and one normaliser over the row.
-
-    logits: [B, n + 1, V]; params: B × (n + 1) rows; q_ids, q: [B, n, K], q sparse (padding:
-    probability 0); drafts, lengths, u as `accept_chains` takes them. Column c (past the c
-    candidates) holds no mass: a draft off the candidates lands there, p(x) = 0, rejected as
-    over the vocabulary; q's mass off them falls where (p − q)+ is 0 either way, so the
-    residual is the same distribution.
-    """
-    b, t, v = logits.shape
-    n = t - 1
-    flat = logits.reshape(b * t, v)
-    ids, p, covered = candidate_probs(flat.float() / params.temperature, params)
-    c = ids.shape[-1]
-    if params.any_greedy:
-        hit = ids == flat.argmax(-1, keepdim=True)
-        first = hit & (hit.cumsum(-1) == 1)  # ids are distinct; the guard costs nothing
-        p = torch.where(params.greedy[:, None], first.to(p.dtype), p)
-        covered = torch.where(params.greedy, hit.any(-1), covered)
-    ids, p = ids.view(b, t, c), torch.nn.functional.pad(p, (0, 1)).view(b, t, c + 1)
-    # q on the candidates: [B, n, K, c] matches of q's ids, summed over K
-    qc = (q[..., None] * (q_ids[..., None] == ids[:, :n, None, :])).sum(-2)
-    match = (ids[:, :n] == drafts[..., None]) & (p[:, :n, :c] > 0)  # [B, n, c]
-    where = torch.where(match.any(-1), match.to(torch.int32).argmax(-1), c)
-    accepted, last = accept_chains(p, torch.nn.functional.pad(qc, (0, 1)), where, lengths, u)
-    rows = torch.arange(b, device=logits.device)
-    token = ids[rows, accepted].gather(-1, last.clamp(max=c - 1)[:, None])[:, 0]
-    return accepted, token, covered.view(b, t).all(-1)
-
-
 def accept_trees(p: Tensor, tokens: Tensor, parents: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
     """SGLang's target-only tree rule (`tree_speculative_sampling_target_only`, at its exact
     thresholds of 1) for a batch of trees as batched tensor ops: (accepted [B, T] bool over
@@ -209,96 +146,45 @@ def accept_trees(p: Tensor, tokens: Tensor, parents: Tensor, u: Tensor) -> tuple
     children in order: accept child x with probability p(x); on a rejection p ← p with x
     removed, renormalised; no child accepted → the last token is drawn from what p is left;
     after a leaf, from the leaf's row (the bonus). Its output is distributed as p exactly
-    (sampling p by elimination), whatever candidates the draft chose. Children come after
-    their parent, so one pass over the nodes in order visits each node's children in order,
-    after the node itself was accepted: at node 5, parent 2, accepted 2 → try 5; else skip.
+    (sampling p by elimination), whatever candidates the draft chose.
+
+    Without a loop over the nodes: a child is tried only once its parent was accepted and
+    its earlier siblings rejected, and p is then its parent's row less those siblings'
+    tokens, so whether it is taken is fixed by the tree alone: u_j < p_par(x_j) / (1 − the
+    mass of its earlier siblings' distinct tokens), 0 for a token an earlier sibling had. A
+    node is accepted when it and every ancestor is the first of its siblings taken (doubling
+    up the parent pointers); the last token comes from the deepest accepted node's row less
+    its children's tokens. Root → children tokens 5, 7 with p 0.5, 0.3: try 5 (u < 0.5), then
+    7 with u < 0.3 / 0.5; neither → p = 1 − 0.8 mass spread over the rest.
     A greedy row is one-hot p: the argmax child is accepted, and the last token is the argmax.
     """
-    b, t, _ = p.shape
-    rows = torch.arange(b, device=p.device)
-    node = torch.zeros(b, dtype=torch.long, device=p.device)
-    current = p[:, 0].clone()  # [B, V]
-    accepted = torch.zeros(b, t, dtype=torch.bool, device=p.device)
-    for j in range(1, t):
-        x = tokens[:, j]
-        tried = parents[:, j] == node
-        px = current[rows, x]
-        take = tried & (u[:, j] < px)
-        drop = tried & ~take
-        accepted[:, j] = take
-        node = torch.where(take, j, node)
-        removed = current.scatter(-1, x[:, None], 0.0)  # norm((p − onehot(x))+)
-        total = removed.sum(-1, keepdim=True)
-        removed = torch.where(total > 0, removed / total.clamp_min(1e-30), current)
-        current = torch.where(take[:, None], p[:, j], torch.where(drop[:, None], removed, current))
-    return accepted, sample_rows(current, u[:, 0])
-
-
-def accept_tree_batch(
-    logits: Tensor, trees: Sequence[CandidateTree], u: Tensor, params: RowParams
-) -> list[Acceptance]:
-    """`accept_trees` for a batch's trees drafted without q (greedy requests among them),
-    eagerly on the logits' device [B, T, V]; u: [B, T] on the host."""
-    b, t, v = logits.shape
-    dev = logits.device
-    p = warp_rows(logits.reshape(b * t, v), params.repeat(t).to(dev)).view(b, t, v)
-    tokens = torch.zeros(b, t, dtype=torch.long)
-    parents = torch.full((b, t), -1, dtype=torch.long)
-    for i, tree in enumerate(trees):
-        tokens[i, 1 : len(tree) + 1] = torch.tensor(tree.tokens, dtype=torch.long)
-        parents[i, : len(tree) + 1] = torch.tensor(full_parents(tree))
-    accepted, last = accept_trees(p, tokens.to(dev), parents.to(dev), u.to(dev))
-    out = []
-    for tree, row, bonus in zip(trees, accepted.cpu().tolist(), last.tolist(), strict=True):
-        nodes = tuple(j - 1 for j, ok in enumerate(row) if ok)
-        out.append(Acceptance(nodes, tuple(tree.tokens[n] for n in nodes), bonus))
-    return out
-
-
-def accept_chain_batch(logits: Tensor, chains: ChainBatch) -> list[list[int]]:
-    """Rejection sampling of a batch of chains (greedy requests among them too), eagerly on
-    the logits' device: per request [accepted drafts, last token]."""
-    b, t, v = logits.shape
-    dev = logits.device
-    params = chains.params.to(dev)
-    drafts, lengths, u = chains.drafts.to(dev), chains.lengths.to(dev), chains.u.to(dev)
-    q_ids, q_sparse = chains.q_ids.to(dev), chains.q.to(dev)
-    if not params.any_plain and not chains.dense:
-        accepted, last, covered = accept_candidates(
-            logits, params, drafts, lengths, u, q_ids, q_sparse
-        )
-        if bool(covered.all()):
-            return torch.stack([accepted, last], -1).tolist()
-    p = warp_rows(logits.reshape(b * t, v), params).view(b, t, v)
-    q = torch.zeros(b, t - 1, v, device=dev).scatter_add_(-1, q_ids, q_sparse)
-    for i, rows in chains.dense:
-        q[i, : len(rows)] = rows.to(dev)
-    accepted, last = accept_chains(p, q, drafts, lengths, u)
-    return torch.stack([accepted, last], -1).tolist()
-
-
-def sparse_q(
-    greedy: Sequence[bool], trees: Sequence[CandidateTree], drafts: Tensor
-) -> tuple[Tensor, Tensor, tuple[tuple[int, Tensor], ...]]:
-    """The q of a batch of chains as sparse rows (ids [B, n, K], probs [B, n, K]; padding
-    adds 0 to token 0): each sampled request's own, a greedy request's one-hot at its drafts
-    (see `accept_chains`); and the requests whose q came dense [m, V]."""
-    b, n = drafts.shape
-    width = max(
-        (t.draft_ids.shape[1] for t in trees if t.draft_ids is not None and len(t)), default=1
+    b, t = p.shape[:2]
+    dev = p.device
+    rows = torch.arange(b, device=dev)[:, None]
+    order = torch.arange(t, device=dev)
+    real = parents >= 0  # nodes past the root (not the root, not padding)
+    up = parents.clamp(min=0)  # [B, T]; the root and padding point at the root
+    px = p[rows, up, tokens] * real  # [B, T]: p of the parent's row at the node's token
+    # [B, j, s]: s is an earlier sibling of j
+    sibling = real[:, :, None] & real[:, None, :] & (parents[:, :, None] == parents[:, None, :])
+    sibling &= order[None, None, :] < order[None, :, None]
+    repeat = (sibling & (tokens[:, :, None] == tokens[:, None, :])).any(-1)  # [B, T]
+    removed = (sibling.to(p.dtype) * (px * ~repeat)[:, None, :]).sum(-1)
+    take = real & ~repeat & (u * (1.0 - removed).clamp_min(1e-30) < px)
+    first = take & ~(sibling & take[:, None, :]).any(-1)
+    path = first.clone()
+    path[:, 0] = True  # the root, always reached
+    for _ in range(max(t - 1, 1).bit_length()):  # doubling: 2^k ancestors checked
+        path &= path.gather(1, up)
+        up = up.gather(1, up)
+    accepted = path & real
+    node = (accepted * order).amax(-1)  # the deepest accepted (children after parents); 0: root
+    current = p[rows[:, 0], node]  # [B, V]
+    children = real & (parents == node[:, None])  # all tried and rejected
+    keep = torch.ones_like(current).scatter_reduce_(
+        -1, tokens, (~children).to(current.dtype), reduce="amin"
     )
-    ids = torch.zeros(b, n, width, dtype=torch.long)
-    probs = torch.zeros(b, n, width)
-    ids[..., 0], probs[..., 0] = drafts, 1.0
-    dense: list[tuple[int, Tensor]] = []
-    for i, (drafted_greedily, tree) in enumerate(zip(greedy, trees, strict=True)):
-        m = len(tree)
-        if drafted_greedily or tree.draft_probs is None or not m:
-            continue
-        if tree.draft_ids is None:
-            probs[i, :m, 0] = 0.0
-            dense.append((i, tree.draft_probs))
-            continue
-        k = tree.draft_ids.shape[1]
-        ids[i, :m, :k], probs[i, :m, :k] = tree.draft_ids, tree.draft_probs
-    return ids, probs, tuple(dense)
+    left = current * keep
+    total = left.sum(-1, keepdim=True)
+    current = torch.where(total > 0, left / total.clamp_min(1e-30), current)
+    return accepted, sample_rows(current, u[:, 0])

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from specpair.models.args import ModelArgs
 from specpair.models.llama import Attend
-from specpair.runtime.accept import ChainBatch
+from specpair.runtime.accept_batch import ChainBatch, TreeBatch
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
 from specpair.runtime.lookahead import Lookahead
@@ -91,10 +91,11 @@ class VerifyStage(Protocol):
     def run(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """Host tokens [B, T] -> hidden [B, T, H], float logits [B, T, V] (device)."""
 
-    def accept(self, chains: ChainBatch) -> list[list[int]] | None:
+    def accept(self, batch: ChainBatch | TreeBatch) -> list[list[int]] | None:
         """The sampled accept of the batch `run` just verified, in a graph of its own: per
-        request [accepted drafts, last token]; None where none serves (the caller accepts
-        eagerly from the logits, left in place)."""
+        request, of chains [accepted drafts, last token], of trees [last token, accepted
+        full-tree nodes…]; None where none serves (the caller accepts eagerly from the
+        logits, left in place)."""
 
     def read_gpu_ms(self) -> float:
         """GPU time of the graph replays since the last read (0: none ran)."""

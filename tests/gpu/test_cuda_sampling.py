@@ -28,6 +28,7 @@ from transformers import LlamaForCausalLM
 import specpair.runtime.accept as accept_module
 import specpair.runtime.sampling as sampling_module
 from specpair.models.tiny import make_tiny_eagle, make_tiny_eagle3, make_tiny_llama
+from specpair.runtime.accept_batch import accept_candidates
 from specpair.runtime.build import build_drafter, build_states, build_target, feature_layers
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.gpu.draft_graphs import StepGraphs
@@ -258,9 +259,9 @@ def test_the_candidates_accept_in_a_graph_gives_the_vocabulary_wide_verdicts(bat
     args = (logits, params, drafts, lengths, u, q_ids, q)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    accept_module.accept_candidates(*args)  # warm-up outside the capture
+    accept_candidates(*args)  # warm-up outside the capture
     with torch.cuda.graph(graph):
-        out = accept_module.accept_candidates(*args)
+        out = accept_candidates(*args)
     graph.replay()
     accepted, last, covered = (t.cpu() for t in out)
     p = warp_rows(logits.view(-1, v), params).view(batch, n + 1, v)

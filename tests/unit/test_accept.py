@@ -60,16 +60,21 @@ def test_sampling_accepts_when_q_equals_p_and_rejects_impossible_tokens() -> Non
 def test_accept_trees_greedy_rows_take_the_argmax_path() -> None:
     """One-hot p (greedy rows): the target-only rule accepts the argmax child, as
     `accept_greedy_argmax` does, and the last token is the argmax."""
-    from specpair.runtime.accept import accept_greedy_argmax, accept_tree_batch
+    from specpair.runtime.accept import accept_greedy_argmax
+    from specpair.runtime.accept_batch import TreeBatch, accept_tree_batch
     from specpair.runtime.sampling import RowParams, SamplingParams
+    from specpair.runtime.target.accepting import tree_acceptance
+    from specpair.runtime.tree import full_parents
 
     torch.manual_seed(0)
     tree = CandidateTree((3, 1, 4, 1, 5), (-1, -1, 0, 1, 2))
     logits = torch.randn(2, 6, 8)
     logits[0, 0, 1] = logits[0, 2, 1] = 9.0  # root → node 1 (token 1) → node 3 (token 1)
-    accs = accept_tree_batch(
-        logits, [tree, tree], torch.rand(2, 6), RowParams.of([SamplingParams()] * 2)
-    )
+    tokens = torch.tensor([[0, *tree.tokens]] * 2)
+    parents = torch.tensor([full_parents(tree)] * 2)
+    params = RowParams.of([SamplingParams()] * 2).repeat(6)
+    verdicts = accept_tree_batch(logits, TreeBatch(params, tokens, parents, torch.rand(2, 6)))
+    accs = [tree_acceptance(tree, v) for v in verdicts]
     for acc, row in zip(accs, logits, strict=True):
         assert acc == accept_greedy_argmax(tree, row.argmax(-1).tolist())
     assert accs[0].nodes == (1, 3)
@@ -94,3 +99,48 @@ def test_accept_trees_samples_p_by_elimination() -> None:
     )
     freq = torch.bincount(first, minlength=4).float() / n
     assert torch.allclose(freq, p, atol=0.005), freq
+
+
+def sequential_trees(p, tokens, parents, u):  # type: ignore[no-untyped-def]
+    """The target-only rule as its definition reads, node by node: at the current node try
+    its children in order, p(x) to take one, else remove x from p and renormalise."""
+    b, t, _ = p.shape
+    rows = torch.arange(b)
+    node = torch.zeros(b, dtype=torch.long)
+    current = p[:, 0].clone()
+    accepted = torch.zeros(b, t, dtype=torch.bool)
+    for j in range(1, t):
+        x = tokens[:, j]
+        tried = parents[:, j] == node
+        take = tried & (u[:, j] < current[rows, x])
+        drop = tried & ~take
+        accepted[:, j] = take
+        node = torch.where(take, j, node)
+        removed = current.scatter(-1, x[:, None], 0.0)
+        total = removed.sum(-1, keepdim=True)
+        removed = torch.where(total > 0, removed / total.clamp_min(1e-30), current)
+        current = torch.where(take[:, None], p[:, j], torch.where(drop[:, None], removed, current))
+    return accepted, current
+
+
+def test_accept_trees_without_a_loop_is_the_rule_node_by_node() -> None:
+    """Same uniforms, same accepted nodes, and the last token drawn from the same p, over
+    random trees with duplicate siblings, zero-mass tokens and one-hot (greedy) rows."""
+    from specpair.runtime.accept import accept_trees
+    from specpair.runtime.sampling import sample_rows
+
+    gen = torch.Generator().manual_seed(3)
+    b, t, v = 4000, 9, 6
+    parents = torch.tensor([-1, 0, 0, 0, 1, 1, 2, 4, 4]).expand(b, t).clone()
+    parents[::7, 7:] = -1  # shorter trees: padding past their end
+    tokens = torch.randint(0, v, (b, t), generator=gen)
+    p = torch.softmax(torch.randn(b, t, v, generator=gen) * 2, -1)
+    p[::5] = p[::5].masked_fill(p[::5] < 0.15, 0.0)  # zero-mass tokens
+    p[::11] = torch.nn.functional.one_hot(p[::11].argmax(-1), v).float()
+    p = p / p.sum(-1, keepdim=True)
+    u = torch.rand(b, t, generator=gen)
+    accepted, last = accept_trees(p, tokens, parents, u)
+    ref_accepted, ref_current = sequential_trees(p, tokens, parents, u)
+    assert torch.equal(accepted, ref_accepted)
+    assert accepted[:, 1:].any(-1).float().mean() > 0.3  # the trees do accept
+    assert (last == sample_rows(ref_current, u[:, 0])).float().mean() > 0.999

@@ -3,7 +3,9 @@
 `accept_candidates` must give the exact one-draft outcome distribution (drafts on and off the
 candidates, q sparse; a broken residual fails the same test), the same verdicts as
 `accept_chains` over the vocabulary for the same uniforms, the argmax rule on greedy rows,
-and say which requests it cannot cover (their cut lies past the candidates).
+and say which requests it cannot cover (their cut lies past the candidates). The trees' form,
+`accept_tree_candidates`, must give `accept_trees`' verdicts over the vocabulary and sample
+the root's p by elimination (accepting every first child fails that).
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ import torch
 
 import specpair.runtime.accept as accept_module
 import specpair.runtime.sampling as sampling_module
-from specpair.runtime.accept import (
+from specpair.runtime.accept import accept_chains, accept_greedy_argmax
+from specpair.runtime.accept_batch import (
     ChainBatch,
     accept_candidates,
     accept_chain_batch,
-    accept_chains,
-    accept_greedy_argmax,
+    accept_tree_candidates,
 )  # fmt: skip
 from specpair.runtime.sampling import RowParams, SamplingParams, warp, warp_rows
 from specpair.runtime.tree import chain
@@ -134,3 +136,68 @@ def test_a_cut_past_the_candidates_is_not_covered_and_the_batch_accepts_all_the_
     p = warp_rows(logits.view(-1, V), params).view(2, 2, V)
     for i, (m, token) in enumerate(verdicts):
         assert p[i, m, token] > 0
+
+
+# root → 1, 2, 3; 1 → 4, 5; 4 → 6: children after their parent, as drafted
+TREE_PARENTS = [-1, 0, 0, 0, 1, 1, 4]
+
+
+def tree_case(b: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Peaked logits [b, 7, V] over TREE_PARENTS' trees whose tokens are likely ones (each a
+    row's top 12, so some are kept and some cut; node 1 the root's second likeliest) or, at
+    node 3, one off the candidates."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = peaked(b * 7, seed=seed).view(b, 7, V)
+    parents = torch.tensor(TREE_PARENTS).expand(b, 7).clone()
+    tokens = torch.randint(0, 12, (b, 7), generator=gen)
+    tokens[:, 1] = logits[:, 0].topk(2).indices[:, 1]  # the root's second likeliest: has mass
+    tokens[:, 3] = 250
+    return logits, tokens, parents
+
+
+def test_tree_verdicts_equal_accept_trees_over_the_vocabulary() -> None:
+    b = 8
+    logits, tokens, parents = tree_case(b, seed=12)
+    requests = [SAMPLED, SamplingParams(), SamplingParams(temperature=1.0, top_k=5), SAMPLED] * 2
+    params = RowParams.of(requests).repeat(7)
+    u = torch.rand(b, 7, generator=torch.Generator().manual_seed(13))
+    accepted, last, covered = accept_tree_candidates(logits, params, tokens, parents, u)
+    assert covered.all() and accepted.any()
+    p = warp_rows(logits.view(-1, V), params).view(b, 7, V)
+    ref_accepted, _ = accept_module.accept_trees(p, tokens, parents, u)
+    assert torch.equal(accepted, ref_accepted)
+    deepest = (accepted * torch.arange(7)).amax(-1)
+    assert (p[torch.arange(b), deepest, last] > 0).all()
+
+
+def first_tokens(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counts [V] of the first token out, accepted child or last, p of the root) over n
+    draws of one tree: SGLang's rule samples the root's p by elimination."""
+    logits, tokens, parents = tree_case(1, seed=14)
+    params = RowParams.of([SAMPLED] * n).repeat(7)
+    u = torch.rand(n, 7, generator=torch.Generator().manual_seed(15))
+    tokens, parents = tokens.expand(n, 7), parents.expand(n, 7)
+    accepted, last, _ = accept_tree_candidates(logits.expand(n, -1, -1), params, tokens, parents, u)
+    child = accepted[:, 1:4]  # the root's children
+    first = torch.where(
+        child.any(-1), tokens[:, 1:4].gather(1, child.long().argmax(-1, True))[:, 0], last
+    )
+    return torch.bincount(first, minlength=V), warp(logits[0, 0], SAMPLED)
+
+
+def test_accept_tree_candidates_samples_the_roots_p() -> None:
+    counts, p = first_tokens(20000)
+    assert fits(counts, p)
+
+
+def test_trees_accepting_every_first_child_fail_the_same_test(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = accept_module.accept_trees
+
+    def first_child(p, tokens, parents, u):  # type: ignore[no-untyped-def]
+        return real(p, tokens, parents, torch.cat([u[:, :1], torch.zeros_like(u[:, 1:])], 1))
+
+    monkeypatch.setattr(accept_module, "accept_trees", first_child)
+    counts, p = first_tokens(20000)
+    assert not fits(counts, p)

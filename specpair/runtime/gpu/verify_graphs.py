@@ -17,7 +17,13 @@ from torch import Tensor
 
 import specpair.runtime.sampling as sampling
 from specpair.models.llama import LlamaModel
-from specpair.runtime.accept import ChainBatch, accept_candidates, accept_chains
+from specpair.runtime.accept import accept_chains
+from specpair.runtime.accept_batch import (
+    ChainBatch,
+    TreeBatch,
+    accept_candidates,
+    accept_tree_candidates,
+)  # fmt: skip
 from specpair.runtime.gpu.capture import GraphCapture, StageGraph, bucket_of, pad2d, pad_layout
 from specpair.runtime.layout import BatchLayout
 from specpair.runtime.shape import TreeShape
@@ -89,6 +95,32 @@ def accept_graph(capture: GraphCapture, logits: Tensor, general: bool) -> StageG
     return capture.capture(body, inputs, [])
 
 
+def tree_accept_graph(capture: GraphCapture, logits: Tensor) -> StageGraph:
+    """The sampled accept of a tree shape's verified batch, from its logits [B, T, V] in
+    place, for batches whose sampled rows filter (`accept_tree_candidates`): `params`
+    [B * T, 5], full-tree `tokens`, `parents` and uniforms `u` [B, T] in; `verdicts`
+    [T + 2, B] out: the last token, whether the request is covered, then node j accepted
+    (j ≥ 1; row 2 is the root's, never). Padding requests are greedy over a lone root."""
+    b, t, _ = logits.shape
+    dev = logits.device
+    inputs = {
+        "params": torch.ones(b * t, 5, device=dev),
+        "tokens": torch.zeros(b, t, dtype=torch.long, device=dev),
+        "parents": torch.full((b, t), -1, dtype=torch.long, device=dev),
+        "u": torch.full((b, t), 0.5, device=dev),
+    }
+
+    def body() -> dict[str, Tensor]:
+        params = sampling.RowParams(inputs["params"], True, False, True)
+        accepted, last, covered = accept_tree_candidates(
+            logits, params, inputs["tokens"], inputs["parents"], inputs["u"]
+        )
+        rows = [last[None], covered.long()[None], accepted.long().T]
+        return {"verdicts": torch.cat(rows)}
+
+    return capture.capture(body, inputs, [])
+
+
 class VerifyGraphs:
     """One tier's verify stage. `plan` picks the bucket graph, plans its attention and loads
     the positions; `run` loads the tokens and replays it. A plan made ahead (`prepare`) carries
@@ -113,10 +145,15 @@ class VerifyGraphs:
                 b: verify_graph(capture, model, b, shape.verified, feature_layers)
                 for b in capture.buckets
             }
+            small = [b for b in graphs if b <= ACCEPT_GRAPH_BATCH]
+            if not shape.is_chain:
+                return graphs, {
+                    (b, False): tree_accept_graph(capture, graphs[b].outputs["logits"])
+                    for b in small
+                }
             accepts = {
-                (b, general): accept_graph(capture, g.outputs["logits"], general)
-                for b, g in graphs.items()
-                if b <= ACCEPT_GRAPH_BATCH
+                (b, general): accept_graph(capture, graphs[b].outputs["logits"], general)
+                for b in small
                 for general in (True, False)
             }
             return graphs, accepts
@@ -177,26 +214,30 @@ class VerifyGraphs:
         t = tokens.shape[1]
         return g.outputs["hidden"][:b, :t], g.outputs["logits"][:b, :t]
 
-    def accept(self, chains: ChainBatch) -> list[list[int]] | None:
+    def accept(self, batch: ChainBatch | TreeBatch) -> list[list[int]] | None:
         """The accept graph of the bucket that ran (see `VerifyStage.accept`)."""
-        general = chains.params.any_plain
-        graph = None if self._ran is None else self.accepts.get((self._ran[0], general))
-        if graph is None or chains.dense or chains.q_ids.shape[-1] > sampling.DRAFT_SUPPORT:
+        graph = None
+        if self._ran is not None:
+            graph = self.accepts.get((self._ran[0], batch.params.any_plain))
+        if graph is None:
             return None
-        assert self._ran is not None
-        bucket, b = self._ran
+        bucket, b = self._ran or (0, 0)
         t = graph.inputs["u"].shape[1]
-        n = chains.drafts.shape[1]  # the batch's longest chain, at most the tier's
+        if isinstance(batch, TreeBatch):
+            return self._accept_trees(graph, batch, bucket, b, t)
+        if batch.dense or batch.q_ids.shape[-1] > sampling.DRAFT_SUPPORT:
+            return None
+        n = batch.drafts.shape[1]  # the batch's longest chain, at most the tier's
         params = torch.ones(bucket, t, 5)
-        params[:b, : n + 1] = chains.params.table.view(b, n + 1, 5)
+        params[:b, : n + 1] = batch.params.table.view(b, n + 1, 5)
         graph.load("params", params.view(bucket * t, 5))
-        graph.load("drafts", pad2d(chains.drafts, bucket, t - 1))
-        graph.load("lengths", pad2d(chains.lengths[:, None], bucket, 1)[:, 0])
-        graph.load("u", pad2d(chains.u, bucket, t))
+        graph.load("drafts", pad2d(batch.drafts, bucket, t - 1))
+        graph.load("lengths", pad2d(batch.lengths[:, None], bucket, 1)[:, 0])
+        graph.load("u", pad2d(batch.u, bucket, t))
         ids = torch.zeros(bucket, t - 1, sampling.DRAFT_SUPPORT, dtype=torch.long)
         q = torch.zeros(bucket, t - 1, sampling.DRAFT_SUPPORT)
-        k = chains.q_ids.shape[-1]
-        ids[:b, :n, :k], q[:b, :n, :k] = chains.q_ids, chains.q
+        k = batch.q_ids.shape[-1]
+        ids[:b, :n, :k], q[:b, :n, :k] = batch.q_ids, batch.q
         graph.load("q_ids", ids)
         graph.load("q", q)
         self.capture.replay(graph)
@@ -205,6 +246,27 @@ class VerifyGraphs:
             return None  # a row's cut lies past its candidates: it needs a sort
         self.graph_accepts += 1
         return [[m, token] for m, token in zip(accepted, last, strict=True)]
+
+    def _accept_trees(
+        self, graph: StageGraph, batch: TreeBatch, bucket: int, b: int, t: int
+    ) -> list[list[int]] | None:
+        n = batch.tokens.shape[1]  # the batch's widest tree, at most the shape's
+        params = torch.ones(bucket, t, 5)
+        params[:b, :n] = batch.params.table.view(b, n, 5)
+        graph.load("params", params.view(bucket * t, 5))
+        graph.load("tokens", pad2d(batch.tokens, bucket, t))
+        parents = torch.full((bucket, t), -1, dtype=torch.long)
+        parents[:b, :n] = batch.parents
+        graph.load("parents", parents)
+        graph.load("u", pad2d(batch.u, bucket, t))
+        self.capture.replay(graph)
+        last, covered, _, *accepted = graph.outputs["verdicts"][:, :b].tolist()
+        if not all(covered):
+            return None
+        self.graph_accepts += 1
+        return [
+            [token, *(j for j in range(1, t) if accepted[j - 1][i])] for i, token in enumerate(last)
+        ]
 
     def read_gpu_ms(self) -> float:
         return self.capture.read_gpu_ms()

@@ -3,8 +3,8 @@
 all greedy                  accept_greedy_argmax per tree (the longest argmax path)
 sampled, all chains         accept_chains, batched (a graph's on a GPU); a chain without q
                             is one-hot q, SGLang's target-only rule
-sampled trees without q     accept_trees, batched: SGLang's target-only rule (the draft's
-                            tree shapes send no q)
+sampled trees without q     accept_trees, batched (a graph's on a GPU): SGLang's target-only
+                            rule (the draft's tree shapes send no q)
 sampled trees with q        accept_sampling per request: the host reference (SpecInfer
                             with per-node q)
 """
@@ -17,17 +17,16 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from specpair.runtime.accept import (
-    Acceptance,
+from specpair.runtime.accept import Acceptance, accept_greedy_argmax, accept_sampling
+from specpair.runtime.accept_batch import (
     ChainBatch,
+    TreeBatch,
     accept_chain_batch,
-    accept_greedy_argmax,
-    accept_sampling,
     accept_tree_batch,
     sparse_q,
 )  # fmt: skip
 from specpair.runtime.sampling import RowParams, SamplingParams, warp
-from specpair.runtime.tree import CandidateTree
+from specpair.runtime.tree import CandidateTree, full_parents
 
 
 class TargetSequence(Protocol):
@@ -37,8 +36,8 @@ class TargetSequence(Protocol):
     generator: torch.Generator
 
 
-# The verify stage's accept graph for a batch of chains (None: accept eagerly)
-ChainAccept = Callable[[ChainBatch], "list[list[int]] | None"]
+# The verify stage's accept graph (`VerifyStage.accept`; None: accept eagerly)
+GraphAccept = Callable[[ChainBatch | TreeBatch], "list[list[int]] | None"]
 
 
 def accept_batch(
@@ -46,7 +45,7 @@ def accept_batch(
     trees: Sequence[CandidateTree],
     logits: Tensor,
     t: int,
-    graph: ChainAccept,
+    graph: GraphAccept,
     per_request: bool = False,
 ) -> list[Acceptance]:
     """Each request's acceptance of its tree from the verify's logits [B, t, V].
@@ -69,29 +68,45 @@ def accept_batch(
             for tree, (m, bonus) in zip(trees, verdicts, strict=True)
         ]
     if not per_request and all(tree.draft_probs is None for tree in trees):  # drafted without q
-        params = RowParams.of([s.sampling for s in seqs])
-        return accept_tree_batch(logits, trees, tree_uniforms(seqs, trees, t), params)
+        batch = tree_inputs(seqs, trees, t)
+        verdicts = graph(batch) or accept_tree_batch(logits, batch)
+        return [
+            tree_acceptance(tree, verdict) for tree, verdict in zip(trees, verdicts, strict=True)
+        ]
     host = logits.cpu()  # sampled trees with q (or per request): the host, request by request
     return [
         accept_greedy_argmax(tree, host[i, : len(tree) + 1].argmax(-1).tolist())
         if seq.sampling.greedy
         else accept_sampling(tree, warp(host[i, : len(tree) + 1], seq.sampling), seq.generator)
         if tree.draft_probs is not None or not len(tree)
-        else accept_tree_batch(
-            host[i : i + 1, : len(tree) + 1], [tree], tree_uniforms([seq], [tree], len(tree) + 1),
-            RowParams.of([seq.sampling]),
-        )[0]
+        else tree_acceptance(tree, accept_tree_batch(
+            host[i : i + 1, : len(tree) + 1], tree_inputs([seq], [tree], len(tree) + 1)
+        )[0])
         for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True))
     ]  # fmt: skip
 
 
-def tree_uniforms(seqs: Sequence[TargetSequence], trees: Sequence[CandidateTree], t: int) -> Tensor:
-    """[B, t] uniforms of `accept_trees`, each sampling request's from its generator."""
-    u = torch.full((len(seqs), t), 0.5)  # a greedy request's verdicts need no randomness
+def tree_inputs(
+    seqs: Sequence[TargetSequence], trees: Sequence[CandidateTree], t: int
+) -> TreeBatch:
+    """What `accept_trees` needs of a batch of trees besides the logits, on the host: full
+    trees padded to t, each sampling request's uniforms from its generator."""
+    b = len(seqs)
+    tokens = torch.zeros(b, t, dtype=torch.long)
+    parents = torch.full((b, t), -1, dtype=torch.long)
+    u = torch.full((b, t), 0.5)  # a greedy request's verdicts need no randomness
     for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
+        tokens[i, 1 : len(tree) + 1] = torch.tensor(tree.tokens, dtype=torch.long)
+        parents[i, : len(tree) + 1] = torch.tensor(full_parents(tree))
         if not seq.sampling.greedy:
             u[i, : len(tree) + 1] = uniforms(seq, len(tree) + 1)
-    return u
+    return TreeBatch(RowParams.of([s.sampling for s in seqs]).repeat(t), tokens, parents, u)
+
+
+def tree_acceptance(tree: CandidateTree, verdict: list[int]) -> Acceptance:
+    """A tree's `Acceptance` from its verdict [last token, accepted full-tree nodes…]."""
+    nodes = tuple(j - 1 for j in verdict[1:])
+    return Acceptance(nodes, tuple(tree.tokens[n] for n in nodes), verdict[0])
 
 
 def chain_inputs(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from specpair.models.llama import LlamaModel
-from specpair.runtime.accept import ChainBatch
+from specpair.runtime.accept_batch import ChainBatch, TreeBatch
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
 
@@ -42,7 +42,7 @@ class EagerVerify:
         )
         return features, self.model.logits(hidden)
 
-    def accept(self, chains: ChainBatch) -> list[list[int]] | None:
+    def accept(self, batch: ChainBatch | TreeBatch) -> list[list[int]] | None:
         return None
 
     def read_gpu_ms(self) -> float:
