@@ -25,7 +25,7 @@ doubles that tier's wait (up to 16×), a win resets it. It runs at least one int
 `REMEASURE_REQUEST_ROUNDS` request-rounds of its own (the target's first round after the switch
 still runs at the tier left): code acceptance comes in bursts that hit every tier alike, and the
 tier left is judged by its long-run acceptance, so a few rounds meeting a burst would decide
-against the runner-up (bench/RESULTS.md, "Measurements behind choices in the code").
+against the runner-up (bench/CHOICES.md).
 """
 
 from __future__ import annotations

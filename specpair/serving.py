@@ -50,7 +50,7 @@ class Compute:
 
     On a CUDA device a call is graph launches and one wait on the GPU: it runs inline on the
     event loop, because handing it to a thread and back costs two thread wake-ups per call, a
-    few per cent of a round (`bench/RESULTS.md`, "Measurements behind choices"). On the CPU a
+    few per cent of a round (`bench/CHOICES.md`). On the CPU a
     call holds a core for tens of milliseconds, so it runs on one worker thread and the loop
     keeps serving meanwhile.
     """

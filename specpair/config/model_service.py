@@ -68,7 +68,7 @@ class ModelServiceConfig:
 
     threads 0 → half the cores: draft and target usually share the machine, and torch ops
     launched from a non-main thread with more OpenMP threads than that ran much slower on a
-    2-core CPU (`bench/RESULTS.md`, "Measurements behind choices").
+    2-core CPU (`bench/CHOICES.md`).
 
     busy_poll_ms None → 20 on CUDA, 0 on the CPU: a loop that sleeps in epoll while the peer
     computes wakes up cold, so each one-way message arrives later than between two loops that
