@@ -171,14 +171,11 @@ class RowParams:
 
 def warp_rows(logits: Tensor, params: RowParams) -> Tensor:
     """`warp` for a batch of rows [R, V] with per-row parameters, on the rows' device: float32
-    probabilities [R, V]; a greedy row is one-hot at its argmax.
-
-    Each filter keeps a prefix of the row sorted by logit, so together they keep the tokens at
-    or above one logit threshold per row. The threshold is looked for among the row's
-    `CANDIDATES` likeliest tokens (one topk); only a row whose cut lies past them (a
-    flat distribution, a top-k beyond them) sorts its whole row (`_sorted_warp`; one host
-    sync decides). Which way a row goes depends on that row alone, so its probabilities are
-    the same bits whatever batch it is in."""
+    probabilities [R, V]; a greedy row is one-hot at its argmax. Each filter keeps a prefix of
+    the row sorted by logit, so together they keep the tokens at or above one threshold, looked
+    for among the row's `CANDIDATES` likeliest tokens; only a row whose cut lies past them sorts
+    its whole row (`_sorted_warp`; one host sync decides). A row's way depends on that row
+    alone, so its probabilities are the same bits whatever batch it is in."""
     probs, covered = warp_candidates(logits, params)
     if covered is not None and not bool(covered.all()):
         rows = (~covered).nonzero()[:, 0]
@@ -210,9 +207,8 @@ def warp_candidates(logits: Tensor, params: RowParams) -> tuple[Tensor, Tensor |
 def candidate_probs(x: Tensor, params: RowParams) -> tuple[Tensor, Tensor, Tensor]:
     """The warp of temperature-scaled logits x [R, V] over each row's c = min(CANDIDATES, V)
     likeliest tokens: (ids [R, c], probabilities [R, c], descending, 0 past the cut; covered
-    [R] bool). A row is covered when its cut, and every token tied at it, lies among the
-    candidates: no token off them has mass, so the c columns are the whole distribution.
-    Rows with top-k, top-p or min-p only (an unfiltered row's cut is the whole vocabulary)."""
+    [R]: the cut and every token tied at it lie among them, so they hold all the mass).
+    For rows with top-k, top-p or min-p (an unfiltered row's cut is the whole vocabulary)."""
     v = x.shape[-1]
     c = min(CANDIDATES, v)
     top, ids = x.topk(c, dim=-1)  # descending
