@@ -206,6 +206,7 @@ def in_process(
             for batch in batches:
                 outputs, accepts = [], []
                 engine.times = StageTimes()
+                worker.accept_paths.clear()
                 if engine.pipeline is not None:
                     engine.pipeline.reset_counters()
                 t0 = time.perf_counter()
@@ -222,6 +223,9 @@ def in_process(
                 mean, rounds = accept_stats(accepts)  # target-only rounds have none
                 tokens = sum(map(len, outputs))
                 stages = stage_ms(engine.times, seconds)
+                paths = worker.accept_paths  # a sampled cell: how many accepts ran in a graph
+                if sampled := sum(paths.values()) - paths["greedy"]:
+                    stages["accept_in_graph"] = paths["graph"] / sampled
                 if (p := engine.pipeline) is not None:
                     stages["predraft"] = 1e3 * p.predraft_s / max(p.predraft_rounds, 1)
                     stages["hit_rate"] = p.hits / max(engine.times.rounds, 1)
@@ -426,11 +430,12 @@ def render_stages(cells: list[Cell]) -> str:
     keys = ["draft", "draft_gpu", "verify", "verify_gpu", "accept"]
     rows = [
         [c.workload, str(c.batch), c.config, f"{c.stage_ms.get('rounds', 0):.0f}",
-         *(f"{c.stage_ms[k]:.2f}" for k in keys), f"{c.stage_ms['outside_rounds']:.0f}"]
+         *(f"{c.stage_ms[k]:.2f}" for k in keys), f"{c.stage_ms['outside_rounds']:.0f}",
+         f"{c.stage_ms['accept_in_graph']:.2f}" if "accept_in_graph" in c.stage_ms else "-"]
         for c in cells if c.stage_ms is not None
     ]  # fmt: skip
     headers = ["workload", "batch", "config", "batch rounds", *(f"{k} ms" for k in keys),
-               "outside ms"]  # fmt: skip
+               "outside ms", "sampled accepts in a graph"]  # fmt: skip
     return format_table(headers, rows) if rows else ""
 
 

@@ -80,6 +80,11 @@ class ServiceMetrics:
         self.fallback_rounds = Counter(
             f"{p}_plain_rounds", "Rounds decoded without speculation", ["reason"], registry=r
         )
+        self.accepts = Counter(
+            f"{p}_accepts", "Verifies by where their accept ran (greedy: the argmax; graph / "
+            "device: a sampled batch in an accept graph / batched eagerly; host: per request)",
+            ["path"], registry=r,
+        )  # fmt: skip
         exported = FAMILIES.get(service)
         for name, metric in vars(self).items():
             if name != "registry" and (exported is None or name in exported):

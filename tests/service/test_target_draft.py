@@ -250,6 +250,11 @@ async def test_round_stats_count_the_sampled_requests(ckpts, make_stack) -> None
     assert (2, 1) in pairs and (1, 0) in pairs
     assert all(r.sampled_requests <= min(r.batch_size, 1) for r in rounds)
     assert rounds[-1].sampled_requests == 0  # the greedy request alone
+    # where the accepts ran: batched on the logits' device (the CPU has no accept graphs)
+    samples = stack.target.servicer.scheduler.metrics.accepts.collect()[0].samples
+    paths = {s.labels["path"]: s.value for s in samples if s.name.endswith("_total")}
+    assert paths.get("device", 0) > 0 and paths.get("greedy", 0) > 0
+    assert "graph" not in paths and "host" not in paths
 
 
 async def test_a_batch_runs_at_its_sampling_regimes_tier_from_its_first_round(

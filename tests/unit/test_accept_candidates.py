@@ -201,3 +201,31 @@ def test_trees_accepting_every_first_child_fail_the_same_test(
     monkeypatch.setattr(accept_module, "accept_trees", first_child)
     counts, p = first_tokens(20000)
     assert not fits(counts, p)
+
+
+class Seq:
+    def __init__(self, sampling: SamplingParams) -> None:
+        self.sampling, self.generator = sampling, torch.Generator().manual_seed(0)
+
+
+@pytest.mark.parametrize("tree_round", [False, True])
+def test_accept_batch_says_where_the_accept_ran(tree_round: bool) -> None:
+    """greedy: the argmax; a graph's verdicts taken as they come; none: batched on the
+    logits' device; the batch-invariant mode: the host, request by request."""
+    from specpair.runtime.target.accepting import accept_batch
+    from specpair.runtime.tree import CandidateTree, chain
+
+    seqs = [Seq(SAMPLED), Seq(SamplingParams())]
+    tree = CandidateTree((1, 2), (-1, -1)) if tree_round else chain([1, 2])
+    trees = [tree, tree]
+    logits = peaked(6, seed=20).view(2, 3, V)
+    greedy = [Seq(SamplingParams()), Seq(SamplingParams())]
+    assert accept_batch(greedy, trees, logits, 3, lambda b: None)[1] == "greedy"
+    accs, path = accept_batch(seqs, trees, logits, 3, lambda b: None)
+    assert path == "device" and len(accs) == 2
+    # a graph's verdicts: chains [accepted drafts, last token], trees [last token, nodes…]
+    canned = [[0, 1], [0, 1]] if tree_round else [[1, 7], [1, 7]]
+    accs, path = accept_batch(seqs, trees, logits, 3, lambda b: canned)
+    expected = ((0,), 0) if tree_round else ((0,), 7)
+    assert path == "graph" and [(a.nodes, a.bonus) for a in accs] == [expected] * 2
+    assert accept_batch(seqs, trees, logits, 3, lambda b: None, per_request=True)[1] == "host"

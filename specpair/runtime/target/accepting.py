@@ -38,6 +38,10 @@ class TargetSequence(Protocol):
 
 # The verify stage's accept graph (`VerifyStage.accept`; None: accept eagerly)
 GraphAccept = Callable[[ChainBatch | TreeBatch], "list[list[int]] | None"]
+# Where a verify's accept ran: the argmax alone; a sampled batch in an accept graph, or in
+# batched ops on the logits' device (no graph fits, or a row's cut lies past its candidates);
+# on the host request by request (trees with q, the batch-invariant mode)
+ACCEPT_PATHS = ("greedy", "graph", "device", "host")
 
 
 def accept_batch(
@@ -47,10 +51,11 @@ def accept_batch(
     t: int,
     graph: GraphAccept,
     per_request: bool = False,
-) -> list[Acceptance]:
-    """Each request's acceptance of its tree from the verify's logits [B, t, V].
-    `per_request`: the batch-invariant mode samples on the host, request by request (the
-    batched accept's GPU kernels, and its graph up to a bucket, follow the batch's shape)."""
+) -> tuple[list[Acceptance], str]:
+    """Each request's acceptance of its tree from the verify's logits [B, t, V], and the path
+    it took (`ACCEPT_PATHS`). `per_request`: the batch-invariant mode samples on the host,
+    request by request (the batched accept's GPU kernels, and its graph up to a bucket,
+    follow the batch's shape)."""
     sampled = not all(s.sampling.greedy for s in seqs)
     chains = None  # the host's part of the accept runs while the GPU verifies
     if sampled and not per_request and all(tree.is_chain() for tree in trees):
@@ -60,19 +65,24 @@ def accept_batch(
         return [
             accept_greedy_argmax(tree, argmax[i, : len(tree) + 1].tolist())
             for i, tree in enumerate(trees)
-        ]
-    if chains is not None:
-        verdicts = graph(chains) or accept_chain_batch(logits, chains)
+        ], "greedy"
+    batch: ChainBatch | TreeBatch | None = chains
+    if chains is None and not per_request and all(tree.draft_probs is None for tree in trees):
+        batch = tree_inputs(seqs, trees, t)  # drafted without q
+    if batch is not None:
+        verdicts, path = graph(batch), "graph"
+        if verdicts is None:
+            path = "device"
+            if isinstance(batch, ChainBatch):
+                verdicts = accept_chain_batch(logits, batch)
+            else:
+                verdicts = accept_tree_batch(logits, batch)
+        if isinstance(batch, TreeBatch):
+            return [tree_acceptance(tree, v) for tree, v in zip(trees, verdicts, strict=True)], path
         return [
             Acceptance(tuple(range(m)), tree.tokens[:m], bonus)
             for tree, (m, bonus) in zip(trees, verdicts, strict=True)
-        ]
-    if not per_request and all(tree.draft_probs is None for tree in trees):  # drafted without q
-        batch = tree_inputs(seqs, trees, t)
-        verdicts = graph(batch) or accept_tree_batch(logits, batch)
-        return [
-            tree_acceptance(tree, verdict) for tree, verdict in zip(trees, verdicts, strict=True)
-        ]
+        ], path
     host = logits.cpu()  # sampled trees with q (or per request): the host, request by request
     return [
         accept_greedy_argmax(tree, host[i, : len(tree) + 1].argmax(-1).tolist())
@@ -83,7 +93,7 @@ def accept_batch(
             host[i : i + 1, : len(tree) + 1], tree_inputs([seq], [tree], len(tree) + 1)
         )[0])
         for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True))
-    ]  # fmt: skip
+    ], "host"  # fmt: skip
 
 
 def tree_inputs(

@@ -129,6 +129,8 @@ class TargetRound(Generic[B]):
         # verify + accept + commit: every tree in one forward, each accepted path's KV kept
         results = await self.compute(self.worker.verify, seqs, trees, flight.state)
         flight.verified = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.accepts.labels(self.worker.last_accept).inc()
         for seq, res in zip(seqs, results, strict=True):
             self.session.verified(seq, res.features)  # EAGLE: the committed rows' features
         if ahead is not None and flight.request is not None and flight.epoch is not None:

@@ -8,6 +8,7 @@ call with an empty tree.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -107,6 +108,8 @@ class TargetWorker:
         # the verify of plain decoding (no state)
         self.plain = EagerVerify(model, cache, feature_layers)
         self.last_gpu_ms = 0.0  # GPU time of the last verify's graph replays (0: none ran)
+        self.accept_paths: Counter[str] = Counter()  # verifies by `accepting.ACCEPT_PATHS`
+        self.last_accept = ""  # the last verify's
 
     def _choose(self, seqs: Sequence[TargetSequence], logits: Tensor) -> list[int]:
         """Each request's next token from its logits row [B, V] on the device; the host reads
@@ -196,7 +199,10 @@ class TargetWorker:
         else:
             positions, layout = self._layout(seqs, parents, state)
             hidden, logits = self._forward_tree(tokens, positions, layout, state)
-        accs = accept_batch(seqs, trees, logits, t, stage.accept, self.deterministic)
+        accs, self.last_accept = accept_batch(
+            seqs, trees, logits, t, stage.accept, self.deterministic
+        )
+        self.accept_paths[self.last_accept] += 1
         self.last_gpu_ms = stage.read_gpu_ms()  # the replay is done: its GPU time is readable
         results = []
         for i, (seq, acc) in enumerate(zip(seqs, accs, strict=True)):
