@@ -181,10 +181,7 @@ def accept_trees(p: Tensor, tokens: Tensor, parents: Tensor, u: Tensor) -> tuple
     node = (accepted * order).amax(-1)  # the deepest accepted (children after parents); 0: root
     current = p[rows[:, 0], node]  # [B, V]
     children = real & (parents == node[:, None])  # all tried and rejected
-    keep = torch.ones_like(current).scatter_reduce_(
-        -1, tokens, (~children).to(current.dtype), reduce="amin"
-    )
-    left = current * keep
-    total = left.sum(-1, keepdim=True)
-    current = torch.where(total > 0, left / total.clamp_min(1e-30), current)
-    return accepted, sample_rows(current, u[:, 0])
+    rejected = torch.zeros_like(current).scatter_reduce_(
+        -1, tokens, children.to(current.dtype), reduce="amax"
+    )  # 1 at the children's tokens
+    return accepted, sample_rows(residual(current, current * rejected), u[:, 0])

@@ -216,12 +216,12 @@ class VerifyGraphs:
 
     def accept(self, batch: ChainBatch | TreeBatch) -> list[list[int]] | None:
         """The accept graph of the bucket that ran (see `VerifyStage.accept`)."""
-        graph = None
-        if self._ran is not None:
-            graph = self.accepts.get((self._ran[0], batch.params.any_plain))
+        if self._ran is None:
+            return None
+        bucket, b = self._ran
+        graph = self.accepts.get((bucket, batch.params.any_plain))
         if graph is None:
             return None
-        bucket, b = self._ran or (0, 0)
         t = graph.inputs["u"].shape[1]
         if isinstance(batch, TreeBatch):
             return self._accept_trees(graph, batch, bucket, b, t)

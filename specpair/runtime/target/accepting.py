@@ -70,15 +70,12 @@ def accept_batch(
     if chains is None and not per_request and all(tree.draft_probs is None for tree in trees):
         batch = tree_inputs(seqs, trees, t)  # drafted without q
     if batch is not None:
-        verdicts, path = graph(batch), "graph"
-        if verdicts is None:
-            path = "device"
-            if isinstance(batch, ChainBatch):
-                verdicts = accept_chain_batch(logits, batch)
-            else:
-                verdicts = accept_tree_batch(logits, batch)
+        verdicts = graph(batch)
+        path = "device" if verdicts is None else "graph"
         if isinstance(batch, TreeBatch):
+            verdicts = verdicts or accept_tree_batch(logits, batch)
             return [tree_acceptance(tree, v) for tree, v in zip(trees, verdicts, strict=True)], path
+        verdicts = verdicts or accept_chain_batch(logits, batch)
         return [
             Acceptance(tuple(range(m)), tree.tokens[:m], bonus)
             for tree, (m, bonus) in zip(trees, verdicts, strict=True)
