@@ -31,8 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoTokenizer
 
 from bench import common
+from bench.acceptance import code_prompts
 from bench.checkpoints import random_pair
 from bench.common import (
     add_output_args,
@@ -48,7 +50,7 @@ from specpair.client import SpecpairClient
 from specpair.config import CANDIDATE_STEPS, compute_threads
 from specpair.models.loading import is_eagle_checkpoint, read_args
 from specpair.models.tiny import make_tiny_llama
-from specpair.runtime.build import build_drafter, build_states, build_target
+from specpair.runtime.build import build_drafter, build_states, build_target, feature_layers
 from specpair.runtime.engine import GREEDY, SpeculativeEngine
 from specpair.runtime.round import RoundStats
 from specpair.runtime.sampling import SamplingParams
@@ -81,7 +83,7 @@ def in_process(
     """One engine; every tier's state (and, on a GPU, graphs) built up front, as the services do."""
     worker = build_target(
         target, max_requests=len(work), max_len=max_len, keep_features=True, dtype=dtype,
-        device=device,
+        device=device, feature_layers=feature_layers(draft, target),
     )  # fmt: skip
     drafter = build_drafter(
         draft, target_path=target, max_requests=len(work), max_len=max_len, dtype=dtype,
@@ -254,6 +256,12 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--prompt-len", type=int, help="tokens per prompt (default: 16, 24, … tiny; 512 llama3-8b)"
     )
+    parser.add_argument(
+        "--prompts",
+        choices=["random", "code"],
+        default="random",
+        help="random tokens (--prompt-len), or held-out code (a checkpoint with a tokenizer)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (in-process, target)")
     parser.add_argument("--draft-device", help="the draft service's device (default: --device)")
     parser.add_argument("--dtype", help="float32 (CPU default) | bfloat16 (GPU default)")
@@ -304,7 +312,11 @@ def main() -> None:
             num_kv_heads=2, intermediate_size=352, tokenizer=False,
         )  # fmt: skip
         prompt_len = args.prompt_len or (512 if args.shape == "llama3-8b" else None)
-        work = prompts(args.batch, read_args(target).vocab_size, prompt_len)
+        if args.prompts == "code":  # real acceptance: held-out code windows of 96-128 tokens
+            tokenizer = AutoTokenizer.from_pretrained(target)
+            work = [p.ids for p in code_prompts(tokenizer, args.batch, 96, 128)]
+        else:
+            work = prompts(args.batch, read_args(target).vocab_size, prompt_len)
         context = max(1024, max(map(len, work)) + args.new_tokens)
         compare(args, target, draft, work, tiers, threads, draft_device, dtype_name, context)
 

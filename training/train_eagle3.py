@@ -52,14 +52,17 @@ def ttt_losses(
         # hidden_states[i + 1] is the output of layer i (pre-norm for i < num_layers - 1).
         aux = torch.cat([out.hidden_states[i + 1][:, :n] for i in layers], dim=-1)
         tlogits = target.lm_head(out.last_hidden_state).float()  # [B, T, V]: at p predicts p+1
+        # Once per window, not per step: step k reads positions k+1 .. k+n of the same rows.
+        tops = tlogits.argmax(-1)
+        masks = head.t2d[tops].float()  # rows whose target argmax the draft can name
+        probs = F.softmax(tlogits[..., head.t2d], dim=-1)  # [B, T, draft vocab]
+        del tlogits
     logits = head.ttt(target.model.embed_tokens, w[:, 1 : n + steps], aux, steps)
     total = torch.zeros((), device=w.device)
     stats = []
     for k, lg in enumerate(logits):
-        tl = tlogits[:, k + 1 : k + 1 + n]  # the target at position j+1+k
-        top = tl.argmax(-1)
-        mask = head.t2d[top].float()  # rows whose target argmax the draft can name
-        p = F.softmax(tl[..., head.t2d], dim=-1)
+        at = slice(k + 1, k + 1 + n)  # the target at position j+1+k
+        top, mask, p = tops[:, at], masks[:, at], probs[:, at]
         logp = F.log_softmax(lg.float(), dim=-1)
         ce = -((p * logp).sum(-1) * mask).sum() / mask.sum().clamp(min=1)
         total = total + STEP_DECAY**k * ce

@@ -57,3 +57,6 @@ class EagleHead(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden).float()
+
+    def greedy(self, hidden: Tensor) -> Tensor:
+        return self.logits(hidden).argmax(-1)

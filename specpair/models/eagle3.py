@@ -113,6 +113,13 @@ class Eagle3Head(nn.Module):
         out = draft.new_full((*draft.shape[:-1], self.args.vocab_size), float("-inf"))
         return out.index_copy_(-1, self.target_ids(), draft)
 
+    def greedy(self, hidden: Tensor) -> Tensor:
+        """`logits(hidden).argmax(-1)` without the target-wide logits: the draft argmax mapped
+        to its target id. The same token, ties included: target ids ascend with draft ids, so
+        the first maximum in draft order is the first in target order."""
+        ids = self.draft_logits(hidden).argmax(-1)
+        return ids + self.d2t[ids]
+
     def target_ids(self) -> Tensor:
         """Target id of each draft id [draft_vocab_size]."""
         return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t

@@ -56,6 +56,9 @@ class DraftModel(Protocol):
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [B, T, H] -> float logits of the last row [B, V]."""
 
+    def greedy(self, hidden: Tensor) -> Tensor:
+        """hidden [B, T, H] -> the last row's argmax token [B] (as `logits(hidden).argmax`)."""
+
     def extend_inputs(
         self, inputs: Sequence[DraftInput], slots: list[int]
     ) -> tuple[Tensor, Tensor | None, Tensor, BatchLayout, list[int]]:

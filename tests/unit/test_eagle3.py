@@ -163,6 +163,25 @@ def test_logits_on_target_vocabulary(pair) -> None:
     assert torch.equal(full.argmax(-1), ids[draft.argmax(-1)])
 
 
+def test_greedy_is_the_argmax_of_the_target_wide_logits_ties_included(pair) -> None:
+    """The graphs' greedy step takes the draft argmax mapped to its target id; it must be the
+    token `logits(...).argmax` picks, also where two draft ids tie (the lower target id)."""
+    target, path = pair
+    head: Eagle3Head = load_eagle3(path, target)
+    with torch.no_grad():
+        head.lm_head.weight[5] = head.lm_head.weight[2]  # draft ids 2 and 5 always tie
+        hidden = torch.randn(64, H)
+        full = head.logits(hidden)
+        assert torch.equal(head.greedy(hidden), full.argmax(-1))
+        # a row where the tie is the maximum: both ids carry the row's top logit
+        tied = hidden[:1].clone()
+        head.lm_head.weight[2] = head.lm_head.weight[5] = 10 * tied[0] / tied[0].norm()
+        logits = head.logits(tied)
+        ids = head.target_ids()
+        assert logits[0, ids[2]] == logits[0, ids[5]] == logits.max()
+        assert head.greedy(tied).item() == ids[2].item() == logits.argmax(-1).item()
+
+
 def test_target_sends_the_layers_the_head_reads(pair) -> None:
     """forward_aux's features are the outputs of those layers (transformers'
     hidden_states[i + 1]), concatenated in order, before the final norm."""

@@ -81,3 +81,6 @@ class EagleDrafter(Drafter):
 
     def logits(self, hidden: Tensor) -> Tensor:
         return self.head.logits(hidden[:, -1])
+
+    def greedy(self, hidden: Tensor) -> Tensor:
+        return self.head.greedy(hidden[:, -1])

@@ -41,6 +41,10 @@ class DraftForward(ABC):
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [B, T, H] -> float logits of the last row [B, V]."""
 
+    def greedy(self, hidden: Tensor) -> Tensor:
+        """hidden [B, T, H] -> the last row's argmax token [B]: `logits(hidden).argmax(-1)`."""
+        return self.logits(hidden).argmax(-1)
+
     def extend_inputs(
         self, inputs: Sequence[DraftInput], slots: list[int]
     ) -> tuple[Tensor, Tensor | None, Tensor, BatchLayout, list[int]]:

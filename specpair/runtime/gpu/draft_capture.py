@@ -66,18 +66,20 @@ def step_graph(
     def body() -> dict[str, Tensor]:
         hidden, out, ids, ps, hs = inputs["hidden"], [], [], [], []
         for k in range(forwards + 1):
-            logits = d.logits(hidden)  # [B, V]
             if sampled:
                 params = RowParams(inputs["params"])  # every branch: rows differ
-                token, support, q = draft_support(logits, params, inputs["uniform"][k])
+                token, support, q = draft_support(d.logits(hidden), params, inputs["uniform"][k])
                 ids.append(support)
                 ps.append(q)
+            elif top:
+                logits = d.logits(hidden)  # [B, V]
+                token = logits.argmax(-1)
+                best = torch.softmax(logits, -1).topk(top)
             else:
-                token = logits.argmax(-1)  # [B]
+                token = d.greedy(hidden)  # [B]: an EAGLE-3 head's argmax skips the full vocab
             if k < s:
                 out.append(token)
             if top:
-                best = torch.softmax(logits, -1).topk(top)
                 ids.append(best.indices)
                 ps.append(best.values)
                 hs.append(hidden[:, -1])
