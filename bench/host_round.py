@@ -3,8 +3,8 @@ per round besides the GPU, by batch and tier, over a Llama-3 vocabulary.
 
 Per round of B sampled chains of s drafts, each with a 64-token q (as the draft sends them),
 median µs of: the draft's `RoundResponse` encoded, the target decoding it, checking the trees
-(`validate_tree`, each tree's sparse q), and `chain_inputs` (uniforms, drafts, q for the accept);
-and the message's bytes.
+(`validate_tree`, then the round's sparse qs at once; beside it, each tree's alone), and
+`chain_inputs` (uniforms, drafts, q for the accept); and the message's bytes.
 
     python -m bench.host_round [--batches 1 8 16] [--tiers 3 7] [--iters 200]
 """
@@ -26,7 +26,7 @@ from specpair.proto.v1 import draft_pb2
 from specpair.runtime.round import RoundResponse
 from specpair.runtime.sampling import DRAFT_SUPPORT, SamplingParams, make_generator
 from specpair.runtime.target.accepting import chain_inputs
-from specpair.runtime.tree import CandidateTree, chain, validate_tree
+from specpair.runtime.tree import CandidateTree, chain, sparse_q_faults, validate_tree
 
 VOCAB = 128256
 
@@ -63,7 +63,12 @@ def measure(batch: int, s: int, iters: int) -> dict[str, float]:
     data = wire.response_to_proto(response).SerializeToString()
     seqs = [Sampled(i) for i in range(batch)]
 
-    def check() -> None:
+    def check() -> None:  # as the target's session does: the sparse qs at once
+        for tree in trees.values():
+            validate_tree(tree, max_nodes=64, max_depth=s, vocab_size=VOCAB, sparse_q=False)
+        assert not any(sparse_q_faults(list(trees.values()), VOCAB))
+
+    def check_alone() -> None:  # each tree's sparse q on its own
         for tree in trees.values():
             validate_tree(tree, max_nodes=64, max_depth=s, vocab_size=VOCAB)
 
@@ -74,6 +79,7 @@ def measure(batch: int, s: int, iters: int) -> dict[str, float]:
             lambda: wire.response_from_proto(draft_pb2.RoundResponse.FromString(data)), iters
         ),
         "check": median_us(check, iters),
+        "check_alone": median_us(check_alone, iters),
         "chain_inputs": median_us(lambda: chain_inputs(seqs, list(trees.values()), s + 1), iters),
     }
 
@@ -97,10 +103,11 @@ def main() -> None:
     keys = ["encode", "decode", "check", "chain_inputs"]
     rows = [
         [str(c["batch"]), str(c["tier"]), f"{c['bytes'] / 1024:.1f}",
-         *(f"{c[k]:.0f}" for k in keys), f"{sum(c[k] for k in keys):.0f}"]
+         *(f"{c[k]:.0f}" for k in keys), f"{sum(c[k] for k in keys):.0f}",
+         f"{c['check_alone']:.0f}"]
         for c in cells
     ]  # fmt: skip
-    headers = ["batch", "tier", "KB", *(f"{k} us" for k in keys), "total us"]
+    headers = ["batch", "tier", "KB", *(f"{k} us" for k in keys), "total us", "check alone us"]
     print(format_table(headers, rows))
 
 

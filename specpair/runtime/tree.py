@@ -57,11 +57,17 @@ EMPTY_TREE = CandidateTree((), ())
 
 
 def validate_tree(
-    tree: CandidateTree, *, max_nodes: int, max_depth: int, vocab_size: int
+    tree: CandidateTree,
+    *,
+    max_nodes: int,
+    max_depth: int,
+    vocab_size: int,
+    sparse_q: bool = True,
 ) -> list[int]:
     """Checks the tree and returns the depth of each draft node (children of the root: 1).
 
     Parents must point to an earlier node (or -1), which rules out cycles and self-loops.
+    `sparse_q=False` leaves a sparse q to the caller (`sparse_q_faults`, a round's at once).
     """
     n = len(tree.tokens)
     if len(tree.parents) != n:
@@ -81,7 +87,8 @@ def validate_tree(
             raise MalformedTreeError(f"node {i}: depth {depth} exceeds the limit {max_depth}")
         depths.append(depth)
     if tree.draft_ids is not None:
-        check_sparse_q(tree, vocab_size)
+        if sparse_q:
+            check_sparse_q(tree, vocab_size)
     elif tree.draft_probs is not None:
         if tuple(tree.draft_probs.shape) != (n, vocab_size):
             raise MalformedTreeError(
@@ -117,6 +124,57 @@ def check_sparse_q(tree: CandidateTree, vocab_size: int) -> None:
         raise MalformedTreeError("draft_token_ids: an id repeats within a node")
     q = _float_rows(probs)
     check_draft_probs(q, ((at == np.asarray(tree.tokens)[:, None]) * q).sum(-1))
+
+
+def sparse_q_faults(trees: Sequence[CandidateTree], vocab_size: int) -> list[str | None]:
+    """`check_sparse_q` of a round's trees (those without a sparse q pass): per tree the
+    error it raises, or None. One numpy pass over the nodes of every tree of the usual shape
+    (the cost is per call, not per node: 8 tier-7 trees cost about what 2 did alone); a tree
+    it flags, or of another shape, is checked alone for its message."""
+    faults: list[str | None] = [None] * len(trees)
+    together: list[int] = []
+    ids_rows: list[np.ndarray] = []
+    q_rows: list[np.ndarray] = []
+    for i, tree in enumerate(trees):
+        ids, probs = tree.draft_ids, tree.draft_probs
+        if ids is None:
+            continue
+        if (
+            probs is not None
+            and ids.dim() == 2
+            and 0 < ids.shape[0] == len(tree)
+            and tuple(probs.shape) == tuple(ids.shape)
+            and ids.dtype in (torch.int32, torch.int64)
+            and (not ids_rows or ids.shape[1] == ids_rows[0].shape[1])
+        ):
+            together.append(i)
+            ids_rows.append(ids.numpy())
+            q_rows.append(_float_rows(probs))
+        else:
+            faults[i] = _sparse_q_fault(tree, vocab_size)
+    if not together:
+        return faults
+    at, q = np.concatenate(ids_rows), np.concatenate(q_rows)
+    tokens = np.concatenate([np.asarray(trees[i].tokens) for i in together])
+    ordered = np.sort(at, -1)
+    bad = ((at < 0) | (at >= vocab_size)).any(-1) | (ordered[:, 1:] == ordered[:, :-1]).any(-1)
+    with np.errstate(invalid="ignore"):  # NaN rows: flagged by isfinite
+        bad |= ~np.isfinite(q).all(-1) | (q < 0).any(-1)
+        bad |= np.abs(q.sum(-1) - 1) > PROBS_TOLERANCE
+        bad |= ((at == tokens[:, None]) * q).sum(-1) <= 0
+    starts = np.cumsum([0] + [len(rows) for rows in ids_rows[:-1]])
+    for i, flagged in zip(together, np.logical_or.reduceat(bad, starts), strict=True):
+        if flagged:
+            faults[i] = _sparse_q_fault(trees[i], vocab_size)
+    return faults
+
+
+def _sparse_q_fault(tree: CandidateTree, vocab_size: int) -> str | None:
+    try:
+        check_sparse_q(tree, vocab_size)
+    except ValueError as exc:  # MalformedTreeError, or a shape torch refuses
+        return str(exc)
+    return None
 
 
 def _float_rows(probs: Tensor) -> np.ndarray:

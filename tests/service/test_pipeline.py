@@ -37,9 +37,11 @@ async def nothing_left(stack: Any) -> None:
     # Both at once: the draft's compute thread releases a request (its id, then its slot)
     # while this loop looks, so one read between the two saw 31 free slots.
     await eventually(
-        lambda: rounds.active_requests == 0
-        and rounds.drafter.cache.free_slots == 32
-        and not rounds.pipeline.drafted
+        lambda: (
+            rounds.active_requests == 0
+            and rounds.drafter.cache.free_slots == 32
+            and not rounds.pipeline.drafted
+        )
     )
     scheduler = stack.target.servicer.scheduler
     assert scheduler.worker.cache.free_slots == len(scheduler.worker.cache.lengths)

@@ -11,7 +11,9 @@ from specpair.runtime.tree import (
     CandidateTree,
     MalformedTreeError,
     chain,
+    check_sparse_q,
     full_parents,
+    sparse_q_faults,
     tree_mask,
     tree_positions,
     validate_tree,
@@ -96,3 +98,69 @@ def test_draft_probs_that_rejection_sampling_cannot_trust_are_refused(
 def test_honest_draft_probs_pass() -> None:
     probs = torch.softmax(torch.randn(2, 10, generator=torch.Generator().manual_seed(0)), -1)
     assert validate_tree(chain([1, 2], probs), max_nodes=8, max_depth=4, vocab_size=10) == [1, 2]
+
+
+def _sparse_tree(gen: torch.Generator, n: int, k: int, vocab: int, fault: int) -> CandidateTree:
+    """A chain of n nodes with a sparse q of k ids each, honest or broken one way (`fault`)."""
+    ids = torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(n)])
+    q = torch.softmax(torch.randn(n, k, generator=gen), -1)
+    tokens = ids[:, 0].clone()
+    row = int(torch.randint(n, (1,), generator=gen))
+    if fault == 1:
+        ids[row, 1] = vocab  # outside the vocabulary
+    elif fault == 2:
+        ids[row, 1] = ids[row, 0]  # a repeated id
+    elif fault == 3:
+        q[row, 1] = math.nan
+    elif fault == 4:
+        q[row, 1], q[row, 2] = -q[row, 1], q[row, 2] + 2 * q[row, 1]  # still sums to 1
+    elif fault == 5:
+        q[row] *= 0.9
+    elif fault == 6:
+        q[row, 1] += q[row, 0]
+        q[row, 0] = 0  # the drafted token without mass
+    elif fault == 7:
+        tokens[row] = int(ids[row].max()) + 1 if int(ids[row].max()) + 1 < vocab else 0
+        if int(tokens[row]) in ids[row].tolist():
+            tokens[row] = -1  # not among its ids at all
+    elif fault == 8:
+        q = q[:, :-1]  # a shape that does not match the ids
+    elif fault == 9:
+        ids = ids.float()  # not integer ids
+    elif fault == 10:
+        return CandidateTree(tuple(tokens.tolist()), tuple(range(-1, n - 1)), None, ids.int())
+    dtype = torch.int64 if fault == 11 else torch.int32
+    probs = q.half() if fault == 12 else q
+    return CandidateTree(tuple(tokens.tolist()), tuple(range(-1, n - 1)), probs, ids.to(dtype)
+                         if not ids.dtype.is_floating_point else ids)  # fmt: skip
+
+
+def _alone(tree: CandidateTree, vocab: int) -> str | None:
+    if tree.draft_ids is None:
+        return None
+    try:
+        check_sparse_q(tree, vocab)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_rounds_sparse_qs_checked_at_once_fault_as_each_alone() -> None:
+    """The batched check names the same fault (or none) for every tree as checking it alone,
+    whatever the other trees of the round: every kind of broken q, other widths (k), no q,
+    int64 ids, half-precision q."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, seen = 40, set()
+    for _ in range(300):
+        trees = []
+        for _ in range(int(torch.randint(1, 9, (1,), generator=gen))):
+            n = int(torch.randint(1, 8, (1,), generator=gen))
+            k = 6 if torch.rand(1, generator=gen) < 0.8 else 5
+            fault = int(torch.randint(0, 13, (1,), generator=gen)) if torch.rand(
+                1, generator=gen) < 0.4 else 0  # fmt: skip
+            trees.append(_sparse_tree(gen, n, k, vocab, fault))
+            trees += [chain([1, 2])] if fault == 0 and n == 1 else []  # no q at all
+        expected = [_alone(t, vocab) for t in trees]
+        assert sparse_q_faults(trees, vocab) == expected
+        seen |= {e.split(":")[0] if e else None for e in expected}
+    assert len(seen) >= 8, seen  # honest trees and most kinds of fault were drawn

@@ -30,7 +30,7 @@ from specpair.logging import get_logger
 from specpair.runtime.round import DraftInput, RoundRequest, RoundResponse, StageTimings
 from specpair.runtime.shape import MAX_TREE_NODES, TreeShape
 from specpair.runtime.target.worker import TargetSequence
-from specpair.runtime.tree import EMPTY_TREE, CandidateTree, validate_tree
+from specpair.runtime.tree import EMPTY_TREE, CandidateTree, sparse_q_faults, validate_tree
 
 log = get_logger(__name__)
 
@@ -251,6 +251,7 @@ class DraftSession:
                     view.seen = 0
             return Drafts(empty, response.timings, False, ["draft_error"], ids)
         trees, fallbacks = [], []
+        unchecked: list[int] = []  # trees whose sparse q is still to check
         for item in request.inputs:
             tree = response.trees.get(item.request_id)
             why = response.malformed.get(item.request_id)
@@ -269,24 +270,44 @@ class DraftSession:
                 fallbacks.append("draft_refused")
             if tree is not None and not self.in_process:
                 tier = item.steps or request.speculative_num_steps
-                why = self.fault(tree, item, tier, request.shape is not None)
+                why = self.fault(tree, item, tier, request.shape is not None, sparse_q=False)
             if why is not None:
-                log.warning("malformed candidate tree", request_id=item.request_id, error=why)
-                fallbacks.append("malformed_tree")
+                self._malformed(item.request_id, why, fallbacks)
                 tree = None
+            elif tree is not None and not self.in_process:
+                unchecked.append(len(trees))
             trees.append(EMPTY_TREE if tree is None else tree)
+        # the sparse q of the round's trees at once (`fault` left them)
+        faults = sparse_q_faults([trees[i] for i in unchecked], self.vocab_size)
+        for i, why in zip(unchecked, faults, strict=True):
+            if why is not None:
+                self._malformed(ids[i], why, fallbacks)
+                trees[i] = EMPTY_TREE
         return Drafts(trees, response.timings, True, fallbacks, ids)
 
+    @staticmethod
+    def _malformed(request_id: str, why: str, fallbacks: list[str]) -> None:
+        log.warning("malformed candidate tree", request_id=request_id, error=why)
+        fallbacks.append("malformed_tree")
+
     def fault(
-        self, tree: CandidateTree, item: DraftInput, tier: int, tree_round: bool = False
+        self,
+        tree: CandidateTree,
+        item: DraftInput,
+        tier: int,
+        tree_round: bool = False,
+        *,
+        sparse_q: bool = True,
     ) -> str | None:
-        """Why `tree` cannot be verified for `item` at `tier`, or None when it can. A sampled
-        chain carries the q it was drawn from; a tree round's trees carry none (they are
-        accepted by the target-only rule, exact without q)."""
+        """Why `tree` cannot be verified for `item` at `tier`, or None when it can (with
+        `sparse_q` off, a sparse q is left to `sparse_q_faults`). A sampled chain carries the q
+        it was drawn from; a tree round's trees carry none (they are accepted by the
+        target-only rule, exact without q)."""
         try:
             validate_tree(
-                tree, max_nodes=self.max_tree_nodes, max_depth=tier, vocab_size=self.vocab_size
-            )
+                tree, max_nodes=self.max_tree_nodes, max_depth=tier, vocab_size=self.vocab_size,
+                sparse_q=sparse_q,
+            )  # fmt: skip
         except ValueError as exc:  # MalformedTreeError, or a shape torch refuses
             return str(exc)
         if len(tree) and not item.sampling.greedy and tree.draft_probs is None and not tree_round:
