@@ -181,6 +181,7 @@ def sparse_q(
     probs = torch.zeros(b, n, width)
     ids[..., 0], probs[..., 0] = drafts, 1.0
     dense: list[tuple[int, Tensor]] = []
+    full: list[tuple[int, Tensor, Tensor]] = []  # q filling [n, width]: copied in one go
     for i, (drafted_greedily, tree) in enumerate(zip(greedy, trees, strict=True)):
         m = len(tree)
         if drafted_greedily or tree.draft_probs is None or not m:
@@ -189,6 +190,13 @@ def sparse_q(
             probs[i, :m, 0] = 0.0
             dense.append((i, tree.draft_probs))
             continue
-        k = tree.draft_ids.shape[1]
-        ids[i, :m, :k], probs[i, :m, :k] = tree.draft_ids, tree.draft_probs
+        if tree.draft_ids.shape == (n, width):
+            full.append((i, tree.draft_ids, tree.draft_probs))
+        else:
+            k = tree.draft_ids.shape[1]
+            ids[i, :m, :k], probs[i, :m, :k] = tree.draft_ids, tree.draft_probs
+    if full:
+        rows, row_ids, row_probs = zip(*full, strict=True)
+        ids[list(rows)] = torch.stack(row_ids).long()
+        probs[list(rows)] = torch.stack(row_probs).float()
     return ids, probs, tuple(dense)

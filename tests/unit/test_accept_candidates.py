@@ -21,6 +21,7 @@ from specpair.runtime.accept_batch import (
     accept_candidates,
     accept_chain_batch,
     accept_tree_candidates,
+    sparse_q,
 )  # fmt: skip
 from specpair.runtime.sampling import RowParams, SamplingParams, warp, warp_rows
 from specpair.runtime.tree import chain
@@ -229,3 +230,51 @@ def test_accept_batch_says_where_the_accept_ran(tree_round: bool) -> None:
     expected = ((0,), 0) if tree_round else ((0,), 7)
     assert path == "graph" and [(a.nodes, a.bonus) for a in accs] == [expected] * 2
     assert accept_batch(seqs, trees, logits, 3, lambda b: None, per_request=True)[1] == "host"
+
+
+def test_sparse_q_places_each_requests_q_in_its_rows() -> None:
+    """The batch's sparse q: each sampled request's own q in its first rows, a greedy or
+    q-less request one-hot at its drafts, a dense q only listed; full chains, short ones,
+    narrower q, int32 and int64 ids, half-precision q mixed in one batch."""
+    gen = torch.Generator().manual_seed(3)
+    n, width, vocab = 4, 6, 50
+    for _ in range(50):
+        trees, greedy = [], []
+        for _ in range(int(torch.randint(1, 9, (1,), generator=gen))):
+            m = int(torch.randint(0, n + 1, (1,), generator=gen))
+            k = width if torch.rand(1, generator=gen) < 0.7 else 3
+            q_ids = torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(m)]) \
+                if m else torch.zeros(0, k, dtype=torch.long)  # fmt: skip
+            q = torch.softmax(torch.randn(m, k, generator=gen), -1)
+            kind = int(torch.randint(0, 5, (1,), generator=gen))
+            tokens = q_ids[:, 0].tolist()
+            if kind == 0:
+                trees.append(chain(tokens))  # no q
+            elif kind == 1:
+                trees.append(chain(tokens, torch.softmax(torch.randn(m, vocab), -1)))  # dense
+            else:
+                trees.append(chain(tokens, q.half() if kind == 2 else q,
+                                   q_ids.int() if kind == 3 else q_ids))  # fmt: skip
+            greedy.append(bool(torch.rand(1, generator=gen) < 0.2))
+        drafts = torch.zeros(len(trees), n, dtype=torch.long)
+        for i, tree in enumerate(trees):
+            drafts[i, : len(tree)] = torch.tensor(tree.tokens, dtype=torch.long)
+        ids, probs, dense = sparse_q(greedy, trees, drafts)
+        assert ids.shape[:2] == probs.shape[:2] == (len(trees), n)
+        listed = {i for i, _ in dense}
+        for i, (tree, g) in enumerate(zip(trees, greedy, strict=True)):
+            m = len(tree)
+            own = not g and m and tree.draft_probs is not None
+            if own and tree.draft_ids is not None:
+                k = tree.draft_ids.shape[1]
+                assert torch.equal(ids[i, :m, :k], tree.draft_ids.long())
+                assert torch.equal(probs[i, :m, :k], tree.draft_probs.float())
+                assert not probs[i, :m, k:].any()
+                assert i not in listed
+            elif own:  # dense: no sparse mass here, the q listed
+                assert i in listed and not probs[i, :m].any()
+            else:  # one-hot at the drafts
+                assert i not in listed
+                assert torch.equal(ids[i, :, 0], drafts[i]) and (probs[i, :, 0] == 1).all()
+                assert not probs[i, :, 1:].any()
+            assert torch.equal(ids[i, m:, 0], drafts[i, m:]) and (probs[i, m:, 0] == 1).all()
