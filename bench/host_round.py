@@ -63,7 +63,7 @@ def measure(batch: int, s: int, iters: int) -> dict[str, float]:
     data = wire.response_to_proto(response).SerializeToString()
     seqs = [Sampled(i) for i in range(batch)]
 
-    def check() -> None:  # as the target's session does: the sparse qs at once
+    def check() -> None:  # as served: structure per tree, then the round's sparse qs at once
         for tree in trees.values():
             validate_tree(tree, max_nodes=64, max_depth=s, vocab_size=VOCAB, sparse_q=False)
         assert not any(sparse_q_faults(list(trees.values()), VOCAB))

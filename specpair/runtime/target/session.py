@@ -291,14 +291,9 @@ class DraftSession:
         fallbacks.append("malformed_tree")
 
     def fault(
-        self,
-        tree: CandidateTree,
-        item: DraftInput,
-        tier: int,
-        tree_round: bool = False,
-        *,
+        self, tree: CandidateTree, item: DraftInput, tier: int, tree_round: bool = False, *,
         sparse_q: bool = True,
-    ) -> str | None:
+    ) -> str | None:  # fmt: skip
         """Why `tree` cannot be verified for `item` at `tier`, or None when it can (with
         `sparse_q` off, a sparse q is left to `sparse_q_faults`). A sampled chain carries the q
         it was drawn from; a tree round's trees carry none (they are accepted by the
