@@ -44,7 +44,7 @@ import torch
 from bench.acceptance import code_prompts, prose_prompts
 from bench.adaptive import KINDS, RUNS, STATIC, build_phases, load_policy, oracle_of, run_workload
 from bench.common import device_info, format_table, write_json
-from bench.services import BenchServices, wait_draft_connected
+from bench.services import BenchServices, wait_draft_connected, watch_rounds
 from controller.bands import PolicySpec
 from controller.policy import PolicyConfig
 from specpair.client import ControllerClient, SpecpairClient
@@ -52,6 +52,7 @@ from specpair.config import MODELS_DIR, compute_threads
 from specpair.models.loading import read_args
 from specpair.runtime.build import build_drafter, build_states, build_target, feature_layers
 from specpair.runtime.engine import SpeculativeEngine, StageTimes
+from specpair.runtime.round import RoundStats
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.shape import TreeShape
 from specpair.serving import compute_executor
@@ -107,8 +108,9 @@ class Cell:
     # admit concurrent requests over several rounds, the engine prefills them together
     speedup_vs_engine: float | None = None
     same_as_target_only: bool | None = None  # greedy: every output equals target-only's
-    # in-process only: where a round's time goes, ms per batch round (wall: draft, verify,
-    # accept; GPU: the draft and verify graphs) and the ms outside rounds (prefill, set-up)
+    # where a round's time goes, ms per batch round (wall: draft, verify, accept; GPU: the
+    # draft and verify graphs; services: rpc, schedule, admit too) and the ms outside rounds
+    # (in process: prefill, set-up; services: the target idle, `round_ms`)
     stage_ms: dict[str, float] | None = None
 
     @property
@@ -248,11 +250,25 @@ def stage_ms(times: StageTimes, seconds: float) -> dict[str, float]:
     }
 
 
+def round_ms(rounds: Sequence[RoundStats], seconds: float) -> dict[str, float]:
+    """`stage_ms` of a services cell from the target's round stats: mean ms per batch round of
+    each stage (admit: prefill of the requests joining the round, within total) and the ms
+    outside rounds (the target idle between a reply and the next arrival)."""
+    n = max(len(rounds), 1)
+    stages = {
+        key: sum(getattr(r.timings, f"{key}_ms") for r in rounds) / n
+        for key in ("draft", "draft_gpu", "verify", "verify_gpu", "rpc", "schedule", "admit")
+    }
+    busy = sum(r.timings.total_ms for r in rounds)
+    return stages | {"outside_rounds": 1e3 * seconds - busy, "rounds": len(rounds)}
+
+
 def serve_cells(
     client: SpecpairClient, config: str, workloads: list[Workload], batches: list[int],
     new_tokens: int, record: Callable[[Cell], None],
 ) -> None:  # fmt: skip
-    """Every workload at every batch size: `batch` clients at a time over the requests."""
+    """Every workload at every batch size: `batch` clients at a time over the requests; the
+    target's round stats of each cell give its `stage_ms`."""
     client.generate(workloads[0].ids[0], max_tokens=WARMUP_TOKENS)
     for wl in workloads:
         for batch in batches:
@@ -264,14 +280,19 @@ def serve_cells(
                     seed=i,
                 )  # fmt: skip
 
+            stats: list[RoundStats] = []
+            call = watch_rounds(client.address, stats)
+            time.sleep(0.3)  # subscribed before the first round
             t0 = time.perf_counter()
             with ThreadPoolExecutor(batch) as pool:
                 results = list(pool.map(one, range(len(wl.ids))))
             seconds = time.perf_counter() - t0
+            time.sleep(0.3)  # the last round's stats
+            call.cancel()
             mean, rounds = accept_stats([r.accept_lengths for r in results])
             outputs = [list(r.token_ids) for r in results]
             record(Cell("services", config, wl.name, batch, sum(map(len, outputs)), seconds,
-                        mean, rounds, outputs))  # fmt: skip
+                        mean, rounds, outputs, stage_ms=round_ms(stats, seconds)))  # fmt: skip
 
 
 def services(
@@ -426,16 +447,21 @@ def render(cells: list[Cell]) -> str:
 
 
 def render_stages(cells: list[Cell]) -> str:
-    """Where an in-process round's time goes, per cell (ms per batch round)."""
-    keys = ["draft", "draft_gpu", "verify", "verify_gpu", "accept"]
+    """Where a round's time goes, per cell (ms per batch round; in process the engine's
+    stages, through the services the target's round stats, `round_ms`)."""
+    keys = ["draft", "draft_gpu", "verify", "verify_gpu", "accept", "rpc", "schedule", "admit"]
+
+    def ms(c: Cell, key: str, digits: int = 2) -> str:
+        value = (c.stage_ms or {}).get(key)
+        return "-" if value is None else f"{value:.{digits}f}"
+
     rows = [
-        [c.workload, str(c.batch), c.config, f"{c.stage_ms.get('rounds', 0):.0f}",
-         *(f"{c.stage_ms[k]:.2f}" for k in keys), f"{c.stage_ms['outside_rounds']:.0f}",
-         f"{c.stage_ms['accept_in_graph']:.2f}" if "accept_in_graph" in c.stage_ms else "-"]
+        [c.deployment, c.workload, str(c.batch), c.config, ms(c, "rounds", 0),
+         *(ms(c, k) for k in keys), ms(c, "outside_rounds", 0), ms(c, "accept_in_graph")]
         for c in cells if c.stage_ms is not None
     ]  # fmt: skip
-    headers = ["workload", "batch", "config", "batch rounds", *(f"{k} ms" for k in keys),
-               "outside ms", "sampled accepts in a graph"]  # fmt: skip
+    headers = ["deployment", "workload", "batch", "config", "batch rounds",
+               *(f"{k} ms" for k in keys), "outside ms", "sampled accepts in a graph"]  # fmt: skip
     return format_table(headers, rows) if rows else ""
 
 

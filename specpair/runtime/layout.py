@@ -45,6 +45,19 @@ class BatchLayout:
                 mask[b, n:, :] = eye_mask(t)[n:]
         return BatchLayout(_long(slots), _long(starts), mask)
 
+    def lengths(self) -> list[int]:
+        """Each request's real rows: those that see its first new token (the pending root or a
+        prompt's first), every row of a tree or causal run but none of the padding, which sees
+        only itself. Causal over lengths [3, 1] -> [3, 1]."""
+        sees_first = self.new_mask[:, :, 0]  # [B, T]; row 0 is real in every request
+        rows = torch.arange(1, sees_first.shape[1] + 1)
+        return (sees_first * rows).amax(1).tolist()
+
+    def request(self, b: int, n: int) -> BatchLayout:
+        """Request b alone, its first n rows (`lengths`): the layout it has in a batch of one."""
+        mask = self.new_mask[b : b + 1, :n, :n]
+        return BatchLayout(self.slots[b : b + 1], self.starts[b : b + 1], mask)
+
 
 def attention_mask(layout: BatchLayout) -> Tensor:
     """[B, T, K] bool over key positions 0..K-1, K = max(starts) + T.

@@ -56,6 +56,45 @@ def test_flat_mask_concatenates_rows_of_each_request() -> None:
     assert flat_mask(layout).int().tolist() == [1, 1, 0, 1, 0, 1, 1, 0, 0, 1]
 
 
+def test_layout_lengths_are_each_requests_real_rows() -> None:
+    causal = BatchLayout.causal([0, 1, 2], [0, 4, 0], [3, 1, 5])
+    assert causal.lengths() == [3, 1, 5]
+    tree = torch.eye(5, dtype=torch.bool)
+    tree[1:4, 0] = True  # root 0 with children 1, 2, 3; row 4 is padding
+    layout = BatchLayout(torch.tensor([0]), torch.tensor([2]), tree[None])
+    assert layout.lengths() == [4]
+    alone = causal.request(2, 5)
+    assert alone.slots.tolist() == [2]
+    assert torch.equal(alone.new_mask[0], torch.ones(5, 5, dtype=torch.bool).tril())
+
+
+def test_the_invariant_modes_eager_attention_gives_each_request_its_batch_of_one_result() -> None:
+    """`SoloAttention`: prompts of 5, 2 and 7 tokens after contexts of 0, 3 and 6 attend in one
+    batch exactly as each does alone (same bits), and padding rows come back zero."""
+    torch.manual_seed(0)
+    starts, lengths = [0, 3, 6], [5, 2, 7]
+
+    def run(cache: KVCache, slots: list[int], rows: list[int]) -> torch.Tensor:
+        layout = BatchLayout.causal(slots, [starts[r] for r in rows], [lengths[r] for r in rows])
+        q, k, v = (x[rows, : max(lengths[r] for r in rows)] for x in qkv)
+        return cache.bind(layout)(0, q, k, v)
+
+    cache = KVCache(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=8, max_requests=3,
+                    max_len=32, page_size=4, invariant=True)  # fmt: skip
+    slots = [cache.alloc() for _ in starts]
+    for slot, start in zip(slots, starts, strict=True):
+        if start:  # the context: random keys and values, committed
+            attend = cache.bind(BatchLayout.causal([slot], [0], [start]))
+            attend(0, *(torch.randn(1, start, n, 8) for n in (4, 2, 2)))
+            cache.commit(slot, 0, range(start))
+    qkv = [torch.randn(3, 7, n, 8) for n in (4, 2, 2)]
+    together = run(cache, slots, [0, 1, 2])
+    for r, slot in enumerate(slots):
+        alone = run(cache, [slot], [r])
+        assert torch.equal(together[r, : lengths[r]], alone[0]), f"request {r}"
+        assert not together[r, lengths[r] :].any()
+
+
 def paged(max_requests: int = 2, max_len: int = 16) -> KVCache:
     return KVCache(
         num_layers=2,

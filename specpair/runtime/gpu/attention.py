@@ -10,10 +10,12 @@ backend: it writes the new K/V at the forward's flat rows, then runs the backend
 - `FlashInferAttention`: `BatchPrefillWithPagedKVCacheWrapper` with the tree as a custom mask
   (eager forwards on the GPU; in CUDA graphs with `graph_attention="flashinfer"`);
 - `tree_attention.TreeAttention`: the Triton split-KV kernel of CUDA graphs at few tokens.
+- `SoloAttention`: the batch-invariant mode's eager forwards, one request at a time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -146,6 +148,31 @@ class FlashInferAttention:
         return out.view(b, t, n_q, d)
 
 
+class SoloAttention:
+    """The batch-invariant mode's eager attention: each request's rows attend by themselves,
+    through a backend planned for that request alone (`BatchLayout.request`), so a prompt
+    attends the same prefilled alone or beside others: flashinfer picks its tiles by the
+    batch's lengths. The forward's GEMMs stay batched (the mode's tiles make a row's result
+    independent of the rows around it), so a batch of 8 prompts reads the weights once and
+    makes 8 attention calls a layer, not 8 forwards."""
+
+    def __init__(self, backend: Callable[[int], AttentionBackend], fused_write: bool) -> None:
+        self.backend = backend  # the b-th request's, planned anew each forward
+        self.fused_write = fused_write
+        self.lengths: list[int] = []
+
+    def plan(self, layout: BatchLayout, page_table: Tensor, staging: Staging | None = None) -> None:
+        self.lengths = layout.lengths()
+        for b, n in enumerate(self.lengths):
+            self.backend(b).plan(layout.request(b, n), page_table)
+
+    def attend(self, q: Tensor, kv: tuple[Tensor, Tensor]) -> Tensor:
+        out = torch.zeros_like(q)  # padding rows: unused, but finite
+        for b, n in enumerate(self.lengths):
+            out[b, :n] = self.backend(b).attend(q[b : b + 1, :n], kv)[0]
+        return out
+
+
 class Backends:
     """Makes one cache's backends: the eager one of each forward, and those of CUDA graphs."""
 
@@ -162,6 +189,7 @@ class Backends:
         self.invariant = invariant
         self._workspace: Tensor | None = None
         self._eager: FlashInferAttention | None = None
+        self._solo: list[AttentionBackend] = []  # `SoloAttention`'s, one per batch row
 
     @property
     def graph_attention(self) -> str:
@@ -176,15 +204,36 @@ class Backends:
 
     def eager(self) -> AttentionBackend:
         """flashinfer on the GPU where it serves the head size (one wrapper, replanned per
-        forward), else SDPA over gathered pages."""
-        if self.device.type != "cuda" or self.heads[2] not in FLASHINFER_HEAD_DIMS:
+        forward), else SDPA over gathered pages; request by request in the batch-invariant
+        mode (`SoloAttention`)."""
+        if self.invariant:
+            return SoloAttention(self._solo_backend, self._flashinfer_serves)
+        if not self._flashinfer_serves:
             return TorchAttention(self.heads, self.page_size, self.device)
         if self._eager is None:
-            self._eager = FlashInferAttention(
-                self.flashinfer_wrapper(), self.heads, self.page_size, self.dtype, self.device,
-                self.invariant,
-            )  # fmt: skip
+            self._eager = self._new_flashinfer()
         return self._eager
+
+    @property
+    def _flashinfer_serves(self) -> bool:
+        return self.device.type == "cuda" and self.heads[2] in FLASHINFER_HEAD_DIMS
+
+    def _new_flashinfer(self) -> FlashInferAttention:
+        # wrappers share the float workspace: a run's temporaries live within the run, and the
+        # runs of one stream are sequential; each has its own plan (int workspace)
+        return FlashInferAttention(
+            self.flashinfer_wrapper(), self.heads, self.page_size, self.dtype, self.device,
+            self.invariant,
+        )  # fmt: skip
+
+    def _solo_backend(self, b: int) -> AttentionBackend:
+        while len(self._solo) <= b:
+            self._solo.append(
+                self._new_flashinfer()
+                if self._flashinfer_serves
+                else TorchAttention(self.heads, self.page_size, self.device)
+            )
+        return self._solo[b]
 
     def tree_fits(self, tokens: int) -> bool:
         """Whether a graph of `tokens` rows per request gets the Triton tree kernel."""

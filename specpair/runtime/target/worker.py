@@ -97,8 +97,8 @@ class TargetWorker:
         deterministic: bool = False,
     ):
         """`deterministic`: the batch-invariant mode, with its model and cache (`build_target`):
-        prompts are prefilled one per forward, so no request's rows share a kernel's plan with
-        another's (flashinfer picks its tiles by the batch's lengths)."""
+        a batch of prompts is one forward whose attention runs request by request
+        (`SoloAttention`), and each first token is drawn from its own row alone."""
         self.model = model
         self.deterministic = deterministic
         self.cache = cache
@@ -126,8 +126,6 @@ class TargetWorker:
 
         Returns per request the prompt's hidden states [P, H] (EAGLE features) or None.
         """
-        if self.deterministic and len(seqs) > 1:
-            return [f for seq in seqs for f in self.prefill([seq])]
         lengths = [len(s.prompt) for s in seqs]
         for seq in seqs:
             if seq.slot < 0:
@@ -140,7 +138,11 @@ class TargetWorker:
         positions = torch.arange(t).expand(len(seqs), t)
         hidden, feats = self._forward(tokens, positions, layout)
         last = hidden[torch.arange(len(seqs)), torch.tensor(lengths) - 1]
-        first = self._choose(seqs, self.model.logits(last))
+        logits = self.model.logits(last)
+        if self.deterministic:  # `_choose` warps a batch's rows together
+            first = [self._choose([s], logits[b : b + 1])[0] for b, s in enumerate(seqs)]
+        else:
+            first = self._choose(seqs, logits)
         features: list[Tensor | None] = []
         for b, seq in enumerate(seqs):
             self.cache.commit(seq.slot, 0, range(lengths[b]))
