@@ -29,21 +29,20 @@ def test_gemv_partials_sum_to_the_matmul(m: int, n: int, k: int) -> None:
     torch.testing.assert_close(parts.sum(0), ref, atol=1e-3, rtol=1e-3)
 
 
-def test_invariant_tiles_give_a_row_the_same_bits_in_any_batch() -> None:
-    """The batch-invariant mode's tile (`fused.INVARIANT_TILE_ROWS`): row 3's result alone, at
-    64 rows and at 150 (three tiles, the row in each position), bit for bit; the matmul's."""
+@pytest.mark.parametrize("n, k", [(6144, 4096), (28672, 4096), (4096, 14336)])
+def test_invariant_tiles_give_a_row_the_same_bits_in_any_batch(n: int, k: int) -> None:
+    """The batch-invariant mode's matmul (`fused.linear_parts`): row 3's result alone, among 16
+    rows (the GEMV's tiles), 17, 64 and 150 (64 × 128 tiles, the row in each position) and 1100
+    (a prefill), bit for bit; the matmul's. The weights: Llama-3-8B's QKV, gate-up, down."""
     torch.manual_seed(0)
-    k, n, bm = 4096, 6144, fused.INVARIANT_TILE_ROWS
     w = torch.randn(n, k, dtype=BF16, device="cuda") * 0.02
-    rows = torch.randn(150, k, dtype=BF16, device="cuda")
-    cfg = triton_kernels.gemv_config(n, k)
-    assert cfg is not None
+    rows = torch.randn(1100, k, dtype=BF16, device="cuda")
 
     def row_sum(x: torch.Tensor, i: int) -> torch.Tensor:
-        return triton_kernels.gemv_partials(x, w, *cfg, bm=bm)[:, i].sum(0)
+        return fused.linear_parts(x, w, invariant=True)[:, i].sum(0)
 
     alone = row_sum(rows[3:4], 0)
-    for m, at in ((64, 3), (150, 3), (150, 70), (150, 140)):
+    for m, at in ((16, 3), (17, 3), (64, 3), (150, 3), (150, 70), (150, 140), (1100, 1000)):
         x = rows[:m].clone()
         x[at] = rows[3]
         assert torch.equal(row_sum(x, at), alone), (m, at)

@@ -33,10 +33,13 @@ from specpair.models.loading import CheckpointError
 
 _kernels: Any = None
 GEMV_MAX_ROWS = 16
-# The batch-invariant mode's row tile, one size for every M so that a row's sum never depends on
-# the rows beside it. Each tile streams the whole weight: 64 rows (batch 8 at tier 7) read it once
-# where tiles of 16 read it four times, and a 128-token prompt's prefill twice rather than eight.
-INVARIANT_TILE_ROWS = 64
+# The batch-invariant mode's tiles above GEMV_MAX_ROWS rows: (rows, weight rows, stages). A row's
+# sum runs the weight's split-K and K tiles in one order whatever the tile's rows and width, so
+# the mode may size tiles by M: the GEMV's 16 rows up to 16 (the default mode's kernel), then 64
+# × 128, which stream the weight once for 64 rows (batch 8 at tier 7) and halve the passes over
+# a prefill's rows. Same bits for every tile on an H100 (tests/gpu/test_kernels.py); 64 × 128
+# runs a 1100-row prefill's matmuls in 0.72× the time of 64 × 64 (bench/CHOICES.md).
+INVARIANT_TILE = (64, 128, 3)
 
 
 def _triton() -> Any:
@@ -67,16 +70,19 @@ def linear_parts(
     x: Tensor, weight: Tensor, invariant: bool = False, splits: int | None = None
 ) -> Tensor:
     # x: [N, K], weight: [out, K] -> partials [S, N, out] whose sum is x @ weight.T.
-    # `invariant`: every N through the Triton kernel, whose tiles and K order depend on the
+    # `invariant`: every N through the Triton kernel, whose split-K and K order depend on the
     # weight alone, so a row's result is the same in any batch (cuBLAS picks its kernel by N);
     # `splits` overrides the weight's split-K.
-    if x.is_cuda and (invariant or x.shape[0] <= GEMV_MAX_ROWS):
+    small = x.shape[0] <= GEMV_MAX_ROWS
+    if x.is_cuda and (invariant or small):
         cfg = _triton().gemv_config(weight.shape[0], weight.shape[1])
         if cfg is not None:
             if splits is not None:
                 cfg = (splits, *cfg[1:])
-            bm = INVARIANT_TILE_ROWS if invariant else GEMV_MAX_ROWS
-            return _triton().gemv_partials(x, weight, *cfg, bm=bm)
+            if small:
+                return _triton().gemv_partials(x, weight, *cfg, bm=GEMV_MAX_ROWS)
+            bm, bn, stages = INVARIANT_TILE
+            return _triton().gemv_partials(x, weight, cfg[0], bn, cfg[2], cfg[3], stages, bm=bm)
         if invariant:
             raise ValueError(
                 f"the batch-invariant mode needs K a multiple of 128: weight {tuple(weight.shape)}"
