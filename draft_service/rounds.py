@@ -151,17 +151,6 @@ class DraftRounds:
         return Answer(request, message, StageTimings(), refused=True)
 
     @property
-    def owes_catch_up(self) -> bool:
-        """Whether the last round left a joining request to extend (`DraftRound.catch_up`)."""
-        return bool(self.round.owed)
-
-    def catch_up(self) -> None:
-        """Extends the joining requests the last round answered undrafted (while the target
-        verifies); one that fails is refused in its next round, so the target re-sends it."""
-        for key, why in self.round.catch_up().items():
-            log.warning("catch-up failed", request=key, reason=why)
-
-    @property
     def plans_ahead(self) -> bool:
         """Whether `prepare` does anything: the drafter runs CUDA graphs."""
         return any(state.extend_stage().plans_ahead for state in self.states.values())

@@ -89,8 +89,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 yield answer.message
                 if request.predraft and request.inputs:  # the second response, promised
                     yield await self.compute(rounds.predraft, stream_id, request.round_id)
-                if rounds.owes_catch_up:  # a joining prompt's extend, while the target verifies
-                    await self.compute(rounds.catch_up)
                 if rounds.plans_ahead and not answer.refused:  # while the target verifies
                     await self.compute(rounds.prepare, stream_id, request)
         finally:

@@ -93,15 +93,6 @@ class Drafter(DraftForward):
         trees, aheads = self._draft(inputs, state, width)
         return list(zip(trees, aheads, strict=True))
 
-    @torch.inference_mode()
-    def catch_up(self, inputs: Sequence[DraftInput]) -> None:
-        """Extends every request without drafting: its cache follows the target."""
-        slots = [self._slot(item).slot for item in inputs]
-        self.last_gpu_ms = 0.0
-        t0 = time.perf_counter()
-        self.extend(inputs, slots)
-        self.last_times = (time.perf_counter() - t0, 0.0)
-
     def _draft(
         self, inputs: Sequence[DraftInput], state: SpecRuntimeState, width: int
     ) -> tuple[list[CandidateTree], list[Lookahead]]:
@@ -114,7 +105,8 @@ class Drafter(DraftForward):
         self.last_gpu_ms = 0.0
         t0 = time.perf_counter()
         if state.tier == 0:
-            self.catch_up(inputs)
+            self.extend(inputs, slots)
+            self.last_times = (time.perf_counter() - t0, 0.0)
             return [chain(())] * len(inputs), []
         extend, draft = self._stages(state)
         hidden = extend.run(inputs, slots)  # [B', 1, H] at each request's last row
