@@ -10,18 +10,19 @@ backend: it writes the new K/V at the forward's flat rows, then runs the backend
 - `FlashInferAttention`: `BatchPrefillWithPagedKVCacheWrapper` with the tree as a custom mask
   (eager forwards on the GPU; in CUDA graphs with `graph_attention="flashinfer"`);
 - `tree_attention.TreeAttention`: the Triton split-KV kernel of CUDA graphs at few tokens.
-- `SoloAttention`: the batch-invariant mode's eager forwards, one request at a time.
+- `solo.SoloAttention`: the batch-invariant mode's eager forwards, one request at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from specpair.runtime.gpu.backend import AttentionBackend
+from specpair.runtime.gpu.solo import SoloAttention
 from specpair.runtime.gpu.staging import Staging
 from specpair.runtime.layout import BatchLayout, attention_mask, flat_index
 
@@ -33,18 +34,6 @@ if TYPE_CHECKING:
 
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 GRAPH_ATTENTION = ("triton", "flashinfer")
-
-
-class AttentionBackend(Protocol):
-    # True: the fused GPU layer may write rope'd K/V itself (`PagedAttend.rope_write`) and call
-    # `attend`; False: it hands q, k, v to `PagedAttend.__call__` (the torch path).
-    fused_write: bool
-
-    def plan(self, layout: BatchLayout, page_table: Tensor, staging: Staging | None = None) -> None:
-        """Metadata for `layout` (a graph's static buffers go through `staging`)."""
-
-    def attend(self, q: Tensor, kv: tuple[Tensor, Tensor]) -> Tensor:
-        """q [B, T, Hq, D], one layer's (k, v) pages -> [B, T, Hq, D] over the planned layout."""
 
 
 class PagedAttend:
@@ -146,31 +135,6 @@ class FlashInferAttention:
         out = torch.empty(b * t, n_q, d, dtype=q.dtype, device=q.device)
         self.wrapper.run(q.reshape(b * t, n_q, d), kv, out=out)
         return out.view(b, t, n_q, d)
-
-
-class SoloAttention:
-    """The batch-invariant mode's eager attention: each request's rows attend by themselves,
-    through a backend planned for that request alone (`BatchLayout.request`), so a prompt
-    attends the same prefilled alone or beside others: flashinfer picks its tiles by the
-    batch's lengths. The forward's GEMMs stay batched (the mode's tiles make a row's result
-    independent of the rows around it), so a batch of 8 prompts reads the weights once and
-    makes 8 attention calls a layer, not 8 forwards."""
-
-    def __init__(self, backend: Callable[[int], AttentionBackend], fused_write: bool) -> None:
-        self.backend = backend  # the b-th request's, planned anew each forward
-        self.fused_write = fused_write
-        self.lengths: list[int] = []
-
-    def plan(self, layout: BatchLayout, page_table: Tensor, staging: Staging | None = None) -> None:
-        self.lengths = layout.lengths()
-        for b, n in enumerate(self.lengths):
-            self.backend(b).plan(layout.request(b, n), page_table)
-
-    def attend(self, q: Tensor, kv: tuple[Tensor, Tensor]) -> Tensor:
-        out = torch.zeros_like(q)  # padding rows: unused, but finite
-        for b, n in enumerate(self.lengths):
-            out[b, :n] = self.backend(b).attend(q[b : b + 1, :n], kv)[0]
-        return out
 
 
 class Backends:

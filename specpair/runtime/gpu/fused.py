@@ -38,7 +38,7 @@ GEMV_MAX_ROWS = 16
 # the mode may size tiles by M: the GEMV's 16 rows up to 16 (the default mode's kernel), then 64
 # × 128, which stream the weight once for 64 rows (batch 8 at tier 7) and halve the passes over
 # a prefill's rows. Same bits for every tile on an H100 (tests/gpu/test_kernels.py); 64 × 128
-# runs a 1100-row prefill's matmuls in 0.72× the time of 64 × 64 (bench/CHOICES.md).
+# runs a 1100-row prefill's matmuls in 0.68–0.89× the time of 64 × 64 (bench/CHOICES.md).
 INVARIANT_TILE = (64, 128, 3)
 
 

@@ -139,7 +139,7 @@ class TargetWorker:
         hidden, feats = self._forward(tokens, positions, layout)
         last = hidden[torch.arange(len(seqs)), torch.tensor(lengths) - 1]
         logits = self.model.logits(last)
-        if self.deterministic:  # `_choose` warps a batch's rows together
+        if self.deterministic:  # a row at a time: the batched warp and draw are batch-shaped
             first = [self._choose([s], logits[b : b + 1])[0] for b, s in enumerate(seqs)]
         else:
             first = self._choose(seqs, logits)
