@@ -25,6 +25,8 @@ tier vs the per-phase oracle).
 On an H100 a greedy-only run of one draft kind (both deployments, 32 tokens) takes ~4.5 min;
 the JSON is rewritten after every cell, and `--replot` redraws what a cut-short run left.
 Sampled workloads use `--top-p` (0.95: the sampled-decoding goal's setting) besides T.
+`--repeats N` runs each services cell's workload N times back to back and prints the spread of
+their tokens/s: a 16-request cell at batch 8 moved ~15 % run to run on an H100.
 """
 
 from __future__ import annotations
@@ -112,6 +114,14 @@ class Cell:
     # draft and verify graphs; services: rpc, schedule, admit too) and the ms outside rounds
     # (in process: prefill, set-up; services: the target idle, `round_ms`)
     stage_ms: dict[str, float] | None = None
+    runs: list[float] | None = None  # services: tokens/s of each of the cell's runs (--repeats)
+
+    @property
+    def spread(self) -> float | None:
+        """(fastest − slowest run) / the pooled tokens/s; None with one run."""
+        if not self.runs or len(self.runs) < 2:
+            return None
+        return (max(self.runs) - min(self.runs)) / self.tokens_per_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -265,10 +275,11 @@ def round_ms(rounds: Sequence[RoundStats], seconds: float) -> dict[str, float]:
 
 def serve_cells(
     client: SpecpairClient, config: str, workloads: list[Workload], batches: list[int],
-    new_tokens: int, record: Callable[[Cell], None],
+    new_tokens: int, record: Callable[[Cell], None], repeats: int = 1,
 ) -> None:  # fmt: skip
-    """Every workload at every batch size: `batch` clients at a time over the requests; the
-    target's round stats of each cell give its `stage_ms`."""
+    """Every workload at every batch size: `batch` clients at a time over the requests, the
+    whole workload `repeats` times back to back (a cell pools them; `runs` keeps each run's
+    tokens/s); the target's round stats of each cell give its `stage_ms`."""
     client.generate(workloads[0].ids[0], max_tokens=WARMUP_TOKENS)
     for wl in workloads:
         for batch in batches:
@@ -281,18 +292,24 @@ def serve_cells(
                 )  # fmt: skip
 
             stats: list[RoundStats] = []
-            call = watch_rounds(client.address, stats)
-            time.sleep(0.3)  # subscribed before the first round
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(batch) as pool:
-                results = list(pool.map(one, range(len(wl.ids))))
-            seconds = time.perf_counter() - t0
-            time.sleep(0.3)  # the last round's stats
-            call.cancel()
+            runs, results, seconds = [], [], 0.0
+            for _ in range(repeats):
+                call = watch_rounds(client.address, stats)
+                time.sleep(0.3)  # subscribed before the first round
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(batch) as pool:
+                    run = list(pool.map(one, range(len(wl.ids))))
+                elapsed = time.perf_counter() - t0
+                time.sleep(0.3)  # the last round's stats
+                call.cancel()
+                runs.append(sum(len(r.token_ids) for r in run) / elapsed)
+                results += run
+                seconds += elapsed
             mean, rounds = accept_stats([r.accept_lengths for r in results])
-            outputs = [list(r.token_ids) for r in results]
-            record(Cell("services", config, wl.name, batch, sum(map(len, outputs)), seconds,
-                        mean, rounds, outputs, stage_ms=round_ms(stats, seconds)))  # fmt: skip
+            outputs = [list(r.token_ids) for r in results[: len(wl.ids)]]  # the first run's
+            tokens = sum(len(r.token_ids) for r in results)
+            record(Cell("services", config, wl.name, batch, tokens, seconds, mean, rounds,
+                        outputs, stage_ms=round_ms(stats, seconds), runs=runs))  # fmt: skip
 
 
 def services(
@@ -300,6 +317,7 @@ def services(
     *, new_tokens: int, device: str, dtype: str, max_len: int, log_dir: Path,
     phased: Callable[[BenchServices], dict[str, Any]] | None, record: Callable[[Cell], None],
     goodput: bool = False, deterministic: bool = False, trees: Sequence[TreeShape] = (),
+    repeats: int = 1,
 ) -> dict[str, Any] | None:  # fmt: skip
     """Target-only (`--no-draft`), then static tiers (`trees` too, pinned by shape) and adaptive
     through the controller (SGLang's rule over the chains, then with `goodput` the goodput kind,
@@ -313,7 +331,7 @@ def services(
     )  # fmt: skip
     with BenchServices(draft=None, initial_steps=1, **common) as group:
         serve_cells(SpecpairClient(group.target, timeout=600), "target-only", workloads, batches,
-                    new_tokens, record)  # fmt: skip
+                    new_tokens, record, repeats)  # fmt: skip
     policy = PolicyConfig(candidate_steps=TIERS)
     flags = tuple(arg for t in trees for arg in ("--tree-shapes", str(t)))
     common["target_options"] += flags
@@ -327,10 +345,10 @@ def services(
         for tier in TIERS:
             ctl.pin(tier)
             time.sleep(0.3)
-            serve_cells(client, f"tier {tier}", workloads, batches, new_tokens, record)
+            serve_cells(client, f"tier {tier}", workloads, batches, new_tokens, record, repeats)
         ctl.unpin()
         time.sleep(0.3)
-        serve_cells(client, "adaptive", workloads, batches, new_tokens, record)
+        serve_cells(client, "adaptive", workloads, batches, new_tokens, record, repeats)
         # the goodput kind over tiers 0 / 1 / 3 / 7 and the trees (SGLang's rule knows chains
         # only, so the trees are pinned under it)
         spec = PolicySpec.from_mapping(GOODPUT | {"tree_shapes": [str(t) for t in trees]})
@@ -339,13 +357,13 @@ def services(
         for tree in trees:
             ctl.pin(str(tree))
             time.sleep(0.3)
-            serve_cells(client, f"tree {tree}", workloads, batches, new_tokens, record)
+            serve_cells(client, f"tree {tree}", workloads, batches, new_tokens, record, repeats)
         if goodput:  # afresh from tier 3
             ctl.pin(3)
             ctl.update_policy(**spec.policy_options())
             ctl.unpin()
             time.sleep(0.3)
-            serve_cells(client, "goodput", workloads, batches, new_tokens, record)
+            serve_cells(client, "goodput", workloads, batches, new_tokens, record, repeats)
         return phased(group) if phased is not None else None
 
 
@@ -422,7 +440,8 @@ def plot(cells: list[Cell], path: Path, title: str) -> None:
 
 def render(cells: list[Cell]) -> str:
     headers = ["workload", "batch", "config", "svc tok/s", "svc x", "svc x eng", "svc accept",
-               "in-proc tok/s", "in-proc x", "in-proc accept", "greedy = t-o"]  # fmt: skip
+               "svc spread", "in-proc tok/s", "in-proc x", "in-proc accept",
+               "greedy = t-o"]  # fmt: skip
     rows = []
     index = {(c.deployment, c.config, c.workload, c.batch): c for c in cells}
     keys = dict.fromkeys((c.workload, c.batch, c.config) for c in cells)
@@ -433,12 +452,14 @@ def render(cells: list[Cell]) -> str:
             c = index.get((deployment, config, wl, batch))
             services = deployment == "services"
             if c is None:
-                row += ["-"] * (4 if services else 3)
+                row += ["-"] * (5 if services else 3)
                 continue
             accept = "-" if c.accept_mean is None else f"{c.accept_mean:.2f}"
             ratios = [c.speedup] + ([c.speedup_vs_engine] if services else [])
             row += [f"{c.tokens_per_s:.1f}", *("-" if r is None else f"{r:.2f}x" for r in ratios)]
             row.append(accept)
+            if services:
+                row.append("-" if c.spread is None else f"{100 * c.spread:.0f} %")
             if c.same_as_target_only is not None:
                 same.append(c.same_as_target_only)
         row.append("-" if not same else ("yes" if all(same) else "NO"))
@@ -504,6 +525,10 @@ def main() -> None:
         help="tree shapes (STEPSxTOPKxNODES) measured beside the chains, and offered to goodput",
     )  # fmt: skip
     parser.add_argument("--per-phase", type=int, default=8, help="requests per phase")
+    parser.add_argument(
+        "--repeats", type=int, default=1,
+        help="services: each cell's workload this many times back to back (its spread shown)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, help="JSON (default: bench/results/…_<kind>.json)")
     parser.add_argument(
         "--replot", type=Path, metavar="JSON", help="only redraw an earlier run's PNG and table"
@@ -577,6 +602,7 @@ def main() -> None:
             target, draft, args.draft_kind, workloads, args.batches, new_tokens=args.new_tokens,
             device=args.device, dtype=dtype, max_len=max_len, log_dir=log_dir, phased=run_phased,
             record=record, goodput=args.goodput, deterministic=args.deterministic, trees=trees,
+            repeats=args.repeats,
         )  # fmt: skip
     save()
     title = f"{args.draft_kind} draft, {args.shape} pair, {gpu}: tokens/s by configuration"
