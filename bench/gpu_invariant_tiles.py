@@ -23,11 +23,13 @@ import torch.nn.functional as F
 from bench.common import device_info, format_table, write_json
 from bench.gpu_common import median, time_cuda
 from bench.gpu_kernels import SHAPES
+from specpair.runtime.gpu.fused import GEMV_MAX_ROWS, INVARIANT_TILE
 
 BF16 = torch.bfloat16
 REFERENCE = (64, 64, None)
-# (tile rows, tile width, stages; None: the weight's); wider tiles run out of shared memory
-TILES = [(16, 64, None), REFERENCE, (64, 128, 3)]
+# (tile rows, tile width, stages; None: the weight's): the GEMV's, the reference, the mode's
+# above GEMV_MAX_ROWS; wider tiles run out of shared memory
+TILES = [(GEMV_MAX_ROWS, 64, None), REFERENCE, INVARIANT_TILE]
 CHECK_ROWS = (1, 5, 16, 64, 300, 1100)
 
 

@@ -620,7 +620,7 @@ def main() -> None:
           f"deployment); x eng = over the in-process engine's target-only; accept = accepted "
           f"drafts per round; JSON {out}\n")  # fmt: skip
     if stages := render_stages(cells):
-        print(f"in-process: ms per batch round by stage\n{stages}\n")
+        print(f"ms per batch round by stage\n{stages}\n")
     print(render(cells))
 
 
