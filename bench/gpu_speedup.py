@@ -35,7 +35,7 @@ import argparse
 import gc
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -187,7 +187,7 @@ def in_process(
     target: Path, draft: Path, workloads: list[Workload], batches: list[int], *,
     new_tokens: int, device: str, dtype: torch.dtype, max_len: int, eos: frozenset[int],
     record: Callable[[Cell], None], pipeline_width: int = 0, deterministic: bool = False,
-    trees: Sequence[TreeShape] = (),
+    trees: Sequence[TreeShape] = (), counts: Mapping[int, int] | None = None,
 ) -> None:  # fmt: skip
     """Target-only and each static tier in the engine: the requests in groups of `batch`, each
     group decoded to completion (static batching) and stopped at `eos`, as the target service
@@ -222,8 +222,9 @@ def in_process(
                 if engine.pipeline is not None:
                     engine.pipeline.reset_counters()
                 t0 = time.perf_counter()
-                for lo in range(0, len(wl.ids), batch):
-                    group = range(lo, min(lo + batch, len(wl.ids)))
+                n = (counts or {}).get(batch, len(wl.ids))
+                for lo in range(0, n, batch):
+                    group = range(lo, min(lo + batch, n))
                     results = engine.generate(
                         [wl.ids[i] for i in group], max_new_tokens=new_tokens, state=states[tier],
                         sampling=[wl.sampling(i) for i in group],
@@ -276,13 +277,16 @@ def round_ms(rounds: Sequence[RoundStats], seconds: float) -> dict[str, float]:
 def serve_cells(
     client: SpecpairClient, config: str, workloads: list[Workload], batches: list[int],
     new_tokens: int, record: Callable[[Cell], None], repeats: int = 1,
+    counts: Mapping[int, int] | None = None,
 ) -> None:  # fmt: skip
-    """Every workload at every batch size: `batch` clients at a time over the requests, the
-    whole workload `repeats` times back to back (a cell pools them; `runs` keeps each run's
-    tokens/s); the target's round stats of each cell give its `stage_ms`."""
+    """Every workload at every batch size: `batch` clients at a time over the requests (the
+    first `counts[batch]` of them, default all), the whole workload `repeats` times back to
+    back (a cell pools them; `runs` keeps each run's tokens/s); the target's round stats of
+    each cell give its `stage_ms`."""
     client.generate(workloads[0].ids[0], max_tokens=WARMUP_TOKENS)
     for wl in workloads:
         for batch in batches:
+            n = (counts or {}).get(batch, len(wl.ids))
 
             def one(i: int, wl: Workload = wl) -> Any:
                 p = wl.sampling(i)
@@ -298,7 +302,7 @@ def serve_cells(
                 time.sleep(0.3)  # subscribed before the first round
                 t0 = time.perf_counter()
                 with ThreadPoolExecutor(batch) as pool:
-                    run = list(pool.map(one, range(len(wl.ids))))
+                    run = list(pool.map(one, range(n)))
                 elapsed = time.perf_counter() - t0
                 time.sleep(0.3)  # the last round's stats
                 call.cancel()
@@ -306,7 +310,7 @@ def serve_cells(
                 results += run
                 seconds += elapsed
             mean, rounds = accept_stats([r.accept_lengths for r in results])
-            outputs = [list(r.token_ids) for r in results[: len(wl.ids)]]  # the first run's
+            outputs = [list(r.token_ids) for r in results[:n]]  # the first run's
             tokens = sum(len(r.token_ids) for r in results)
             record(Cell("services", config, wl.name, batch, tokens, seconds, mean, rounds,
                         outputs, stage_ms=round_ms(stats, seconds), runs=runs))  # fmt: skip
@@ -317,7 +321,7 @@ def services(
     *, new_tokens: int, device: str, dtype: str, max_len: int, log_dir: Path,
     phased: Callable[[BenchServices], dict[str, Any]] | None, record: Callable[[Cell], None],
     goodput: bool = False, deterministic: bool = False, trees: Sequence[TreeShape] = (),
-    repeats: int = 1,
+    repeats: int = 1, counts: Mapping[int, int] | None = None,
 ) -> dict[str, Any] | None:  # fmt: skip
     """Target-only (`--no-draft`), then static tiers (`trees` too, pinned by shape) and adaptive
     through the controller (SGLang's rule over the chains, then with `goodput` the goodput kind,
@@ -331,7 +335,7 @@ def services(
     )  # fmt: skip
     with BenchServices(draft=None, initial_steps=1, **common) as group:
         serve_cells(SpecpairClient(group.target, timeout=600), "target-only", workloads, batches,
-                    new_tokens, record, repeats)  # fmt: skip
+                    new_tokens, record, repeats, counts)  # fmt: skip
     policy = PolicyConfig(candidate_steps=TIERS)
     flags = tuple(arg for t in trees for arg in ("--tree-shapes", str(t)))
     common["target_options"] += flags
@@ -345,10 +349,11 @@ def services(
         for tier in TIERS:
             ctl.pin(tier)
             time.sleep(0.3)
-            serve_cells(client, f"tier {tier}", workloads, batches, new_tokens, record, repeats)
+            serve_cells(client, f"tier {tier}", workloads, batches, new_tokens, record, repeats,
+                        counts)  # fmt: skip
         ctl.unpin()
         time.sleep(0.3)
-        serve_cells(client, "adaptive", workloads, batches, new_tokens, record, repeats)
+        serve_cells(client, "adaptive", workloads, batches, new_tokens, record, repeats, counts)
         # the goodput kind over tiers 0 / 1 / 3 / 7 and the trees (SGLang's rule knows chains
         # only, so the trees are pinned under it)
         spec = PolicySpec.from_mapping(GOODPUT | {"tree_shapes": [str(t) for t in trees]})
@@ -357,13 +362,14 @@ def services(
         for tree in trees:
             ctl.pin(str(tree))
             time.sleep(0.3)
-            serve_cells(client, f"tree {tree}", workloads, batches, new_tokens, record, repeats)
+            serve_cells(client, f"tree {tree}", workloads, batches, new_tokens, record, repeats,
+                        counts)  # fmt: skip
         if goodput:  # afresh from tier 3
             ctl.pin(3)
             ctl.update_policy(**spec.policy_options())
             ctl.unpin()
             time.sleep(0.3)
-            serve_cells(client, "goodput", workloads, batches, new_tokens, record, repeats)
+            serve_cells(client, "goodput", workloads, batches, new_tokens, record, repeats, counts)
         return phased(group) if phased is not None else None
 
 
@@ -506,7 +512,11 @@ def main() -> None:
     )
     add_pair_args(parser)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--requests", type=int, default=16, help="requests per workload")
+    parser.add_argument(
+        "--requests", type=int, nargs="+", default=[16],
+        help="requests per workload: one count, or one per batch (e.g. --batches 1 8 "
+        "--requests 16 64: a longer cell where a batch's ragged finishes would weigh)",
+    )  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--temperatures", type=float, nargs="+", default=list(TEMPERATURES))
     parser.add_argument("--top-p", type=float, default=0.95, help="of the sampled workloads")
@@ -538,8 +548,13 @@ def main() -> None:
         replot(args.replot)
         return
     trees = [TreeShape.parse(t) for t in args.tree_shapes]  # a bad one fails before any run
-    if max(args.batches) > args.requests:
-        parser.error(f"--requests {args.requests} < the largest batch {max(args.batches)}")
+    if len(args.requests) not in (1, len(args.batches)):
+        parser.error("--requests: one count, or one per batch")
+    per_batch = args.requests if len(args.requests) > 1 else args.requests * len(args.batches)
+    counts = dict(zip(args.batches, per_batch, strict=True))
+    if short := [b for b, n in counts.items() if n < b]:
+        parser.error(f"--requests: fewer requests than batch {short[0]}")
+    requests = max(counts.values())
     from transformers import AutoTokenizer
 
     out = args.out or Path(f"bench/results/gpu_speedup_{args.draft_kind}.json")
@@ -552,7 +567,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     workloads = [
         wl
-        for wl in make_workloads(tokenizer, args.requests, args.temperatures, args.top_p)
+        for wl in make_workloads(tokenizer, requests, args.temperatures, args.top_p)
         if wl.prompts in args.prompts
     ]
     dtype = "float32" if args.device == "cpu" else "bfloat16"
@@ -567,7 +582,8 @@ def main() -> None:
         fill_ratios(cells, gpu)
         write_json(out, {
             "device": info, "draft_kind": args.draft_kind, "shape": args.shape, "models": shape,
-            "new_tokens": args.new_tokens, "requests": args.requests, "batches": args.batches,
+            "new_tokens": args.new_tokens, "requests": per_batch,
+            "batches": args.batches,
             "date": time.strftime("%Y-%m-%d"),
             "cells": [{k: v for k, v in asdict(c).items() if k != "outputs"}
                       | {"tokens_per_s": c.tokens_per_s} for c in cells],
@@ -588,7 +604,7 @@ def main() -> None:
                 in_process, target, draft, workloads, args.batches, new_tokens=args.new_tokens,
                 device=args.device, dtype=getattr(torch, dtype), max_len=max_len,
                 eos=eos_ids(target, tokenizer), record=record, deterministic=args.deterministic,
-                trees=trees,
+                trees=trees, counts=counts,
             ).result()  # fmt: skip
         gc.collect()
         if torch.cuda.is_available():
@@ -602,7 +618,7 @@ def main() -> None:
             target, draft, args.draft_kind, workloads, args.batches, new_tokens=args.new_tokens,
             device=args.device, dtype=dtype, max_len=max_len, log_dir=log_dir, phased=run_phased,
             record=record, goodput=args.goodput, deterministic=args.deterministic, trees=trees,
-            repeats=args.repeats,
+            repeats=args.repeats, counts=counts,
         )  # fmt: skip
     save()
     title = f"{args.draft_kind} draft, {args.shape} pair, {gpu}: tokens/s by configuration"
@@ -615,7 +631,8 @@ def main() -> None:
               + f", oracle {phased['oracle']['tokens_per_s']:.1f}; " + "; ".join(
                   f"{k} / best static ({best}) = {tps[k] / tps[best]:.3f}x, {k} / oracle = "
                   f"{tps[k] / phased['oracle']['tokens_per_s']:.3f}x" for k in KINDS))  # fmt: skip
-    print(f"\n{args.draft_kind} draft on {gpu}, {args.shape} pair; {args.requests} requests × "
+    n = "/".join(map(str, per_batch))
+    print(f"\n{args.draft_kind} draft on {gpu}, {args.shape} pair; {n} requests × "
           f"{args.new_tokens} new tokens per cell; x = speedup over target-only (same "
           f"deployment); x eng = over the in-process engine's target-only; accept = accepted "
           f"drafts per round; JSON {out}\n")  # fmt: skip
