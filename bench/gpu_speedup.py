@@ -27,6 +27,8 @@ the JSON is rewritten after every cell, and `--replot` redraws what a cut-short 
 Sampled workloads use `--top-p` (0.95: the sampled-decoding goal's setting) besides T.
 `--repeats N` runs each services cell's workload N times back to back and prints the spread of
 their tokens/s: a 16-request cell at batch 8 moved ~15 % run to run on an H100.
+`--requests` takes one count per batch: `--batches 1 8 --requests 16 64` runs 64 requests at batch
+8, where 16 left only 6.5 requests a round on average (ragged finishes), against 7.3 with 64.
 """
 
 from __future__ import annotations
@@ -413,6 +415,9 @@ def fill_ratios(cells: list[Cell], gpu: str, compare_outputs: bool = True) -> No
 
 
 def plot(cells: list[Cell], path: Path, title: str) -> None:
+    """Tokens/s by configuration, a panel per batch size: services plain, in process hatched
+    (the deployments the run has), each bar labelled with its x over target-only and, with
+    `--repeats`, spanning its runs' range."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -421,24 +426,36 @@ def plot(cells: list[Cell], path: Path, title: str) -> None:
     workloads = list(dict.fromkeys(c.workload for c in cells))
     batches = sorted({c.batch for c in cells})
     configs = list(dict.fromkeys(c.config for c in cells))
-    fig, axes = plt.subplots(len(batches), 1, figsize=(12, 3.2 * len(batches)), squeeze=False)
-    width = 0.8 / (2 * len(configs))
+    present = {c.deployment for c in cells}
+    deployments = [d for d in (("services", ""), ("in-process", "//")) if d[0] in present]
+    fig, axes = plt.subplots(len(batches), 1, figsize=(13, 3.2 * len(batches)), squeeze=False)
+    width = 0.8 / (len(deployments) * len(configs))
     for ax, batch in zip(axes[:, 0], batches, strict=True):
-        for k, (deployment, hatch) in enumerate((("services", ""), ("in-process", "//"))):
+        for k, (deployment, hatch) in enumerate(deployments):
             for j, config in enumerate(configs):
-                xs, ys = [], []
+                xs, ys, lo, hi, tags = [], [], [], [], []
                 for i, wl in enumerate(workloads):
                     match = [c for c in cells if (c.deployment, c.config, c.workload, c.batch)
                              == (deployment, config, wl, batch)]  # fmt: skip
                     if match:
+                        c = match[0]
+                        runs = c.runs or [c.tokens_per_s]
                         xs.append(i + (k * len(configs) + j) * width)
-                        ys.append(match[0].tokens_per_s)
+                        ys.append(c.tokens_per_s)
+                        lo.append(max(c.tokens_per_s - min(runs), 0.0))
+                        hi.append(max(max(runs) - c.tokens_per_s, 0.0))
+                        tags.append(f"{c.speedup:.2f}x" if c.speedup is not None else "")
+                if not xs:
+                    continue
                 label = f"{config} ({deployment})" if batch == batches[0] else None
-                ax.bar(xs, ys, width, color=f"C{j}", hatch=hatch, edgecolor="white", label=label)
+                bars = ax.bar(xs, ys, width, color=f"C{j}", hatch=hatch, edgecolor="white",
+                              label=label, yerr=[lo, hi], capsize=2)  # fmt: skip
+                ax.bar_label(bars, tags, fontsize=7, padding=2)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))], workloads)
         ax.set_ylabel("tokens/s")
         ax.set_title(f"batch {batch}", fontsize=10)
-    axes[0, 0].legend(ncol=3, fontsize=7)
+        ax.margins(y=0.12)
+    axes[0, 0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
