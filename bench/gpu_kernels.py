@@ -27,7 +27,7 @@ from torch import Tensor
 
 from bench.common import device_info, format_table, write_json
 from bench.gpu_common import LLAMA3_8B, copy_bandwidth, median, time_cuda
-from specpair.runtime.gpu.attention import flat_mask, page_metadata
+from specpair.runtime.gpu.flashinfer_layout import flat_mask, page_metadata
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
 

@@ -29,7 +29,8 @@ from specpair.runtime.build import (
 from specpair.runtime.draft.drafter import Drafter
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.gpu.capture import GraphAttention, StageGraph
-from specpair.runtime.gpu.draft_graphs import ExtendGraphs, StepGraphs
+from specpair.runtime.gpu.draft_graphs import ExtendGraphs
+from specpair.runtime.gpu.step_graphs import StepGraphs
 from specpair.runtime.gpu.tree_graphs import TreeGraphs
 from specpair.runtime.gpu.verify_graphs import VerifyGraphs
 from specpair.runtime.layout import BatchLayout

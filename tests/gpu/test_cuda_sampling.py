@@ -31,7 +31,7 @@ from specpair.models.tiny import make_tiny_eagle, make_tiny_eagle3, make_tiny_ll
 from specpair.runtime.accept_batch import accept_candidates
 from specpair.runtime.build import build_drafter, build_states, build_target, feature_layers
 from specpair.runtime.engine import SpeculativeEngine
-from specpair.runtime.gpu.draft_graphs import StepGraphs
+from specpair.runtime.gpu.step_graphs import StepGraphs
 from specpair.runtime.gpu.tree_graphs import TreeGraphs
 from specpair.runtime.gpu.verify_graphs import ACCEPT_GRAPH_BATCH, VerifyGraphs
 from specpair.runtime.sampling import (

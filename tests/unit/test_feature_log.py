@@ -2,7 +2,7 @@
 
 import torch
 
-from specpair.runtime.target.session import FeatureLog
+from specpair.runtime.target.features import FeatureLog
 
 
 def test_rows_since_a_position_match_the_concatenated_history() -> None:

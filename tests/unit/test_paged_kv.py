@@ -12,8 +12,8 @@ from specpair.models.loading import load_eagle, load_llama
 from specpair.runtime.build import build_states
 from specpair.runtime.draft.drafters import EagleDrafter
 from specpair.runtime.engine import SpeculativeEngine
-from specpair.runtime.gpu.attention import flat_mask, page_metadata
 from specpair.runtime.gpu.capture import bucket_of, buckets_for, pad_layout
+from specpair.runtime.gpu.flashinfer_layout import flat_mask, page_metadata
 from specpair.runtime.gpu.fused import fuse_decoder
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import (

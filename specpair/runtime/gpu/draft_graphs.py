@@ -1,5 +1,6 @@
 """The draft's stages in CUDA graphs, per batch bucket: extend, then s steps (what each graph
-computes is `draft_capture.py`; here, their planning, replay and eager fallback).
+computes is `draft_capture.py`; here, their planning, replay and eager fallback; the steps'
+are `step_graphs.py`'s).
 
 - extend: B × (s + 1) appended tokens (accepted + bonus; longer rows, e.g. a first round's
   prompt, run eagerly) → hidden of each request's last row [B, 1, H];
@@ -22,15 +23,14 @@ from specpair.runtime.gpu.capture import (
     bucket_of,
     pad2d,
     pad_layout,
-    pad_rows,
 )  # fmt: skip
 from specpair.runtime.gpu.draft_capture import extend_graph, step_graph
+from specpair.runtime.gpu.step_graphs import StepGraphs
 from specpair.runtime.kv_cache import CacheFullError
 from specpair.runtime.layout import BatchLayout, padded_groups, tril_mask
-from specpair.runtime.lookahead import LOOKAHEAD_TOP, Lookahead
+from specpair.runtime.lookahead import LOOKAHEAD_TOP
 from specpair.runtime.round import DraftInput
-from specpair.runtime.stages import DraftModel, DraftQ, DraftSampling, DraftStage, ExtendStage
-from specpair.runtime.tree import CandidateTree
+from specpair.runtime.stages import DraftModel, DraftStage, ExtendStage
 
 
 class DraftGraphs:
@@ -195,120 +195,3 @@ class ExtendGraphs:
             out[group] = hidden[: len(group)]
         assert out is not None
         return out
-
-
-class StepGraphs:
-    """One tier's draft stage: the bucket's graph of s steps (of s + 1, ahead); else the
-    drafter's eager steps."""
-
-    def __init__(
-        self,
-        graphs: DraftGraphs,
-        tier: int,
-        eager: DraftStage,
-        steps: dict[int, StageGraph],
-        ahead: dict[int, StageGraph] | None = None,
-        sampled: dict[int, StageGraph] | None = None,
-    ) -> None:
-        self.graphs, self.tier, self.eager, self.steps = graphs, tier, eager, steps
-        self.ahead = ahead or {}
-        self.sampled = sampled or {}
-        self.sampled_replays = 0  # sampled rounds drafted in a graph
-        self._planned: tuple[StageGraph, list[int]] | None = None  # graph, starts
-
-    def plan(self, slots: list[int], ahead: bool = False) -> None:
-        """Plans the greedy or the `ahead` graph; the sampled graph of the bucket shares the
-        greedy one's step attention, so the greedy plan serves it too."""
-        o, cache, s = self.graphs, self.graphs.cache, self.tier
-        self._planned = None
-        bucket = bucket_of(len(slots), o.capture.buckets)
-        starts = [cache.lengths[slot] for slot in slots]
-        reach = s + 1 if ahead else s  # positions written after each start
-        graphs = self.ahead if ahead else self.steps
-        if bucket is None or bucket not in graphs or max(starts) + reach > cache.max_len:
-            return  # the steps run eagerly
-        if ahead or not o.steps_paged:  # else `prepare` planned the steps' pages
-            o.plan_step_pages(bucket, slots, [st + reach for st in starts])
-        g = graphs[bucket]
-        for k, attn in enumerate(g.attention):
-            if not attn.on_device:
-                step = BatchLayout.causal(slots, [st + k for st in starts], [1] * len(slots))
-                attn.plan(pad_layout(step, bucket, 1, cache.pad_slot))
-        self._planned = (g, starts)
-
-    def _replay(
-        self, hidden: Tensor, slots: list[int], graph: StageGraph | None = None
-    ) -> StageGraph:
-        """Replays the planned graph, or `graph` in its place (the sampled twin)."""
-        assert self._planned is not None
-        (g, starts), self._planned = self._planned, None
-        g = graph or g
-        bucket, b = len(g.inputs["starts"]), len(slots)
-        if hidden.shape[0] != bucket:  # from the eager extend
-            hidden = pad_rows(hidden, bucket)
-        g.inputs["hidden"].copy_(hidden)  # on the device: queued after the extend graph
-        padded = torch.zeros(bucket, dtype=torch.long)
-        padded[:b] = torch.tensor(starts)
-        g.load("starts", padded)
-        self.graphs.capture.replay(g)
-        return g
-
-    def run(
-        self, hidden: Tensor, slots: list[int], depths: Sequence[int] | None = None
-    ) -> list[list[int]]:
-        if self._planned is None:
-            return self.eager.run(hidden, slots, depths)
-        g = self._replay(hidden, slots)
-        drafts: list[list[int]] = g.outputs["tokens"][:, : len(slots)].T.tolist()
-        return drafts
-
-    def run_sampled(
-        self,
-        hidden: Tensor,
-        slots: list[int],
-        sampling: DraftSampling,
-        depths: Sequence[int] | None = None,
-    ) -> tuple[list[list[int]], list[DraftQ | None]]:
-        graph = None
-        if self._planned is not None:
-            graph = self.sampled.get(len(self._planned[0].inputs["starts"]))
-        if self._planned is None or graph is None:
-            self._planned = None
-            return self.eager.run_sampled(hidden, slots, sampling, depths)
-        bucket, b = len(graph.inputs["starts"]), len(slots)
-        params = torch.ones(bucket, 5)  # padding rows: greedy
-        params[:b] = sampling.params.table
-        graph.load("params", params)
-        graph.load("uniform", pad2d(sampling.u.T, self.tier, bucket))
-        g = self._replay(hidden, slots, graph)
-        self.sampled_replays += 1
-        drafts: list[list[int]] = g.outputs["tokens"][:, :b].T.tolist()
-        ids = g.outputs["q_ids"][:, :b].transpose(0, 1).cpu()  # [b, s, K]
-        q = g.outputs["q"][:, :b].transpose(0, 1).cpu()
-        qs: list[DraftQ | None] = [None if sampling.greedy[i] else (ids[i], q[i]) for i in range(b)]
-        return drafts, qs
-
-    def run_ahead(
-        self, hidden: Tensor, slots: list[int], top: int
-    ) -> tuple[list[list[int]], list[Lookahead]]:
-        if self._planned is None or top != LOOKAHEAD_TOP:
-            self._planned = None
-            return self.eager.run_ahead(hidden, slots, top)
-        g, b = self._replay(hidden, slots), len(slots)
-        drafts: list[list[int]] = g.outputs["tokens"][:, :b].T.tolist()
-        ids = g.outputs["ids"][:, :b].transpose(0, 1).cpu()  # [b, s + 1, top]
-        p = g.outputs["p"][:, :b].transpose(0, 1).float().cpu()
-        states = g.outputs["ahead"][:, :b].transpose(0, 1).clone()  # the next replay reuses it
-        return drafts, [Lookahead(ids[i], p[i], states[i]) for i in range(b)]
-
-    def run_tree(
-        self,
-        hidden: Tensor,
-        slots: list[int],
-        sampling: DraftSampling | None = None,
-        depths: Sequence[int] | None = None,
-    ) -> list[CandidateTree]:
-        return self.eager.run_tree(hidden, slots, sampling, depths)
-
-    def read_gpu_ms(self) -> float:
-        return self.graphs.capture.read_gpu_ms()
