@@ -5,19 +5,33 @@ each chain's lookahead). Where no graph fits, the drafter's eager steps run."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from specpair.runtime.gpu.capture import StageGraph, bucket_of, pad2d, pad_layout, pad_rows
+from specpair.runtime.gpu.capture import (
+    GraphCapture,
+    StageGraph,
+    bucket_of,
+    pad2d,
+    pad_layout,
+    pad_rows,
+)
 from specpair.runtime.layout import BatchLayout
 from specpair.runtime.lookahead import LOOKAHEAD_TOP, Lookahead
 from specpair.runtime.stages import DraftQ, DraftSampling, DraftStage
 from specpair.runtime.tree import CandidateTree
 
-if TYPE_CHECKING:
-    from specpair.runtime.gpu.draft_graphs import DraftGraphs
+
+class StepPlanner(Protocol):
+    """What the steps need of the `DraftGraphs` that built them (a Protocol: that module imports
+    this one)."""
+
+    capture: GraphCapture
+    steps_paged: bool  # the extend ran on a plan made ahead, which paged the steps too
+
+    def plan_step_pages(self, bucket: int, slots: list[int], ends: list[int]) -> None: ...
 
 
 class StepGraphs:
@@ -26,7 +40,7 @@ class StepGraphs:
 
     def __init__(
         self,
-        graphs: DraftGraphs,
+        graphs: StepPlanner,
         tier: int,
         eager: DraftStage,
         steps: dict[int, StageGraph],
@@ -42,7 +56,7 @@ class StepGraphs:
     def plan(self, slots: list[int], ahead: bool = False) -> None:
         """Plans the greedy or the `ahead` graph; the sampled graph of the bucket shares the
         greedy one's step attention, so the greedy plan serves it too."""
-        o, cache, s = self.graphs, self.graphs.cache, self.tier
+        o, cache, s = self.graphs, self.graphs.capture.cache, self.tier
         self._planned = None
         bucket = bucket_of(len(slots), o.capture.buckets)
         starts = [cache.lengths[slot] for slot in slots]
