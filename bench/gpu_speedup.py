@@ -180,6 +180,11 @@ def make_workloads(
     ]  # fmt: skip
 
 
+def requests_at(wl: Workload, batch: int, counts: Mapping[int, int] | None) -> int:
+    """How many of `wl`'s requests a cell at `batch` runs: `counts[batch]`, default all."""
+    return (counts or {}).get(batch, len(wl.ids))
+
+
 def accept_stats(per_request: Sequence[Sequence[int]]) -> tuple[float | None, int]:
     rounds = [a for accepts in per_request for a in accepts]
     return (sum(rounds) / len(rounds) if rounds else None), len(rounds)
@@ -224,7 +229,7 @@ def in_process(
                 if engine.pipeline is not None:
                     engine.pipeline.reset_counters()
                 t0 = time.perf_counter()
-                n = (counts or {}).get(batch, len(wl.ids))
+                n = requests_at(wl, batch, counts)
                 for lo in range(0, n, batch):
                     group = range(lo, min(lo + batch, n))
                     results = engine.generate(
@@ -288,7 +293,7 @@ def serve_cells(
     client.generate(workloads[0].ids[0], max_tokens=WARMUP_TOKENS)
     for wl in workloads:
         for batch in batches:
-            n = (counts or {}).get(batch, len(wl.ids))
+            n = requests_at(wl, batch, counts)
 
             def one(i: int, wl: Workload = wl) -> Any:
                 p = wl.sampling(i)
@@ -335,9 +340,12 @@ def services(
         target_options=("--max-batch", str(max(batches)),
                         *(("--deterministic",) if deterministic else ())),
     )  # fmt: skip
+
+    def serve(client: SpecpairClient, config: str) -> None:
+        serve_cells(client, config, workloads, batches, new_tokens, record, repeats, counts)
+
     with BenchServices(draft=None, initial_steps=1, **common) as group:
-        serve_cells(SpecpairClient(group.target, timeout=600), "target-only", workloads, batches,
-                    new_tokens, record, repeats, counts)  # fmt: skip
+        serve(SpecpairClient(group.target, timeout=600), "target-only")
     policy = PolicyConfig(candidate_steps=TIERS)
     flags = tuple(arg for t in trees for arg in ("--tree-shapes", str(t)))
     common["target_options"] += flags
@@ -351,11 +359,10 @@ def services(
         for tier in TIERS:
             ctl.pin(tier)
             time.sleep(0.3)
-            serve_cells(client, f"tier {tier}", workloads, batches, new_tokens, record, repeats,
-                        counts)  # fmt: skip
+            serve(client, f"tier {tier}")
         ctl.unpin()
         time.sleep(0.3)
-        serve_cells(client, "adaptive", workloads, batches, new_tokens, record, repeats, counts)
+        serve(client, "adaptive")
         # the goodput kind over tiers 0 / 1 / 3 / 7 and the trees (SGLang's rule knows chains
         # only, so the trees are pinned under it)
         spec = PolicySpec.from_mapping(GOODPUT | {"tree_shapes": [str(t) for t in trees]})
@@ -364,14 +371,13 @@ def services(
         for tree in trees:
             ctl.pin(str(tree))
             time.sleep(0.3)
-            serve_cells(client, f"tree {tree}", workloads, batches, new_tokens, record, repeats,
-                        counts)  # fmt: skip
+            serve(client, f"tree {tree}")
         if goodput:  # afresh from tier 3
             ctl.pin(3)
             ctl.update_policy(**spec.policy_options())
             ctl.unpin()
             time.sleep(0.3)
-            serve_cells(client, "goodput", workloads, batches, new_tokens, record, repeats, counts)
+            serve(client, "goodput")
         return phased(group) if phased is not None else None
 
 

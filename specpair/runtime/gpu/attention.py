@@ -174,7 +174,7 @@ class Backends:
         if self.invariant:
             return SoloAttention(self._solo_backend, self._flashinfer_serves)
         if not self._flashinfer_serves:
-            return TorchAttention(self.heads, self.page_size, self.device)
+            return self._new_eager()
         if self._eager is None:
             self._eager = self._new_flashinfer()
         return self._eager
@@ -191,13 +191,15 @@ class Backends:
             self.invariant,
         )  # fmt: skip
 
+    def _new_eager(self) -> AttentionBackend:
+        """A new eager backend: flashinfer where it serves the head size, else SDPA."""
+        if self._flashinfer_serves:
+            return self._new_flashinfer()
+        return TorchAttention(self.heads, self.page_size, self.device)
+
     def _solo_backend(self, b: int) -> AttentionBackend:
         while len(self._solo) <= b:
-            self._solo.append(
-                self._new_flashinfer()
-                if self._flashinfer_serves
-                else TorchAttention(self.heads, self.page_size, self.device)
-            )
+            self._solo.append(self._new_eager())
         return self._solo[b]
 
     def tree_fits(self, tokens: int) -> bool:
