@@ -328,14 +328,14 @@ def services(
     *, new_tokens: int, device: str, dtype: str, max_len: int, log_dir: Path,
     phased: Callable[[BenchServices], dict[str, Any]] | None, record: Callable[[Cell], None],
     goodput: bool = False, deterministic: bool = False, trees: Sequence[TreeShape] = (),
-    repeats: int = 1, counts: Mapping[int, int] | None = None,
+    repeats: int = 1, counts: Mapping[int, int] | None = None, threads: int = 0,
 ) -> dict[str, Any] | None:  # fmt: skip
     """Target-only (`--no-draft`), then static tiers (`trees` too, pinned by shape) and adaptive
     through the controller (SGLang's rule over the chains, then with `goodput` the goodput kind,
     over the trees too)."""
     common: dict[str, Any] = dict(
         target=target, log_dir=log_dir, device=device, dtype=dtype, max_len=max_len,
-        candidate_steps=(0, *TIERS),  # the goodput kind's tier 0 is the target alone
+        threads=threads, candidate_steps=(0, *TIERS),  # the goodput kind's tier 0 is the target alone
         # the target's default max_batch (16) would run a batch-64 cell 16 at a time
         target_options=("--max-batch", str(max(batches)),
                         *(("--deterministic",) if deterministic else ())),
@@ -562,6 +562,10 @@ def main() -> None:
         "--repeats", type=int, default=1,
         help="services: each cell's workload this many times back to back (its spread shown)",
     )  # fmt: skip
+    parser.add_argument(
+        "--threads", type=int, default=0,
+        help="services: each model service's --threads (0: its default, half the cores)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, help="JSON (default: bench/results/…_<kind>.json)")
     parser.add_argument(
         "--replot", type=Path, metavar="JSON", help="only redraw an earlier run's PNG and table"
@@ -641,7 +645,7 @@ def main() -> None:
             target, draft, args.draft_kind, workloads, args.batches, new_tokens=args.new_tokens,
             device=args.device, dtype=dtype, max_len=max_len, log_dir=log_dir, phased=run_phased,
             record=record, goodput=args.goodput, deterministic=args.deterministic, trees=trees,
-            repeats=args.repeats, counts=counts,
+            repeats=args.repeats, counts=counts, threads=args.threads,
         )  # fmt: skip
     save()
     title = f"{args.draft_kind} draft, {args.shape} pair, {gpu}: tokens/s by configuration"

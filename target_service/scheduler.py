@@ -172,6 +172,8 @@ class Scheduler:
                 drafted = flight.request is not None
                 flight = await self.round.run(flight, self)  # the next round is out, or None
                 self._drop_cancelled(keep=flight)
+                if flight is not None and flight.request is not None and self.queue:
+                    await self._admit_beside(flight)
                 # Inline compute with no draft to wait for never suspends: without this a batch
                 # would run to its end before a submit, a cancel or a tier could land.
                 if self.compute.executor is None and not drafted:
@@ -246,6 +248,19 @@ class Scheduler:
                 self._finish(req, req.seq.finish_reason)
         self.metrics.running.set(len(self.running))
 
+    async def _admit_beside(self, flight: Flight[ServedRequest]) -> None:
+        """Admits queued requests while `flight`'s draft works: they join the round after it.
+
+        Admitting between rounds instead would hold the whole batch through the prefill with
+        the draft idle, then through the draft with the target idle: at batch 8 (EAGLE-3,
+        sampled, H100) a join cost the batch 23 ms against 10.9 ms without speculation.
+        """
+        t0, generation = time.perf_counter(), self.worker.cache.generation
+        await self._admit()
+        if self.worker.cache.generation != generation:  # a slot was taken (or freed)
+            flight.beside_s += time.perf_counter() - t0
+            await self.round.replan(flight)  # the verify's plan named the old slots
+
     async def _start(self, batch: list[ServedRequest], admit_s: float) -> Flight[ServedRequest]:
         """Starts a round of `batch` at its tiers: its RoundRequest goes out."""
         self.round_id += 1
@@ -262,8 +277,10 @@ class Scheduler:
         """The round after `done`, started now unless requests wait for admission (they join
         at the round boundary, after `done` has streamed)."""
         self.tiers.switch(self.round_id, self._running_ids())
-        ready = [r for r in done.batch if r.seq.finish_reason is None and not r.cancelled]
-        return await self._start(ready, 0.0) if ready and not self.queue else None
+        ready = [r for r in self.running if r.seq.finish_reason is None and not r.cancelled]
+        if not ready or (self.queue and done.request is None):
+            return None  # admitted between rounds (none is out to admit beside)
+        return await self._start(ready, 0.0)
 
     def stream(self, req: ServedRequest, result: VerifyResult, drafted: bool, steps: int) -> None:
         """A request's new tokens to its client; a finished one leaves the batch."""

@@ -61,13 +61,14 @@ class DraftModel(Protocol):
 
     def extend_inputs(
         self, inputs: Sequence[DraftInput], slots: list[int]
-    ) -> tuple[Tensor, Tensor | None, Tensor, BatchLayout, list[int]]:
-        """Commits the extend rows; returns host tokens, features, positions [B, T], layout."""
+    ) -> tuple[Tensor, list[Tensor] | None, Tensor, BatchLayout, list[int]]:
+        """Commits the extend rows; returns host tokens and positions [B, T], each request's
+        feature rows [n_b, W] (EAGLE), layout."""
 
     def extend_forward(
         self,
         tokens: Tensor,
-        features: Tensor | None,
+        features: list[Tensor] | None,
         positions: Tensor,
         layout: BatchLayout,
         lengths: list[int],

@@ -15,6 +15,7 @@ from specpair.runtime.round import RoundRequest, RoundResponse
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.shape import TreeShape
 from specpair.runtime.target.worker import TargetSequence
+from specpair.runtime.tree import EMPTY_TREE
 from target_service.scheduler import Scheduler
 from target_service.served import RoundEvent, ServedRequest
 
@@ -148,3 +149,53 @@ async def test_a_request_that_takes_many_loop_passes_joins_at_the_next_round(
     task.cancel()
     # One yield a round would take about 20 rounds to get it there.
     assert joined_in - submitted_in <= 2, (submitted_in, joined_in)
+
+
+async def test_a_request_joins_beside_a_round_out_to_the_draft(tmp_path: Path) -> None:
+    """A request queued while a round is out to the draft is prefilled then (beside the draft's
+    work) and joins the round after it: no round waits between rounds for a prefill, every
+    round after the first still goes out before its predecessor streams, and the joiner's
+    tokens are those it decodes alone."""
+    worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=2, max_len=64)
+    link = RecordingLink()
+    scheduler = Scheduler(
+        worker, build_states([TreeShape(3)], worker), initial_tier=TreeShape(3),
+        max_batch=2, max_queue=4,
+        draft=link, metrics=ServiceMetrics("target"),  # type: ignore[arg-type]
+    )  # fmt: skip
+    first = ServedRequest(
+        TargetSequence("a", [5, 6, 7], SamplingParams(), max_new_tokens=12), events=link.events
+    )
+    second = ServedRequest(TargetSequence("b", [8, 9], SamplingParams(), max_new_tokens=4))
+    watch = scheduler.feed.watch()
+    task = asyncio.create_task(scheduler.run())
+    scheduler.submit(first)
+    await asyncio.wait_for(first.events.get(), 10)  # prefilled
+    await asyncio.wait_for(first.events.get(), 10)  # a round has streamed: rounds are going
+    scheduler.submit(second)
+    joined: list[int] = []
+    while True:
+        event = await asyncio.wait_for(second.events.get(), 10)
+        joined += event.token_ids
+        if event.finish_reason is not None:
+            break
+    while (await asyncio.wait_for(first.events.get(), 10)).finish_reason is None:
+        pass
+    task.cancel()
+    stats = [watch.get_nowait() for _ in range(watch.qsize())]
+    admitting = [s for s in stats if s.timings.admit_ms > 0]
+    assert admitting[0].round_id == 1
+    assert len(admitting) == 2, "b's prefill ran beside one round"
+    beside = admitting[1]
+    assert beside.batch_size == 1, "b joins the round after the one it was prefilled beside"
+    later = [s for s in stats if s.round_id == beside.round_id + 1]
+    assert later and later[0].batch_size == 2
+    # round n > 1 went out before round n - 1's results streamed to a, the join included
+    puts = dict(link.sends)
+    assert all(puts[n] <= puts[n - 1] + 1 for n in range(3, max(puts) + 1))
+    alone = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=1, max_len=64)
+    reference = TargetSequence("b", [8, 9], SamplingParams(), max_new_tokens=4)
+    alone.prefill([reference])
+    while reference.finish_reason is None:
+        alone.verify([reference], [EMPTY_TREE], None)
+    assert joined == reference.output

@@ -47,16 +47,12 @@ class DraftForward(ABC):
 
     def extend_inputs(
         self, inputs: Sequence[DraftInput], slots: list[int]
-    ) -> tuple[Tensor, Tensor | None, Tensor, BatchLayout, list[int]]:
-        """Commits the extend rows; returns host tokens, features, positions [B, T], layout."""
+    ) -> tuple[Tensor, list[Tensor] | None, Tensor, BatchLayout, list[int]]:
+        """Commits the extend rows; returns host tokens and positions [B, T], each request's
+        feature rows [n_b, W] as they came (padded only where they are placed), layout."""
         rows, feats = self.extend_rows(inputs)
         tokens, positions, layout, lengths = self._commit_rows(rows, slots)
-        features = None
-        if feats is not None:
-            features = feats[0].new_zeros(len(rows), tokens.shape[1], feats[0].shape[-1])
-            for b, f in enumerate(feats):
-                features[b, : len(f)] = f
-        return tokens, features, positions, layout, lengths
+        return tokens, feats, positions, layout, lengths
 
     def extend(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor:
         """Eager extend: commits the rows, returns each request's last hidden [B, 1, H]."""
@@ -78,18 +74,21 @@ class DraftForward(ABC):
     def extend_forward(
         self,
         tokens: Tensor,
-        features: Tensor | None,
+        features: list[Tensor] | None,
         positions: Tensor,
         layout: BatchLayout,
         lengths: list[int],
     ) -> Tensor:
         """The eager forward of `extend_inputs`' rows: each request's last hidden [B, 1, H]."""
-        hidden = self.forward(
-            tokens.to(self.device),
+        padded = None
+        if features is not None:
             # float8 on the wire arrives as float32: compute in the cache's (the model's) dtype
-            None if features is None else features.to(self.device, self.cache.dtype),
-            positions.to(self.device),
-            self.cache.bind(layout),
+            width = features[0].shape[-1]
+            padded = torch.zeros(*tokens.shape, width, dtype=self.cache.dtype, device=self.device)
+            for b, f in enumerate(features):
+                padded[b, : len(f)] = f.to(self.device, self.cache.dtype)
+        hidden = self.forward(
+            tokens.to(self.device), padded, positions.to(self.device), self.cache.bind(layout)
         )
         return hidden[torch.arange(len(lengths)), torch.tensor(lengths) - 1][:, None]
 

@@ -144,6 +144,11 @@ class StageGraph:
         """Host tensor `src` into the static input `name` (asynchronously, see Staging)."""
         self.staging.copy(self.inputs[name], src)
 
+    def load_rows(self, name: str, rows: Sequence[Tensor]) -> None:
+        """Per-request host rows [n_b, ...] into the static input `name` [B', T', ...] at
+        [b, :n_b], with no padded copy made first (`Staging.copy_rows`)."""
+        self.staging.copy_rows(self.inputs[name], rows)
+
 
 def capture(
     body: Callable[[], dict[str, Tensor]],

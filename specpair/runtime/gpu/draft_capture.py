@@ -25,7 +25,9 @@ def extend_graph(capture: GraphCapture, d: DraftModel, batch: int, tokens: int) 
         "last": torch.zeros(batch, dtype=torch.long, device=dev),
     }
     if d.needs_features:
-        inputs["features"] = torch.zeros(batch, tokens, d.feature_width, device=dev)
+        # the model's dtype, as the eager extend casts them: half the bytes of float32 to stage
+        width, dtype = d.feature_width, capture.cache.dtype
+        inputs["features"] = torch.zeros(batch, tokens, width, dtype=dtype, device=dev)
     attn = capture.attention(batch, tokens)
     inputs["rows"] = torch.arange(batch, device=dev)  # static: read by the graph's gather
     rows = inputs["rows"]

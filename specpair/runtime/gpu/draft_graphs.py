@@ -156,7 +156,7 @@ class ExtendGraphs:
         if bucket is None:
             return self.eager.run(inputs, slots)
         tokens, feats, positions, layout, lengths = d.extend_inputs(inputs, slots)
-        if feats is not None and feats.shape[-1] != d.feature_width:
+        if feats is not None and any(f.shape[-1] != d.feature_width for f in feats):
             # an EAGLE-3 fork's rows carry the head's own outputs (H wide, not 3H): eagerly
             return d.extend_forward(tokens, feats, positions, layout, lengths)
         t = tokens.shape[1]
@@ -178,7 +178,7 @@ class ExtendGraphs:
         last[: len(lengths)] = torch.tensor(lengths) - 1
         ext.load("last", last)
         if feats is not None:
-            ext.load("features", pad2d(feats, bucket, tg))
+            ext.load_rows("features", feats)
         o.capture.replay(ext)
         return ext.outputs["hidden"]
 

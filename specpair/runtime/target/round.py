@@ -50,6 +50,7 @@ class Flight(Generic[B]):
     steps: list[int]  # each request's tier, aligned with batch
     started: float  # perf_counter at the start
     admit_s: float = 0.0  # admission (prefill) just before the start
+    beside_s: float = 0.0  # admission while its draft worked (within the round, not before)
     request: RoundRequest | None = None  # None: no draft stream was open, or tier 0
     epoch: int | None = None  # what `send` returned for `receive`; None: it did not go out
     ahead: Ahead | None = None  # pipelined: the pre-drafts it may use
@@ -114,10 +115,17 @@ class TargetRound(Generic[B]):
         )  # fmt: skip
         flight.epoch = await draft.send(flight.request)
         flight.sent = time.perf_counter()
-        if flight.epoch is not None and state.verify_stage().plans_ahead:
-            depths = None if min(steps) == state.tier else steps
-            await self.compute(self.worker.prepare, seqs, state, depths)
+        await self.replan(flight)
         return flight
+
+    async def replan(self, flight: Flight[B]) -> None:
+        """Plans the verify of `flight`, out to its draft, ahead (again after an admission
+        beside it: a slot's allocation voids the plan)."""
+        state = flight.state
+        if flight.epoch is None or state is None or not state.verify_stage().plans_ahead:
+            return
+        depths = None if min(flight.steps) == state.tier else flight.steps
+        await self.compute(self.worker.prepare, flight.seqs, state, depths)
 
     async def run(self, flight: Flight[B], batcher: Batcher[B]) -> Flight[B] | None:
         """Finishes a started round: trees → verify → accept → commit → (the next round starts)
@@ -217,7 +225,7 @@ def round_stats(
     rtt_s = verify_start - flight.started  # the request going out to its trees
     verify_s = flight.verified - verify_start
     total_s = flight.admit_s + end - flight.started  # the round's share of the wall time
-    rpc_ms = 1e3 * rtt_s - draft.total_ms - draft.draft_host_ms
+    rpc_ms = 1e3 * (rtt_s - flight.beside_s) - draft.total_ms - draft.draft_host_ms
     timings = StageTimings(
         draft_ms=draft.draft_ms,
         extend_ms=draft.extend_ms,
@@ -230,7 +238,7 @@ def round_stats(
         total_ms=1e3 * total_s,
         wait_ms=1e3 * flight.wait_s,
         predraft_ms=ahead.predraft_ms if ahead is not None else 0.0,
-        admit_ms=1e3 * flight.admit_s,
+        admit_ms=1e3 * (flight.admit_s + flight.beside_s),
     )
     drafted_ids = tuple(seqs[i].request_id for i in drafted)
     plain = set(range(len(seqs))).difference(drafted)
