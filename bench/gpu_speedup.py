@@ -335,7 +335,8 @@ def services(
     over the trees too)."""
     common: dict[str, Any] = dict(
         target=target, log_dir=log_dir, device=device, dtype=dtype, max_len=max_len,
-        threads=threads, candidate_steps=(0, *TIERS),  # the goodput kind's tier 0 is the target alone
+        threads=threads,
+        candidate_steps=(0, *TIERS),  # the goodput kind's tier 0 is the target alone
         # the target's default max_batch (16) would run a batch-64 cell 16 at a time
         target_options=("--max-batch", str(max(batches)),
                         *(("--deterministic",) if deterministic else ())),

@@ -4,12 +4,16 @@ a round yields is `goodput_acceptance.py`'s."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from controller.interface import RoundSample, as_tier
 from controller.least_squares import line_at, slope
 from specpair.runtime.shape import TreeShape
+
+# Request ids remembered to tell a request's first round: far more than ever run at once.
+SEEN_REQUESTS = 4096
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -91,6 +95,7 @@ class CostModel:
     ) -> None:
         self.alpha = alpha
         self._buckets: dict[int, _Bucket] = {}
+        self._seen: OrderedDict[str, None] = OrderedDict()  # request ids met, oldest first
         for batch, steps, ms in profile_ms:
             tier = as_tier(steps)
             entry = self._bucket(batch_bucket(batch)).round_ms.setdefault(tier, _Ema())
@@ -105,12 +110,15 @@ class CostModel:
         b, t, a = self._bucket(batch_bucket(sample.batch_size)), sample.tier, self.alpha
         s = t.steps
         entry = b.round_ms.setdefault(t, _Ema(averaged=True))
-        if sample.admit_ms > 0 and entry.skipped < 3 * (entry.n + 1):
-            # A request joined: its prefill is in the total (admit_ms), its prompt's extend in
-            # the draft's time, and every request costs one admission whatever the tier, so it
-            # is no tier's cost (a first round can take five times a typical one). Only where
-            # requests join nearly every round (a closed loop at batch 64 with short requests)
-            # is one round in four learnt, clipped.
+        joined = self._joined(sample)
+        if (sample.admit_ms > 0 or joined) and entry.skipped < 3 * (entry.n + 1):
+            # A request joined: its prefill is in the total (admit_ms) of the round it ran
+            # beside or before, its prompt's extend in the draft's time of its first round
+            # (`joined`; the same round where it was admitted between rounds), and every
+            # request costs one admission whatever the tier, so it is no tier's cost (a first
+            # round can take five times a typical one). Only where requests join nearly every
+            # round (a closed loop at batch 64 with short requests) is one round in four
+            # learnt, clipped.
             entry.skipped += 1
             return
         total, draft, fixed = uniform_round(sample)
@@ -124,6 +132,17 @@ class CostModel:
                 b.draft_node_ms.add(max(draft - step * s, 0.0) / nodes, a)
         tokens = sample.batch_size + sum(sample.accept_lengths)
         b.sched_token_ms.add(sample.schedule_ms / tokens, a)
+
+    def _joined(self, sample: RoundSample) -> bool:
+        """Whether a request of `sample` is met for the first time (its first round)."""
+        joined = False
+        for rid in (*sample.request_ids, *sample.plain_request_ids):
+            if rid not in self._seen:
+                joined = True
+                self._seen[rid] = None
+        while len(self._seen) > SEEN_REQUESTS:
+            self._seen.popitem(last=False)
+        return joined
 
     def forget(self, tier: int | TreeShape, batch_size: int) -> None:
         """Drops `tier`'s own round and verify times in this batch bucket: the rounds that

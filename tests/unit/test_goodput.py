@@ -323,6 +323,26 @@ def test_a_round_that_admitted_a_request_does_not_set_a_tiers_cost() -> None:
     assert 5.0 < (cost.round_ms(0, 1) or 0.0) < 11.3
 
 
+def test_a_joiners_first_round_after_an_admission_beside_is_not_a_tiers_cost() -> None:
+    """Admitted beside a round out to the draft, a request is prefilled in that round
+    (admit_ms) and the draft extends its prompt in the next one, which admitted nobody: that
+    round is its first (an id never met) and stays out too, unlike the rounds after it."""
+    cost = CostModel(alpha=1.0)
+
+    def rnd(ids: tuple[str, ...], total: float, admit: float = 0.0) -> RoundSample:
+        sample = replace(timed(3, [2] * len(ids), total, verify=9.0, draft=5.0), admit_ms=admit)
+        return replace(sample, request_ids=ids, request_steps=(3,) * len(ids))
+
+    cost.observe(rnd(("a", "b"), total=40.0, admit=20.0))  # a and b: admitted, first round
+    cost.observe(rnd(("a", "b"), total=18.0))
+    assert cost.measured_rounds(3, 2) == 1 and cost.round_ms(3, 2) == pytest.approx(18.0)
+    cost.observe(rnd(("a", "b"), total=30.0, admit=11.0))  # c prefilled beside this round
+    cost.observe(rnd(("a", "b", "c"), total=35.0))  # c's first round: its prompt's extend
+    assert cost.measured_rounds(3, 3) == 1 and cost.round_ms(3, 3) == pytest.approx(18.0)
+    cost.observe(rnd(("a", "b", "c"), total=21.0))
+    assert cost.measured_rounds(3, 3) == 2 and cost.round_ms(3, 3) == pytest.approx(21.0)
+
+
 def test_admission_rounds_do_not_lift_a_profiled_tier() -> None:
     """H100, batch 32, tier 7 profiled at 27.4 ms: rounds where requests joined took 80–140 ms
     (prefill 21–32 ms, the draft extending their prompts 25–74 ms against 12). Learnt, they
