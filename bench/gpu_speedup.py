@@ -48,6 +48,8 @@ import torch
 from bench.acceptance import code_prompts, prose_prompts
 from bench.adaptive import KINDS, RUNS, STATIC, build_phases, load_policy, oracle_of, run_workload
 from bench.common import device_info, format_table, write_json
+from bench.profile_costs import TIERS as PROFILED_TIERS
+from bench.profile_costs import profile
 from bench.services import BenchServices, wait_draft_connected, watch_rounds
 from controller.bands import PolicySpec
 from controller.policy import PolicyConfig
@@ -329,10 +331,11 @@ def services(
     phased: Callable[[BenchServices], dict[str, Any]] | None, record: Callable[[Cell], None],
     goodput: bool = False, deterministic: bool = False, trees: Sequence[TreeShape] = (),
     repeats: int = 1, counts: Mapping[int, int] | None = None, threads: int = 0,
+    profiled: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:  # fmt: skip
     """Target-only (`--no-draft`), then static tiers (`trees` too, pinned by shape) and adaptive
     through the controller (SGLang's rule over the chains, then with `goodput` the goodput kind,
-    over the trees too)."""
+    over the trees too; given `profiled`, seeded with a start-up profile, written there)."""
     common: dict[str, Any] = dict(
         target=target, log_dir=log_dir, device=device, dtype=dtype, max_len=max_len,
         threads=threads,
@@ -374,12 +377,35 @@ def services(
             time.sleep(0.3)
             serve(client, f"tree {tree}")
         if goodput:  # afresh from tier 3
+            if profiled is not None:
+                ctl.update_policy(**spec.policy_options())  # its tiers: 0 too, to pin
+                profiled.update(start_up_profile(client, ctl, workloads, batches, trees))
+                spec = PolicySpec.from_mapping(GOODPUT | {
+                    "tree_shapes": [str(t) for t in trees],
+                    "profile_ms": profiled["profile_ms"],
+                    "sampled_profile_ms": profiled["sampled_profile_ms"],
+                })  # fmt: skip
             ctl.pin(3)
             ctl.update_policy(**spec.policy_options())
             ctl.unpin()
             time.sleep(0.3)
             serve(client, "goodput")
         return phased(group) if phased is not None else None
+
+
+def start_up_profile(
+    client: SpecpairClient, ctl: ControllerClient, workloads: list[Workload],
+    batches: list[int], trees: Sequence[TreeShape],
+) -> dict[str, Any]:  # fmt: skip
+    """`bench.profile_costs` at every tier and batch of the run, in the regimes its workloads
+    sample in, on their prompts: what a deployment measures once before serving."""
+    sampled = any(wl.sampling(0).temperature > 0 for wl in workloads)
+    greedy = any(wl.sampling(0).temperature == 0 for wl in workloads)
+    prompts = [ids for wl in workloads for ids in wl.ids[:8]]
+    return profile(
+        client, ctl, prompts, tiers=(*PROFILED_TIERS, *trees),
+        batches=batches if greedy else (), sampled_batches=batches if sampled else (),
+    )  # fmt: skip
 
 
 def phased_workload(tokenizer: Any, per_phase: int, new_tokens: int) -> Callable[..., Any]:
@@ -567,6 +593,11 @@ def main() -> None:
         "--threads", type=int, default=0,
         help="services: each model service's --threads (0: its default, half the cores)",
     )  # fmt: skip
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="seed the goodput kind with a start-up profile (bench.profile_costs) of the run's "
+        "tiers and batches, as a deployment would",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, help="JSON (default: bench/results/…_<kind>.json)")
     parser.add_argument(
         "--replot", type=Path, metavar="JSON", help="only redraw an earlier run's PNG and table"
@@ -604,6 +635,7 @@ def main() -> None:
     cells: list[Cell] = []
     shape = {"target": str(read_args(target)), "draft": str(read_args(draft, allow_eagle=True))}
     phased = None
+    profiled: dict[str, Any] = {}  # the goodput kind's start-up profile (--profile)
 
     def save() -> None:
         """The JSON so far: a run cut short still leaves every finished cell."""
@@ -616,6 +648,7 @@ def main() -> None:
             "cells": [{k: v for k, v in asdict(c).items() if k != "outputs"}
                       | {"tokens_per_s": c.tokens_per_s} for c in cells],
             "phased": phased,
+            "profile": profiled or None,
         })  # fmt: skip
 
     def record(cell: Cell) -> None:
@@ -647,6 +680,7 @@ def main() -> None:
             device=args.device, dtype=dtype, max_len=max_len, log_dir=log_dir, phased=run_phased,
             record=record, goodput=args.goodput, deterministic=args.deterministic, trees=trees,
             repeats=args.repeats, counts=counts, threads=args.threads,
+            profiled=profiled if args.profile else None,
         )  # fmt: skip
     save()
     title = f"{args.draft_kind} draft, {args.shape} pair, {gpu}: tokens/s by configuration"
