@@ -13,7 +13,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("flashinfer")
 
-from bench.services import BenchServices, apply_tier
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from bench.services import BenchServices, apply_tier, watch_rounds
 from specpair.client import SpecpairClient
 from specpair.config import MODELS_DIR
 from specpair.runtime.build import build_target
@@ -79,3 +82,52 @@ def test_shipped_pair_served_on_cuda_equals_cpu(tmp_path: Path, kind: str) -> No
     print(f"[{kind}] {identical}/{total} generations identical to the CPU's; accepted {accepted}")
     assert identical >= total // 2
     assert accepted > 0, "the draft was never accepted: speculation did not run"
+
+
+def test_requests_joining_beside_a_round_on_cuda_are_the_targets_greedy_tokens(
+    tmp_path: Path,
+) -> None:
+    """Six concurrent requests through `--max-batch 2` services with the EAGLE-3 head (features
+    staged straight into the extend graph's twin): the queued ones are prefilled beside rounds
+    out to the draft, whose verify plans are then made again; every token is still the GPU
+    target's greedy choice."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(MODELS_DIR / "target"))
+    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in TEXTS * 2][:6]
+    lengths = [NEW_TOKENS // 2, NEW_TOKENS] * 3  # ragged finishes: joins beside running rounds
+    gpu = build_target(
+        MODELS_DIR / "target", max_requests=1, max_len=256, dtype=torch.bfloat16, device="cuda"
+    )
+    with BenchServices(
+        target=MODELS_DIR / "target", draft=MODELS_DIR / "eagle3", draft_kind="eagle",
+        log_dir=tmp_path, device="cuda", dtype="bfloat16", max_len=256,
+        target_options=("--max-batch", "2"),
+    ) as group:  # fmt: skip
+        client = SpecpairClient(group.target, timeout=120)
+        apply_tier(group.target, 3)
+        stats: list = []
+        call = watch_rounds(group.target, stats)
+        time.sleep(0.3)
+        with ThreadPoolExecutor(6) as pool:
+            results = list(
+                pool.map(lambda i: client.generate(prompts[i], max_tokens=lengths[i]), range(6))
+            )
+        time.sleep(0.3)
+        call.cancel()
+    for prompt, n, result in zip(prompts, lengths, results, strict=True):
+        out = list(result.token_ids)
+        assert len(out) == n
+        logits = teacher_forced_logits(gpu, prompt, out)
+        picked = logits.gather(1, torch.tensor(out, device="cuda")[:, None])[:, 0]
+        deficit = logits.max(-1).values - picked
+        assert (deficit <= tie_tolerance(logits)).all(), f"{deficit.max()}"
+    # admitted between rounds, a request is in the round that carries its prefill; beside one,
+    # that round holds only requests met before (it joins the next)
+    seen: set[str] = set()
+    beside = 0
+    for r in stats:
+        ids = {*r.request_ids, *r.plain_request_ids}
+        beside += r.timings.admit_ms > 0 and bool(ids) and ids <= seen
+        seen |= ids
+    assert beside > 0, "no request was admitted beside a round"
