@@ -63,7 +63,8 @@ class RecordingLink:
         return await self.receive(message.round_id, self.epoch)
 
 
-async def test_next_round_goes_out_before_the_results_stream(tmp_path: Path) -> None:
+def drafted_scheduler(tmp_path: Path) -> tuple[Scheduler, RecordingLink]:
+    """A tier-3 scheduler of batches up to 2 over a tiny target and a `RecordingLink`."""
     worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=2, max_len=64)
     link = RecordingLink()
     scheduler = Scheduler(
@@ -71,6 +72,11 @@ async def test_next_round_goes_out_before_the_results_stream(tmp_path: Path) -> 
         max_batch=2, max_queue=4,
         draft=link, metrics=ServiceMetrics("target"),  # type: ignore[arg-type]
     )  # fmt: skip
+    return scheduler, link
+
+
+async def test_next_round_goes_out_before_the_results_stream(tmp_path: Path) -> None:
+    scheduler, link = drafted_scheduler(tmp_path)
     seq = TargetSequence("r", [5, 6, 7], SamplingParams(), max_new_tokens=NEW_TOKENS)
     served = ServedRequest(seq, events=link.events)
     watch = scheduler.feed.watch()
@@ -156,13 +162,7 @@ async def test_a_request_joins_beside_a_round_out_to_the_draft(tmp_path: Path) -
     work) and joins the round after it: no round waits between rounds for a prefill, every
     round after the first still goes out before its predecessor streams, and the joiner's
     tokens are those it decodes alone."""
-    worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=2, max_len=64)
-    link = RecordingLink()
-    scheduler = Scheduler(
-        worker, build_states([TreeShape(3)], worker), initial_tier=TreeShape(3),
-        max_batch=2, max_queue=4,
-        draft=link, metrics=ServiceMetrics("target"),  # type: ignore[arg-type]
-    )  # fmt: skip
+    scheduler, link = drafted_scheduler(tmp_path)
     first = ServedRequest(
         TargetSequence("a", [5, 6, 7], SamplingParams(), max_new_tokens=12), events=link.events
     )
