@@ -10,7 +10,7 @@ import torch
 from specpair.models.tiny import make_tiny_llama
 from specpair.runtime.build import build_target
 from specpair.runtime.sampling import SamplingParams
-from specpair.runtime.target.worker import TargetSequence
+from specpair.runtime.target.worker import TargetSequence, kept_rows
 from specpair.runtime.tree import chain
 
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13], [3, 9]]
@@ -38,3 +38,14 @@ def test_each_request_gets_its_own_rows_features(target: Path, sampling: Samplin
         alone = verified(target, [i], sampling)[0]
         assert feats.shape == alone.shape
         torch.testing.assert_close(feats, alone, atol=1e-5, rtol=1e-4)
+
+
+def test_kept_rows_reads_each_requests_rows_in_one_copy() -> None:
+    """The batched read of the accepted rows equals indexing request by request, for paths of
+    different lengths (a chain accepting all, one accepting none, a tree's branch)."""
+    hidden = torch.randn(3, 5, 7)
+    keeps = [[0, 1, 2, 3, 4], [0], [0, 2, 4]]
+    rows = kept_rows(hidden, keeps)
+    assert [r.shape for r in rows] == [(5, 7), (1, 7), (3, 7)]
+    for b, keep in enumerate(keeps):
+        assert torch.equal(rows[b], hidden[b, keep])
