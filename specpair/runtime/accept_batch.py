@@ -1,6 +1,6 @@
 """The accept of a verified batch, batched on the logits' device: sampled chains and trees
 drafted without q, each over its rows' candidates where their cuts allow (`candidate_probs`:
-a row's 256 likeliest tokens, not the 128 256 of a Llama-3 vocabulary), else over the
+a row's 1024 likeliest tokens, not the 128 256 of a Llama-3 vocabulary), else over the
 vocabulary; the rules themselves are `accept.py`'s. An accept graph (`gpu/verify_graphs.py`)
 replays the candidates' form; the eager functions here run it first and fall back to the
 vocabulary for a batch it does not cover.
