@@ -3,11 +3,12 @@
 draft replica).
 
 One asyncio task drives every round; model compute runs through `Compute` (inline on a GPU, on
-one worker thread on the CPU). New requests are prefilled and join at the next round boundary;
-finished or cancelled ones leave there, and their draft state is released with the next
-RoundRequest. A round starts when its RoundRequest goes out: right after the previous round's
-verify when nobody waits for admission (`next_round`, which the round calls before it streams),
-so that streaming results, metrics and round statistics overlap the draft's work instead of
+one worker thread on the CPU). New requests are prefilled while a round is out to the draft
+(beside its work) and join the round after it — between rounds only when none is out (an empty
+batch, tier 0); finished or cancelled ones leave at a round boundary, and their draft state is
+released with the next RoundRequest. A round starts when its RoundRequest goes out: right after
+the previous round's verify (`next_round`, which the round calls before it streams), so that
+streaming results, metrics, round statistics and admissions overlap the draft's work instead of
 delaying it. A tier command takes effect when the next round starts, never inside one.
 
 Tiers (`target_service/tiers.py`): the batch's, and optionally each request's. A round runs at
@@ -274,8 +275,9 @@ class Scheduler:
     # ---- what the round asks of the batching (`Batcher`) ---------------------------------
 
     async def next_round(self, done: Flight[ServedRequest]) -> Flight[ServedRequest] | None:
-        """The round after `done`, started now unless requests wait for admission (they join
-        at the round boundary, after `done` has streamed)."""
+        """The round after `done` with every running request (those admitted beside `done`
+        too), started now; None where requests wait and `done` went out to no draft (they are
+        admitted between rounds, after `done` has streamed)."""
         self.tiers.switch(self.round_id, self._running_ids())
         ready = [r for r in self.running if r.seq.finish_reason is None and not r.cancelled]
         if not ready or (self.queue and done.request is None):
