@@ -369,7 +369,8 @@ def services(
         serve(client, "adaptive")
         # the goodput kind over tiers 0 / 1 / 3 / 7 and the trees (SGLang's rule knows chains
         # only, so the trees are pinned under it)
-        spec = PolicySpec.from_mapping(GOODPUT | {"tree_shapes": [str(t) for t in trees]})
+        options = GOODPUT | {"tree_shapes": [str(t) for t in trees]}
+        spec = PolicySpec.from_mapping(options)
         if trees:
             ctl.update_policy(**spec.policy_options())
         for tree in trees:
@@ -380,11 +381,8 @@ def services(
             if profiled is not None:
                 ctl.update_policy(**spec.policy_options())  # its tiers: 0 too, to pin
                 profiled.update(start_up_profile(client, ctl, workloads, batches, trees))
-                spec = PolicySpec.from_mapping(GOODPUT | {
-                    "tree_shapes": [str(t) for t in trees],
-                    "profile_ms": profiled["profile_ms"],
-                    "sampled_profile_ms": profiled["sampled_profile_ms"],
-                })  # fmt: skip
+                seeds = ("profile_ms", "sampled_profile_ms")
+                spec = PolicySpec.from_mapping(options | {k: profiled[k] for k in seeds})
             ctl.pin(3)
             ctl.update_policy(**spec.policy_options())
             ctl.unpin()

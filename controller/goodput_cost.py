@@ -12,8 +12,7 @@ from controller.interface import RoundSample, as_tier
 from controller.least_squares import line_at, slope
 from specpair.runtime.shape import TreeShape
 
-# Request ids remembered to tell a request's first round: far more than ever run at once.
-SEEN_REQUESTS = 4096
+SEEN_REQUESTS = 4096  # ids kept to tell a request's first round: more than ever run at once
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -110,15 +109,11 @@ class CostModel:
         b, t, a = self._bucket(batch_bucket(sample.batch_size)), sample.tier, self.alpha
         s = t.steps
         entry = b.round_ms.setdefault(t, _Ema(averaged=True))
-        joined = self._joined(sample)
-        if (sample.admit_ms > 0 or joined) and entry.skipped < 3 * (entry.n + 1):
-            # A request joined: its prefill is in the total (admit_ms) of the round it ran
-            # beside or before, its prompt's extend in the draft's time of its first round
-            # (`joined`; the same round where it was admitted between rounds), and every
-            # request costs one admission whatever the tier, so it is no tier's cost (a first
-            # round can take five times a typical one). Only where requests join nearly every
-            # round (a closed loop at batch 64 with short requests) is one round in four
-            # learnt, clipped.
+        if (self._joined(sample) or sample.admit_ms > 0) and entry.skipped < 3 * (entry.n + 1):
+            # A request joined: its prefill is in admit_ms, its prompt's extend in its first
+            # round (`_joined`, first: it records the ids); every request costs one admission
+            # whatever the tier, so it is no tier's cost (a first round can take 5× a typical
+            # one). Where one joins nearly every round (batch 64) 1 round in 4 is learnt, clipped.
             entry.skipped += 1
             return
         total, draft, fixed = uniform_round(sample)
@@ -135,11 +130,9 @@ class CostModel:
 
     def _joined(self, sample: RoundSample) -> bool:
         """Whether a request of `sample` is met for the first time (its first round)."""
-        joined = False
-        for rid in (*sample.request_ids, *sample.plain_request_ids):
-            if rid not in self._seen:
-                joined = True
-                self._seen[rid] = None
+        ids = (*sample.request_ids, *sample.plain_request_ids)
+        joined = any(rid not in self._seen for rid in ids)
+        self._seen.update(dict.fromkeys(ids))
         while len(self._seen) > SEEN_REQUESTS:
             self._seen.popitem(last=False)
         return joined

@@ -14,6 +14,14 @@ import torch
 from torch import Tensor
 
 
+def place_rows(dst: Tensor, rows: Sequence[Tensor]) -> Tensor:
+    """rows[b] [n_b, ...] into dst[b, :n_b] (cast to dst's dtype and device); the rest of dst
+    is left as it is. Returns dst."""
+    for b, r in enumerate(rows):
+        dst[b, : len(r)].copy_(r)
+    return dst
+
+
 @functools.cache
 def tril_mask(t: int) -> Tensor:
     """[t, t] causal mask (shared: read it, expand it, never write it)."""

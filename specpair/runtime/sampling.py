@@ -101,11 +101,8 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 # The tokens of a sampled draft's q: 7 nodes × 64 × (id, prob) = 3.6 KB a tier-7 tree.
 DRAFT_SUPPORT = 64
-# The target's warp looks for its cut among each row's CANDIDATES likeliest tokens before it
-# sorts a whole row. T = 0.7, top-p 0.95 over a code LM mostly keeps tens of tokens, but one
-# row past the candidates sends the whole batch's accept out of its graph: with 256, 33 % of
-# batch-8 tier-7 rounds (H100, the grown pair, EAGLE-3, held-out code), +1.4 ms each on the
-# host; with 1024, none, at no measurable GPU cost (bench/RESULTS.md, "Headline").
+# The target's warp seeks its cut among each row's CANDIDATES likeliest tokens; one row past
+# them sends the batch's accept out of its graph (256: a third of batch-8 tier-7 rounds, H100).
 CANDIDATES = 1024
 
 

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from specpair.models.llama import Attend
 from specpair.runtime.kv_cache import KVCache
-from specpair.runtime.layout import BatchLayout, padded_groups
+from specpair.runtime.layout import BatchLayout, padded_groups, place_rows
 from specpair.runtime.round import DraftInput
 
 
@@ -83,10 +83,10 @@ class DraftForward(ABC):
         padded = None
         if features is not None:
             # float8 on the wire arrives as float32: compute in the cache's (the model's) dtype
-            width = features[0].shape[-1]
-            padded = torch.zeros(*tokens.shape, width, dtype=self.cache.dtype, device=self.device)
-            for b, f in enumerate(features):
-                padded[b, : len(f)] = f.to(self.device, self.cache.dtype)
+            width, dtype = features[0].shape[-1], self.cache.dtype
+            padded = place_rows(
+                torch.zeros(*tokens.shape, width, dtype=dtype, device=self.device), features
+            )
         hidden = self.forward(
             tokens.to(self.device), padded, positions.to(self.device), self.cache.bind(layout)
         )

@@ -8,6 +8,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from specpair.runtime.layout import place_rows
+
 
 class Staging:
     """Host-to-device copies into static buffers through pinned twins, one per buffer.
@@ -39,9 +41,7 @@ class Staging:
         padding is invisible to real rows (the buffers start as zeros). E.g. EAGLE-3 features
         at batch 8, 24 KB a row (bf16, 3H = 12 288): no zero-filled [B, T, 3H] staging copy and
         no second pad into the graph's shape."""
-        twin = self._twin(dst)
-        for b, r in enumerate(rows):
-            twin[b, : len(r)].copy_(r)
+        twin = place_rows(self._twin(dst), rows)
         self._queue(dst[: len(rows)], twin[: len(rows)])  # the bucket's padding rows stay
 
     def _twin(self, dst: Tensor) -> Tensor:
