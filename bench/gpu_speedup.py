@@ -197,6 +197,7 @@ def in_process(
     new_tokens: int, device: str, dtype: torch.dtype, max_len: int, eos: frozenset[int],
     record: Callable[[Cell], None], pipeline_width: int = 0, deterministic: bool = False,
     trees: Sequence[TreeShape] = (), counts: Mapping[int, int] | None = None,
+    token_map: Path | None = None,
 ) -> None:  # fmt: skip
     """Target-only and each static tier in the engine: the requests in groups of `batch`, each
     group decoded to completion (static batching) and stopped at `eos`, as the target service
@@ -209,7 +210,8 @@ def in_process(
                           feature_layers=feature_layers(draft, target), dtype=dtype,
                           device=device, deterministic=deterministic)  # fmt: skip
     drafter = build_drafter(draft, target_path=target, max_requests=size + pipeline_width,
-                            max_len=max_len, dtype=dtype, device=device)  # fmt: skip
+                            max_len=max_len, dtype=dtype, device=device,
+                            token_map=token_map)  # fmt: skip
     states = build_states([*map(TreeShape, TIERS), *trees], worker, drafter,
                           ahead=pipeline_width > 0)  # fmt: skip
     configs = [("target-only", TreeShape(1)), *((f"tier {t}", TreeShape(t)) for t in TIERS)]
@@ -331,7 +333,7 @@ def services(
     phased: Callable[[BenchServices], dict[str, Any]] | None, record: Callable[[Cell], None],
     goodput: bool = False, deterministic: bool = False, trees: Sequence[TreeShape] = (),
     repeats: int = 1, counts: Mapping[int, int] | None = None, threads: int = 0,
-    profiled: dict[str, Any] | None = None,
+    profiled: dict[str, Any] | None = None, token_map: Path | None = None,
 ) -> dict[str, Any] | None:  # fmt: skip
     """Target-only (`--no-draft`), then static tiers (`trees` too, pinned by shape) and adaptive
     through the controller (SGLang's rule over the chains, then with `goodput` the goodput kind,
@@ -353,9 +355,10 @@ def services(
     policy = PolicyConfig(candidate_steps=TIERS)
     flags = tuple(arg for t in trees for arg in ("--tree-shapes", str(t)))
     common["target_options"] += flags
+    mapped = ("--token-map", str(token_map)) if token_map else ()
     with BenchServices(
         draft=draft, draft_kind=draft_kind.removesuffix("3"), policy=policy.to_dict(),
-        draft_options=flags, **common,
+        draft_options=flags + mapped, **common,
     ) as group:  # fmt: skip
         client = SpecpairClient(group.target, timeout=600)
         wait_draft_connected(client)
@@ -596,6 +599,10 @@ def main() -> None:
         help="seed the goodput kind with a start-up profile (bench.profile_costs) of the run's "
         "tiers and batches, as a deployment would",
     )  # fmt: skip
+    parser.add_argument(
+        "--token-map", type=Path, metavar="FILE",
+        help="an EAGLE-1/2 head drafts over these ids (`serve draft --token-map`)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, help="JSON (default: bench/results/…_<kind>.json)")
     parser.add_argument(
         "--replot", type=Path, metavar="JSON", help="only redraw an earlier run's PNG and table"
@@ -647,6 +654,7 @@ def main() -> None:
                       | {"tokens_per_s": c.tokens_per_s} for c in cells],
             "phased": phased,
             "profile": profiled or None,
+            "token_map": args.token_map and str(args.token_map),
         })  # fmt: skip
 
     def record(cell: Cell) -> None:
@@ -663,7 +671,7 @@ def main() -> None:
                 in_process, target, draft, workloads, args.batches, new_tokens=args.new_tokens,
                 device=args.device, dtype=getattr(torch, dtype), max_len=max_len,
                 eos=eos_ids(target, tokenizer), record=record, deterministic=args.deterministic,
-                trees=trees, counts=counts,
+                trees=trees, counts=counts, token_map=args.token_map,
             ).result()  # fmt: skip
         gc.collect()
         if torch.cuda.is_available():
@@ -678,7 +686,7 @@ def main() -> None:
             device=args.device, dtype=dtype, max_len=max_len, log_dir=log_dir, phased=run_phased,
             record=record, goodput=args.goodput, deterministic=args.deterministic, trees=trees,
             repeats=args.repeats, counts=counts, threads=args.threads,
-            profiled=profiled if args.profile else None,
+            profiled=profiled if args.profile else None, token_map=args.token_map,
         )  # fmt: skip
     save()
     title = f"{args.draft_kind} draft, {args.shape} pair, {gpu}: tokens/s by configuration"

@@ -70,6 +70,7 @@ class DraftRounds:
             max_len=config.cache_len,
             dtype=getattr(torch, config.dtype),
             device=config.device,
+            token_map=config.token_map,
         )
         self.vocab_size = self.drafter.args.vocab_size
         # What the target must send as features (GetServerInfo): () unless an EAGLE-3 head.

@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-kind", type=DraftKind, choices=list(DraftKind), default="model",
         help="draft with a small LM or an EAGLE head (default: %(default)s)",
     )  # fmt: skip
+    up.add_argument(
+        "--draft-token-map", type=Path, metavar="FILE",
+        help="the ids an EAGLE-1/2 head drafts over (`serve draft --token-map`)",
+    )  # fmt: skip
     up.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default: %(default)s)")
     up.add_argument("--draft-device", help="the draft's device (default: --device), e.g. cuda:1")
     up.add_argument(

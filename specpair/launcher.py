@@ -67,6 +67,8 @@ def up_services(args: argparse.Namespace) -> tuple[list[Service], str]:
     draft_args += shapes
     if args.draft_kind == "eagle":
         draft_args += ("--target-model", str(target))
+    if args.draft_token_map:
+        draft_args += ("--token-map", str(args.draft_token_map))
     controller_args: tuple[str, ...] = ("controller", "--target", env_address("target"))
     if args.policy:
         controller_args += ("--policy", str(args.policy))

@@ -24,6 +24,12 @@ class DraftConfig(ModelServiceConfig):
     target_path: Path | None = field(
         default=None, metadata=option("target checkpoint (EAGLE only)", flag="--target-model")
     )
+    token_map: Path | None = field(
+        default=None,
+        metadata=option("the ids an EAGLE-1/2 head drafts over (a frequency-ranked token map, "
+                        "SGLang's .pt or a JSON list; python -m specpair.models.draft_vocab "
+                        "writes one): its LM head keeps only their rows"),
+    )  # fmt: skip
     max_requests: int = field(default=64, metadata=option("requests drafted for at once"))
     max_target_requests: int = field(
         default=0,
@@ -51,6 +57,8 @@ class DraftConfig(ModelServiceConfig):
             raise ValueError(f"pipeline_width must be >= 1, got {self.pipeline_width}")
         if self.draft_kind is DraftKind.EAGLE and self.target_path is None:
             raise ValueError("draft_kind 'eagle' needs the target checkpoint (--target-model)")
+        if self.token_map is not None and self.draft_kind is not DraftKind.EAGLE:
+            raise ValueError("token_map applies to an EAGLE head (--draft-kind eagle)")
         if self.max_requests < 1:
             raise ValueError("max_requests must be >= 1")
         if not 0 <= self.max_target_requests <= self.max_requests:

@@ -8,6 +8,9 @@ reuses the target's embedding and LM head, loaded from the target checkpoint.
 Two layouts of the same computation load into it (`loading.eagle_layout`): specpair's own, and
 SafeAILab's EAGLE-1/2 heads as published, whose layer 0 has no input norm (its `fc` output goes
 straight into attention) and whose `fc` has a bias only when config.json's `bias` says so.
+
+Given a token map (`draft_vocab.py`), the LM head holds only the map's rows of the target's and
+the head drafts over those ids: its logits come back on the target's vocabulary, -inf elsewhere.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from specpair.models.args import ModelArgs
+from specpair.models.draft_vocab import mapped_argmax, on_target_vocab
 from specpair.models.llama import Attend, DecoderLayer
 from specpair.models.rope import rope_cos_sin, rope_inv_freq, rope_scale
 
@@ -28,6 +32,7 @@ class EagleHead(nn.Module):
         *,
         fc_bias: bool = True,
         input_norm: bool = True,
+        draft_vocab_size: int | None = None,
     ) -> None:
         super().__init__()
         if args.hidden_size != target_args.hidden_size or args.vocab_size != target_args.vocab_size:
@@ -39,7 +44,12 @@ class EagleHead(nn.Module):
         self.args = args
         hidden = args.hidden_size
         self.embed_tokens = nn.Embedding(args.vocab_size, hidden)  # the target's
-        self.lm_head = nn.Linear(hidden, args.vocab_size, bias=False)  # the target's
+        # The target's LM head, or its rows at the token map's ids (d2t: `draft_vocab.py`).
+        self.lm_head = nn.Linear(hidden, draft_vocab_size or args.vocab_size, bias=False)
+        self.d2t: Tensor | None
+        self.register_buffer(
+            "d2t", None if draft_vocab_size is None else torch.zeros(draft_vocab_size).long()
+        )
         self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
         self.feature_width = hidden  # a feature row: the target's final hidden state
         self.layers = nn.ModuleList([DecoderLayer(args, 0, input_norm=input_norm)])
@@ -56,7 +66,10 @@ class EagleHead(nn.Module):
         return self.layers[0](x, cos, sin, attend)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(hidden).float()
+        """Float logits on the target vocabulary [.., V]."""
+        draft = self.lm_head(hidden).float()
+        return draft if self.d2t is None else on_target_vocab(draft, self.d2t, self.args.vocab_size)
 
     def greedy(self, hidden: Tensor) -> Tensor:
-        return self.logits(hidden).argmax(-1)
+        draft = self.lm_head(hidden).float()
+        return draft.argmax(-1) if self.d2t is None else mapped_argmax(draft, self.d2t)

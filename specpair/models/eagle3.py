@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from specpair.models.args import ModelArgs
+from specpair.models.draft_vocab import mapped_argmax, on_target_vocab, target_ids
 from specpair.models.llama import MLP, Attend, Attention, RMSNorm
 from specpair.models.rope import rope_cos_sin, rope_inv_freq, rope_scale
 
@@ -102,24 +103,14 @@ class Eagle3Head(nn.Module):
         return self.lm_head(self.norm(hidden)).float()
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """Float logits on the target vocabulary [.., V]: draft id i at target id i + d2t[i],
-        -inf at ids the draft cannot name. Argmax is the mapped draft argmax, and any warp of
-        them is the draft's warped distribution placed on the target ids (zero elsewhere), so
-        rejection sampling against the target's p stays exact.
-
-        Worked example: d2t = [0, 1, 3] → draft ids 0, 1, 2 are target ids 0, 2, 5.
-        """
-        draft = self.draft_logits(hidden)
-        out = draft.new_full((*draft.shape[:-1], self.args.vocab_size), float("-inf"))
-        return out.index_copy_(-1, self.target_ids(), draft)
+        """Float logits on the target vocabulary [.., V], -inf at ids the draft cannot name
+        (`draft_vocab.on_target_vocab`): rejection sampling against the target's p stays exact."""
+        return on_target_vocab(self.draft_logits(hidden), self.d2t, self.args.vocab_size)
 
     def greedy(self, hidden: Tensor) -> Tensor:
-        """`logits(hidden).argmax(-1)` without the target-wide logits: the draft argmax mapped
-        to its target id. The same token, ties included: target ids ascend with draft ids, so
-        the first maximum in draft order is the first in target order."""
-        ids = self.draft_logits(hidden).argmax(-1)
-        return ids + self.d2t[ids]
+        """`logits(hidden).argmax(-1)` without the target-wide logits, ties included."""
+        return mapped_argmax(self.draft_logits(hidden), self.d2t)
 
     def target_ids(self) -> Tensor:
         """Target id of each draft id [draft_vocab_size]."""
-        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+        return target_ids(self.d2t)

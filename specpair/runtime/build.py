@@ -16,6 +16,8 @@ import torch
 
 from specpair.logging import get_logger
 from specpair.models.args import ModelArgs
+from specpair.models.eagle import EagleHead
+from specpair.models.eagle3 import Eagle3Head
 from specpair.models.eagle3_loading import aux_layers, load_eagle3
 from specpair.models.loading import (
     CheckpointError,
@@ -125,15 +127,26 @@ def build_drafter(
     max_len: int,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
+    token_map: str | Path | None = None,
 ) -> Drafter:
-    """An EAGLE drafter when `path` is an EAGLE head (needs `target_path`), else a standalone LM."""
+    """An EAGLE drafter when `path` is an EAGLE head (needs `target_path`), else a standalone LM.
+    `token_map`: the ids an EAGLE-1/2 head drafts over (`models/draft_vocab.py`)."""
     drafter: Drafter
     layout = eagle_layout(path)
+    if token_map is not None and layout in (None, "eagle3"):
+        what = "an EAGLE-3 head drafts over its own d2t" if layout else "not an EAGLE head"
+        raise CheckpointError(f"{path}: {what}; a token map applies to EAGLE-1/2 heads")
     if layout is not None:
         if target_path is None:
             raise CheckpointError(f"{path}: an EAGLE head; the target checkpoint path is required")
-        load = load_eagle3 if layout == "eagle3" else load_eagle
-        head = load(path, target_path, dtype=dtype, device=device, context=max_len)
+        head: EagleHead | Eagle3Head
+        if layout == "eagle3":
+            head = load_eagle3(path, target_path, dtype=dtype, device=device, context=max_len)
+        else:
+            head = load_eagle(
+                path, target_path, dtype=dtype, device=device, context=max_len,
+                token_map=token_map,
+            )  # fmt: skip
         cache = make_cache(
             head.args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device
         )

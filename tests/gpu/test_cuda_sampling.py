@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -64,7 +65,14 @@ def small_vocab(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "eagle3": make_tiny_eagle3(
             root / "eagle3", target, seed=24, draft_vocab=4, layers=[0, 0, 0]
         ),
+        # a token map naming 3 of the 6 tokens for the EAGLE-1 head (`draft_vocab.py`)
+        "map": _token_map(root / "map.json", [0, 2, 5]),
     }
+
+
+def _token_map(path: Path, ids: list[int]) -> Path:
+    path.write_text(json.dumps(ids))
+    return path
 
 
 def exact_joint(target: Path, params: SamplingParams) -> dict[tuple[int, ...], float]:
@@ -85,6 +93,7 @@ def gpu_samples(
     params: SamplingParams,
     tier: int | TreeShape,
     batch: int = 16,
+    token_map: Path | None = None,
 ) -> Counter:
     """RUNS seeded samples in batches of `batch`: up to 16 a chain's accept runs in its graph,
     past it eagerly; a tree shape verifies in its graphs and accepts eagerly."""
@@ -96,7 +105,7 @@ def gpu_samples(
     )  # fmt: skip
     drafter = build_drafter(
         ckpts[draft], target_path=target, max_requests=batch, max_len=64, dtype=BF16,
-        device="cuda",
+        device="cuda", token_map=token_map,
     )  # fmt: skip
     state = build_states([tier], worker, drafter)[tier]
     chain = state.is_chain
@@ -135,6 +144,14 @@ def test_gpu_eagle3_sampling_matches_target_distribution(small_vocab, params) ->
     vocabulary), the target's verify graphs sending three layers' features."""
     counts = gpu_samples(small_vocab, "eagle3", params, 3)
     assert fit_pvalue(counts, exact_joint(small_vocab["target"], params)) > 1e-3
+
+
+@pytest.mark.parametrize("tier", [3, TreeShape(3, 2, 4)], ids=str)
+def test_gpu_mapped_eagle_sampling_matches_target_distribution(small_vocab, tier) -> None:
+    """The fused EAGLE-1 head given a token map: its LM head holds 3 of the 6 rows, its q (a
+    chain's, in the sampled graphs) or its tree's candidates lie on the mapped ids only."""
+    counts = gpu_samples(small_vocab, "eagle", PARAMS[2], tier, token_map=small_vocab["map"])
+    assert fit_pvalue(counts, exact_joint(small_vocab["target"], PARAMS[2])) > 1e-3
 
 
 def test_gpu_sparse_q_of_a_draft_lm_matches_target_distribution(small_vocab, monkeypatch) -> None:

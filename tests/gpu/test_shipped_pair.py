@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from bench.services import BenchServices, apply_tier, watch_rounds
 from specpair.client import SpecpairClient
 from specpair.config import MODELS_DIR
+from specpair.models import draft_vocab
 from specpair.runtime.build import build_target
 from specpair.runtime.engine import SpeculativeEngine
 from tests.gpu.test_cuda_runtime import teacher_forced_logits, tie_tolerance
@@ -36,8 +37,10 @@ NEW_TOKENS = 48
 CROSS_PRECISION_ULPS = 8
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "model"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "model", "eagle-mapped"])
 def test_shipped_pair_served_on_cuda_equals_cpu(tmp_path: Path, kind: str) -> None:
+    """`eagle-mapped`: the EAGLE-1 head drafting over the 2 048 ids most frequent in this
+    project's runtime code (`--token-map`)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(MODELS_DIR / "target"))
@@ -49,10 +52,17 @@ def test_shipped_pair_served_on_cuda_equals_cpu(tmp_path: Path, kind: str) -> No
     gpu = build_target(
         MODELS_DIR / "target", max_requests=1, max_len=256, dtype=torch.bfloat16, device="cuda"
     )
-    draft = MODELS_DIR / ("draft" if kind == "model" else kind)
+    draft = MODELS_DIR / ("draft" if kind == "model" else kind.removesuffix("-mapped"))
+    mapped: tuple[str, ...] = ()
+    if kind == "eagle-mapped":
+        runtime = Path(__file__).parents[2] / "specpair" / "runtime"
+        sources = sorted(str(f) for f in runtime.rglob("*.py"))
+        draft_vocab.main(["--tokenizer", str(MODELS_DIR / "target"), "--size", "2048",
+                          "--out", str(tmp_path / "map.pt"), *sources])  # fmt: skip
+        mapped = ("--token-map", str(tmp_path / "map.pt"))
     with BenchServices(  # an EAGLE-3 head is served as --draft-kind eagle
-        target=MODELS_DIR / "target", draft=draft, draft_kind=kind.removesuffix("3"),
-        log_dir=tmp_path,
+        target=MODELS_DIR / "target", draft=draft, log_dir=tmp_path, draft_options=mapped,
+        draft_kind="model" if kind == "model" else "eagle",
         device="cuda", dtype="bfloat16", max_len=256,
     ) as group:  # fmt: skip
         client = SpecpairClient(group.target, timeout=120)
