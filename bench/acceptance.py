@@ -2,6 +2,7 @@
 
     python -m bench.acceptance [--models models] [--code-prompts 16] [--new-tokens 64]
                                [--tiers 1 3 7 4x4x16 6x8x32] [--temperatures 0 0.7 1]
+                               [--token-map-sizes 2048 4096]
 
 Runs the in-process engine on CPU with the shipped pair (`models/target` with `models/draft`, a
 standalone LM, `models/eagle`, an EAGLE head on the target's last hidden state, and `models/eagle3`,
@@ -31,6 +32,7 @@ from transformers.utils import logging as hf_logging
 
 from bench.common import device_info, format_table, shape_arg, write_json
 from specpair.config import FeatureDType
+from specpair.models.draft_vocab import frequency_map
 from specpair.proto.v1 import common_pb2
 from specpair.runtime.build import StateBuilder, build_drafter, build_target, feature_layers
 from specpair.runtime.draft.drafter import Drafter
@@ -181,6 +183,28 @@ def code_prompts(tokenizer: PreTrainedTokenizerBase, count: int, lo: int, hi: in
     return [eligible[i * len(eligible) // count] for i in range(count)]
 
 
+def token_maps(
+    tokenizer: PreTrainedTokenizerBase, sizes: Sequence[int], out: Path
+) -> dict[int, Path]:
+    """A frequency-ranked token map per size (`draft_vocab.frequency_map`) under `out`, its ids
+    counted over the stdlib files training read (never a held-out one)."""
+    if not sizes:
+        return {}
+    counts = torch.zeros(len(tokenizer), dtype=torch.long)
+    for name, path in stdlib_files(Path(sysconfig.get_paths()["stdlib"])).items():
+        if not is_heldout(name) and (text := read_py(path)) is not None:
+            ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
+            counts += torch.bincount(ids, minlength=len(counts))
+    out.mkdir(parents=True, exist_ok=True)
+    maps = {}
+    for n in sizes:
+        maps[n] = out / f"token_map_{n}.pt"
+        ids = frequency_map(counts, n)
+        torch.save(ids, maps[n])
+        print(f"token map {n}: {float(counts[ids].sum() / counts.sum()):.2%} of the counted tokens")
+    return maps
+
+
 def prose_prompts(tokenizer: PreTrainedTokenizerBase) -> list[Prompt]:
     return [
         Prompt(f"prose/{i}", text, tokenizer.encode(text, add_special_tokens=False))
@@ -274,6 +298,11 @@ def parse_args() -> argparse.Namespace:
         help="EAGLE features as the target would send them (float8: through the wire's e4m3 "
         "per-row encoding and back, as `serve target --feature-dtype float8`)",
     )  # fmt: skip
+    parser.add_argument(
+        "--token-map-sizes", type=int, nargs="+", default=[], metavar="N",
+        help="also the EAGLE head over each size's frequency-ranked token map (`eagle/N`), its "
+        "ids counted over the training-named stdlib files",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=0, help="first sampling seed (one per prompt)")
     parser.add_argument("--out", type=Path, default=Path("bench/out/acceptance.json"))
@@ -312,14 +341,18 @@ def main() -> None:
     sizes = dict(max_requests=batch, max_len=longest + args.new_tokens + room + 1)
     # An EAGLE head drafts from the target's last hidden states, an EAGLE-3 head from three of
     # its layers: one target per kind of features.
-    layers = {kind: feature_layers(args.models / kind, target_path) for kind in args.drafts}
+    maps = token_maps(tokenizer, args.token_map_sizes, args.out.parent)
+    drafts = {kind: (kind, None) for kind in args.drafts} | {
+        f"eagle/{n}": ("eagle", path) for n, path in maps.items()
+    }
+    layers = {k: feature_layers(args.models / kind, target_path) for k, (kind, _) in drafts.items()}
     targets = {
         f: build_target(target_path, keep_features=True, feature_layers=f, **sizes)
         for f in {(), *layers.values()}
     }
     drafters = {
-        kind: build_drafter(args.models / kind, target_path=target_path, **sizes)
-        for kind in args.drafts
+        k: build_drafter(args.models / kind, target_path=target_path, token_map=m, **sizes)
+        for k, (kind, m) in drafts.items()
     }
     if args.feature_dtype == FeatureDType.FLOAT8:
         for drafter in drafters.values():

@@ -27,7 +27,7 @@ class DraftConfig(ModelServiceConfig):
     token_map: Path | None = field(
         default=None,
         metadata=option("the ids an EAGLE-1/2 head drafts over (a frequency-ranked token map, "
-                        "SGLang's .pt or a JSON list; python -m specpair.models.draft_vocab "
+                        "SGLang's .pt or a JSON list; python -m specpair.models.token_map "
                         "writes one): its LM head keeps only their rows"),
     )  # fmt: skip
     max_requests: int = field(default=64, metadata=option("requests drafted for at once"))

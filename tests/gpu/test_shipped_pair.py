@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from bench.services import BenchServices, apply_tier, watch_rounds
 from specpair.client import SpecpairClient
 from specpair.config import MODELS_DIR
-from specpair.models import draft_vocab
+from specpair.models import token_map
 from specpair.runtime.build import build_target
 from specpair.runtime.engine import SpeculativeEngine
 from tests.gpu.test_cuda_runtime import teacher_forced_logits, tie_tolerance
@@ -57,7 +57,7 @@ def test_shipped_pair_served_on_cuda_equals_cpu(tmp_path: Path, kind: str) -> No
     if kind == "eagle-mapped":
         runtime = Path(__file__).parents[2] / "specpair" / "runtime"
         sources = sorted(str(f) for f in runtime.rglob("*.py"))
-        draft_vocab.main(["--tokenizer", str(MODELS_DIR / "target"), "--size", "2048",
+        token_map.main(["--tokenizer", str(MODELS_DIR / "target"), "--size", "2048",
                           "--out", str(tmp_path / "map.pt"), *sources])  # fmt: skip
         mapped = ("--token-map", str(tmp_path / "map.pt"))
     with BenchServices(  # an EAGLE-3 head is served as --draft-kind eagle
