@@ -5,6 +5,7 @@ connect, naming the flag that fixes it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -97,3 +98,23 @@ async def test_float8_features_change_no_output(
     assert [t for t, _ in outputs] == expected
     assert dtypes == {common_pb2.D_TYPE_FLOAT8_E4M3}
     assert all(r.speculation.accept_lengths for _, rs in outputs for r in rs[-1:])  # drafted
+
+
+@pytest.mark.parametrize("tier", [3, 7])
+async def test_an_eagle_head_over_a_token_map_greedy_over_services(
+    ckpts: Any, make_stack: Any, tmp_path: Path, tier: int
+) -> None:
+    """`serve draft --token-map`: the EAGLE-1 head drafts over a third of the ids (its LM head
+    that many rows); the target's output is unchanged."""
+    token_map = tmp_path / "map.json"
+    token_map.write_text(json.dumps(list(range(0, 320, 3))))
+    draft = draft_config(ckpts["eagle"], draft_kind="eagle", target_path=ckpts["target"],
+                         token_map=token_map)  # fmt: skip
+    stack = await make_stack(draft, target_config(ckpts["target"], initial_steps=tier))
+    head = stack.draft.servicer.rounds.drafter.head
+    assert head.lm_head.weight.shape[0] == 107  # the map's rows only
+    expected = reference_greedy(ckpts["target"], PROMPTS, 20)
+    for prompt, want in zip(PROMPTS, expected, strict=True):
+        tokens, responses = await stack.generate(prompt_token_ids=prompt, max_tokens=20)
+        assert tokens == want
+        assert [a for r in responses for a in r.speculation.accept_lengths]  # rounds were drafted

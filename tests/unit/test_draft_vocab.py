@@ -116,3 +116,17 @@ def test_the_command_writes_a_map_of_the_most_frequent_ids(pair, tmp_path: Path,
     seen = set(load_tokenizer(target)(text.read_text(), add_special_tokens=False)["input_ids"])
     assert 0 < len(seen) < 16 and seen <= set(ids.tolist())  # the counted ids come first
     assert "16 ids covering" in capsys.readouterr().out
+
+
+def test_serve_draft_takes_a_map_and_up_passes_it() -> None:
+    from specpair.cli import build_parser
+    from specpair.launcher import up_services
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "draft", "--model", "m", "--token-map", "map.pt"])
+    assert args.token_map == Path("map.pt")
+    up = parser.parse_args(["up", "--draft-kind", "eagle", "--draft-token-map", "map.pt"])
+    draft = next(s.args for s in up_services(up)[0] if s.name == "draft")
+    assert draft[draft.index("--token-map") + 1] == "map.pt"
+    plain = next(s.args for s in up_services(parser.parse_args(["up"]))[0] if s.name == "draft")
+    assert "--token-map" not in plain
