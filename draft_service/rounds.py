@@ -22,6 +22,7 @@ from specpair.models.loading import CheckpointError, eagle_layout
 from specpair.proto.v1 import draft_pb2
 from specpair.runtime.build import StateBuilder, build_drafter, feature_layers
 from specpair.runtime.draft.drafter import Drafter
+from specpair.runtime.draft.drafters import EagleDrafter
 from specpair.runtime.draft.pipeline import Pipeline
 from specpair.runtime.draft.round import DraftRound, RoundError
 from specpair.runtime.kv_cache import CacheFullError
@@ -73,6 +74,11 @@ class DraftRounds:
             token_map=config.token_map,
         )
         self.vocab_size = self.drafter.args.vocab_size
+        if config.token_map is not None:  # build_drafter refused it for any other draft
+            assert isinstance(self.drafter, EagleDrafter)
+            rows = self.drafter.head.lm_head.weight.shape[0]
+            log.info("drafting over a token map", path=str(config.token_map), ids=rows,
+                     of=self.vocab_size)  # fmt: skip
         # What the target must send as features (GetServerInfo): () unless an EAGLE-3 head.
         self.feature_layers = (
             list(feature_layers(config.model_path, config.target_path))
