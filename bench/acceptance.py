@@ -32,7 +32,7 @@ from transformers.utils import logging as hf_logging
 
 from bench.common import device_info, format_table, shape_arg, write_json
 from specpair.config import FeatureDType
-from specpair.models.draft_vocab import frequency_map
+from specpair.models.draft_vocab import coverage, frequency_map, token_counts
 from specpair.proto.v1 import common_pb2
 from specpair.runtime.build import StateBuilder, build_drafter, build_target, feature_layers
 from specpair.runtime.draft.drafter import Drafter
@@ -190,18 +190,17 @@ def token_maps(
     counted over the stdlib files training read (never a held-out one)."""
     if not sizes:
         return {}
-    counts = torch.zeros(len(tokenizer), dtype=torch.long)
-    for name, path in stdlib_files(Path(sysconfig.get_paths()["stdlib"])).items():
-        if not is_heldout(name) and (text := read_py(path)) is not None:
-            ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
-            counts += torch.bincount(ids, minlength=len(counts))
+    files = stdlib_files(Path(sysconfig.get_paths()["stdlib"]))
+    texts = (read_py(path) for name, path in files.items() if not is_heldout(name))
+    encoded = (tokenizer.encode(t, add_special_tokens=False) for t in texts if t is not None)
+    counts = token_counts(encoded, len(tokenizer))
     out.mkdir(parents=True, exist_ok=True)
     maps = {}
     for n in sizes:
         maps[n] = out / f"token_map_{n}.pt"
         ids = frequency_map(counts, n)
         torch.save(ids, maps[n])
-        print(f"token map {n}: {float(counts[ids].sum() / counts.sum()):.2%} of the counted tokens")
+        print(f"token map {n}: {coverage(counts, ids):.2%} of the counted tokens")
     return maps
 
 

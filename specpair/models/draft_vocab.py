@@ -12,10 +12,12 @@ elsewhere, so rejection sampling against the target's p stays exact (an id outsi
 only ever the target's own draw).
 
 A map file is what SGLang loads: `torch.save` of a 1-D tensor or list of ids (`.pt`), or a JSON
-list; `loading.load_token_map` reads one, `python -m specpair.models.token_map` writes one.
+list; `token_map.py` reads and writes one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -24,6 +26,11 @@ from torch import Tensor
 def target_ids(d2t: Tensor) -> Tensor:
     """Target id of each draft id [N]."""
     return torch.arange(len(d2t), device=d2t.device) + d2t
+
+
+def d2t_of(ids: Tensor) -> Tensor:
+    """The d2t of a draft vocabulary's target ids, ascending: `target_ids`' inverse."""
+    return ids - torch.arange(len(ids), device=ids.device)
 
 
 def on_target_vocab(draft: Tensor, d2t: Tensor, vocab_size: int) -> Tensor:
@@ -40,6 +47,19 @@ def mapped_argmax(draft: Tensor, d2t: Tensor) -> Tensor:
     first in target order."""
     ids = draft.argmax(-1)
     return ids + d2t[ids]
+
+
+def token_counts(texts: Iterable[Sequence[int]], vocab_size: int) -> Tensor:
+    """How often each id [vocab_size] occurs over the token ids of `texts`."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids in texts:
+        counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)
+    return counts
+
+
+def coverage(counts: Tensor, ids: Tensor) -> float:
+    """The share of the counted tokens that `ids` hold."""
+    return float(counts[ids].sum()) / max(int(counts.sum()), 1)
 
 
 def frequency_map(counts: Tensor, size: int) -> Tensor:

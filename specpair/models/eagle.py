@@ -48,7 +48,8 @@ class EagleHead(nn.Module):
         self.lm_head = nn.Linear(hidden, draft_vocab_size or args.vocab_size, bias=False)
         self.d2t: Tensor | None
         self.register_buffer(
-            "d2t", None if draft_vocab_size is None else torch.zeros(draft_vocab_size).long()
+            "d2t",
+            None if draft_vocab_size is None else torch.zeros(draft_vocab_size, dtype=torch.long),
         )
         self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
         self.feature_width = hidden  # a feature row: the target's final hidden state

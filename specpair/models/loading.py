@@ -13,6 +13,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from specpair.models.args import ACTIVATIONS, ModelArgs
+from specpair.models.draft_vocab import d2t_of
 from specpair.models.eagle import EagleHead
 from specpair.models.llama import LlamaModel
 from specpair.models.rope import ROPE_TYPES, rope_inv_freq, rope_scale
@@ -239,11 +240,11 @@ def load_eagle(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     context: int | None = None,
-    token_map: str | Path | None = None,
+    token_map: torch.Tensor | None = None,
 ) -> EagleHead:
     """The EAGLE head at `path` (either layout of `eagle_layout`), with the LM head of the
-    target at `target_path` (only its rows at the ids of `token_map`, a file `load_token_map`
-    reads) and its embedding unless the head brings its own."""
+    target at `target_path` (only its rows at `token_map`'s ids, ascending: what
+    `token_map.load_token_map` reads) and its embedding unless the head brings its own."""
     path, target_path = Path(path), Path(target_path)
     args, target_args = read_args(path, allow_eagle=True), read_args(target_path)
     check_context(path, args, context or args.max_position_embeddings)
@@ -258,12 +259,11 @@ def load_eagle(
     public = layout == "eagle"
     # SafeAILab's ea_model.py: `bias = config["bias"]`, True where the key is absent.
     fc_bias = bool(_read_json(path / "config.json").get("bias", True)) if public else True
-    hot = None if token_map is None else load_token_map(token_map, target_args.vocab_size)
     try:
         with torch.device("meta"):
             head = EagleHead(
                 args, target_args, fc_bias=fc_bias, input_norm=not public,
-                draft_vocab_size=None if hot is None else len(hot),
+                draft_vocab_size=None if token_map is None else len(token_map),
             )  # fmt: skip
     except ValueError as exc:
         raise CheckpointError(f"{path / 'config.json'}: {exc}") from None
@@ -273,46 +273,14 @@ def load_eagle(
     # A published head may carry the embedding it was trained with; SafeAILab's code uses it.
     tensors.setdefault("embed_tokens.weight", shared["model.embed_tokens.weight"])
     tensors["lm_head.weight"] = shared.get("lm_head.weight", shared["model.embed_tokens.weight"])
-    if hot is not None:
-        tensors["lm_head.weight"] = tensors["lm_head.weight"][hot]
+    if token_map is not None:
+        tensors["lm_head.weight"] = tensors["lm_head.weight"][token_map]
     tensors = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
-    if hot is not None:  # an index map keeps its type
-        tensors["d2t"] = (hot - torch.arange(len(hot))).to(device)
+    if token_map is not None:  # an index map keeps its type
+        tensors["d2t"] = d2t_of(token_map).to(device)
     _load_into(head, tensors, path)
     head.inv_freq = rope_inv_freq(args).to(device)
     return head.eval()
-
-
-def load_token_map(path: str | Path, vocab_size: int) -> torch.Tensor:
-    """The ids of the map at `path`, ascending, int64 [N]; a clear error naming the file."""
-    path = Path(path)
-    try:
-        if path.suffix == ".json":
-            raw: object = json.loads(path.read_text())
-        else:  # a pickle: weights_only refuses anything but tensors and plain containers
-            raw = torch.load(path, map_location="cpu", weights_only=True)
-        ids = torch.as_tensor(raw)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no such token map") from None
-    except Exception as exc:  # a foreign file: name it, not a library's internals
-        raise CheckpointError(
-            f"{path}: not a token map (a 1-D list of token ids; {type(exc).__name__}: {exc})"
-        ) from None
-    if ids.dim() != 1 or len(ids) == 0 or ids.is_floating_point() or ids.dtype == torch.bool:
-        raise CheckpointError(
-            f"{path}: a token map is a non-empty 1-D list of integer ids, got {ids.dtype} "
-            f"{tuple(ids.shape)}"
-        )
-    ids = ids.long()
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise CheckpointError(
-            f"{path}: token id {int(ids.max()) if int(ids.min()) >= 0 else int(ids.min())} "
-            f"outside the target's vocabulary [0, {vocab_size})"
-        )
-    ids = ids.sort().values
-    if bool((ids[1:] == ids[:-1]).any()):
-        raise CheckpointError(f"{path}: a token id appears twice")
-    return ids
 
 
 def load_tokenizer(path: str | Path) -> Any:

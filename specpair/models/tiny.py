@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel
 
+from specpair.models.draft_vocab import d2t_of
 from specpair.models.loading import EAGLE_ARCHITECTURE
 
 EOS = "<|endoftext|>"
@@ -194,7 +195,7 @@ def make_tiny_eagle3(
         f"{mid}mlp.down_proj.weight": rand(h, inter),
         "norm.weight": 1 + rand(h),
         "lm_head.weight": rand(draft_vocab, h),
-        "d2t": used - torch.arange(draft_vocab),
+        "d2t": d2t_of(used),
         "t2d": t2d,
     }
     save_file(tensors, str(directory / "model.safetensors"))

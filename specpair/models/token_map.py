@@ -1,9 +1,11 @@
-"""Writes a frequency-ranked token map (`draft_vocab.py`) for `serve draft --token-map`:
+"""A token map's file (`draft_vocab.py`; `serve draft --token-map`): `load_token_map` reads one,
+and
 
     python -m specpair.models.token_map --tokenizer DIR --size N --out map.pt FILE...
 
-ranks the ids by how often the target's tokenizer emits them over the files (ties and unseen ids
-by id, up to the vocabulary of DIR's config.json, which may be padded past the tokenizer's).
+writes one, the ids ranked by how often the target's tokenizer emits them over the files (ties
+and unseen ids by id, up to the vocabulary of DIR's config.json, which may be padded past the
+tokenizer's).
 """
 
 from __future__ import annotations
@@ -15,8 +17,40 @@ from pathlib import Path
 
 import torch
 
-from specpair.models.draft_vocab import frequency_map
-from specpair.models.loading import load_tokenizer, read_args
+from specpair.models.draft_vocab import coverage, frequency_map, token_counts
+from specpair.models.loading import CheckpointError, load_tokenizer, read_args
+
+
+def load_token_map(path: str | Path, vocab_size: int) -> torch.Tensor:
+    """The ids of the map at `path`, ascending, int64 [N]; a clear error naming the file."""
+    path = Path(path)
+    try:
+        if path.suffix == ".json":
+            raw: object = json.loads(path.read_text())
+        else:  # a pickle: weights_only refuses anything but tensors and plain containers
+            raw = torch.load(path, map_location="cpu", weights_only=True)
+        ids = torch.as_tensor(raw)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such token map") from None
+    except Exception as exc:  # a foreign file: name it, not a library's internals
+        raise CheckpointError(
+            f"{path}: not a token map (a 1-D list of token ids; {type(exc).__name__}: {exc})"
+        ) from None
+    if ids.dim() != 1 or len(ids) == 0 or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise CheckpointError(
+            f"{path}: a token map is a non-empty 1-D list of integer ids, got {ids.dtype} "
+            f"{tuple(ids.shape)}"
+        )
+    ids = ids.long()
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise CheckpointError(
+            f"{path}: token id {int(ids.max()) if int(ids.min()) >= 0 else int(ids.min())} "
+            f"outside the target's vocabulary [0, {vocab_size})"
+        )
+    ids = ids.sort().values
+    if bool((ids[1:] == ids[:-1]).any()):
+        raise CheckpointError(f"{path}: a token id appears twice")
+    return ids
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -42,10 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     vocab = len(tokenizer)
     if (args.tokenizer / "config.json").is_file():
         vocab = max(vocab, read_args(args.tokenizer).vocab_size)
-    counts = torch.zeros(vocab, dtype=torch.long)
-    for file in args.files:
-        ids = tokenizer(file.read_text(errors="replace"), add_special_tokens=False)["input_ids"]
-        counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=len(counts))
+    texts = (file.read_text(errors="replace") for file in args.files)
+    counts = token_counts(
+        (tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts), vocab
+    )
     try:
         ids = frequency_map(counts, args.size)
     except ValueError as exc:
@@ -54,8 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out.write_text(json.dumps(ids.tolist()))
     else:
         torch.save(ids, args.out)
-    seen = counts[ids].sum() / max(int(counts.sum()), 1)
-    print(f"{args.out}: {len(ids)} ids covering {float(seen):.2%} of {int(counts.sum())} tokens")
+    print(f"{args.out}: {len(ids)} ids covering {coverage(counts, ids):.2%} of "
+          f"{int(counts.sum())} tokens")  # fmt: skip
     return 0
 
 

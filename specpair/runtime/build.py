@@ -26,6 +26,7 @@ from specpair.models.loading import (
     load_llama,
     read_args,
 )
+from specpair.models.token_map import load_token_map
 from specpair.runtime.draft.drafter import Drafter
 from specpair.runtime.draft.drafters import EagleDrafter, LMDrafter
 from specpair.runtime.draft.eager import EagerDraft, EagerExtend
@@ -143,10 +144,12 @@ def build_drafter(
         if layout == "eagle3":
             head = load_eagle3(path, target_path, dtype=dtype, device=device, context=max_len)
         else:
+            ids = None
+            if token_map is not None:
+                ids = load_token_map(token_map, read_args(target_path).vocab_size)
             head = load_eagle(
-                path, target_path, dtype=dtype, device=device, context=max_len,
-                token_map=token_map,
-            )  # fmt: skip
+                path, target_path, dtype=dtype, device=device, context=max_len, token_map=ids
+            )
         cache = make_cache(
             head.args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device
         )

@@ -22,8 +22,9 @@ import torch
 import specpair.runtime.target.accepting as target_module
 from specpair.models.draft_vocab import target_ids
 from specpair.models.eagle3_loading import load_eagle3
-from specpair.models.loading import load_eagle
+from specpair.models.loading import load_eagle, read_args
 from specpair.models.tiny import make_tiny_eagle, make_tiny_eagle3, make_tiny_llama
+from specpair.models.token_map import load_token_map
 from specpair.runtime.build import build_drafter, build_states, build_target, feature_layers
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.sampling import SamplingParams
@@ -53,7 +54,8 @@ class Pair:
     def target_ids(self) -> torch.Tensor:
         if self.token_map is None:
             return load_eagle3(self.head, self.target).target_ids()
-        d2t = load_eagle(self.head, self.target, token_map=self.token_map).d2t
+        ids = load_token_map(self.token_map, read_args(self.target).vocab_size)
+        d2t = load_eagle(self.head, self.target, token_map=ids).d2t
         assert d2t is not None
         return target_ids(d2t)
 
