@@ -1,0 +1,341 @@
+"""The speed a user meets: `specpair up` started as a user starts it, driven by the `openai`
+client over the HTTP API and by the SDK over gRPC.
+
+`bench/gpu_speedup.py` starts each service itself with the options a benchmark wants; this one
+runs the `specpair up` command (its defaults: max batch, tiers 0/1/3/7, the controller's
+SGLang rule) on free ports and changes nothing behind it but what the ops API offers a user:
+`ctl pin N` and a policy update. Configurations, each on the one running deployment:
+
+- `sglang`: the policy `up` starts with (SGLang's rule over tiers 1/3/7), first, untouched;
+- `goodput`: the goodput kind over tiers 0/1/3/7, set live (`ctl policy kind=goodput …`),
+  afresh from tier 3;
+- `tier 0`: pinned to tier 0, the target alone (`up` builds its runtime state at start-up so
+  that a user can compare); every x is over it, same door, workload and batch;
+- `tier N`: pinned (`--tiers`).
+
+Doors: `openai` = `openai.OpenAI(base_url=.../v1).completions.create(prompt=<token ids>)`, the
+completion's `usage.completion_tokens` counted; `sdk` = `SpecpairClient.generate`. A cell runs
+its requests `batch` at a time (threads) after one warm-up request; tokens/s = completion
+tokens / wall seconds, pooled over `--repeats` turns that take the doors in turn. Held-out code
+prompts (`bench.acceptance`), greedy and T = 0.7 top-p 0.95 with a seed per request.
+
+    python -m bench.up_client --draft-kind eagle3 --batches 1 8 --requests 8 32 \\
+        --new-tokens 128 [--token-map MAP] [--out bench/out/up_client.json]
+    python -m bench.up_client --device cpu --shape shipped --batches 1 --requests 2 \\
+        --new-tokens 8 --tiers 3   # a CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.common import device_info, format_table, write_json
+from bench.gpu_speedup import GOODPUT, Workload, add_pair_args, bench_pair, make_workloads
+from bench.services import free_address, wait_draft_connected
+from specpair.client import ControllerClient, SpecpairClient
+
+DOORS = ("openai", "sdk")
+Door = Callable[[list[int], int, Any], int]  # (prompt ids, max tokens, sampling) -> tokens
+READY = "all services up"
+
+
+@dataclass
+class UpCell:
+    config: str  # "tier 0" | "tier 7" | "sglang" | "goodput"
+    door: str  # "openai" | "sdk"
+    workload: str
+    batch: int
+    tokens: int  # over all its runs
+    seconds: float
+    runs: list[float] = field(default_factory=list)  # tokens/s of each run
+    speedup: float | None = None  # over "tier 0", same door, workload and batch
+
+    @property
+    def spread(self) -> float | None:
+        """(fastest − slowest run) / the pooled tokens/s; None with one run."""
+        if len(self.runs) < 2:
+            return None
+        return (max(self.runs) - min(self.runs)) / self.tokens_per_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+@dataclass(frozen=True)
+class Up:
+    """A running `specpair up`: its addresses and log."""
+
+    target: str
+    controller: str
+    http: str
+    log: Path
+
+
+def up_command(args: argparse.Namespace, target: Path, draft: Path) -> list[str]:
+    """`specpair up` as a user types it (run as `python -m specpair.cli`: no console script
+    needed on the device)."""
+    command = [
+        sys.executable, "-m", "specpair.cli", "up", "--device", args.device,
+        "--draft-kind", "eagle" if args.draft_kind.startswith("eagle") else "model",
+        "--target-model", str(target), "--draft-model", str(draft),
+    ]  # fmt: skip
+    if args.token_map:
+        command += ["--draft-token-map", str(args.token_map)]
+    return command
+
+
+@contextmanager
+def running_up(command: list[str], log: Path, timeout_s: float = 900.0) -> Iterator[Up]:
+    """Starts `command` on free loopback ports, echoes its `specpair up:` lines, waits for its
+    READY line, and stops it as Ctrl-C does (SIGINT) on the way out."""
+    up = Up(free_address(), free_address(), free_address(), log)
+    env = os.environ | {
+        "SPECPAIR_TARGET_ADDRESS": up.target,
+        "SPECPAIR_CONTROLLER_ADDRESS": up.controller,
+        "SPECPAIR_DRAFT_ADDRESS": free_address(),
+        "SPECPAIR_HTTP_ADDRESS": up.http,
+        "PYTHONUNBUFFERED": "1",
+    }
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print("$ " + " ".join(command), flush=True)
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    ready = threading.Event()
+
+    def pump() -> None:  # the whole output to the log, `up`'s own lines to the console
+        assert proc.stdout is not None
+        with log.open("w") as sink:
+            for line in proc.stdout:
+                sink.write(line)
+                sink.flush()
+                if line.startswith("specpair up:"):
+                    print("  " + line.rstrip(), flush=True)
+                if READY in line:
+                    ready.set()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ready.wait(1.0):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"specpair up did not come up (see {log})")
+        yield up
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        reader.join(10)
+
+
+def openai_door(up: Up) -> Door:
+    import openai
+
+    client = openai.OpenAI(
+        base_url=f"http://{up.http}/v1",
+        api_key=os.environ.get("SPECPAIR_API_KEY", "unused"),
+        max_retries=0,
+        timeout=600,
+    )
+
+    def one(ids: list[int], max_tokens: int, p: Any) -> int:
+        reply = client.completions.create(
+            model="specpair", prompt=ids, max_tokens=max_tokens, temperature=p.temperature,
+            top_p=p.top_p, seed=p.seed,
+        )  # fmt: skip
+        assert reply.usage is not None
+        return reply.usage.completion_tokens
+
+    return one
+
+
+def sdk_door(up: Up) -> Door:
+    client = SpecpairClient(up.target, timeout=600)
+
+    def one(ids: list[int], max_tokens: int, p: Any) -> int:
+        result = client.generate(
+            ids, max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p, seed=p.seed
+        )
+        return len(result.token_ids)
+
+    return one
+
+
+def run_cells(
+    up: Up, config: str, workloads: Sequence[Workload], counts: dict[int, int],
+    new_tokens: int, doors: Sequence[str], repeats: int, record: Callable[[UpCell], None],
+) -> None:  # fmt: skip
+    """Every door, workload and batch under the configuration now applied, `repeats` turns of
+    all doors in turn (openai, sdk, openai, sdk, …: neither door always runs first), pooled."""
+    ones = {door: (openai_door if door == "openai" else sdk_door)(up) for door in doors}
+    cells: dict[tuple[str, str, int], UpCell] = {}
+    for _ in range(repeats):
+        for door, one in ones.items():
+            one(workloads[0].ids[0], 8, workloads[0].sampling(0))  # warm: connection, a round
+            for wl in workloads:
+                for batch, n in counts.items():
+
+                    def request(i: int, wl: Workload = wl, one: Door = one) -> int:
+                        return one(wl.ids[i], new_tokens, wl.sampling(i))
+
+                    t0 = time.perf_counter()
+                    with ThreadPoolExecutor(batch) as pool:
+                        tokens = sum(pool.map(request, range(n)))
+                    seconds = time.perf_counter() - t0
+                    cell = cells.setdefault(
+                        (door, wl.name, batch), UpCell(config, door, wl.name, batch, 0, 0.0)
+                    )
+                    cell.tokens += tokens
+                    cell.seconds += seconds
+                    cell.runs.append(tokens / seconds)
+    for cell in cells.values():
+        record(cell)
+
+
+def apply(ctl: ControllerClient, config: str) -> None:
+    """Configurations run in `configs` order: SGLang's rule as `up` started it, then goodput
+    (whose tiers hold 0, so that the pins after it may name tier 0)."""
+    if config.startswith("tier "):
+        ctl.pin(int(config.removeprefix("tier ")))
+    elif config == "goodput":
+        ctl.pin(3)  # afresh from tier 3, as in gpu_speedup
+        ctl.update_policy(**GOODPUT)
+        ctl.unpin()
+    time.sleep(0.3)
+
+
+def fill_ratios(cells: list[UpCell]) -> None:
+    alone = {(c.door, c.workload, c.batch): c.tokens_per_s for c in cells if c.config == "tier 0"}
+    for c in cells:
+        if (base := alone.get((c.door, c.workload, c.batch))) is not None:
+            c.speedup = c.tokens_per_s / base
+
+
+def render(cells: Sequence[UpCell]) -> str:
+    rows = [
+        [c.config, c.door, c.workload, str(c.batch), f"{c.tokens_per_s:.1f}",
+         "-" if c.speedup is None else f"{c.speedup:.2f}",
+         "-" if c.spread is None else f"{100 * c.spread:.0f} %"]
+        for c in cells
+    ]  # fmt: skip
+    headers = ["config", "door", "workload", "batch", "tok/s", "x tier 0", "spread"]
+    return format_table(headers, rows)
+
+
+def plot(cells: Sequence[UpCell], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(c.workload, c.batch, c.door) for c in cells})
+    configs = list(dict.fromkeys(c.config for c in cells))
+    width = 0.8 / len(configs)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(groups)), 4.0))
+    for k, config in enumerate(configs):
+        by_group = {(c.workload, c.batch, c.door): c for c in cells if c.config == config}
+        xs = [i + k * width for i, g in enumerate(groups) if g in by_group]
+        ys = [by_group[g].speedup or 0.0 for g in groups if g in by_group]
+        ax.bar(xs, ys, width, label=config)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
+    ax.set_xticklabels([f"{w}\nbatch {b}, {d}" for w, b, d in groups], fontsize=8)
+    ax.set_ylabel("x over tier 0 (the target alone)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_pair_args(parser)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--requests", type=int, nargs="+", default=[8, 32],
+                        help="requests per cell: one count, or one per batch")  # fmt: skip
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    parser.add_argument("--top-p", type=float, default=0.95, help="of the sampled workloads")
+    parser.add_argument("--tiers", type=int, nargs="*", default=[7], help="pinned, beside 0")
+    parser.add_argument("--doors", nargs="+", choices=DOORS, default=list(DOORS))
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="turns over the doors per configuration, pooled")  # fmt: skip
+    parser.add_argument("--token-map", type=Path, metavar="FILE",
+                        help="`up --draft-token-map` (an EAGLE-1/2 head)")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=Path("bench/out/up_client.json"))
+    args = parser.parse_args(argv)
+    if len(args.requests) not in (1, len(args.batches)):
+        parser.error("--requests: one count, or one per batch")
+    per_batch = args.requests if len(args.requests) > 1 else args.requests * len(args.batches)
+    counts = dict(zip(args.batches, per_batch, strict=True))
+    from transformers import AutoTokenizer
+
+    info = device_info()
+    print(f"device: {info}", flush=True)
+    target, draft = bench_pair(args.shape, args.models_dir, args.draft_kind, args.device)
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    workloads = [
+        wl for wl in make_workloads(tokenizer, max(counts.values()), args.temperatures,
+                                    args.top_p) if wl.prompts == "code"
+    ]  # fmt: skip
+    # the pins come last: SGLang's rule lists no tier 0, the goodput kind does (`apply`)
+    configs = ["sglang", "goodput", "tier 0", *(f"tier {t}" for t in args.tiers)]
+    command = up_command(args, target, draft)
+    cells: list[UpCell] = []
+
+    def save() -> None:
+        fill_ratios(cells)
+        write_json(args.out, {
+            "device": info, "date": time.strftime("%Y-%m-%d"), "command": command,
+            "draft_kind": args.draft_kind, "shape": args.shape, "new_tokens": args.new_tokens,
+            "requests": counts, "token_map": args.token_map and str(args.token_map),
+            "repeats": args.repeats,
+            "cells": [asdict(c) | {"tokens_per_s": c.tokens_per_s, "spread": c.spread}
+                      for c in cells],
+        })  # fmt: skip
+
+    def record(cell: UpCell) -> None:
+        cells.append(cell)
+        print(f"  {cell.config:8s} {cell.door:6s} {cell.workload:18s} batch {cell.batch:2d} "
+              f"{cell.tokens_per_s:8.1f} tok/s", flush=True)  # fmt: skip
+        save()
+
+    with running_up(command, args.out.with_suffix(".log")) as up:
+        wait_draft_connected(SpecpairClient(up.target, timeout=60))
+        ctl = ControllerClient(up.controller, timeout=30)
+        for config in configs:
+            print(config, flush=True)
+            apply(ctl, config)
+            run_cells(
+                up, config, workloads, counts, args.new_tokens, args.doors, args.repeats, record
+            )
+    save()
+    gpu = info.get("gpu", info["cpu"])
+    plot(cells, args.out.with_suffix(".png"), f"specpair up, {args.draft_kind}, {gpu}")
+    print(f"\nwrote {args.out}\n")
+    print(render(cells))
+
+
+if __name__ == "__main__":
+    main()
