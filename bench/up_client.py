@@ -14,7 +14,8 @@ SGLang rule) on free ports and changes nothing behind it but what the ops API of
 - `tier N`: pinned (`--tiers`).
 
 Doors: `openai` = `openai.OpenAI(base_url=.../v1).completions.create(prompt=<token ids>)`, the
-completion's `usage.completion_tokens` counted; `sdk` = `SpecpairClient.generate`. A cell runs
+completion's `usage.completion_tokens` counted; `http` = the same body POSTed with `urllib` (the
+API without the client package's own cost); `sdk` = `SpecpairClient.generate`. A cell runs
 its requests `batch` at a time (threads) after one warm-up request; tokens/s = completion
 tokens / wall seconds, pooled over `--repeats` turns that take the doors in turn. Held-out code
 prompts (`bench.acceptance`), greedy and T = 0.7 top-p 0.95 with a seed per request.
@@ -28,12 +29,14 @@ prompts (`bench.acceptance`), greedy and T = 0.7 top-p 0.95 with a seed per requ
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -46,7 +49,7 @@ from bench.gpu_speedup import GOODPUT, Workload, add_pair_args, bench_pair, make
 from bench.services import free_address, wait_draft_connected
 from specpair.client import ControllerClient, SpecpairClient
 
-DOORS = ("openai", "sdk")
+DOORS = ("openai", "http", "sdk")
 Door = Callable[[list[int], int, Any], int]  # (prompt ids, max tokens, sampling) -> tokens
 READY = "all services up"
 
@@ -167,6 +170,24 @@ def openai_door(up: Up) -> Door:
     return one
 
 
+def http_door(up: Up) -> Door:
+    """The same body as the openai door's, POSTed with the standard library: what the HTTP API
+    costs without the `openai` package's own per-request work."""
+    url = f"http://{up.http}/v1/completions"
+    headers = {"Content-Type": "application/json"}
+    if key := os.environ.get("SPECPAIR_API_KEY"):
+        headers["Authorization"] = f"Bearer {key}"
+
+    def one(ids: list[int], max_tokens: int, p: Any) -> int:
+        body = {"model": "specpair", "prompt": ids, "max_tokens": max_tokens,
+                "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed}  # fmt: skip
+        request = urllib.request.Request(url, json.dumps(body).encode(), headers)
+        with urllib.request.urlopen(request, timeout=600) as reply:
+            return int(json.load(reply)["usage"]["completion_tokens"])
+
+    return one
+
+
 def sdk_door(up: Up) -> Door:
     client = SpecpairClient(up.target, timeout=600)
 
@@ -185,7 +206,8 @@ def run_cells(
 ) -> None:  # fmt: skip
     """Every door, workload and batch under the configuration now applied, `repeats` turns of
     all doors in turn (openai, sdk, openai, sdk, …: neither door always runs first), pooled."""
-    ones = {door: (openai_door if door == "openai" else sdk_door)(up) for door in doors}
+    makers = {"openai": openai_door, "http": http_door, "sdk": sdk_door}
+    ones = {door: makers[door](up) for door in doors}
     cells: dict[tuple[str, str, int], UpCell] = {}
     for _ in range(repeats):
         for door, one in ones.items():
