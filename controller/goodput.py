@@ -46,6 +46,7 @@ from controller.goodput_probe import (
     probe_cost,
     probe_paid_for,
     rank,
+    remeasure_due,
     runner_up,
     start_remeasure,
 )
@@ -246,12 +247,10 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
     def _remeasure(self, rates: dict[TreeShape, float]) -> None:
         """Runs the runner-up for one interval, of the tiers whose wait is over: a tier that
         lost its last re-measure waits longer, and must not hold back one that did not."""
-        every, wait = self.regime.remeasure_every, self.config.probe_interval
-        due = {
-            t: r for t, r in rates.items() if t == self._tier or self._stay >= every.get(t, wait)
-        }
         few = 1.0 / self.config.ema_alpha  # rounds a tier's own time is a plain mean of
-        unsettled = {t for t in due if 0 < self.cost.measured_rounds(t, self._batch) < few}
+        b, wait = self._batch, self.config.probe_interval
+        due = remeasure_due(self.regime, rates, self._tier, self._stay, b, wait, few)
+        unsettled = {t for t in due if 0 < self.cost.measured_rounds(t, b) < few}
         tier = runner_up(due, self._tier, self.config.explore_margin, unsettled)
         if tier is None:
             return

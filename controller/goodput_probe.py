@@ -17,7 +17,8 @@ the next after 17.5 s at tier 0, whatever the round count says.
 At a positive tier the policy re-measures the runner-up (`runner_up`): a tier learns only
 from its own rounds, so one measured in a handful of early rounds (the first requests'
 openings, which drafts predict worst; a host still busy) keeps that estimate for good once
-another looks better. After `remeasure_every` rounds at a tier, the best other tier predicted
+another looks better (tier 0 too, while its time rests on a profile or a few rounds).
+After `remeasure_every` rounds at a tier, the best other tier predicted
 within `explore_margin` of it, or whose own time is still the mean of its first few rounds
 (fewer than 1 / ema_alpha), runs with its own time and acceptance dropped first (`start_remeasure`)
 so that its rounds decide; it must then beat the tier it left by `min_gain` to stay. Each loss
@@ -88,32 +89,48 @@ def could_pay(cost: CostModel, tier: TreeShape, batch_size: int, min_gain: float
     return optimistic(tier) / ceiling > (1.0 + min_gain) / zero
 
 
+def remeasure_due(
+    regime: Regime, rates: dict[TreeShape, float], current: TreeShape, stay: int,
+    batch_size: int, wait: int, few: float,
+) -> dict[TreeShape, float]:  # fmt: skip
+    """`rates` of `current` and of the tiers whose wait is over after `stay` rounds at it: a
+    tier that lost its last re-measure waits longer, and must not hold back one that did not.
+    Tier 0 learns only its time: it is due while that rests on a profile or on fewer than
+    `few` rounds (a settled one stays settled: no acceptance of its own changes)."""
+
+    def due(t: TreeShape) -> bool:
+        if t == current:
+            return True
+        if stay < regime.remeasure_every.get(t, wait):
+            return False
+        return t.steps > 0 or regime.cost.measured_rounds(t, batch_size) < few
+
+    return {t: r for t, r in rates.items() if due(t)}
+
+
 def runner_up(
     rates: dict[TreeShape, float],
     current: TreeShape,
     margin: float,
     unsettled: Collection[TreeShape] = (),
 ) -> TreeShape | None:
-    """The best-predicted positive tier but `current` that is within `margin` of it, or whose
-    own time is `unsettled` (a mean of its first few rounds: they may all be atypical). At
-    margin 0.25 and {1: 72, 3: 68, 3x2x6: 89}, from 3x2x6 it is tier 1 (≥ 66.75); at {1: 42,
-    3: 47} none, unless tier 3's time is unsettled."""
+    """The best-predicted tier but `current` that is within `margin` of it, or whose own time
+    is `unsettled` (a mean of its first few rounds: they may all be atypical). At margin 0.25
+    and {1: 72, 3: 68, 3x2x6: 89}, from 3x2x6 it is tier 1 (≥ 66.75); at {1: 42, 3: 47} none,
+    unless tier 3's time is unsettled. Tier 0 is one too: its time may rest on a start-up
+    profile whose rounds met other requests (batch 64 profiled at 17.3 ms, served at 10.4)."""
     floor = rates[current] * (1.0 - margin)
-    near = [
-        t
-        for t, r in rates.items()
-        if t != current and t.steps > 0 and (r >= floor or t in unsettled)
-    ]
+    near = [t for t, r in rates.items() if t != current and (r >= floor or t in unsettled)]
     return max(near, key=lambda t: rank(t, rates[t]), default=None)
 
 
 def start_remeasure(regime: Regime, tier: TreeShape, incumbent: TreeShape, batch_size: int) -> None:
     """Drops what `tier` learnt in rounds of its own: its time in this batch bucket and,
-    unless the incumbent's rounds teach the same model (two chains), its acceptance down to
-    `PROBE_MEMORY` trials."""
+    unless the incumbent's rounds teach the same model (two chains) or it is tier 0, its
+    acceptance down to `PROBE_MEMORY` trials."""
     regime.cost.forget(tier, batch_size)
     model = regime.model(tier)
-    if model is not regime.model(incumbent):
+    if tier.steps > 0 and model is not regime.model(incumbent):  # tier 0 learns no acceptance
         model.forget(PROBE_MEMORY)
 
 
