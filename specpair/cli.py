@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--tree-shapes", action="append", default=[], metavar="SHAPE",
         help="build a tree-shaped tier on the target and the draft, e.g. 4x4x16 (repeat for "
-        "more; CPU only for now; default: none); `ctl pin` it, or list it in a goodput policy's "
+        "more; default: none); `ctl pin` it, or list it in a goodput policy's "
         "tree_shapes",
     )  # fmt: skip
     up.add_argument("--policy", type=Path, help="the controller's policy JSON file")
