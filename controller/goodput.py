@@ -268,10 +268,10 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
 
     def _young(self, rates: dict[TreeShape, float], best: TreeShape) -> TreeShape | None:
         """The best tier never tried at this batch size and regime, if it could come within
-        `explore_margin` of the best: a chain whose time is unknown (nor profiled), or a tree
-        whose acceptance is (`Regime.unlearnt`), judged by its ceiling. With margin 0.25 and
-        predictions {1: 700, 3: 800} (tier 1 unmeasured), tier 1 is tried; at {1: 500, 3: 800}
-        it is not. A tree predicted at 600 as its depth's chain, at 900 by its ceiling: tried."""
+        `explore_margin` of the best: a chain whose time is unknown (nor profiled, but tier 0's
+        profile does not count), or a tree whose acceptance is (`Regime.unlearnt`), judged by
+        its ceiling. Margin 0.25: at {1: 700, 3: 800} (1 unmeasured) 1 is tried, at {1: 500,
+        3: 800} not; a tree predicted at 600 as its depth's chain, at 900 by its ceiling: tried."""
         floor = rates[best] * (1.0 - self.config.explore_margin)
         bucket, regime = batch_bucket(self._batch), self.regime
 
@@ -283,7 +283,7 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
             for t in rates
             if t != self._tier
             and could(t) >= floor
-            and (not self.cost.measured(t, self._batch) or regime.unlearnt(t))
+            and (self._untried(t) if t.steps else self.cost.measured_rounds(t, self._batch) == 0)
             and (self._sampled, bucket, t) not in self._explored
         ]
         if not young:
@@ -291,6 +291,9 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         tier = max(young, key=lambda t: rank(t, could(t)))
         self._explored.add((self._sampled, bucket, tier))  # once: its rounds may not teach
         return tier
+
+    def _untried(self, t: TreeShape) -> bool:
+        return not self.cost.measured(t, self._batch) or self.regime.unlearnt(t)
 
     def estimates(self) -> tuple[TierEstimate, ...]:
         return tier_estimates(self.regime, self.config, self._batch)

@@ -6,8 +6,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 
+from controller.goodput_terms import (
+    Bucket,
+    Ema,
+    Rate,
+    extra_nodes,
+    named,
+    profile_scale,
+    uniform_round,
+)
 from controller.interface import RoundSample, as_tier
 from controller.least_squares import line_at, slope
 from specpair.runtime.shape import TreeShape
@@ -18,49 +26,6 @@ SEEN_REQUESTS = 4096  # ids kept to tell a request's first round: more than ever
 def batch_bucket(batch_size: int) -> int:
     """Batch sizes share a cost estimate within a power of two: 1 | 2–3 | 4–7 | 8–15 | …"""
     return 1 << (max(batch_size, 1).bit_length() - 1)
-
-
-@dataclass
-class _Ema:
-    value: float = 0.0
-    n: int = 0  # samples measured (a profiled seed counts 0)
-    seed: float | None = None  # the start-up profile's time, if profiled
-    skipped: int = 0  # rounds not learnt (a request joined in them)
-    # A tier's own time: the mean of its first 1/alpha rounds, then a moving average. Seeded
-    # with its first round alone, the average keeps (1 − alpha)^(n − 1) of it (66 % after 5
-    # at 0.1), and a tier's first round after a switch (or a re-measure) is its least typical.
-    averaged: bool = False
-
-    @property
-    def seeded(self) -> bool:
-        return self.seed is not None
-
-    @property
-    def known(self) -> bool:
-        return self.n > 0 or self.seeded
-
-    def add(self, x: float, alpha: float) -> None:
-        if self.n >= 3:
-            # A round that also admitted a request carries its prefill; clipping at twice the
-            # estimate keeps one such spike from moving it far, a real slow-down still wins.
-            x = min(x, 2.0 * self.value)
-        weight = max(alpha, 1.0 / (self.n + 1)) if self.averaged and not self.seeded else alpha
-        self.value = x if not self.known else (1.0 - weight) * self.value + weight * x
-        self.n += 1
-
-
-@dataclass
-class _Bucket:
-    # per tier: the round's wall time
-    round_ms: dict[TreeShape, _Ema] = field(default_factory=dict)
-    verify_ms: dict[TreeShape, _Ema] = field(default_factory=dict)
-    draft_step_ms: _Ema = field(default_factory=_Ema)  # a chain's draft time / its steps
-    # a tree's draft time beyond its depth's chain, per extra node drafted ((s − 1)(topk − 1))
-    draft_node_ms: _Ema = field(default_factory=_Ema)
-    fixed_ms: _Ema = field(default_factory=_Ema)  # round trip − draft: wire + extend + host
-    # schedule (admission, prefill, streaming) per token the round gave: a tier that gives
-    # more tokens a round finishes, and so admits, more requests a round
-    sched_token_ms: _Ema = field(default_factory=_Ema)
 
 
 class CostModel:
@@ -97,22 +62,24 @@ class CostModel:
         self, alpha: float, profile_ms: Iterable[tuple[int, int | TreeShape, float]] = ()
     ) -> None:
         self.alpha = alpha
-        self._buckets: dict[int, _Bucket] = {}
+        self._buckets: dict[int, Bucket] = {}
         self._seen: OrderedDict[str, None] = OrderedDict()  # request ids met, oldest first
         for batch, steps, ms in profile_ms:
             tier = as_tier(steps)
-            entry = self._bucket(batch_bucket(batch)).round_ms.setdefault(tier, _Ema())
+            entry = self._bucket(batch_bucket(batch)).round_ms.setdefault(tier, Ema())
             entry.value, entry.seed = ms, ms
 
-    def _bucket(self, key: int) -> _Bucket:
-        return self._buckets.setdefault(key, _Bucket())
+    def _bucket(self, key: int) -> Bucket:
+        return self._buckets.setdefault(key, Bucket())
 
     def observe(self, sample: RoundSample) -> None:
         if sample.total_ms <= 0.0 or sample.batch_size < 1:
             return  # a target that reports no timings teaches nothing
         b, t, a = self._bucket(batch_bucket(sample.batch_size)), sample.tier, self.alpha
         s = t.steps
-        entry = b.round_ms.setdefault(t, _Ema(averaged=True))
+        tokens = sample.batch_size + sum(sample.accept_lengths)
+        b.admit_token_ms.setdefault(sample.speculative, Rate()).add(sample.admit_ms, tokens)
+        entry = b.round_ms.setdefault(t, Ema(averaged=True))
         if (self._joined(sample) or sample.admit_ms > 0) and entry.skipped < 3 * (entry.n + 1):
             # A request joined: its prefill is in admit_ms, its prompt's extend in its first
             # round (`_joined`, first: it records the ids); every request costs one admission
@@ -122,14 +89,13 @@ class CostModel:
             return
         total, draft, fixed = uniform_round(sample)
         entry.add(total, a)
-        b.verify_ms.setdefault(t, _Ema(averaged=True)).add(sample.verify_ms, a)
+        b.verify_ms.setdefault(t, Ema(averaged=True)).add(sample.verify_ms, a)
         if s > 0:
             b.fixed_ms.add(fixed, a)
             if t.is_chain:
                 b.draft_step_ms.add(draft / s, a)
-            elif (nodes := _extra_nodes(t)) and (step := self._draft_terms(b)[1]) is not None:
+            elif (nodes := extra_nodes(t)) and (step := self._draft_terms(b)[1]) is not None:
                 b.draft_node_ms.add(max(draft - step * s, 0.0) / nodes, a)
-        tokens = sample.batch_size + sum(sample.accept_lengths)
         b.sched_token_ms.add(sample.schedule_ms / tokens, a)
 
     def _joined(self, sample: RoundSample) -> bool:
@@ -150,7 +116,7 @@ class CostModel:
             bucket.round_ms.pop(t, None)
             bucket.verify_ms.pop(t, None)
 
-    def _own(self, tier: int | TreeShape, batch_size: int) -> _Ema | None:
+    def _own(self, tier: int | TreeShape, batch_size: int) -> Ema | None:
         """`tier`'s round time in this batch bucket itself (no borrowing), if it has one."""
         bucket = self._buckets.get(batch_bucket(batch_size))
         return bucket.round_ms.get(as_tier(tier)) if bucket else None
@@ -177,13 +143,30 @@ class CostModel:
     ) -> float | None:
         """Predicted wall time of a round at tier `steps` for `batch_size`; None if unknown.
         `per_request(t)`: tokens a request gains per round at tier t, a chain named by its
-        steps (then the schedule's share follows the tokens). The reference is the nearest
-        measured tier by verified tokens, a chain before a tree."""
+        steps (then the schedule's share follows the tokens, and the round carries its share
+        of admission: per token, as rounds with drafts or without pay it). The reference is the
+        nearest measured tier by verified tokens, a chain before a tree. E.g. batch 64 (H100):
+        tier 0 11.1 ms + 0.048 ms a token · 64 = 14.2; tier 3 27.2 + 0.101 · 64 · 2.9 = 46.0."""
+        base = self._base_ms(steps, batch_size, per_request)
+        key = self._nearest_bucket(batch_bucket(batch_size))
+        if base is None or key is None or per_request is None:
+            return base
+        tier = as_tier(steps)
+        admit = self._buckets[key].admit_token(tier.steps > 0)
+        return base + admit * batch_size * per_request(named(tier))
+
+    def _base_ms(
+        self,
+        steps: int | TreeShape,
+        batch_size: int,
+        per_request: Callable[[int | TreeShape], float] | None,
+    ) -> float | None:
+        """`round_ms` without admission."""
         key = self._nearest_bucket(batch_bucket(batch_size))
         if key is None:
             return None
         b, tier = self._buckets[key], as_tier(steps)
-        scale = _profile_scale(b)  # for a tier profiled and not run since
+        scale = profile_scale(b)  # for a tier profiled and not run since
         known = {t: e.value * (scale if e.n == 0 else 1) for t, e in b.round_ms.items() if e.known}
         if tier in known:
             return known[tier]
@@ -196,7 +179,7 @@ class CostModel:
             return None
         sched = 0.0
         if per_request is not None and b.sched_token_ms.n:
-            gained = batch_size * (per_request(_named(tier)) - per_request(_named(ref)))
+            gained = batch_size * (per_request(named(tier)) - per_request(named(ref)))
             sched = b.sched_token_ms.value * gained
         return max(known[ref] + d_steps - d_ref + sched, 1e-3)
 
@@ -227,7 +210,7 @@ class CostModel:
             return None
         return min(keys, key=lambda k: (abs(k.bit_length() - key.bit_length()), k))
 
-    def _stage_ms(self, b: _Bucket, tier: TreeShape, borrow: bool = False) -> float | None:
+    def _stage_ms(self, b: Bucket, tier: TreeShape, borrow: bool = False) -> float | None:
         points = self._verify_points(b)
         x = tier.num_draft_tokens
         if borrow and len(points) < 2:
@@ -242,17 +225,17 @@ class CostModel:
         if fixed is None or step is None:
             return None
         draft = step * tier.steps
-        if nodes := _extra_nodes(tier):
+        if nodes := extra_nodes(tier):
             node = b.draft_node_ms.value if b.draft_node_ms.n else per_token
             draft += node * nodes
         return verify + fixed + draft
 
     @staticmethod
-    def _verify_points(b: _Bucket) -> dict[int, float]:
+    def _verify_points(b: Bucket) -> dict[int, float]:
         """Verify ms by tokens drafted per request (a chain's s, a tree's n)."""
         return {t.num_draft_tokens: e.value for t, e in b.verify_ms.items() if e.n}
 
-    def _verify_slope(self, b: _Bucket) -> float:
+    def _verify_slope(self, b: Bucket) -> float:
         """Verify ms per verified token of a request in bucket `b`: its own line's slope, else
         the nearest bucket's that has one, scaled by the batch (a request's token is a token
         of every request's forward): 0.2 ms at batch 1 → 6.4 ms at batch 32. 0 with none."""
@@ -265,7 +248,7 @@ class CostModel:
         near = min(have, key=lambda k: abs(k.bit_length() - own.bit_length()))
         return max(slope(self._verify_points(self._buckets[near])), 0.0) * own / near
 
-    def _draft_terms(self, b: _Bucket) -> tuple[float | None, float | None]:
+    def _draft_terms(self, b: Bucket) -> tuple[float | None, float | None]:
         """This bucket's draft terms, else the nearest bucket's that has them."""
         have = [k for k, o in self._buckets.items() if o.draft_step_ms.n]
         if b.draft_step_ms.n:
@@ -275,43 +258,3 @@ class CostModel:
         own = next(k for k, o in self._buckets.items() if o is b)
         near = self._buckets[min(have, key=lambda k: abs(k.bit_length() - own.bit_length()))]
         return near.fixed_ms.value, near.draft_step_ms.value
-
-
-def _profile_scale(b: _Bucket) -> float:
-    """Live over profiled time in this bucket: the median learnt / profiled ratio of its
-    profiled tiers with 3 rounds of their own (1 with none). E.g. batch 64 profiled at tier 0
-    17.3 ms and tier 7 65.1, tier 7 served at 42.2: tier 0, not run since, is predicted at
-    17.3 · 0.65 = 11.2 ms, where a raw 17.3 would hide that the target alone is fastest there."""
-    ratios = sorted(e.value / e.seed for e in b.round_ms.values() if e.seed and e.n >= 3)
-    if not ratios:
-        return 1.0
-    mid = len(ratios) // 2
-    return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
-
-
-def uniform_round(sample: RoundSample) -> tuple[float, float, float]:
-    """(total, draft, fixed round trip) ms of `sample` as if every request had run at its
-    tier: the inverse of `CostModel.mixed_round_ms`, so that a round of mixed per-request tiers
-    teaches the same terms. b = 4 at tier 7 with steps [7, 7, 1] and one plain request: draft
-    6 ms did 15 of 28 request-steps → 11.2 ms; a fixed 6 ms for 3 requests → 8 ms."""
-    fixed = max(sample.round_trip_ms - sample.draft_ms, 0.0)
-    steps = (*sample.request_steps, *(0 for _ in sample.plain_request_ids))
-    b, s, done = sample.batch_size, sample.steps, sum(sample.request_steps)
-    # A tree round's requests cap its depth but each draft step forwards the whole frontier:
-    # learnt as run.
-    tree = sample.shape is not None and not sample.shape.is_chain
-    if tree or s < 1 or len(steps) != b or not sample.request_steps or done >= b * s:
-        return sample.total_ms - sample.admit_ms, sample.draft_ms, fixed
-    draft = sample.draft_ms * b * s / done
-    full_fixed = fixed * b / len(sample.request_steps)
-    total = sample.total_ms - sample.admit_ms + (draft - sample.draft_ms) + (full_fixed - fixed)
-    return total, draft, full_fixed
-
-
-def _named(tier: TreeShape) -> int | TreeShape:
-    return tier.steps if tier.is_chain else tier
-
-
-def _extra_nodes(tier: TreeShape) -> int:
-    """Nodes a tree's draft forwards beyond the chain of its depth: 4x4x16 → 3 · 3 = 9."""
-    return max(tier.steps - 1, 0) * (tier.topk - 1)

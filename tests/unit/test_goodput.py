@@ -621,8 +621,8 @@ def test_a_tier_profiled_and_not_run_since_is_scaled_as_the_live_rounds_scale_th
 def test_tier_0_on_a_profile_alone_is_re_measured_and_taken_at_large_batch() -> None:
     """Batch 64 (the H100 cells' stage times): the target alone serves a round in 10.4 ms, tier
     1 in 26 ms for 1.8 tokens a request, but tier 0's profile says 17.3 ms and the policy never
-    runs it on its own. Its time resting on the profile, tier 0 is a runner-up like any tier
-    (within the explore margin): re-measured, it wins and the policy stays there. At batch 1,
+    runs it on its own. Its time resting on the profile, tier 0 is tried like a tier never
+    measured (within the explore margin): it wins and the policy stays there. At batch 1,
     where tier 0 is far below, it is never run."""
     rng = random.Random(0)
     profile = parse_profile({"1": {"0": 7.0}, "64": {"0": 17.3, "7": 65.1}})
@@ -640,6 +640,45 @@ def test_tier_0_on_a_profile_alone_is_re_measured_and_taken_at_large_batch() -> 
                                        request_ids=ids if s else ()))  # fmt: skip
             tiers.append(s)
         if batch == 64:
+            assert 0 in tiers[:20]  # tried at the first decision: its time is a profile's
             assert tiers[-100:].count(0) >= 95
         else:
             assert 0 not in tiers
+
+
+def test_admission_is_charged_per_token_as_rounds_with_drafts_and_without_pay_it() -> None:
+    """H100, batch 64, requests joining nearly every round: a round at tier 3 takes 25.4 ms
+    besides 18.8 of admission (the draft prefills each joiner too) for 64 · 2.9 tokens, one at
+    tier 0 11.1 besides 3.1 for 64. Admission is every tier's cost, but not alike: charged per
+    token, with drafts or without, tier 0 comes out ahead (4.5 against 4.2 tokens a ms), where
+    the round times alone would put tier 3 first (7.3 against 5.8)."""
+    cost = CostModel(alpha=0.1)
+    for i in range(40):
+        drafted = i % 2 == 0
+        s, accepts = (3, (2, 2, 1, 3) * 16) if drafted else (0, ())
+        total, admit = (25.4 + 18.8, 18.8) if drafted else (11.1 + 3.1, 3.1)
+        # the same 64 requests every round: none is a first round, only admit_ms is admission
+        cost.observe(RoundSample(s, 64, accepts, total, 9.3, 13.8 if drafted else 0.0, 0.7,
+                                 admit_ms=admit, request_ids=tuple(f"r{j}" for j in range(64))))  # fmt: skip
+    per_request = {0: 1.0, 3: 3.0}.__getitem__
+    assert cost.round_ms(3, 64) is None or cost.round_ms(3, 64) < 30  # learnt without admission
+    zero, three = cost.round_ms(0, 64, per_request), cost.round_ms(3, 64, per_request)
+    assert zero is not None and three is not None
+    assert zero == pytest.approx(11.1 + 3.1, rel=0.05)
+    assert three == pytest.approx(25.4 + 18.8, rel=0.05)  # 18.8 / 192 ms a token · 64 · 3
+    assert 64 * 1.0 / zero > 64 * 3.0 / three
+
+
+def test_admission_spikes_at_batch_1_move_the_charge_little() -> None:
+    """Batch 1: a joiner's 30 ms prefill every 32 rounds. The charge is Σ admission / Σ tokens
+    over the window, so the round right after a join moves it by a few percent, not tenfold."""
+    cost = CostModel(alpha=0.1)
+    values = []
+    for i in range(320):
+        admit = 30.0 if i % 32 == 0 else 0.0
+        cost.observe(RoundSample(3, 1, (2,), 10.0 + admit, 6.0, 2.0, 0.5, admit_ms=admit,
+                                 request_ids=(f"r{i // 32}",)))  # fmt: skip
+        if i >= 128:
+            values.append(cost.round_ms(3, 1, {3: 3.0}.__getitem__))
+    assert max(values) / min(values) < 1.25
+    assert sum(values) / len(values) == pytest.approx(10.0 + 30.0 / 32, rel=0.03)  # 30 ms / 96 tokens · 3
