@@ -658,8 +658,10 @@ def test_admission_is_charged_per_token_as_rounds_with_drafts_and_without_pay_it
         s, accepts = (3, (2, 2, 1, 3) * 16) if drafted else (0, ())
         total, admit = (25.4 + 18.8, 18.8) if drafted else (11.1 + 3.1, 3.1)
         # the same 64 requests every round: none is a first round, only admit_ms is admission
-        cost.observe(RoundSample(s, 64, accepts, total, 9.3, 13.8 if drafted else 0.0, 0.7,
-                                 admit_ms=admit, request_ids=tuple(f"r{j}" for j in range(64))))  # fmt: skip
+        ids = tuple(f"r{j}" for j in range(64))
+        draft = 13.8 if drafted else 0.0
+        cost.observe(RoundSample(s, 64, accepts, total, 9.3, draft, 0.7, admit_ms=admit,
+                                 request_ids=ids))  # fmt: skip
     per_request = {0: 1.0, 3: 3.0}.__getitem__
     assert cost.round_ms(3, 64) is None or cost.round_ms(3, 64) < 30  # learnt without admission
     zero, three = cost.round_ms(0, 64, per_request), cost.round_ms(3, 64, per_request)
@@ -681,4 +683,5 @@ def test_admission_spikes_at_batch_1_move_the_charge_little() -> None:
         if i >= 128:
             values.append(cost.round_ms(3, 1, {3: 3.0}.__getitem__))
     assert max(values) / min(values) < 1.25
-    assert sum(values) / len(values) == pytest.approx(10.0 + 30.0 / 32, rel=0.03)  # 30 ms / 96 tokens · 3
+    # 30 ms a join over 96 tokens, 3 tokens a round
+    assert sum(values) / len(values) == pytest.approx(10.0 + 30.0 / 32, rel=0.03)
