@@ -24,7 +24,7 @@ from specpair.client.results import ControllerState, TargetState
 from specpair.client_commands import status_table
 from specpair.config import ControllerConfig, ServerConfig, TLSConfig
 from specpair.proto.v1 import controller_pb2, controller_pb2_grpc, target_pb2, target_pb2_grpc
-from specpair.serving import GrpcServer
+from specpair.serving import BindError, GrpcServer
 from tests.service.conftest import eventually, self_signed
 
 TARGET_SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
@@ -105,12 +105,24 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
 async def serve_target(
     fake: FakeTarget, address: str, token: str | None = None, tls: TLSConfig | None = None
 ) -> GrpcServer:
-    """The fake behind the real server plumbing, so the ops-token check is the real one."""
-    server = GrpcServer(
-        ServerConfig(address, ops_token=token, tls=tls or TLSConfig()),
-        [TARGET_SERVICE],
-        protected_methods=[f"/{TARGET_SERVICE}/ApplyTier", f"/{TARGET_SERVICE}/WatchRounds"],
-    )
+    """The fake behind the real server plumbing, so the ops-token check is the real one.
+
+    The port came from `free_port`: until it is bound again, the kernel may lend it to an
+    outgoing connection (the controller redials the address every 0.1 s), so a bind that
+    finds it taken retries for up to 5 s."""
+    protected = [f"/{TARGET_SERVICE}/ApplyTier", f"/{TARGET_SERVICE}/WatchRounds"]
+    for attempt in range(50):
+        try:
+            server = GrpcServer(
+                ServerConfig(address, ops_token=token, tls=tls or TLSConfig()),
+                [TARGET_SERVICE],
+                protected_methods=protected,
+            )
+            break
+        except BindError:
+            if attempt == 49:
+                raise
+            await asyncio.sleep(0.1)
     target_pb2_grpc.add_TargetServiceServicer_to_server(fake, server.server)
     await server.start()
     await server.ready()
