@@ -13,7 +13,6 @@ from controller.goodput_terms import (
     Rate,
     extra_nodes,
     named,
-    profile_scale,
     uniform_round,
 )
 from controller.interface import RoundSample, as_tier
@@ -67,7 +66,7 @@ class CostModel:
         for batch, steps, ms in profile_ms:
             tier = as_tier(steps)
             entry = self._bucket(batch_bucket(batch)).round_ms.setdefault(tier, Ema())
-            entry.value, entry.seed = ms, ms
+            entry.value, entry.seeded = ms, True
 
     def _bucket(self, key: int) -> Bucket:
         return self._buckets.setdefault(key, Bucket())
@@ -166,8 +165,7 @@ class CostModel:
         if key is None:
             return None
         b, tier = self._buckets[key], as_tier(steps)
-        scale = profile_scale(b)  # for a tier profiled and not run since
-        known = {t: e.value * (scale if e.n == 0 else 1) for t, e in b.round_ms.items() if e.known}
+        known = {t: e.value for t, e in b.round_ms.items() if e.known}
         if tier in known:
             return known[tier]
         ref = min(known, key=lambda t: (abs(t.verified - tier.verified), not t.is_chain, t))

@@ -13,16 +13,12 @@ from specpair.runtime.shape import TreeShape
 class Ema:
     value: float = 0.0
     n: int = 0  # samples measured (a profiled seed counts 0)
-    seed: float | None = None  # the start-up profile's time, if profiled
+    seeded: bool = False
     skipped: int = 0  # rounds not learnt (a request joined in them)
     # A tier's own time: the mean of its first 1/alpha rounds, then a moving average. Seeded
     # with its first round alone, the average keeps (1 − alpha)^(n − 1) of it (66 % after 5
     # at 0.1), and a tier's first round after a switch (or a re-measure) is its least typical.
     averaged: bool = False
-
-    @property
-    def seeded(self) -> bool:
-        return self.seed is not None
 
     @property
     def known(self) -> bool:
@@ -81,18 +77,6 @@ class Rate:
         self.n += 1
         keep = 1.0 - max(1.0 / self.WINDOW, 1.0 / self.n)
         self.ms, self.tokens = keep * self.ms + ms, keep * self.tokens + tokens
-
-
-def profile_scale(b: Bucket) -> float:
-    """Live over profiled time in this bucket: the median learnt / profiled ratio of its
-    profiled tiers with 3 rounds of their own (1 with none). E.g. batch 64 profiled at tier 0
-    17.3 ms and tier 7 65.1, tier 7 served at 42.2: tier 0, not run since, is predicted at
-    17.3 · 0.65 = 11.2 ms, where a raw 17.3 would hide that the target alone is fastest there."""
-    ratios = sorted(e.value / e.seed for e in b.round_ms.values() if e.seed and e.n >= 3)
-    if not ratios:
-        return 1.0
-    mid = len(ratios) // 2
-    return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
 
 
 def uniform_round(sample: RoundSample) -> tuple[float, float, float]:

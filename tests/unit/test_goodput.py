@@ -602,22 +602,6 @@ def test_the_mapped_eagle_runs_sampled_rounds_replayed_settle_on_its_best_tier()
     assert tokens / ms >= 0.95 * tier7
 
 
-def test_a_tier_profiled_and_not_run_since_is_scaled_as_the_live_rounds_scale_the_profile() -> None:
-    """H100, batch 64: the start-up profile timed tier 0 at 17.3 ms and tier 7 at 65.1 (its
-    rounds met joins), the served tier 7 takes 42.2. Tier 0, never run since, is predicted at
-    its profile times what tier 7's own rounds say of the profile; with no profiled tier run,
-    the profile stands as it is."""
-    cost = CostModel(alpha=0.1, profile_ms=((64, 0, 17.3), (64, 7, 65.1), (64, 1, 30.0)))
-    assert cost.round_ms(0, 64) == pytest.approx(17.3)
-    for _ in range(40):
-        cost.observe(RoundSample(7, 64, (3,) * 64, 42.2, 16.5, 18.4, 2.0))
-    ratio = cost.round_ms(7, 64) / 65.1
-    assert ratio == pytest.approx(42.2 / 65.1, rel=0.02)
-    assert cost.round_ms(0, 64) == pytest.approx(17.3 * ratio)
-    assert cost.round_ms(1, 64) == pytest.approx(30.0 * ratio)
-    assert cost.round_ms(7, 64) == pytest.approx(42.2, rel=0.02)  # its own time, unscaled
-
-
 def test_tier_0_on_a_profile_alone_is_re_measured_and_taken_at_large_batch() -> None:
     """Batch 64 (the H100 cells' stage times): the target alone serves a round in 10.4 ms, tier
     1 in 26 ms for 1.8 tokens a request, but tier 0's profile says 17.3 ms and the policy never
