@@ -48,10 +48,10 @@ from bench.common import device_info, format_table, write_json
 from bench.gpu_speedup import GOODPUT, Workload, add_pair_args, bench_pair, make_workloads
 from bench.services import free_address, wait_draft_connected
 from specpair.client import ControllerClient, SpecpairClient
+from specpair.launcher import READY
 
 DOORS = ("openai", "http", "sdk")
 Door = Callable[[list[int], int, Any], int]  # (prompt ids, max tokens, sampling) -> tokens
-READY = "all services up"
 
 
 @dataclass

@@ -146,25 +146,23 @@ class CostModel:
         of admission: per token, as rounds with drafts or without pay it). The reference is the
         nearest measured tier by verified tokens, a chain before a tree. E.g. batch 64 (H100):
         tier 0 11.1 ms + 0.048 ms a token · 64 = 14.2; tier 3 27.2 + 0.101 · 64 · 2.9 = 46.0."""
-        base = self._base_ms(steps, batch_size, per_request)
-        key = self._nearest_bucket(batch_bucket(batch_size))
-        if base is None or key is None or per_request is None:
-            return base
-        tier = as_tier(steps)
-        admit = self._buckets[key].admit_token(tier.steps > 0)
-        return base + admit * batch_size * per_request(named(tier))
-
-    def _base_ms(
-        self,
-        steps: int | TreeShape,
-        batch_size: int,
-        per_request: Callable[[int | TreeShape], float] | None,
-    ) -> float | None:
-        """`round_ms` without admission."""
         key = self._nearest_bucket(batch_bucket(batch_size))
         if key is None:
             return None
         b, tier = self._buckets[key], as_tier(steps)
+        base = self._base_ms(b, tier, batch_size, per_request)
+        if base is None or per_request is None:
+            return base
+        return base + b.admit_token(tier.steps > 0) * batch_size * per_request(named(tier))
+
+    def _base_ms(
+        self,
+        b: Bucket,
+        tier: TreeShape,
+        batch_size: int,
+        per_request: Callable[[int | TreeShape], float] | None,
+    ) -> float | None:
+        """`round_ms` in bucket `b` without admission."""
         known = {t: e.value for t, e in b.round_ms.items() if e.known}
         if tier in known:
             return known[tier]

@@ -12,6 +12,8 @@ from pathlib import Path
 from specpair.config import MODELS_DIR, env_address, env_http_address
 from specpair.group import Service, ServiceGroup
 
+READY = "specpair up: all services up"  # the line a script may wait for (bench/up_client.py)
+
 
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -107,7 +109,7 @@ def run_up(args: argparse.Namespace) -> int:
             print(f"specpair up: {service.name} is serving", flush=True)
         http = env_http_address()  # the target's default, as it read it
         api = f", the OpenAI-compatible API at http://{http}/v1" if http else ""
-        print(f"specpair up: all services up{api} (Ctrl-C stops them)", flush=True)
+        print(f"{READY}{api} (Ctrl-C stops them)", flush=True)
         if args.demo:
             from specpair.demo import run_demo
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.up_client import main
+from specpair.launcher import READY
 
 pytestmark = pytest.mark.slow
 
@@ -36,4 +37,4 @@ def test_up_client_measures_every_configuration_through_both_doors(tmp_path: Pat
     # stopped early on one door and ran on at another configuration).
     assert len({c["tokens"] for c in cells if c["batch"] == 1}) == 1
     assert out.with_suffix(".png").stat().st_size > 0
-    assert "specpair up: all services up" in out.with_suffix(".log").read_text()
+    assert READY in out.with_suffix(".log").read_text()
