@@ -9,6 +9,14 @@ SafeAILab's traineagle3): cross-entropy of the head's draft-vocabulary logits ag
 target's distribution restricted to the draft vocabulary, on rows whose target argmax is in it
 (EAGLE-3 drops the feature regression of EAGLE-1). Step k of row j runs on the head's own
 outputs of steps < k (eagle3_head.Eagle3Head.ttt).
+
+With `--data` (written by `training.regen`) the stream is the target's own continuations, mixed
+with `--true-fraction` of corpus text; `--init-from-target` starts the LM head at the target's
+rows for the draft vocabulary and the final norm at the target's (the head then learns to land
+in the space the target's own head reads, instead of from noise).
+
+    python -m training.regen --out /tmp/regen.npz
+    python -m training.train_eagle3 --data /tmp/regen.npz --init-from-target --out models/eagle3
 """
 
 from __future__ import annotations
@@ -88,6 +96,8 @@ def train_eagle3(
     intermediate_size: int,
     lr: float,
     seed: int,
+    init_from_target: bool = False,
+    data_note: str = "corpus",
 ) -> dict[str, object]:
     seed_all(seed)
     device = pick_device()
@@ -100,6 +110,10 @@ def train_eagle3(
     print(f"[eagle3] draft vocab {vocab}: {coverage:.2%} of training tokens")
     cfg = head_config(target.config, vocab, layers, intermediate_size)
     head = Eagle3Head(cfg, d2t, t2d).to(device)
+    if init_from_target:
+        with torch.no_grad():
+            head.lm_head.weight.copy_(target.lm_head.weight[d2t + torch.arange(vocab)].float())
+            head.norm.weight.copy_(target.model.norm.weight.float())
     n_params = sum(p.numel() for p in head.parameters())
     print(f"[eagle3] {n_params / 1e6:.2f}M params, TTT {ttt_steps} steps, on {device_name(device)}")
     batches = iter(Batches(train_ids, seq_len, batch, device, seed))
@@ -113,6 +127,8 @@ def train_eagle3(
     t0 = time.time()
     curve = train_loop("eagle3", list(head.parameters()), loss_fn, sched, device, batch * seq_len)
     train_s = time.time() - t0
+    if device.type == "cuda":
+        print(f"[eagle3] peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
 
     head = head.to(dtype).eval()
     windows = heldout_windows(heldout_ids, seq_len, 256 * seq_len)
@@ -135,6 +151,8 @@ def train_eagle3(
         "draft_vocab_size": vocab,
         "draft_vocab_coverage": round(coverage, 4),
         "aux_layers": layers,
+        "data": data_note,
+        "init_from_target": init_from_target,
         "intermediate_size": intermediate_size,
         "tokens_seen": len(curve) * batch * seq_len,
         "train_seconds": round(train_s, 1),
@@ -170,14 +188,28 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--max-bytes", type=int, default=200_000_000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", type=Path, default=None, help="training.regen's .npz")
+    p.add_argument("--true-fraction", type=float, default=0.25, help="corpus share with --data")
+    p.add_argument("--init-from-target", action="store_true")
     a = p.parse_args()
-    corpus = corpus_mod.collect(a.max_bytes)
     tok = corpus_mod.load_tokenizer(a.target)
     corpus_mod.save_tokenizer(tok, a.out, 1024)
+    if a.data is None:
+        corpus = corpus_mod.collect(a.max_bytes)
+        train = corpus_mod.encode(tok, corpus.train)
+        heldout = corpus_mod.encode(tok, corpus.heldout)
+        note = "corpus"
+    else:
+        data = np.load(a.data)
+        regen, heldout = data["regen"], data["heldout"]
+        # true text / (true + regenerated) = true_fraction
+        n_true = int(len(regen) * a.true_fraction / max(1e-9, 1 - a.true_fraction))
+        train = np.concatenate([regen, data["train"][:n_true]])
+        note = f"regenerated {len(regen)} + corpus {min(n_true, len(data['train']))} tokens"
     train_eagle3(
         a.target,
-        corpus_mod.encode(tok, corpus.train),
-        corpus_mod.encode(tok, corpus.heldout),
+        train,
+        heldout,
         a.out,
         a.plots,
         steps=a.steps,
@@ -190,6 +222,8 @@ def main() -> None:
         intermediate_size=a.intermediate_size,
         lr=a.lr,
         seed=a.seed,
+        init_from_target=a.init_from_target,
+        data_note=note,
     )
 
 

@@ -1,0 +1,81 @@
+"""training/regen.py: the EAGLE-3 head's training stream is the target's own continuations."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import LlamaForCausalLM
+
+from specpair.config import MODELS_DIR
+from training.corpus import load_tokenizer
+from training.regen import TEMPERATURES, prose_paragraphs, regenerate, samples
+
+SOURCE = '''\
+def area(r):
+    """Return the area of a circle whose radius is the given number, measured in the same unit
+    as the result's square root; a negative radius is taken as its absolute value, since a
+    circle has no negative size and callers often pass differences of two coordinates.
+
+    >>> area(1.0)
+    3.14159
+    """
+    x = compute(r) if r else default_value_for_the_empty_case_with_a_long_name_here(r, r, r)
+    y = another_call_with_arguments(x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x)
+    return y
+
+
+def short():
+    """Too short."""
+'''
+
+
+def test_prose_paragraphs_are_docstring_prose_on_one_line_and_never_code() -> None:
+    paragraphs = prose_paragraphs([SOURCE])
+    assert len(paragraphs) == 1
+    assert paragraphs[0].startswith("Return the area of a circle whose radius")
+    assert paragraphs[0].endswith("differences of two coordinates.")
+    assert "\n" not in paragraphs[0] and "  " not in paragraphs[0]
+    # The doctest paragraph and the code after the closing quotes are not prose.
+    assert not any(">>>" in p or "compute(" in p for p in paragraphs)
+
+
+def test_samples_are_prompts_then_the_targets_own_continuation() -> None:
+    target = LlamaForCausalLM.from_pretrained(str(MODELS_DIR / "target")).eval()
+    tok = load_tokenizer(MODELS_DIR / "target")
+    eot = tok.token_to_id("<|endoftext|>")
+    code = np.asarray(tok.encode(SOURCE * 40).ids)
+    prose = [np.asarray(tok.encode(p).ids) for p in prose_paragraphs([SOURCE])]
+    rng = np.random.default_rng(0)
+    gen = samples(target, eot, code, prose, batch=2, new_tokens=6, rng=rng)
+    batches = [next(gen) for _ in range(3)]
+    assert [b[0].temperature for b in batches] == list(TEMPERATURES)
+    greedy = batches[0]
+    for sample in greedy:
+        # A window of the code stream, then what greedy decoding of it gives.
+        start = next(
+            i
+            for i in range(len(code))
+            if np.array_equal(code[i : i + len(sample.prompt)], sample.prompt)
+        )
+        assert 64 <= len(sample.prompt) <= 256 and start >= 0
+        ids = torch.from_numpy(sample.prompt)[None]
+        ref = target.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=eot)[0]
+        cont = ref[len(sample.prompt) :].numpy()
+        cut = np.flatnonzero(cont == eot)
+        assert sample.continuation.tolist() == cont[: cut[0] if len(cut) else None].tolist()
+    for sample in batches[2]:  # every third batch is prose: the start of a paragraph
+        assert sample.prompt.tolist() == prose[0][: len(sample.prompt)].tolist()
+        assert eot not in sample.continuation
+
+
+def test_regenerate_joins_samples_with_eot() -> None:
+    target = LlamaForCausalLM.from_pretrained(str(MODELS_DIR / "target")).eval()
+    tok = load_tokenizer(MODELS_DIR / "target")
+    code = np.asarray(tok.encode(SOURCE * 40).ids, dtype=np.uint16)
+    stream = regenerate(target, tok, code, [SOURCE], seconds=0.0, batch=3, new_tokens=5, seed=0)
+    eot = tok.token_to_id("<|endoftext|>")
+    assert stream.dtype == np.uint16
+    pieces = np.split(stream, np.flatnonzero(stream == eot) + 1)[:-1]
+    assert len(pieces) == 3 and all(p[-1] == eot for p in pieces)
+    # One batch ran (a zero budget still makes one): prompts of one length, <= 5 new tokens.
+    assert all(len(p) <= len(pieces[0]) + 5 for p in pieces)
