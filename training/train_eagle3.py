@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from training import corpus as corpus_mod
@@ -97,6 +98,7 @@ def train_eagle3(
     lr: float,
     seed: int,
     init_from_target: bool = False,
+    init_from: Path | None = None,
     data_note: str = "corpus",
 ) -> dict[str, object]:
     seed_all(seed)
@@ -105,12 +107,19 @@ def train_eagle3(
     target = LlamaForCausalLM.from_pretrained(str(target_dir), dtype=dtype).to(device).eval()  # type: ignore[arg-type]
     target.requires_grad_(False)
     counts = torch.from_numpy(np.bincount(train_ids, minlength=target.config.vocab_size))
-    d2t, t2d = draft_vocab(counts, vocab)
+    start = load_file(str(init_from / "model.safetensors")) if init_from else None
+    if start is not None:  # a trained head goes on: its draft vocabulary stays
+        d2t, t2d = start["d2t"], start["t2d"]
+        vocab = len(d2t)
+    else:
+        d2t, t2d = draft_vocab(counts, vocab)
     coverage = float(counts[t2d].sum() / counts.sum())
     print(f"[eagle3] draft vocab {vocab}: {coverage:.2%} of training tokens")
     cfg = head_config(target.config, vocab, layers, intermediate_size)
     head = Eagle3Head(cfg, d2t, t2d).to(device)
-    if init_from_target:
+    if start is not None:
+        head.load_state_dict({k: v.float() for k, v in start.items()}, strict=False)
+    elif init_from_target:
         with torch.no_grad():
             head.lm_head.weight.copy_(target.lm_head.weight[d2t + torch.arange(vocab)].float())
             head.norm.weight.copy_(target.model.norm.weight.float())
@@ -153,6 +162,7 @@ def train_eagle3(
         "aux_layers": layers,
         "data": data_note,
         "init_from_target": init_from_target,
+        "init_from": str(init_from) if init_from else None,
         "intermediate_size": intermediate_size,
         "tokens_seen": len(curve) * batch * seq_len,
         "train_seconds": round(train_s, 1),
@@ -191,6 +201,7 @@ def main() -> None:
     p.add_argument("--data", type=Path, default=None, help="training.regen's .npz")
     p.add_argument("--true-fraction", type=float, default=0.25, help="corpus share with --data")
     p.add_argument("--init-from-target", action="store_true")
+    p.add_argument("--init-from", type=Path, default=None, help="a trained head to go on from")
     a = p.parse_args()
     tok = corpus_mod.load_tokenizer(a.target)
     corpus_mod.save_tokenizer(tok, a.out, 1024)
@@ -223,6 +234,7 @@ def main() -> None:
         lr=a.lr,
         seed=a.seed,
         init_from_target=a.init_from_target,
+        init_from=a.init_from,
         data_note=note,
     )
 
