@@ -85,12 +85,17 @@ def samples(
     batch: int,
     new_tokens: int,
     rng: np.random.Generator,
+    prose_share: float = 1 / 3,
 ) -> Iterator[list[Sample]]:
-    """Batch after batch: the temperatures in turn, every third batch prose prompts."""
+    """Batch after batch, `prose_share` of them prose prompts (evenly spread: 1/3 gives code,
+    code, prose, ...), each kind turning over the temperatures on its own batches."""
     device = next(target.parameters()).device
+    made = {False: 0, True: 0}  # batches so far, by prose or not
     for n in itertools.count():
-        temperature = TEMPERATURES[n % len(TEMPERATURES)]
-        prompts = _prompts(rng, code, prose, batch, prose_batch=n % 3 == 2).to(device)
+        is_prose = int((n + 1) * prose_share) > int(n * prose_share)
+        temperature = TEMPERATURES[made[is_prose] % len(TEMPERATURES)]
+        made[is_prose] += 1
+        prompts = _prompts(rng, code, prose, batch, prose_batch=is_prose).to(device)
         sampled = temperature > 0
         out = target.generate(
             prompts,
@@ -121,6 +126,7 @@ def regenerate(
     batch: int,
     new_tokens: int,
     seed: int,
+    prose_share: float = 1 / 3,
 ) -> np.ndarray:
     """The token stream above, generated for `seconds`; uint16 like `corpus.encode`."""
     eot = tok.token_to_id("<|endoftext|>")
@@ -129,7 +135,10 @@ def regenerate(
     print(f"[regen] {len(paragraphs)} docstring paragraphs as prose prompts")
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    gen = samples(target, eot, code, prose, batch=batch, new_tokens=new_tokens, rng=rng)
+    gen = samples(
+        target, eot, code, prose,
+        batch=batch, new_tokens=new_tokens, rng=rng, prose_share=prose_share,
+    )  # fmt: skip
     parts: list[np.ndarray] = []
     t0, n_batches, tokens = time.time(), 0, 0
     while n_batches == 0 or time.time() - t0 < seconds:  # at least one batch
@@ -161,6 +170,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=384)
     p.add_argument("--max-bytes", type=int, default=200_000_000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prose-share", type=float, default=1 / 3, help="of batches, prose prompts")
     a = p.parse_args()
     corpus = corpus_mod.collect(a.max_bytes)
     tok = corpus_mod.load_tokenizer(a.target)
@@ -171,6 +181,7 @@ def main() -> None:
     regen = regenerate(
         target, tok, train, corpus.train,
         seconds=a.seconds, batch=a.batch, new_tokens=a.new_tokens, seed=a.seed,
+        prose_share=a.prose_share,
     )  # fmt: skip
     a.out.parent.mkdir(parents=True, exist_ok=True)
     np.savez(a.out, regen=regen, train=train, heldout=corpus_mod.encode(tok, corpus.heldout))

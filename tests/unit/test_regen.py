@@ -47,8 +47,11 @@ def test_samples_are_prompts_then_the_targets_own_continuation() -> None:
     prose = [np.asarray(tok.encode(p).ids) for p in prose_paragraphs([SOURCE])]
     rng = np.random.default_rng(0)
     gen = samples(target, eot, code, prose, batch=2, new_tokens=6, rng=rng)
-    batches = [next(gen) for _ in range(3)]
-    assert [b[0].temperature for b in batches] == list(TEMPERATURES)
+    batches = [next(gen) for _ in range(9)]
+    # code, code, prose, ...: each kind turns over every temperature (prose greedy too)
+    code_batches = [b for i, b in enumerate(batches) if i % 3 != 2]
+    assert [b[0].temperature for b in code_batches] == [*TEMPERATURES, *TEMPERATURES]
+    assert [b[0].temperature for b in batches[2::3]] == list(TEMPERATURES)
     greedy = batches[0]
     for sample in greedy:
         # A window of the code stream, then what greedy decoding of it gives.
@@ -63,7 +66,7 @@ def test_samples_are_prompts_then_the_targets_own_continuation() -> None:
         cont = ref[len(sample.prompt) :].numpy()
         cut = np.flatnonzero(cont == eot)
         assert sample.continuation.tolist() == cont[: cut[0] if len(cut) else None].tolist()
-    for sample in batches[2]:  # every third batch is prose: the start of a paragraph
+    for sample in [s for b in batches[2::3] for s in b]:  # prose: a paragraph's start
         assert sample.prompt.tolist() == prose[0][: len(sample.prompt)].tolist()
         assert eot not in sample.continuation
 
