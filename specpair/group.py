@@ -47,7 +47,9 @@ def address_in_use(address: str) -> bool:
             probe.connect(target)
         except OSError:
             return False
-    return True
+        # A loopback connect to a free port in the ephemeral range can pick that very port as
+        # its source and connect to itself (TCP simultaneous open): nobody serves there.
+        return address.startswith("unix:") or probe.getsockname() != probe.getpeername()
 
 
 class ServiceGroup:
