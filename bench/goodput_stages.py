@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +104,7 @@ def accepts(rng: random.Random, stage: Stage, steps: int, batch: int) -> tuple[i
 
 def simulate(
     table: dict[int, dict[TreeShape, Stage]], rounds: int, seed: int, noise: float,
-    profile: Any = (), pinned: TreeShape | None = None,
+    profile: Any = (), pinned: TreeShape | None = None, min_gain: float = 0.05,
 ) -> dict[int, float]:  # fmt: skip
     """Tokens per ms at each batch size, one policy (or a pinned tier) meeting them in order."""
     rng = random.Random(seed)
@@ -112,7 +112,9 @@ def simulate(
     tiers = {t for b in batches for t in table[b]}
     chains = tuple(sorted(t.steps for t in tiers if t.is_chain))
     trees = tuple(str(t) for t in sorted(tiers, key=str) if not t.is_chain)
-    config = GoodputConfig(candidate_steps=chains, tree_shapes=trees, profile_ms=profile)
+    config = GoodputConfig(
+        candidate_steps=chains, tree_shapes=trees, profile_ms=profile, min_gain=min_gain
+    )
     start = 3 if 3 in chains else max(chains)
     policy = GoodputPolicy(config, start)
     rates = {}
@@ -145,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=4)
     parser.add_argument("--noise", type=float, default=0.1)
     parser.add_argument("--profile", action="store_true", help="seed goodput with the run's")
+    default_gain = next(f.default for f in fields(GoodputConfig) if f.name == "min_gain")
+    parser.add_argument("--min-gain", type=float, default=default_gain)
     parser.add_argument("--out", type=Path, default=Path("bench/out/goodput_stages.json"))
     args = parser.parse_args(argv)
     run = read_json(args.run)
@@ -156,7 +160,10 @@ def main(argv: list[str] | None = None) -> None:
         t: simulate(table, args.rounds * 4, 1, args.noise, pinned=t)
         for t in tiers if t in common
     }  # fmt: skip
-    runs = [simulate(table, args.rounds, s, args.noise, profile) for s in range(args.seeds)]
+    runs = [
+        simulate(table, args.rounds, s, args.noise, profile, min_gain=args.min_gain)
+        for s in range(args.seeds)
+    ]
     rows, report = [], {}
     for b in sorted(table):
         best_tier = max(static, key=lambda t: static[t][b])
