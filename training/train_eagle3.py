@@ -118,7 +118,11 @@ def train_eagle3(
     cfg = head_config(target.config, vocab, layers, intermediate_size)
     head = Eagle3Head(cfg, d2t, t2d).to(device)
     if start is not None:
-        head.load_state_dict({k: v.float() for k, v in start.items()}, strict=False)
+        missing, unexpected = head.load_state_dict(
+            {k: v.float() for k, v in start.items()}, strict=False
+        )  # the rotary buffers are not saved
+        if unexpected or any(not k.startswith("rotary") for k in missing):
+            raise ValueError(f"{init_from}: not this head's layout ({missing=}, {unexpected=})")
     elif init_from_target:
         with torch.no_grad():
             head.lm_head.weight.copy_(target.lm_head.weight[d2t + torch.arange(vocab)].float())

@@ -1,14 +1,19 @@
-"""training/regen.py: the EAGLE-3 head's training stream is the target's own continuations."""
+"""training/regen.py: the EAGLE-3 head's training stream is the target's own continuations;
+training/train_eagle3.py goes on from a trained head on it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
+from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from specpair.config import MODELS_DIR
 from training.corpus import load_tokenizer
 from training.regen import TEMPERATURES, prose_paragraphs, regenerate, samples
+from training.train_eagle3 import train_eagle3
 
 SOURCE = '''\
 def area(r):
@@ -82,3 +87,24 @@ def test_regenerate_joins_samples_with_eot() -> None:
     assert len(pieces) == 3 and all(p[-1] == eot for p in pieces)
     # One batch ran (a zero budget still makes one): prompts of one length, <= 5 new tokens.
     assert all(len(p) <= len(pieces[0]) + 5 for p in pieces)
+
+
+def test_train_eagle3_init_from_goes_on_from_the_given_head(tmp_path: Path) -> None:
+    """`--init-from`: the head starts as the given one, draft vocabulary and all (a key that
+    failed to load would leave it at its random init, far from the shipped weights)."""
+    tok = load_tokenizer(MODELS_DIR / "target")
+    ids = np.asarray(tok.encode(SOURCE * 20).ids, dtype=np.uint16)
+    train_eagle3(
+        MODELS_DIR / "target", ids, ids, tmp_path / "head", tmp_path,
+        steps=1, seconds=None, batch=1, seq_len=32, ttt_steps=2, vocab=0, layers=[1, 2, 4],
+        intermediate_size=1024, lr=1e-9, seed=0, init_from=MODELS_DIR / "eagle3",
+    )  # fmt: skip
+    shipped = load_file(str(MODELS_DIR / "eagle3" / "model.safetensors"))
+    trained = load_file(str(tmp_path / "head" / "model.safetensors"))
+    assert shipped.keys() == trained.keys()
+    assert torch.equal(shipped["d2t"], trained["d2t"]) and torch.equal(
+        shipped["t2d"], trained["t2d"]
+    )
+    for name, w in shipped.items():
+        if w.is_floating_point():  # one step at lr 1e-9: bf16 rounding apart
+            torch.testing.assert_close(trained[name].float(), w.float(), rtol=1e-2, atol=1e-3)
