@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import LlamaForCausalLM
 
 
 def seed_all(seed: int) -> None:
@@ -31,6 +32,19 @@ def autocast(device: torch.device) -> AbstractContextManager[object]:
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return nullcontext()
+
+
+def model_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on GPU, fp32 on CPU (the CPU runs are smoke tests)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def frozen_lm(path: Path, device: torch.device) -> LlamaForCausalLM:
+    """A trained LM read from `path` onto `device` in `model_dtype`, in eval mode, no grads."""
+    model = LlamaForCausalLM.from_pretrained(str(path), dtype=model_dtype(device))
+    model = model.to(device).eval()  # type: ignore[arg-type]
+    model.requires_grad_(False)
+    return model
 
 
 def device_name(device: torch.device) -> str:

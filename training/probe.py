@@ -20,7 +20,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from training import corpus as corpus_mod
-from training.common import device_name, pick_device, seed_all
+from training.common import device_name, frozen_lm, model_dtype, pick_device, seed_all
 from training.eagle_head import load_head
 
 TIERS = (1, 3, 7)
@@ -68,12 +68,10 @@ def probe(
 ) -> dict[str, object]:
     seed_all(seed)
     device = pick_device()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = LlamaForCausalLM.from_pretrained(str(models_dir / "target"), dtype=dtype).to(device)  # type: ignore[arg-type]
-    draft = LlamaForCausalLM.from_pretrained(str(models_dir / "draft"), dtype=dtype).to(device)  # type: ignore[arg-type]
+    dtype = model_dtype(device)
+    target = frozen_lm(models_dir / "target", device)
+    draft = frozen_lm(models_dir / "draft", device)
     head = load_head(models_dir / eagle_name, device, dtype)
-    target.eval()
-    draft.eval()
     # Prompts: seeded random windows of the held-out stream that contain no file boundary.
     rng = np.random.default_rng(seed)
     eot = 0

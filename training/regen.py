@@ -15,17 +15,22 @@ prompts were written by hand and never enter training).
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import re
 import textwrap
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
 from transformers import LlamaForCausalLM
+
+from training import corpus as corpus_mod
+from training.common import frozen_lm, pick_device
 
 TEMPERATURES = (0.0, 0.7, 1.0)
 # An opening quote starts a line and is followed by text; a closing one at a line's start is
@@ -95,11 +100,12 @@ def samples(
         is_prose = int((n + 1) * prose_share) > int(n * prose_share)
         temperature = TEMPERATURES[made[is_prose] % len(TEMPERATURES)]
         made[is_prose] += 1
-        prompts = _prompts(rng, code, prose, batch, prose_batch=is_prose).to(device)
+        prompts = _prompts(rng, code, prose, batch, prose_batch=is_prose)
+        on_device = prompts.to(device)
         sampled = temperature > 0
         out = target.generate(
-            prompts,
-            attention_mask=torch.ones_like(prompts),
+            on_device,
+            attention_mask=torch.ones_like(on_device),
             max_new_tokens=new_tokens,
             do_sample=sampled,
             temperature=temperature if sampled else None,
@@ -109,7 +115,7 @@ def samples(
             pad_token_id=eot,
         ).cpu()
         rows = []
-        for prompt, row in zip(prompts.cpu().numpy(), out.numpy(), strict=True):
+        for prompt, row in zip(prompts.numpy(), out.numpy(), strict=True):
             cont = row[len(prompt) :]
             ends = np.flatnonzero(cont == eot)
             rows.append(Sample(temperature, prompt, cont[: ends[0]] if len(ends) else cont))
@@ -129,7 +135,7 @@ def regenerate(
     prose_share: float = 1 / 3,
 ) -> np.ndarray:
     """The token stream above, generated for `seconds`; uint16 like `corpus.encode`."""
-    eot = tok.token_to_id("<|endoftext|>")
+    eot = tok.token_to_id(corpus_mod.EOT)
     paragraphs = prose_paragraphs(train_texts)
     prose = [np.asarray(e.ids) for e in tok.encode_batch(paragraphs, add_special_tokens=False)]
     print(f"[regen] {len(paragraphs)} docstring paragraphs as prose prompts")
@@ -156,12 +162,6 @@ def regenerate(
 
 
 def main() -> None:
-    import argparse
-    from pathlib import Path
-
-    from training import corpus as corpus_mod
-    from training.common import pick_device
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--target", type=Path, default=Path("models/target"))
     p.add_argument("--out", type=Path, required=True, help=".npz: regen, train, heldout streams")
@@ -175,9 +175,7 @@ def main() -> None:
     corpus = corpus_mod.collect(a.max_bytes)
     tok = corpus_mod.load_tokenizer(a.target)
     train = corpus_mod.encode(tok, corpus.train)
-    device = pick_device()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = LlamaForCausalLM.from_pretrained(str(a.target), dtype=dtype).to(device).eval()  # type: ignore[arg-type]
+    target = frozen_lm(a.target, pick_device())
     regen = regenerate(
         target, tok, train, corpus.train,
         seconds=a.seconds, batch=a.batch, new_tokens=a.new_tokens, seed=a.seed,

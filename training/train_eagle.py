@@ -28,7 +28,9 @@ from training.common import (
     Schedule,
     autocast,
     device_name,
+    frozen_lm,
     heldout_windows,
+    model_dtype,
     pick_device,
     plot_loss,
     seed_all,
@@ -93,9 +95,8 @@ def train_eagle(
 ) -> dict[str, object]:
     seed_all(seed)
     device = pick_device()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = LlamaForCausalLM.from_pretrained(str(target_dir), dtype=dtype).to(device).eval()  # type: ignore[arg-type]
-    target.requires_grad_(False)
+    dtype = model_dtype(device)
+    target = frozen_lm(target_dir, device)
     head = EagleHead(head_config(target.config, intermediate_size)).to(device)
     n_params = sum(p.numel() for p in head.parameters())
     print(f"[eagle] {n_params / 1e6:.2f}M params, unroll {unroll}, on {device_name(device)}")

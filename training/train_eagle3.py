@@ -38,7 +38,9 @@ from training.common import (
     Schedule,
     autocast,
     device_name,
+    frozen_lm,
     heldout_windows,
+    model_dtype,
     pick_device,
     plot_loss,
     seed_all,
@@ -103,9 +105,8 @@ def train_eagle3(
 ) -> dict[str, object]:
     seed_all(seed)
     device = pick_device()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = LlamaForCausalLM.from_pretrained(str(target_dir), dtype=dtype).to(device).eval()  # type: ignore[arg-type]
-    target.requires_grad_(False)
+    dtype = model_dtype(device)
+    target = frozen_lm(target_dir, device)
     counts = torch.from_numpy(np.bincount(train_ids, minlength=target.config.vocab_size))
     start = load_file(str(init_from / "model.safetensors")) if init_from else None
     if start is not None:  # a trained head goes on: its draft vocabulary stays
