@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shlex
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -334,17 +335,19 @@ def services(
     goodput: bool = False, deterministic: bool = False, trees: Sequence[TreeShape] = (),
     repeats: int = 1, counts: Mapping[int, int] | None = None, threads: int = 0,
     profiled: dict[str, Any] | None = None, token_map: Path | None = None,
+    tiers: Sequence[int] = TIERS, adaptive: bool = True, target_flags: Sequence[str] = (),
 ) -> dict[str, Any] | None:  # fmt: skip
-    """Target-only (`--no-draft`), then static tiers (`trees` too, pinned by shape) and adaptive
-    through the controller (SGLang's rule over the chains, then with `goodput` the goodput kind,
-    over the trees too; given `profiled`, seeded with a start-up profile, written there)."""
+    """Target-only (`--no-draft`), then static `tiers` (`trees` too, pinned by shape) and
+    adaptive through the controller (SGLang's rule over the chains, unless not `adaptive`;
+    then with `goodput` the goodput kind, over the trees too; given `profiled`, seeded with a
+    start-up profile, written there). `target_flags` go to both target services."""
     common: dict[str, Any] = dict(
         target=target, log_dir=log_dir, device=device, dtype=dtype, max_len=max_len,
         threads=threads,
         candidate_steps=(0, *TIERS),  # the goodput kind's tier 0 is the target alone
         # the target's default max_batch (16) would run a batch-64 cell 16 at a time
         target_options=("--max-batch", str(max(batches)),
-                        *(("--deterministic",) if deterministic else ())),
+                        *(("--deterministic",) if deterministic else ()), *target_flags),
     )  # fmt: skip
 
     def serve(client: SpecpairClient, config: str) -> None:
@@ -363,13 +366,14 @@ def services(
         client = SpecpairClient(group.target, timeout=600)
         wait_draft_connected(client)
         ctl = ControllerClient(group.controller, timeout=30)
-        for tier in TIERS:
+        for tier in tiers:
             ctl.pin(tier)
             time.sleep(0.3)
             serve(client, f"tier {tier}")
         ctl.unpin()
-        time.sleep(0.3)
-        serve(client, "adaptive")
+        if adaptive:
+            time.sleep(0.3)
+            serve(client, "adaptive")
         # the goodput kind over tiers 0 / 1 / 3 / 7 and the trees (SGLang's rule knows chains
         # only, so the trees are pinned under it)
         options = GOODPUT | {"tree_shapes": [str(t) for t in trees]}
@@ -603,6 +607,14 @@ def main() -> None:
         "--token-map", type=Path, metavar="FILE",
         help="an EAGLE-1/2 head drafts over these ids (`serve draft --token-map`)",
     )  # fmt: skip
+    parser.add_argument("--tiers", type=int, nargs="+", default=list(TIERS),
+                        choices=TIERS, help="services: the chain tiers measured")  # fmt: skip
+    parser.add_argument("--no-adaptive", action="store_true",
+                        help="services: no cell of SGLang's rule (adaptive)")  # fmt: skip
+    parser.add_argument(
+        "--target-flags", default="", metavar="FLAGS",
+        help="more flags for the target service, e.g. '--no-prompt-handoff'",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, help="JSON (default: bench/results/…_<kind>.json)")
     parser.add_argument(
         "--replot", type=Path, metavar="JSON", help="only redraw an earlier run's PNG and table"
@@ -687,6 +699,8 @@ def main() -> None:
             record=record, goodput=args.goodput, deterministic=args.deterministic, trees=trees,
             repeats=args.repeats, counts=counts, threads=args.threads,
             profiled=profiled if args.profile else None, token_map=args.token_map,
+            tiers=args.tiers, adaptive=not args.no_adaptive,
+            target_flags=shlex.split(args.target_flags),
         )  # fmt: skip
     save()
     title = f"{args.draft_kind} draft, {args.shape} pair, {gpu}: tokens/s by configuration"

@@ -86,7 +86,10 @@ class DraftRounds:
             else []
         )
         self.builder = StateBuilder(drafter=self.drafter, ahead=config.pipeline is PipelineMode.ON)
-        self.states: dict[TreeShape, SpecRuntimeState] = self.builder.build_all(config.tiers)
+        # Tier 0 (extend only: a target's prompt hand-off) is served whatever the tiers are.
+        self.states: dict[TreeShape, SpecRuntimeState] = self.builder.build_all(
+            {*config.tiers, TreeShape(0)}
+        )
         self.pipeline = (
             Pipeline(self.drafter, config.pipeline_width)
             if config.pipeline is PipelineMode.ON

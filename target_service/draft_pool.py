@@ -63,7 +63,9 @@ class DraftPool:
         self._homes: dict[str, tuple[DraftLink, int]] = {}  # request id → (home, stream key)
         self._keys: dict[DraftLink, tuple[int, int]] = {}  # link → (its epoch, stream key)
         self._next_key = itertools.count()
-        self._legs: list[Leg] = []  # the round in flight
+        # The rounds out, by `send`'s number: a round, and at most a hand-off behind it
+        # (`TargetRound.handoff`), answered in the order sent on each replica's stream.
+        self._legs: dict[int, list[Leg]] = {}
         self._sent = 0
         self._refresh: asyncio.Task[None] | None = None
 
@@ -252,18 +254,23 @@ class DraftPool:
             epochs = [await legs[0][0].send(legs[0][1])]
         else:
             epochs = await asyncio.gather(*(link.send(sub) for link, sub in legs))
-        self._legs = [
+        out = [
             Leg(link, epoch, 1 + sub.predraft)
             for (link, sub), epoch in zip(legs, epochs, strict=True)
             if epoch is not None
         ]
         self._sent += 1
-        return self._sent if self._legs else None
+        # A round's answers are read before the round after it goes out: a few suffice.
+        self._legs = {n: g for n, g in self._legs.items() if n > self._sent - 4}
+        if not out:
+            return None
+        self._legs[self._sent] = out
+        return self._sent
 
     async def receive(self, round_id: int, sent: int) -> RoundResponse | None:
         """The round's next answer from every replica that owes one, merged; None when none
         came (a replica that failed costs only its own requests' drafts)."""
-        legs = [leg for leg in self._legs if leg.owed > 0] if sent == self._sent else []
+        legs = [leg for leg in self._legs.get(sent, ()) if leg.owed > 0]
         for leg in legs:
             leg.owed -= 1
         if len(legs) == 1:  # one replica's answer, as it is

@@ -62,8 +62,10 @@ class Scheduler:
         threads: int = 1,
         device: str = "cpu",
         pipeline: PipelineMode = PipelineMode.OFF,
+        handoff: bool = True,
     ) -> None:
         self.worker = worker
+        self.handoff = handoff  # joins' prompts go to the draft beside a round (`_admit_beside`)
         self.states = states
         self.tiers = Tiers(states, initial_tier, metrics)
         self.max_batch = max_batch
@@ -214,7 +216,8 @@ class Scheduler:
         self.metrics.requests.labels(outcome).inc()
         self.metrics.running.set(len(self.running))
 
-    async def _admit(self) -> None:
+    async def _admit(self) -> list[ServedRequest]:
+        """Prefills queued requests into the batch, as many as fit; returns those admitted."""
         new: list[ServedRequest] = []
         room = min(self.max_batch - len(self.running), self.worker.cache.free_slots)
         while self.queue and len(new) < room:
@@ -226,7 +229,7 @@ class Scheduler:
             new.append(req)
         self.metrics.queued.set(len(self.queue))
         if not new:
-            return
+            return []
         seqs = [r.seq for r in new]
         try:
             feats = await self.compute(self.worker.prefill, seqs)
@@ -238,7 +241,7 @@ class Scheduler:
                 self.worker.release(req.seq)
                 req.events.put_nowait(RoundEvent([], -1, self.tier.steps, "error"))
                 self.metrics.requests.labels("error").inc()
-            return
+            return []
         for req, f in zip(new, feats, strict=True):
             self.session.add(req.seq, f)
             self.running.append(req)
@@ -248,6 +251,7 @@ class Scheduler:
             if req.seq.finish_reason is not None:
                 self._finish(req, req.seq.finish_reason)
         self.metrics.running.set(len(self.running))
+        return new
 
     async def _admit_beside(self, flight: Flight[ServedRequest]) -> None:
         """Admits queued requests while `flight`'s draft works: they join the round after it.
@@ -257,10 +261,14 @@ class Scheduler:
         sampled, H100) a join cost the batch 23 ms against 10.9 ms without speculation.
         """
         t0, generation = time.perf_counter(), self.worker.cache.generation
-        await self._admit()
+        new = await self._admit()
         if self.worker.cache.generation != generation:  # a slot was taken (or freed)
-            flight.beside_s += time.perf_counter() - t0
             await self.round.replan(flight)  # the verify's plan named the old slots
+            joined = [r.seq for r in new if r in self.running]
+            if joined and self.handoff:
+                self.round_id += 1
+                await self.round.handoff(flight, self.round_id, joined)
+            flight.beside_s += time.perf_counter() - t0
 
     async def _start(self, batch: list[ServedRequest], admit_s: float) -> Flight[ServedRequest]:
         """Starts a round of `batch` at its tiers: its RoundRequest goes out."""

@@ -121,6 +121,7 @@ def _build_scheduler(
         threads=config.threads,
         device=config.device,
         pipeline=config.pipeline,
+        handoff=not config.no_prompt_handoff,
     )
     return scheduler, builder, ranks
 

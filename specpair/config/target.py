@@ -114,6 +114,12 @@ class TargetConfig(ModelServiceConfig):
                         "serves as rank 0 and starts the others (CPU, gloo; each rank takes "
                         "--threads)"),
     )  # fmt: skip
+    no_prompt_handoff: bool = field(
+        default=False,
+        metadata=option("send a joining request's prompt (and its features) to the draft in "
+                        "its first round, instead of beside the round it joins during "
+                        "(measuring; the hand-off keeps it off the round's path)"),
+    )  # fmt: skip
     deterministic: bool = field(
         default=False,
         metadata=option("the batch-invariant mode (CUDA): a request's tokens do not depend on "

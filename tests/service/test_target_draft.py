@@ -150,7 +150,8 @@ async def test_apply_tier_between_rounds_without_builds(ckpts, make_stack) -> No
 
     await stack.wait_draft_connected()
     before = builds()
-    assert before[0] == before[1] == 3  # one state per candidate tier, at start-up
+    # one state per candidate tier, at start-up (the draft's tier 0 too: prompt hand-offs)
+    assert before == (3, 4)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stack.stub.ApplyTier(target_pb2.ApplyTierRequest(speculative_num_steps=4))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

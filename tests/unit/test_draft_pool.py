@@ -13,7 +13,7 @@ from specpair.runtime.round import RoundRequest, RoundResponse, StageTimings
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.target.session import DraftSession
 from specpair.runtime.target.worker import TargetSequence
-from specpair.runtime.tree import CandidateTree
+from specpair.runtime.tree import EMPTY_TREE, CandidateTree
 from target_service.draft_merge import slowest
 from target_service.draft_pool import DraftPool
 from target_service.draft_resolve import is_name, resolve
@@ -57,9 +57,10 @@ class FakeLink:
     async def receive(self, round_id: int, epoch: int) -> RoundResponse | None:
         if self.fail or not self.connected or epoch != self.epoch:
             return None
-        request = self.sent[-1]
+        request = next(r for r in reversed(self.sent) if r.round_id == round_id)
         ids = [i.request_id for i in request.inputs if i.request_id not in self.refuse]
-        trees = {rid: CandidateTree((7,), (-1,)) for rid in ids}
+        tree = CandidateTree((7,), (-1,)) if request.speculative_num_steps else EMPTY_TREE
+        trees = {rid: tree for rid in ids}  # tier 0 (a hand-off): extended, nothing drafted
         refused = {rid: "RESOURCE_EXHAUSTED: max_target_requests" for rid in self.refuse}
         timings = StageTimings(draft_ms=float(len(ids)), total_ms=float(len(ids)))
         return RoundResponse(round_id, trees, timings, refused=refused)
@@ -129,6 +130,36 @@ def test_a_round_is_split_by_home_and_the_answers_merged() -> None:
         await pool.receive(2, await pool.send(req) or 0)
         assert a.sent[1].released_request_ids == ()
         assert b.sent[1].released_request_ids == ("r1",) and not b.sent[1].inputs
+
+    asyncio.run(run())
+
+
+def test_a_handoff_behind_a_round_is_answered_after_it_on_each_replica() -> None:
+    """Two sends out at once (a round, then the hand-off of a request that joined beside it):
+    each `receive` gets its own send's answers, merged over the replicas it went to."""
+
+    async def run() -> None:
+        pool, links = await pool_of("10.0.0.1:1", "10.0.0.2:1")
+        a, b = links["10.0.0.1:1"], links["10.0.0.2:1"]
+        session = DraftSession(vocab_size=16)
+        running, joiner = [seq("r0"), seq("r1")], seq("r2")
+        for s in (*running, joiner):
+            s.output.append(4)
+            session.add(s, None)
+        req = request(pool, session, running, 1)
+        sent = await pool.send(req)
+        handoff = session.handoff(2, [joiner], epoch=pool.epochs([joiner]))
+        assert handoff is not None
+        handed = await pool.send(handoff)
+        assert sent is not None and handed is not None and handed != sent
+        assert [r.round_id for r in a.sent] == [1, 2] and [r.round_id for r in b.sent] == [1]
+        response = await pool.receive(1, sent)
+        assert response is not None and set(response.trees) == {"r0", "r1"}
+        answer = await pool.receive(2, handed)
+        assert answer is not None and set(answer.trees) == {"r2"}
+        assert not session.drafts(handoff, answer).fallbacks
+        (item,) = session.request(3, [joiner], 3, epoch=pool.epochs([joiner])).inputs
+        assert item.appended == (4,)  # the prompt went with the hand-off
 
     asyncio.run(run())
 

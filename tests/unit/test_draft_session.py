@@ -164,3 +164,38 @@ def test_predrafts_are_checked_and_only_the_actual_outcome_is_used() -> None:
     (third,) = session.request(3, [seq], 3, predrafted=ahead.take).inputs
     assert not third.predrafted and third.appended == (5, 6, 7, 8, 9, 4, 2, 30, 31, 32, 6)
     assert ahead.misses == 0  # nothing was pre-drafted for this round: not a miss
+
+
+def test_a_handed_off_prompt_leaves_the_first_round_one_token() -> None:
+    """The worked example of `DraftSession.handoff`: the prompt and the rows that predicted its
+    tokens go at tier 0; the first round appends the first output token with the last row."""
+    session = DraftSession(vocab_size=50)
+    seq, seen, short = joined([5, 6, 7], 8), joined([1, 2], 3, "b"), joined([4], 9, "c")
+    for s in (seq, seen, short):
+        session.add(s, rows(0, len(s.prompt)))
+    request = session.request(1, [seen], 1, epoch=1, features=True)
+    session.drafts(request, RoundResponse(1, {"b": chain([4])}))  # b's prompt is held
+    handoff = session.handoff(2, [seq, seen, short], epoch=1, features=True)
+    assert handoff is not None and handoff.speculative_num_steps == 0
+    (item,) = handoff.inputs  # b was seen; c's prompt of one token has no row to send
+    assert item.request_id == "a" and item.appended == (5, 6, 7)
+    assert item.features is not None and item.features[:, 0].tolist() == [0, 1]
+    drafts = session.drafts(handoff, RoundResponse(2, {"a": EMPTY_TREE}))
+    assert not drafts.fallbacks
+    (item,) = session.request(3, [seq], 3, epoch=1, features=True).inputs
+    assert item.appended == (8,)
+    assert item.features is not None and item.features[:, 0].tolist() == [2]
+    assert session.handoff(4, [seq], epoch=1) is None  # nothing left to hand off
+
+
+def test_a_refused_handoff_sends_the_whole_prompt_in_the_first_round() -> None:
+    session = DraftSession(vocab_size=50)
+    seq = joined([5, 6, 7], 8)
+    session.add(seq, None)
+    handoff = session.handoff(1, [seq], epoch=1)
+    assert handoff is not None
+    session.drafts(handoff, RoundResponse(1, refused={"a": "RESOURCE_EXHAUSTED: no slot"}))
+    (item,) = session.request(2, [seq], 3, epoch=1).inputs
+    assert item.appended == (5, 6, 7, 8)
+    handoff = session.handoff(3, [seq], epoch=2)  # a new stream: the draft holds nothing
+    assert handoff is not None and handoff.inputs[0].appended == (5, 6, 7)

@@ -57,6 +57,10 @@ class Flight(Generic[B]):
     sent: float = 0.0  # perf_counter once the request is out (the start, without one)
     verified: float = 0.0  # perf_counter after the verify
     wait_s: float = 0.0  # the target waited for the draft's messages
+    # prompts of requests admitted beside it, sent after it (`TargetRound.handoff`): the
+    # request, and what `send` returned for `receive`
+    handoff: tuple[RoundRequest, int] | None = None
+    handoff_s: float = 0.0  # waiting for the hand-off's answer, after the verify
 
 
 class Batcher(Protocol[B]):
@@ -143,6 +147,8 @@ class TargetRound(Generic[B]):
             self.session.verified(seq, res.features)  # EAGLE: the committed rows' features
         if ahead is not None and flight.request is not None and flight.epoch is not None:
             await self._after_verify(flight, ahead, flight.request, flight.epoch)
+        if flight.handoff is not None:  # its answer follows the round's own on the stream
+            await self._handoff_answer(flight, *flight.handoff)
         following = await batcher.next_round(flight)  # out before this one streams
         drafted = []  # the requests verified with drafts (the rest decoded plainly)
         for i, (item, tree, res) in enumerate(zip(flight.batch, trees, results, strict=True)):
@@ -179,6 +185,33 @@ class TargetRound(Generic[B]):
             drafts = self.session.drafts(request, response, hits)
         self._count(drafts.fallbacks)
         return drafts
+
+    async def handoff(self, flight: Flight[B], round_id: int, seqs: list[TargetSequence]) -> None:
+        """Sends the draft the prompts of `seqs`, admitted while `flight`'s draft works
+        (`DraftSession.handoff`), behind `flight`'s request on the same streams: the draft
+        extends them while this target verifies `flight`, where their first round would
+        otherwise carry them (a join's whole prompt and its features on the round's path).
+        `run` reads the answer after `flight`'s own."""
+        draft = self.draft
+        if draft is None or not draft.connected or flight.epoch is None or flight.handoff:
+            return
+        request = self.session.handoff(
+            round_id, seqs, epoch=draft.epochs(seqs), features=draft.features
+        )
+        if request is None:
+            return
+        sent = await draft.send(request)
+        if sent is not None:
+            flight.handoff = (request, sent)
+
+    async def _handoff_answer(self, flight: Flight[B], request: RoundRequest, sent: int) -> None:
+        """The hand-off's answer: each prompt the draft took counts as seen; a refused or lost
+        one is sent whole in its first round, as without a hand-off."""
+        assert self.draft is not None
+        t0 = time.perf_counter()
+        response = await self.draft.receive(request.round_id, sent)
+        flight.handoff_s += time.perf_counter() - t0
+        self._count(self.session.drafts(request, response).fallbacks)
 
     async def _after_verify(
         self, flight: Flight[B], ahead: Ahead, request: RoundRequest, epoch: int
@@ -234,11 +267,11 @@ def round_stats(
         verify_ms=1e3 * verify_s,
         verify_gpu_ms=verify_gpu_ms,
         rpc_ms=max(rpc_ms, 0.0) if drafts.speculative else 0.0,
-        schedule_ms=1e3 * max(total_s - rtt_s - verify_s - flight.admit_s, 0.0),
+        schedule_ms=1e3 * max(total_s - rtt_s - verify_s - flight.admit_s - flight.handoff_s, 0),
         total_ms=1e3 * total_s,
         wait_ms=1e3 * flight.wait_s,
         predraft_ms=ahead.predraft_ms if ahead is not None else 0.0,
-        admit_ms=1e3 * (flight.admit_s + flight.beside_s),
+        admit_ms=1e3 * (flight.admit_s + flight.beside_s + flight.handoff_s),
     )
     drafted_ids = tuple(seqs[i].request_id for i in drafted)
     plain = set(range(len(seqs))).difference(drafted)

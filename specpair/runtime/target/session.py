@@ -5,6 +5,7 @@ is worth verifying. The target's round (`round.py`: the target service, the in-p
 and the GPU benchmarks alike) drives it:
 
     session.add(seq, prefill_features)              # a prefilled request joins
+    handoff = session.handoff(round_id, new_seqs)    # its prompt, ahead of its first round
     request = session.request(round_id, seqs, tier)  # RoundRequest: each one's new tokens
     drafts = session.drafts(request, response)       # checked trees, aligned with the batch
     ... verify + accept ...
@@ -163,6 +164,35 @@ class DraftSession:
         self._released.clear()
         pipelined = predrafted is not None and bool(inputs)
         return RoundRequest(round_id, tier, tuple(inputs), released, pipelined, shape)
+
+    def handoff(
+        self,
+        round_id: int,
+        seqs: Sequence[TargetSequence],
+        *,
+        epoch: int | Mapping[str, int] = 0,
+        features: bool = False,
+    ) -> RoundRequest | None:
+        """The prompts of `seqs` the draft has not seen, handed over ahead of their first round
+        (a round at tier 0: the draft only extends, and answers with empty chains); None when
+        there are none. The first output token stays for the first round, which then appends
+        one token, as any later round does, instead of the whole prompt.
+
+        Worked example: prompt [5, 6, 7], output [8] (pending), nothing seen → appended
+        (5, 6, 7) with the 2 feature rows that predicted 6, 7; the draft answers, seen = 3; the
+        first round appends (8,) with the row of 7.
+        """
+        inputs = []
+        for seq in seqs:
+            view = self.views.get(seq.request_id)
+            stream = epoch if isinstance(epoch, int) else epoch.get(seq.request_id, -1)
+            if view is None or (view.seen and view.epoch == stream) or len(seq.prompt) < 2:
+                continue
+            view.seen, view.epoch = 0, stream
+            prompt = tuple(seq.prompt)
+            rows = view.features.since(-1)[: len(prompt) - 1] if features else None
+            inputs.append(DraftInput(seq.request_id, prompt, seq.sampling, rows))
+        return RoundRequest(round_id, 0, tuple(inputs)) if inputs else None
 
     def releases(self, round_id: int) -> RoundRequest | None:
         """A request that only frees state (when no round follows), or None: nothing to free."""
