@@ -440,3 +440,39 @@ async def test_metrics_endpoint_exports_the_serving_metrics(ckpts, make_stack) -
         "specpair_target_queued_requests",
     ):
         assert name in body, name
+
+
+@pytest.mark.parametrize("handoff", [True, False])
+async def test_a_request_joining_beside_a_round_has_its_prompt_handed_off(
+    ckpts, make_stack, handoff: bool
+) -> None:
+    """An EAGLE request that joins while another's round is out to the draft: its prompt and
+    features reach the draft at tier 0 right behind that round, and its first round appends
+    one token (`--no-prompt-handoff`: the whole prompt goes with its first round). Its tokens
+    are the target alone's either way."""
+    stack = await make_stack(
+        draft_config(ckpts["eagle"], draft_kind="eagle", target_path=ckpts["target"]),
+        replace(target_config(ckpts["target"]), no_prompt_handoff=not handoff),
+    )
+    rounds = stack.draft.servicer.rounds
+    seen: list[tuple[int, str, int]] = []  # (tier, request id, tokens appended) per input
+    draft = rounds.draft
+
+    def recording(stream_id: str, request: Any) -> Any:
+        tier = request.speculative_num_steps
+        seen.extend((tier, i.request_id, len(i.appended)) for i in request.inputs)
+        return draft(stream_id, request)
+
+    rounds.draft = recording
+    long, joiner = PROMPTS[1], PROMPTS[3]
+    first = asyncio.create_task(stack.generate(prompt_token_ids=long, max_tokens=MAX_TOKENS))
+    await eventually(lambda: len(seen) >= 2)  # the first request is decoding
+    tokens, _ = await stack.generate(prompt_token_ids=joiner, max_tokens=MAX_TOKENS)
+    await first
+    assert tokens == reference_greedy(ckpts["target"], [joiner], MAX_TOKENS)[0]
+    (rid,) = {r for _, r, _ in seen} - {seen[0][1]}  # the joiner's id
+    mine = [(tier, n) for tier, r, n in seen if r == rid]
+    if handoff:
+        assert mine[:2] == [(0, len(joiner)), (3, 1)]  # the prompt, then its first token
+    else:
+        assert mine[0] == (3, len(joiner) + 1) and all(tier for tier, _ in mine)
