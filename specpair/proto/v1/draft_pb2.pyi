@@ -90,6 +90,8 @@ class RoundRequest(_message.Message):
     speculative_num_steps: _builtins.int
     """The tier for this round; the draft switches to its pre-built state before drafting. With
     per-request tiers, the largest of its inputs' (a request at tier 0 is not sent at all).
+    0 with inputs: a prompt hand-off, each input's prompt (and its features) extended and
+    nothing drafted, answered with empty trees; every draft serves it, whatever its tiers.
     """
     predraft: _builtins.bool
     """Pipelined: a request with inputs and predraft set gets two responses. The first carries
