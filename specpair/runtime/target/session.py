@@ -144,10 +144,7 @@ class DraftSession:
             if own == 0:
                 continue
             view = self.views[seq.request_id]
-            stream = epoch if isinstance(epoch, int) else epoch[seq.request_id]
-            renewed = view.epoch != stream
-            if renewed:  # a new stream: the draft re-prefills from scratch
-                view.seen, view.epoch = 0, stream
+            renewed = self._renew(view, epoch)
             seen, prompt = view.seen, len(seq.prompt)
             if seen >= prompt:
                 appended = tuple(seq.output[seen - prompt :])
@@ -185,14 +182,25 @@ class DraftSession:
         inputs = []
         for seq in seqs:
             view = self.views.get(seq.request_id)
-            stream = epoch if isinstance(epoch, int) else epoch.get(seq.request_id, -1)
-            if view is None or (view.seen and view.epoch == stream) or len(seq.prompt) < 2:
+            if view is None:
                 continue
-            view.seen, view.epoch = 0, stream
+            self._renew(view, epoch)
+            if view.seen or len(seq.prompt) < 2:
+                continue
             prompt = tuple(seq.prompt)
             rows = view.features.since(-1)[: len(prompt) - 1] if features else None
             inputs.append(DraftInput(seq.request_id, prompt, seq.sampling, rows))
         return RoundRequest(round_id, 0, tuple(inputs)) if inputs else None
+
+    @staticmethod
+    def _renew(view: DraftView, epoch: int | Mapping[str, int]) -> bool:
+        """Puts `view` on its draft stream `epoch` (or its own, by request id); True when that
+        is a new stream, which holds nothing of the request: it is re-sent from scratch."""
+        stream = epoch if isinstance(epoch, int) else epoch[view.seq.request_id]
+        if view.epoch == stream:
+            return False
+        view.seen, view.epoch = 0, stream
+        return True
 
     def releases(self, round_id: int) -> RoundRequest | None:
         """A request that only frees state (when no round follows), or None: nothing to free."""
