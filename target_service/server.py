@@ -115,6 +115,7 @@ def _build_scheduler(
         initial_tier=config.initial_tier,
         max_batch=config.max_batch,
         max_queue=config.max_queue,
+        join_group=config.joins,
         max_watchers=config.max_watchers,
         draft=None,
         metrics=metrics,

@@ -50,6 +50,12 @@ class TargetConfig(ModelServiceConfig):
     )  # fmt: skip
     max_batch: int = field(default=16, metadata=option("requests decoded together"))
     max_queue: int = field(default=256, metadata=option("requests waiting beyond the batch"))
+    join_group: int = field(
+        default=0,
+        metadata=option("while more requests wait than the batch has room for, admit them "
+                        "this many at a time (each admission's prefill reads every weight); "
+                        "0: max_batch / 8, at least 1; 1: as soon as a request leaves"),
+    )  # fmt: skip
     draft_timeout_s: float = field(
         default=5.0,
         metadata=option("seconds per round; a round whose drafts come later is decoded "
@@ -169,6 +175,10 @@ class TargetConfig(ModelServiceConfig):
         for name in ("max_batch", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if not 0 <= self.join_group <= self.max_batch:
+            raise ValueError(
+                f"join_group must be in [0, max_batch = {self.max_batch}], got {self.join_group}"
+            )
         if not 0 < self.reconnect_min_s <= self.reconnect_max_s:
             raise ValueError("need 0 < reconnect_min_s <= reconnect_max_s")
         object.__setattr__(self, "pipeline", PipelineMode(self.pipeline))
@@ -188,6 +198,11 @@ class TargetConfig(ModelServiceConfig):
             if self.initial_shape
             else TreeShape(self.initial_steps)
         )
+
+    @property
+    def joins(self) -> int:
+        """`join_group` resolved: 0 → max_batch / 8 (batch 64: 8), at least 1."""
+        return self.join_group or max(1, self.max_batch // 8)
 
     @property
     def draft_addresses(self) -> tuple[str, ...]:

@@ -215,3 +215,49 @@ async def test_a_request_joins_beside_a_round_out_to_the_draft(tmp_path: Path) -
     while reference.finish_reason is None:
         alone.verify([reference], [EMPTY_TREE], None)
     assert joined == reference.output
+
+
+def prefill_sizes(scheduler: Scheduler) -> list[int]:
+    """Records how many prompts each of `scheduler`'s prefills takes."""
+    sizes: list[int] = []
+    prefill = scheduler.worker.prefill
+
+    def recording(seqs: list[TargetSequence]) -> list[object]:
+        sizes.append(len(seqs))
+        return prefill(seqs)  # type: ignore[return-value]
+
+    scheduler.worker.prefill = recording  # type: ignore[method-assign]
+    return sizes
+
+
+async def joins_under_load(tmp_path: Path, join_group: int) -> list[int]:
+    """Seven requests through a batch of 4 (they leave after 2, 4, 6, … tokens): the size of
+    each prefill."""
+    worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=4, max_len=96)
+    scheduler = Scheduler(
+        worker, build_states([TreeShape(1)], worker), initial_tier=TreeShape(1),
+        max_batch=4, max_queue=8, join_group=join_group, draft=None,
+        metrics=ServiceMetrics("target"),
+    )  # fmt: skip
+    sizes = prefill_sizes(scheduler)
+    served = [
+        ServedRequest(TargetSequence(f"r{i}", [5, 6, 7 + i], SamplingParams(), 2 * i + 2))
+        for i in range(7)
+    ]
+    for request in served:
+        scheduler.submit(request)
+    task = asyncio.create_task(scheduler.run())
+    for request in served:
+        while (await asyncio.wait_for(request.events.get(), 10)).finish_reason is None:
+            pass
+    task.cancel()
+    assert all(len(r.seq.output) == r.seq.max_new_tokens for r in served)
+    return sizes
+
+
+async def test_under_load_requests_join_a_group_at_a_time(tmp_path: Path) -> None:
+    """With more requests waiting than the batch has room for, joins wait for `join_group`
+    free places (one prefill for two prompts); the last one, alone in the queue, joins as soon
+    as a place frees. With a group of 1 each joins as its place frees."""
+    assert await joins_under_load(tmp_path, join_group=2) == [4, 2, 1]
+    assert await joins_under_load(tmp_path, join_group=1) == [4, 1, 1, 1]

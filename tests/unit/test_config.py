@@ -109,3 +109,14 @@ def test_several_drafts_and_several_targets_are_comma_lists() -> None:
     assert controller.targets == ("a:1", "b:2", "c:3")
     with pytest.raises(ValueError, match="appears twice"):
         ControllerConfig(server, targets=("a:1,a:1",))
+
+
+def test_join_group_defaults_to_an_eighth_of_the_batch_and_is_checked() -> None:
+    def config(**kw: int) -> TargetConfig:
+        return TargetConfig(ServerConfig("127.0.0.1:0"), Path("m"), **kw)  # type: ignore[arg-type]
+
+    assert [config(max_batch=b).joins for b in (1, 8, 16, 64)] == [1, 1, 2, 8]
+    assert config(max_batch=64, join_group=1).joins == 1
+    for bad in (-1, 17):
+        with pytest.raises(ValueError, match="join_group"):
+            config(join_group=bad)
