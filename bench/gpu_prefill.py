@@ -1,10 +1,12 @@
-"""What admitting requests costs: the target's prefill time by prompts per call.
+"""What admitting requests costs: the target's prefill time by prompts per call, eager and in
+the prefill graphs (`specpair/runtime/gpu/prefill_graphs.py`).
 
-A prefill reads every weight once however few its prompts, so admitting requests one or two at
-a time (as they leave a drafted batch) costs more per prompt than admitting them in groups
-(`--join-group`). The grown pair's target (`bench.gpu_speedup`'s `grown_pair`), the held-out
-code prompts (96–128 tokens), EAGLE features kept as a service keeps them; median of `--iters`
-timed calls after a warm-up.
+A prefill reads every weight once however few its prompts, and eagerly a small one is bound by
+its kernel launches, so admitting requests one or two at a time (as they leave a drafted batch)
+costs more per prompt than admitting them in groups (`--join-group`). The grown pair's target
+(`bench.gpu_speedup`'s `grown_pair`), the held-out code prompts (96–128 tokens), EAGLE features
+kept as a service keeps them; median of `--iters` timed calls after a warm-up, eager and graphed
+side by side on one worker.
 
     python -m bench.gpu_prefill [--groups 1 2 4 8 16 64] [--out FILE.json]
 """
@@ -22,7 +24,7 @@ from bench.acceptance import code_prompts
 from bench.common import device_info, format_table, write_json
 from bench.gpu_common import median
 from bench.gpu_speedup import add_pair_args, bench_pair
-from specpair.runtime.build import build_target
+from specpair.runtime.build import StateBuilder, build_target
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.target.worker import TargetSequence
 
@@ -56,15 +58,25 @@ def main() -> None:
             worker.release(seq)
         return seconds
 
-    rows, cells = [], []
-    for n in args.groups:
+    def timed(n: int) -> float:
         for _ in range(2):
             prefill(n)
-        ms = median([1e3 * prefill(n) for _ in range(args.iters)])
-        cells.append({"prompts": n, "ms": ms, "ms_per_prompt": ms / n})
-        rows.append([str(n), f"{ms:.2f}", f"{ms / n:.2f}"])
+        return median([1e3 * prefill(n) for _ in range(args.iters)])
+
+    eager = {n: timed(n) for n in args.groups}
+    if args.device.startswith("cuda"):
+        StateBuilder(worker)  # captures the prefill graphs
+    graphed = {n: timed(n) for n in args.groups} if worker.prefill_graphs is not None else {}
+    rows, cells = [], []
+    for n in args.groups:
+        g = graphed.get(n)
+        cells.append({"prompts": n, "eager_ms": eager[n], "graph_ms": g})
+        rows.append([str(n), f"{eager[n]:.2f}", f"{eager[n] / n:.2f}"] + (
+            [f"{g:.2f}", f"{g / n:.2f}", f"{eager[n] / g:.2f}"] if g is not None else ["-"] * 3
+        ))  # fmt: skip
     write_json(args.out, {"device": device_info(), "target": str(target), "cells": cells})
-    print(format_table(["prompts a call", "prefill ms", "ms a prompt"], rows))
+    headers = ["prompts a call", "eager ms", "a prompt", "graph ms", "a prompt", "eager/graph"]
+    print(format_table(headers, rows))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from specpair.runtime.draft.drafters import EagleDrafter, LMDrafter
 from specpair.runtime.draft.eager import EagerDraft, EagerExtend
 from specpair.runtime.gpu.capture import GraphCapture
 from specpair.runtime.gpu.draft_graphs import DraftGraphs
+from specpair.runtime.gpu.prefill_graphs import PrefillGraphs
 from specpair.runtime.gpu.tree_graphs import tree_stages
 from specpair.runtime.gpu.verify_graphs import VerifyGraphs
 from specpair.runtime.kv_cache import KVCache
@@ -183,6 +184,10 @@ class StateBuilder:
         if target is not None and target.cache.device.type == "cuda":
             slots = len(target.cache.lengths)
             self.target_graphs = GraphCapture(target.cache, slots, "target", buckets)
+            if not target.deterministic and PrefillGraphs.serves(target.model):
+                target.prefill_graphs = PrefillGraphs(
+                    self.target_graphs, target.model, target.feature_layers
+                )
         if drafter is not None and drafter.cache.device.type == "cuda":
             slots = len(drafter.cache.lengths)
             capture = GraphCapture(drafter.cache, slots, "draft", buckets)

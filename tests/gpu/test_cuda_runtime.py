@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import Tensor
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
@@ -296,6 +297,35 @@ def test_graph_replay_equals_eager(gpu_ckpts: dict[str, Path]) -> None:
     err = (logits["triton"] - eager).norm() / eager.norm()
     assert err < 2e-2, f"relative error {err:.3g}"
     assert (logits["triton"].argmax(-1) == eager.argmax(-1)).float().mean() >= 0.9
+
+
+def test_prefill_graphs_give_the_eager_prefill(gpu_ckpts: dict[str, Path]) -> None:
+    """Three prompts (3, 50 and 1 tokens) prefill in the graph of bucket (4, 128): the first
+    tokens of the eager forward and its EAGLE-3 features (three layers' outputs) up to bf16
+    accumulation order; the KV they leave serves the next forward alike."""
+    worker = target(gpu_ckpts["target4"], draft=gpu_ckpts["eagle3"])
+    StateBuilder(worker)  # captures the prefill graphs
+    graphs = worker.prefill_graphs
+    assert graphs is not None and graphs.bucket(3, 50) == (4, 128)
+    assert graphs.bucket(5, 10) is None and graphs.bucket(1, 257) is None
+
+    def prefill() -> tuple[list[list[int]], list[Tensor]]:
+        seqs = [TargetSequence(f"r{i}", p, SamplingParams(), 8) for i, p in enumerate(PROMPTS[:3])]
+        features = worker.prefill(seqs)
+        worker.verify(seqs, [chain([])] * 3, None)  # a plain step over the new KV
+        for seq in seqs:
+            worker.release(seq)
+        assert all(f is not None for f in features)
+        return [s.output[:2] for s in seqs], [f for f in features if f is not None]
+
+    tokens, features = prefill()
+    assert graphs.replays == 1
+    worker.prefill_graphs = None
+    eager_tokens, eager_features = prefill()
+    assert tokens == eager_tokens
+    for got, want in zip(features, eager_features, strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_plans_made_ahead_give_the_same_rounds(gpu_ckpts: dict[str, Path]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -31,6 +32,9 @@ from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.target.accepting import accept_batch, uniforms
 from specpair.runtime.target.verify import EagerVerify
 from specpair.runtime.tree import CandidateTree, full_parents, tree_depths, tree_mask
+
+if TYPE_CHECKING:
+    from specpair.runtime.gpu.prefill_graphs import PrefillGraphs
 
 
 @dataclass
@@ -117,6 +121,8 @@ class TargetWorker:
         self.device = model.lm_head.weight.device
         # the verify of plain decoding (no state)
         self.plain = EagerVerify(model, cache, feature_layers)
+        # small prefills in CUDA graphs (`gpu/prefill_graphs.py`), set by `StateBuilder` on a GPU
+        self.prefill_graphs: PrefillGraphs | None = None
         self.last_gpu_ms = 0.0  # GPU time of the last verify's graph replays (0: none ran)
         self.accept_paths: Counter[str] = Counter()  # verifies by `accepting.ACCEPT_PATHS`
         self.last_accept = ""  # the last verify's
@@ -145,10 +151,18 @@ class TargetWorker:
         tokens = torch.zeros(len(seqs), t, dtype=torch.long)
         for b, seq in enumerate(seqs):
             tokens[b, : lengths[b]] = torch.tensor(seq.prompt)
-        positions = torch.arange(t).expand(len(seqs), t)
-        hidden, feats = self._forward(tokens, positions, layout)
-        last = hidden[torch.arange(len(seqs)), torch.tensor(lengths) - 1]
-        logits = self.model.logits(last)
+        graphed = (
+            None
+            if self.prefill_graphs is None
+            else self.prefill_graphs.run(layout, tokens, lengths)
+        )
+        if graphed is not None:
+            feats, logits = graphed
+        else:
+            positions = torch.arange(t).expand(len(seqs), t)
+            hidden, feats = self._forward(tokens, positions, layout)
+            last = hidden[torch.arange(len(seqs)), torch.tensor(lengths) - 1]
+            logits = self.model.logits(last)
         if self.deterministic:  # a row at a time: the batched warp and draw are batch-shaped
             first = [self._choose([s], logits[b : b + 1])[0] for b, s in enumerate(seqs)]
         else:
