@@ -106,7 +106,11 @@ async def test_switching_between_chains_and_trees_mid_generation(ckpts, make_sta
 
     async def switch() -> None:
         for _, steps, shape in plan:
-            await asyncio.sleep(0.3)
+            # a few rounds at each tier, however fast the machine (a fixed sleep outlasted the
+            # whole generation on a fast one)
+            seen = len(rounds)
+            while len(rounds) < seen + 3:
+                await asyncio.sleep(0.002)
             answer = await stack.stub.ApplyTier(
                 target_pb2.ApplyTierRequest(speculative_num_steps=steps, shape=shape)
             )
@@ -116,7 +120,7 @@ async def test_switching_between_chains_and_trees_mid_generation(ckpts, make_sta
     outputs = await asyncio.gather(
         *(stack.generate(prompt_token_ids=p, max_tokens=64) for p in PROMPTS)
     )
-    await switching
+    await asyncio.wait_for(switching, 5)  # every switch landed while the requests decoded
     task.cancel()
     expected = reference_greedy(ckpts["target"], PROMPTS, 64)
     assert [t for t, _ in outputs] == expected
