@@ -156,8 +156,8 @@ class TargetWorker:
             if self.prefill_graphs is None
             else self.prefill_graphs.run(layout, tokens, lengths)
         )
-        if graphed is not None:
-            feats, logits = graphed
+        if graphed is not None:  # padded to the graph's bucket: [B', T', F] and [B', V]
+            feats, logits = graphed[0], graphed[1][: len(seqs)]
         else:
             positions = torch.arange(t).expand(len(seqs), t)
             hidden, feats = self._forward(tokens, positions, layout)
@@ -167,11 +167,12 @@ class TargetWorker:
             first = [self._choose([s], logits[b : b + 1])[0] for b, s in enumerate(seqs)]
         else:
             first = self._choose(seqs, logits)
-        features: list[Tensor | None] = []
         for b, seq in enumerate(seqs):
             self.cache.commit(seq.slot, 0, range(lengths[b]))
             seq.append([first[b]])
-            features.append(feats[b, : lengths[b]].cpu() if self.keep_features else None)
+        if not self.keep_features:
+            return [None] * len(seqs)
+        features: list[Tensor | None] = [*kept_rows(feats, [range(n) for n in lengths])]
         return features
 
     @torch.inference_mode()
