@@ -224,9 +224,9 @@ class Scheduler:
         room = min(self.max_batch - len(self.running), self.worker.cache.free_slots)
         if self.running and room < min(self.join_group, len(self.queue)):
             # Under load, requests join `join_group` at a time: a prefill reads every weight
-            # however few its prompts (an 8B's 16 GB, 5.4 ms on an H100), and where requests
-            # leave a batch of 64 one or two a round, each admission held the round ~13 ms.
-            # Room grows as running requests finish, so this waits at most until it fits.
+            # however few its prompts (an 8B's on an H100: 1 prompt 8.9 ms, 4 in 14.3, in its
+            # graphs; bench/CHOICES.md), and it holds the whole batch. Room grows as running
+            # requests finish, so this waits at most until it fits.
             return []
         while self.queue and len(new) < room:
             req = self.queue.popleft()
