@@ -37,7 +37,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/out/gpu_prefill.json"))
     args = parser.parse_args()
     target, _ = bench_pair(args.shape, args.models_dir, args.draft_kind, args.device)
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    cuda = args.device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
     most = max(args.groups)
     worker = build_target(target, max_requests=most, max_len=512, keep_features=True,
                           dtype=dtype, device=args.device)  # fmt: skip
@@ -49,7 +50,7 @@ def main() -> None:
             TargetSequence(f"p{i}", prompts[i % len(prompts)], SamplingParams(), 4)
             for i in range(n)
         ]
-        if args.device.startswith("cuda"):
+        if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         worker.prefill(seqs)  # reads the first tokens and features back: synchronous
@@ -64,7 +65,7 @@ def main() -> None:
         return median([1e3 * prefill(n) for _ in range(args.iters)])
 
     eager = {n: timed(n) for n in args.groups}
-    if args.device.startswith("cuda"):
+    if cuda:
         StateBuilder(worker)  # captures the prefill graphs
     graphed = {n: timed(n) for n in args.groups} if worker.prefill_graphs is not None else {}
     rows, cells = [], []

@@ -184,7 +184,7 @@ class StateBuilder:
         if target is not None and target.cache.device.type == "cuda":
             slots = len(target.cache.lengths)
             self.target_graphs = GraphCapture(target.cache, slots, "target", buckets)
-            if not target.deterministic and PrefillGraphs.serves(target.model):
+            if not target.deterministic and target.cache.attention.flashinfer_serves:
                 target.prefill_graphs = PrefillGraphs(
                     self.target_graphs, target.model, target.feature_layers
                 )

@@ -172,15 +172,16 @@ class Backends:
         forward), else SDPA over gathered pages; request by request in the batch-invariant
         mode (`SoloAttention`)."""
         if self.invariant:
-            return SoloAttention(self._solo_backend, self._flashinfer_serves)
-        if not self._flashinfer_serves:
+            return SoloAttention(self._solo_backend, self.flashinfer_serves)
+        if not self.flashinfer_serves:
             return self._new_eager()
         if self._eager is None:
             self._eager = self._new_flashinfer()
         return self._eager
 
     @property
-    def _flashinfer_serves(self) -> bool:
+    def flashinfer_serves(self) -> bool:
+        """Whether flashinfer serves this cache: on CUDA, at one of its head sizes."""
         return self.device.type == "cuda" and self.heads[2] in FLASHINFER_HEAD_DIMS
 
     def _new_flashinfer(self) -> FlashInferAttention:
@@ -193,7 +194,7 @@ class Backends:
 
     def _new_eager(self) -> AttentionBackend:
         """A new eager backend: flashinfer where it serves the head size, else SDPA."""
-        if self._flashinfer_serves:
+        if self.flashinfer_serves:
             return self._new_flashinfer()
         return TorchAttention(self.heads, self.page_size, self.device)
 

@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from specpair.models.llama import LlamaModel
-from specpair.runtime.gpu.attention import FLASHINFER_HEAD_DIMS
 from specpair.runtime.gpu.capture import GraphCapture, StageGraph, pad2d, pad_layout
 from specpair.runtime.layout import BatchLayout
 
@@ -39,13 +38,13 @@ def prefill_graph(
     tokens: int,
     feature_layers: tuple[int, ...],
 ) -> StageGraph:
-    """Static `tokens`, `positions` [batch, tokens] and `last` [batch] (each prompt's last row)
-    in; out `features` [batch, tokens, F] (`LlamaModel.forward_aux`) and the last rows'
-    `logits` [batch, V]."""
+    """Static `tokens` [batch, tokens] and `last` [batch] (each prompt's last row) in; out
+    `features` [batch, tokens, F] (`LlamaModel.forward_aux`) and the last rows' `logits`
+    [batch, V]. Every prompt starts at position 0, so the positions are fixed in the graph."""
     dev = capture.cache.device
     inputs = {
         "tokens": torch.zeros(batch, tokens, dtype=torch.long, device=dev),
-        "positions": torch.zeros(batch, tokens, dtype=torch.long, device=dev),
+        "positions": torch.arange(tokens, device=dev).expand(batch, tokens).contiguous(),
         "last": torch.zeros(batch, dtype=torch.long, device=dev),
     }
     attn = capture.attention(batch, tokens)
@@ -62,7 +61,8 @@ def prefill_graph(
 
 class PrefillGraphs:
     """One graph per (batch, tokens) bucket: batch a bucket of `capture`'s up to MOST_PROMPTS,
-    tokens one of TOKENS within the cache, batch × tokens at most MOST_ROWS."""
+    tokens one of TOKENS within the cache, batch × tokens at most MOST_ROWS. Their attention is
+    flashinfer's (`Backends.flashinfer_serves`): TOKENS rows are past the Triton tree kernel's."""
 
     def __init__(
         self, capture: GraphCapture, model: LlamaModel, feature_layers: tuple[int, ...]
@@ -77,11 +77,6 @@ class PrefillGraphs:
             "prefill", lambda: {k: prefill_graph(capture, model, *k, feature_layers) for k in keys}
         )
         self.replays = 0
-
-    @staticmethod
-    def serves(model: LlamaModel) -> bool:
-        """Graphs of TOKENS rows attend through flashinfer, which serves these head sizes."""
-        return model.args.head_dim in FLASHINFER_HEAD_DIMS
 
     def bucket(self, batch: int, tokens: int) -> tuple[int, int] | None:
         """The smallest graph that holds `batch` prompts of up to `tokens`; None if none."""
@@ -100,7 +95,6 @@ class PrefillGraphs:
         g = self.graphs[key]
         g.attention[0].plan(pad_layout(layout, *key, self.capture.cache.pad_slot))
         g.load("tokens", pad2d(tokens, *key))
-        g.load("positions", torch.arange(key[1]).expand(*key))
         last = torch.zeros(key[0], dtype=torch.long)
         last[:b] = torch.tensor(lengths) - 1
         g.load("last", last)
