@@ -52,8 +52,8 @@ class BenchServices(ServiceGroup):
     alone, e.g. target on cuda:0 and draft on cuda:1; `max_len` and `candidate_steps` to both
     (None: the command's defaults). `link` is the target's wire to the draft: loopback "tcp" or
     a "unix" domain socket. `pipeline` ("on" | "off" | "auto"; None: the command's default)
-    goes to the target, and the draft pre-drafts unless it is "off"; each service sees its GPU
-    as `cuda` (`one_gpu`), so "auto" cannot tell two GPUs from one: say "on" or "off".
+    goes to the target, and the draft pre-drafts unless it is "off". Each service is given
+    its device as `specpair up` gives it (`--device cuda:1`), so "auto" sees two GPUs.
     `draft_options` / `target_options`: more flags for the draft / target service (e.g.
     ("--max-batch", "64")).
     """
@@ -93,8 +93,7 @@ class BenchServices(ServiceGroup):
             model += ("--busy-poll-ms", str(busy_poll_ms))
         # No HTTP API: benchmarks speak gRPC, and groups side by side must not share port 8000.
         env = {**os.environ, "SPECPAIR_HTTP_ADDRESS": ""}
-        draft_arg, draft_env = one_gpu(draft_device or device, env)
-        target_arg, target_env = one_gpu(device, env)
+        draft_arg, target_arg = draft_device or device, device
         pins = {name: frozenset(ids) for name, ids in (cpus or {}).items()}
         services = []
         draft_link: tuple[str, ...] = ("--no-draft",)
@@ -106,7 +105,7 @@ class BenchServices(ServiceGroup):
             if pipeline == "off":
                 draft_args += ("--pipeline", "off")
             draft_args += tuple(draft_options)
-            services.append(Service("draft", self.draft, draft_args, draft_env, pins.get("draft")))
+            services.append(Service("draft", self.draft, draft_args, env, pins.get("draft")))
             draft_link = ("--draft", self.draft)
         target_args = ("target", "--address", self.target, "--model", str(target),
                        *draft_link, "--initial-steps", str(initial_steps),
@@ -120,7 +119,7 @@ class BenchServices(ServiceGroup):
         ):
             target_args += ("--feature-layers", ",".join(map(str, layers)))  # an EAGLE-3 head's
         target_args += tuple(target_options)
-        services.append(Service("target", self.target, target_args, target_env, pins.get("target")))
+        services.append(Service("target", self.target, target_args, env, pins.get("target")))
         if policy is not None:
             policy_file = log_dir / "policy.json"
             policy_file.write_text(json.dumps(policy))
@@ -133,22 +132,6 @@ class BenchServices(ServiceGroup):
         super().stop()
         if self.socket_dir is not None:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
-
-
-def one_gpu(device: str, env: dict[str, str]) -> tuple[str, dict[str, str]]:
-    """(`--device`, environment) of a service on `device`: one on cuda:N sees GPU N alone, as
-    `cuda`, so streams, Triton launches and graph captures, which use the current device, land on
-    its GPU without a `torch.cuda.set_device` in the service."""
-    kind, _, index = device.partition(":")
-    if kind != "cuda" or not index:
-        return device, env
-    gpu = index
-    if visible := env.get("CUDA_VISIBLE_DEVICES"):  # cuda:N is the N-th of those
-        ids = visible.split(",")
-        if int(index) >= len(ids):
-            raise ValueError(f"{device}: CUDA_VISIBLE_DEVICES={visible!r} has no GPU {index}")
-        gpu = ids[int(index)]
-    return "cuda", {**env, "CUDA_VISIBLE_DEVICES": gpu}
 
 
 def wait_draft_connected(client: SpecpairClient, timeout_s: float = 300.0) -> None:

@@ -19,7 +19,7 @@ from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.models.loading import load_tokenizer, tokenizer_fingerprint
 from specpair.proto.v1 import draft_pb2, draft_pb2_grpc
-from specpair.serving import Compute, GrpcServer, busy_wait
+from specpair.serving import Compute, GrpcServer, busy_wait, on_device
 from specpair.wire import timings_into
 
 log = get_logger(__name__)
@@ -179,7 +179,7 @@ async def start(config: DraftConfig) -> RunningDraft:
     await server.start()
     log.info("draft service listening", address=config.server.address, port=server.port)
     try:
-        rounds = await asyncio.to_thread(DraftRounds, config)
+        rounds = await asyncio.to_thread(on_device(config.device, DraftRounds), config)
         fingerprint = await asyncio.to_thread(tokenizer_identity, config)
     except BaseException:
         await server.stop(0)  # on this loop: see target_service.server.start

@@ -45,6 +45,28 @@ def compute_executor(name: str, threads: int) -> ThreadPoolExecutor:
     )  # fmt: skip
 
 
+def bind_device(device: str) -> None:
+    """Makes `device` the calling thread's current CUDA device. Triton launches, CUDA graph
+    captures, the current stream and flashinfer's JIT all use the current device, not their
+    tensors': a draft given cuda:1 whose thread stays on cuda:0 launches its Triton kernels on
+    the wrong GPU ("Pointer argument cannot be accessed from Triton"). The current device is
+    per thread, so each thread that runs model work binds it (`Compute`, `on_device`)."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(torch.device(device))
+
+
+def on_device(device: str, fn: Callable[..., T]) -> Callable[..., T]:
+    """`fn` run with `device` bound in whatever thread calls it (`asyncio.to_thread` loads)."""
+
+    def bound(*args: Any, **kwargs: Any) -> T:
+        bind_device(device)
+        return fn(*args, **kwargs)
+
+    return bound
+
+
 class Compute:
     """Where a service runs its model compute, one call at a time.
 
@@ -62,6 +84,7 @@ class Compute:
             import torch
 
             torch.set_num_threads(threads)  # the loop thread's intra-op threads, as a worker's
+            bind_device(device)  # the loop thread launches every kernel of a round
 
     async def __call__(self, fn: Callable[..., T], *args: Any) -> T:
         if self.executor is None:

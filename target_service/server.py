@@ -129,7 +129,7 @@ def _build_scheduler(
 
 async def start(config: TargetConfig) -> RunningTarget:
     """Binds the port (health NOT_SERVING), loads the model and states, then SERVING."""
-    from specpair.serving import GrpcServer
+    from specpair.serving import GrpcServer, on_device
 
     server = GrpcServer(
         config.server,
@@ -178,7 +178,9 @@ async def start(config: TargetConfig) -> RunningTarget:
         loop.call_soon_threadsafe(exited, message)
 
     try:
-        built = await asyncio.to_thread(_build_scheduler, config, metrics, on_rank_exit)
+        built = await asyncio.to_thread(
+            on_device(config.device, _build_scheduler), config, metrics, on_rank_exit
+        )
         scheduler, servicer.builder, ranks = built
         frontend.tokenizer = await asyncio.to_thread(load_tokenizer, config.model_path)
         if config.eos_stop:

@@ -15,6 +15,7 @@ import pytest
 
 from specpair.config import PipelineMode
 from specpair.proto.v1 import common_pb2, target_pb2
+from specpair.runtime.target.pipeline import PipelineChoice
 from tests.service.conftest import draft_config, eventually, reference_greedy, target_config
 from tests.service.test_tiers import generate_switching, watch
 
@@ -162,3 +163,27 @@ async def test_auto_pipelines_only_across_devices(ckpts, make_stack) -> None:
     assert not scheduler.pipelining  # both on the CPU
     scheduler.draft.links[0].draft_device = "cuda:1"
     assert scheduler.pipelining
+
+
+async def test_auto_across_devices_measures_both_ways_in_blocks_and_stays_lossless(
+    ckpts, make_stack, monkeypatch
+) -> None:
+    """Under auto with the draft on another device, rounds go out sequential, then pipelined,
+    a probe of each, then the faster way; switching between them mid-request loses nothing."""
+    monkeypatch.setattr(PipelineChoice, "PROBE", 3)
+    monkeypatch.setattr(PipelineChoice, "EXPLOIT", 4)
+    stack = await pipelined_stack(ckpts, make_stack, "model")
+    scheduler = stack.target.servicer.scheduler
+    scheduler.pipeline = PipelineMode.AUTO
+    scheduler.draft.links[0].draft_device = "cuda:1"
+    rounds, watcher = await watch(stack)
+    tokens, _ = await stack.generate(prompt_token_ids=PROMPTS[1], max_tokens=90)
+    assert tokens == reference_greedy(ckpts["target"], PROMPTS[1:2], 90)[0]
+    await asyncio.sleep(0.2)
+    watcher.cancel()
+    modes = [r.pipelined for _, r in sorted(rounds.items()) if r.speculative]
+    assert modes[:6] == [False] * 3 + [True] * 3
+    assert len(modes) > 10 and modes[6:10] in ([True] * 4, [False] * 4)  # the winner's block
+    seq, piped = scheduler.round.predrafts.choice.rates(3, 1)
+    assert seq > 0 and piped > 0
+    await nothing_left(stack)

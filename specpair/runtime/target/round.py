@@ -111,7 +111,8 @@ class TargetRound(Generic[B]):
         if state is None or state.tier == 0:
             return flight  # target-only: the draft is not called (releases wait for a round)
         if self.predrafts is not None and state.is_chain:  # trees are never pre-drafted
-            flight.ahead = self.predrafts.begin(draft)
+            sampled = any(not seq.sampling.greedy for seq in seqs)
+            flight.ahead = self.predrafts.begin(draft, state.tier, len(seqs), sampled)
         flight.request = self.session.request(
             round_id, seqs, state.tier, epoch=draft.epochs(seqs), features=draft.features,
             steps=steps, predrafted=flight.ahead.take if flight.ahead is not None else None,
@@ -157,8 +158,15 @@ class TargetRound(Generic[B]):
                 drafted.append(i)
                 self._observe(seqs[i].request_id, res.acceptance.accept_length, ahead)
             batcher.stream(item, res, with_drafts, flight.steps[i])
+        end = following.started if following is not None else time.perf_counter()
+        if self.predrafts is not None and flight.request is not None and flight.state is not None:
+            tokens = sum(len(res.new_tokens) for res in results)
+            sampled = any(not seq.sampling.greedy for seq in seqs)
+            seconds = end - flight.started
+            self.predrafts.observe(
+                flight.state.tier, len(seqs), sampled, ahead is not None, tokens, seconds
+            )
         if self.publish is not None:
-            end = following.started if following is not None else time.perf_counter()
             verify_gpu_ms = gpu_ms(self.worker)
             self.publish(round_stats(flight, drafts, results, drafted, t1, end, verify_gpu_ms))
         return following
