@@ -112,6 +112,8 @@ def running_up(command: list[str], log: Path, timeout_s: float = 900.0) -> Itera
         "SPECPAIR_HTTP_ADDRESS": up.http,
         "PYTHONUNBUFFERED": "1",
     }
+    for service in ("TARGET", "DRAFT", "CONTROLLER"):  # several `up`s may run side by side
+        env[f"SPECPAIR_{service}_METRICS"] = free_address()
     log.parent.mkdir(parents=True, exist_ok=True)
     print("$ " + " ".join(command), flush=True)
     proc = subprocess.Popen(
