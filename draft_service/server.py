@@ -19,7 +19,7 @@ from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.models.loading import load_tokenizer, tokenizer_fingerprint
 from specpair.proto.v1 import draft_pb2, draft_pb2_grpc
-from specpair.serving import Compute, GrpcServer, busy_wait, on_device
+from specpair.serving import Compute, GrpcServer, bind_device, busy_wait, on_device
 from specpair.wire import timings_into
 
 log = get_logger(__name__)
@@ -169,6 +169,7 @@ def tokenizer_identity(config: DraftConfig) -> str:
 
 async def start(config: DraftConfig) -> RunningDraft:
     """Binds the port (health NOT_SERVING), loads the model and states, then SERVING."""
+    bind_device(config.device)  # this loop's thread runs every round's kernels
     server = GrpcServer(config.server, [SERVICE_NAME], protected_methods=PROTECTED_METHODS)
     metrics = ServiceMetrics("draft")
     servicer = DraftServicer(config, metrics)

@@ -49,8 +49,10 @@ def bind_device(device: str) -> None:
     """Makes `device` the calling thread's current CUDA device. Triton launches, CUDA graph
     captures, the current stream and flashinfer's JIT all use the current device, not their
     tensors': a draft given cuda:1 whose thread stays on cuda:0 launches its Triton kernels on
-    the wrong GPU ("Pointer argument cannot be accessed from Triton"). The current device is
-    per thread, so each thread that runs model work binds it (`Compute`, `on_device`)."""
+    the wrong GPU ("Pointer argument cannot be accessed from Triton"), and a target on cuda:1
+    replaying its graphs from a thread left on cuda:0 read illegal addresses. The current
+    device is per thread: a service binds it on its event loop's thread at start-up (where
+    `Compute` runs a CUDA round inline) and in each thread that loads (`on_device`)."""
     if device.startswith("cuda"):
         import torch
 
@@ -84,7 +86,6 @@ class Compute:
             import torch
 
             torch.set_num_threads(threads)  # the loop thread's intra-op threads, as a worker's
-            bind_device(device)  # the loop thread launches every kernel of a round
 
     async def __call__(self, fn: Callable[..., T], *args: Any) -> T:
         if self.executor is None:

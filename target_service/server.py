@@ -129,7 +129,9 @@ def _build_scheduler(
 
 async def start(config: TargetConfig) -> RunningTarget:
     """Binds the port (health NOT_SERVING), loads the model and states, then SERVING."""
-    from specpair.serving import GrpcServer, on_device
+    from specpair.serving import GrpcServer, bind_device, on_device
+
+    bind_device(config.device)  # this loop's thread runs every round's kernels
 
     server = GrpcServer(
         config.server,

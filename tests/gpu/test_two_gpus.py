@@ -43,10 +43,14 @@ def assert_greedy(gpu_target, prompt: list[int], out: list[int]) -> None:
     assert (deficit <= tie_tolerance(logits)).all(), f"{deficit.max()}"
 
 
-@pytest.mark.parametrize("pipeline", ["auto", "on", "off"])
+# (--pipeline, the target's GPU, the draft's): either service on either GPU
+PLACEMENTS = [("auto", 0, 1), ("on", 1, 0), ("off", 1, 0)]
+
+
+@pytest.mark.parametrize(("pipeline", "on_gpu", "draft_gpu"), PLACEMENTS)
 @pytest.mark.parametrize("kind", ["eagle3", "model"])
 def test_a_draft_on_its_own_gpu_gives_the_targets_greedy_tokens(
-    tmp_path: Path, kind: str, pipeline: str
+    tmp_path: Path, kind: str, pipeline: str, on_gpu: int, draft_gpu: int
 ) -> None:
     from transformers import AutoTokenizer
 
@@ -55,14 +59,14 @@ def test_a_draft_on_its_own_gpu_gives_the_targets_greedy_tokens(
     gpu = build_target(
         MODELS_DIR / "target", max_requests=1, max_len=256, dtype=torch.bfloat16, device="cuda:0"
     )
-    before = used_mib(1)
+    before = used_mib(draft_gpu)
     draft = MODELS_DIR / ("draft" if kind == "model" else kind)
     with BenchServices(
         target=MODELS_DIR / "target", draft=draft, log_dir=tmp_path, pipeline=pipeline,
-        draft_kind="model" if kind == "model" else "eagle", device="cuda:0", draft_device="cuda:1",
-        dtype="bfloat16", max_len=256,
+        draft_kind="model" if kind == "model" else "eagle", device=f"cuda:{on_gpu}",
+        draft_device=f"cuda:{draft_gpu}", dtype="bfloat16", max_len=256,
     ) as group:  # fmt: skip
-        assert used_mib(1) > before + 100, "the draft's weights and cache are not on cuda:1"
+        assert used_mib(draft_gpu) > before + 100, "the draft's weights and cache are elsewhere"
         client = SpecpairClient(group.target, timeout=120)
         accepted = 0
         for tier in (1, 7):
@@ -91,7 +95,7 @@ def test_a_draft_stopped_then_killed_on_its_own_gpu_loses_nothing(tmp_path: Path
     with BenchServices(
         target=MODELS_DIR / "target", draft=MODELS_DIR / "eagle3", log_dir=tmp_path,
         draft_kind="eagle", device="cuda:0", draft_device="cuda:1", dtype="bfloat16",
-        max_len=256, pipeline="on", target_options=("--draft-timeout-s", "1"),
+        max_len=256, pipeline="on", target_options=("--draft-timeout", "1"),
     ) as group:  # fmt: skip
         client = SpecpairClient(group.target, timeout=120)
         apply_tier(group.target, 3)
