@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from specpair.config import MODELS_DIR, env_address, env_http_address
@@ -19,6 +19,18 @@ READY = "specpair up: all services up"  # the line a script may wait for (bench/
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "specpair"
+
+
+# Where flashinfer and Triton keep the kernels they compile on first use (the services' warm-up,
+# on a GPU). Their own defaults (~/.cache/flashinfer, ~/.triton/cache) outlive a process too;
+# `up` keeps both with its own, so `rm -r ~/.cache/specpair` is a clean start. A value the
+# environment already sets (the image's, an operator's) wins.
+KERNEL_CACHES = {"FLASHINFER_WORKSPACE_BASE": "flashinfer", "TRITON_CACHE_DIR": "triton"}
+
+
+def kernel_cache_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` with each kernel cache it does not set under cache_dir()."""
+    return {name: str(cache_dir() / sub) for name, sub in KERNEL_CACHES.items()} | dict(environ)
 
 
 def default_models(draft_kind: str) -> tuple[Path, Path, bool]:
@@ -103,9 +115,10 @@ def up_services(args: argparse.Namespace) -> tuple[list[Service], str]:
         target_args += ("--deterministic",)
     if args.draft_kind == "eagle" and (layers := feature_layers(draft, target)):
         target_args += ("--feature-layers", ",".join(map(str, layers)))  # an EAGLE-3 head's
+    env = kernel_cache_env(os.environ)
     services = [
-        Service("draft", env_address("draft"), draft_args),
-        Service("target", env_address("target"), target_args),
+        Service("draft", env_address("draft"), draft_args, env),
+        Service("target", env_address("target"), target_args, env),
         Service("controller", env_address("controller"), controller_args),
     ]
     return services, note

@@ -268,3 +268,19 @@ def test_up_names_the_models_it_serves(monkeypatch: pytest.MonkeyPatch, tmp_path
     draft = next(s for s in services if s.name == "draft")
     assert draft.args[draft.args.index("--model") + 1] == str(b)
     assert not (tmp_path / "specpair").exists()  # a pair given whole generates nothing
+
+
+def test_up_keeps_compiled_kernels_under_its_cache_unless_told(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from specpair.cli import build_parser
+    from specpair.launcher import up_services
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("FLASHINFER_WORKSPACE_BASE", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere/triton")  # an operator's: kept
+    services, _ = up_services(build_parser().parse_args(["up"]))
+    for service in services[:2]:  # draft, target
+        assert service.env is not None, service.name
+        assert service.env["FLASHINFER_WORKSPACE_BASE"] == str(tmp_path / "specpair" / "flashinfer")
+        assert service.env["TRITON_CACHE_DIR"] == "/elsewhere/triton"

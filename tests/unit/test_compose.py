@@ -394,3 +394,26 @@ async def test_healthcheck_reports_serving_only_once_ready() -> None:
 
 async def _in_thread(fn: Any, *args: Any) -> Any:
     return await asyncio.to_thread(fn, *args)
+
+
+def kernel_caches() -> dict[str, str]:
+    """The image's FLASHINFER_WORKSPACE_BASE and TRITON_CACHE_DIR (its ENV lines)."""
+    text = DOCKERFILE.read_text()
+    return {
+        name: re.search(rf"\b{name}=(\S+)", text).group(1)  # type: ignore[union-attr]
+        for name in ("FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR")
+    }
+
+
+def test_the_gpu_kernels_compiled_at_start_up_outlive_the_containers(
+    config: dict[str, Any],
+) -> None:
+    # flashinfer and Triton compile on first use (the warm-up before SERVING): both caches lie
+    # on one named volume, which a restart or `up --build` keeps.
+    caches = kernel_caches()
+    for role in GPU_ROLES:
+        mounts = [v.split(":") for v in config["services"][role]["volumes"]]
+        (volume, path) = next((v, p) for v, p in mounts if caches["TRITON_CACHE_DIR"].startswith(p))
+        assert volume in config["volumes"], f"{role}: {volume} is no named volume"
+        assert all(Path(c).is_relative_to(path) for c in caches.values()), (role, caches)
+    assert "chown -R specpair /var/cache/specpair" in DOCKERFILE.read_text()  # writable
