@@ -3,10 +3,10 @@ run once on dummy requests that are released after.
 
 What compiles on first use compiles there, not inside a user's first request: on a GPU,
 flashinfer's prefill module (JIT-compiled the first time an eager prefill or extend runs, e.g.
-the draft's first prompt) and Triton kernels outside the captured graphs. Unwarmed, the draft's
-first round with a 1B draft LM on an H100 took 32 s: past the target's `--draft-timeout`, so
-that request lost its speculation while the health check already said SERVING. On the CPU the
-same rounds take milliseconds and prove the paths once more.
+the draft's first prompt) and Triton kernels outside the captured graphs. Unwarmed, with a 1B
+draft LM on a GPU, the draft said SERVING before it had compiled flashinfer's prefill: the first
+round timed out (the target's `--draft-timeout`) and speculation was lost for 32 s. On the CPU
+the same rounds take milliseconds and prove the paths once more.
 
 Each service's own file says which rounds it runs (`draft_service/warmup.py`,
 `runtime/target/warmup.py`); here are the pieces they share: the progress lines, the dummy
