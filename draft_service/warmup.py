@@ -36,7 +36,7 @@ def warm_up(rounds: DraftRounds) -> float:
     RuntimeError if a round is refused or the warm-up leaves anything held."""
     t0 = time.perf_counter()
     held = Held(rounds.drafter.cache)
-    warm = Rounds(rounds)
+    warm = WarmRounds(rounds)
     for tier in sorted(rounds.states):
         what = "extend/prefill (tier 0)" if tier.steps == 0 else f"draft at tier {tier}"
         with warming(log, what):
@@ -48,7 +48,7 @@ def warm_up(rounds: DraftRounds) -> float:
     return time.perf_counter() - t0
 
 
-class Rounds:
+class WarmRounds:
     """The warm-up's rounds on one stream, numbered as a target numbers its own."""
 
     def __init__(self, rounds: DraftRounds) -> None:
@@ -79,10 +79,8 @@ class Rounds:
 
     def _round(self, tier: TreeShape, item: DraftInput) -> None:
         predraft = self.pipelined and tier.is_chain and tier.steps > 0
-        request = RoundRequest(
-            self.round_id, tier.steps, (item,), predraft=predraft,
-            shape=None if tier.is_chain else tier,
-        )  # fmt: skip
+        shape = None if tier.is_chain else tier
+        request = RoundRequest(self.round_id, tier.steps, (item,), predraft=predraft, shape=shape)
         answer = self.send(request)
         if item.request_id not in {tree.request_id for tree in answer.trees}:
             why = dict(answer.refused).get(item.request_id, "no tree came back")

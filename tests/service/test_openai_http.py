@@ -411,10 +411,18 @@ async def test_a_developer_message_is_served_as_a_system_one(client: openai.Asyn
 
 async def test_cli_generate_refuses_max_tokens_0_as_http_does(stack: Stack) -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "specpair.cli", "generate", "def add(a, b):", "--address",
-        f"127.0.0.1:{stack.target.port}", "--max-tokens", "0",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "specpair.cli",
+        "generate",
+        "def add(a, b):",
+        "--address",
+        f"127.0.0.1:{stack.target.port}",
+        "--max-tokens",
+        "0",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2 and out == b"", (out, err)
     (line,) = err.decode().splitlines()
@@ -430,10 +438,16 @@ async def test_the_cli_chat_says_how_it_ends_and_ends_cleanly(stack: Stack) -> N
 
     async def chat() -> asyncio.subprocess.Process:
         return await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "specpair.cli", "chat", *address, cwd=ROOT,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            sys.executable,
+            "-m",
+            "specpair.cli",
+            "chat",
+            *address,
+            cwd=ROOT,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+        )
 
     # /exit after one turn: exit 0, and the first line said how a chat ends
     proc = await chat()

@@ -205,9 +205,12 @@ def _specpair(*argv: str, env: dict[str, str] | None = None) -> subprocess.Compl
     import os
 
     return subprocess.run(
-        [sys.executable, "-m", "specpair.cli", *argv], capture_output=True, text=True,
-        timeout=180, env={**os.environ, **(env or {})},
-    )  # fmt: skip
+        [sys.executable, "-m", "specpair.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.mark.parametrize(
@@ -224,8 +227,16 @@ def test_serve_controller_with_a_bad_policy_file_is_one_line_naming_the_key(
     path = tmp_path / "policy.json"  # None: a file that does not exist
     if policy is not None:
         path.write_text(json.dumps(policy))
-    done = _specpair("serve", "controller", "--policy", str(path), "--address", "127.0.0.1:0",
-                     "--metrics-address", "")  # fmt: skip
+    done = _specpair(
+        "serve",
+        "controller",
+        "--policy",
+        str(path),
+        "--address",
+        "127.0.0.1:0",
+        "--metrics-address",
+        "",
+    )
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.startswith("specpair serve controller: error: "), done.stderr
@@ -235,8 +246,10 @@ def test_serve_controller_with_a_bad_policy_file_is_one_line_naming_the_key(
 def test_up_checks_the_policy_before_any_model_loads(tmp_path: Path) -> None:
     bad = tmp_path / "policy.json"
     bad.write_text(json.dumps({"warmup_batches": -1}))
-    env = {f"SPECPAIR_{name}_ADDRESS": f"127.0.0.1:{free_port()}"
-           for name in ("DRAFT", "TARGET", "CONTROLLER")}  # fmt: skip
+    env = {
+        f"SPECPAIR_{name}_ADDRESS": f"127.0.0.1:{free_port()}"
+        for name in ("DRAFT", "TARGET", "CONTROLLER")
+    }
     done = _specpair("up", "--policy", str(bad), env=env | {"XDG_CACHE_HOME": str(tmp_path)})
     assert done.returncode == 2, done.stderr
     assert "starting" not in done.stdout, done.stdout  # no service was started

@@ -66,8 +66,11 @@ def make_torch(tmp_path: Path, cpu_index: str, gpu: bool = False) -> tuple[list[
     t0 = time.monotonic()
     done = subprocess.run(
         ["make", "-s", "-C", str(ROOT), "torch", f"BIN={bin_dir}", f"TORCH_CPU_INDEX={cpu_index}"],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     return record.read_text().split(), time.monotonic() - t0
 

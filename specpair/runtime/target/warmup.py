@@ -30,7 +30,7 @@ from specpair.runtime.warmup import (
     dummy_tokens,
     dummy_tree,
     warming,
-)  # fmt: skip
+)
 
 log = get_logger(__name__)
 
