@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from specpair.runtime.kv_cache import KVCache
-from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.sampling import DRAFT_SUPPORT, SamplingParams
 from specpair.runtime.shape import TreeShape
 from specpair.runtime.tree import CandidateTree
 
@@ -51,13 +51,14 @@ def dummy_tokens(n: int, vocab_size: int, offset: int = 0) -> tuple[int, ...]:
 
 
 def dummy_tree(shape: TreeShape, vocab_size: int, sampled: bool = False) -> CandidateTree:
-    """A tree of `shape`'s size: each level's first `topk` nodes expanded `topk` ways, up to
-    `steps` deep and `num_draft_tokens` nodes (a chain for a chain's shape).
+    """A tree of `shape`'s size, breadth first: each level's first `topk` nodes expanded `topk`
+    ways until it holds `num_draft_tokens` nodes, at most `steps` deep (a chain for a chain's
+    shape; 4x4x16 fills two levels: the verify's rows, not its depth, are what its graph has).
 
         TreeShape(2, 2, 5) → parents (-1, -1, 0, 0, 1)
 
-    `sampled`: with a q that puts all its mass on each node's token (sparse, one id a node),
-    as a sampled draft's tree carries one."""
+    `sampled`: with the sparse q a sampled draft sends (`draft_support`: K = DRAFT_SUPPORT
+    distinct ids a node, the drawn token first), all its mass on the node's token."""
     parents: list[int] = []
     frontier = [-1]
     for _ in range(shape.steps):
@@ -71,8 +72,11 @@ def dummy_tree(shape: TreeShape, vocab_size: int, sampled: bool = False) -> Cand
     tokens = dummy_tokens(len(parents), vocab_size, offset=1)
     if not sampled:
         return CandidateTree(tokens, tuple(parents))
-    ids = torch.tensor(tokens, dtype=torch.long)[:, None]  # [n, 1]
-    return CandidateTree(tokens, tuple(parents), torch.ones(len(tokens), 1), ids)
+    k = min(DRAFT_SUPPORT, vocab_size)
+    ids = (torch.tensor(tokens)[:, None] + torch.arange(k)) % vocab_size  # [n, K], distinct
+    probs = torch.zeros(len(tokens), k)
+    probs[:, 0] = 1.0
+    return CandidateTree(tokens, tuple(parents), probs, ids)
 
 
 class Held:
