@@ -212,12 +212,20 @@ async def start(
     return RunningController(server=server, controller=controller, port=server.port)
 
 
+def preflight(config: ControllerConfig) -> None:
+    """`specpair serve controller` (and `up`) before anything starts: the policy file read and
+    validated, a ValueError naming the file and the key otherwise."""
+    load_policy(config.policy_file, config.policy_class)
+
+
 def load_policy(path: Path | None, policy_class: str | None = None) -> PolicySpec:
     values: dict[str, Any] = {}
     if path is not None:
         try:
             values = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError, RecursionError) as exc:
+        except OSError as exc:  # strerror: the path once, not twice
+            raise ValueError(f"cannot read policy config {path}: {exc.strerror}") from exc
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise ValueError(f"cannot read policy config {path}: {exc}") from exc
         if not isinstance(values, dict):
             raise ValueError(f"policy config {path} must be a JSON object")

@@ -9,8 +9,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 compose=(docker compose -f docker-compose.yml -f docker-compose.cpu.yml)
-version=$(docker compose version --short)
-echo "==> Docker Compose ${version} (needs 2.24.4 or later)"
+need=2.24.4  # the CPU overlay's `!reset`
+# Without the Compose v2 plugin `docker compose` is no command, and docker answers the flag:
+# "unknown flag: --short". Say what is missing instead.
+if ! version=$(docker compose version --short 2>/dev/null); then
+    echo "compose_smoke: Docker Compose v2 (the 'docker compose' plugin, ${need} or later) is" \
+        "missing: 'docker compose version' fails here. Install docker-compose-plugin;" \
+        "Compose v1 ('docker-compose' 1.x) cannot read the CPU overlay." >&2
+    exit 2
+fi
+version=${version#v}
+if [ "$(printf '%s\n' "$need" "$version" | sort -V | head -n 1)" != "$need" ]; then
+    echo "compose_smoke: Docker Compose ${version} is older than ${need}, the oldest that" \
+        "reads the CPU overlay's !reset" >&2
+    exit 2
+fi
+echo "==> Docker Compose ${version} (needs ${need} or later)"
 
 cleanup() { "${compose[@]}" down --timeout 30 >/dev/null 2>&1 || true; }
 trap cleanup EXIT

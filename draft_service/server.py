@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import grpc
 
 from draft_service.rounds import DraftRounds, stream_target
+from draft_service.warmup import warm_up
 from specpair.channels import TARGET_METADATA
 from specpair.config import DraftConfig, split_address
 from specpair.logging import get_logger
@@ -181,6 +182,11 @@ async def start(config: DraftConfig) -> RunningDraft:
     log.info("draft service listening", address=config.server.address, port=server.port)
     try:
         rounds = await asyncio.to_thread(on_device(config.device, DraftRounds), config)
+        # Every path a round takes, once, while health still says NOT_SERVING: what compiles
+        # on first use (flashinfer's prefill, on a GPU) must not do so in a target's first
+        # round. Off the loop (as the build), so health answers meanwhile.
+        took = await asyncio.to_thread(on_device(config.device, warm_up), rounds)
+        log.info(f"draft warm-up done in {took:.1f} s", s=round(took, 3))
         fingerprint = await asyncio.to_thread(tokenizer_identity, config)
     except BaseException:
         await server.stop(0)  # on this loop: see target_service.server.start

@@ -41,6 +41,9 @@ SERVICE_HELP = {
 # Each service package registers its `serve(config)` here (pyproject.toml), so this package
 # names none of them: dependencies point from the services to `specpair`, never back.
 SERVICES_GROUP = "specpair.services"
+# ... and, where it reads more than its flags (the controller: its policy file), a
+# `preflight(config)` that raises ValueError naming what is wrong, before anything loads.
+PREFLIGHT_GROUP = "specpair.preflight"
 
 
 def _client_tls_opts(p: argparse.ArgumentParser) -> None:
@@ -160,23 +163,41 @@ def config_from_args(args: argparse.Namespace) -> TargetConfig | DraftConfig | C
     return cls(server_config(args), **config_values(args, cls))
 
 
-def _service_entry(service: str) -> Callable[[Any], Coroutine[Any, Any, None]]:
-    found = entry_points(group=SERVICES_GROUP, name=service)
+def _service_entry(
+    service: str, group: str = SERVICES_GROUP, *, required: bool = True
+) -> Callable[[Any], Any] | None:
+    """What `service` registered under `group`; None where it registered nothing and the entry
+    is not `required`."""
+    found = entry_points(group=group, name=service)
     if found:
         return next(iter(found)).load()  # type: ignore[no-any-return]
-    # A source checkout run through PYTHONPATH (a GPU machine with no installer) has no
-    # installed metadata: read the same table from the checkout's pyproject.toml.
+    # A source checkout run through PYTHONPATH (a GPU machine with no installer), or an install
+    # older than a group, has no installed metadata for it: read the checkout's pyproject.toml.
     pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
     table: dict[str, str] = {}
     if pyproject.is_file():
         project = tomllib.loads(pyproject.read_text()).get("project", {})
-        table = project.get("entry-points", {}).get(SERVICES_GROUP, {})
+        table = project.get("entry-points", {}).get(group, {})
     if service not in table:
+        if not required:
+            return None
         raise RuntimeError(
-            f"no {service!r} service registered under the {SERVICES_GROUP!r} entry points: "
+            f"no {service!r} service registered under the {group!r} entry points: "
             "install the package (pip install -e .) so its metadata lists them"
         )
-    return EntryPoint(service, table[service], SERVICES_GROUP).load()  # type: ignore[no-any-return]
+    return EntryPoint(service, table[service], group).load()  # type: ignore[no-any-return]
+
+
+def preflight(args: argparse.Namespace) -> TargetConfig | DraftConfig | ControllerConfig:
+    """`serve`'s config, checked as far as it can be before anything loads (`specpair up` checks
+    all three before starting one): ValueError names the option, directory or key at fault."""
+    config = config_from_args(args)
+    if isinstance(config, TargetConfig | DraftConfig) and not config.model_path.is_dir():
+        raise ValueError(f"--model {config.model_path}: no such checkpoint directory")
+    check = _service_entry(args.service, PREFLIGHT_GROUP, required=False)
+    if check is not None:
+        check(config)
+    return config
 
 
 async def _serve(service: Callable[[Any], Coroutine[Any, Any, None]], config: Any) -> None:
@@ -194,16 +215,15 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specpair.serving import BindError
 
     try:
-        config = config_from_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    if isinstance(config, TargetConfig | DraftConfig) and not config.model_path.is_dir():
-        parser.error(f"--model {config.model_path}: no such checkpoint directory")
-    try:
+        config = preflight(args)
         service = _service_entry(args.service)
+    except ValueError as exc:  # a bad policy file is one line too, not a traceback
+        print(f"{parser.prog} serve {args.service}: error: {exc}", file=sys.stderr)
+        return 2
     except RuntimeError as exc:
         print(f"{parser.prog} serve {args.service}: error: {exc}", file=sys.stderr)
         return 1
+    assert service is not None  # required
     configure_logging(args.service, level=args.log_level)
     try:
         with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
@@ -222,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "up":
         from specpair.launcher import run_up
 
-        return run_up(args)
+        return run_up(args, lambda argv: preflight(parser.parse_args(["serve", *argv])))
     from specpair import client_commands
 
     if args.command == "generate":

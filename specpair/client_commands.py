@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from specpair.config import TLSConfig
 
 if TYPE_CHECKING:
-    from specpair.client.results import ControllerState
+    from specpair.client.results import ControllerState, TargetState
 
 
 def client_tls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> TLSConfig:
@@ -23,14 +23,20 @@ def client_tls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> TLS
 
 
 def _generation_params(args: argparse.Namespace) -> dict[str, Any]:
+    """The request's parameters, checked offline as the SDK checks them (ValueError names the
+    field: `--max-tokens 0` would otherwise reach the wire as unset, the server's 16)."""
+    from specpair.client.requests import build_generate_request
+
     params: dict[str, Any] = {} if args.max_tokens is None else {"max_tokens": args.max_tokens}
-    return params | {
+    params |= {
         "temperature": args.temperature,
         "top_p": args.top_p,
         "top_k": args.top_k,
         "seed": args.seed,
         "stop": args.stop,
     }
+    build_generate_request("", **params)
+    return params
 
 
 def _print_stream(deltas: Iterator[Any]) -> str:
@@ -47,8 +53,12 @@ def _print_stream(deltas: Iterator[Any]) -> str:
 def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specpair.client import SpecpairClient, SpecpairError
 
+    try:
+        params = _generation_params(args)
+    except ValueError as exc:
+        print(f"{parser.prog} generate: error: {exc}", file=sys.stderr)
+        return 2  # a usage error, as argparse exits for its own
     client = SpecpairClient(args.address, tls=client_tls(args, parser))
-    params = _generation_params(args)
     try:
         if args.json:
             print(json.dumps(client.generate(args.prompt, **params).to_dict(), indent=2))
@@ -60,24 +70,35 @@ def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     return 0
 
 
+CHAT_ENDS = "Ctrl-D or /exit ends the chat"
+
+
 def _read_turns() -> Iterator[str]:
-    """User turns from the terminal (or a pipe) until EOF or an empty line."""
+    """User turns from the terminal (or a pipe) until EOF (Ctrl-D) or /exit; blank lines are
+    skipped."""
     while True:
         try:
             line = input("> ")
         except EOFError:
             return
-        if not line.strip():
+        if line.strip() == "/exit":
             return
-        yield line
+        if line.strip():
+            yield line
 
 
 def cmd_chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specpair.client import SpecpairClient, SpecpairError
 
+    try:
+        params = _generation_params(args)
+    except ValueError as exc:
+        print(f"{parser.prog} chat: error: {exc}", file=sys.stderr)
+        return 2
     client = SpecpairClient(args.address, tls=client_tls(args, parser))
-    params = _generation_params(args)
     history = [{"role": "system", "content": args.system}] if args.system else []
+    if args.message is None:  # on stderr: stdout is the conversation
+        print(f"specpair chat with {client.address}: {CHAT_ENDS}", file=sys.stderr, flush=True)
     turns = [args.message] if args.message is not None else _read_turns()
     try:
         for turn in turns:
@@ -92,6 +113,13 @@ def cmd_chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except SpecpairError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C, at the prompt or mid-reply (its stream is cancelled)
+        print(file=sys.stderr)
+        return 130  # the shell's code for an interrupted command
+    finally:
+        client.close()
+    if args.message is None:
+        print(file=sys.stderr)  # the prompt's line, ended
     return 0
 
 
@@ -135,10 +163,12 @@ def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return 0
         if args.op == "status":
             result = client.state().to_dict()
-        elif args.op == "pin":
-            result = {"targets": [t.to_dict() for t in client.pin(args.tier)]}
+        elif args.op == "pin":  # one line: `ctl status` shows the rest
+            print(f"pinned tier {args.tier} on {_targets_named(client.pin(args.tier))}")
+            return 0
         elif args.op == "unpin":
-            result = {"targets": [t.to_dict() for t in client.unpin()]}
+            print(f"unpinned {_targets_named(client.unpin())}: the policy picks the tier again")
+            return 0
         else:
             result = {"policy": client.update_policy(**changes)}
     except SpecpairError as exc:
@@ -146,6 +176,12 @@ def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 1
     print(json.dumps(result, indent=2))
     return 0
+
+
+def _targets_named(targets: Sequence[TargetState], most: int = 3) -> str:
+    """ "1 target (127.0.0.1:50051)", "5 targets (a, b, c, …)"."""
+    names = [t.target_address for t in targets[:most]] + ["…"] * (len(targets) > most)
+    return f"{len(targets)} target{'s' * (len(targets) != 1)} ({', '.join(names)})"
 
 
 def status_table(state: ControllerState) -> str:

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from specpair.config import MODELS_DIR, env_address, env_http_address
@@ -20,12 +21,24 @@ def cache_dir() -> Path:
     return Path(base) / "specpair"
 
 
-def default_models(draft_kind: str) -> tuple[Path, Path, str]:
-    """(target, draft, note): the bundled pair under models/, else a generated tiny pair."""
+# Where flashinfer and Triton keep the kernels they compile on first use (the services' warm-up,
+# on a GPU). Their own defaults (~/.cache/flashinfer, ~/.triton/cache) outlive a process too;
+# `up` keeps both with its own, so `rm -r ~/.cache/specpair` is a clean start. A value the
+# environment already sets (the image's, an operator's) wins.
+KERNEL_CACHES = {"FLASHINFER_WORKSPACE_BASE": "flashinfer", "TRITON_CACHE_DIR": "triton"}
+
+
+def kernel_cache_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` with each kernel cache it does not set under cache_dir()."""
+    return {name: str(cache_dir() / sub) for name, sub in KERNEL_CACHES.items()} | dict(environ)
+
+
+def default_models(draft_kind: str) -> tuple[Path, Path, bool]:
+    """(target, draft, bundled): the bundled pair under models/, else a generated tiny pair."""
     target = MODELS_DIR / "target"
     draft = MODELS_DIR / ("eagle" if draft_kind == "eagle" else "draft")
     if (target / "config.json").is_file() and (draft / "config.json").is_file():
-        return target, draft, f"bundled model pair ({target}, {draft})"
+        return target, draft, True
     from specpair.models.tiny import make_tiny_eagle, make_tiny_llama
 
     root = cache_dir() / "tiny-pair"
@@ -38,21 +51,35 @@ def default_models(draft_kind: str) -> tuple[Path, Path, str]:
         tiny_draft = root / "draft"
         if not (tiny_draft / "config.json").is_file():
             make_tiny_llama(tiny_draft, seed=2, hidden_size=64, num_layers=1)
+    return tiny_target, tiny_draft, False
+
+
+def served_models(args: argparse.Namespace) -> tuple[Path, Path, str]:
+    """(target, draft, a note naming them): the models given, the rest by default. A pair given
+    whole never generates the tiny one."""
+    if args.target_model and args.draft_model:
+        target, draft = args.target_model, args.draft_model
+        return target, draft, f"model pair (target {target}, draft {draft})"
+    default_target, default_draft, bundled = default_models(args.draft_kind)
+    target = args.target_model or default_target
+    draft = args.draft_model or default_draft
+    pair = f"(target {target}, draft {draft})"
+    if bundled:
+        given = args.target_model or args.draft_model
+        return target, draft, f"{'model pair' if given else 'bundled model pair'} {pair}"
     return (
-        tiny_target,
-        tiny_draft,
+        target,
+        draft,
         (
-            f"NOTE: no bundled models under {MODELS_DIR}; serving a generated tiny RANDOM pair "
-            f"({root}) — output is gibberish, acceptance is not meaningful"
+            f"NOTE: no bundled models under {MODELS_DIR}; serving a generated tiny RANDOM model "
+            f"where none was given {pair} — output is gibberish, acceptance is not meaningful"
         ),
     )
 
 
 def up_services(args: argparse.Namespace) -> tuple[list[Service], str]:
     """(draft, target, controller on their SPECPAIR_*_ADDRESS, a note on the models)."""
-    target, draft, note = default_models(args.draft_kind)
-    target = args.target_model or target
-    draft = args.draft_model or draft
+    target, draft, note = served_models(args)
     device = ("--device", args.device)
     draft_args: tuple[str, ...] = (
         "draft",
@@ -88,17 +115,27 @@ def up_services(args: argparse.Namespace) -> tuple[list[Service], str]:
         target_args += ("--deterministic",)
     if args.draft_kind == "eagle" and (layers := feature_layers(draft, target)):
         target_args += ("--feature-layers", ",".join(map(str, layers)))  # an EAGLE-3 head's
+    env = kernel_cache_env(os.environ)
     services = [
-        Service("draft", env_address("draft"), draft_args),
-        Service("target", env_address("target"), target_args),
+        Service("draft", env_address("draft"), draft_args, env),
+        Service("target", env_address("target"), target_args, env),
         Service("controller", env_address("controller"), controller_args),
     ]
     return services, note
 
 
-def run_up(args: argparse.Namespace) -> int:
+def run_up(args: argparse.Namespace, check: Callable[[Sequence[str]], object]) -> int:
+    """`check`: a service's `serve` arguments, validated as `serve` validates them (ValueError
+    naming the fault): every service is checked before the first starts, so a bad policy file
+    fails in a second, not after both models have loaded."""
     services, note = up_services(args)
     print(f"specpair up: {note}", flush=True)
+    for service in services:
+        try:
+            check(service.args)
+        except ValueError as exc:
+            print(f"specpair up: error: {service.name}: {exc}", file=sys.stderr)
+            return 2
     group = ServiceGroup()
     # SIGTERM (kill, docker, systemd) stops the group as Ctrl-C does, children included.
     signal.signal(signal.SIGTERM, signal.default_int_handler)

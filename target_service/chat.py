@@ -9,6 +9,19 @@ from jinja2 import TemplateError
 
 from target_service.request import ChatTurn
 
+# OpenAI's roles that a chat without tool calling has, each as the template is given it: a
+# `developer` message is OpenAI's newer name for a `system` one, which templates know.
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def check_role(role: str, name: str) -> None:
+    """A role this server serves, or ValueError naming the field and the role (as OpenAI
+    refuses `"wizard"`): a template would render an unknown role as text, or fail inside."""
+    if role in ROLES:
+        return
+    why = " (this server has no tool calling)" if role in ("tool", "function") else ""
+    raise ValueError(f"{name}: role {role!r} is not one of {', '.join(ROLES)}{why}")
+
 
 def chat_prompt_ids(messages: Sequence[ChatTurn], tokenizer: Any) -> list[int]:
     """The template's text for `messages` plus the generation prompt, as token ids.
@@ -24,9 +37,8 @@ def chat_prompt_ids(messages: Sequence[ChatTurn], tokenizer: Any) -> list[int]:
             "chat_template in tokenizer_config.json); send a prompt instead"
         )
     for i, message in enumerate(messages):
-        if not message.role:
-            raise ValueError(f"messages[{i}].role: empty")
-    conversation = [{"role": m.role, "content": m.content} for m in messages]
+        check_role(message.role, f"messages[{i}].role")
+    conversation = [{"role": ROLES[m.role], "content": m.content} for m in messages]
     try:
         text = tokenizer.apply_chat_template(
             conversation, add_generation_prompt=True, tokenize=False

@@ -22,6 +22,7 @@ from specpair.parallel.ranks import RankExitedError, RankGroup
 from specpair.proto.v1 import target_pb2_grpc
 from specpair.runtime.build import StateBuilder, build_target
 from specpair.runtime.shape import MAX_TREE_NODES
+from specpair.runtime.target.warmup import warm_up
 from target_service.draft_link import DraftLink
 from target_service.draft_pool import DraftPool
 from target_service.frontend import Frontend
@@ -109,9 +110,14 @@ def _build_scheduler(
     else:
         worker = build_target(config.model_path, **options)
     builder = StateBuilder(worker)
+    states = builder.build_all(config.tiers)
+    # Every path a request's first rounds take, once, while health says NOT_SERVING: what
+    # compiles on first use must not do so inside a user's first request.
+    took = warm_up(worker, states)
+    log.info(f"target warm-up done in {took:.1f} s", s=round(took, 3))
     scheduler = Scheduler(
         worker,
-        builder.build_all(config.tiers),
+        states,
         initial_tier=config.initial_tier,
         max_batch=config.max_batch,
         max_queue=config.max_queue,

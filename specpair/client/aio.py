@@ -30,6 +30,7 @@ from specpair.client.results import (
     SpecpairError,
     TargetState,
     message_to_dict,
+    policy_from_pb,
     targets_from_pb,
 )
 from specpair.config import TLSConfig, env_address
@@ -167,12 +168,12 @@ class AsyncControllerClient(Connection):
     async def state(self) -> ControllerState:
         """The live policy and, per target, the active tier, EMA, pin and recent switches."""
         reply = await self._unary(self._stub().GetState, controller_pb2.GetStateRequest())
-        return ControllerState(message_to_dict(reply.policy), targets_from_pb(reply.targets))
+        return ControllerState(policy_from_pb(reply.policy), targets_from_pb(reply.targets))
 
     async def update_policy(self, **changes: Any) -> dict[str, Any]:
         """Changes some policy keys; returns the whole policy as the controller validated it."""
         reply = await self._unary(self._stub().UpdatePolicy, build_policy_update(**changes))
-        return message_to_dict(reply.policy)
+        return policy_from_pb(reply.policy)
 
     async def pin(self, tier: int | str) -> tuple[TargetState, ...]:
         """Pins every target to `tier`, a chain's steps (7, "7") or a tree shape ("4x4x16"):

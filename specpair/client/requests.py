@@ -44,9 +44,16 @@ def build_generate_request(
     prompt: Prompt, **params: Unpack[GenerateParams]
 ) -> target_pb2.GenerateRequest:
     """The wire request. Values are checked by the server, which names the bad field; here we
-    only reject what cannot be encoded at all."""
+    only reject what cannot be encoded at all, and a max_tokens the wire would misread."""
+    max_tokens = params.get("max_tokens")
+    if max_tokens is not None and max_tokens < 1:
+        # 0 is proto3's unset (the server's default of 16): refused as the HTTP door refuses it
+        raise ValueError(
+            f"max_tokens: expected an integer of at least 1 (omit it for the server's default), "
+            f"got {max_tokens}"
+        )
     request = target_pb2.GenerateRequest(
-        max_tokens=params.get("max_tokens", 0),  # 0: unset, the server's default
+        max_tokens=max_tokens or 0,  # 0: unset, the server's default
         sampling=common_pb2.SamplingParams(
             temperature=params.get("temperature", 0.0),
             top_p=params.get("top_p", 1.0),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -175,6 +176,14 @@ class ControllerState(_JSONReady):
 
 def targets_from_pb(targets: Any) -> tuple[TargetState, ...]:
     return tuple(TargetState.from_pb(t) for t in targets)
+
+
+def policy_from_pb(message: controller_pb2.PolicyConfig) -> dict[str, Any]:
+    """The policy as its keys are written in a policy file: the wire carries the keys beyond
+    SGLang's (the goodput kind's, bands) as one JSON string, `options_json`, unpacked here."""
+    policy = message_to_dict(message)
+    options = policy.pop("options_json")
+    return policy | (json.loads(options) if options else {})
 
 
 def message_to_dict(message: Message) -> dict[str, Any]:

@@ -202,14 +202,23 @@ async def test_ctl_pins_a_tree_and_sets_tree_shapes() -> None:
             return proc.returncode or 0, (out + err).decode()
 
         code, out = await ctl("policy", f"tree_shapes={TREE}")
-        assert code == 0 and json.loads(out)["policy"]["tree_shapes"] == [TREE]
+        policy = json.loads(out)["policy"]
+        assert code == 0 and policy["tree_shapes"] == [TREE]
+        # the goodput kind's own keys as a policy file writes them, not the wire's JSON string
+        assert "options_json" not in policy and policy["min_gain"] == 0.05
         code, out = await ctl("pin", TREE)
-        assert code == 0 and json.loads(out)["targets"][0]["pinned_shape"] == TREE
+        address = s.running.controller.snapshot()[0].target_address
+        assert code == 0 and out == f"pinned tier {TREE} on 1 target ({address})\n"
         assert s.fake.shaped[-1] == (4, TREE, "pin")
         code, out = await ctl("pin", "4x4")
         assert code == 2 and "STEPSxTOPKxNUM_DRAFT_TOKENS" in out
         code, out = await ctl("status")
         assert code == 0 and out.splitlines()[2].split()[2:4] == [TREE, TREE]
+        assert "options_json" not in out and "min_gain=0.05" in out.splitlines()[0]
+        code, out = await ctl("unpin")
+        assert (
+            code == 0 and out == f"unpinned 1 target ({address}): the policy picks the tier again\n"
+        )
 
 
 async def test_the_controller_pins_a_tree_on_real_services(ckpts, make_stack) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import signal
 import socket
 import sys
 from collections.abc import AsyncIterator
@@ -372,6 +373,100 @@ async def test_the_cli_chat_and_the_demo_turn_match_the_api(
     assert loop == f"> {a1}\n> {a2}\n> "
     demo = await asyncio.to_thread(chat_over_http, f"127.0.0.1:{stack.target.http_port}", first)
     assert demo["choices"][0]["message"]["content"].startswith(a1)
+
+
+@pytest.mark.parametrize("role", ["wizard", "function", "tool", "User"])
+async def test_a_role_the_server_does_not_serve_is_400_naming_it(
+    stack: Stack, client: openai.AsyncOpenAI, role: str
+) -> None:
+    messages = [*MESSAGES, {"role": role, "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(
+            model="target",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=4,
+        )
+    body = info.value.body
+    assert isinstance(body, dict) and body["param"] == "messages[2].role", body
+    assert repr(role) in body["message"] and "user" in body["message"], body
+    with pytest.raises(SpecpairError) as grpc_refused:  # the gRPC door refuses it alike
+        async with AsyncSpecpairClient(f"127.0.0.1:{stack.target.port}") as sdk:
+            await sdk.chat(messages, max_tokens=4)
+    assert grpc_refused.value.code == "INVALID_ARGUMENT"
+    assert "messages[2].role" in str(grpc_refused.value)
+
+
+async def test_a_developer_message_is_served_as_a_system_one(client: openai.AsyncOpenAI) -> None:
+    async def reply(role: str) -> str:
+        answer = await client.chat.completions.create(
+            model="target",
+            messages=[{"role": role, "content": "You write Python."}, MESSAGES[1]],  # type: ignore[misc,list-item]
+            max_tokens=8,
+            temperature=0,
+        )
+        return answer.choices[0].message.content or ""
+
+    assert await reply("developer") == await reply("system")
+
+
+async def test_cli_generate_refuses_max_tokens_0_as_http_does(stack: Stack) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "specpair.cli",
+        "generate",
+        "def add(a, b):",
+        "--address",
+        f"127.0.0.1:{stack.target.port}",
+        "--max-tokens",
+        "0",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2 and out == b"", (out, err)
+    (line,) = err.decode().splitlines()
+    assert line.startswith("specpair generate: error: max_tokens: "), line
+    status, reply = await asyncio.to_thread(  # the same field the HTTP door names
+        post, stack.target.http_port, COMPLETIONS, {"prompt": "x", "max_tokens": 0}
+    )
+    assert status == 400 and reply["error"]["param"] == "max_tokens"
+
+
+async def test_the_cli_chat_says_how_it_ends_and_ends_cleanly(stack: Stack) -> None:
+    address = ["--address", f"127.0.0.1:{stack.target.port}", "--max-tokens", "4"]
+
+    async def chat() -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "specpair.cli",
+            "chat",
+            *address,
+            cwd=ROOT,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+
+    # /exit after one turn: exit 0, and the first line said how a chat ends
+    proc = await chat()
+    out, err = await asyncio.wait_for(proc.communicate(b"def add(a, b):\n/exit\nnever sent\n"), 60)
+    assert proc.returncode == 0, err
+    assert "Ctrl-D or /exit ends the chat" in err.decode().splitlines()[0]
+    assert out.decode().count("> ") == 2  # one turn answered, then the prompt /exit ended
+    # Ctrl-C at the prompt, after a turn: no traceback, the shell's code for an interrupt
+    proc = await chat()
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    proc.stdin.write(b"def add(a, b):\n")
+    await proc.stdin.drain()
+    shown = b""
+    while shown.count(b"> ") < 2:  # the reply, then the next prompt
+        shown += await asyncio.wait_for(proc.stdout.read(64), 60)
+    proc.send_signal(signal.SIGINT)
+    await asyncio.wait_for(proc.wait(), 60)
+    err = await proc.stderr.read()
+    assert proc.returncode == 130 and b"Traceback" not in err, err
 
 
 async def test_chat_without_a_template_is_invalid_argument_and_a_full_queue_429(ckpts) -> None:

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import draft_service.server as draft_server
 import target_service.server as target_server
 from specpair.config import DraftConfig, ServerConfig, TargetConfig
+from specpair.proto.v1 import target_pb2
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -78,3 +79,72 @@ async def test_health_is_not_serving_until_the_model_is_loaded(
             assert await _status(address, name) == SERVING, name
     finally:
         await running.stop()
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+async def test_health_is_not_serving_until_the_warm_up_is_done_and_it_leaves_nothing_held(
+    role: str, ckpts: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The warm-up runs every path a round takes (on a GPU: what compiles on first use) before
+    # SERVING, and gives back every slot and page it used.
+    address = f"unix:{tmp_path / role}.sock"
+    gate, warming = threading.Event(), threading.Event()
+    service: Any = target_server if role == "target" else draft_server
+    ran: list[float] = []
+
+    def record(fn: Callable[..., float]) -> Callable[..., float]:
+        def warm_up(*args: Any) -> float:
+            ran.append(fn(*args))
+            return ran[-1]
+
+        return warm_up
+
+    monkeypatch.setattr(service, "warm_up", _held(record(service.warm_up), gate, warming))
+    config: Any = (
+        TargetConfig(ServerConfig(address), ckpts["target"], draft_address=None, max_batch=2)
+        if role == "target"
+        else DraftConfig(ServerConfig(address), ckpts["draft"], max_requests=2)
+    )
+    starting = asyncio.create_task(service.start(config))
+    try:
+        await asyncio.to_thread(warming.wait, 60)
+        assert warming.is_set(), "the service never warmed up"
+        assert await _status(address) == NOT_SERVING  # loaded and built, not yet warm
+        gate.set()
+        running = await asyncio.wait_for(starting, 120)
+    finally:
+        gate.set()
+        if not starting.done():
+            await asyncio.wait_for(starting, 120)
+    try:
+        assert await _status(address) == SERVING and len(ran) == 1
+        if role == "target":
+            cache = running.servicer.scheduler.worker.cache
+        else:
+            assert running.servicer.rounds.active_requests == 0
+            cache = running.servicer.rounds.drafter.cache
+        assert cache.free_slots == 2
+        # every page is free but the padding slot's (graphs' padding rows write there)
+        assert len(cache.pages.free) == cache.pages.num_pages - cache.pages.owned[cache.pad_slot]
+    finally:
+        await running.stop()
+
+
+async def test_the_first_round_after_serving_drafts(ckpts: dict[str, Path]) -> None:
+    """A target's first request, the moment both report SERVING: drafted from its first round
+    (no plain round, no fallback)."""
+    from tests.service.conftest import Stack, draft_config, target_config
+
+    stack = await Stack(
+        draft_config(ckpts["draft"]), target_config(ckpts["target"], initial_steps=3)
+    ).start()
+    try:
+        _, responses = await stack.generate(prompt_token_ids=[5, 6, 7, 8], max_tokens=12)
+        rounds = [r for r in responses if r.token_ids][1:]  # after the prefill's first token
+        assert rounds and all(r.accept_length >= 0 for r in rounds), responses
+        assert responses[-1].speculation.plain_rounds == 0, responses[-1]
+        info = await stack.stub.GetServerInfo(target_pb2.TargetServiceGetServerInfoRequest())
+        assert info.draft_connection_state == target_pb2.DRAFT_CONNECTION_STATE_CONNECTED
+        assert stack.draft.servicer.rounds.active_requests == 0  # freed with the request
+    finally:
+        await stack.stop()

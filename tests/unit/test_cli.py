@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import json
+import socket
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from specpair.cli import main
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize(
@@ -78,7 +89,7 @@ def test_up_refuses_an_address_another_process_serves(
         address = f"127.0.0.1:{other.getsockname()[1]}"
         monkeypatch.setenv("SPECPAIR_DRAFT_ADDRESS", address)
         try:
-            assert run_up(build_parser().parse_args(["up"])) == 1
+            assert run_up(build_parser().parse_args(["up"]), lambda argv: None) == 1
         finally:
             signal.signal(signal.SIGTERM, handler)
     err = capsys.readouterr().err
@@ -187,3 +198,102 @@ def test_every_option_has_help_and_shows_its_default() -> None:
         shown = action.default not in (None, False, "") and action.option_strings
         if shown and not name.startswith("--api-key"):
             assert "default" in action.help, f"{path} {name}: default {action.default!r} hidden"
+
+
+def _specpair(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The `specpair` command as a user runs it, in a process of its own."""
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-m", "specpair.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        (None, "cannot read policy config"),  # README's example once named a missing file
+        ({"ema_alpha": 5}, "ema_alpha must be in (0, 1], got 5"),
+        ({"kind": "goodput", "min_gain": "x"}, "min_gain must be a finite number, got 'x'"),
+    ],
+)
+def test_serve_controller_with_a_bad_policy_file_is_one_line_naming_the_key(
+    tmp_path: Path, policy: dict[str, Any] | None, message: str
+) -> None:
+    path = tmp_path / "policy.json"  # None: a file that does not exist
+    if policy is not None:
+        path.write_text(json.dumps(policy))
+    done = _specpair(
+        "serve",
+        "controller",
+        "--policy",
+        str(path),
+        "--address",
+        "127.0.0.1:0",
+        "--metrics-address",
+        "",
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("specpair serve controller: error: "), done.stderr
+    assert message in done.stderr and str(path) in done.stderr
+
+
+def test_up_checks_the_policy_before_any_model_loads(tmp_path: Path) -> None:
+    bad = tmp_path / "policy.json"
+    bad.write_text(json.dumps({"warmup_batches": -1}))
+    env = {
+        f"SPECPAIR_{name}_ADDRESS": f"127.0.0.1:{free_port()}"
+        for name in ("DRAFT", "TARGET", "CONTROLLER")
+    }
+    done = _specpair("up", "--policy", str(bad), env=env | {"XDG_CACHE_HOME": str(tmp_path)})
+    assert done.returncode == 2, done.stderr
+    assert "starting" not in done.stdout, done.stdout  # no service was started
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("specpair up: error: controller: policy config") and (
+        "warmup_batches" in line
+    ), line
+
+
+def test_the_readme_policy_example_is_a_valid_policy() -> None:
+    from controller.server import load_policy
+
+    shipped = Path(__file__).resolve().parents[2] / "deploy" / "policy.json"
+    spec = load_policy(shipped)
+    assert spec.to_dict()["kind"] == "goodput"
+    readme = (shipped.parents[1] / "README.md").read_text()
+    assert "--policy deploy/policy.json" in readme
+
+
+def test_up_names_the_models_it_serves(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from specpair.cli import build_parser
+    from specpair.launcher import up_services
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    a, b = tmp_path / "a", tmp_path / "b"
+    args = build_parser().parse_args(["up", "--target-model", str(a), "--draft-model", str(b)])
+    services, note = up_services(args)
+    assert note == f"model pair (target {a}, draft {b})"
+    draft = next(s for s in services if s.name == "draft")
+    assert draft.args[draft.args.index("--model") + 1] == str(b)
+    assert not (tmp_path / "specpair").exists()  # a pair given whole generates nothing
+
+
+def test_up_keeps_compiled_kernels_under_its_cache_unless_told(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from specpair.cli import build_parser
+    from specpair.launcher import up_services
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("FLASHINFER_WORKSPACE_BASE", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere/triton")  # an operator's: kept
+    services, _ = up_services(build_parser().parse_args(["up"]))
+    for service in services[:2]:  # draft, target
+        assert service.env is not None, service.name
+        assert service.env["FLASHINFER_WORKSPACE_BASE"] == str(tmp_path / "specpair" / "flashinfer")
+        assert service.env["TRITON_CACHE_DIR"] == "/elsewhere/triton"

@@ -321,6 +321,28 @@ def test_the_compose_version_needed_is_stated() -> None:
         assert re.search(r"Compose v?2\.24\.4", path.read_text()), path
 
 
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        # docker without the Compose v2 plugin: `compose` is no command, the flag is refused
+        ('echo "unknown flag: --short" >&2; exit 125', "Docker Compose v2"),
+        ("echo v2.20.3", "Docker Compose 2.20.3 is older than 2.24.4"),
+    ],
+)
+def test_the_smoke_script_says_which_compose_it_needs(
+    tmp_path: Path, answer: str, said: str
+) -> None:
+    fake = tmp_path / "docker"  # answers `docker compose version --short`; runs nothing else
+    fake.write_text(f'#!/bin/sh\n[ "$1 $2" = "compose version" ] || exit 99\n{answer}\n')
+    fake.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+    done = subprocess.run(["bash", str(ROOT / "docker" / "compose_smoke.sh")], env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert said in done.stderr and "2.24.4" in done.stderr, done.stderr
+    assert "unknown flag" not in done.stderr
+
+
 def test_merge_follows_compose_rules() -> None:
     base = {"a": {"command": ["x"], "ports": ["1"], "deploy": {"r": 1}, "env": {"A": "1"}}}
     over = {"a": {"command": ["y"], "ports": ["2"], "deploy": _Reset(), "env": {"B": "2"}}}
@@ -372,3 +394,26 @@ async def test_healthcheck_reports_serving_only_once_ready() -> None:
 
 async def _in_thread(fn: Any, *args: Any) -> Any:
     return await asyncio.to_thread(fn, *args)
+
+
+def kernel_caches() -> dict[str, str]:
+    """The image's FLASHINFER_WORKSPACE_BASE and TRITON_CACHE_DIR (its ENV lines)."""
+    text = DOCKERFILE.read_text()
+    return {
+        name: re.search(rf"\b{name}=(\S+)", text).group(1)  # type: ignore[union-attr]
+        for name in ("FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR")
+    }
+
+
+def test_the_gpu_kernels_compiled_at_start_up_outlive_the_containers(
+    config: dict[str, Any],
+) -> None:
+    # flashinfer and Triton compile on first use (the warm-up before SERVING): both caches lie
+    # on one named volume, which a restart or `up --build` keeps.
+    caches = kernel_caches()
+    for role in GPU_ROLES:
+        mounts = [v.split(":") for v in config["services"][role]["volumes"]]
+        (volume, path) = next((v, p) for v, p in mounts if caches["TRITON_CACHE_DIR"].startswith(p))
+        assert volume in config["volumes"], f"{role}: {volume} is no named volume"
+        assert all(Path(c).is_relative_to(path) for c in caches.values()), (role, caches)
+    assert "chown -R specpair /var/cache/specpair" in DOCKERFILE.read_text()  # writable

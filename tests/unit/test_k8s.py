@@ -439,3 +439,29 @@ def test_clients_get_grpc_and_http_from_one_service(docs: list[Doc]) -> None:
     assert services(docs)["specpair-controller"]["spec"]["ports"][0]["port"] == _port(
         config(workloads(docs)["controller"]).server.address
     )
+
+
+def test_the_gpu_kernels_compiled_at_start_up_outlive_the_pod() -> None:
+    # The base mounts the PVC specpair-kernel-cache (an emptyDir would go with every pod) where
+    # the image keeps flashinfer's and Triton's caches, writable by the image's user; the CPU
+    # overlay, which compiles nothing, an emptyDir.
+    from tests.unit.test_compose import kernel_caches
+
+    caches = kernel_caches()
+    for variant, expected in (
+        ("base", {"persistentVolumeClaim": {"claimName": "specpair-kernel-cache"}}),
+        ("cpu", {"emptyDir": {}}),
+    ):
+        for role in GPU_ROLES:
+            workload = workloads(render(K8S / variant))[role]
+            pod = workload["spec"]["template"]["spec"]
+            mounts = container(workload)["volumeMounts"]
+            (mount,) = [
+                m
+                for m in mounts
+                if all(Path(c).is_relative_to(m["mountPath"]) for c in caches.values())
+            ]
+            assert not mount.get("readOnly"), (variant, role)
+            (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+            assert {k: v for k, v in volume.items() if k != "name"} == expected, (variant, role)
+            assert pod["securityContext"]["fsGroup"] == 10001, (variant, role)

@@ -138,3 +138,17 @@ def test_chunks_skip_rounds_without_text_and_finish_with_stats() -> None:
         "speculative_num_steps": 3,
     }
     assert "usage" not in chunk  # only with stream_options.include_usage
+
+
+def test_the_readme_refuses_exactly_what_the_server_refuses() -> None:
+    # README once listed min_p as honoured and as refused; the server honours it.
+    from pathlib import Path
+
+    from target_service.openai_request import TOOL_PARAMETERS, UNSUPPORTED
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("because speculation does not apply them exactly yet:")
+    refused = set(re.findall(r"`(\w+)`", readme[start : readme.index(";", start)]))
+    assert refused == set(UNSUPPORTED) - TOOL_PARAMETERS
+    parsed = parse_request({"prompt": "x", "min_p": 0.1}, chat=False, max_len=64)
+    assert parsed.generate.sampling.min_p == 0.1

@@ -83,6 +83,11 @@ class PrefillGraphs:
         fits = [k for k in self.graphs if k[0] >= batch and k[1] >= tokens]
         return min(fits, key=lambda k: (k[0] * k[1], k[1]), default=None)
 
+    @property
+    def longest(self) -> int:
+        """The longest prompt a graph takes: one past it runs eagerly."""
+        return max((t for _, t in self.graphs), default=0)
+
     def run(
         self, layout: BatchLayout, tokens: Tensor, lengths: Sequence[int]
     ) -> tuple[Tensor, Tensor] | None:
