@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -101,9 +101,15 @@ def up_command(args: argparse.Namespace, target: Path, draft: Path) -> list[str]
 
 
 @contextmanager
-def running_up(command: list[str], log: Path, timeout_s: float = 900.0) -> Iterator[Up]:
+def running_up(
+    command: list[str],
+    log: Path,
+    timeout_s: float = 900.0,
+    env_changes: Mapping[str, str | None] | None = None,
+) -> Iterator[Up]:
     """Starts `command` on free loopback ports, echoes its `specpair up:` lines, waits for its
-    READY line, and stops it as Ctrl-C does (SIGINT) on the way out."""
+    READY line, and stops it as Ctrl-C does (SIGINT) on the way out. `env_changes`: variables
+    set for it (None: unset)."""
     up = Up(free_address(), free_address(), free_address(), log)
     env = os.environ | {
         "SPECPAIR_TARGET_ADDRESS": up.target,
@@ -114,6 +120,11 @@ def running_up(command: list[str], log: Path, timeout_s: float = 900.0) -> Itera
     }
     for service in ("TARGET", "DRAFT", "CONTROLLER"):  # several `up`s may run side by side
         env[f"SPECPAIR_{service}_METRICS"] = free_address()
+    for name, value in (env_changes or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     log.parent.mkdir(parents=True, exist_ok=True)
     print("$ " + " ".join(command), flush=True)
     proc = subprocess.Popen(
