@@ -47,7 +47,9 @@ def _print_stream(deltas: Iterator[Any]) -> str:
 def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specpair.client import SpecpairClient, SpecpairError
 
-    client = SpecpairClient(args.address, tls=client_tls(args, parser))
+    client = SpecpairClient(
+        args.address, tls=client_tls(args, parser), api_key=os.environ.get(args.api_key_env)
+    )
     params = _generation_params(args)
     try:
         if args.json:
@@ -75,7 +77,9 @@ def _read_turns() -> Iterator[str]:
 def cmd_chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specpair.client import SpecpairClient, SpecpairError
 
-    client = SpecpairClient(args.address, tls=client_tls(args, parser))
+    client = SpecpairClient(
+        args.address, tls=client_tls(args, parser), api_key=os.environ.get(args.api_key_env)
+    )
     params = _generation_params(args)
     history = [{"role": "system", "content": args.system}] if args.system else []
     turns = [args.message] if args.message is not None else _read_turns()

@@ -104,6 +104,8 @@ async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> Non
 
 def target_config(target: Path, **kwargs: Any) -> TargetConfig:
     kwargs.setdefault("draft_timeout_s", 15.0)  # a loaded CI box must not look like a dead draft
+    # nor a late one: a fixed deadline unless a test asks for the measured one
+    kwargs.setdefault("draft_deadline_floor_s", kwargs["draft_timeout_s"])
     kwargs.setdefault("reconnect_min_s", 0.05)
     kwargs.setdefault("reconnect_max_s", 0.2)
     return TargetConfig(ServerConfig("127.0.0.1:0"), target, **kwargs)
