@@ -60,6 +60,7 @@ class Out:
     owed: int  # answers still to read: 1, and 1 more for a pipelined round with inputs
     since: float  # when it went out
     timed: bool  # an ordinary round's first answer: its time feeds the pace, within a deadline
+    # (else the ceiling: a prompt's extend, a pipelined round's pre-drafts, a release)
 
 
 def carries_prompt(request: RoundRequest) -> bool:
@@ -139,8 +140,13 @@ class DraftLink(ReconnectingLink):
             # Benched: its requests move to a live replica (or decode plainly) meanwhile.
             self.state = State.DRAFT_CONNECTION_STATE_DISCONNECTED
             wait = bench_s(self.strikes, self.backoff[0])
-            log.warning("draft benched", address=self.address, reason=str(exc),
-                        strikes=self.strikes, probe_in_s=round(wait, 3))  # fmt: skip
+            log.warning(
+                "draft benched",
+                address=self.address,
+                reason=str(exc),
+                strikes=self.strikes,
+                probe_in_s=round(wait, 3),
+            )
             return wait
         if isinstance(exc, IncompatibleDraftError):
             # Not a network blip: say so once, keep decoding plainly, and look again at the
@@ -247,11 +253,10 @@ class DraftLink(ReconnectingLink):
             return None
         ids = frozenset(item.request_id for item in request.inputs)
         owed = 1 + (request.predraft and bool(request.inputs))
-        timed = not carries_prompt(request)
-        self._out.append(
-            Out(request.round_id, len(ids), request.tier.num_draft_tokens, ids, owed,
-                time.perf_counter(), timed)
-        )  # fmt: skip
+        timed = bool(request.inputs) and not carries_prompt(request)  # releases: no drafting
+        shape_nodes = request.tier.num_draft_tokens
+        now = time.perf_counter()
+        self._out.append(Out(request.round_id, len(ids), shape_nodes, ids, owed, now, timed))
         return self.epoch
 
     async def receive(self, round_id: int, epoch: int) -> RoundResponse | None:

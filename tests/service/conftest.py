@@ -72,8 +72,12 @@ class Stack:
             await asyncio.sleep(0.05)
         raise AssertionError("the target never connected to the draft")
 
-    async def generate(self, **kwargs: Any) -> tuple[list[int], list[target_pb2.GenerateResponse]]:
-        responses = [r async for r in self.stub.Generate(target_pb2.GenerateRequest(**kwargs))]
+    async def generate(
+        self, metadata: tuple[tuple[str, str], ...] = (), **kwargs: Any
+    ) -> tuple[list[int], list[target_pb2.GenerateResponse]]:
+        """`metadata`: the call's (an API key, where the target has one)."""
+        request = target_pb2.GenerateRequest(**kwargs)
+        responses = [r async for r in self.stub.Generate(request, metadata=metadata)]
         return [t for r in responses for t in r.token_ids], responses
 
 

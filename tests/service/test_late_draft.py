@@ -96,11 +96,11 @@ async def test_a_silent_replica_costs_the_healthy_one_nothing(ckpts, make_stack)
 async def test_a_replica_far_slower_than_a_live_one_is_benched(ckpts, make_stack) -> None:
     """A replica answering every round in 4.5 s, under a 5 s timeout, was never dropped."""
     healthy = await draft_server.start(draft_config(ckpts["draft"]))
-    slow = SlowDraft(delay_s=1.5)
+    slow = SlowDraft(delay_s=2.5)  # 4x a live round's pace stays below it even on a loaded box
     try:
         async with fake_draft(slow) as address:
             pool = f"127.0.0.1:{healthy.port},{address}"
-            stack = await make_stack(None, _late_config(ckpts["target"], pool))
+            stack = await make_stack(None, _late_config(ckpts["target"], pool, draft_timeout_s=4.0))
             links = stack.target.servicer.scheduler.draft.links
             # Nothing measured yet: its probe is judged by the ceiling, and passes.
             await eventually(lambda: all(link.connected for link in links), timeout=20)
@@ -108,7 +108,7 @@ async def test_a_replica_far_slower_than_a_live_one_is_benched(ckpts, make_stack
             results = await asyncio.wait_for(asyncio.gather(*runs), 120)
             assert all(len(tokens) == 48 for tokens, _ in results)
             # It answers in time only until the live replica's pace is measured (8 rounds),
-            # then misses, and its probes (1.5 s late) keep it out: its requests draft on the
+            # then misses, and its probes (2.5 s late) keep it out: its requests draft on the
             # live one.
             assert slow.rounds <= 16, slow.rounds
             assert not links[1].connected and links[1].strikes >= 1

@@ -177,8 +177,12 @@ async def test_a_restarted_controller_gets_in_past_anonymous_watchers(ckpts, mak
         ControllerConfig(ServerConfig("127.0.0.1:0"), (target,), reconnect_s=0.2)
     )
     try:
-        await eventually(lambda: len(feed._watchers) == 8 and all(
-            t.connected for t in controller.controller.snapshot()), timeout=20)  # fmt: skip
+
+        def inside() -> bool:  # connected, and the squatters still hold the other places
+            connected = all(t.connected for t in controller.controller.snapshot())
+            return connected and len(feed._watchers) == 8
+
+        await eventually(inside, timeout=20)
         await stack.generate(prompt_token_ids=PROMPT, max_tokens=8)
         await eventually(lambda: controller.controller.snapshot()[0].rounds_seen > 0, timeout=20)
     finally:
@@ -263,10 +267,9 @@ async def test_policy_updates_out_of_range_or_nested_are_invalid_argument(
 async def _cli(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
     """`specpair …` as its own process, with exactly `env` beside PATH and PYTHONPATH."""
     base = {k: os.environ[k] for k in ("PATH", "PYTHONPATH", "HOME") if k in os.environ}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "specpair.cli", *args, env=base | env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+    command = (sys.executable, "-m", "specpair.cli", *args)
+    pipe = asyncio.subprocess.PIPE
+    proc = await asyncio.create_subprocess_exec(*command, env=base | env, stdout=pipe, stderr=pipe)
     out, err = await asyncio.wait_for(proc.communicate(), 120)
     return proc.returncode or 0, out.decode(), err.decode()
 
@@ -277,8 +280,8 @@ async def test_the_api_key_guards_grpc_generate_and_the_sdk_and_cli_send_it(
     """With SPECPAIR_API_KEY set, HTTP /v1/ wanted it and gRPC Generate answered anyone."""
     monkeypatch.delenv("SPECPAIR_API_KEY", raising=False)
     key = "k3y-for-clients"
-    stack = await make_stack(None, target_config(MODELS_DIR / "target", draft_address=None,
-                                                 api_key=key))  # fmt: skip
+    config = target_config(MODELS_DIR / "target", draft_address=None, api_key=key)
+    stack = await make_stack(None, config)
     request = target_pb2.GenerateRequest(prompt_token_ids=PROMPT, max_tokens=2)
     for metadata in ((), (("authorization", "Bearer wrong"),), AUTH):  # AUTH: the ops token
         with pytest.raises(grpc.aio.AioRpcError) as err:
