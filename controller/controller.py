@@ -137,9 +137,7 @@ class AdaptiveController:
         tier = as_tier(tier)
         field = "speculative_num_steps" if tier.is_chain else "shape"
         if tier not in self.policy.candidate_tiers:
-            raise ValueError(
-                f"{field} {tier} is not a candidate tier {tier_names(self.policy.candidate_tiers)}"
-            )
+            raise ValueError(self._not_a_candidate(field, tier))
         for t in self._targets:
             if t.target_candidates and tier not in t.target_candidates:
                 raise ValueError(
@@ -152,6 +150,22 @@ class AdaptiveController:
         for t in self._targets:
             async with t.lock:
                 await t.apply(tier, "pin")
+
+    def _not_a_candidate(self, field: str, tier: TreeShape) -> str:
+        """Why the policy cannot pin `tier`, and what would let it."""
+        tiers = tier_names(self.policy.candidate_tiers)
+        if tier.is_chain:
+            return f"{field} {tier} is not a candidate tier {tiers}"
+        if self.policy.kind != "goodput":
+            return (
+                f"{field} {tier}: the {self.policy.kind} policy chooses among chains only "
+                f"{tiers}; a tree shape is pinned under the goodput kind, listed in its "
+                f"tree_shapes: specpair ctl policy kind=goodput tree_shapes={tier}, then pin it"
+            )
+        return (
+            f"{field} {tier} is not among the policy's tree_shapes {tiers}: specpair ctl "
+            f"policy tree_shapes={tier} (beside any it lists), then pin it"
+        )
 
     async def unpin(self) -> None:
         self.pinned = None

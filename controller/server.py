@@ -16,11 +16,11 @@ from controller.controller import AdaptiveController
 from controller.policy import WIRE_FIELD_NAMES, PolicyConfig
 from specpair.client.results import TargetState
 from specpair.config import ControllerConfig, split_address
-from specpair.logging import get_logger
+from specpair.logging import bounded, get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import controller_pb2, controller_pb2_grpc
 from specpair.runtime.shape import tier_from_wire
-from specpair.serving import GrpcServer, bounded
+from specpair.serving import GrpcServer
 
 log = get_logger("controller")
 

@@ -9,7 +9,7 @@ import grpc
 
 from specpair.channels import auth_metadata
 from specpair.config import TLSConfig
-from specpair.logging import get_logger
+from specpair.logging import Repeats, bounded, get_logger
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
 from specpair.reconnect import ReconnectingLink
 from specpair.runtime.round import RoundStats
@@ -53,6 +53,9 @@ class TargetLink(ReconnectingLink):
         self.metadata = auth_metadata(token)
         self.on_connect, self.on_round, self.on_lost = on_connect, on_round, on_lost
         self.was_connected = False  # whether the session that just failed had connected
+        # A target that keeps refusing (loading; every watcher place taken) is logged once in
+        # a while, with how many attempts were left out, not on every retry.
+        self.repeats = Repeats(30.0)
         self._stub: target_pb2_grpc.TargetServiceStub | None = None
         self._rounds: grpc.aio.UnaryStreamCall | None = None
 
@@ -101,14 +104,14 @@ class TargetLink(ReconnectingLink):
 
     def _failed(self, exc: Exception, retry_s: float) -> float:
         if isinstance(exc, grpc.aio.AioRpcError):
-            # Warn on the first failure only: a target still loading would flood the log.
-            retrying = not self.was_connected and retry_s > self.backoff[0]
-            (log.debug if retrying else log.warning)(
+            left_out = self.repeats.due((self.was_connected, exc.code()))
+            (log.debug if left_out is None else log.warning)(
                 "target connection lost" if self.was_connected else "target unavailable",
                 target=self.address,
                 code=exc.code().name,
-                details=exc.details(),
+                details=bounded(exc.details() or ""),
                 retry_in_s=round(retry_s, 3),
+                left_out=left_out or 0,
             )
         else:
             # A bug or a malformed message must not end the controller's watch of a target.

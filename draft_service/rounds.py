@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from specpair.config import DraftConfig, PipelineMode
-from specpair.logging import get_logger
+from specpair.logging import Repeats, bounded, get_logger
 from specpair.models.loading import CheckpointError, eagle_layout
 from specpair.proto.v1 import draft_pb2
 from specpair.runtime.build import StateBuilder, build_drafter, feature_layers
@@ -38,7 +38,6 @@ from specpair.wire import (
 
 __all__ = ["Answer", "DraftRounds", "RoundError"]
 log = get_logger(__name__)
-MAX_ERROR_CHARS = 500  # an error names the field; it never echoes a whole message back
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +96,7 @@ class DraftRounds:
         )
         self.round = DraftRound(self.drafter, self.pipeline)
         self.headroom = max(t.draft_headroom for t in self.states)
+        self.repeats = Repeats()  # a peer whose every round is refused logs once in a while
 
     @property
     def active_requests(self) -> int:
@@ -152,11 +152,13 @@ class DraftRounds:
         decodes this round plainly and re-sends these requests' full tokens, so their state
         here is dropped either way, and the stream and its other requests go on."""
         self.round.drop(request, stream_id)
-        if isinstance(exc, ValueError | CacheFullError):
-            log.warning("round rejected", round_id=request.round_id, error=str(exc))
-        else:
-            log.exception("round failed", round_id=request.round_id)
-        error = str(exc)[:MAX_ERROR_CHARS] or type(exc).__name__
+        error = bounded(str(exc)) or type(exc).__name__
+        bad_input = isinstance(exc, ValueError | CacheFullError)
+        left_out = self.repeats.due((bad_input, stream_target(stream_id)))
+        if left_out is not None and bad_input:
+            log.warning("round rejected", round_id=request.round_id, error=error, left_out=left_out)
+        elif left_out is not None:
+            log.exception("round failed", round_id=request.round_id, left_out=left_out)
         message = response_to_proto(RoundResponse(request.round_id, error=error))
         return Answer(request, message, StageTimings(), refused=True)
 
@@ -234,10 +236,14 @@ class DraftRounds:
                 continue
             self.round.release(item.request_id)
             refused[item.request_id] = reason
-            log.warning(
-                "request not drafted", round_id=round_id,
-                request=item.request_id.removeprefix(f"{stream_id}/"), reason=reason,
-            )  # fmt: skip
+            if (left_out := self.repeats.due(("not drafted", target))) is not None:
+                log.warning(
+                    "request not drafted",
+                    round_id=round_id,
+                    request=item.request_id.removeprefix(f"{stream_id}/"),
+                    reason=reason,
+                    left_out=left_out,
+                )
         return kept, refused
 
     def usage(self) -> dict[str, int]:

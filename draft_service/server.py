@@ -20,7 +20,7 @@ from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.models.loading import load_tokenizer, tokenizer_fingerprint
 from specpair.proto.v1 import draft_pb2, draft_pb2_grpc
-from specpair.serving import Compute, GrpcServer, bind_device, busy_wait, on_device
+from specpair.serving import Compute, GrpcServer, bind_device, busy_wait, on_device, peer_host
 from specpair.wire import timings_into
 
 log = get_logger(__name__)
@@ -29,15 +29,22 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 # anonymous one could hold every draft slot.
 PROTECTED_METHODS = (f"/{SERVICE_NAME}/Round",)
 MAX_TARGET_CHARS = 128
+# Without a token, the Round streams one peer host may hold open (a target holds one per
+# replica, a second while it reconnects): a flood of streams is refused, not served.
+MAX_HOST_STREAMS = 64
 
 
-def target_identity(context: grpc.aio.ServicerContext, stream: int) -> str:
-    """Who opens Round stream number `stream`: the target's declared identity (its
-    x-specpair-target metadata); without one the stream is a target of its own (its peer's
-    address and number: channels of one process share a connection). Only [A-Za-z0-9._:[]-]
-    are kept, so it never holds the '#' and '/' of the keys built from it."""
+def target_identity(context: grpc.aio.ServicerContext, stream: int, authenticated: bool) -> str:
+    """Who opens Round stream number `stream`, the name its slots are counted under. A stream
+    that presented the ops token (`authenticated`) is the target it declares (its
+    x-specpair-target metadata), or a target of its own when it declares none (its peer's
+    address and number: channels of one process share a connection). Without a token anyone
+    may declare any name, so a stream is its peer's host (`ipv4:10.0.0.7`): four streams
+    inventing four names hold one share. Only [A-Za-z0-9._:[]-] are kept, so it never holds
+    the '#' and '/' of the keys built from it."""
+    peer = context.peer() or "anonymous"
     declared = str(dict(context.invocation_metadata() or ()).get(TARGET_METADATA, ""))
-    name = declared or f"{context.peer() or 'anonymous'}-{stream}"
+    name = (declared or f"{peer}-{stream}") if authenticated else peer_host(peer)
     return re.sub(r"[^A-Za-z0-9._:\[\]-]", "_", name)[:MAX_TARGET_CHARS]
 
 
@@ -62,7 +69,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "draft model is still loading")
         assert rounds is not None
         n = next(self._ids)
-        stream_id = f"{target_identity(context, n)}#{n}"
+        authenticated = bool(self.config.server.ops_token)  # the interceptor checked it
+        target = target_identity(context, n, authenticated)
+        held = sum(1 for s in self.open_streams if stream_target(s) == target)
+        if not authenticated and held >= MAX_HOST_STREAMS:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{target} holds {MAX_HOST_STREAMS} Round streams (unauthenticated: no ops token)",
+            )
+        stream_id = f"{target}#{n}"
         self.open_streams.add(stream_id)
         log.info("round stream opened", stream=stream_id, peer=context.peer())
         # However the call ends gRPC runs its done callbacks, also when the peer vanishes while
@@ -180,6 +195,14 @@ async def start(config: DraftConfig) -> RunningDraft:
         metrics.serve(*split_address(config.server.metrics_address))
     await server.start()
     log.info("draft service listening", address=config.server.address, port=server.port)
+    if not config.server.ops_token:
+        log.warning(
+            "no ops token: Round streams are not authenticated, so each peer host counts as one "
+            "target and holds at most max_target_requests of the draft's slots (set "
+            "SPECPAIR_OPS_TOKEN on the draft and its targets)",
+            max_target_requests=config.max_target_requests,
+            max_requests=config.max_requests,
+        )
     try:
         rounds = await asyncio.to_thread(on_device(config.device, DraftRounds), config)
         # Every path a round takes, once, while health still says NOT_SERVING: what compiles

@@ -66,6 +66,12 @@ def _generation_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="seed of a sampled request (reproducible output)")
     p.add_argument("--stop", action="append", help="stop string (repeatable, at most 4)")
     p.add_argument("--json", action="store_true", help="print the GenerateResult as JSON")
+    p.add_argument(
+        "--api-key-env",
+        default="SPECPAIR_API_KEY",
+        help="env var holding the target's API key, sent as 'authorization: Bearer KEY' "
+        "(default: %(default)s)",
+    )
     _client_tls_opts(p)
 
 

@@ -58,7 +58,9 @@ def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     except ValueError as exc:
         print(f"{parser.prog} generate: error: {exc}", file=sys.stderr)
         return 2  # a usage error, as argparse exits for its own
-    client = SpecpairClient(args.address, tls=client_tls(args, parser))
+    client = SpecpairClient(
+        args.address, tls=client_tls(args, parser), api_key=os.environ.get(args.api_key_env)
+    )
     try:
         if args.json:
             print(json.dumps(client.generate(args.prompt, **params).to_dict(), indent=2))
@@ -95,7 +97,9 @@ def cmd_chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as exc:
         print(f"{parser.prog} chat: error: {exc}", file=sys.stderr)
         return 2
-    client = SpecpairClient(args.address, tls=client_tls(args, parser))
+    client = SpecpairClient(
+        args.address, tls=client_tls(args, parser), api_key=os.environ.get(args.api_key_env)
+    )
     history = [{"role": "system", "content": args.system}] if args.system else []
     if args.message is None:  # on stderr: stdout is the conversation
         print(f"specpair chat with {client.address}: {CHAT_ENDS}", file=sys.stderr, flush=True)

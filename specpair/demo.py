@@ -77,7 +77,7 @@ def run_demo(
     """`http`: the target's OpenAI-compatible address ('' skips the chat turn); `token`: the ops
     token, which the controller's state call and the tier-0 run need when one is set;
     `api_key`: the HTTP API's key, when it has one."""
-    client = SpecpairClient(target)
+    client = SpecpairClient(target, api_key=api_key)
     info = client.server_info()
     print(
         f"demo: target {info.get('target_model_path')} at tier {info.get('speculative_num_steps')}"

@@ -1,8 +1,10 @@
-"""Server interceptors every service installs: malformed requests and the ops bearer token."""
+"""Server interceptors every service installs: malformed requests, and bearer tokens (the ops
+token on the ops methods; the target's API key on its client methods)."""
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -87,12 +89,16 @@ def _checked(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
     return grpc.unary_unary_rpc_method_handler(unary, deserialize, ser)
 
 
-class OpsTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls to `protected` methods without `authorization: Bearer <token>`."""
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls to `protected` methods without `authorization: Bearer <token>`; `what`
+    names the token in the refusal ("ops bearer token", "API key")."""
 
-    def __init__(self, token: str, protected: Iterable[str]) -> None:
-        self.expected = f"Bearer {token}"
+    def __init__(
+        self, token: str, protected: Iterable[str], what: str = "ops bearer token"
+    ) -> None:
+        self.expected = f"Bearer {token}".encode()
         self.protected = frozenset(protected)
+        self.what = what
 
     async def intercept_service(
         self,
@@ -103,17 +109,19 @@ class OpsTokenInterceptor(grpc.aio.ServerInterceptor):
         if details.method not in self.protected:
             return handler
         metadata = dict(details.invocation_metadata or ())
-        if metadata.get("authorization") == self.expected:
+        given = metadata.get("authorization", "")
+        given = given.encode() if isinstance(given, str) else bytes(given)
+        if hmac.compare_digest(given, self.expected):  # in a time that does not tell how close
             return handler
-        return _deny(handler)
+        return _deny(handler, f"missing or wrong {self.what} (authorization: Bearer …)")
 
 
-def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _deny(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong ops bearer token")
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
 
     async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong ops bearer token")
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
         yield  # pragma: no cover - makes this an async generator
 
     des, ser = handler.request_deserializer, handler.response_serializer

@@ -4,16 +4,20 @@ to each target.
     connect ──ok──► hold (until the session ends) ──► drop ──► wait ──► connect …
        └──fails──────────────────────────────────────► drop ──► wait (doubling, capped) ──┘
 
-A session that ended is retried at once; after that the wait starts at `backoff_min_s` and
-doubles up to `backoff_max_s` while attempts keep failing; a subclass may ask for another wait
-for a failure it understands (a draft that refused this target is looked at again only every
-max seconds).
+A session that held at least `backoff_max_s` and ended is retried at once, and the wait starts
+again at `backoff_min_s`; it doubles up to `backoff_max_s` while attempts keep failing, and a
+session that ends as soon as it began (a peer that accepts the connection, then refuses the
+stream: every watcher place taken) is a failure like any other, so a refusal is not retried in
+a tight loop. A subclass may ask for another wait for a failure it understands (a draft that
+refused this target is looked at again only every max seconds; a late one when its bench
+ends).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import grpc
 
@@ -64,17 +68,23 @@ class ReconnectingLink:
     async def _keep_connected(self) -> None:
         delay = self.backoff[0]
         while True:
+            connected_at: float | None = None
+            failure: Exception | None = None
             try:
                 await self._connect()
-                delay = self.backoff[0]
+                connected_at = time.monotonic()
                 await self._hold()
-                # A session that held ended (the peer restarted, a round failed): try again at
-                # once, and back off only while connecting fails.
-                wait = 0.0
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # any failure: back off and try again
-                wait = self._failed(exc, delay)
+                failure = exc
+            held = connected_at is not None and time.monotonic() - connected_at >= self.backoff[1]
+            if held:
+                delay = self.backoff[0]
+            if failure is None and held:
+                wait = 0.0  # the peer restarted, or a round failed: try again at once
+            else:
+                wait = delay if failure is None else self._failed(failure, delay)
                 delay = min(delay * 2, self.backoff[1])
             await self._drop()
             task = asyncio.current_task()

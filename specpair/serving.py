@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specpair.channels import CHANNEL_OPTIONS, MESSAGE_LIMIT
 from specpair.config import ServerConfig, TLSConfig
-from specpair.interceptors import MalformedRequestInterceptor, OpsTokenInterceptor
+from specpair.interceptors import BearerTokenInterceptor, MalformedRequestInterceptor
 from specpair.logging import get_logger
 
 log = get_logger(__name__)
@@ -155,14 +155,13 @@ async def settle(quiet_s: float = SETTLE_QUIET_S, budget_s: float = SETTLE_BUDGE
             return
 
 
-MAX_DETAILS_CHARS = 512  # an error names the field; echoing a 100k-item list overflows metadata
-
-
-def bounded(details: str) -> str:
-    """An error's details cut to MAX_DETAILS_CHARS, so a huge bad value is never echoed whole."""
-    if len(details) <= MAX_DETAILS_CHARS:
-        return details
-    return details[: MAX_DETAILS_CHARS - 1] + "…"
+def peer_host(peer: str) -> str:
+    """The host a gRPC peer string names, without its port: what a caller cannot choose (its
+    metadata it can). `ipv4:10.0.0.7:51234` → `ipv4:10.0.0.7`, `ipv6:[::1]:51234` →
+    `ipv6:[::1]`, `unix:/run/s.sock` → `unix:/run/s.sock`."""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return peer.rpartition(":")[0]
+    return peer
 
 
 def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials | None:
@@ -190,7 +189,8 @@ def _unix_socket_live(path: str) -> bool:
 
 
 class GrpcServer:
-    """A grpc.aio server with health (NOT_SERVING until `ready()`), reflection and ops auth."""
+    """A grpc.aio server with health (NOT_SERVING until `ready()`), reflection, the ops token
+    on `protected_methods` and an API key on `keyed_methods`."""
 
     def __init__(
         self,
@@ -199,10 +199,16 @@ class GrpcServer:
         *,
         protected_methods: Iterable[str] = (),
         max_request_bytes: int = MESSAGE_LIMIT,
+        api_key: str | None = None,
+        keyed_methods: Iterable[str] = (),
     ) -> None:
         interceptors: list[grpc.aio.ServerInterceptor] = []
-        if config.ops_token:  # first: a caller without the token is refused before parsing
-            interceptors.append(OpsTokenInterceptor(config.ops_token, protected_methods))
+        # First: a caller without the token (the ops methods) or the key (the client methods
+        # that cost compute) is refused before its request is parsed.
+        if config.ops_token:
+            interceptors.append(BearerTokenInterceptor(config.ops_token, protected_methods))
+        if api_key:
+            interceptors.append(BearerTokenInterceptor(api_key, keyed_methods, "API key"))
         interceptors.append(MalformedRequestInterceptor())
         # Larger requests are refused (RESOURCE_EXHAUSTED) before a byte of them is parsed.
         options = [

@@ -8,11 +8,12 @@ Whole messages cross here: `request_to_proto` / `request_from_proto` (RoundReque
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import fields
 
 import torch
 
+from specpair.logging import bounded
 from specpair.proto.v1 import common_pb2, draft_pb2, target_pb2
 from specpair.runtime.round import (
     DraftInput,
@@ -113,17 +114,33 @@ def response_to_proto(response: RoundResponse) -> draft_pb2.RoundResponse:
     return msg
 
 
-def response_from_proto(msg: draft_pb2.RoundResponse) -> RoundResponse:
+def response_from_proto(
+    msg: draft_pb2.RoundResponse,
+    max_nodes: int | None = None,
+    request_ids: Collection[str] | None = None,
+) -> RoundResponse:
     """Never raises: a tree that cannot be decoded lands in `malformed` with why, so that it
-    costs only its request's speculation."""
+    costs only its request's speculation. A peer's answer is bounded before any tree is
+    decoded: a tree of more than `max_nodes` nodes (the round's shape) is malformed unread, a
+    tree or pre-draft for a request not in `request_ids` (the round's) is dropped unread, and
+    the error is cut to `bounded`'s length."""
     trees, malformed = {}, {}
     for t in msg.trees:
+        if request_ids is not None and t.request_id not in request_ids:
+            continue
+        if (why := _oversized(t, max_nodes)) is not None:
+            malformed[t.request_id] = why
+            continue
         try:
             trees[t.request_id] = _tree_from_proto(t)
         except ValueError as exc:
-            malformed[t.request_id] = str(exc)
+            malformed[t.request_id] = bounded(str(exc))
     predrafts: dict[str, list[Predraft]] = {}
     for p in msg.predrafts:
+        if request_ids is not None and p.tree.request_id not in request_ids:
+            continue
+        if _oversized(p.tree, max_nodes) is not None:
+            continue
         try:  # an undecodable pre-draft is only one guess fewer
             tree = _tree_from_proto(p.tree)
         except ValueError:
@@ -132,7 +149,7 @@ def response_from_proto(msg: draft_pb2.RoundResponse) -> RoundResponse:
             Predraft(p.accepted, p.bonus_token_id, tree)
         )
     return RoundResponse(
-        msg.round_id, trees, timings_from_proto(msg.timings), msg.error, malformed,
+        msg.round_id, trees, timings_from_proto(msg.timings), bounded(msg.error), malformed,
         tuple(msg.adopted_request_ids), {rid: tuple(p) for rid, p in predrafts.items()},
         dict(msg.refused),
     )  # fmt: skip
@@ -215,6 +232,15 @@ def _tree_into(msg: draft_pb2.CandidateTree, request_id: str, tree: CandidateTre
         tensor_into(msg.draft_probs, tree.draft_probs)
     if tree.draft_ids is not None:
         tensor_into(msg.draft_token_ids, tree.draft_ids.to(torch.int32))
+
+
+def _oversized(msg: draft_pb2.CandidateTree, max_nodes: int | None) -> str | None:
+    """Why a tree is larger than a round allows, counted on the message (nothing decoded)."""
+    n = max(len(msg.token_ids), len(msg.parents))
+    if max_nodes is None or n <= max_nodes:
+        return None
+    where = f"trees[{bounded(msg.request_id)}]"
+    return f"{where}: {n} nodes, more than the round's shape allows ({max_nodes})"
 
 
 def _tree_from_proto(msg: draft_pb2.CandidateTree) -> CandidateTree:

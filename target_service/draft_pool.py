@@ -13,17 +13,21 @@ inputs r1, r2, r3 homed a, b, a and r4 released from b →
 a: RoundRequest(inputs r1, r3), b: RoundRequest(inputs r2, released r4); trees {r1, r3} from a
 and {r2} from b answer the round.
 
-A lost replica costs its requests their drafts in the round it fails (they decode plainly); at
-their next round they move to a live replica and re-prefill there. That is the DraftSession's
-epoch logic: a request's stream key (`epochs`) names its home's current stream, so a new home,
-or a home that reconnected, is a new stream and the request's whole history is sent again. A
-request the replica refuses (no room: `RoundResponse.refused`) moves the same way.
+A lost or late replica costs its requests their drafts in the round it fails (they decode
+plainly); at their next round they move to a live replica and re-prefill there. A late one is
+benched until a probe answers in time (`draft_link.py`, `draft_deadline.py`); its deadline
+follows the fastest connected replica's pace, since a round waits for its slowest leg. The
+move is the DraftSession's epoch logic: a request's stream key (`epochs`) names its home's
+current stream, so a new home, or a home that reconnected, is a new stream and the request's
+whole history is sent again. A request the replica refuses (no room: `RoundResponse.refused`)
+moves the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -34,6 +38,7 @@ from specpair.logging import get_logger
 from specpair.proto.v1 import target_pb2
 from specpair.runtime.round import DraftInput, RoundRequest, RoundResponse
 from specpair.runtime.target.worker import TargetSequence
+from target_service.draft_deadline import RoundPace
 from target_service.draft_link import DraftLink
 from target_service.draft_merge import merge
 from target_service.draft_resolve import is_name, resolve
@@ -110,6 +115,7 @@ class DraftPool:
             link = current.pop(address, None)
             if link is None:
                 link = self._make(address, host if address != entry else None)
+                link.peers = functools.partial(self._paces, link)
                 link.start()
                 log.info("draft replica added", entry=entry, address=address)
             links.append(link)
@@ -122,6 +128,11 @@ class DraftPool:
         self._homes = {rid: home for rid, home in self._homes.items() if home[0] not in gone}
         self.links = [link for e in self.entries for link in self._by_entry.get(e, [])]
         return gone
+
+    def _paces(self, link: DraftLink) -> list[RoundPace]:
+        """What `link`'s deadline follows: its own pace and every connected replica's, so a
+        replica far slower than a live one is benched (a round waits for its slowest leg)."""
+        return [link.pace, *(x.pace for x in self.links if x.connected and x is not link)]
 
     @property
     def connected(self) -> bool:

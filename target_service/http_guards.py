@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from specpair.serving import bounded
+from specpair.logging import bounded
 from target_service.validation import request_bytes_limit
 
 # Bodies above this are parsed on a worker thread: json.loads grows with the body (milliseconds
@@ -44,7 +44,7 @@ def error_response(
     headers: Mapping[str, str] | None = None,
 ) -> JSONResponse:
     """OpenAI's error object: the `openai` client raises it as e.g. BadRequestError. The
-    message is cut as gRPC's details are (`serving.bounded`)."""
+    message is cut as gRPC's details are (`specpair.logging.bounded`)."""
     error = {"message": bounded(message), "type": kind, "param": param, "code": code}
     return JSONResponse({"error": error}, status_code=status, headers=headers)
 

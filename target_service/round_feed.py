@@ -3,7 +3,10 @@
 WatchRounds (the controller, the benchmarks) reads a queue per watcher. Watchers cost the
 round loop a queue put each per round, so there are at most `max_watchers`; one that falls a
 whole queue behind is dropped (its stream ends, the controller reconnects) rather than kept at
-the loop's expense.
+the loop's expense. A newcomer always gets in: when every place is taken, the oldest watcher of
+the peer host holding the most places is dropped for it, so watchers that hold places and read
+nothing (an idle target drops nobody for falling behind) cannot lock a restarted controller
+out, and a host flooding the places evicts its own first.
 """
 
 from __future__ import annotations
@@ -18,15 +21,17 @@ from specpair.runtime.round import RoundStats
 QUEUE_ROUNDS = 1024
 
 
-# What a watcher reads: each round's stats, then None once it was dropped.
-WatchQueue = asyncio.Queue[RoundStats | None]
+# What a watcher reads: each round's stats, then why it was dropped.
+WatchQueue = asyncio.Queue[RoundStats | str]
+BEHIND = f"this watcher fell {QUEUE_ROUNDS} rounds behind and was dropped; watch again"
+EVICTED = "every max_watchers place was taken: this watcher, the oldest of its host's, was dropped"
 
 
 class RoundFeed:
     def __init__(self, metrics: ServiceMetrics, max_watchers: int = DEFAULT_MAX_WATCHERS) -> None:
         self.metrics = metrics
         self.max_watchers = max_watchers
-        self._watchers: set[WatchQueue] = set()
+        self._watchers: dict[WatchQueue, str] = {}  # → its peer host, oldest first
         self.pipelined = False  # the last round was
         self.recent_hits: collections.deque[bool] = collections.deque(maxlen=256)
 
@@ -35,16 +40,25 @@ class RoundFeed:
         """Pipelined request-rounds whose tree was pre-drafted, over the last 256."""
         return sum(self.recent_hits) / len(self.recent_hits) if self.recent_hits else 0.0
 
-    def watch(self) -> WatchQueue | None:
-        """A new watcher's queue, or None when `max_watchers` are watching."""
+    def watch(self, host: str = "") -> WatchQueue:
+        """A new watcher's queue (`host`: its peer's), dropping the oldest watcher of the most
+        crowded host when `max_watchers` are watching."""
         if len(self._watchers) >= self.max_watchers:
-            return None
+            crowded = collections.Counter(self._watchers.values()).most_common(1)[0][0]
+            self._drop(next(q for q, h in self._watchers.items() if h == crowded), EVICTED)
         queue: WatchQueue = asyncio.Queue(maxsize=QUEUE_ROUNDS)
-        self._watchers.add(queue)
+        self._watchers[queue] = host
         return queue
 
     def unwatch(self, queue: WatchQueue) -> None:
-        self._watchers.discard(queue)
+        self._watchers.pop(queue, None)
+
+    def _drop(self, queue: WatchQueue, why: str) -> None:
+        """Drops a watcher; its stream reads `why` next and ends."""
+        self._watchers.pop(queue, None)
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(why)
 
     def publish(self, stats: RoundStats) -> None:
         """One round's account (`runtime/target/round.py: round_stats`): its stage timings to
@@ -62,10 +76,7 @@ class RoundFeed:
         self.metrics.stage_latency.labels("wait").observe(timings.wait_ms / 1e3)
         self.pipelined = stats.pipelined
         for queue in list(self._watchers):
-            if queue.full():  # a whole queue behind: dropped, told so by a None
-                self._watchers.discard(queue)
-                while not queue.empty():
-                    queue.get_nowait()
-                queue.put_nowait(None)
+            if queue.full():  # a whole queue behind: dropped, and told so
+                self._drop(queue, BEHIND)
             else:
                 queue.put_nowait(stats)

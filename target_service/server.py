@@ -28,7 +28,7 @@ from target_service.draft_pool import DraftPool
 from target_service.frontend import Frontend
 from target_service.http_api import HttpServer, OpenAIApp
 from target_service.scheduler import Scheduler
-from target_service.servicer import OPS_METHODS, SERVICE, TargetServicer
+from target_service.servicer import CLIENT_METHODS, OPS_METHODS, SERVICE, TargetServicer
 from target_service.special_tokens import eos_ids, prompt_bos
 from target_service.usage import kv_cache_usage, log_throughput
 from target_service.validation import request_bytes_limit
@@ -144,6 +144,8 @@ async def start(config: TargetConfig) -> RunningTarget:
         [SERVICE.full_name],
         protected_methods=OPS_METHODS,
         max_request_bytes=request_bytes_limit(config.max_len),
+        api_key=config.api_key,
+        keyed_methods=CLIENT_METHODS,
     )
     metrics = ServiceMetrics("target")
     frontend = Frontend(config, metrics)
@@ -210,6 +212,7 @@ async def start(config: TargetConfig) -> RunningTarget:
             DraftLink,
             tls=config.server.tls,
             timeout_s=config.draft_timeout_s,
+            deadline_floor_s=config.draft_deadline_floor_s,
             backoff_min_s=config.reconnect_min_s,
             backoff_max_s=config.reconnect_max_s,
             busy_poll_s=config.busy_poll_s,

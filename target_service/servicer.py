@@ -7,10 +7,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from specpair.logging import bounded
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
 from specpair.runtime.build import StateBuilder
 from specpair.runtime.shape import tier_name
-from specpair.serving import bounded
+from specpair.serving import peer_host
 from specpair.wire import apply_tier_from_proto, stats_to_proto
 from target_service.frontend import (
     DeadlineExceededError,
@@ -19,12 +20,14 @@ from target_service.frontend import (
     RoundFailedError,
 )
 from target_service.request import from_proto
-from target_service.round_feed import QUEUE_ROUNDS
 from target_service.scheduler import QueueFullError, Scheduler
 from target_service.validation import InvalidRequestError, check_sizes
 
 SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"]
 OPS_METHODS = [f"/{SERVICE.full_name}/{m}" for m in ("ApplyTier", "WatchRounds")]
+# What the API key guards, as it guards HTTP /v1/ (GetServerInfo stays open, as /health does:
+# the controller reads it with the ops token).
+CLIENT_METHODS = [f"/{SERVICE.full_name}/Generate"]
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -122,19 +125,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self, request: target_pb2.WatchRoundsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[target_pb2.WatchRoundsResponse]:
         scheduler = await self._ready(context)
-        queue = scheduler.feed.watch()
-        if queue is None:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self.config.max_watchers} WatchRounds streams already open (max_watchers)",
-            )
-        assert queue is not None
+        queue = scheduler.feed.watch(peer_host(context.peer() or ""))
         try:
-            while (stats := await queue.get()) is not None:
+            while not isinstance(stats := await queue.get(), str):
                 yield target_pb2.WatchRoundsResponse(round=stats_to_proto(stats))
         finally:
             scheduler.feed.unwatch(queue)
-        await context.abort(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"this watcher fell {QUEUE_ROUNDS} rounds behind and was dropped; watch again",
-        )
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, stats)

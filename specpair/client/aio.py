@@ -40,8 +40,12 @@ from specpair.proto.v1 import controller_pb2, controller_pb2_grpc, target_pb2, t
 TLSArg = TLSConfig | str | os.PathLike[str] | None
 
 
+API_KEY_ENV = "SPECPAIR_API_KEY"  # where a target client finds its API key when given none
+
+
 class ConnectionOptions(TypedDict, total=False):
     token: str | None  # the ops bearer token (the controller's ops API, a target's ApplyTier)
+    api_key: str | None  # a target's API key (its Generate); default: $SPECPAIR_API_KEY
     tls: TLSArg
     timeout: float | None  # seconds per call (a whole stream for Generate); None: no limit
 
@@ -60,16 +64,21 @@ class Connection:
     def __init__(self, address: str | None = None, **options: Unpack[ConnectionOptions]) -> None:
         self.address = address or env_address(self.service)
         self.timeout = options.get("timeout")
-        token = options.get("token")
+        name, token = self._bearer(options)
         if token and not (token.isascii() and token.isprintable()):
             # gRPC would fail every call with a bare ExecuteBatchError instead.
             raise SpecpairError(
-                "INVALID_ARGUMENT", "token: a bearer token is printable ASCII (call metadata)"
+                "INVALID_ARGUMENT", f"{name}: a bearer token is printable ASCII (call metadata)"
             )
         self._metadata = auth_metadata(token)
         self._tls = tls_config(options.get("tls"))
         # Opened on first use: a grpc.aio channel belongs to the event loop it was created on.
         self._channel: grpc.aio.Channel | None = None
+
+    def _bearer(self, options: ConnectionOptions) -> tuple[str, str | None]:
+        """What goes in `authorization: Bearer …` (the ops token, where a service has one), and
+        where it came from."""
+        return "token", options.get("token")
 
     def _open(self) -> grpc.aio.Channel:
         if self._channel is None:
@@ -101,9 +110,18 @@ class Connection:
 
 
 class AsyncSpecpairClient(Connection):
-    """asyncio client of a target service; use as `async with`."""
+    """asyncio client of a target service; use as `async with`. A target started with an API
+    key wants it on Generate: `api_key=`, else $SPECPAIR_API_KEY."""
 
     service = "target"
+
+    def _bearer(self, options: ConnectionOptions) -> tuple[str, str | None]:
+        # The API key where there is one: a target's client calls ask for it, not the ops token.
+        if key := options.get("api_key"):
+            return "api_key", key
+        if key := os.environ.get(API_KEY_ENV):
+            return API_KEY_ENV, key
+        return super()._bearer(options)
 
     def _stub(self) -> target_pb2_grpc.TargetServiceStub:
         return target_pb2_grpc.TargetServiceStub(self._open())

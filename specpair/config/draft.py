@@ -34,7 +34,9 @@ class DraftConfig(ModelServiceConfig):
     max_target_requests: int = field(
         default=0,
         metadata=option("requests one target (all its Round streams) may hold; lower it when "
-                        "several targets share this draft (0: max_requests)"),
+                        "several targets share this draft (0: max_requests with an ops token; "
+                        "without one, where a target is only the host it connects from, half "
+                        "of max_requests)"),
     )  # fmt: skip
     pipeline: PipelineMode = field(
         default=PipelineMode.ON,
@@ -67,7 +69,9 @@ class DraftConfig(ModelServiceConfig):
                 f"got {self.max_target_requests}"
             )
         if self.max_target_requests == 0:
-            object.__setattr__(self, "max_target_requests", self.max_requests)
+            # Without a token no stream proves who opened it: no one host may hold it all.
+            share = self.max_requests if self.server.ops_token else max(1, self.max_requests // 2)
+            object.__setattr__(self, "max_target_requests", share)
 
     @property
     def cache_len(self) -> int:

@@ -58,8 +58,17 @@ class TargetConfig(ModelServiceConfig):
     )  # fmt: skip
     draft_timeout_s: float = field(
         default=5.0,
-        metadata=option("seconds per round; a round whose drafts come later is decoded "
-                        "without them", flag="--draft-timeout"),
+        metadata=option("the longest a round waits for its drafts, in seconds (a round "
+                        "carrying a prompt waits this long; an ordinary round's deadline follows "
+                        "the draft's measured pace, at most this); a round whose drafts come "
+                        "later is decoded without them and the replica is benched until a "
+                        "probe answers in time", flag="--draft-timeout"),
+    )  # fmt: skip
+    draft_deadline_floor_s: float = field(
+        default=1.0,
+        metadata=option("the shortest deadline an ordinary round's drafts get, in seconds "
+                        "(the measured pace sets it above this; at most --draft-timeout)",
+                        flag="--draft-deadline-floor"),
     )  # fmt: skip
     reconnect_min_s: float = 0.2
     reconnect_max_s: float = 5.0
@@ -77,8 +86,9 @@ class TargetConfig(ModelServiceConfig):
     )  # fmt: skip
     api_key: str | None = field(
         default=None,
-        metadata=option("key the HTTP API requires on /v1/ as 'Authorization: Bearer KEY' (what "
-                        "OpenAI clients send as api_key); prefer the variable to the flag, "
+        metadata=option("key clients must send as 'Authorization: Bearer KEY': on HTTP /v1/ "
+                        "(what OpenAI clients send as api_key) and on gRPC Generate (the SDK "
+                        "and CLI send SPECPAIR_API_KEY); prefer the variable to the flag, "
                         "which other users see in ps", env="SPECPAIR_API_KEY", secret=True),
     )  # fmt: skip
     http_read_timeout_s: float = field(
@@ -179,6 +189,9 @@ class TargetConfig(ModelServiceConfig):
             raise ValueError(
                 f"join_group must be in [0, max_batch = {self.max_batch}], got {self.join_group}"
             )
+        for name in ("draft_timeout_s", "draft_deadline_floor_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 < self.reconnect_min_s <= self.reconnect_max_s:
             raise ValueError("need 0 < reconnect_min_s <= reconnect_max_s")
         object.__setattr__(self, "pipeline", PipelineMode(self.pipeline))

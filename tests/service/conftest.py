@@ -72,8 +72,12 @@ class Stack:
             await asyncio.sleep(0.05)
         raise AssertionError("the target never connected to the draft")
 
-    async def generate(self, **kwargs: Any) -> tuple[list[int], list[target_pb2.GenerateResponse]]:
-        responses = [r async for r in self.stub.Generate(target_pb2.GenerateRequest(**kwargs))]
+    async def generate(
+        self, metadata: tuple[tuple[str, str], ...] = (), **kwargs: Any
+    ) -> tuple[list[int], list[target_pb2.GenerateResponse]]:
+        """`metadata`: the call's (an API key, where the target has one)."""
+        request = target_pb2.GenerateRequest(**kwargs)
+        responses = [r async for r in self.stub.Generate(request, metadata=metadata)]
         return [t for r in responses for t in r.token_ids], responses
 
 
@@ -104,6 +108,8 @@ async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> Non
 
 def target_config(target: Path, **kwargs: Any) -> TargetConfig:
     kwargs.setdefault("draft_timeout_s", 15.0)  # a loaded CI box must not look like a dead draft
+    # nor a late one: a fixed deadline unless a test asks for the measured one
+    kwargs.setdefault("draft_deadline_floor_s", kwargs["draft_timeout_s"])
     kwargs.setdefault("reconnect_min_s", 0.05)
     kwargs.setdefault("reconnect_max_s", 0.2)
     return TargetConfig(ServerConfig("127.0.0.1:0"), target, **kwargs)

@@ -132,7 +132,9 @@ async def test_pin_and_unpin_a_tree_shape() -> None:
         switch = state.recent_switches[-1]
         assert (switch.from_tier, switch.to_tier, switch.to_steps) == ("3", TREE, 4)
         # A tree the target did not build, or no shape at all, is refused by name.
-        with pytest.raises(SpecpairError, match="shape 2x2x4 is not a candidate tier"):
+        with pytest.raises(
+            SpecpairError, match="shape 2x2x4 is not among the policy's tree_shapes"
+        ):
             await s.client.pin("2x2x4")
         with pytest.raises(ValueError, match="STEPSxTOPKxNUM_DRAFT_TOKENS"):
             await s.client.pin("4x4")

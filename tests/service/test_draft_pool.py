@@ -8,8 +8,8 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import grpc
 
@@ -18,10 +18,10 @@ import target_service.server as target_server
 from controller.policy import PolicyConfig
 from controller.server import RunningController
 from controller.server import start as start_controller
-from specpair.channels import target_metadata
+from specpair.channels import auth_metadata, target_metadata
 from specpair.client.results import ControllerState
 from specpair.client_commands import status_table
-from specpair.config import MODELS_DIR, ControllerConfig, ServerConfig
+from specpair.config import MODELS_DIR, ControllerConfig, DraftConfig, ServerConfig, TargetConfig
 from specpair.proto.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.service.conftest import draft_config, eventually, reference_greedy, target_config
 from tests.service.test_hardening import draft_input
@@ -30,6 +30,14 @@ TARGET, DRAFT = MODELS_DIR / "target", MODELS_DIR / "draft"
 CONNECTED = target_pb2.DRAFT_CONNECTION_STATE_CONNECTED
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14], [3, 4], [100, 200, 50, 60]]
 MAX_TOKENS = 80
+
+
+TOKEN = "s3cret"  # a declared target name counts only on a stream that presents the token
+Config = TypeVar("Config", DraftConfig, TargetConfig)
+
+
+def _with_token(config: Config) -> Config:
+    return replace(config, server=replace(config.server, ops_token=TOKEN))
 
 
 @dataclass
@@ -49,14 +57,18 @@ class Pool:
 
 @contextlib.asynccontextmanager
 async def pool_of_two() -> AsyncIterator[Pool]:
-    """2 draft replicas, 2 targets each drafting on both, 1 controller steering both."""
-    drafts = [await draft_server.start(draft_config(DRAFT)) for _ in range(2)]
+    """2 draft replicas, 2 targets each drafting on both, 1 controller steering both; all share
+    the ops token, so each draft tells the two targets (one host here) apart."""
+    drafts = [await draft_server.start(_with_token(draft_config(DRAFT))) for _ in range(2)]
     replicas = ",".join(f"127.0.0.1:{d.port}" for d in drafts)
-    targets = [await target_server.start(target_config(TARGET, draft_address=replicas))]
-    targets.append(await target_server.start(target_config(TARGET, draft_address=replicas)))
+    targets = []
+    for _ in range(2):
+        config = target_config(TARGET, draft_address=replicas)
+        targets.append(await target_server.start(_with_token(config)))
     addresses = ",".join(f"127.0.0.1:{t.port}" for t in targets)  # `--target a,b`
     fast = PolicyConfig(ema_alpha=0.5, warmup_batches=1, update_interval=1)
-    config = ControllerConfig(ServerConfig("127.0.0.1:0"), targets=(addresses,), reconnect_s=0.1)
+    server = ServerConfig("127.0.0.1:0", ops_token=TOKEN)
+    config = ControllerConfig(server, targets=(addresses,), reconnect_s=0.1)
     controller = await start_controller(config, policy=fast)
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{t.port}") for t in targets]
     pool = Pool(
@@ -137,12 +149,12 @@ async def test_two_targets_two_drafts_one_controller_lose_a_replica_and_nothing_
 
 
 class TargetStream:
-    """A Round stream that presents a target identity."""
+    """A Round stream that presents a target identity (and the ops token, where given)."""
 
-    def __init__(self, port: int, target: str) -> None:
+    def __init__(self, port: int, target: str, token: str | None = None) -> None:
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         stub = draft_pb2_grpc.DraftServiceStub(self.channel)
-        self.call = stub.Round(metadata=target_metadata(target))
+        self.call = stub.Round(metadata=target_metadata(target) + auth_metadata(token))
         self.round_id = 0
 
     async def round(self, *inputs: draft_pb2.DraftInput) -> draft_pb2.RoundResponse:
@@ -161,9 +173,11 @@ class TargetStream:
 
 
 async def test_a_draft_counts_slots_per_target_over_all_its_streams() -> None:
-    draft = await draft_server.start(draft_config(DRAFT, max_requests=6, max_target_requests=3))
-    a1, a2 = TargetStream(draft.port, "pod-a:50051"), TargetStream(draft.port, "pod-a:50051")
-    b = TargetStream(draft.port, "pod-b:50051")
+    config = draft_config(DRAFT, max_requests=6, max_target_requests=3)
+    draft = await draft_server.start(_with_token(config))
+    a1 = TargetStream(draft.port, "pod-a:50051", TOKEN)
+    a2 = TargetStream(draft.port, "pod-a:50051", TOKEN)
+    b = TargetStream(draft.port, "pod-b:50051", TOKEN)
     try:
         first = await a1.round(*(draft_input(f"r{i}", [5, 6, 7]) for i in range(2)))
         assert len(first.trees) == 2 and not first.refused
@@ -197,8 +211,10 @@ async def test_a_draft_counts_slots_per_target_over_all_its_streams() -> None:
 
 
 async def test_a_stream_without_an_identity_is_its_own_target_and_names_are_cleaned() -> None:
-    draft = await draft_server.start(draft_config(DRAFT, max_requests=4, max_target_requests=1))
-    streams = [TargetStream(draft.port, name) for name in ("", "", "evil#1/r0", "evil#1/r0")]
+    config = draft_config(DRAFT, max_requests=4, max_target_requests=1)
+    draft = await draft_server.start(_with_token(config))
+    names = ("", "", "evil#1/r0", "evil#1/r0")
+    streams = [TargetStream(draft.port, name, TOKEN) for name in names]
     try:
         answers = [await s.round(draft_input("r0", [5, 6, 7])) for s in streams]
         # A stream naming nobody is a target of its own; the two naming "evil#1/r0" are one

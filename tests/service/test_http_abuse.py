@@ -29,6 +29,7 @@ from tests.service.conftest import Stack, draft_config, eventually, target_confi
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 KEY = "sk-specpair-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+GRPC_AUTH = (("authorization", f"Bearer {KEY}"),)  # the key guards gRPC Generate too
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 USER = [{"role": "user", "content": "Write a function that adds two numbers."}]
 READ_TIMEOUT_S = 1.0
@@ -90,7 +91,7 @@ async def test_stop_lists_are_bounded_in_count_and_length(stack: Stack) -> None:
     ok, reply = await call(stack, CHAT, chat(stop=["\n\n", "def", "class", "#"]))
     assert ok == 200, reply
     with pytest.raises(grpc.aio.AioRpcError) as err:  # the gRPC door applies the same bound
-        await stack.generate(prompt="x", max_tokens=4, stop=["a"] * 5)
+        await stack.generate(GRPC_AUTH, prompt="x", max_tokens=4, stop=["a"] * 5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("stop: 5 stop strings")
 
@@ -106,7 +107,7 @@ async def test_messages_are_sized_before_the_template_renders_them(stack: Stack)
     assert "2000 messages cannot fit" in reply["error"]["message"]
     messages = [target_pb2.ChatMessage(role="user", content="y" * 40_000)]
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stack.generate(messages=messages, max_tokens=4)
+        await stack.generate(GRPC_AUTH, messages=messages, max_tokens=4)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("messages: 40004 characters cannot fit")
 
@@ -119,7 +120,7 @@ async def test_token_id_prompts_are_counted_before_each_id_is_checked(stack: Sta
     assert reply["error"]["message"].startswith("prompt: 300000 items cannot fit")
     assert time.perf_counter() - t0 < 2.0
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stack.generate(prompt_token_ids=[1] * 5000, max_tokens=4)
+        await stack.generate(GRPC_AUTH, prompt_token_ids=[1] * 5000, max_tokens=4)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("prompt_token_ids: 5000 tokens cannot fit")
     stop_ids = {"model": "t", "prompt": "x", "stop_token_ids": [1] * 1000}

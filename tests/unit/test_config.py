@@ -71,7 +71,12 @@ def test_the_front_door_settings_are_checked_once(monkeypatch: pytest.MonkeyPatc
         with pytest.raises(ValueError, match=next(iter(bad))):
             target(**bad)
     draft = DraftConfig(ServerConfig("127.0.0.1:0"), Path("d"), max_requests=8)
-    assert draft.max_target_requests == 8  # 0: every slot
+    assert draft.max_target_requests == 4  # 0 without a token: half, no one host takes all
+    token = ServerConfig("127.0.0.1:0", ops_token="t")
+    assert DraftConfig(token, Path("d"), max_requests=8).max_target_requests == 8  # every slot
+    for bad in ({"draft_timeout_s": 0}, {"draft_deadline_floor_s": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            target(**bad)
     with pytest.raises(ValueError, match="max_target_requests must be in"):
         DraftConfig(ServerConfig("127.0.0.1:0"), Path("d"), max_requests=8, max_target_requests=9)
 

@@ -8,6 +8,8 @@ import pytest
 
 from specpair.reconnect import ReconnectingLink
 
+REAL_SLEEP = asyncio.sleep  # the tests below record the link's waits through asyncio.sleep
+
 
 class ScriptedLink(ReconnectingLink):
     """Connects per a script of outcomes; records each wait the core asks for."""
@@ -25,10 +27,12 @@ class ScriptedLink(ReconnectingLink):
             await asyncio.Event().wait()  # stays "connecting" until cancelled
         outcome = self.outcomes.pop(0)
         self.events.append(outcome)
-        if outcome != "ok":
+        if outcome not in ("ok", "held"):
             raise ConnectionError(outcome)
 
     async def _hold(self) -> None:
+        if self.events[-1] == "held":  # a session that lasts past the longest backoff
+            await REAL_SLEEP(self.backoff[1] + 0.01)
         self.events.append("session ended")
 
     def _failed(self, exc: Exception, retry_s: float) -> float:
@@ -51,13 +55,16 @@ async def test_backoff_doubles_while_failing_and_resets_on_connect(
         await real_sleep(0)
 
     monkeypatch.setattr(asyncio, "sleep", sleep)
-    link = ScriptedLink(["down", "down", "down", "down", "ok", "down", "refused"], 9.0)
+    script = ["down", "down", "down", "down", "held", "down", "ok", "down", "refused"]
+    link = ScriptedLink(script, 9.0)
     link.start()
     await asyncio.wait_for(link.done.wait(), 5)
     await link.close()
-    # 0.01 doubling to the 0.04 cap; a session that ended is retried at once and resets it;
-    # a failure the link understands waits what the link says.
-    assert waits == [0.01, 0.02, 0.04, 0.04, 0.0, 0.01, 9.0]
+    # 0.01 doubling to the 0.04 cap; a session that held past the cap is retried at once and
+    # resets it; one that ends as soon as it began (a peer refusing the stream it accepted) is a
+    # failure like any other, so it is not retried in a tight loop; a failure the link
+    # understands waits what the link says.
+    assert waits == [0.01, 0.02, 0.04, 0.04, 0.0, 0.01, 0.02, 0.04, 9.0]
     assert link.events[:9] == ["down", "wait 0.01", "dropped", "down", "wait 0.02", "dropped",
                                "down", "wait 0.04", "dropped"]  # fmt: skip
     assert link.events[-2:] == ["dropped", "dropped"]  # the last attempt's, then close()'s

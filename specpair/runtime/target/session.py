@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from specpair.logging import get_logger
+from specpair.logging import Repeats, get_logger
 from specpair.runtime.round import DraftInput, RoundRequest, RoundResponse, StageTimings
 from specpair.runtime.shape import MAX_TREE_NODES, TreeShape
 from specpair.runtime.target.features import FeatureLog, LastRows
@@ -90,6 +90,9 @@ class DraftSession:
         self.max_tree_nodes = max_tree_nodes
         self.views: dict[str, DraftView] = {}
         self._released: list[str] = []
+        # A draft that errs every round (or sends a bad tree for every request) is logged once
+        # in a while, with how many were left out, not once a round.
+        self.repeats = Repeats()
 
     def add(self, seq: TargetSequence, features: Tensor | None) -> None:
         """A prefilled request; `features`: its prompt's hidden states [P, H] (EAGLE) or None."""
@@ -223,8 +226,14 @@ class DraftSession:
         ids = tuple(item.request_id for item in request.inputs)
         if response is None:
             return Drafts(empty, StageTimings(), False, ["draft_failed"], ids)
-        if response.error:
-            log.warning("draft refused the round", round_id=request.round_id, error=response.error)
+        if response.error:  # cut at the wire (`response_from_proto`)
+            if (left_out := self.repeats.due("draft error")) is not None:
+                log.warning(
+                    "draft refused the round",
+                    round_id=request.round_id,
+                    error=response.error,
+                    left_out=left_out,
+                )
             for item in request.inputs:  # it dropped their state: re-send everything
                 if (view := self.views.get(item.request_id)) is not None:
                     view.seen = 0
@@ -264,9 +273,11 @@ class DraftSession:
                 trees[i] = EMPTY_TREE
         return Drafts(trees, response.timings, True, fallbacks, ids)
 
-    @staticmethod
-    def _malformed(request_id: str, why: str, fallbacks: list[str]) -> None:
-        log.warning("malformed candidate tree", request_id=request_id, error=why)
+    def _malformed(self, request_id: str, why: str, fallbacks: list[str]) -> None:
+        if (left_out := self.repeats.due("malformed tree")) is not None:
+            log.warning(
+                "malformed candidate tree", request_id=request_id, error=why, left_out=left_out
+            )
         fallbacks.append("malformed_tree")
 
     def fault(
