@@ -72,7 +72,6 @@ class DraftLink(ReconnectingLink):
         )
         self.epoch = 0
         self.draft_kind = ""
-        self.draft_pipeline, self.draft_device = False, ""  # what the draft reported
         self._call: grpc.aio.StreamStreamCall | None = None
         self._lost = asyncio.Event()
 
@@ -116,7 +115,6 @@ class DraftLink(ReconnectingLink):
             raise IncompatibleDraftError(reason)
         self.incompatible = ""
         self.draft_kind = info.draft_kind
-        self.draft_pipeline, self.draft_device = info.pipeline, info.device
         self._call = stub.Round(metadata=self.metadata)
         self.epoch += 1
         self.state = State.DRAFT_CONNECTION_STATE_CONNECTED

@@ -9,7 +9,6 @@ the loop's expense.
 from __future__ import annotations
 
 import asyncio
-import collections
 
 from specpair.config import DEFAULT_MAX_WATCHERS
 from specpair.metrics import ServiceMetrics
@@ -27,13 +26,6 @@ class RoundFeed:
         self.metrics = metrics
         self.max_watchers = max_watchers
         self._watchers: set[WatchQueue] = set()
-        self.pipelined = False  # the last round was
-        self.recent_hits: collections.deque[bool] = collections.deque(maxlen=256)
-
-    @property
-    def hit_rate(self) -> float:
-        """Pipelined request-rounds whose tree was pre-drafted, over the last 256."""
-        return sum(self.recent_hits) / len(self.recent_hits) if self.recent_hits else 0.0
 
     def watch(self) -> WatchQueue | None:
         """A new watcher's queue, or None when `max_watchers` are watching."""
@@ -53,14 +45,7 @@ class RoundFeed:
         for stage, ms in (("draft", timings.draft_ms), ("verify", timings.verify_ms),
                           ("rpc", timings.rpc_ms), ("schedule", timings.schedule_ms)):  # fmt: skip
             self.metrics.stage_latency.labels(stage).observe(ms / 1e3)
-        if stats.pipelined:
-            hits = sum(stats.predrafted)
-            tier = str(stats.speculative_num_steps)
-            self.metrics.predrafts.labels(tier, "hit").inc(hits)
-            self.metrics.predrafts.labels(tier, "miss").inc(stats.predraft_misses)
-            self.recent_hits.extend([True] * hits + [False] * stats.predraft_misses)
         self.metrics.stage_latency.labels("wait").observe(timings.wait_ms / 1e3)
-        self.pipelined = stats.pipelined
         for queue in list(self._watchers):
             if queue.full():  # a whole queue behind: dropped, told so by a None
                 self._watchers.discard(queue)
