@@ -196,34 +196,26 @@ def accept_stats(per_request: Sequence[Sequence[int]]) -> tuple[float | None, in
 def in_process(
     target: Path, draft: Path, workloads: list[Workload], batches: list[int], *,
     new_tokens: int, device: str, dtype: torch.dtype, max_len: int, eos: frozenset[int],
-    record: Callable[[Cell], None], pipeline_width: int = 0, deterministic: bool = False,
+    record: Callable[[Cell], None], deterministic: bool = False,
     trees: Sequence[TreeShape] = (), counts: Mapping[int, int] | None = None,
     token_map: Path | None = None,
 ) -> None:  # fmt: skip
     """Target-only and each static tier in the engine: the requests in groups of `batch`, each
     group decoded to completion (static batching) and stopped at `eos`, as the target service
     stops them. Target-only replays tier 1's verify graph with no drafts (one token per
-    request, padded to two). `trees`: tree shapes beside the chains ("tree 4x4x16").
-    `pipeline_width` > 0: each tier also pipelined ("tier s pre":
-    the pre-drafts made in line, so its stage_ms shows what a pre-draft costs the draft)."""
+    request, padded to two). `trees`: tree shapes beside the chains ("tree 4x4x16")."""
     size = max(batches)
     worker = build_target(target, max_requests=size, max_len=max_len, keep_features=True,
                           feature_layers=feature_layers(draft, target), dtype=dtype,
                           device=device, deterministic=deterministic)  # fmt: skip
-    drafter = build_drafter(draft, target_path=target, max_requests=size + pipeline_width,
+    drafter = build_drafter(draft, target_path=target, max_requests=size,
                             max_len=max_len, dtype=dtype, device=device,
                             token_map=token_map)  # fmt: skip
-    states = build_states([*map(TreeShape, TIERS), *trees], worker, drafter,
-                          ahead=pipeline_width > 0)  # fmt: skip
+    states = build_states([*map(TreeShape, TIERS), *trees], worker, drafter)
     configs = [("target-only", TreeShape(1)), *((f"tier {t}", TreeShape(t)) for t in TIERS)]
     configs += [(f"tree {t}", t) for t in trees]
-    if pipeline_width:
-        configs += [(f"tier {t} pre", TreeShape(t)) for t in TIERS]
     for config, tier in configs:
-        width = pipeline_width if config.endswith("pre") else 0
-        engine = SpeculativeEngine(
-            worker, None if config == "target-only" else drafter, pipeline_width=width
-        )
+        engine = SpeculativeEngine(worker, None if config == "target-only" else drafter)
         engine.generate(workloads[0].ids[:size], max_new_tokens=WARMUP_TOKENS,
                         state=states[tier])  # fmt: skip
         for wl in workloads:
@@ -231,8 +223,6 @@ def in_process(
                 outputs, accepts = [], []
                 engine.times = StageTimes()
                 worker.accept_paths.clear()
-                if engine.pipeline is not None:
-                    engine.pipeline.reset_counters()
                 t0 = time.perf_counter()
                 n = requests_at(wl, batch, counts)
                 for lo in range(0, n, batch):
@@ -251,9 +241,6 @@ def in_process(
                 paths = worker.accept_paths  # a sampled cell: how many accepts ran in a graph
                 if sampled := sum(paths.values()) - paths["greedy"]:
                     stages["accept_in_graph"] = paths["graph"] / sampled
-                if (p := engine.pipeline) is not None:
-                    stages["predraft"] = 1e3 * p.predraft_s / max(p.predraft_rounds, 1)
-                    stages["hit_rate"] = p.hits / max(engine.times.rounds, 1)
                 record(Cell("in-process", config, wl.name, batch, tokens, seconds, mean, rounds,
                             outputs, stage_ms=stages))  # fmt: skip
 

@@ -51,11 +51,9 @@ class BenchServices(ServiceGroup):
     `device`/`dtype` go to both model services, `draft_device` (default: `device`) to the draft
     alone, e.g. target on cuda:0 and draft on cuda:1; `max_len` and `candidate_steps` to both
     (None: the command's defaults). `link` is the target's wire to the draft: loopback "tcp" or
-    a "unix" domain socket. `pipeline` ("on" | "off" | "auto"; None: the command's default)
-    goes to the target, and the draft pre-drafts unless it is "off". Each service is given
-    its device as `specpair up` gives it (`--device cuda:1`), so "auto" sees two GPUs.
-    `draft_options` / `target_options`: more flags for the draft / target service (e.g.
-    ("--max-batch", "64")).
+    a "unix" domain socket. Each service is given its device as `specpair up` gives it
+    (`--device cuda:1`). `draft_options` / `target_options`: more flags for the draft / target
+    service (e.g. ("--max-batch", "64")).
     """
 
     def __init__(
@@ -76,7 +74,6 @@ class BenchServices(ServiceGroup):
         busy_poll_ms: float | None = None,
         cpus: dict[str, set[int]] | None = None,
         link: str = "tcp",
-        pipeline: str | None = None,
         draft_options: Sequence[str] = (),
         target_options: Sequence[str] = (),
     ) -> None:
@@ -102,16 +99,12 @@ class BenchServices(ServiceGroup):
                           "--draft-kind", draft_kind, "--device", draft_arg, *model)  # fmt: skip
             if draft_kind == "eagle":
                 draft_args += ("--target-model", str(target))
-            if pipeline == "off":
-                draft_args += ("--pipeline", "off")
             draft_args += tuple(draft_options)
             services.append(Service("draft", self.draft, draft_args, env, pins.get("draft")))
             draft_link = ("--draft", self.draft)
         target_args = ("target", "--address", self.target, "--model", str(target),
                        *draft_link, "--initial-steps", str(initial_steps),
                        "--device", target_arg, *model)  # fmt: skip
-        if pipeline is not None:
-            target_args += ("--pipeline", pipeline)
         if (
             draft is not None
             and draft_kind == "eagle"

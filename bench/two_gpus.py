@@ -6,17 +6,13 @@ side by side on one two-GPU machine and measured one at a time, cell by cell in 
 each two-GPU cell has its one-GPU twin measured beside it:
 
 - `1 GPU`: `up --device cuda:0` (the draft shares the target's GPU);
-- `2 GPUs`: `up --device cuda:0 --draft-device cuda:1`, as a user types it (`--pipeline auto`);
-- `2 GPUs pipelined` / `2 GPUs sequential`: the same with `--pipeline on` / `off` (target on
-  cuda:1, draft on cuda:0: the four targets do not fit one GPU);
+- `2 GPUs`: `up --device cuda:0 --draft-device cuda:1`, as a user types it;
 - `target alone`: the `1 GPU` deployment pinned to tier 0 (its runtime state is built by
   `up`), measured last.
 
 Per cell, from the target's RoundStats, where a round's time goes: verify (wall), the wait for
-the draft's messages, the draft's own time (its extend + steps), the pre-draft time (pipelined:
-the draft's second answer), the round (total), and the pre-draft hit rate: "why pipelining
-loses" in numbers. Before its cells each deployment runs a warm-up of every workload and load
-(kernels compiled, `--pipeline auto`'s probes run: it keeps the faster way per tier and batch).
+the draft's messages, the draft's own time (its extend + steps) and the round (total). Before
+its cells each deployment runs a warm-up of every workload and load (kernels compiled).
 Held-out code prompts (`bench.acceptance`), greedy and T = 0.7 (top-p 0.95, a seed per request).
 
     python -m bench.two_gpus --draft-kind eagle3 [--batches 1 8 32] [--out bench/out/two_gpus.json]
@@ -45,12 +41,10 @@ from bench.up_client import Up, running_up, sdk_door
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.runtime.round import RoundStats
 
-# name → (target device, draft device, more `up` flags)
-DEPLOYMENTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "1 GPU": ("cuda:0", "cuda:0", ()),
-    "2 GPUs": ("cuda:0", "cuda:1", ()),
-    "2 GPUs pipelined": ("cuda:1", "cuda:0", ("--pipeline", "on")),
-    "2 GPUs sequential": ("cuda:1", "cuda:0", ("--pipeline", "off")),
+# name → (target device, draft device)
+DEPLOYMENTS: dict[str, tuple[str, str]] = {
+    "1 GPU": ("cuda:0", "cuda:0"),
+    "2 GPUs": ("cuda:0", "cuda:1"),
 }
 ALONE = "target alone"
 
@@ -61,13 +55,10 @@ class Account:
 
     rounds: int
     accept: float | None  # accepted drafts per request-round
-    pipelined: float  # share of rounds that went out pipelined
-    hit_rate: float | None  # pre-drafted request-rounds / pipelined request-rounds
     round_ms: float
     verify_ms: float
     wait_ms: float  # the target waited for the draft's messages
     draft_ms: float  # the draft's extend + steps (its own clock)
-    predraft_ms: float  # pipelined: the draft's pre-draft of the next round
     rpc_ms: float
 
     @classmethod
@@ -75,8 +66,6 @@ class Account:
         spec = [r for r in stats if r.speculative]
         n = max(len(spec), 1)
         accepts = [a for r in spec for a in r.accept_lengths]
-        hits = sum(sum(r.predrafted) for r in spec)
-        misses = sum(r.predraft_misses for r in spec)
 
         def mean(name: str) -> float:
             return sum(getattr(r.timings, name) for r in spec) / n
@@ -84,13 +73,10 @@ class Account:
         return cls(
             rounds=len(spec),
             accept=sum(accepts) / len(accepts) if accepts else None,
-            pipelined=sum(r.pipelined for r in spec) / n,
-            hit_rate=hits / (hits + misses) if hits + misses else None,
             round_ms=mean("total_ms"),
             verify_ms=mean("verify_ms"),
             wait_ms=mean("wait_ms"),
             draft_ms=mean("extend_ms") + mean("draft_ms"),
-            predraft_ms=mean("predraft_ms"),
             rpc_ms=mean("rpc_ms"),
         )
 
@@ -112,13 +98,13 @@ class TwoCell:
 
 
 def up_command(args: argparse.Namespace, target: Path, draft: Path, name: str) -> list[str]:
-    target_device, draft_device, flags = DEPLOYMENTS[name]
+    target_device, draft_device = DEPLOYMENTS[name]
     if args.device == "cpu":
         target_device = draft_device = "cpu"
     return [
         sys.executable, "-m", "specpair.cli", "up", "--device", target_device,
         "--draft-device", draft_device, "--target-model", str(target), "--draft-model", str(draft),
-        "--draft-kind", "eagle" if args.draft_kind.startswith("eagle") else "model", *flags,
+        "--draft-kind", "eagle" if args.draft_kind.startswith("eagle") else "model",
     ]  # fmt: skip
 
 
@@ -161,13 +147,12 @@ def _f(value: float | None, spec: str) -> str:
 def render(cells: Sequence[TwoCell]) -> str:
     rows = [
         [c.deployment, c.workload, str(c.clients), f"{c.tokens_per_s:.1f}", _f(c.x_one_gpu, ".2f"),
-         _f(c.x_alone, ".2f"), _f(c.account.accept, ".2f"), f"{c.account.pipelined:.2f}",
-         _f(c.account.hit_rate, ".2f"), f"{c.account.round_ms:.2f}", f"{c.account.verify_ms:.2f}",
-         f"{c.account.wait_ms:.2f}", f"{c.account.draft_ms:.2f}", f"{c.account.predraft_ms:.2f}"]
+         _f(c.x_alone, ".2f"), _f(c.account.accept, ".2f"), f"{c.account.round_ms:.2f}",
+         f"{c.account.verify_ms:.2f}", f"{c.account.wait_ms:.2f}", f"{c.account.draft_ms:.2f}"]
         for c in sorted(cells, key=lambda c: (c.workload, c.clients))
     ]  # fmt: skip
     headers = ["deployment", "workload", "clients", "tok/s", "x 1 GPU", "x alone", "accept",
-               "piped", "hits", "round ms", "verify", "wait", "draft", "pre-draft"]  # fmt: skip
+               "round ms", "verify", "wait", "draft"]  # fmt: skip
     return format_table(headers, rows)
 
 
@@ -238,9 +223,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         cells.append(cell)
         a = cell.account
         print(f"  {name:18s} {wl.name:18s} {clients:2d} clients {cell.tokens_per_s:8.1f} tok/s  "
-              f"accept {_f(a.accept, '.2f')} piped {a.pipelined:.2f} round {a.round_ms:.2f} ms "
-              f"verify {a.verify_ms:.2f} wait {a.wait_ms:.2f} pre-draft {a.predraft_ms:.2f}",
-              flush=True)  # fmt: skip
+              f"accept {_f(a.accept, '.2f')} round {a.round_ms:.2f} ms "
+              f"verify {a.verify_ms:.2f} wait {a.wait_ms:.2f}", flush=True)  # fmt: skip
         fill_ratios(cells)
         write_json(args.out, {
             "device": info, "date": time.strftime("%Y-%m-%d"), "commands": commands,

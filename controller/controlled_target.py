@@ -24,7 +24,6 @@ from specpair.tiers import RegimeSteps
 log = get_logger("controller")
 
 RECENT_SWITCHES = 32
-RECENT_PREDRAFTS = 256  # request-rounds behind the hit rate in GetState
 
 
 @dataclass(slots=True)
@@ -47,13 +46,10 @@ class ControlledTarget:
     switches: deque[TierSwitch] = field(default_factory=lambda: deque(maxlen=RECENT_SWITCHES))
     # Serializes ApplyTier between the round stream and the ops RPCs.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    pipelined: bool = False  # its last round was
-    # Recent pipelined request-rounds: was the tree pre-drafted?
-    predrafted: deque[bool] = field(default_factory=lambda: deque(maxlen=RECENT_PREDRAFTS))
 
     def state(self, pinned: TreeShape | None) -> TargetState:
         """Its row of GetState."""
-        policy, predrafted = self.policy, self.predrafted
+        policy = self.policy
         return TargetState(
             target_address=self.address,
             connected=self.connected,
@@ -65,8 +61,6 @@ class ControlledTarget:
             recent_switches=tuple(self.switches),
             estimates=policy.estimates() if policy else (),
             model=policy.describe() if policy else "",
-            pipeline=self.pipelined,
-            pipeline_hit_rate=sum(predrafted) / len(predrafted) if predrafted else 0.0,
             active_shape=tier_name(self.active),
             pinned_shape=tier_name(pinned) if pinned else "",
         )

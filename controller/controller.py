@@ -222,10 +222,6 @@ class AdaptiveController:
         if any(a < 0 for a in stats.accept_lengths):
             log.warning("round with negative accept lengths ignored", round_id=stats.round_id)
             return
-        t.pipelined = stats.pipelined
-        if stats.pipelined:
-            t.predrafted.extend(stats.predrafted)
-            t.predrafted.extend([False] * stats.predraft_misses)
         sample = round_sample(stats)
         for a in sample.accept_lengths:
             self.metrics.accept_length.observe(a)

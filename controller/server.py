@@ -76,8 +76,6 @@ def target_to_pb(t: TargetState) -> controller_pb2.TargetState:
             for e in t.estimates
         ],
         model=t.model,
-        pipeline=t.pipeline,
-        pipeline_hit_rate=t.pipeline_hit_rate,
         active_shape=t.active_shape,
         pinned_shape=t.pinned_shape,
     )

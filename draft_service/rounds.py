@@ -1,7 +1,7 @@
 """The draft service's side of the round: the wire edge (`specpair.wire` decodes each
 RoundRequest and encodes its RoundResponse), the checks a peer's round must pass, this cache's
 room, then the draft's round itself (`runtime/draft/round.py`: release → extend + draft →
-respond; pipelined, a second response of pre-drafts).
+respond).
 
 Request ids are namespaced per Round stream, whose id names the target that opened it
 (`TARGET#n`, keys `TARGET#n/REQUEST`): two targets sending the same request id, or a
@@ -16,14 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from specpair.config import DraftConfig, PipelineMode
+from specpair.config import DraftConfig
 from specpair.logging import Repeats, bounded, get_logger
 from specpair.models.loading import CheckpointError, eagle_layout
 from specpair.proto.v1 import draft_pb2
 from specpair.runtime.build import StateBuilder, build_drafter, feature_layers
 from specpair.runtime.draft.drafter import Drafter
 from specpair.runtime.draft.drafters import EagleDrafter
-from specpair.runtime.draft.pipeline import Pipeline
 from specpair.runtime.draft.round import DraftRound, RoundError
 from specpair.runtime.kv_cache import CacheFullError
 from specpair.runtime.round import DraftInput, RoundRequest, RoundResponse, StageTimings
@@ -33,7 +32,6 @@ from specpair.wire import (
     MalformedRequestError,
     request_from_proto,
     response_to_proto,
-    timings_into,
 )
 
 __all__ = ["Answer", "DraftRounds", "RoundError"]
@@ -84,17 +82,12 @@ class DraftRounds:
             if layout is not None and config.target_path is not None
             else []
         )
-        self.builder = StateBuilder(drafter=self.drafter, ahead=config.pipeline is PipelineMode.ON)
+        self.builder = StateBuilder(drafter=self.drafter)
         # Tier 0 (extend only: a target's prompt hand-off) is served whatever the tiers are.
         self.states: dict[TreeShape, SpecRuntimeState] = self.builder.build_all(
             {*config.tiers, TreeShape(0)}
         )
-        self.pipeline = (
-            Pipeline(self.drafter, config.pipeline_width)
-            if config.pipeline is PipelineMode.ON
-            else None
-        )
-        self.round = DraftRound(self.drafter, self.pipeline)
+        self.round = DraftRound(self.drafter)
         self.headroom = max(t.draft_headroom for t in self.states)
         self.repeats = Repeats()  # a peer whose every round is refused logs once in a while
 
@@ -134,18 +127,6 @@ class DraftRounds:
             request, state, stream=stream_id,
             room=lambda inputs, round_id: self._with_room(inputs, round_id, stream_id),
         )  # fmt: skip
-
-    def predraft(self, stream_id: str, round_id: int) -> draft_pb2.RoundResponse:
-        """A pipelined round's second response (empty when this draft does not pipeline or
-        the round failed)."""
-        t0 = time.perf_counter()
-        response = self.round.predraft(round_id, stream_id)
-        if response is None:
-            return response_to_proto(RoundResponse(round_id))
-        message = response_to_proto(response)
-        total = 1e3 * (time.perf_counter() - t0)
-        timings_into(message.timings, StageTimings(draft_ms=total, total_ms=total))
-        return message
 
     def _refuse(self, stream_id: str, request: RoundRequest, exc: Exception) -> Answer:
         """Bad input (RoundError, ValueError), no room (CacheFullError) or a bug: the target

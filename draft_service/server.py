@@ -103,8 +103,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 self.metrics.active_tier.set(request.speculative_num_steps)
                 self.metrics.stage_latency.labels("draft").observe(timings.total_ms / 1e3)
                 yield answer.message
-                if request.predraft and request.inputs:  # the second response, promised
-                    yield await self.compute(rounds.predraft, stream_id, request.round_id)
                 if rounds.plans_ahead and not answer.refused:  # while the target verifies
                     await self.compute(rounds.prepare, stream_id, request)
         finally:
@@ -143,7 +141,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             vocab_size=self.vocab_size,
             tokenizer_fingerprint=self.tokenizer_fingerprint,
             feature_layers=self.rounds.feature_layers if self.rounds else [],
-            pipeline=self.rounds.pipeline is not None if self.rounds else False,
             targets=self.usage(),
         )
 

@@ -1,13 +1,13 @@
 """The draft service's warm-up, before SERVING (`specpair/runtime/warmup.py` says why).
 
 Rounds on the wire path a target's rounds take (`DraftRounds.run` on an encoded RoundRequest,
-then `predraft` and `prepare` as the servicer calls them), per built tier, tier 0 included:
+then `prepare` as the servicer calls it), per built tier, tier 0 included:
 
     round 1  a new request's prompt (PROMPT_TOKENS: past the extend graphs, so it runs the
              eager prefill a real prompt runs) → extend, draft at the tier
     round 2  s + 1 appended tokens (a round's accepted drafts + bonus) → the tier's extend
              graph and its draft steps
-    round 3  its release (its slot, and the forks of any pre-drafts)
+    round 3  its release (its slot)
     once greedy, once sampled (the greedy and the sampled step graphs), each request alone so
     that one slot suffices; then a check that every slot and page came back.
 """
@@ -57,7 +57,6 @@ class WarmRounds:
         self.vocab = rounds.vocab_size
         # an EAGLE head extends from the target's features: zeros of the width it reads
         self.feature_width = drafter.feature_width if drafter.needs_features else 0
-        self.pipelined = rounds.pipeline is not None
 
     def prompt_len(self, steps: int) -> int:
         """PROMPT_TOKENS, or fewer where the prompt and its round must fit a short context."""
@@ -71,23 +70,22 @@ class WarmRounds:
         self._round(tier, DraftInput(request_id, prompt, sampling, self._features(len(prompt) - 1)))
         appended = dummy_tokens(tier.steps + 1, self.vocab, offset=len(prompt))
         self._round(tier, DraftInput(request_id, appended, sampling, self._features(len(appended))))
-        # released as a finished request is: its slot, and any pre-draft forks, go back
+        # released as a finished request is: its slot goes back
         self.send(RoundRequest(self.round_id, 0, released_request_ids=(request_id,)))
 
     def _features(self, rows: int) -> torch.Tensor | None:
         return torch.zeros(rows, self.feature_width) if self.feature_width else None
 
     def _round(self, tier: TreeShape, item: DraftInput) -> None:
-        predraft = self.pipelined and tier.is_chain and tier.steps > 0
         shape = None if tier.is_chain else tier
-        request = RoundRequest(self.round_id, tier.steps, (item,), predraft=predraft, shape=shape)
+        request = RoundRequest(self.round_id, tier.steps, (item,), shape=shape)
         answer = self.send(request)
         if item.request_id not in {tree.request_id for tree in answer.trees}:
             why = dict(answer.refused).get(item.request_id, "no tree came back")
             raise RuntimeError(f"draft warm-up: round {request.round_id} at tier {tier}: {why}")
 
     def send(self, request: RoundRequest) -> draft_pb2.RoundResponse:
-        """One round as the servicer serves it: run, the promised pre-drafts, the plan ahead."""
+        """One round as the servicer serves it: run, then the plan ahead."""
         rounds = self.rounds
         answer = rounds.run(STREAM, request_to_proto(request))
         self.round_id += 1
@@ -96,8 +94,6 @@ class WarmRounds:
                 f"draft warm-up: round {request.round_id} at tier {request.tier} refused: "
                 f"{answer.message.error}"
             )
-        if request.predraft and request.inputs:
-            rounds.predraft(STREAM, request.round_id)
         if rounds.plans_ahead:
             rounds.prepare(STREAM, request)
         return answer.message

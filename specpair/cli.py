@@ -111,10 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default: %(default)s)")
     up.add_argument("--draft-device", help="the draft's device (default: --device), e.g. cuda:1")
     up.add_argument(
-        "--pipeline", choices=["auto", "on", "off"], default="auto",
-        help="pipelined rounds (auto, the default: when the draft has a device of its own)",
-    )  # fmt: skip
-    up.add_argument(
         "--tensor-parallel", type=int, default=1, metavar="N",
         help="split the target over N ranks (CPU; default: %(default)s)",
     )  # fmt: skip

@@ -193,8 +193,8 @@ def status_table(state: ControllerState) -> str:
     target's estimates, model and recent switches (`--json` gives everything, for scripts).
 
         policy: goodput  candidate_steps=[0, 1, 3, 7]  tree_shapes=["4x4x16"]  …
-        target            connected  tier    pinned  EMA   rounds  pipeline
-        127.0.0.1:50051   yes        4x4x16  -       3.91  120     off
+        target            connected  tier    pinned  EMA   rounds
+        127.0.0.1:50051   yes        4x4x16  -       3.91  120
           round 51: 3 → 4x4x16 (policy, EMA 2.51)
     """
     policy = dict(state.policy)
@@ -202,12 +202,10 @@ def status_table(state: ControllerState) -> str:
     if not policy.get("tree_shapes", True):
         del policy["tree_shapes"]  # a kind of chains only
     lines = [f"policy: {kind}  " + "  ".join(f"{k}={_short(v)}" for k, v in policy.items())]
-    rows = [("target", "connected", "tier", "pinned", "EMA", "rounds", "pipeline")]
+    rows = [("target", "connected", "tier", "pinned", "EMA", "rounds")]
     for t in state.targets:
-        pipeline = f"on ({t.pipeline_hit_rate:.0%} hits)" if t.pipeline else "off"
-        pinned = t.pinned_tier or "-"
         rows.append((t.target_address, "yes" if t.connected else "no", t.active_tier,
-                     pinned, f"{t.ema:.2f}", str(t.rounds_seen), pipeline))  # fmt: skip
+                     t.pinned_tier or "-", f"{t.ema:.2f}", str(t.rounds_seen)))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for i, row in enumerate(rows):
         lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())

@@ -90,8 +90,6 @@ def up_services(args: argparse.Namespace) -> tuple[list[Service], str]:
         "--device",
         args.draft_device or args.device,
     )
-    if args.pipeline == "off":
-        draft_args += ("--pipeline", "off")
     shapes = tuple(arg for shape in args.tree_shapes for arg in ("--tree-shapes", shape))
     draft_args += shapes
     if args.draft_kind == "eagle":
@@ -104,10 +102,8 @@ def up_services(args: argparse.Namespace) -> tuple[list[Service], str]:
     from specpair.runtime.build import feature_layers  # torch: only when starting services
 
     # Tier 0 (the target alone) is built too: the demo measures tokens/s against it.
-    target_args: tuple[str, ...] = (
-        "target", "--model", str(target), *device, "--pipeline", str(args.pipeline),
-        "--candidate-steps", "0,1,3,7",
-    )  # fmt: skip
+    target_args: tuple[str, ...] = ("target", "--model", str(target), *device)
+    target_args += ("--candidate-steps", "0,1,3,7")
     target_args += shapes
     if args.tensor_parallel > 1:
         target_args += ("--tensor-parallel", str(args.tensor_parallel))

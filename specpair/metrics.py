@@ -68,15 +68,6 @@ class ServiceMetrics:
         self.requests = Counter(
             f"{p}_requests", "Finished requests by outcome", ["outcome"], registry=r
         )
-        self.predrafts = Counter(
-            f"{p}_predrafts", "Pipelined request-rounds: was the outcome pre-drafted (hit/miss)",
-            ["tier", "outcome"], registry=r,
-        )  # fmt: skip
-        self.tree_accept_length = Histogram(
-            f"{p}_tree_accept_length", "Accepted drafts per request-round by where the tree "
-            "came from (predrafted / fresh)", ["tree"], buckets=(0, 1, 2, 3, 4, 5, 6, 7, 8),
-            registry=r,
-        )  # fmt: skip
         self.fallback_rounds = Counter(
             f"{p}_plain_rounds", "Rounds decoded without speculation", ["reason"], registry=r
         )

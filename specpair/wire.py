@@ -17,7 +17,6 @@ from specpair.logging import bounded
 from specpair.proto.v1 import common_pb2, draft_pb2, target_pb2
 from specpair.runtime.round import (
     DraftInput,
-    Predraft,
     RoundRequest,
     RoundResponse,
     RoundStats,
@@ -53,7 +52,6 @@ def request_to_proto(request: RoundRequest, fp8_features: bool = False) -> draft
         round_id=request.round_id,
         speculative_num_steps=request.speculative_num_steps,
         released_request_ids=request.released_request_ids,
-        predraft=request.predraft,
         shape=tier_name(request.tier),
     )
     for item in request.inputs:
@@ -92,7 +90,6 @@ def _request(
         msg.speculative_num_steps,
         inputs,
         tuple(msg.released_request_ids),
-        msg.predraft,
         shape,
     )
 
@@ -101,15 +98,10 @@ def response_to_proto(response: RoundResponse) -> draft_pb2.RoundResponse:
     msg = draft_pb2.RoundResponse(
         round_id=response.round_id,
         error=response.error,
-        adopted_request_ids=response.adopted,
         refused=response.refused,
     )
     for request_id, tree in response.trees.items():
         _tree_into(msg.trees.add(), request_id, tree)
-    for request_id, predrafts in response.predrafts.items():
-        for p in predrafts:
-            out = msg.predrafts.add(accepted=p.accepted, bonus_token_id=p.bonus)
-            _tree_into(out.tree, request_id, p.tree)
     timings_into(msg.timings, response.timings)
     return msg
 
@@ -122,7 +114,7 @@ def response_from_proto(
     """Never raises: a tree that cannot be decoded lands in `malformed` with why, so that it
     costs only its request's speculation. A peer's answer is bounded before any tree is
     decoded: a tree of more than `max_nodes` nodes (the round's shape) is malformed unread, a
-    tree or pre-draft for a request not in `request_ids` (the round's) is dropped unread, and
+    tree for a request not in `request_ids` (the round's) is dropped unread, and
     the error is cut to `bounded`'s length."""
     trees, malformed = {}, {}
     for t in msg.trees:
@@ -135,22 +127,8 @@ def response_from_proto(
             trees[t.request_id] = _tree_from_proto(t)
         except ValueError as exc:
             malformed[t.request_id] = bounded(str(exc))
-    predrafts: dict[str, list[Predraft]] = {}
-    for p in msg.predrafts:
-        if request_ids is not None and p.tree.request_id not in request_ids:
-            continue
-        if _oversized(p.tree, max_nodes) is not None:
-            continue
-        try:  # an undecodable pre-draft is only one guess fewer
-            tree = _tree_from_proto(p.tree)
-        except ValueError:
-            continue
-        predrafts.setdefault(p.tree.request_id, []).append(
-            Predraft(p.accepted, p.bonus_token_id, tree)
-        )
     return RoundResponse(
         msg.round_id, trees, timings_from_proto(msg.timings), bounded(msg.error), malformed,
-        tuple(msg.adopted_request_ids), {rid: tuple(p) for rid, p in predrafts.items()},
         dict(msg.refused),
     )  # fmt: skip
 
@@ -178,9 +156,6 @@ def stats_to_proto(stats: RoundStats) -> target_pb2.RoundStats:
         request_ids=stats.request_ids,
         request_steps=stats.request_steps,
         plain_request_ids=stats.plain_request_ids,
-        predrafted=stats.predrafted,
-        predraft_misses=stats.predraft_misses,
-        pipelined=stats.pipelined,
         sampled_requests=stats.sampled_requests,
         shape=tier_name(stats.tier),
     )
@@ -194,8 +169,7 @@ def stats_from_proto(msg: target_pb2.RoundStats) -> RoundStats:
     return RoundStats(
         msg.round_id, msg.speculative_num_steps, msg.batch_size, tuple(msg.accept_lengths),
         msg.speculative, timings_from_proto(msg.timings), msg.unix_time, tuple(msg.request_ids),
-        tuple(msg.request_steps), tuple(msg.plain_request_ids), tuple(msg.predrafted),
-        msg.predraft_misses, msg.pipelined, msg.sampled_requests,
+        tuple(msg.request_steps), tuple(msg.plain_request_ids), msg.sampled_requests,
         None if shape.is_chain else shape,
     )  # fmt: skip
 
@@ -204,7 +178,6 @@ def _draft_input_into(msg: draft_pb2.DraftInput, item: DraftInput, fp8: bool) ->
     msg.request_id = item.request_id
     msg.appended_token_ids.extend(item.appended)
     msg.speculative_num_steps = item.steps
-    msg.predrafted = item.predrafted
     sampling_into(msg.sampling, item.sampling)
     if item.features is not None:
         (fp8_rows_into if fp8 else tensor_into)(msg.features, item.features)
@@ -220,7 +193,7 @@ def _draft_input_from_proto(msg: draft_pb2.DraftInput) -> DraftInput:
         raise ValueError(f"inputs[{msg.request_id}].sampling.{exc}") from None
     return DraftInput(
         msg.request_id, tuple(msg.appended_token_ids), sampling, features,
-        msg.speculative_num_steps, msg.predrafted,
+        msg.speculative_num_steps,
     )  # fmt: skip
 
 

@@ -57,10 +57,9 @@ class Out:
     inputs: int
     max_nodes: int  # the largest tree its shape allows (0: a hand-off or release wants none)
     request_ids: frozenset[str]
-    owed: int  # answers still to read: 1, and 1 more for a pipelined round with inputs
     since: float  # when it went out
-    timed: bool  # an ordinary round's first answer: its time feeds the pace, within a deadline
-    # (else the ceiling: a prompt's extend, a pipelined round's pre-drafts, a release)
+    timed: bool  # an ordinary round's answer: its time feeds the pace, within a deadline
+    # (else the ceiling: a prompt's extend, a release)
 
 
 def carries_prompt(request: RoundRequest) -> bool:
@@ -118,7 +117,6 @@ class DraftLink(ReconnectingLink):
         )
         self.epoch = 0
         self.draft_kind = ""
-        self.draft_pipeline, self.draft_device = False, ""  # what the draft reported
         self._call: grpc.aio.StreamStreamCall | None = None
         self._lost = asyncio.Event()
 
@@ -182,7 +180,6 @@ class DraftLink(ReconnectingLink):
             raise IncompatibleDraftError(reason)
         self.incompatible = ""
         self.draft_kind = info.draft_kind
-        self.draft_pipeline, self.draft_device = info.pipeline, info.device
         self._call = stub.Round(metadata=self.metadata)
         await self._probe(self._call)
         self.epoch += 1
@@ -252,11 +249,10 @@ class DraftLink(ReconnectingLink):
             await self._fail(request.round_id, exc, call, late=isinstance(exc, TimeoutError))
             return None
         ids = frozenset(item.request_id for item in request.inputs)
-        owed = 1 + (request.predraft and bool(request.inputs))
         timed = bool(request.inputs) and not carries_prompt(request)  # releases: no drafting
         shape_nodes = request.tier.num_draft_tokens
         now = time.perf_counter()
-        self._out.append(Out(request.round_id, len(ids), shape_nodes, ids, owed, now, timed))
+        self._out.append(Out(request.round_id, len(ids), shape_nodes, ids, now, timed))
         return self.epoch
 
     async def receive(self, round_id: int, epoch: int) -> RoundResponse | None:
@@ -293,10 +289,7 @@ class DraftLink(ReconnectingLink):
     def _answered(self, out: Out) -> None:
         if out.timed:
             self.pace.add(time.perf_counter() - out.since, out.inputs)
-        out.owed -= 1
-        out.timed = False  # a pipelined round's pre-drafts follow: up to the ceiling
-        if out.owed == 0:
-            self._out.popleft()
+        self._out.popleft()
         self._in_time += 1
         if self._in_time >= HEALTHY_ROUNDS:
             self.strikes = 0

@@ -1,12 +1,12 @@
-"""One round's answers from several draft replicas, merged into one RoundResponse: trees,
-adoptions, pre-drafts and refusals united, each stage's time the slowest replica's."""
+"""One round's answers from several draft replicas, merged into one RoundResponse: trees
+and refusals united, each stage's time the slowest replica's."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import fields
 
-from specpair.runtime.round import Predraft, RoundResponse, StageTimings
+from specpair.runtime.round import RoundResponse, StageTimings
 from specpair.runtime.tree import CandidateTree
 
 
@@ -20,9 +20,7 @@ def merge(
         return None
     trees: dict[str, CandidateTree] = {}
     malformed: dict[str, str] = {}
-    predrafts: dict[str, tuple[Predraft, ...]] = {}
     refused: dict[str, str] = {}
-    adopted: list[str] = []
     errors = []
     for address, r in answered:
         if r.error:  # that replica dropped its inputs: no tree, so each is sent whole again
@@ -30,14 +28,10 @@ def merge(
             continue
         trees |= r.trees
         malformed |= r.malformed
-        predrafts |= r.predrafts
         refused |= r.refused
-        adopted += r.adopted
     error = "; ".join(errors) if len(errors) == len(answers) else ""
     timings = slowest([r.timings for _, r in answered])
-    return RoundResponse(
-        round_id, trees, timings, error, malformed, tuple(adopted), predrafts, refused
-    )
+    return RoundResponse(round_id, trees, timings, error, malformed, refused)
 
 
 def slowest(timings: Sequence[StageTimings]) -> StageTimings:

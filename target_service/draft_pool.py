@@ -55,7 +55,7 @@ class Leg:
 
     link: DraftLink
     epoch: int  # the link's stream it went out on
-    owed: int  # responses still to read: 1, and 1 more for a pipelined round with inputs
+    owed: int  # responses still to read: 1 until `receive` reads it
 
 
 class DraftPool:
@@ -165,17 +165,6 @@ class DraftPool:
         """Whether rounds carry the target's hidden states (an EAGLE draft is connected)."""
         return any(link.connected and link.draft_kind == "eagle" for link in self.links)
 
-    @property
-    def draft_pipeline(self) -> bool:
-        live = [link for link in self.links if link.connected]
-        return bool(live) and all(link.draft_pipeline for link in live)
-
-    @property
-    def draft_device(self) -> str:
-        """The connected replicas' device when they all report one, else "" (unknown)."""
-        devices = {link.draft_device for link in self.links if link.connected}
-        return devices.pop() if len(devices) == 1 else ""
-
     def replicas(self) -> list[target_pb2.DraftReplica]:
         load = self._load()
         return [
@@ -250,10 +239,7 @@ class DraftPool:
         for link in self.links:
             mine, freed = inputs.get(link, []), released.get(link, [])
             if mine or freed:
-                sub = replace(
-                    request, inputs=tuple(mine), released_request_ids=tuple(freed),
-                    predraft=request.predraft and bool(mine),
-                )  # fmt: skip
+                sub = replace(request, inputs=tuple(mine), released_request_ids=tuple(freed))
                 legs.append((link, sub))
         return legs
 
@@ -266,8 +252,8 @@ class DraftPool:
         else:
             epochs = await asyncio.gather(*(link.send(sub) for link, sub in legs))
         out = [
-            Leg(link, epoch, 1 + sub.predraft)
-            for (link, sub), epoch in zip(legs, epochs, strict=True)
+            Leg(link, epoch, 1)
+            for (link, _), epoch in zip(legs, epochs, strict=True)
             if epoch is not None
         ]
         self._sent += 1

@@ -32,13 +32,6 @@ class RoundFeed:
         self.metrics = metrics
         self.max_watchers = max_watchers
         self._watchers: dict[WatchQueue, str] = {}  # → its peer host, oldest first
-        self.pipelined = False  # the last round was
-        self.recent_hits: collections.deque[bool] = collections.deque(maxlen=256)
-
-    @property
-    def hit_rate(self) -> float:
-        """Pipelined request-rounds whose tree was pre-drafted, over the last 256."""
-        return sum(self.recent_hits) / len(self.recent_hits) if self.recent_hits else 0.0
 
     def watch(self, host: str = "") -> WatchQueue:
         """A new watcher's queue (`host`: its peer's), dropping the oldest watcher of the most
@@ -67,14 +60,7 @@ class RoundFeed:
         for stage, ms in (("draft", timings.draft_ms), ("verify", timings.verify_ms),
                           ("rpc", timings.rpc_ms), ("schedule", timings.schedule_ms)):  # fmt: skip
             self.metrics.stage_latency.labels(stage).observe(ms / 1e3)
-        if stats.pipelined:
-            hits = sum(stats.predrafted)
-            tier = str(stats.speculative_num_steps)
-            self.metrics.predrafts.labels(tier, "hit").inc(hits)
-            self.metrics.predrafts.labels(tier, "miss").inc(stats.predraft_misses)
-            self.recent_hits.extend([True] * hits + [False] * stats.predraft_misses)
         self.metrics.stage_latency.labels("wait").observe(timings.wait_ms / 1e3)
-        self.pipelined = stats.pipelined
         for queue in list(self._watchers):
             if queue.full():  # a whole queue behind: dropped, and told so
                 self._drop(queue, BEHIND)

@@ -24,12 +24,11 @@ import asyncio
 import collections
 import time
 
-from specpair.config import DEFAULT_MAX_WATCHERS, PipelineMode
+from specpair.config import DEFAULT_MAX_WATCHERS
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.runtime.shape import TreeShape
 from specpair.runtime.state import SpecRuntimeState
-from specpair.runtime.target.pipeline import Predrafts
 from specpair.runtime.target.round import Flight, TargetRound
 from specpair.runtime.target.session import DraftSession
 from specpair.runtime.target.worker import TargetWorker, VerifyResult
@@ -62,7 +61,6 @@ class Scheduler:
         metrics: ServiceMetrics,
         threads: int = 1,
         device: str = "cpu",
-        pipeline: PipelineMode = PipelineMode.OFF,
         handoff: bool = True,
     ) -> None:
         self.worker = worker
@@ -74,7 +72,6 @@ class Scheduler:
         self.join_group = join_group  # `_admit`: joins a running batch takes at once, under load
         self.metrics = metrics
         self.compute = Compute("target-compute", threads, device)
-        self.device = device
         self.session = DraftSession(worker.model.args.vocab_size)
         self.queue: collections.deque[ServedRequest] = collections.deque()
         self.running: list[ServedRequest] = []
@@ -86,7 +83,6 @@ class Scheduler:
             worker, self.session, draft, self.compute, metrics=metrics, publish=self.feed.publish
         )
         self._draft = draft
-        self.pipeline = pipeline
 
     @property
     def draft(self) -> DraftPool | None:
@@ -95,22 +91,6 @@ class Scheduler:
     @draft.setter
     def draft(self, link: DraftPool | None) -> None:
         self._draft = self.round.draft = link
-
-    @property
-    def pipeline(self) -> PipelineMode:
-        """`--pipeline`: off, or pre-drafts kept for the rounds that go out pipelined."""
-        predrafts = self.round.predrafts
-        return PipelineMode.OFF if predrafts is None else predrafts.mode
-
-    @pipeline.setter
-    def pipeline(self, mode: PipelineMode) -> None:
-        off = mode is PipelineMode.OFF
-        self.round.predrafts = None if off else Predrafts(mode, self.device)
-
-    @property
-    def pipelining(self) -> bool:
-        """Whether rounds go out pipelined, by `--pipeline` and the draft (`pipeline.pipelines`)."""
-        return self.round.predrafts is not None and self.round.predrafts.pipelined(self.draft)
 
     # ---- called from the servicer -------------------------------------------------------
 

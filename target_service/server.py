@@ -127,7 +127,6 @@ def _build_scheduler(
         metrics=metrics,
         threads=config.threads,
         device=config.device,
-        pipeline=config.pipeline,
         handoff=not config.no_prompt_handoff,
     )
     return scheduler, builder, ranks

@@ -99,8 +99,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             max_context_length=cfg.max_len,
             vocab_size=s.worker.model.args.vocab_size if s else 0,
             draft_incompatible_reason=link.incompatible if link else "",
-            pipeline=bool(s and link and link.connected and s.pipelining),
-            pipeline_hit_rate=s.feed.hit_rate if s else 0.0,
             draft_replicas=link.replicas() if link else [],
         )
 

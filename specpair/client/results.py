@@ -109,8 +109,6 @@ class TargetState(_JSONReady):
     recent_switches: tuple[TierSwitch, ...]
     estimates: tuple[TierEstimate, ...] = ()  # the policy's tokens/s per tier
     model: str = ""  # one line on the model behind the estimates
-    pipeline: bool = False  # its rounds are pipelined (the draft pre-drafts while it verifies)
-    pipeline_hit_rate: float = 0.0  # pre-drafted share of pipelined request-rounds, recent
     # Set where the active or the pinned tier is a tree ("4x4x16"; the steps are its depth).
     active_shape: str = ""
     pinned_shape: str = ""
@@ -159,8 +157,6 @@ class TargetState(_JSONReady):
                 for e in t.estimates
             ),
             model=t.model,
-            pipeline=t.pipeline,
-            pipeline_hit_rate=t.pipeline_hit_rate,
             active_shape=t.active_shape,
             pinned_shape=t.pinned_shape if t.pinned else "",
         )

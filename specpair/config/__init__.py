@@ -27,10 +27,8 @@ from specpair.config.model_service import (
     MODELS_DIR,
     DType,
     ModelServiceConfig,
-    PipelineMode,
     check_device,
     compute_threads,
-    same_device,
 )
 from specpair.config.server import ServerConfig, TLSConfig
 from specpair.config.target import (
@@ -57,7 +55,6 @@ __all__ = [
     "DraftKind",
     "FeatureDType",
     "ModelServiceConfig",
-    "PipelineMode",
     "ServerConfig",
     "TLSConfig",
     "TargetConfig",
@@ -67,7 +64,6 @@ __all__ = [
     "env_address",
     "env_http_address",
     "is_loopback",
-    "same_device",
     "split_address",
     "split_list",
 ]

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from specpair.config.model_service import ModelServiceConfig, PipelineMode
+from specpair.config.model_service import ModelServiceConfig
 from specpair.config.option import option
 from specpair.config.server import ServerConfig
 
@@ -38,25 +38,10 @@ class DraftConfig(ModelServiceConfig):
                         "without one, where a target is only the host it connects from, half "
                         "of max_requests)"),
     )  # fmt: skip
-    pipeline: PipelineMode = field(
-        default=PipelineMode.ON,
-        metadata=option("pre-draft the next round's likeliest outcomes while the target "
-                        "verifies, for targets that ask (off: answer each round only)"),
-    )  # fmt: skip
-    pipeline_width: int = field(
-        default=16,
-        metadata=option("pre-drafted outcomes per round, over the whole batch (each a KV fork; "
-                        "slots beyond the batch's)"),
-    )  # fmt: skip
 
     def __post_init__(self) -> None:
         self._resolve()
         object.__setattr__(self, "draft_kind", DraftKind(self.draft_kind))
-        object.__setattr__(self, "pipeline", PipelineMode(self.pipeline))
-        if self.pipeline is PipelineMode.AUTO:
-            raise ValueError("pipeline: the draft takes on or off (auto is the target's)")
-        if self.pipeline_width < 1:
-            raise ValueError(f"pipeline_width must be >= 1, got {self.pipeline_width}")
         if self.draft_kind is DraftKind.EAGLE and self.target_path is None:
             raise ValueError("draft_kind 'eagle' needs the target checkpoint (--target-model)")
         if self.token_map is not None and self.draft_kind is not DraftKind.EAGLE:

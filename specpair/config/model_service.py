@@ -30,28 +30,11 @@ class DType(StrEnum):
     FLOAT16 = "float16"
 
 
-class PipelineMode(StrEnum):
-    """Pipelined rounds (`runtime/draft/pipeline.py`): the draft pre-drafts round n + 1 while the
-    target verifies round n."""
-
-    AUTO = "auto"  # the target: on when the draft runs on another device than the target's
-    ON = "on"
-    OFF = "off"
-
-
 def check_device(device: str) -> str:
     kind, sep, index = device.partition(":")
     if kind not in ("cpu", "cuda") or (sep and (kind != "cuda" or not index.isdigit())):
         raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
     return device
-
-
-def same_device(a: str, b: str) -> bool | None:
-    """Whether two services' devices are one ("cuda" is "cuda:0"); None when one is unknown.
-    Per-process CUDA_VISIBLE_DEVICES can make two "cuda:0" different GPUs: say --pipeline on."""
-    if not a or not b:
-        return None
-    return a.replace("cuda:0", "cuda") == b.replace("cuda:0", "cuda")
 
 
 BUSY_POLL_MS_CUDA = 20.0

@@ -13,7 +13,7 @@ from specpair.config.addresses import (
     split_address,
     split_list,
 )
-from specpair.config.model_service import ModelServiceConfig, PipelineMode
+from specpair.config.model_service import ModelServiceConfig
 from specpair.config.option import option
 from specpair.config.server import ServerConfig
 from specpair.runtime.shape import DETERMINISTIC_TREES, TreeShape
@@ -119,11 +119,6 @@ class TargetConfig(ModelServiceConfig):
                         "bfloat16's bytes, 1 + 4/width bytes a value; drafts change slightly, "
                         "outputs do not)"),
     )  # fmt: skip
-    pipeline: PipelineMode = field(
-        default=PipelineMode.AUTO,
-        metadata=option("pipelined rounds: the draft pre-drafts the next round while this "
-                        "target verifies (auto: when the draft is on another device)"),
-    )  # fmt: skip
     tensor_parallel: int = field(
         default=1,
         metadata=option("ranks the target model is split over, Megatron-style: this process "
@@ -194,7 +189,6 @@ class TargetConfig(ModelServiceConfig):
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 < self.reconnect_min_s <= self.reconnect_max_s:
             raise ValueError("need 0 < reconnect_min_s <= reconnect_max_s")
-        object.__setattr__(self, "pipeline", PipelineMode(self.pipeline))
         if self.feature_dtype not in set(FeatureDType):
             choices = ", ".join(FeatureDType)
             raise ValueError(f"feature_dtype must be one of {choices}, got {self.feature_dtype!r}")

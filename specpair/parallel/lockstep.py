@@ -230,9 +230,6 @@ class LockstepCache(KVCache):
         self.lockstep.bound = attend
         return attend
 
-    def fork_many(self, forks: Sequence[tuple[int, int]]) -> list[int]:
-        raise NotImplementedError("a tensor-parallel target does not fork its cache")
-
     def reserve(self, slot: int, length: int) -> None:
         raise NotImplementedError("a tensor-parallel target captures no CUDA graphs")
 

@@ -166,8 +166,7 @@ def build_drafter(
 
 class StateBuilder:
     """Builds the states of `target` and/or `drafter` (a worker whose cache is on a GPU gets
-    CUDA graphs per bucket: `buckets`, or powers of two up to its cache's slots; `ahead`: the
-    drafter's graphs for pipelined rounds too)."""
+    CUDA graphs per bucket: `buckets`, or powers of two up to its cache's slots)."""
 
     def __init__(
         self,
@@ -175,7 +174,6 @@ class StateBuilder:
         drafter: Drafter | None = None,
         *,
         buckets: Sequence[int] | None = None,
-        ahead: bool = False,
     ) -> None:
         self.target, self.drafter = target, drafter
         self.builds = 0
@@ -191,7 +189,7 @@ class StateBuilder:
         if drafter is not None and drafter.cache.device.type == "cuda":
             slots = len(drafter.cache.lengths)
             capture = GraphCapture(drafter.cache, slots, "draft", buckets)
-            self.draft_graphs = DraftGraphs(capture, drafter, ahead)
+            self.draft_graphs = DraftGraphs(capture, drafter)
 
     @property
     def captures(self) -> int:
@@ -243,7 +241,6 @@ def build_states(
     drafter: Drafter | None = None,
     *,
     buckets: Sequence[int] | None = None,
-    ahead: bool = False,
 ) -> dict[Tier, SpecRuntimeState]:
     """`StateBuilder(target, drafter).build_all(tiers)`, for callers that count nothing."""
-    return StateBuilder(target, drafter, buckets=buckets, ahead=ahead).build_all(tiers)
+    return StateBuilder(target, drafter, buckets=buckets).build_all(tiers)

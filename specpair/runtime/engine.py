@@ -15,14 +15,11 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from specpair.config import PipelineMode
 from specpair.runtime.draft.drafter import Drafter
-from specpair.runtime.draft.pipeline import Pipeline
 from specpair.runtime.draft.round import DraftRound
 from specpair.runtime.round import RoundRequest, RoundResponse
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.state import SpecRuntimeState, gpu_ms
-from specpair.runtime.target.pipeline import Predrafts
 from specpair.runtime.target.round import Batcher, Flight, TargetRound
 from specpair.runtime.target.session import DraftSession
 from specpair.runtime.target.worker import TargetSequence, TargetWorker, VerifyResult
@@ -48,15 +45,13 @@ async def inline(fn: Callable[..., T], *args: Any) -> T:
 
 class InProcessDraft:
     """The `DraftTransport` to a drafter in this process: `send` answers at once, as the draft
-    service would (pipelined, its pre-drafts too: in one process nothing overlaps, so this is
-    the protocol's reference, not a speed-up); `receive` hands the answers back in order."""
+    service would; `receive` hands the answers back in order."""
 
     connected = True
 
-    def __init__(self, drafter: Drafter, pipeline: Pipeline | None = None) -> None:
-        self.round = DraftRound(drafter, pipeline)
+    def __init__(self, drafter: Drafter) -> None:
+        self.round = DraftRound(drafter)
         self.features = drafter.needs_features
-        self.draft_pipeline, self.draft_device = pipeline is not None, str(drafter.device)
         self.states: dict[int, SpecRuntimeState] = {}  # tier → the state both sides run
         self._answers: collections.deque[RoundResponse] = collections.deque()
 
@@ -68,9 +63,6 @@ class InProcessDraft:
         # The plans a service makes while its peer computes (`prepare`), made in line.
         self.round.drafter.prepare([item.request_id for item in request.inputs], state)
         self._answers.append(self.round.answer(request, state))
-        if request.predraft:
-            predrafts = self.round.predraft(request.round_id)
-            self._answers.append(predrafts or RoundResponse(request.round_id))
         return 0
 
     async def receive(self, round_id: int, sent: int) -> RoundResponse | None:
@@ -81,16 +73,13 @@ class InProcessRounds:
     """Rounds of a target and a drafter in this process (`drafter` None: plain decoding), one
     `step` at a time: the engine's, and the GPU benchmarks' (`bench/gpu_common.RoundLoop`)."""
 
-    def __init__(
-        self, target: TargetWorker, drafter: Drafter | None, pipeline: Pipeline | None = None
-    ) -> None:
+    def __init__(self, target: TargetWorker, drafter: Drafter | None) -> None:
         self.target = target
         eagle = drafter is not None and drafter.needs_features
         self.session = DraftSession(target.model.args.vocab_size, in_process=True, features=eagle)
-        self.draft = InProcessDraft(drafter, pipeline) if drafter is not None else None
-        on = Predrafts(PipelineMode.ON, str(target.device)) if pipeline is not None else None
+        self.draft = InProcessDraft(drafter) if drafter is not None else None
         self.round: TargetRound[TargetSequence] = TargetRound(
-            target, self.session, self.draft, inline, predrafts=on
+            target, self.session, self.draft, inline
         )
         self.round_id = 0
 
@@ -172,15 +161,9 @@ class _Outcomes:
 class SpeculativeEngine:
     """Runs a batch of requests to completion at a fixed tier (no drafter: plain decoding)."""
 
-    def __init__(
-        self, target: TargetWorker, drafter: Drafter | None, *, pipeline_width: int = 0
-    ) -> None:
-        """`pipeline_width` > 0: rounds run pipelined (see `InProcessDraft`)."""
+    def __init__(self, target: TargetWorker, drafter: Drafter | None) -> None:
         self.target = target
         self.drafter = drafter
-        self.pipeline = (
-            Pipeline(drafter, pipeline_width) if drafter is not None and pipeline_width else None
-        )
         self.times = StageTimes()
 
     def generate(
@@ -202,7 +185,7 @@ class SpeculativeEngine:
         if request_steps is not None and len(request_steps) != len(seqs):
             raise ValueError(f"request_steps: {len(request_steps)} tiers for {len(seqs)} prompts")
         own = dict(zip((s.request_id for s in seqs), request_steps or (), strict=False))
-        rounds = InProcessRounds(self.target, self.drafter, self.pipeline)
+        rounds = InProcessRounds(self.target, self.drafter)
         rounds.prefill(seqs)
         outcomes = _Outcomes(rounds.session, seqs, self.drafter is not None)
         running = [s for s in seqs if s.finish_reason is None]

@@ -61,15 +61,13 @@ class SlotTable:
 
 class PagePool:
     """The page table ([slots, pages_per_slot] long) and the free pages; a slot grows a page
-    at a time and gives all of its pages back at once. A page may be shared by a slot and its
-    forks (`share`): it is free again when the last of them lets go."""
+    at a time and gives all of its pages back at once."""
 
     def __init__(self, slots: int, pages_per_slot: int, page_size: int) -> None:
         self.page_size, self.pages_per_slot = page_size, pages_per_slot
         self.num_pages = slots * pages_per_slot
         self.table = torch.zeros(slots, pages_per_slot, dtype=torch.long)
         self.owned = [0] * slots
-        self.refs = [0] * self.num_pages
         self.free = list(range(self.num_pages - 1, -1, -1))
 
     def missing(self, slot: int, length: int) -> int:
@@ -81,24 +79,11 @@ class PagePool:
         while self.owned[slot] * self.page_size < length:
             if not self.free:
                 raise CacheFullError("no free KV pages")
-            page = self.free.pop()
-            self.refs[page] = 1
-            self.table[slot, self.owned[slot]] = page
+            self.table[slot, self.owned[slot]] = self.free.pop()
             self.owned[slot] += 1
 
-    def share(self, parent: int, child: int, n: int) -> None:
-        """`child` (owning nothing) starts with `parent`'s first `n` pages, shared."""
-        assert self.owned[child] == 0 and n <= self.owned[parent]
-        self.table[child, :n] = self.table[parent, :n]
-        for page in self.table[parent, :n].tolist():
-            self.refs[page] += 1
-        self.owned[child] = n
-
     def release(self, slot: int) -> None:
-        for page in self.table[slot, : self.owned[slot]].tolist():
-            self.refs[page] -= 1
-            if self.refs[page] == 0:
-                self.free.append(page)
+        self.free.extend(self.table[slot, : self.owned[slot]].tolist())
         self.owned[slot] = 0
         self.table[slot] = 0
 
@@ -203,45 +188,6 @@ class KVCache:
         if length > self.max_len:
             raise CacheFullError(f"slot {slot}: {length} positions exceed max_len {self.max_len}")
         self.pages.grow(slot, length)
-
-    def fork(self, parent: int, length: int) -> int:
-        """A new slot holding `parent`'s first `length` positions as committed, tentative rows
-        past the parent's own committed length included (a drafted chain's K/V).
-
-        Pages wholly below the parent's committed length are never written again (writes go
-        after a committed length), so the fork shares them; the rest up to `length` are copied.
-        Page size 16, parent committed 40, length 43: pages 0-1 shared, page 2 (positions
-        32-47) copied; the fork writes from position 43 on, into its own page 2.
-        """
-        return self.fork_many([(parent, length)])[0]
-
-    def fork_many(self, forks: Sequence[tuple[int, int]]) -> list[int]:
-        """`fork` for each (parent, length), the copies of all of them in one gather/scatter."""
-        need = 0
-        for parent, length in forks:
-            if length > self.pages.owned[parent] * self.page_size:
-                raise ValueError(f"fork of slot {parent} at {length}: it holds fewer positions")
-            shared = min(length, self.lengths[parent]) // self.page_size
-            need += -(-length // self.page_size) - shared
-        if need > len(self.pages.free) or len(forks) > self.free_slots:
-            raise CacheFullError(f"{len(forks)} forks need {need} pages and as many slots")
-        children, src, dst = [], [], []
-        for parent, length in forks:
-            shared = min(length, self.lengths[parent]) // self.page_size
-            child = self.slots.alloc()
-            self.pages.share(parent, child, shared)
-            self.pages.grow(child, length)
-            end = self.pages.owned[child]
-            src += self.page_table[parent, shared:end].tolist()
-            dst += self.page_table[child, shared:end].tolist()
-            self.lengths[child] = length
-            children.append(child)
-        if src:
-            from_pages = torch.tensor(src).to(self.device)
-            to_pages = torch.tensor(dst).to(self.device)
-            for cache in (self.k, self.v):
-                cache[:, to_pages] = cache[:, from_pages]
-        return children
 
     def truncate(self, slot: int, length: int) -> None:
         self.lengths[slot] = min(self.lengths[slot], length)

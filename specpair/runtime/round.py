@@ -9,11 +9,6 @@ One round at tier s, for a batch of requests:
 
     target ── RoundRequest(round_id, s, inputs=[DraftInput per request], released ids) ──▶ draft
     target ◀── RoundResponse(round_id, trees={request id: CandidateTree}, timings, error) ── draft
-
-Pipelined (`predraft`), a second response follows while the target verifies, and the next
-round's inputs whose outcome was pre-drafted say so (`predrafted`) instead of waiting a tree:
-
-    target ◀── RoundResponse(round_id, predrafts={id: [Predraft(accepted, bonus, tree)]}) ── draft
 """
 
 from __future__ import annotations
@@ -38,9 +33,6 @@ class DraftInput:
     # predicted appended[len(appended) - n + i]. EAGLE only.
     features: Tensor | None = None
     steps: int = 0  # tokens to draft for this request; 0: the round's speculative_num_steps
-    # The target verifies the draft's pre-draft for this outcome (`appended` = the accepted
-    # drafts + bonus it was made for): take that fork as the request's state, draft no tree.
-    predrafted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,24 +45,11 @@ class RoundRequest:
     speculative_num_steps: int  # the tier of this round: its state, the largest input's steps
     inputs: tuple[DraftInput, ...] = ()
     released_request_ids: tuple[str, ...] = ()  # finished or cancelled: free their state
-    # Pipelined: after the response, draft ahead for this round's likeliest outcomes and send
-    # them in a second RoundResponse (`predrafts`) while the target verifies.
-    predraft: bool = False
     shape: TreeShape | None = None  # the round's tier when a tree (its steps: the int above)
 
     @property
     def tier(self) -> TreeShape:
         return self.shape or TreeShape(self.speculative_num_steps)
-
-
-@dataclass(frozen=True, slots=True)
-class Predraft:
-    """A tree drafted ahead for one outcome of the round being verified: its first `accepted`
-    drafts kept, then `bonus`. The next round's tree when that outcome happens."""
-
-    accepted: int
-    bonus: int
-    tree: CandidateTree
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +62,7 @@ class StageTimings:
     rpc_ms: float = 0.0  # round trip to the draft minus its own time: serialization + gRPC
     schedule_ms: float = 0.0  # admission, prefill bookkeeping, streaming results
     total_ms: float = 0.0
-    wait_ms: float = 0.0  # the target waited for the draft's trees (0: all pre-drafted)
-    predraft_ms: float = 0.0  # pipelined: the draft pre-drafting the next round
+    wait_ms: float = 0.0  # the target waited for the draft's messages
     admit_ms: float = 0.0  # prefill of the requests joining the round (in total, not schedule)
     draft_host_ms: float = 0.0  # the draft service's event loop and thread hand-offs
     draft_gpu_ms: float = 0.0  # CUDA graph replays, from CUDA events; 0 when none ran
@@ -103,9 +81,6 @@ class RoundResponse:
     error: str = ""
     # Trees that arrived but could not be decoded, with why: they cost only their request.
     malformed: dict[str, str] = field(default_factory=dict)
-    adopted: tuple[str, ...] = ()  # `predrafted` inputs whose fork the draft went on from
-    # The second response of a pipelined round: per request, trees for its likeliest outcomes.
-    predrafts: dict[str, tuple[Predraft, ...]] = field(default_factory=dict)
     # Requests the draft kept nothing for, with why (`RESOURCE_EXHAUSTED: … max_target_requests`).
     refused: dict[str, str] = field(default_factory=dict)
 
@@ -125,9 +100,6 @@ class RoundStats:
     request_ids: tuple[str, ...] = ()
     request_steps: tuple[int, ...] = ()
     plain_request_ids: tuple[str, ...] = ()  # the batch's requests that got no draft
-    predrafted: tuple[bool, ...] = ()  # parallel to accept_lengths: the tree was pre-drafted
-    predraft_misses: int = 0  # pipelined requests whose outcome had no pre-draft
-    pipelined: bool = False  # the round was requested pipelined
     sampled_requests: int = 0  # requests of the batch that sample (temperature > 0)
     shape: TreeShape | None = None  # the round's tier when a tree (its steps: the int above)
 

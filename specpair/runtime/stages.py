@@ -21,7 +21,6 @@ from specpair.models.llama import Attend
 from specpair.runtime.accept_batch import ChainBatch, TreeBatch
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
-from specpair.runtime.lookahead import Lookahead
 from specpair.runtime.round import DraftInput
 from specpair.runtime.sampling import RowParams
 from specpair.runtime.tree import CandidateTree
@@ -122,10 +121,10 @@ class ExtendStage(Protocol):
 
 class DraftStage(Protocol):
     """s draft steps of one token per request after the extend (s = the tier): greedy
-    (`run`, `run_ahead`) or sampled on the device (`run_sampled`)."""
+    (`run`) or sampled on the device (`run_sampled`)."""
 
-    def plan(self, slots: list[int], ahead: bool = False) -> None:
-        """Plans the steps after each slot's committed length (`ahead`: for `run_ahead`)."""
+    def plan(self, slots: list[int]) -> None:
+        """Plans the steps after each slot's committed length."""
 
     def run(
         self, hidden: Tensor, slots: list[int], depths: Sequence[int] | None = None
@@ -142,12 +141,6 @@ class DraftStage(Protocol):
     ) -> tuple[list[list[int]], list[DraftQ | None]]:
         """`run` drawing each sampling request's tokens (`draft_support`): its tokens and
         the sparse q it drew them from (None for a greedy request)."""
-
-    def run_ahead(
-        self, hidden: Tensor, slots: list[int], top: int
-    ) -> tuple[list[list[int]], list[Lookahead]]:
-        """`run` for s tokens each, and one step more: every request's `Lookahead` with the
-        `top` likeliest tokens at each depth (planned with `plan(slots, ahead=True)`)."""
 
     def run_tree(
         self,

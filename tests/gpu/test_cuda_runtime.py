@@ -464,32 +464,6 @@ def test_tree_graphs_draft_the_trees_the_eager_draft_does(
     assert same >= total // 2
 
 
-@pytest.mark.parametrize("draft", ["target", "draft", "eagle", "eagle3"])
-def test_pipelined_rounds_on_graphs_equal_unpipelined(gpu_ckpts: dict[str, Path], draft) -> None:
-    """The lookahead step graphs (s + 1 steps, top-4 per depth) drive pipelined rounds: the
-    output equals the unpipelined engine's on the same graphs, every pre-draft is adopted."""
-    worker = target(pair_target(gpu_ckpts, draft), draft=gpu_ckpts[draft])
-    drafter = build_drafter(
-        gpu_ckpts[draft], target_path=pair_target(gpu_ckpts, draft), max_requests=24, max_len=256,
-        dtype=BF16, device="cuda",
-    )  # fmt: skip
-    builder = StateBuilder(worker, drafter, buckets=[1, 2, 4, 8, 16], ahead=True)
-    states = builder.build_all([1, 3, 7])
-    step = states[3].draft
-    assert isinstance(step, StepGraphs) and sorted(step.ahead) == [1, 2, 4, 8, 16]
-    for tier in (1, 3, 7):
-        plain = SpeculativeEngine(worker, drafter).generate(
-            PROMPTS, max_new_tokens=40, state=states[tier]
-        )
-        engine = SpeculativeEngine(worker, drafter, pipeline_width=16)
-        piped = engine.generate(PROMPTS, max_new_tokens=40, state=states[tier])
-        assert [r.token_ids for r in piped] == [r.token_ids for r in plain], tier
-        assert engine.pipeline is not None and engine.pipeline.misses == 0
-        if draft == "target":
-            assert engine.pipeline.hits > 0
-        assert drafter.cache.free_slots == 24
-
-
 def tier_3_drafters(
     gpu_ckpts: dict[str, Path], max_len: int
 ) -> list[tuple[Drafter, SpecRuntimeState]]:

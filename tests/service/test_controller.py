@@ -11,7 +11,6 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -44,7 +43,7 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
         self.round_id = 0
         self.watchers: list[asyncio.Queue[target_pb2.RoundStats]] = []
 
-    def push(self, *accept_lengths: int, speculative: bool = True, **pipelined: Any) -> None:
+    def push(self, *accept_lengths: int, speculative: bool = True) -> None:
         self.round_id += 1
         stats = target_pb2.RoundStats(
             round_id=self.round_id,
@@ -53,7 +52,6 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
             accept_lengths=accept_lengths,
             speculative=speculative,
             unix_time=time.time(),
-            **pipelined,
         )
         for queue in self.watchers:
             queue.put_nowait(stats)
@@ -220,16 +218,6 @@ async def test_non_speculative_rounds_are_seen_but_not_counted(stack: Controller
     assert stack.fake.applied == []
 
 
-async def test_status_shows_pipelined_rounds_and_their_hit_rate(stack: ControllerStack) -> None:
-    state = (await stack.get_state()).targets[0]
-    assert not state.pipeline and state.pipeline_hit_rate == 0.0
-    stack.fake.push(2, 1, pipelined=True, predrafted=[True, False], predraft_misses=1)
-    stack.fake.push(3, pipelined=True, predrafted=[True])
-    await eventually(lambda: stack.snapshot().rounds_seen == 2)
-    state = (await stack.get_state()).targets[0]
-    assert state.pipeline and state.pipeline_hit_rate == pytest.approx(2 / 4)
-
-
 async def test_pin_applies_now_and_overrides_policy_until_unpin(stack: ControllerStack) -> None:
     response = await stack.stub.PinTier(
         controller_pb2.PinTierRequest(speculative_num_steps=1), metadata=stack.metadata
@@ -383,7 +371,7 @@ async def test_ctl_status_is_a_table_and_json_on_request(stack: ControllerStack)
     await stack.feed_until((7, 7), 7)
     table = (await ctl()).splitlines()
     assert table[0].startswith("policy: sglang  candidate_steps=[1, 3, 7]")
-    header = ["target", "connected", "tier", "pinned", "EMA", "rounds", "pipeline"]
+    header = ["target", "connected", "tier", "pinned", "EMA", "rounds"]
     assert table[1].split() == header
     row = table[2].split()
     assert row[0] == stack.snapshot().target_address and row[1:4] == ["yes", "7", "-"]

@@ -40,7 +40,6 @@ class RecordingLink:
     connected = True
     epoch = 1
     features = False  # no EAGLE features
-    draft_pipeline, draft_device = False, "cpu"  # sequential rounds
 
     def epochs(self, seqs: object) -> int:
         return self.epoch

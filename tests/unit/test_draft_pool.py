@@ -28,7 +28,6 @@ class FakeLink:
         self.address, self.authority = address, authority
         self.epoch, self.connected = 1, True
         self.incompatible, self.draft_kind = "", "model"
-        self.draft_pipeline, self.draft_device = False, "cpu"
         self.sent: list[RoundRequest] = []
         self.refuse: set[str] = set()
         self.fail = False

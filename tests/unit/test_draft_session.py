@@ -5,10 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpair.config import PipelineMode
-from specpair.runtime.round import Predraft, RoundResponse
+from specpair.runtime.round import RoundResponse
 from specpair.runtime.sampling import SamplingParams
-from specpair.runtime.target.pipeline import PipelineChoice, Predrafts
 from specpair.runtime.target.session import DraftSession
 from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import EMPTY_TREE, CandidateTree, chain
@@ -126,46 +124,6 @@ def test_an_in_process_session_keeps_only_the_last_rows() -> None:
         session.request(2, [seq], 3, features=True)
 
 
-class Pipelining:
-    """A draft that pre-drafts (`DraftTransport`'s say in it)."""
-
-    draft_pipeline, draft_device = True, "cpu"
-
-
-def test_predrafts_are_checked_and_only_the_actual_outcome_is_used() -> None:
-    session = DraftSession(vocab_size=50)
-    book = Predrafts(PipelineMode.ON, "cpu")
-    seq = joined([5, 6, 7], 8)
-    session.add(seq, None)
-    ahead = book.begin(Pipelining(), 1, 1)  # type: ignore[arg-type]
-    assert ahead is not None
-    first = session.request(1, [seq], 3, predrafted=ahead.take)
-    assert first.predraft
-    session.drafts(first, RoundResponse(1, {"a": chain([9, 4, 1])}))
-    good = Predraft(2, 2, chain([30, 31, 32]))
-    bad = [
-        Predraft(2, 3, chain([30, 31, 99])),  # a token outside the vocabulary
-        Predraft(5, 3, chain([1, 2, 3])),  # more accepted than the chain had
-        Predraft(1, 3, chain([1, 2, 3, 4])),  # deeper than the tier
-    ]
-    assert book.keep(first, RoundResponse(1, predrafts={"a": (good, *bad)}), session) == 3
-    seq.append([9, 4, 2])  # the outcome (2, 2): pre-drafted
-    ahead = book.begin(Pipelining(), 1, 1)  # type: ignore[arg-type]
-    assert ahead is not None
-    second = session.request(2, [seq], 3, predrafted=ahead.take)
-    assert second.inputs[0].predrafted and ahead.pending(second) is not None
-    assert ahead.pending(second).trees == [good.tree]  # type: ignore[union-attr]
-    # The draft could not go on from that fork: it re-prefills the request next round.
-    session.drafts(second, RoundResponse(2, adopted=()), ahead.hits)
-    book.keep(second, RoundResponse(2), session)
-    seq.append([30, 31, 32, 6])
-    ahead = book.begin(Pipelining(), 1, 1)  # type: ignore[arg-type]
-    assert ahead is not None
-    (third,) = session.request(3, [seq], 3, predrafted=ahead.take).inputs
-    assert not third.predrafted and third.appended == (5, 6, 7, 8, 9, 4, 2, 30, 31, 32, 6)
-    assert ahead.misses == 0  # nothing was pre-drafted for this round: not a miss
-
-
 def test_a_handed_off_prompt_leaves_the_first_round_one_token() -> None:
     """The worked example of `DraftSession.handoff`: the prompt and the rows that predicted its
     tokens go at tier 0; the first round appends the first output token with the last row."""
@@ -199,61 +157,3 @@ def test_a_refused_handoff_sends_the_whole_prompt_in_the_first_round() -> None:
     assert item.appended == (5, 6, 7, 8)
     handoff = session.handoff(3, [seq], epoch=2)  # a new stream: the draft holds nothing
     assert handoff is not None and handoff.inputs[0].appended == (5, 6, 7)
-
-
-def run_blocks(
-    choice: PipelineChoice, rounds: int, rate: dict[bool, float], tier: int = 7, batch: int = 1
-) -> list[bool]:
-    """`rounds` rounds of 10 tokens each at `rate[pipelined]` tokens/s; the modes chosen."""
-    modes = []
-    for _ in range(rounds):
-        pipelined = choice.pipelined(tier, batch)
-        choice.observe(tier, batch, False, pipelined, 10, 10 / rate[pipelined])
-        modes.append(pipelined)
-    return modes
-
-
-def test_auto_probes_both_ways_then_runs_the_faster_and_probes_again() -> None:
-    choice = PipelineChoice()
-    probe, exploit = PipelineChoice.PROBE, PipelineChoice.EXPLOIT
-    modes = run_blocks(choice, 2 * probe + exploit + probe, {False: 100.0, True: 150.0})
-    assert modes[:probe] == [False] * probe  # sequential first
-    assert modes[probe : 2 * probe] == [True] * probe
-    assert modes[2 * probe : 2 * probe + exploit] == [True] * exploit  # pipelined won
-    assert modes[2 * probe + exploit :][:probe] == [False] * probe  # the loser, measured again
-    # pipelined wins again: its next block is twice as long
-    modes = run_blocks(choice, 2 * exploit + probe, {False: 100.0, True: 150.0})
-    assert modes[: 2 * exploit] == [True] * (2 * exploit) and not modes[2 * exploit]
-    assert choice.rates(7, 1) == pytest.approx((100.0, 150.0))
-
-
-def test_auto_keeps_sequential_rounds_unless_pipelining_wins_by_the_margin() -> None:
-    for pipelined_rate, wins in [(101.0, False), (70.0, False), (104.0, True)]:
-        choice = PipelineChoice()
-        modes = run_blocks(
-            choice, 2 * PipelineChoice.PROBE + 10, {False: 100.0, True: pipelined_rate}
-        )
-        assert modes[-10:] == [wins] * 10, pipelined_rate
-
-
-def test_auto_measures_each_tier_and_batch_bucket_apart() -> None:
-    choice = PipelineChoice()
-    n = 2 * PipelineChoice.PROBE + 5
-    assert run_blocks(choice, n, {False: 100.0, True: 200.0}, tier=7, batch=1)[-1]
-    assert not run_blocks(choice, n, {False: 100.0, True: 50.0}, tier=7, batch=8)[-1]
-    assert not run_blocks(choice, n, {False: 100.0, True: 50.0}, tier=3, batch=1)[-1]
-    assert PipelineChoice.key(7, 5, False) == PipelineChoice.key(7, 8, False)
-    assert PipelineChoice.key(7, 8, False) != PipelineChoice.key(7, 9, False)
-    assert PipelineChoice.key(7, 8, False) != PipelineChoice.key(7, 8, True)
-    assert choice.pipelined(7, 1)  # each contest kept its own state
-
-
-def test_predrafts_under_auto_send_a_round_pipelined_only_when_the_choice_says() -> None:
-    book = Predrafts(PipelineMode.AUTO, "cpu")
-    elsewhere = Pipelining()
-    elsewhere.draft_device = "cuda:1"
-    assert book.pipelined(elsewhere)  # type: ignore[arg-type]
-    begun = (book.begin(elsewhere, 3, 1) for _ in range(2 * PipelineChoice.PROBE))  # type: ignore[arg-type]
-    sent = [ahead is not None for ahead in begun]
-    assert sent == [False] * PipelineChoice.PROBE + [True] * PipelineChoice.PROBE
-    assert book.begin(Pipelining(), 3, 1) is None  # type: ignore[arg-type]  # same device: never

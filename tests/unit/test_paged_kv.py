@@ -139,29 +139,6 @@ def test_commit_moves_non_contiguous_path_across_pages_and_free_returns_pages() 
     assert len(cache.pages.free) == free_before + 3 and cache.free_slots == 1
 
 
-def test_a_fork_shares_full_pages_copies_the_rest_and_frees_with_the_last_holder() -> None:
-    cache = paged(max_requests=3)
-    parent = cache.alloc()
-    write(cache, parent, 0, [1, 2, 3, 4, 5, 6])
-    cache.commit(parent, 0, range(6))  # committed 6: page 0 full (shared), page 1 partial
-    write(cache, parent, 6, [7, 8])  # tentative rows (a drafted chain) past the committed 6
-    free_before = len(cache.pages.free)
-    child = cache.fork(parent, 7)  # the parent's first 6 and its first tentative row
-    assert cache.lengths[child] == 7 and values(cache, child, 7) == [1, 2, 3, 4, 5, 6, 7]
-    assert len(cache.pages.free) == free_before - 1  # page 0 shared, page 1 copied
-    write(cache, child, 7, [70, 80, 90])  # the fork writes on, into its own pages
-    write(cache, parent, 6, [-1, -2, -3])  # and the parent overwrites its tentative rows
-    assert values(cache, child, 10) == [1, 2, 3, 4, 5, 6, 7, 70, 80, 90]
-    assert values(cache, parent, 9) == [1, 2, 3, 4, 5, 6, -1, -2, -3]
-    grandchild = cache.fork(child, 9)
-    cache.free(parent)
-    cache.free(child)  # page 0 is still the grandchild's
-    assert values(cache, grandchild, 9) == [1, 2, 3, 4, 5, 6, 7, 70, 80]
-    cache.free(grandchild)
-    assert len(cache.pages.free) == cache.pages.num_pages - cache.pages_per_slot  # pad slot's
-    assert sorted(cache.pages.free) == sorted(set(cache.pages.free))
-
-
 def test_buckets_and_padding() -> None:
     assert buckets_for(12) == [1, 2, 4, 8, 12]
     assert bucket_of(3, [1, 2, 4]) == 4 and bucket_of(5, [1, 2, 4]) is None

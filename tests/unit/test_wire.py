@@ -109,7 +109,7 @@ def test_round_stats_decode_to_what_was_sent() -> None:
     """The controller and the benchmarks read RoundStats through `stats_from_proto`."""
     stats = RoundStats(
         7, 3, 3, (2, 0), True, StageTimings(total_ms=9.5, wait_ms=1.0), 2.5, ("a", "b"), (3, 1),
-        ("c",), (True, False), 1, True, 2,
+        ("c",), 2,
     )  # fmt: skip
     wire = target_pb2.RoundStats.FromString(stats_to_proto(stats).SerializeToString())
     assert stats_from_proto(wire) == stats

@@ -140,7 +140,6 @@ class StageTimings(_message.Message):
     DRAFT_GPU_MS_FIELD_NUMBER: _builtins.int
     VERIFY_GPU_MS_FIELD_NUMBER: _builtins.int
     WAIT_MS_FIELD_NUMBER: _builtins.int
-    PREDRAFT_MS_FIELD_NUMBER: _builtins.int
     ADMIT_MS_FIELD_NUMBER: _builtins.int
     draft_ms: _builtins.float
     extend_ms: _builtins.float
@@ -156,9 +155,7 @@ class StageTimings(_message.Message):
     """GPU time of the stage's CUDA graph replays (CUDA events); 0 on the CPU or when none ran."""
     verify_gpu_ms: _builtins.float
     wait_ms: _builtins.float
-    """Time the target waited for the draft's trees in this round (0 when all were pre-drafted)."""
-    predraft_ms: _builtins.float
-    """Pipelined: the draft's time pre-drafting the next round (its second response)."""
+    """Time the target waited for the draft's messages in this round."""
     admit_ms: _builtins.float
     """Admission just before the round (prefill of the requests joining it): part of total_ms,
     not of schedule_ms; a per-request cost, the same whatever the tier.
@@ -176,12 +173,11 @@ class StageTimings(_message.Message):
         draft_gpu_ms: _builtins.float = ...,
         verify_gpu_ms: _builtins.float = ...,
         wait_ms: _builtins.float = ...,
-        predraft_ms: _builtins.float = ...,
         admit_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit_ms", b"admit_ms", "draft_gpu_ms", b"draft_gpu_ms", "draft_host_ms", b"draft_host_ms", "draft_ms", b"draft_ms", "extend_ms", b"extend_ms", "predraft_ms", b"predraft_ms", "rpc_ms", b"rpc_ms", "schedule_ms", b"schedule_ms", "total_ms", b"total_ms", "verify_gpu_ms", b"verify_gpu_ms", "verify_ms", b"verify_ms", "wait_ms", b"wait_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit_ms", b"admit_ms", "draft_gpu_ms", b"draft_gpu_ms", "draft_host_ms", b"draft_host_ms", "draft_ms", b"draft_ms", "extend_ms", b"extend_ms", "rpc_ms", b"rpc_ms", "schedule_ms", b"schedule_ms", "total_ms", b"total_ms", "verify_gpu_ms", b"verify_gpu_ms", "verify_ms", b"verify_ms", "wait_ms", b"wait_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

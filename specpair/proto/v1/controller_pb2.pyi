@@ -168,8 +168,6 @@ class TargetState(_message.Message):
     RECENT_SWITCHES_FIELD_NUMBER: _builtins.int
     ESTIMATES_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
-    PIPELINE_FIELD_NUMBER: _builtins.int
-    PIPELINE_HIT_RATE_FIELD_NUMBER: _builtins.int
     ACTIVE_SHAPE_FIELD_NUMBER: _builtins.int
     PINNED_SHAPE_FIELD_NUMBER: _builtins.int
     target_address: _builtins.str
@@ -182,9 +180,6 @@ class TargetState(_message.Message):
     batches_counted: _builtins.int
     model: _builtins.str
     """One line on the model behind the decisions."""
-    pipeline: _builtins.bool
-    """The target's rounds are pipelined, and the share of their trees that was pre-drafted."""
-    pipeline_hit_rate: _builtins.float
     active_shape: _builtins.str
     """Set where the tier is a tree shape."""
     pinned_shape: _builtins.str
@@ -208,14 +203,12 @@ class TargetState(_message.Message):
         recent_switches: _abc.Iterable[Global___TierSwitch] | None = ...,
         estimates: _abc.Iterable[Global___TierEstimate] | None = ...,
         model: _builtins.str = ...,
-        pipeline: _builtins.bool = ...,
-        pipeline_hit_rate: _builtins.float = ...,
         active_shape: _builtins.str = ...,
         pinned_shape: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_shape", b"active_shape", "active_steps", b"active_steps", "batches_counted", b"batches_counted", "connected", b"connected", "ema", b"ema", "estimates", b"estimates", "model", b"model", "pinned", b"pinned", "pinned_shape", b"pinned_shape", "pinned_steps", b"pinned_steps", "pipeline", b"pipeline", "pipeline_hit_rate", b"pipeline_hit_rate", "recent_switches", b"recent_switches", "rounds_seen", b"rounds_seen", "target_address", b"target_address"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_shape", b"active_shape", "active_steps", b"active_steps", "batches_counted", b"batches_counted", "connected", b"connected", "ema", b"ema", "estimates", b"estimates", "model", b"model", "pinned", b"pinned", "pinned_shape", b"pinned_shape", "pinned_steps", b"pinned_steps", "recent_switches", b"recent_switches", "rounds_seen", b"rounds_seen", "target_address", b"target_address"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -31,16 +31,10 @@ class DraftInput(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     FEATURES_FIELD_NUMBER: _builtins.int
     SPECULATIVE_NUM_STEPS_FIELD_NUMBER: _builtins.int
-    PREDRAFTED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     speculative_num_steps: _builtins.int
     """How many tokens to draft for this request; 0: the round's speculative_num_steps. Never
     more than the round's (its state), which is the largest of its requests'.
-    """
-    predrafted: _builtins.bool
-    """Pipelined: the target verifies the draft's pre-draft for this outcome (appended = the
-    accepted drafts + bonus it was made for). The draft goes on from that fork, drafts nothing
-    for this input, and lists it in RoundResponse.adopted (not listed: its state is dropped).
     """
     @_builtins.property
     def appended_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -62,11 +56,10 @@ class DraftInput(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         features: _common_pb2.Tensor | None = ...,
         speculative_num_steps: _builtins.int = ...,
-        predrafted: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["features", b"features", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["appended_token_ids", b"appended_token_ids", "features", b"features", "predrafted", b"predrafted", "request_id", b"request_id", "sampling", b"sampling", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["appended_token_ids", b"appended_token_ids", "features", b"features", "request_id", b"request_id", "sampling", b"sampling", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -84,7 +77,6 @@ class RoundRequest(_message.Message):
     SPECULATIVE_NUM_STEPS_FIELD_NUMBER: _builtins.int
     INPUTS_FIELD_NUMBER: _builtins.int
     RELEASED_REQUEST_IDS_FIELD_NUMBER: _builtins.int
-    PREDRAFT_FIELD_NUMBER: _builtins.int
     SHAPE_FIELD_NUMBER: _builtins.int
     round_id: _builtins.int
     speculative_num_steps: _builtins.int
@@ -92,10 +84,6 @@ class RoundRequest(_message.Message):
     per-request tiers, the largest of its inputs' (a request at tier 0 is not sent at all).
     0 with inputs: a prompt hand-off, each input's prompt (and its features) extended and
     nothing drafted, answered with empty trees; every draft serves it, whatever its tiers.
-    """
-    predraft: _builtins.bool
-    """Pipelined: a request with inputs and predraft set gets two responses. The first carries
-    the trees; the second, sent while the target verifies, carries `predrafts` (possibly none).
     """
     shape: _builtins.str
     """The round's tier when it is a tree ("4x4x16": steps x topk x num_draft_tokens, steps =
@@ -114,12 +102,11 @@ class RoundRequest(_message.Message):
         speculative_num_steps: _builtins.int = ...,
         inputs: _abc.Iterable[Global___DraftInput] | None = ...,
         released_request_ids: _abc.Iterable[_builtins.str] | None = ...,
-        predraft: _builtins.bool = ...,
         shape: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "predraft", b"predraft", "released_request_ids", b"released_request_ids", "round_id", b"round_id", "shape", b"shape", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "released_request_ids", b"released_request_ids", "round_id", b"round_id", "shape", b"shape", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -200,8 +187,6 @@ class RoundResponse(_message.Message):
     TREES_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
-    ADOPTED_REQUEST_IDS_FIELD_NUMBER: _builtins.int
-    PREDRAFTS_FIELD_NUMBER: _builtins.int
     REFUSED_FIELD_NUMBER: _builtins.int
     round_id: _builtins.int
     error: _builtins.str
@@ -210,14 +195,6 @@ class RoundResponse(_message.Message):
     def trees(self) -> _containers.RepeatedCompositeFieldContainer[Global___CandidateTree]: ...
     @_builtins.property
     def timings(self) -> _common_pb2.StageTimings: ...
-    @_builtins.property
-    def adopted_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Request ids of predrafted inputs whose pre-draft fork the draft went on from."""
-
-    @_builtins.property
-    def predrafts(self) -> _containers.RepeatedCompositeFieldContainer[Global___Predraft]:
-        """The second response of a pipelined round: trees for the likeliest outcomes of its trees."""
-
     @_builtins.property
     def refused(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Requests the draft kept no state for, and why, the reason starting with a gRPC code and
@@ -232,47 +209,15 @@ class RoundResponse(_message.Message):
         trees: _abc.Iterable[Global___CandidateTree] | None = ...,
         timings: _common_pb2.StageTimings | None = ...,
         error: _builtins.str = ...,
-        adopted_request_ids: _abc.Iterable[_builtins.str] | None = ...,
-        predrafts: _abc.Iterable[Global___Predraft] | None = ...,
         refused: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adopted_request_ids", b"adopted_request_ids", "error", b"error", "predrafts", b"predrafts", "refused", b"refused", "round_id", b"round_id", "timings", b"timings", "trees", b"trees"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "refused", b"refused", "round_id", b"round_id", "timings", b"timings", "trees", b"trees"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RoundResponse: _TypeAlias = RoundResponse  # noqa: Y015
-
-@_typing.final
-class Predraft(_message.Message):
-    """A tree drafted ahead for one outcome of a round being verified: its first `accepted` drafts
-    kept, then the target's `bonus_token_id`. `tree.request_id` names the request.
-    """
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    ACCEPTED_FIELD_NUMBER: _builtins.int
-    BONUS_TOKEN_ID_FIELD_NUMBER: _builtins.int
-    TREE_FIELD_NUMBER: _builtins.int
-    accepted: _builtins.int
-    bonus_token_id: _builtins.int
-    @_builtins.property
-    def tree(self) -> Global___CandidateTree: ...
-    def __init__(
-        self,
-        *,
-        accepted: _builtins.int = ...,
-        bonus_token_id: _builtins.int = ...,
-        tree: Global___CandidateTree | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["tree", b"tree"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "bonus_token_id", b"bonus_token_id", "tree", b"tree"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___Predraft: _TypeAlias = Predraft  # noqa: Y015
 
 @_typing.final
 class DraftServiceGetServerInfoRequest(_message.Message):
@@ -303,7 +248,6 @@ class DraftServiceGetServerInfoResponse(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _builtins.int
     FEATURE_LAYERS_FIELD_NUMBER: _builtins.int
-    PIPELINE_FIELD_NUMBER: _builtins.int
     TARGETS_FIELD_NUMBER: _builtins.int
     TREE_SHAPES_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
@@ -318,8 +262,6 @@ class DraftServiceGetServerInfoResponse(_message.Message):
     that disagrees with it on either.
     """
     tokenizer_fingerprint: _builtins.str
-    pipeline: _builtins.bool
-    """Whether this draft pre-drafts the next round while the target verifies (--pipeline)."""
     @_builtins.property
     def candidate_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -350,13 +292,12 @@ class DraftServiceGetServerInfoResponse(_message.Message):
         vocab_size: _builtins.int = ...,
         tokenizer_fingerprint: _builtins.str = ...,
         feature_layers: _abc.Iterable[_builtins.int] | None = ...,
-        pipeline: _builtins.bool = ...,
         targets: _abc.Iterable[Global___DraftTargetUsage] | None = ...,
         tree_shapes: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "active_streams", b"active_streams", "candidate_steps", b"candidate_steps", "device", b"device", "draft_kind", b"draft_kind", "feature_layers", b"feature_layers", "model_path", b"model_path", "pipeline", b"pipeline", "runtime_state_builds", b"runtime_state_builds", "targets", b"targets", "tokenizer_fingerprint", b"tokenizer_fingerprint", "tree_shapes", b"tree_shapes", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "active_streams", b"active_streams", "candidate_steps", b"candidate_steps", "device", b"device", "draft_kind", b"draft_kind", "feature_layers", b"feature_layers", "model_path", b"model_path", "runtime_state_builds", b"runtime_state_builds", "targets", b"targets", "tokenizer_fingerprint", b"tokenizer_fingerprint", "tree_shapes", b"tree_shapes", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

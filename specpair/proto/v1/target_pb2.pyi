@@ -282,8 +282,6 @@ class TargetServiceGetServerInfoResponse(_message.Message):
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     DRAFT_INCOMPATIBLE_REASON_FIELD_NUMBER: _builtins.int
-    PIPELINE_FIELD_NUMBER: _builtins.int
-    PIPELINE_HIT_RATE_FIELD_NUMBER: _builtins.int
     DRAFT_REPLICAS_FIELD_NUMBER: _builtins.int
     TREE_SHAPES_FIELD_NUMBER: _builtins.int
     SHAPE_FIELD_NUMBER: _builtins.int
@@ -300,11 +298,6 @@ class TargetServiceGetServerInfoResponse(_message.Message):
     max_context_length: _builtins.int
     vocab_size: _builtins.int
     draft_incompatible_reason: _builtins.str
-    pipeline: _builtins.bool
-    """Pipelined rounds are on (--pipeline, and the connected draft pre-drafts), and the share of
-    pipelined request-rounds whose tree was pre-drafted, over the last rounds.
-    """
-    pipeline_hit_rate: _builtins.float
     shape: _builtins.str
     @_builtins.property
     def candidate_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -337,15 +330,13 @@ class TargetServiceGetServerInfoResponse(_message.Message):
         max_context_length: _builtins.int = ...,
         vocab_size: _builtins.int = ...,
         draft_incompatible_reason: _builtins.str = ...,
-        pipeline: _builtins.bool = ...,
-        pipeline_hit_rate: _builtins.float = ...,
         draft_replicas: _abc.Iterable[Global___DraftReplica] | None = ...,
         tree_shapes: _abc.Iterable[_builtins.str] | None = ...,
         shape: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["avg_spec_accept_length", b"avg_spec_accept_length", "candidate_steps", b"candidate_steps", "device", b"device", "draft_address", b"draft_address", "draft_connection_state", b"draft_connection_state", "draft_incompatible_reason", b"draft_incompatible_reason", "draft_replicas", b"draft_replicas", "max_context_length", b"max_context_length", "pipeline", b"pipeline", "pipeline_hit_rate", b"pipeline_hit_rate", "queued_requests", b"queued_requests", "rounds", b"rounds", "running_requests", b"running_requests", "runtime_state_builds", b"runtime_state_builds", "shape", b"shape", "speculative_num_steps", b"speculative_num_steps", "target_model_path", b"target_model_path", "tree_shapes", b"tree_shapes", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["avg_spec_accept_length", b"avg_spec_accept_length", "candidate_steps", b"candidate_steps", "device", b"device", "draft_address", b"draft_address", "draft_connection_state", b"draft_connection_state", "draft_incompatible_reason", b"draft_incompatible_reason", "draft_replicas", b"draft_replicas", "max_context_length", b"max_context_length", "queued_requests", b"queued_requests", "rounds", b"rounds", "running_requests", b"running_requests", "runtime_state_builds", b"runtime_state_builds", "shape", b"shape", "speculative_num_steps", b"speculative_num_steps", "target_model_path", b"target_model_path", "tree_shapes", b"tree_shapes", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -525,9 +516,6 @@ class RoundStats(_message.Message):
     REQUEST_IDS_FIELD_NUMBER: _builtins.int
     REQUEST_STEPS_FIELD_NUMBER: _builtins.int
     PLAIN_REQUEST_IDS_FIELD_NUMBER: _builtins.int
-    PREDRAFTED_FIELD_NUMBER: _builtins.int
-    PREDRAFT_MISSES_FIELD_NUMBER: _builtins.int
-    PIPELINED_FIELD_NUMBER: _builtins.int
     SAMPLED_REQUESTS_FIELD_NUMBER: _builtins.int
     SHAPE_FIELD_NUMBER: _builtins.int
     round_id: _builtins.int
@@ -535,10 +523,6 @@ class RoundStats(_message.Message):
     batch_size: _builtins.int
     speculative: _builtins.bool
     unix_time: _builtins.float
-    predraft_misses: _builtins.int
-    """Requests of a pipelined round whose outcome had no pre-draft (drafted on demand)."""
-    pipelined: _builtins.bool
-    """The round was requested pipelined (its draft pre-drafts the next one)."""
     sampled_requests: _builtins.int
     """Requests of the batch that sample (temperature > 0): a sampled round costs more per
     drafted token and accepts differently, so a policy models the two regimes apart.
@@ -563,10 +547,6 @@ class RoundStats(_message.Message):
     def plain_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The round's other requests: not drafted (their tier was 0, or the draft sent no tree)."""
 
-    @_builtins.property
-    def predrafted(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
-        """Parallel to accept_lengths: the tree was pre-drafted while the previous round verified."""
-
     def __init__(
         self,
         *,
@@ -580,15 +560,12 @@ class RoundStats(_message.Message):
         request_ids: _abc.Iterable[_builtins.str] | None = ...,
         request_steps: _abc.Iterable[_builtins.int] | None = ...,
         plain_request_ids: _abc.Iterable[_builtins.str] | None = ...,
-        predrafted: _abc.Iterable[_builtins.bool] | None = ...,
-        predraft_misses: _builtins.int = ...,
-        pipelined: _builtins.bool = ...,
         sampled_requests: _builtins.int = ...,
         shape: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_lengths", b"accept_lengths", "batch_size", b"batch_size", "pipelined", b"pipelined", "plain_request_ids", b"plain_request_ids", "predraft_misses", b"predraft_misses", "predrafted", b"predrafted", "request_ids", b"request_ids", "request_steps", b"request_steps", "round_id", b"round_id", "sampled_requests", b"sampled_requests", "shape", b"shape", "speculative", b"speculative", "speculative_num_steps", b"speculative_num_steps", "timings", b"timings", "unix_time", b"unix_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_lengths", b"accept_lengths", "batch_size", b"batch_size", "plain_request_ids", b"plain_request_ids", "request_ids", b"request_ids", "request_steps", b"request_steps", "round_id", b"round_id", "sampled_requests", b"sampled_requests", "shape", b"shape", "speculative", b"speculative", "speculative_num_steps", b"speculative_num_steps", "timings", b"timings", "unix_time", b"unix_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -6,9 +6,7 @@ appended tokens (accepted drafts + bonus) overwrite them, which is the rollback.
 
 `Drafter` is that round, shared by the two drafters of `drafters.py` (a standalone LM, an EAGLE
 head), which differ in their extend rows and one forward (`extend.py`: `DraftForward`, the
-extend). A tier of a tree shape drafts its trees eagerly (`tree_draft.py`). A pipelined round
-drafts each chain with its lookahead (`draft_ahead`, `lookahead.py`); the forks that use it are
-`pipeline.py`'s.
+extend). A tier of a tree shape drafts its trees eagerly (`tree_draft.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ from specpair.models.args import ModelArgs
 from specpair.runtime.draft.extend import DraftForward
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
-from specpair.runtime.lookahead import Lookahead, TopRows
 from specpair.runtime.round import DraftInput
 from specpair.runtime.sampling import RowParams, derived_seed, draft_support, make_generator
 from specpair.runtime.stages import DraftQ, DraftSampling, DraftStage, ExtendStage
@@ -80,23 +77,6 @@ class Drafter(DraftForward):
         `steps` (0: `state.tier`, never more): greedy rounds through the tier's stages, sampling
         rounds eagerly (their warps and generators live on the host). At tier 0 it only
         extends: its cache follows the target, and every chain is empty."""
-        return self._draft(inputs, state, 0)[0]
-
-    @torch.inference_mode()
-    def draft_ahead(
-        self, inputs: Sequence[DraftInput], state: SpecRuntimeState, width: int
-    ) -> list[tuple[CandidateTree, Lookahead]]:
-        """`draft` at a positive tier, each chain with its `Lookahead` (the `width` likeliest
-        tokens per depth, one step past the chain; see `draft_steps`)."""
-        if state.tier == 0:
-            raise ValueError("drafting ahead needs a positive tier")
-        trees, aheads = self._draft(inputs, state, width)
-        return list(zip(trees, aheads, strict=True))
-
-    def _draft(
-        self, inputs: Sequence[DraftInput], state: SpecRuntimeState, width: int
-    ) -> tuple[list[CandidateTree], list[Lookahead]]:
-        """`draft`, and with `width` > 0 each chain's lookahead (else none)."""
         depths = [item.steps or state.tier for item in inputs]
         if any(d > state.tier for d in depths):
             raise ValueError(f"a request asks for more than the round's {state.tier} steps")
@@ -107,44 +87,32 @@ class Drafter(DraftForward):
         if state.tier == 0:
             self.extend(inputs, slots)
             self.last_times = (time.perf_counter() - t0, 0.0)
-            return [chain(())] * len(inputs), []
+            return [chain(())] * len(inputs)
         extend, draft = self._stages(state)
         hidden = extend.run(inputs, slots)  # [B', 1, H] at each request's last row
         if self.profile and hidden.is_cuda:  # to time extend and draft apart
             torch.cuda.synchronize()
         t1 = time.perf_counter()
         sampling = self._sampling(inputs, entries, state.tier)
-        if not state.is_chain:  # a tree shape: never pipelined
-            if width:
-                raise ValueError("drafting ahead (pipelined rounds) drafts chains only")
+        if not state.is_chain:  # a tree shape
             trees = draft.run_tree(hidden, slots, sampling, depths)
             self.last_gpu_ms = draft.read_gpu_ms()
             self.last_times = (t1 - t0, time.perf_counter() - t1)
-            return trees, []
+            return trees
         qs: list[DraftQ | None] = [None] * len(inputs)
-        aheads: list[Lookahead] = []
-        if width and sampling is not None:  # pipelined sampled rounds: the eager steps
-            drafts, qs, aheads = self.draft_steps(
-                hidden[: len(slots)], slots, state.tier, sampling, depths, width
-            )
+        draft.plan(slots)
+        if sampling is not None:
+            drafts, qs = draft.run_sampled(hidden, slots, sampling, depths)
         else:
-            draft.plan(slots, ahead=width > 0)
-            if width:
-                drafts, full = draft.run_ahead(hidden, slots, width)
-                aheads = [a.cut(d) for a, d in zip(full, depths, strict=True)]
-            elif sampling is not None:
-                drafts, qs = draft.run_sampled(hidden, slots, sampling, depths)
-            else:
-                drafts = draft.run(hidden, slots, depths)
-            self.last_gpu_ms = draft.read_gpu_ms()
+            drafts = draft.run(hidden, slots, depths)
+        self.last_gpu_ms = draft.read_gpu_ms()
         self.last_times = (t1 - t0, time.perf_counter() - t1)
         # A graph drafts every row to the tier: a shorter request's chain (and q) is cut to its
-        # depth, and its lookahead after it.
-        trees = [
+        # depth.
+        return [
             chain(tokens[:d]) if q is None else chain(tokens[:d], q[1][:d], q[0][:d])
             for tokens, q, d in zip(drafts, qs, depths, strict=True)
         ]
-        return trees, aheads
 
     def _sampling(
         self, inputs: Sequence[DraftInput], entries: Sequence[DraftSlot], tier: int
@@ -168,45 +136,35 @@ class Drafter(DraftForward):
         tier: int,
         sampling: DraftSampling | None = None,
         depths: Sequence[int] | None = None,
-        width: int = 0,
-    ) -> tuple[list[list[int]], list[DraftQ | None], list[Lookahead]]:
+    ) -> tuple[list[list[int]], list[DraftQ | None]]:
         """Up to `tier` steps after the committed lengths from hidden [B, 1, H], on the
         device: per request its tokens (`depths[b]` of them, default `tier`) and, where it
         samples, the q it drew them from (`draft_support`); the host reads them back once.
         A request leaves the batch at its depth: depths [1, 3] run step 1 for both rows,
-        steps 2 and 3 for the second alone.
-
-        With `width` > 0 each request also gets its `Lookahead`: one step more (its whole
-        chain's K/V written, and the distribution after it) and the top-`width` tokens at every
-        depth, what a pre-draft of the next round needs (`lookahead.py`)."""
+        steps 2 and 3 for the second alone."""
         starts = [self.cache.lengths[s] for s in slots]
-        extra = 1 if width else 0
         depth = list(depths) if depths is not None else [tier] * len(slots)
         params = None if sampling is None else sampling.params.to(hidden.device)
         u = None if sampling is None else sampling.u.to(hidden.device)
-        tops = TopRows(len(slots), width) if width else None
         picked: list[list[Tensor]] = [[] for _ in slots]  # device scalars until the end
         drawn: list[list[tuple[Tensor, Tensor]]] = [[] for _ in slots]  # (ids, q) [K] each
         rows = list(range(len(slots)))  # the requests still drafting; `hidden` holds theirs
-        for k in range(tier + extra):
-            going = [i for i, b in enumerate(rows) if depth[b] + extra > k]
+        for k in range(tier):
+            going = [i for i, b in enumerate(rows) if depth[b] > k]
             if len(going) < len(rows):
                 hidden, rows = hidden[going], [rows[i] for i in going]
             if not rows:
                 break
             logits = self.logits(hidden)  # [rows, V] on the device
-            if params is None or u is None or k == tier:  # the lookahead's step: no draw
+            if params is None or u is None:
                 tokens = logits.argmax(-1)
             else:
                 tokens, ids, q = draft_support(logits, params.rows(rows), u[rows, k])
-            if tops is not None:
-                tops.add_step(rows, logits, hidden)
             for i, b in enumerate(rows):
-                if k < depth[b]:
-                    picked[b].append(tokens[i])
-                    if sampling is not None and not sampling.greedy[b]:
-                        drawn[b].append((ids[i], q[i]))
-            if any(k + 1 < depth[b] + extra for b in rows):
+                picked[b].append(tokens[i])
+                if sampling is not None and not sampling.greedy[b]:
+                    drawn[b].append((ids[i], q[i]))
+            if any(k + 1 < depth[b] for b in rows):
                 layout = BatchLayout.causal(
                     [slots[b] for b in rows], [starts[b] + k for b in rows], [1] * len(rows)
                 )
@@ -219,7 +177,7 @@ class Drafter(DraftForward):
             ids = torch.stack([i for i, _ in flat]).cpu().split(counts)
             q = torch.stack([q for _, q in flat]).cpu().split(counts)
             qs = [(ids[b], q[b]) if c else None for b, c in enumerate(counts)]
-        return steps, qs, tops.stacked() if tops is not None else []
+        return steps, qs
 
     @torch.inference_mode()
     def prepare(self, request_ids: Sequence[str], state: SpecRuntimeState) -> None:

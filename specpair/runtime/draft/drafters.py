@@ -63,7 +63,7 @@ class EagleDrafter(Drafter):
                     f"request {item.request_id}: {n} feature rows for {len(item.appended)} "
                     "appended tokens (expected as many, or one fewer in the first round)"
                 )
-            if item.features.shape[-1] not in (self.feature_width, self.args.hidden_size):
+            if item.features.shape[-1] != self.feature_width:
                 raise ValueError(
                     f"request {item.request_id}: feature rows {item.features.shape[-1]} wide; "
                     f"this head reads {self.feature_width} (an EAGLE-3 head: the target's "

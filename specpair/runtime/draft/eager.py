@@ -9,7 +9,6 @@ from torch import Tensor
 
 from specpair.runtime.draft.drafter import Drafter
 from specpair.runtime.draft.tree_draft import draft_trees
-from specpair.runtime.lookahead import Lookahead
 from specpair.runtime.round import DraftInput
 from specpair.runtime.shape import TreeShape
 from specpair.runtime.stages import DraftQ, DraftSampling
@@ -39,7 +38,7 @@ class EagerDraft:
     def __init__(self, drafter: Drafter, shape: TreeShape) -> None:
         self.drafter, self.shape, self.tier = drafter, shape, shape.steps
 
-    def plan(self, slots: list[int], ahead: bool = False) -> None:
+    def plan(self, slots: list[int]) -> None:
         return None
 
     def run(
@@ -54,18 +53,7 @@ class EagerDraft:
         sampling: DraftSampling,
         depths: Sequence[int] | None = None,
     ) -> tuple[list[list[int]], list[DraftQ | None]]:
-        steps, qs, _ = self.drafter.draft_steps(
-            hidden[: len(slots)], slots, self.tier, sampling, depths
-        )
-        return steps, qs
-
-    def run_ahead(
-        self, hidden: Tensor, slots: list[int], top: int
-    ) -> tuple[list[list[int]], list[Lookahead]]:
-        steps, _, aheads = self.drafter.draft_steps(
-            hidden[: len(slots)], slots, self.tier, None, None, top
-        )
-        return steps, aheads
+        return self.drafter.draft_steps(hidden[: len(slots)], slots, self.tier, sampling, depths)
 
     def run_tree(
         self,

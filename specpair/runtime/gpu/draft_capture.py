@@ -3,7 +3,7 @@
 - `extend_graph`: B × T appended tokens → hidden of each request's last row [B, 1, H];
 - `step_graph`: s steps of one token per request → tokens [s, B]: greedy (argmax inside the
   graph), or sampled (`draft_support` inside a graph of its own: per-row parameters and uniforms
-  in, each step's sparse q out, [s, B, K]), or with a lookahead for pipelined rounds.
+  in, each step's sparse q out, [s, B, K]).
 """
 
 from __future__ import annotations
@@ -46,45 +46,31 @@ def step_graph(
     attns: list[GraphAttention],
     batch: int,
     s: int,
-    top: int = 0,
     sampled: bool = False,
 ) -> StageGraph:
-    """s greedy steps → tokens [s, B]. With `top`, one step more (the chain's last K/V
-    written, the distribution after it) and per depth 0..s the `top` likeliest tokens
-    `ids`, their probabilities `p` [s + 1, B, top] and the hidden `ahead` [s + 1, B, H].
-    `sampled`: each step draws by `draft_support` from the rows' `params` [B, 5] and
-    `uniform` [s, B]; its q comes out as `q_ids`, `q` [s, B, K]. `attns`: one step attention
-    per forward after the first token (s with `top`, else s - 1)."""
+    """s greedy steps → tokens [s, B]. `sampled`: each step draws by `draft_support` from
+    the rows' `params` [B, 5] and `uniform` [s, B]; its q comes out as `q_ids`, `q`
+    [s, B, K]. `attns`: one step attention per forward after the first token (s - 1)."""
     dev, forwards = capture.cache.device, len(attns)
     inputs = {
         "hidden": torch.zeros(batch, 1, d.args.hidden_size, dtype=capture.cache.dtype, device=dev),
         "starts": torch.zeros(batch, dtype=torch.long, device=dev),
     }
-    if sampled:  # its q fills `ids` and `ps`, which a lookahead fills otherwise
-        assert not top, "a sampled graph has no lookahead (pipelined sampled rounds: eager)"
+    if sampled:
         inputs["params"] = torch.ones(batch, 5, device=dev)  # RowParams.table
         inputs["uniform"] = torch.zeros(s, batch, device=dev)
 
     def body() -> dict[str, Tensor]:
-        hidden, out, ids, ps, hs = inputs["hidden"], [], [], [], []
+        hidden, out, ids, ps = inputs["hidden"], [], [], []
         for k in range(forwards + 1):
             if sampled:
                 params = RowParams(inputs["params"])  # every branch: rows differ
                 token, support, q = draft_support(d.logits(hidden), params, inputs["uniform"][k])
                 ids.append(support)
                 ps.append(q)
-            elif top:
-                logits = d.logits(hidden)  # [B, V]
-                token = logits.argmax(-1)
-                best = torch.softmax(logits, -1).topk(top)
             else:
                 token = d.greedy(hidden)  # [B]: an EAGLE-3 head's argmax skips the full vocab
-            if k < s:
-                out.append(token)
-            if top:
-                ids.append(best.indices)
-                ps.append(best.values)
-                hs.append(hidden[:, -1])
+            out.append(token)
             if k < forwards:
                 pos = inputs["starts"] + k  # [B]
                 if attns[k].on_device:
@@ -93,8 +79,6 @@ def step_graph(
         result = {"tokens": torch.stack(out)}  # [s, B]
         if sampled:
             result |= {"q_ids": torch.stack(ids), "q": torch.stack(ps)}
-        if top:
-            result |= {"ids": torch.stack(ids), "p": torch.stack(ps), "ahead": torch.stack(hs)}
         return result
 
     return capture.capture(body, inputs, attns)

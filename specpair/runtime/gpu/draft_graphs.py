@@ -28,7 +28,6 @@ from specpair.runtime.gpu.draft_capture import extend_graph, step_graph
 from specpair.runtime.gpu.step_graphs import StepGraphs
 from specpair.runtime.kv_cache import CacheFullError
 from specpair.runtime.layout import BatchLayout, padded_groups, tril_mask
-from specpair.runtime.lookahead import LOOKAHEAD_TOP
 from specpair.runtime.round import DraftInput
 from specpair.runtime.stages import DraftModel, DraftStage, ExtendStage
 
@@ -37,10 +36,8 @@ class DraftGraphs:
     """A drafter's graphs of every tier: extends by (bucket, tokens), step attention by bucket
     (step k's is the same whatever the tier), the extend planned ahead."""
 
-    def __init__(self, capture: GraphCapture, model: DraftModel, ahead: bool = False) -> None:
-        """`ahead`: also the steps of pipelined rounds (`StepGraphs.run_ahead`)."""
+    def __init__(self, capture: GraphCapture, model: DraftModel) -> None:
         self.capture, self.model, self.cache = capture, model, capture.cache
-        self.ahead = ahead
         self.steps: dict[int, list[GraphAttention]] = {b: [] for b in capture.buckets}
         self.extends: dict[tuple[int, int], StageGraph] = {}
         self.planned: tuple[object, StageGraph] | None = None  # (key, extend) from `prepare`
@@ -50,22 +47,17 @@ class DraftGraphs:
         self, s: int, eager_extend: ExtendStage, eager_draft: DraftStage
     ) -> tuple[ExtendGraphs, StepGraphs]:
         """Tier s's stages; where no graph fits they run `eager_extend` / `eager_draft`."""
-        top = LOOKAHEAD_TOP if self.ahead else 0
-
         Graphs = dict[int, StageGraph]
 
-        def build() -> tuple[Graphs, Graphs, Graphs]:
+        def build() -> tuple[Graphs, Graphs]:
             buckets = self.capture.buckets
             self.extend_graphs(s + 1)
             steps = {b: self._multi_step(b, s) for b in buckets}
             sampled = {b: self._multi_step(b, s, sampled=True) for b in buckets}
-            ahead = {b: self._multi_step(b, s, top) for b in buckets} if top else {}
-            return steps, sampled, ahead
+            return steps, sampled
 
-        steps, sampled, ahead = self.capture.timed(str(s), build)
-        return ExtendGraphs(self, s, eager_extend), StepGraphs(
-            self, s, eager_draft, steps, ahead, sampled
-        )
+        steps, sampled = self.capture.timed(str(s), build)
+        return ExtendGraphs(self, s, eager_extend), StepGraphs(self, s, eager_draft, steps, sampled)
 
     def extend_graphs(self, width: int) -> None:
         """Each bucket's extend graph of `width` rows, unless a tier of that width has one."""
@@ -73,15 +65,15 @@ class DraftGraphs:
             if (b, width) not in self.extends:
                 self.extends[(b, width)] = extend_graph(self.capture, self.model, b, width)
 
-    def _multi_step(self, batch: int, s: int, top: int = 0, sampled: bool = False) -> StageGraph:
-        """`step_graph` of s steps (s + 1 with `top`) over the bucket's shared step attention,
-        grown to as many forwards as the graph runs."""
+    def _multi_step(self, batch: int, s: int, sampled: bool = False) -> StageGraph:
+        """`step_graph` of s steps over the bucket's shared step attention, grown to as many
+        forwards as the graph runs."""
         attns = self.steps[batch]
-        forwards = s if top else s - 1
+        forwards = s - 1
         while len(attns) < forwards:
             attns.append(self.capture.attention(batch, 1))
             attns[-1].share_pages(attns[0])
-        return step_graph(self.capture, self.model, attns[:forwards], batch, s, top, sampled)
+        return step_graph(self.capture, self.model, attns[:forwards], batch, s, sampled)
 
     def plan_step_pages(self, bucket: int, slots: list[int], ends: list[int]) -> None:
         """Pages up to `ends` and their rows, for steps that place themselves (`on_device`)."""
@@ -156,9 +148,6 @@ class ExtendGraphs:
         if bucket is None:
             return self.eager.run(inputs, slots)
         tokens, feats, positions, layout, lengths = d.extend_inputs(inputs, slots)
-        if feats is not None and any(f.shape[-1] != d.feature_width for f in feats):
-            # an EAGLE-3 fork's rows carry the head's own outputs (H wide, not 3H): eagerly
-            return d.extend_forward(tokens, feats, positions, layout, lengths)
         t = tokens.shape[1]
         ext = None
         key = (self.tier, tuple(slots), tuple(starts), cache.generation)

@@ -1,6 +1,6 @@
 """One tier's draft steps in CUDA graphs (`DraftGraphs.tier` builds them): planned, replayed,
-read back once; greedy, sampled (q read back with the tokens) or ahead (pipelined rounds, with
-each chain's lookahead). Where no graph fits, the drafter's eager steps run."""
+read back once; greedy, or sampled (q read back with the tokens). Where no graph fits, the
+drafter's eager steps run."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from specpair.runtime.gpu.capture import (
     pad_rows,
 )
 from specpair.runtime.layout import BatchLayout
-from specpair.runtime.lookahead import LOOKAHEAD_TOP, Lookahead
 from specpair.runtime.stages import DraftQ, DraftSampling, DraftStage
 from specpair.runtime.tree import CandidateTree
 
@@ -35,8 +34,8 @@ class StepPlanner(Protocol):
 
 
 class StepGraphs:
-    """One tier's draft stage: the bucket's graph of s steps (of s + 1, ahead); else the
-    drafter's eager steps."""
+    """One tier's draft stage: the bucket's graph of s steps; else the drafter's eager
+    steps."""
 
     def __init__(
         self,
@@ -44,29 +43,25 @@ class StepGraphs:
         tier: int,
         eager: DraftStage,
         steps: dict[int, StageGraph],
-        ahead: dict[int, StageGraph] | None = None,
         sampled: dict[int, StageGraph] | None = None,
     ) -> None:
         self.graphs, self.tier, self.eager, self.steps = graphs, tier, eager, steps
-        self.ahead = ahead or {}
         self.sampled = sampled or {}
         self.sampled_replays = 0  # sampled rounds drafted in a graph
         self._planned: tuple[StageGraph, list[int]] | None = None  # graph, starts
 
-    def plan(self, slots: list[int], ahead: bool = False) -> None:
-        """Plans the greedy or the `ahead` graph; the sampled graph of the bucket shares the
-        greedy one's step attention, so the greedy plan serves it too."""
+    def plan(self, slots: list[int]) -> None:
+        """Plans the greedy graph; the sampled graph of the bucket shares its step attention,
+        so the greedy plan serves it too."""
         o, cache, s = self.graphs, self.graphs.capture.cache, self.tier
         self._planned = None
         bucket = bucket_of(len(slots), o.capture.buckets)
         starts = [cache.lengths[slot] for slot in slots]
-        reach = s + 1 if ahead else s  # positions written after each start
-        graphs = self.ahead if ahead else self.steps
-        if bucket is None or bucket not in graphs or max(starts) + reach > cache.max_len:
+        if bucket is None or bucket not in self.steps or max(starts) + s > cache.max_len:
             return  # the steps run eagerly
-        if ahead or not o.steps_paged:  # else `prepare` planned the steps' pages
-            o.plan_step_pages(bucket, slots, [st + reach for st in starts])
-        g = graphs[bucket]
+        if not o.steps_paged:  # else `prepare` planned the steps' pages
+            o.plan_step_pages(bucket, slots, [st + s for st in starts])
+        g = self.steps[bucket]
         for k, attn in enumerate(g.attention):
             if not attn.on_device:
                 step = BatchLayout.causal(slots, [st + k for st in starts], [1] * len(slots))
@@ -124,19 +119,6 @@ class StepGraphs:
         q = g.outputs["q"][:, :b].transpose(0, 1).cpu()
         qs: list[DraftQ | None] = [None if sampling.greedy[i] else (ids[i], q[i]) for i in range(b)]
         return drafts, qs
-
-    def run_ahead(
-        self, hidden: Tensor, slots: list[int], top: int
-    ) -> tuple[list[list[int]], list[Lookahead]]:
-        if self._planned is None or top != LOOKAHEAD_TOP:
-            self._planned = None
-            return self.eager.run_ahead(hidden, slots, top)
-        g, b = self._replay(hidden, slots), len(slots)
-        drafts: list[list[int]] = g.outputs["tokens"][:, :b].T.tolist()
-        ids = g.outputs["ids"][:, :b].transpose(0, 1).cpu()  # [b, s + 1, top]
-        p = g.outputs["p"][:, :b].transpose(0, 1).float().cpu()
-        states = g.outputs["ahead"][:, :b].transpose(0, 1).clone()  # the next replay reuses it
-        return drafts, [Lookahead(ids[i], p[i], states[i]) for i in range(b)]
 
     def run_tree(
         self,

@@ -30,7 +30,6 @@ from specpair.runtime.gpu.capture import (
 )
 from specpair.runtime.gpu.draft_graphs import DraftGraphs, ExtendGraphs
 from specpair.runtime.kv_cache import CacheFullError
-from specpair.runtime.lookahead import Lookahead
 from specpair.runtime.shape import TreeShape
 from specpair.runtime.stages import DraftModel, DraftQ, DraftSampling, DraftStage, ExtendStage
 from specpair.runtime.tree import CandidateTree
@@ -137,8 +136,8 @@ class TreeGraphs:
         pool = (g.outputs["tokens"], g.outputs["scores"], g.outputs["parents"])
         return rerank_trees(pool, shape, b, depths)
 
-    def plan(self, slots: list[int], ahead: bool = False) -> None:
-        self.eager.plan(slots, ahead)
+    def plan(self, slots: list[int]) -> None:
+        self.eager.plan(slots)
 
     def run(
         self, hidden: Tensor, slots: list[int], depths: Sequence[int] | None = None
@@ -153,11 +152,6 @@ class TreeGraphs:
         depths: Sequence[int] | None = None,
     ) -> tuple[list[list[int]], list[DraftQ | None]]:
         return self.eager.run_sampled(hidden, slots, sampling, depths)
-
-    def run_ahead(
-        self, hidden: Tensor, slots: list[int], top: int
-    ) -> tuple[list[list[int]], list[Lookahead]]:
-        return self.eager.run_ahead(hidden, slots, top)
 
     def read_gpu_ms(self) -> float:
         return self.capture.read_gpu_ms()

@@ -8,7 +8,7 @@
 Who runs and at which tier is the caller's (the scheduler's batching, or the engine's loop), as
 is streaming: `run` asks its `Batcher` for the next round after the verify, and starts it
 before this one streams, so that streaming and publishing overlap the draft's work. What goes
-to the draft and what comes back is the `DraftSession`'s; pre-drafts are `pipeline.py`'s.
+to the draft and what comes back is the `DraftSession`'s.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from specpair.runtime.round import RoundRequest, RoundStats, StageTimings
 from specpair.runtime.state import SpecRuntimeState, gpu_ms
-from specpair.runtime.target.pipeline import Ahead, Predrafts
-from specpair.runtime.target.session import NO_HITS, Drafts, DraftSession
+from specpair.runtime.target.session import Drafts, DraftSession
 from specpair.runtime.target.transport import DraftTransport
 from specpair.runtime.target.worker import TargetSequence, TargetWorker, VerifyResult
 from specpair.runtime.tree import EMPTY_TREE
@@ -53,7 +52,6 @@ class Flight(Generic[B]):
     beside_s: float = 0.0  # admission while its draft worked (within the round, not before)
     request: RoundRequest | None = None  # None: no draft stream was open, or tier 0
     epoch: int | None = None  # what `send` returned for `receive`; None: it did not go out
-    ahead: Ahead | None = None  # pipelined: the pre-drafts it may use
     sent: float = 0.0  # perf_counter once the request is out (the start, without one)
     verified: float = 0.0  # perf_counter after the verify
     wait_s: float = 0.0  # the target waited for the draft's messages
@@ -83,12 +81,10 @@ class TargetRound(Generic[B]):
         draft: DraftTransport | None,
         compute: Runs,
         *,
-        predrafts: Predrafts | None = None,
         metrics: ServiceMetrics | None = None,
         publish: Callable[[RoundStats], None] | None = None,
     ) -> None:
         self.worker, self.session, self.draft, self.compute = worker, session, draft, compute
-        self.predrafts = predrafts  # None: rounds never go out pipelined
         self.metrics = metrics
         self.publish = publish
 
@@ -110,13 +106,9 @@ class TargetRound(Generic[B]):
             return flight
         if state is None or state.tier == 0:
             return flight  # target-only: the draft is not called (releases wait for a round)
-        if self.predrafts is not None and state.is_chain:  # trees are never pre-drafted
-            sampled = any(not seq.sampling.greedy for seq in seqs)
-            flight.ahead = self.predrafts.begin(draft, state.tier, len(seqs), sampled)
         flight.request = self.session.request(
             round_id, seqs, state.tier, epoch=draft.epochs(seqs), features=draft.features,
-            steps=steps, predrafted=flight.ahead.take if flight.ahead is not None else None,
-            shape=None if state.is_chain else state.shape,
+            steps=steps, shape=None if state.is_chain else state.shape,
         )  # fmt: skip
         flight.epoch = await draft.send(flight.request)
         flight.sent = time.perf_counter()
@@ -135,7 +127,7 @@ class TargetRound(Generic[B]):
     async def run(self, flight: Flight[B], batcher: Batcher[B]) -> Flight[B] | None:
         """Finishes a started round: trees → verify → accept → commit → (the next round starts)
         → stream → publish. Returns the next round, when `batcher` started one."""
-        seqs, ahead = flight.seqs, flight.ahead
+        seqs = flight.seqs
         drafts = await self._drafts(flight)  # the answer to the request sent at `start`
         trees = drafts.aligned([seq.request_id for seq in seqs])
         t1 = time.perf_counter()
@@ -146,8 +138,6 @@ class TargetRound(Generic[B]):
             self.metrics.accepts.labels(self.worker.last_accept).inc()
         for seq, res in zip(seqs, results, strict=True):
             self.session.verified(seq, res.features)  # EAGLE: the committed rows' features
-        if ahead is not None and flight.request is not None and flight.epoch is not None:
-            await self._after_verify(flight, ahead, flight.request, flight.epoch)
         if flight.handoff is not None:  # its answer follows the round's own on the stream
             await self._handoff_answer(flight, *flight.handoff)
         following = await batcher.next_round(flight)  # out before this one streams
@@ -156,16 +146,10 @@ class TargetRound(Generic[B]):
             with_drafts = drafts.speculative and len(tree) > 0
             if with_drafts:
                 drafted.append(i)
-                self._observe(seqs[i].request_id, res.acceptance.accept_length, ahead)
+                if self.metrics is not None:
+                    self.metrics.accept_length.observe(res.acceptance.accept_length)
             batcher.stream(item, res, with_drafts, flight.steps[i])
         end = following.started if following is not None else time.perf_counter()
-        if self.predrafts is not None and flight.request is not None and flight.state is not None:
-            tokens = sum(len(res.new_tokens) for res in results)
-            sampled = any(not seq.sampling.greedy for seq in seqs)
-            seconds = end - flight.started
-            self.predrafts.observe(
-                flight.state.tier, len(seqs), sampled, ahead is not None, tokens, seconds
-            )
         if self.publish is not None:
             verify_gpu_ms = gpu_ms(self.worker)
             self.publish(round_stats(flight, drafts, results, drafted, t1, end, verify_gpu_ms))
@@ -174,23 +158,20 @@ class TargetRound(Generic[B]):
     async def _drafts(self, flight: Flight[B]) -> Drafts:
         """The round's checked trees (and the draft's timings); empty trees when the draft is
         unavailable, with the reason counted."""
-        request, draft, ahead = flight.request, self.draft, flight.ahead
+        request, draft = flight.request, self.draft
         if request is None or draft is None:
             # A round at tier 0 went without drafts by choice: no fallback to count.
             tier = flight.state.tier if flight.state is not None else 0
             why = [] if tier == 0 and draft is not None else ["no_draft"]
             ids = tuple(seq.request_id for seq in flight.seqs)
             drafts = Drafts([EMPTY_TREE] * len(ids), StageTimings(), False, why, ids)
-        elif flight.epoch is not None and ahead is not None and (ready := ahead.pending(request)):
-            drafts = ready  # every tree pre-drafted: verify at once
         else:
             response = None
             if flight.epoch is not None:
                 t0 = time.perf_counter()
                 response = await draft.receive(flight.round_id, flight.epoch)
                 flight.wait_s += time.perf_counter() - t0
-            hits = ahead.hits if ahead is not None else NO_HITS
-            drafts = self.session.drafts(request, response, hits)
+            drafts = self.session.drafts(request, response)
         self._count(drafts.fallbacks)
         return drafts
 
@@ -221,26 +202,10 @@ class TargetRound(Generic[B]):
         flight.handoff_s += time.perf_counter() - t0
         self._count(self.session.drafts(request, response).fallbacks)
 
-    async def _after_verify(
-        self, flight: Flight[B], ahead: Ahead, request: RoundRequest, epoch: int
-    ) -> None:
-        if self.predrafts is None or self.draft is None or not request.predraft:
-            return
-        t0 = time.perf_counter()
-        refused = await self.predrafts.after_verify(ahead, request, epoch, self.draft, self.session)
-        flight.wait_s += time.perf_counter() - t0
-        self._count(["malformed_predraft"] * refused)
-
     def _count(self, fallbacks: list[str]) -> None:
         if self.metrics is not None:
             for reason in fallbacks:
                 self.metrics.fallback_rounds.labels(reason).inc()
-
-    def _observe(self, request_id: str, accept_length: int, ahead: Ahead | None) -> None:
-        if self.metrics is not None:
-            tree_from = "predrafted" if ahead is not None and request_id in ahead.hits else "fresh"
-            self.metrics.tree_accept_length.labels(tree_from).observe(accept_length)
-            self.metrics.accept_length.observe(accept_length)
 
     async def send_releases(self, round_id: int) -> None:
         """Frees on the draft the requests that left when no round follows to carry them."""
@@ -262,7 +227,7 @@ def round_stats(
 ) -> RoundStats:
     """The round's account: `drafted` indexes the requests verified with drafts; the round ends
     where the next one starts (rounds tile time), or at `end`."""
-    seqs, ahead, draft = flight.seqs, flight.ahead, drafts.timings
+    seqs, draft = flight.seqs, drafts.timings
     rtt_s = verify_start - flight.started  # the request going out to its trees
     verify_s = flight.verified - verify_start
     total_s = flight.admit_s + end - flight.started  # the round's share of the wall time
@@ -278,19 +243,14 @@ def round_stats(
         schedule_ms=1e3 * max(total_s - rtt_s - verify_s - flight.admit_s - flight.handoff_s, 0),
         total_ms=1e3 * total_s,
         wait_ms=1e3 * flight.wait_s,
-        predraft_ms=ahead.predraft_ms if ahead is not None else 0.0,
         admit_ms=1e3 * (flight.admit_s + flight.beside_s + flight.handoff_s),
     )
-    drafted_ids = tuple(seqs[i].request_id for i in drafted)
     plain = set(range(len(seqs))).difference(drafted)
-    hits = ahead.hits if ahead is not None else NO_HITS
     return RoundStats(
         flight.round_id, flight.state.tier if flight.state is not None else 0, len(seqs),
         tuple(results[i].acceptance.accept_length for i in drafted), drafts.speculative, timings,
-        time.time(), drafted_ids, tuple(flight.steps[i] for i in drafted),
-        tuple(seqs[i].request_id for i in sorted(plain)),
-        tuple(rid in hits for rid in drafted_ids), ahead.misses if ahead is not None else 0,
-        flight.request is not None and flight.request.predraft,
+        time.time(), tuple(seqs[i].request_id for i in drafted),
+        tuple(flight.steps[i] for i in drafted), tuple(seqs[i].request_id for i in sorted(plain)),
         sum(not seq.sampling.greedy for seq in seqs),
         None if flight.state is None or flight.state.is_chain else flight.state.shape,
     )  # fmt: skip

@@ -15,13 +15,12 @@ and the GPU benchmarks alike) drives it:
 Per request it counts the tokens (prompt + output) the draft holds. Sent tokens count once the
 draft answers with a tree for them; no tree, a refused round or a new stream (epoch: a
 reconnected draft lost everything) sets the count to 0, so the draft re-prefills from the
-request's whole history (tokens, and features from the `FeatureLog`). Pre-drafts (pipelined
-rounds) are `pipeline.py`'s: here only an input's `predrafted` mark and its adoption count.
+request's whole history (tokens, and features from the `FeatureLog`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -62,12 +61,6 @@ class Drafts:
             return self.trees
         by_id = dict(zip(self.request_ids, self.trees, strict=True))
         return [by_id.get(rid, EMPTY_TREE) for rid in request_ids]
-
-
-# Whether a pipelined round's request found its outcome pre-drafted: (request id, appended,
-# its tier) → True when its tree is there (`pipeline.Ahead.take`).
-Predrafted = Callable[[str, tuple[int, ...], int], bool]
-NO_HITS: Mapping[str, CandidateTree] = {}
 
 
 class DraftSession:
@@ -125,15 +118,13 @@ class DraftSession:
         epoch: int | Mapping[str, int] = 0,
         features: bool = False,
         steps: Sequence[int] | None = None,
-        predrafted: Predrafted | None = None,
         shape: TreeShape | None = None,
     ) -> RoundRequest:
         """The next round for `seqs` on the draft stream `epoch` (or each request's own, by id:
         a pool of draft replicas): per request the tokens the draft has not seen (and, with
         `features`, the hidden states that predicted them).
         `steps` (per request, at most `tier`): each one's own tier; one at 0 is not sent, and
-        what it appends meanwhile goes out with its next round at a positive tier. With
-        `predrafted` the round goes out pipelined, each input marked whose outcome it found.
+        what it appends meanwhile goes out with its next round at a positive tier.
         `shape`: the round's tree shape, when it is one (`tier` is its steps).
 
         Worked example: prompt [5, 6, 7], output [8] (pending), nothing seen → appended
@@ -147,23 +138,18 @@ class DraftSession:
             if own == 0:
                 continue
             view = self.views[seq.request_id]
-            renewed = self._renew(view, epoch)
+            self._renew(view, epoch)
             seen, prompt = view.seen, len(seq.prompt)
             if seen >= prompt:
                 appended = tuple(seq.output[seen - prompt :])
             else:
                 appended = (*seq.prompt[seen:], *seq.output)
             rows = view.features.since(seen - 1) if features else None
-            # pre-drafts live on their stream: a renewed one's are gone
-            hit = (
-                predrafted is not None and not renewed and predrafted(seq.request_id, appended, own)
-            )
             own = 0 if own == tier else own  # 0 on the wire: the round's tier
-            inputs.append(DraftInput(seq.request_id, appended, seq.sampling, rows, own, hit))
+            inputs.append(DraftInput(seq.request_id, appended, seq.sampling, rows, own))
         released = tuple(self._released)
         self._released.clear()
-        pipelined = predrafted is not None and bool(inputs)
-        return RoundRequest(round_id, tier, tuple(inputs), released, pipelined, shape)
+        return RoundRequest(round_id, tier, tuple(inputs), released, shape)
 
     def handoff(
         self,
@@ -196,14 +182,12 @@ class DraftSession:
         return RoundRequest(round_id, 0, tuple(inputs)) if inputs else None
 
     @staticmethod
-    def _renew(view: DraftView, epoch: int | Mapping[str, int]) -> bool:
-        """Puts `view` on its draft stream `epoch` (or its own, by request id); True when that
-        is a new stream, which holds nothing of the request: it is re-sent from scratch."""
+    def _renew(view: DraftView, epoch: int | Mapping[str, int]) -> None:
+        """Puts `view` on its draft stream `epoch` (or its own, by request id); a new stream
+        holds nothing of the request: it is re-sent from scratch."""
         stream = epoch if isinstance(epoch, int) else epoch[view.seq.request_id]
-        if view.epoch == stream:
-            return False
-        view.seen, view.epoch = 0, stream
-        return True
+        if view.epoch != stream:
+            view.seen, view.epoch = 0, stream
 
     def releases(self, round_id: int) -> RoundRequest | None:
         """A request that only frees state (when no round follows), or None: nothing to free."""
@@ -213,15 +197,9 @@ class DraftSession:
         self._released.clear()
         return request
 
-    def drafts(
-        self,
-        request: RoundRequest,
-        response: RoundResponse | None,
-        hits: Mapping[str, CandidateTree] = NO_HITS,
-    ) -> Drafts:
+    def drafts(self, request: RoundRequest, response: RoundResponse | None) -> Drafts:
         """The trees `response` brings for `request`'s inputs (None: the draft failed to
-        answer); a `predrafted` input's tree is its pre-draft in `hits`. A tree that breaks the
-        rules costs only its request's speculation."""
+        answer). A tree that breaks the rules costs only its request's speculation."""
         empty = [EMPTY_TREE] * len(request.inputs)
         ids = tuple(item.request_id for item in request.inputs)
         if response is None:
@@ -238,22 +216,16 @@ class DraftSession:
                 if (view := self.views.get(item.request_id)) is not None:
                     view.seen = 0
             return Drafts(empty, response.timings, False, ["draft_error"], ids)
-        trees, fallbacks = [], []
+        trees: list[CandidateTree] = []
+        fallbacks: list[str] = []
         unchecked: list[int] = []  # trees whose sparse q is still to check
         for item in request.inputs:
             tree = response.trees.get(item.request_id)
             why = response.malformed.get(item.request_id)
             view = self.views.get(item.request_id)
-            if item.predrafted:  # verified from the pre-draft; the draft went on from it
-                kept = item.request_id in response.adopted
-                tree, why = hits.get(item.request_id), None
-            else:  # no tree: the draft could not hold it and kept nothing
-                kept = tree is not None or why is not None
+            kept = tree is not None or why is not None  # no tree: the draft kept nothing
             if view is not None:
                 view.seen = view.seen + len(item.appended) if kept else 0
-            if item.predrafted:
-                trees.append(EMPTY_TREE if tree is None else tree)
-                continue
             if item.request_id in response.refused:  # no room there (the reason names it)
                 fallbacks.append("draft_refused")
             if tree is not None and not self.in_process:

@@ -22,10 +22,6 @@ class DraftTransport(Protocol):
     def connected(self) -> bool: ...
     @property
     def features(self) -> bool: ...  # rounds carry the target's hidden states (an EAGLE draft)
-    @property
-    def draft_pipeline(self) -> bool: ...  # the draft pre-drafts pipelined rounds
-    @property
-    def draft_device(self) -> str: ...
 
     def epochs(self, seqs: Sequence[TargetSequence]) -> int | Mapping[str, int]:
         """The stream each request's round goes out on (one for all, or by request id); a new
@@ -37,5 +33,5 @@ class DraftTransport(Protocol):
         ...
 
     async def receive(self, round_id: int, sent: int) -> RoundResponse | None:
-        """The round's next answer (a pipelined round has two)."""
+        """The round's answer."""
         ...
