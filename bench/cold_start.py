@@ -72,6 +72,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.set_defaults(draft_kind="model")
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--caches", type=Path, help="the kernel caches' folder, empty or new "
+                        "(default: a temporary one); kept for later runs")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/out/cold_start.json"))
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
@@ -88,7 +90,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ]
     starts: list[float] = []
     passes: list[Pass] = []
-    with tempfile.TemporaryDirectory(prefix="specpair-cold-") as caches:
+    if args.caches is not None and args.caches.exists() and any(args.caches.iterdir()):
+        parser.error(f"--caches {args.caches}: not empty, so the first start would not be cold")
+    with tempfile.TemporaryDirectory(prefix="specpair-cold-") as temporary:
+        caches = str(args.caches or temporary)
         # `up` keeps flashinfer's and Triton's caches under XDG_CACHE_HOME unless they are set
         env = {
             "XDG_CACHE_HOME": caches,
