@@ -53,7 +53,7 @@ def bind_device(device: str) -> None:
     replaying its graphs from a thread left on cuda:0 read illegal addresses. The current
     device is per thread: a service binds it on its event loop's thread at start-up (where
     `Compute` runs a CUDA round inline) and in each thread that loads (`on_device`)."""
-    if device.startswith("cuda"):
+    if device.startswith("cuda:"):  # plain "cuda" is the current device already
         import torch
 
         torch.cuda.set_device(torch.device(device))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from specpair.config import DraftConfig, ServerConfig
-from specpair.serving import SETTLE_BUDGET_S, Compute, busy_wait, settle, settle_budget
+from specpair.serving import SETTLE_BUDGET_S, Compute, busy_wait, on_device, settle, settle_budget
 
 
 @pytest.mark.parametrize(("device", "inline"), [("cuda", True), ("cuda:1", True), ("cpu", False)])
@@ -77,3 +77,18 @@ def test_busy_poll_defaults_to_cuda_only() -> None:
     assert poll(None, "cuda:0") > 0
     assert poll(None, "cpu") == 0
     assert poll(5, "cpu") == 0.005
+
+
+@pytest.mark.parametrize(
+    ("device", "bound"), [("cpu", None), ("cuda", None), ("cuda:0", 0), ("cuda:1", 1)]
+)
+def test_a_service_binds_only_an_indexed_cuda_device(monkeypatch, device: str, bound) -> None:
+    """`--device cuda:1` becomes the current device of each thread that runs model work (Triton
+    and graphs launch on the current device); plain `cuda` is the current device already, and
+    torch refuses to set a device without an index."""
+    import torch
+
+    calls: list[int] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(torch.device(d).index))
+    on_device(device, lambda: None)()
+    assert calls == ([] if bound is None else [bound])
