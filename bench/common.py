@@ -112,6 +112,38 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(headers), rule, *(line(r) for r in rows)])
 
 
+def grouped_bars(
+    series: dict[str, dict[str, float]],
+    path: Path,
+    title: str,
+    ylabel: str,
+    baseline: float | None = None,
+) -> None:
+    """A PNG of bars: per group (the inner keys, in first-seen order) one bar per series (the
+    outer keys), e.g. {"1 GPU": {"greedy\n1 client": 380.7, …}, "2 GPUs": {…}}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys(g for values in series.values() for g in values))
+    width = 0.8 / max(len(series), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(groups)), 4.0))
+    for k, (name, values) in enumerate(series.items()):
+        xs = [i + k * width for i, g in enumerate(groups) if g in values]
+        ax.bar(xs, [values[g] for g in groups if g in values], width, label=name)
+    if baseline is not None:
+        ax.axhline(baseline, color="grey", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
+    ax.set_xticklabels(groups, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write_json(path: Path, payload: Any) -> None:
     """Writes `payload` (dataclasses allowed) as indented JSON, creating parent folders."""
     path.parent.mkdir(parents=True, exist_ok=True)

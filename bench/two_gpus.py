@@ -34,7 +34,7 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.common import device_info, format_table, write_json
+from bench.common import device_info, format_table, grouped_bars, write_json
 from bench.gpu_speedup import GOODPUT, Workload, add_pair_args, bench_pair, make_workloads
 from bench.services import wait_draft_connected, watch_rounds
 from bench.up_client import Up, running_up, sdk_door
@@ -157,28 +157,11 @@ def render(cells: Sequence[TwoCell]) -> str:
 
 
 def plot(cells: Sequence[TwoCell], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = sorted({(c.workload, c.clients) for c in cells})
-    names = list(dict.fromkeys(c.deployment for c in cells))
-    width = 0.8 / len(names)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.5 * len(groups)), 4.0))
-    for k, name in enumerate(names):
-        by_group = {(c.workload, c.clients): c for c in cells if c.deployment == name}
-        xs = [i + k * width for i, g in enumerate(groups) if g in by_group]
-        ys = [by_group[g].tokens_per_s for g in groups if g in by_group]
-        ax.bar(xs, ys, width, label=name)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
-    ax.set_xticklabels([f"{w}\n{n} client{'s' * (n > 1)}" for w, n in groups], fontsize=8)
-    ax.set_ylabel("tokens/s (SDK, all clients)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    series: dict[str, dict[str, float]] = {}
+    for c in sorted(cells, key=lambda c: (c.workload, c.clients)):
+        group = f"{c.workload}\n{c.clients} client{'s' * (c.clients > 1)}"
+        series.setdefault(c.deployment, {})[group] = c.tokens_per_s
+    grouped_bars(series, path, title, "tokens/s (SDK, all clients)")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import device_info, format_table, write_json
+from bench.common import device_info, format_table, grouped_bars, write_json
 from bench.gpu_speedup import GOODPUT, Workload, add_pair_args, bench_pair, make_workloads
 from bench.services import free_address, wait_draft_connected
 from specpair.client import ControllerClient, SpecpairClient
@@ -276,29 +276,11 @@ def render(cells: Sequence[UpCell]) -> str:
 
 
 def plot(cells: Sequence[UpCell], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = sorted({(c.workload, c.batch, c.door) for c in cells})
-    configs = list(dict.fromkeys(c.config for c in cells))
-    width = 0.8 / len(configs)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(groups)), 4.0))
-    for k, config in enumerate(configs):
-        by_group = {(c.workload, c.batch, c.door): c for c in cells if c.config == config}
-        xs = [i + k * width for i, g in enumerate(groups) if g in by_group]
-        ys = [by_group[g].speedup or 0.0 for g in groups if g in by_group]
-        ax.bar(xs, ys, width, label=config)
-    ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
-    ax.set_xticklabels([f"{w}\nbatch {b}, {d}" for w, b, d in groups], fontsize=8)
-    ax.set_ylabel("x over tier 0 (the target alone)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    series: dict[str, dict[str, float]] = {}
+    for c in sorted(cells, key=lambda c: (c.workload, c.batch, c.door)):
+        group = f"{c.workload}\nbatch {c.batch}, {c.door}"
+        series.setdefault(c.config, {})[group] = c.speedup or 0.0
+    grouped_bars(series, path, title, "x over tier 0 (the target alone)", baseline=1.0)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
