@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     break
                 client = SpecpairClient(up.target, timeout=600)
                 passes.append(run_pass("first requests", client, prompts, args.new_tokens))
-                ctl = ControllerClient(up.controller, timeout=30)
+                ctl = ControllerClient(up.controller, token=up.token, timeout=30)
                 ctl.update_policy(**GOODPUT)  # SGLang's rule has no tier 0 to pin
                 ctl.pin(0)
                 passes.append(run_pass("target alone", client, prompts, args.new_tokens))

@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from specpair.channels import auth_metadata
 from specpair.client import SpecpairClient
 from specpair.group import Service, ServiceGroup
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
@@ -149,11 +150,13 @@ def apply_tier(address: str, tier: TreeShape | str | int) -> None:
         stub.ApplyTier(apply_tier_to_proto(shape, reason="bench"))
 
 
-def watch_rounds(address: str, sink: list[RoundStats]) -> grpc.Future:
+def watch_rounds(address: str, sink: list[RoundStats], token: str | None = None) -> grpc.Future:
     """Collects the target's RoundStats (typed: `specpair.wire` decodes them) in a thread until
-    the returned call is cancelled."""
+    the returned call is cancelled; `token`: the ops token, where the target has one."""
     channel = grpc.insecure_channel(address)
-    call = target_pb2_grpc.TargetServiceStub(channel).WatchRounds(target_pb2.WatchRoundsRequest())
+    call = target_pb2_grpc.TargetServiceStub(channel).WatchRounds(
+        target_pb2.WatchRoundsRequest(), metadata=auth_metadata(token)
+    )
 
     def collect() -> None:
         with contextlib.suppress(grpc.RpcError):

@@ -114,7 +114,7 @@ def run_cell(
     """`n` requests of `wl`, `clients` at a time through the SDK: (tokens, seconds, account)."""
     one = sdk_door(up)
     stats: list[RoundStats] = []
-    call = watch_rounds(up.target, stats)
+    call = watch_rounds(up.target, stats, up.token)
     time.sleep(0.2)
 
     def request(i: int) -> int:
@@ -242,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     record(name, wl, clients, run_cell(up, wl, clients, n, args.new_tokens))
         if not args.no_alone:
             one = ups["1 GPU"]
-            ctl = ControllerClient(one.controller, timeout=30)
+            ctl = ControllerClient(one.controller, token=one.token, timeout=30)
             ctl.update_policy(**GOODPUT)  # SGLang's rule has no tier 0 to pin
             ctl.pin(0)
             time.sleep(0.3)

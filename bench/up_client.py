@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -49,6 +50,7 @@ from bench.gpu_speedup import GOODPUT, Workload, add_pair_args, bench_pair, make
 from bench.services import free_address, wait_draft_connected
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.launcher import READY
+from specpair.options import TOKEN_ENV
 
 DOORS = ("openai", "http", "sdk")
 Door = Callable[[list[int], int, Any], int]  # (prompt ids, max tokens, sampling) -> tokens
@@ -79,12 +81,13 @@ class UpCell:
 
 @dataclass(frozen=True)
 class Up:
-    """A running `specpair up`: its addresses and log."""
+    """A running `specpair up`: its addresses, log and ops token."""
 
     target: str
     controller: str
     http: str
     log: Path
+    token: str
 
 
 def up_command(args: argparse.Namespace, target: Path, draft: Path) -> list[str]:
@@ -110,12 +113,15 @@ def running_up(
     """Starts `command` on free loopback ports, echoes its `specpair up:` lines, waits for its
     READY line, and stops it as Ctrl-C does (SIGINT) on the way out. `env_changes`: variables
     set for it (None: unset)."""
-    up = Up(free_address(), free_address(), free_address(), log)
+    # the group's ops token, given (`up` makes one of its own where none is set)
+    token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(16)
+    up = Up(free_address(), free_address(), free_address(), log, token)
     env = os.environ | {
         "SPECPAIR_TARGET_ADDRESS": up.target,
         "SPECPAIR_CONTROLLER_ADDRESS": up.controller,
         "SPECPAIR_DRAFT_ADDRESS": free_address(),
         "SPECPAIR_HTTP_ADDRESS": up.http,
+        TOKEN_ENV: token,
         "PYTHONUNBUFFERED": "1",
     }
     for service in ("TARGET", "DRAFT", "CONTROLLER"):  # several `up`s may run side by side
@@ -340,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     with running_up(command, args.out.with_suffix(".log")) as up:
         wait_draft_connected(SpecpairClient(up.target, timeout=60))
-        ctl = ControllerClient(up.controller, timeout=30)
+        ctl = ControllerClient(up.controller, token=up.token, timeout=30)
         for config in configs:
             print(config, flush=True)
             apply(ctl, config)

@@ -150,6 +150,7 @@ def _policy_changes(items: Sequence[str]) -> dict[str, Any]:
 
 def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specpair.client import ControllerClient, SpecpairError, build_pin
+    from specpair.launcher import stored_ops_token
 
     try:
         changes = _policy_changes(args.changes) if args.op == "policy" else {}
@@ -159,7 +160,9 @@ def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"{parser.prog} ctl {args.op}: error: {exc}", file=sys.stderr)
         return 2  # a usage error, as argparse exits for its own
     tls = client_tls(args, parser)
-    client = ControllerClient(args.address, token=os.environ.get(args.token_env), tls=tls)
+    # without one set, the token `specpair up` made for its group
+    token = os.environ.get(args.token_env) or stored_ops_token()
+    client = ControllerClient(args.address, token=token, tls=tls)
     try:
         result: dict[str, Any]
         if args.op == "status" and not args.json:

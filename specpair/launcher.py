@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import sys
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from specpair.config import MODELS_DIR, env_address, env_http_address
 from specpair.group import Service, ServiceGroup
+from specpair.options import TOKEN_ENV
 
 READY = "specpair up: all services up"  # the line a script may wait for (bench/up_client.py)
 
@@ -77,8 +79,9 @@ def served_models(args: argparse.Namespace) -> tuple[Path, Path, str]:
     )
 
 
-def up_services(args: argparse.Namespace) -> tuple[list[Service], str]:
-    """(draft, target, controller on their SPECPAIR_*_ADDRESS, a note on the models)."""
+def up_services(args: argparse.Namespace, token: str | None = None) -> tuple[list[Service], str]:
+    """(draft, target, controller on their SPECPAIR_*_ADDRESS, a note on the models); `token`:
+    the ops token all three are given."""
     target, draft, note = served_models(args)
     device = ("--device", args.device)
     draft_args: tuple[str, ...] = (
@@ -111,20 +114,60 @@ def up_services(args: argparse.Namespace) -> tuple[list[Service], str]:
         target_args += ("--deterministic",)
     if args.draft_kind == "eagle" and (layers := feature_layers(draft, target)):
         target_args += ("--feature-layers", ",".join(map(str, layers)))  # an EAGLE-3 head's
-    env = kernel_cache_env(os.environ)
+    env = kernel_cache_env(os.environ) | ({TOKEN_ENV: token} if token else {})
     services = [
         Service("draft", env_address("draft"), draft_args, env),
         Service("target", env_address("target"), target_args, env),
-        Service("controller", env_address("controller"), controller_args),
+        Service("controller", env_address("controller"), controller_args, env),
     ]
     return services, note
+
+
+def ops_token_file() -> Path:
+    """Where `up` keeps the ops token it made for its group, and where `ctl` looks for one."""
+    return cache_dir() / "ops-token"
+
+
+def make_ops_token() -> str:
+    """A new ops token, kept in `ops_token_file()` readable by this user alone."""
+    token = secrets.token_urlsafe(32)
+    path = ops_token_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def stored_ops_token() -> str | None:
+    """The token `up` made for its group, when it made one."""
+    try:
+        return ops_token_file().read_text().strip() or None
+    except OSError:
+        return None
+
+
+def group_token() -> str:
+    """A token for a group started with none set. Without one, the draft's Round stream, the
+    target's ApplyTier and WatchRounds and the controller's ops API answer anyone who reaches
+    them: one local process could hold the draft's slots or the watcher places."""
+    try:
+        token = make_ops_token()
+        where = f"in {ops_token_file()}, where specpair ctl finds it"
+    except OSError as exc:  # still a token: `ctl` then needs it given
+        token = secrets.token_urlsafe(32)
+        where = f"but could not keep it ({exc}): set {TOKEN_ENV} to use specpair ctl"
+    print(f"specpair up: no {TOKEN_ENV} set: made one for this group, {where}", flush=True)
+    return token
 
 
 def run_up(args: argparse.Namespace, check: Callable[[Sequence[str]], object]) -> int:
     """`check`: a service's `serve` arguments, validated as `serve` validates them (ValueError
     naming the fault): every service is checked before the first starts, so a bad policy file
     fails in a second, not after both models have loaded."""
-    services, note = up_services(args)
+    token = os.environ.get(TOKEN_ENV) or group_token()
+    services, note = up_services(args, token)
     print(f"specpair up: {note}", flush=True)
     for service in services:
         try:
@@ -146,7 +189,6 @@ def run_up(args: argparse.Namespace, check: Callable[[Sequence[str]], object]) -
         if args.demo:
             from specpair.demo import run_demo
 
-            token = os.environ.get("SPECPAIR_OPS_TOKEN")  # the services read the same one
             key = os.environ.get("SPECPAIR_API_KEY")
             run_demo(env_address("target"), env_address("controller"), http, token=token,
                      api_key=key)  # fmt: skip
