@@ -2,7 +2,8 @@
 round (`draft/round.py`) answering it in this process instead of over gRPC.
 
 The services run the same two rounds split across processes; this loop is the reference they
-are measured against (bench/round_overhead.py) and the engine of the offline demo. The round is
+are measured against (bench/round_overhead.py), and the tests' and benchmarks' engine (the
+demo runs through the services). The round is
 async (a service awaits its draft and its compute thread); here nothing it awaits ever
 suspends, so `run_inline` drives it to its end without an event loop.
 """

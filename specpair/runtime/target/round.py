@@ -246,11 +246,18 @@ def round_stats(
         admit_ms=1e3 * (flight.admit_s + flight.beside_s + flight.handoff_s),
     )
     plain = set(range(len(seqs))).difference(drafted)
+    state = flight.state
     return RoundStats(
-        flight.round_id, flight.state.tier if flight.state is not None else 0, len(seqs),
-        tuple(results[i].acceptance.accept_length for i in drafted), drafts.speculative, timings,
-        time.time(), tuple(seqs[i].request_id for i in drafted),
-        tuple(flight.steps[i] for i in drafted), tuple(seqs[i].request_id for i in sorted(plain)),
-        sum(not seq.sampling.greedy for seq in seqs),
-        None if flight.state is None or flight.state.is_chain else flight.state.shape,
-    )  # fmt: skip
+        round_id=flight.round_id,
+        speculative_num_steps=state.tier if state is not None else 0,
+        batch_size=len(seqs),
+        accept_lengths=tuple(results[i].acceptance.accept_length for i in drafted),
+        speculative=drafts.speculative,
+        timings=timings,
+        unix_time=time.time(),
+        request_ids=tuple(seqs[i].request_id for i in drafted),
+        request_steps=tuple(flight.steps[i] for i in drafted),
+        plain_request_ids=tuple(seqs[i].request_id for i in sorted(plain)),
+        sampled_requests=sum(not seq.sampling.greedy for seq in seqs),
+        shape=None if state is None or state.is_chain else state.shape,
+    )
