@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.common import device_info, format_table, write_json
-from bench.gpu_speedup import GOODPUT, add_pair_args, bench_pair, make_workloads
-from bench.up_client import running_up
+from bench.gpu_speedup import add_pair_args, bench_pair, make_workloads
+from bench.up_client import pin_target_alone, running_up
 from specpair.client import ControllerClient, SpecpairClient
 
 
@@ -72,8 +72,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.set_defaults(draft_kind="model")
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--caches", type=Path, help="the kernel caches' folder, empty or new "
-                        "(default: a temporary one); kept for later runs")  # fmt: skip
+    parser.add_argument(
+        "--caches",
+        type=Path,
+        help="the kernel caches' folder, empty or new "
+        "(default: a temporary one); kept for later runs",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/out/cold_start.json"))
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
@@ -110,23 +114,38 @@ def main(argv: Sequence[str] | None = None) -> None:
                     break
                 client = SpecpairClient(up.target, timeout=600)
                 passes.append(run_pass("first requests", client, prompts, args.new_tokens))
-                ctl = ControllerClient(up.controller, token=up.token, timeout=30)
-                ctl.update_policy(**GOODPUT)  # SGLang's rule has no tier 0 to pin
-                ctl.pin(0)
+                pin_target_alone(ControllerClient(up.controller, token=up.token, timeout=30))
                 passes.append(run_pass("target alone", client, prompts, args.new_tokens))
     alone = passes[-1]
-    rows = [[p.name, f"{p.tokens_per_s:.1f}", f"{p.tokens_per_s / alone.tokens_per_s:.2f}",
-             "-" if p.accept is None else f"{p.accept:.2f}", f"{p.plain_rounds}/{p.rounds}"]
-            for p in passes]  # fmt: skip
-    write_json(args.out, {
-        "device": info, "date": time.strftime("%Y-%m-%d"), "command": command,
-        "draft_kind": args.draft_kind, "shape": args.shape, "requests": args.requests,
-        "new_tokens": args.new_tokens, "starts_s": starts,
-        "passes": [asdict(p) | {"tokens_per_s": p.tokens_per_s} for p in passes],
-    })  # fmt: skip
+    rows = [
+        [
+            p.name,
+            f"{p.tokens_per_s:.1f}",
+            f"{p.tokens_per_s / alone.tokens_per_s:.2f}",
+            "-" if p.accept is None else f"{p.accept:.2f}",
+            f"{p.plain_rounds}/{p.rounds}",
+        ]
+        for p in passes
+    ]
+    write_json(
+        args.out,
+        {
+            "device": info,
+            "date": time.strftime("%Y-%m-%d"),
+            "command": command,
+            "draft_kind": args.draft_kind,
+            "shape": args.shape,
+            "requests": args.requests,
+            "new_tokens": args.new_tokens,
+            "starts_s": starts,
+            "passes": [asdict(p) | {"tokens_per_s": p.tokens_per_s} for p in passes],
+        },
+    )
     print(f"\nwrote {args.out}\n")
-    print(f"start to ready: first {starts[0]:.1f} s (empty caches), second {starts[1]:.1f} s "
-          f"({starts[1] / starts[0]:.2f} of the first)")  # fmt: skip
+    print(
+        f"start to ready: first {starts[0]:.1f} s (empty caches), second {starts[1]:.1f} s "
+        f"({starts[1] / starts[0]:.2f} of the first)"
+    )
     print(format_table(["pass", "tok/s", "x alone", "accept", "plain rounds"], rows))
 
 

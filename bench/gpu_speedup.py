@@ -183,6 +183,17 @@ def make_workloads(
     ]  # fmt: skip
 
 
+def request_counts(
+    parser: argparse.ArgumentParser, batches: Sequence[int], requests: Sequence[int]
+) -> dict[int, int]:
+    """batch → requests of its cells, from `--batches` and `--requests` (one count for all, or
+    one per batch); a mismatch is a usage error."""
+    if len(requests) not in (1, len(batches)):
+        parser.error("--requests: one count, or one per batch")
+    per_batch = requests if len(requests) > 1 else list(requests) * len(batches)
+    return dict(zip(batches, per_batch, strict=True))
+
+
 def requests_at(wl: Workload, batch: int, counts: Mapping[int, int] | None) -> int:
     """How many of `wl`'s requests a cell at `batch` runs: `counts[batch]`, default all."""
     return (counts or {}).get(batch, len(wl.ids))
@@ -611,10 +622,8 @@ def main() -> None:
         replot(args.replot)
         return
     trees = [TreeShape.parse(t) for t in args.tree_shapes]  # a bad one fails before any run
-    if len(args.requests) not in (1, len(args.batches)):
-        parser.error("--requests: one count, or one per batch")
-    per_batch = args.requests if len(args.requests) > 1 else args.requests * len(args.batches)
-    counts = dict(zip(args.batches, per_batch, strict=True))
+    counts = request_counts(parser, args.batches, args.requests)
+    per_batch = list(counts.values())
     if short := [b for b, n in counts.items() if n < b]:
         parser.error(f"--requests: fewer requests than batch {short[0]}")
     requests = max(counts.values())

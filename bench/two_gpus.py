@@ -35,9 +35,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.common import device_info, format_table, grouped_bars, write_json
-from bench.gpu_speedup import GOODPUT, Workload, add_pair_args, bench_pair, make_workloads
+from bench.gpu_speedup import Workload, add_pair_args, bench_pair, make_workloads, request_counts
 from bench.services import wait_draft_connected, watch_rounds
-from bench.up_client import Up, running_up, sdk_door
+from bench.up_client import Up, pin_target_alone, running_up, sdk_door
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.runtime.round import RoundStats
 
@@ -102,10 +102,21 @@ def up_command(args: argparse.Namespace, target: Path, draft: Path, name: str) -
     if args.device == "cpu":
         target_device = draft_device = "cpu"
     return [
-        sys.executable, "-m", "specpair.cli", "up", "--device", target_device,
-        "--draft-device", draft_device, "--target-model", str(target), "--draft-model", str(draft),
-        "--draft-kind", "eagle" if args.draft_kind.startswith("eagle") else "model",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "specpair.cli",
+        "up",
+        "--device",
+        target_device,
+        "--draft-device",
+        draft_device,
+        "--target-model",
+        str(target),
+        "--draft-model",
+        str(draft),
+        "--draft-kind",
+        "eagle" if args.draft_kind.startswith("eagle") else "model",
+    ]
 
 
 def run_cell(
@@ -146,13 +157,34 @@ def _f(value: float | None, spec: str) -> str:
 
 def render(cells: Sequence[TwoCell]) -> str:
     rows = [
-        [c.deployment, c.workload, str(c.clients), f"{c.tokens_per_s:.1f}", _f(c.x_one_gpu, ".2f"),
-         _f(c.x_alone, ".2f"), _f(c.account.accept, ".2f"), f"{c.account.round_ms:.2f}",
-         f"{c.account.verify_ms:.2f}", f"{c.account.wait_ms:.2f}", f"{c.account.draft_ms:.2f}"]
+        [
+            c.deployment,
+            c.workload,
+            str(c.clients),
+            f"{c.tokens_per_s:.1f}",
+            _f(c.x_one_gpu, ".2f"),
+            _f(c.x_alone, ".2f"),
+            _f(c.account.accept, ".2f"),
+            f"{c.account.round_ms:.2f}",
+            f"{c.account.verify_ms:.2f}",
+            f"{c.account.wait_ms:.2f}",
+            f"{c.account.draft_ms:.2f}",
+        ]
         for c in sorted(cells, key=lambda c: (c.workload, c.clients))
-    ]  # fmt: skip
-    headers = ["deployment", "workload", "clients", "tok/s", "x 1 GPU", "x alone", "accept",
-               "round ms", "verify", "wait", "draft"]  # fmt: skip
+    ]
+    headers = [
+        "deployment",
+        "workload",
+        "clients",
+        "tok/s",
+        "x 1 GPU",
+        "x alone",
+        "accept",
+        "round ms",
+        "verify",
+        "wait",
+        "draft",
+    ]
     return format_table(headers, rows)
 
 
@@ -169,24 +201,28 @@ def main(argv: Sequence[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_pair_args(parser)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32],
-                        help="concurrent clients of each cell")  # fmt: skip
-    parser.add_argument("--requests", type=int, nargs="+", default=[12, 32, 64],
-                        help="requests per cell: one count, or one per batch")  # fmt: skip
+    parser.add_argument(
+        "--batches", type=int, nargs="+", default=[1, 8, 32], help="concurrent clients of each cell"
+    )
+    parser.add_argument(
+        "--requests",
+        type=int,
+        nargs="+",
+        default=[12, 32, 64],
+        help="requests per cell: one count, or one per batch",
+    )
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     parser.add_argument("--top-p", type=float, default=0.95, help="of the sampled workloads")
-    parser.add_argument("--deployments", nargs="+", choices=list(DEPLOYMENTS),
-                        default=list(DEPLOYMENTS))  # fmt: skip
+    parser.add_argument(
+        "--deployments", nargs="+", choices=list(DEPLOYMENTS), default=list(DEPLOYMENTS)
+    )
     parser.add_argument("--no-alone", action="store_true", help="skip the target-alone cells")
     parser.add_argument("--out", type=Path, default=Path("bench/out/two_gpus.json"))
     args = parser.parse_args(argv)
-    if len(args.requests) not in (1, len(args.batches)):
-        parser.error("--requests: one count, or one per batch")
+    counts = request_counts(parser, args.batches, args.requests)
     if "1 GPU" not in args.deployments:
         parser.error("--deployments: every ratio is over '1 GPU', which must be among them")
-    per_batch = args.requests if len(args.requests) > 1 else args.requests * len(args.batches)
-    counts = dict(zip(args.batches, per_batch, strict=True))
     from transformers import AutoTokenizer
 
     info = device_info()
@@ -195,9 +231,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     target, draft = bench_pair(args.shape, args.models_dir, args.draft_kind, grow_on)
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     workloads = [
-        wl for wl in make_workloads(tokenizer, max(counts.values()), args.temperatures, args.top_p)
+        wl
+        for wl in make_workloads(tokenizer, max(counts.values()), args.temperatures, args.top_p)
         if wl.prompts == "code"
-    ]  # fmt: skip
+    ]
     commands = {name: up_command(args, target, draft, name) for name in args.deployments}
     cells: list[TwoCell] = []
 
@@ -205,16 +242,27 @@ def main(argv: Sequence[str] | None = None) -> None:
         cell = TwoCell(name, wl.name, clients, *measured)
         cells.append(cell)
         a = cell.account
-        print(f"  {name:18s} {wl.name:18s} {clients:2d} clients {cell.tokens_per_s:8.1f} tok/s  "
-              f"accept {_f(a.accept, '.2f')} round {a.round_ms:.2f} ms "
-              f"verify {a.verify_ms:.2f} wait {a.wait_ms:.2f}", flush=True)  # fmt: skip
+        print(
+            f"  {name:18s} {wl.name:18s} {clients:2d} clients {cell.tokens_per_s:8.1f} tok/s  "
+            f"accept {_f(a.accept, '.2f')} round {a.round_ms:.2f} ms "
+            f"verify {a.verify_ms:.2f} wait {a.wait_ms:.2f}",
+            flush=True,
+        )
         fill_ratios(cells)
-        write_json(args.out, {
-            "device": info, "date": time.strftime("%Y-%m-%d"), "commands": commands,
-            "draft_kind": args.draft_kind, "shape": args.shape, "new_tokens": args.new_tokens,
-            "requests": counts, "top_p": args.top_p,
-            "cells": [asdict(c) | {"tokens_per_s": c.tokens_per_s} for c in cells],
-        })  # fmt: skip
+        write_json(
+            args.out,
+            {
+                "device": info,
+                "date": time.strftime("%Y-%m-%d"),
+                "commands": commands,
+                "draft_kind": args.draft_kind,
+                "shape": args.shape,
+                "new_tokens": args.new_tokens,
+                "requests": counts,
+                "top_p": args.top_p,
+                "cells": [asdict(c) | {"tokens_per_s": c.tokens_per_s} for c in cells],
+            },
+        )
 
     log_dir = args.out.parent / f"{args.out.stem}_logs"
     with ExitStack() as stack:
@@ -242,10 +290,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     record(name, wl, clients, run_cell(up, wl, clients, n, args.new_tokens))
         if not args.no_alone:
             one = ups["1 GPU"]
-            ctl = ControllerClient(one.controller, token=one.token, timeout=30)
-            ctl.update_policy(**GOODPUT)  # SGLang's rule has no tier 0 to pin
-            ctl.pin(0)
-            time.sleep(0.3)
+            pin_target_alone(ControllerClient(one.controller, token=one.token, timeout=30))
             for wl in workloads:
                 for clients, n in counts.items():
                     record(ALONE, wl, clients, run_cell(one, wl, clients, n, args.new_tokens))

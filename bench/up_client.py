@@ -46,7 +46,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import device_info, format_table, grouped_bars, write_json
-from bench.gpu_speedup import GOODPUT, Workload, add_pair_args, bench_pair, make_workloads
+from bench.gpu_speedup import (
+    GOODPUT,
+    Workload,
+    add_pair_args,
+    bench_pair,
+    make_workloads,
+    request_counts,
+)
 from bench.services import free_address, wait_draft_connected
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.launcher import READY
@@ -263,6 +270,14 @@ def apply(ctl: ControllerClient, config: str) -> None:
     time.sleep(0.3)
 
 
+def pin_target_alone(ctl: ControllerClient) -> None:
+    """Tier 0 pinned (the target alone: `up` builds its state); SGLang's rule, `up`'s policy,
+    has no tier 0 to pin, so the goodput kind is set first."""
+    ctl.update_policy(**GOODPUT)
+    ctl.pin(0)
+    time.sleep(0.3)
+
+
 def fill_ratios(cells: list[UpCell]) -> None:
     alone = {(c.door, c.workload, c.batch): c.tokens_per_s for c in cells if c.config == "tier 0"}
     for c in cells:
@@ -308,10 +323,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="`up --draft-token-map` (an EAGLE-1/2 head)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/out/up_client.json"))
     args = parser.parse_args(argv)
-    if len(args.requests) not in (1, len(args.batches)):
-        parser.error("--requests: one count, or one per batch")
-    per_batch = args.requests if len(args.requests) > 1 else args.requests * len(args.batches)
-    counts = dict(zip(args.batches, per_batch, strict=True))
+    counts = request_counts(parser, args.batches, args.requests)
     from transformers import AutoTokenizer
 
     info = device_info()

@@ -207,8 +207,16 @@ def status_table(state: ControllerState) -> str:
     lines = [f"policy: {kind}  " + "  ".join(f"{k}={_short(v)}" for k, v in policy.items())]
     rows = [("target", "connected", "tier", "pinned", "EMA", "rounds")]
     for t in state.targets:
-        rows.append((t.target_address, "yes" if t.connected else "no", t.active_tier,
-                     t.pinned_tier or "-", f"{t.ema:.2f}", str(t.rounds_seen)))  # fmt: skip
+        rows.append(
+            (
+                t.target_address,
+                "yes" if t.connected else "no",
+                t.active_tier,
+                t.pinned_tier or "-",
+                f"{t.ema:.2f}",
+                str(t.rounds_seen),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for i, row in enumerate(rows):
         lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())

@@ -128,16 +128,14 @@ def ops_token_file() -> Path:
     return cache_dir() / "ops-token"
 
 
-def make_ops_token() -> str:
-    """A new ops token, kept in `ops_token_file()` readable by this user alone."""
-    token = secrets.token_urlsafe(32)
+def keep_ops_token(token: str) -> None:
+    """Writes `token` to `ops_token_file()`, readable by this user alone."""
     path = ops_token_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
-    return token
 
 
 def stored_ops_token() -> str | None:
@@ -152,11 +150,11 @@ def group_token() -> str:
     """A token for a group started with none set. Without one, the draft's Round stream, the
     target's ApplyTier and WatchRounds and the controller's ops API answer anyone who reaches
     them: one local process could hold the draft's slots or the watcher places."""
+    token = secrets.token_urlsafe(32)
     try:
-        token = make_ops_token()
+        keep_ops_token(token)
         where = f"in {ops_token_file()}, where specpair ctl finds it"
-    except OSError as exc:  # still a token: `ctl` then needs it given
-        token = secrets.token_urlsafe(32)
+    except OSError as exc:  # still the group's token: `ctl` then needs it given
         where = f"but could not keep it ({exc}): set {TOKEN_ENV} to use specpair ctl"
     print(f"specpair up: no {TOKEN_ENV} set: made one for this group, {where}", flush=True)
     return token

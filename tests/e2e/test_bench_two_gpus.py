@@ -18,15 +18,32 @@ pytestmark = pytest.mark.slow
 def bench(module: str, *args: str) -> None:
     run = subprocess.run(
         [sys.executable, "-m", module, "--device", "cpu", "--shape", "shipped", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
 
 
 def test_two_gpus_measures_each_deployment_beside_the_one_gpu_cell(tmp_path: Path) -> None:
     out = tmp_path / "two.json"
-    bench("bench.two_gpus", "--draft-kind", "eagle3", "--batches", "1", "2", "--requests", "2",
-          "--new-tokens", "6", "--temperatures", "0", "--out", str(out))  # fmt: skip
+    bench(
+        "bench.two_gpus",
+        "--draft-kind",
+        "eagle3",
+        "--batches",
+        "1",
+        "2",
+        "--requests",
+        "2",
+        "--new-tokens",
+        "6",
+        "--temperatures",
+        "0",
+        "--out",
+        str(out),
+    )
     cells = json.loads(out.read_text())["cells"]
     keys = {(c["deployment"], c["clients"]) for c in cells}
     assert keys == {(d, n) for d in ("1 GPU", "2 GPUs", "target alone") for n in (1, 2)}
@@ -40,8 +57,17 @@ def test_two_gpus_measures_each_deployment_beside_the_one_gpu_cell(tmp_path: Pat
 
 def test_cold_start_times_two_starts_and_the_first_requests(tmp_path: Path) -> None:
     out = tmp_path / "cold.json"
-    bench("bench.cold_start", "--requests", "2", "--new-tokens", "6",
-          "--caches", str(tmp_path / "caches"), "--out", str(out))  # fmt: skip
+    bench(
+        "bench.cold_start",
+        "--requests",
+        "2",
+        "--new-tokens",
+        "6",
+        "--caches",
+        str(tmp_path / "caches"),
+        "--out",
+        str(out),
+    )
     report = json.loads(out.read_text())
     assert len(report["starts_s"]) == 2 and all(s > 0 for s in report["starts_s"])
     first, alone = report["passes"]

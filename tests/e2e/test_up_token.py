@@ -24,9 +24,18 @@ pytestmark = pytest.mark.slow
 
 
 def test_up_without_a_token_shuts_anonymous_peers_out(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "specpair.cli", "up", "--device", "cpu",
-               "--target-model", str(MODELS_DIR / "target"),
-               "--draft-model", str(MODELS_DIR / "draft")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "specpair.cli",
+        "up",
+        "--device",
+        "cpu",
+        "--target-model",
+        str(MODELS_DIR / "target"),
+        "--draft-model",
+        str(MODELS_DIR / "draft"),
+    ]
     draft = free_address()
     env = {TOKEN_ENV: None, "XDG_CACHE_HOME": str(tmp_path), "SPECPAIR_DRAFT_ADDRESS": draft}
     with running_up(command, tmp_path / "up.log", env_changes=env) as up:
@@ -59,7 +68,10 @@ def test_up_without_a_token_shuts_anonymous_peers_out(tmp_path: Path) -> None:
         ctl_env |= {"XDG_CACHE_HOME": str(tmp_path), "SPECPAIR_CONTROLLER_ADDRESS": up.controller}
         status = subprocess.run(
             [sys.executable, "-m", "specpair.cli", "ctl", "status"],
-            env=ctl_env, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            env=ctl_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert status.returncode == 0, status.stderr
         assert up.target in status.stdout

@@ -62,10 +62,15 @@ def test_a_draft_on_its_own_gpu_gives_the_targets_greedy_tokens(
     before = used_mib(draft_gpu)
     draft = MODELS_DIR / ("draft" if kind == "model" else kind)
     with BenchServices(
-        target=MODELS_DIR / "target", draft=draft, log_dir=tmp_path,
-        draft_kind="model" if kind == "model" else "eagle", device=f"cuda:{on_gpu}",
-        draft_device=f"cuda:{draft_gpu}", dtype="bfloat16", max_len=256,
-    ) as group:  # fmt: skip
+        target=MODELS_DIR / "target",
+        draft=draft,
+        log_dir=tmp_path,
+        draft_kind="model" if kind == "model" else "eagle",
+        device=f"cuda:{on_gpu}",
+        draft_device=f"cuda:{draft_gpu}",
+        dtype="bfloat16",
+        max_len=256,
+    ) as group:
         assert used_mib(draft_gpu) > before + 100, "the draft's weights and cache are elsewhere"
         client = SpecpairClient(group.target, timeout=120)
         accepted = 0
@@ -91,10 +96,16 @@ def test_a_draft_stopped_then_killed_on_its_own_gpu_loses_nothing(tmp_path: Path
         MODELS_DIR / "target", max_requests=1, max_len=256, dtype=torch.bfloat16, device="cuda:0"
     )
     with BenchServices(
-        target=MODELS_DIR / "target", draft=MODELS_DIR / "eagle3", log_dir=tmp_path,
-        draft_kind="eagle", device="cuda:0", draft_device="cuda:1", dtype="bfloat16",
-        max_len=256, target_options=("--draft-timeout", "1"),
-    ) as group:  # fmt: skip
+        target=MODELS_DIR / "target",
+        draft=MODELS_DIR / "eagle3",
+        log_dir=tmp_path,
+        draft_kind="eagle",
+        device="cuda:0",
+        draft_device="cuda:1",
+        dtype="bfloat16",
+        max_len=256,
+        target_options=("--draft-timeout", "1"),
+    ) as group:
         client = SpecpairClient(group.target, timeout=120)
         apply_tier(group.target, 3)
         draft = group.procs["draft"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,31 @@ async def _status(address: str, service: str = "") -> Any:
     return reply.status
 
 
+async def _start_held(
+    service: Any,
+    config: Any,
+    gate: threading.Event,
+    reached: threading.Event,
+    while_held: Callable[[], Awaitable[None]],
+    *,
+    wait_s: float,
+    what: str,
+) -> Any:
+    """Starts `service` whose patched step (`_held`) waits on `gate`; once the step is
+    `reached`, runs the `while_held` checks, then lets it go and returns the running service."""
+    starting = asyncio.create_task(service.start(config))
+    try:
+        await asyncio.to_thread(reached.wait, wait_s)
+        assert reached.is_set(), f"the service never {what}"
+        await while_held()
+        gate.set()
+        return await asyncio.wait_for(starting, 120)
+    finally:
+        gate.set()
+        if not starting.done():
+            await asyncio.wait_for(starting, 120)
+
+
 @pytest.mark.parametrize("role", ["target", "draft"])
 async def test_health_is_not_serving_until_the_model_is_loaded(
     role: str, ckpts: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -62,18 +87,14 @@ async def test_health_is_not_serving_until_the_model_is_loaded(
             draft_server, "DraftRounds", _held(draft_server.DraftRounds, gate, loading)
         )
         config = DraftConfig(ServerConfig(address), ckpts["draft"])
-    starting = asyncio.create_task(service.start(config))
-    try:
-        await asyncio.to_thread(loading.wait, 30)
-        assert loading.is_set(), "the service never started loading its model"
+
+    async def not_serving() -> None:
         for name in names:
             assert await _status(address, name) == NOT_SERVING, name
-        gate.set()
-        running = await asyncio.wait_for(starting, 120)
-    finally:
-        gate.set()
-        if not starting.done():
-            await asyncio.wait_for(starting, 120)
+
+    running = await _start_held(
+        service, config, gate, loading, not_serving, wait_s=30, what="started loading its model"
+    )
     try:
         for name in names:
             assert await _status(address, name) == SERVING, name
@@ -105,17 +126,13 @@ async def test_health_is_not_serving_until_the_warm_up_is_done_and_it_leaves_not
         if role == "target"
         else DraftConfig(ServerConfig(address), ckpts["draft"], max_requests=2)
     )
-    starting = asyncio.create_task(service.start(config))
-    try:
-        await asyncio.to_thread(warming.wait, 60)
-        assert warming.is_set(), "the service never warmed up"
+
+    async def not_serving() -> None:
         assert await _status(address) == NOT_SERVING  # loaded and built, not yet warm
-        gate.set()
-        running = await asyncio.wait_for(starting, 120)
-    finally:
-        gate.set()
-        if not starting.done():
-            await asyncio.wait_for(starting, 120)
+
+    running = await _start_held(
+        service, config, gate, warming, not_serving, wait_s=60, what="warmed up"
+    )
     try:
         assert await _status(address) == SERVING and len(ran) == 1
         if role == "target":

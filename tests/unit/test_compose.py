@@ -336,8 +336,13 @@ def test_the_smoke_script_says_which_compose_it_needs(
     fake.write_text(f'#!/bin/sh\n[ "$1 $2" = "compose version" ] || exit 99\n{answer}\n')
     fake.chmod(0o755)
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
-    done = subprocess.run(["bash", str(ROOT / "docker" / "compose_smoke.sh")], env=env,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        ["bash", str(ROOT / "docker" / "compose_smoke.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2, done.stderr
     assert said in done.stderr and "2.24.4" in done.stderr, done.stderr
     assert "unknown flag" not in done.stderr
