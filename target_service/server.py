@@ -17,7 +17,7 @@ from specpair.config import FeatureDType, TargetConfig, is_loopback, split_addre
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.models.loading import load_tokenizer, tokenizer_fingerprint
-from specpair.parallel.build import build_parallel_target
+from specpair.parallel.build import build_parallel_states, build_parallel_target
 from specpair.parallel.ranks import RankExitedError, RankGroup
 from specpair.proto.v1 import target_pb2_grpc
 from specpair.runtime.build import StateBuilder, build_target
@@ -109,8 +109,11 @@ def _build_scheduler(
         )  # fmt: skip
     else:
         worker = build_target(config.model_path, **options)
-    builder = StateBuilder(worker)
-    states = builder.build_all(config.tiers)
+    if ranks is not None:
+        builder, states = build_parallel_states(worker, ranks.lockstep, config.tiers)
+    else:
+        builder = StateBuilder(worker)
+        states = builder.build_all(config.tiers)
     # Every path a request's first rounds take, once, while health says NOT_SERVING: what
     # compiles on first use must not do so inside a user's first request.
     took = warm_up(worker, states)

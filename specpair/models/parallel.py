@@ -65,11 +65,35 @@ def check_shardable(args: ModelArgs, world: int, path: str | Path = "config.json
             )
 
 
+# torch 2.13 renamed all_gather_into_tensor (deprecated there); the GPU images run 2.11
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Collectives:
+    """How many collectives this process has issued: a graph whose capture issued one must be
+    replayed by every rank together (`runtime/gpu/capture.py`), one that issued none (a
+    sampled accept over the gathered logits) is rank 0's alone."""
+
+    issued = 0
+
+
 def reduce_sum(x: Tensor) -> Tensor:
     """Sums `x` over the ranks, in place (a test replaces it with a broken one, which the
     distribution test must catch)."""
+    Collectives.issued += 1
     dist.all_reduce(x)
     return x
+
+
+def gather_vocab(local: Tensor, world: int, vocab_size: int) -> Tensor:
+    """Each rank's logits shard [N, V / world] -> the whole logits [N, V], in rank order and
+    cut at the padded rows. One all-gather into one buffer (no list of shards: a CUDA graph
+    captures it as one collective)."""
+    Collectives.issued += 1
+    n, per = local.shape
+    out = local.new_empty(world * n, per)
+    _all_gather(out, local.contiguous())
+    return out.view(world, n, per).transpose(0, 1).reshape(n, world * per)[:, :vocab_size]
 
 
 class RowParallelLinear(nn.Linear):
@@ -89,10 +113,8 @@ class VocabParallelHead(nn.Linear):
         self.vocab_size, self.world = vocab_size, world
 
     def forward(self, x: Tensor) -> Tensor:
-        local = F.linear(x, self.weight).contiguous()  # [..., V / N]
-        shards = [torch.empty_like(local) for _ in range(self.world)]
-        dist.all_gather(shards, local)
-        return torch.cat(shards, dim=-1)[..., : self.vocab_size]
+        local = F.linear(x.reshape(-1, x.shape[-1]), self.weight)  # [N, V / world]
+        return gather_vocab(local, self.world, self.vocab_size).view(*x.shape[:-1], -1)
 
 
 class TensorParallelLlama(LlamaModel):

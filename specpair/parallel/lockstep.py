@@ -14,15 +14,30 @@ so its slots and page table are rank 0's step for step and the collectives insid
     rank 0: commit(3, 0, keep) … recorded; it travels with the next step
 
 Changes need no message of their own: nothing reads a follower's cache until its next forward.
+
+On GPUs the forwards run in CUDA graphs, which every rank captures together at start-up (one
+`Build` step: the same builder, tiers and buckets on every rank, so the same graphs in the same
+order, their all-reduces paired) and then replays together. Rank 0's graphs that hold
+collectives report their plans and input loads as changes (`GraphPlan`, `GraphLoad`, in order
+with the cache's), and each replay as a `Replay` step naming the graph:
+
+    rank 0: prepare → plan(layout), load(positions); verify → load(tokens), replay(graph 17)
+            ── Step((GraphPlan(17, 0, layout), GraphLoad(17, "positions", …),
+                     GraphLoad(17, "tokens", …)), Replay(17))
+    rank 1: the same plan and loads on its graph 17, then its replay
+
+So a round costs one step message (pickled, over a gloo group on the host) and no host
+round-trip per layer; the all-reduces inside the graphs go over NCCL.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +49,11 @@ from specpair.models.parallel import Shard, TensorParallelLlama
 from specpair.runtime.gpu.attention import PagedAttend
 from specpair.runtime.kv_cache import CacheFullError, KVCache
 from specpair.runtime.layout import BatchLayout
+from specpair.runtime.shape import TreeShape
+
+if TYPE_CHECKING:
+    from specpair.runtime.gpu.capture import StageGraph
+    from specpair.runtime.target.worker import TargetWorker
 
 
 class LockstepError(RuntimeError):
@@ -72,7 +92,21 @@ class Bind:
     failed: bool = False  # rank 0's bind raised CacheFullError (after growing some slots)
 
 
-CacheChange = Alloc | Free | Commit | Truncate | Bind
+@dataclass(frozen=True, slots=True)
+class GraphPlan:
+    graph: int  # `StageGraph.index`
+    attention: int  # its attention's place in `StageGraph.attention`
+    layout: BatchLayout
+
+
+@dataclass(frozen=True, slots=True)
+class GraphLoad:
+    graph: int
+    name: str
+    src: Tensor | tuple[Tensor, ...]  # a host tensor, or per-request rows (`load_rows`)
+
+
+CacheChange = Alloc | Free | Commit | Truncate | Bind | GraphPlan | GraphLoad
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,19 +123,46 @@ class Logits:
 
 
 @dataclass(frozen=True, slots=True)
+class Build:
+    """Capture the graphs: `StateBuilder(worker, buckets=buckets).build_all(tiers)`."""
+
+    tiers: tuple[TreeShape, ...]
+    buckets: tuple[int, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    graph: int
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     pass
+
+
+Op = Forward | Logits | Build | Replay | Stop
 
 
 @dataclass(frozen=True, slots=True)
 class Step:
     changes: tuple[CacheChange, ...]  # replayed first, in order
-    op: Forward | Logits | Stop
+    op: Op
 
 
-def replay(cache: KVCache, change: CacheChange) -> PagedAttend | None:
-    """Applies one of rank 0's changes to a follower's cache; a `Bind` returns its attend."""
-    if isinstance(change, Alloc):
+def replay(
+    cache: KVCache, change: CacheChange, graphs: Sequence[StageGraph] = ()
+) -> PagedAttend | None:
+    """Applies one of rank 0's changes to a follower's cache or `graphs`; a `Bind` returns
+    its attend."""
+    if isinstance(change, GraphPlan):
+        graphs[change.graph].attention[change.attention].plan(change.layout)
+    elif isinstance(change, GraphLoad):
+        g = graphs[change.graph]
+        if isinstance(change.src, tuple):
+            g.load_rows(change.name, change.src)
+        else:
+            g.load(change.name, change.src)
+    elif isinstance(change, Alloc):
         if (slot := cache.alloc()) != change.slot:
             raise LockstepError(f"alloc gave slot {slot}, rank 0's gave {change.slot}")
     elif isinstance(change, Free):
@@ -135,8 +196,14 @@ class Lockstep:
         self.changes: list[CacheChange] = []
         self.bound: Attend | None = None  # the attend of the cache's last bind
         self.lock = threading.Lock()
+        self.group: Any = None  # the steps' process group (gloo; None: the default group)
+        self.muted = False  # inside a `Build`: every rank runs the same code, nothing is sent
+        self.sent = 0  # steps sent
+        self.send_s = 0.0  # host seconds spent sending them
 
     def record(self, change: CacheChange) -> None:
+        if self.muted:
+            return
         with self.lock:
             self.changes.append(change)
 
@@ -146,6 +213,31 @@ class Lockstep:
         with self.lock:
             self._send(op, payload)
             yield
+
+    @contextmanager
+    def building(self, op: Build) -> Iterator[None]:
+        """Sends `op`, then runs the caller's build with the followers running theirs."""
+        with self.lock:
+            self._send(op, None)
+            self.muted = True
+            try:
+                yield
+            finally:
+                self.muted = False
+
+    # -- a `GraphMirror` (runtime/gpu/capture.py) for rank 0's collective graphs --------------
+
+    def plan(self, graph: int, attention: int, layout: BatchLayout) -> None:
+        self.record(GraphPlan(graph, attention, layout))
+
+    def load(self, graph: int, name: str, src: Tensor | Sequence[Tensor]) -> None:
+        self.record(GraphLoad(graph, name, src if isinstance(src, Tensor) else tuple(src)))
+
+    def replay(self, graph: int) -> None:
+        if self.muted:
+            return
+        with self.lock:
+            self._send(Replay(graph), None)
 
     def stop(self, timeout_s: float) -> bool:
         """Tells the followers to stop; False when a step held the group past `timeout_s`."""
@@ -157,11 +249,14 @@ class Lockstep:
             self.lock.release()
         return True
 
-    def _send(self, op: Forward | Logits | Stop, payload: Tensor | None) -> None:
+    def _send(self, op: Op, payload: Tensor | None) -> None:
+        t0 = time.perf_counter()
         step = Step(tuple(self.changes), op)
         self.changes.clear()
-        dist.broadcast_object_list([step], src=0)
-        if payload is not None:
+        dist.broadcast_object_list([step], src=0, group=self.group)
+        self.sent += 1
+        self.send_s += time.perf_counter() - t0
+        if payload is not None:  # on the default group: NCCL for a GPU's tensor
             dist.broadcast(payload, src=0)
 
 
@@ -178,6 +273,8 @@ class LeaderModel(TensorParallelLlama):
     def forward_aux(
         self, tokens: Tensor, positions: Tensor, attend: Attend, layers: tuple[int, ...]
     ) -> tuple[Tensor, Tensor]:
+        if self.lockstep.muted:  # a graph's capture: every rank captures the same
+            return super().forward_aux(tokens, positions, attend, layers)
         if attend is not self.lockstep.bound:  # the followers attend over their last bind
             raise LockstepError("a forward over an attend the cache did not just bind")
         self.lockstep.bound = None
@@ -185,6 +282,8 @@ class LeaderModel(TensorParallelLlama):
             return super().forward_aux(tokens, positions, attend, layers)
 
     def logits(self, hidden: Tensor) -> Tensor:
+        if self.lockstep.muted:
+            return super().logits(hidden)
         hidden = hidden.contiguous()
         with self.lockstep.step(Logits(tuple(hidden.shape), hidden.dtype), hidden):
             return super().logits(hidden)
@@ -231,35 +330,47 @@ class LockstepCache(KVCache):
         return attend
 
     def reserve(self, slot: int, length: int) -> None:
-        raise NotImplementedError("a tensor-parallel target captures no CUDA graphs")
+        # only a draft's graphs reserve (they grow pages on the device by themselves)
+        raise NotImplementedError("a tensor-parallel target's graphs plan their pages")
 
 
 # -- ranks 1 … N-1 -----------------------------------------------------------------------------
 
 
 class Follower:
-    """A follower rank: replays rank 0's steps on its shard and cache until told to stop."""
+    """A follower rank: replays rank 0's steps on its shard and cache until told to stop.
+    On a GPU it holds a `TargetWorker` over them, whose graphs a `Build` step captures."""
 
-    def __init__(self, model: TensorParallelLlama, cache: KVCache) -> None:
-        self.model, self.cache = model, cache
+    def __init__(
+        self, model: TensorParallelLlama, cache: KVCache, worker: TargetWorker | None = None
+    ) -> None:
+        self.model, self.cache, self.worker = model, cache, worker
         self.attend: PagedAttend | None = None
+        self.graphs: list[StageGraph] = []
+        self.group: Any = None  # the steps' process group, as rank 0's `Lockstep.group`
 
     @torch.inference_mode()
     def run(self) -> None:
         while not isinstance(self.follow(), Stop):
             pass
 
-    def follow(self) -> Forward | Logits | Stop:
+    def follow(self) -> Op:
         """Receives and runs one step; returns its op."""
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.group)
         step: Step = box[0]
+        device = self.cache.device
+        if device.type == "cuda" and step.changes:
+            # the staged copies of the last replay read pinned twins these loads rewrite
+            torch.cuda.current_stream(device).synchronize()
         for change in step.changes:
-            attend = replay(self.cache, change)
+            attend = replay(self.cache, change, self.graphs)
             if isinstance(change, Bind):
                 self.attend = attend
-        op, device = step.op, self.cache.device
-        if isinstance(op, Forward):
+        op = step.op
+        if isinstance(op, Replay):
+            self.graphs[op.graph].replay()
+        elif isinstance(op, Forward):
             if self.attend is None:
                 raise LockstepError("a forward without a bind before it")
             attend, self.attend = self.attend, None
@@ -268,4 +379,16 @@ class Follower:
             hidden = torch.empty(op.shape, dtype=op.dtype, device=device)
             dist.broadcast(hidden, src=0)
             self.model.logits(hidden)
+        elif isinstance(op, Build):
+            self.build(op)
         return op
+
+    def build(self, op: Build) -> None:
+        from specpair.runtime.build import StateBuilder
+
+        if self.worker is None:
+            raise LockstepError("a Build step on a rank without a worker (the CPU captures none)")
+        builder = StateBuilder(self.worker, buckets=op.buckets)
+        builder.build_all(op.tiers)
+        if builder.target_graphs is not None:
+            self.graphs = builder.target_graphs.graphs

@@ -1,19 +1,19 @@
 """The ranks of a tensor-parallel target: rank 0 (the target service's process) starts ranks
 1 … N-1 as child processes, joins them in a process group and watches them.
 
-Start-up: rank 0 opens a TCP store on a free loopback port and spawns the followers; each
-joins the store, then the process group (gloo), then loads its shard; every rank says whether
-its load worked (`agree`) before any serves. A follower then runs `Follower.run` until rank
-0's `Stop`. A follower that exits before that is reported once, from a watch thread, to the
-`on_exit` callback (the target service stops with that message); rank 0's next collective
-fails at once too (gloo sees the closed connection). A follower whose rank 0 is gone fails
-its next collective the same way and exits. So does a follower whose step raises: its
-collectives may no longer pair up with rank 0's, and a target that diverged must not serve.
+Start-up: rank 0 opens a TCP store on a free loopback port and spawns the followers; each joins
+the store, then the process group (gloo on the CPU; NCCL on GPUs, rank r on cuda:K+r where rank
+0's device is cuda:K), then a gloo group for the lockstep's steps (host objects), then loads
+its shard; every rank says whether its load worked (`agree`) before any serves. A follower then
+runs `Follower.run` until rank 0's `Stop`. A follower that exits before that is reported once,
+from a watch thread, to the `on_exit` callback (the target service stops with that message);
+rank 0's next collective fails at once too (gloo sees the closed connection). A follower whose
+rank 0 is gone fails its next collective the same way and exits. So does a follower whose step
+raises: its collectives may no longer pair up with rank 0's, and a target that diverged must
+not serve.
 
-On GPUs each rank would take cuda:rank and NCCL, and each rank would capture its own verify
-graphs per tier (an NCCL all-reduce can be captured in a CUDA graph), with the followers
-replaying rank 0's graph plans and the fused layers all-reducing. None of that is built:
-`ShardSpec` refuses a CUDA device.
+On GPUs a follower also fuses its shard and holds a `TargetWorker` over it, whose CUDA graphs
+it captures when rank 0 sends `Build` (`lockstep.py`); the fused layers all-reduce inside them.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from specpair.config import GPU_TENSOR_PARALLEL
 from specpair.logging import get_logger
 from specpair.models.args import ModelArgs
 from specpair.models.parallel import Shard, TensorParallelLlama, load_shard
 from specpair.parallel.lockstep import Follower, Lockstep
 from specpair.runtime.kv_cache import KVCache
+from specpair.runtime.target.worker import TargetWorker
 
 log = get_logger(__name__)
 
@@ -65,16 +65,28 @@ class ShardSpec:
     max_requests: int
     max_len: int
     dtype: torch.dtype = torch.float32
-    device: str = "cpu"
+    device: str = "cpu"  # rank 0's; on GPUs rank r takes the r-th after it (`rank_device`)
     threads: int = 1  # each rank's intra-op threads
+    feature_layers: tuple[int, ...] = ()  # an EAGLE-3 draft's: every rank captures alike
 
     def __post_init__(self) -> None:
         if self.world < 2:
             raise ValueError(f"a tensor-parallel target needs 2 or more ranks, got {self.world}")
-        if self.device != "cpu":
-            raise ValueError(GPU_TENSOR_PARALLEL)
+        dev = torch.device(self.device)
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"a tensor-parallel target runs on cpu or cuda, not {self.device}")
 
-    def cache_options(self, args: ModelArgs) -> dict[str, Any]:
+    @property
+    def cuda(self) -> bool:
+        return torch.device(self.device).type == "cuda"
+
+    def rank_device(self, rank: int) -> str:
+        """cuda:K+rank for rank 0 on cuda:K (plain `cuda`: K = 0); the CPU for every rank."""
+        if not self.cuda:
+            return "cpu"
+        return f"cuda:{(torch.device(self.device).index or 0) + rank}"
+
+    def cache_options(self, args: ModelArgs, rank: int = 0) -> dict[str, Any]:
         """`KVCache`'s arguments for one rank: its heads / N of the model's."""
         return dict(
             num_layers=args.num_layers,
@@ -84,14 +96,29 @@ class ShardSpec:
             max_requests=self.max_requests,
             max_len=self.max_len,
             dtype=self.dtype,
-            device=self.device,
+            device=self.rank_device(rank),
         )
 
 
-def agree(error: str) -> list[str]:
+def join(spec: ShardSpec, rank: int, store: Any, timeout: timedelta) -> Any:
+    """Joins the process group (NCCL on GPUs, bound to this rank's device; gloo on the CPU)
+    and returns the gloo group the lockstep's steps go over (the same on every rank)."""
+    options: dict[str, Any] = {}
+    backend = "gloo"
+    if spec.cuda:
+        backend = "nccl"
+        options["device_id"] = torch.device(spec.rank_device(rank))
+    dist.init_process_group(
+        backend, store=dist.PrefixStore("group", store), rank=rank, world_size=spec.world,
+        timeout=timeout, **options,
+    )  # fmt: skip
+    return dist.new_group(backend="gloo", timeout=timeout) if spec.cuda else None
+
+
+def agree(error: str, group: Any = None) -> list[str]:
     """Every rank's load error ('' for none): the same list on every rank."""
     errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
+    dist.all_gather_object(errors, error, group=group)
     return [str(e) for e in errors]
 
 
@@ -127,16 +154,14 @@ class RankGroup:
             if time.monotonic() > deadline:
                 raise RankExitedError("tensor-parallel followers did not join in time")
             time.sleep(0.05)
-        dist.init_process_group(
-            "gloo", store=dist.PrefixStore("group", self._store), rank=0, world_size=world,
-            timeout=LEADER_TIMEOUT,
-        )  # fmt: skip
-        log.info("tensor-parallel ranks joined", ranks=world, port=self._store.port)
+        self.lockstep.group = join(self.spec, 0, self._store, LEADER_TIMEOUT)
+        log.info("tensor-parallel ranks joined", ranks=world, port=self._store.port,
+                 devices=[self.spec.rank_device(r) for r in range(world)])  # fmt: skip
 
     def agree(self, error: BaseException | None) -> None:
         """Raises rank 0's own load error, or a follower's, once every rank has loaded."""
         try:
-            errors = agree("" if error is None else f"{error}")
+            errors = agree("" if error is None else f"{error}", self.lockstep.group)
         except RuntimeError:
             self._check_alive("while loading its shard")
             raise
@@ -193,23 +218,20 @@ def follow(spec: ShardSpec, rank: int, port: int) -> None:
     # Ctrl-C reaches every process of the terminal's group; rank 0 decides when followers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(spec.threads)
+    device = spec.rank_device(rank)
+    if spec.cuda:
+        torch.cuda.set_device(device)  # Triton, flashinfer and graph capture use the current
     store = dist.TCPStore("127.0.0.1", port, spec.world, is_master=False, timeout=LEADER_TIMEOUT)
     store.set(f"joined/{rank}", "1")
-    dist.init_process_group(
-        "gloo", store=dist.PrefixStore("group", store), rank=rank, world_size=spec.world,
-        timeout=FOLLOWER_TIMEOUT,
-    )  # fmt: skip
+    group = join(spec, rank, store, FOLLOWER_TIMEOUT)
     follower: Follower | None = None
     error = ""
     try:
-        model: TensorParallelLlama = load_shard(
-            spec.path, Shard(rank, spec.world), dtype=spec.dtype, device=spec.device,
-            context=spec.max_len,
-        )  # fmt: skip
-        follower = Follower(model, KVCache(**spec.cache_options(model.args)))
+        follower = load_follower(spec, rank)
+        follower.group = group
     except Exception as exc:  # rank 0 raises it (the same error, or this one's)
         error = f"{exc}" or repr(exc)
-    if not any(agree(error)):
+    if not any(agree(error, group)):
         assert follower is not None
         follower.run()
     dist.destroy_process_group()
@@ -219,3 +241,18 @@ def follow(spec: ShardSpec, rank: int, port: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def load_follower(spec: ShardSpec, rank: int) -> Follower:
+    """This rank's shard and cache; on a GPU fused, with the worker its graphs are built for."""
+    model: TensorParallelLlama = load_shard(
+        spec.path, Shard(rank, spec.world), dtype=spec.dtype, device=spec.rank_device(rank),
+        context=spec.max_len,
+    )  # fmt: skip
+    cache = KVCache(**spec.cache_options(model.args, rank))
+    if not spec.cuda:
+        return Follower(model, cache)
+    from specpair.runtime.build import gpu_target
+
+    worker = gpu_target(TargetWorker(model, cache, feature_layers=spec.feature_layers))
+    return Follower(model, cache, worker)

@@ -86,8 +86,15 @@ def test_tensor_parallel_is_refused_on_cuda_and_below_one() -> None:
         TargetConfig(server, Path("m"), device="cuda", tensor_parallel=2)
     with pytest.raises(ValueError, match="tensor_parallel must be >= 1"):
         TargetConfig(server, Path("m"), tensor_parallel=0)
-    with pytest.raises(ValueError, match="on the CPU"):
-        ShardSpec(Path("m"), 2, 1, 8, device="cuda:0")
+    with pytest.raises(ValueError, match="runs on cpu or cuda, not mps"):
+        ShardSpec(Path("m"), 2, 1, 8, device="mps")
+
+
+def test_ranks_take_the_gpus_after_rank_0s() -> None:
+    spec = ShardSpec(Path("m"), 4, 1, 8, device="cuda:2")
+    assert [spec.rank_device(r) for r in range(4)] == ["cuda:2", "cuda:3", "cuda:4", "cuda:5"]
+    assert ShardSpec(Path("m"), 2, 1, 8, device="cuda").rank_device(1) == "cuda:1"
+    assert ShardSpec(Path("m"), 2, 1, 8).rank_device(1) == "cpu"
 
 
 CACHE = dict(

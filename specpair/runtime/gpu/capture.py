@@ -13,6 +13,14 @@ index `arange(B)` for `hidden[rows, last]`) would be freed once capture returns,
 handed to later allocations, and the replay would then gather with whatever lands there (the
 LM drafter's extend graph tripped `index out of bounds` that way). `StageGraph.keep` therefore
 holds the captured closure, and with it every tensor the graph reads, as long as the graph.
+
+Tensor parallelism: a graph whose capture issued a collective (`models/parallel.Collectives`:
+the verify and prefill graphs of a sharded target, whose layers all-reduce) must be replayed by
+every rank at once, over the same plan and inputs. Every rank captures the same graphs in the
+same order, so a graph's `index` names it on all of them; rank 0's such graphs report each plan,
+load and replay to a `GraphMirror` (`parallel/lockstep.py`), which the followers repeat on
+their own graph of that index. A graph without collectives (a sampled accept over the gathered
+logits) is rank 0's alone.
 """
 
 from __future__ import annotations
@@ -21,12 +29,13 @@ import gc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
 from specpair.logging import get_logger
+from specpair.models.parallel import Collectives
 from specpair.runtime.gpu.attention import AttentionBackend
 from specpair.runtime.gpu.staging import Staging
 from specpair.runtime.kv_cache import KVCache
@@ -34,6 +43,16 @@ from specpair.runtime.layout import BatchLayout, eye_mask
 
 log = get_logger(__name__)
 T = TypeVar("T")
+
+
+class GraphMirror(Protocol):
+    """Hears what rank 0 does to a graph the other ranks replay with it (by graph index)."""
+
+    def plan(self, graph: int, attention: int, layout: BatchLayout) -> None: ...
+
+    def load(self, graph: int, name: str, src: Tensor | Sequence[Tensor]) -> None: ...
+
+    def replay(self, graph: int) -> None: ...
 
 
 def buckets_for(max_batch: int) -> list[int]:
@@ -92,9 +111,13 @@ class GraphAttention:
         self.idle = BatchLayout(
             torch.full((batch,), cache.pad_slot), torch.zeros(batch, dtype=torch.long), idle
         )
+        self.mirror: tuple[GraphMirror, int, int] | None = None  # rank 0's: graph, attention
         self.plan(self.idle)
 
     def plan(self, layout: BatchLayout) -> None:
+        if self.mirror is not None:
+            mirror, graph, index = self.mirror
+            mirror.plan(graph, index, layout)
         self.staging.copy(self.rows, self.cache.write_index(layout))
         self.backend.plan(layout, self.cache.page_table, self.staging)
 
@@ -139,15 +162,39 @@ class StageGraph:
     attention: list[GraphAttention]
     keep: object = None  # the captured closure: keeps every tensor the graph reads alive
     staging: Staging = field(default_factory=Staging)  # its builder's (GraphCapture.staging)
+    index: int = -1  # its place in its builder's captures: the same on every rank
+    collective: bool = False  # its capture issued a collective: all ranks replay it together
+    mirror: GraphMirror | None = None  # rank 0's, for a collective graph of a sharded target
 
     def load(self, name: str, src: Tensor) -> None:
         """Host tensor `src` into the static input `name` (asynchronously, see Staging)."""
+        if self.mirror is not None:
+            self.mirror.load(self.index, name, src)
         self.staging.copy(self.inputs[name], src)
 
     def load_rows(self, name: str, rows: Sequence[Tensor]) -> None:
         """Per-request host rows [n_b, ...] into the static input `name` [B', T', ...] at
         [b, :n_b], with no padded copy made first (`Staging.copy_rows`)."""
+        if self.mirror is not None:
+            self.mirror.load(self.index, name, rows)
         self.staging.copy_rows(self.inputs[name], rows)
+
+    def replay(self) -> None:
+        self.announce()
+        self.graph.replay()
+
+    def announce(self) -> None:
+        """What precedes a replay: a mirrored graph tells the other ranks to replay theirs,
+        then the staged copies are queued."""
+        if self.mirror is not None:
+            self.mirror.replay(self.index)
+        self.staging.flush()
+
+    def mirror_to(self, mirror: GraphMirror) -> None:
+        """Reports this graph's plans, loads and replays to `mirror` from now on."""
+        self.mirror = mirror
+        for i, attention in enumerate(self.attention):
+            attention.mirror = (mirror, self.index, i)
 
 
 def capture(
@@ -158,6 +205,7 @@ def capture(
     staging: Staging,
 ) -> StageGraph:
     """Warms `body` up on a side stream (JIT, cuBLAS handles), then captures it."""
+    issued = Collectives.issued
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -167,7 +215,9 @@ def capture(
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         outputs = body()
-    return StageGraph(graph, inputs, outputs, attention, keep=body, staging=staging)
+    g = StageGraph(graph, inputs, outputs, attention, keep=body, staging=staging)
+    g.collective = Collectives.issued > issued
+    return g
 
 
 class GraphCapture:
@@ -186,6 +236,7 @@ class GraphCapture:
         self._events = [torch.cuda.Event(enable_timing=True) for _ in range(8)]
         self._spans = 0
         self.staging = Staging()
+        self.graphs: list[StageGraph] = []  # in capture order: `StageGraph.index`
 
     def capture(
         self,
@@ -194,6 +245,8 @@ class GraphCapture:
         attention: list[GraphAttention],
     ) -> StageGraph:
         graph = capture(body, inputs, attention, self.pool, self.staging)
+        graph.index = len(self.graphs)
+        self.graphs.append(graph)
         self.captures += 1
         return graph
 
@@ -204,7 +257,7 @@ class GraphCapture:
         """Replays `g` between two CUDA events (four per call; older ones unread are dropped)."""
         self._spans %= len(self._events) // 2
         start, end = self._events[2 * self._spans], self._events[2 * self._spans + 1]
-        self.staging.flush()
+        g.announce()  # before the start event: the copies and the ranks' step are not its time
         start.record()
         g.graph.replay()
         end.record()

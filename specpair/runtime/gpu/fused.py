@@ -16,6 +16,12 @@ and the residual add of the down projection moves into the next layer's norm: a 
 `LlamaBody` returns `Pending(x, delta)` and the next layer (or the final norm) adds it. Larger
 matmuls go to cuBLAS and their [N, out] output is the one-partial case. On CPU (tests) the same
 structure runs in plain torch, one partial each.
+
+A tensor-parallel shard (`models/parallel.py`) fuses the same way over its own heads and
+columns; its O and down projections give partial sums of the whole output, so each is summed
+over its split-K partials and then over the ranks (one all-reduce, [1, N, H]) before the norm
+that reads it, and its vocabulary-parallel head all-gathers the logits: two all-reduces a layer
+and one all-gather a forward, inside the CUDA graphs like every other kernel.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from torch import Tensor, nn
 from specpair.models.eagle3 import Eagle3Layer
 from specpair.models.llama import Attend, DecoderLayer, LlamaBody, RMSNorm
 from specpair.models.loading import CheckpointError
+from specpair.models.parallel import RowParallelLinear, VocabParallelHead, gather_vocab, reduce_sum
 
 _kernels: Any = None
 GEMV_MAX_ROWS = 16
@@ -156,6 +163,26 @@ class FusedLMHead(nn.Module):
         return logits.view(*hidden.shape[:-1], -1)
 
 
+class FusedVocabParallelHead(FusedLMHead):
+    """A rank's vocabulary rows of the LM head as a GEMV, the logits shards all-gathered."""
+
+    def __init__(self, head: VocabParallelHead) -> None:
+        super().__init__(head)
+        self.vocab_size, self.world = head.vocab_size, head.world
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        x = hidden.reshape(-1, hidden.shape[-1])
+        parts = linear_parts(x, self.weight)
+        local = parts[0] if parts.shape[0] == 1 else parts.sum(0)
+        return gather_vocab(local, self.world, self.vocab_size).view(*hidden.shape[:-1], -1)
+
+
+def reduced(parts: Tensor) -> Tensor:
+    """A row-parallel projection's partials [S, N, out] on one rank -> the whole output as one
+    partial [1, N, out], summed over the ranks."""
+    return reduce_sum(parts.sum(0, keepdim=True) if parts.shape[0] > 1 else parts)
+
+
 class FusedDecoderLayer(nn.Module):
     """A `DecoderLayer` with concatenated projections; same math, fewer launches."""
 
@@ -184,6 +211,10 @@ class FusedDecoderLayer(nn.Module):
             self.gate_up = nn.Parameter(torch.cat(gate_up), requires_grad=False)  # [2I, H]
         self.o = attn.o_proj.weight
         self.down = mlp.down_proj.weight
+        # a tensor-parallel shard's (both or neither are row-parallel: `_shard_layer`)
+        self.sharded = isinstance(attn.o_proj, RowParallelLinear)
+        if self.sharded and invariant:
+            raise ValueError("the batch-invariant mode does not run tensor-parallel")
         self.defer_residual = False  # set inside a LlamaBody, whose next layer or norm adds it
 
     def forward(
@@ -216,11 +247,14 @@ class FusedDecoderLayer(nn.Module):
         inv = self.invariant
         qkv = linear_parts(normed, self.qkv, inv)
         out = self._attention(qkv, cos.reshape(n, d), sin.reshape(n, d), attend, b, t)
-        resid, normed = add_rmsnorm(
-            resid, linear_parts(out.reshape(n, -1), self.o, inv), self.post_norm, self.eps
-        )
+        o = linear_parts(out.reshape(n, -1), self.o, inv)
+        if self.sharded:
+            o = reduced(o)
+        resid, normed = add_rmsnorm(resid, o, self.post_norm, self.eps)
         gate_up = linear_parts(normed, self.gate_up, inv)
         down = linear_parts(silu_mul(gate_up, resid.dtype), self.down, inv)
+        if self.sharded:
+            down = reduced(down)
         if self.defer_residual:
             return Pending(resid.view(shape), down)
         return add_rmsnorm(resid, down, self.post_norm, self.eps)[0].view(shape)
@@ -278,6 +312,8 @@ def fuse_decoder(module: nn.Module, invariant: bool = False) -> nn.Module:
             setattr(module, name, FusedDecoderLayer(child, invariant))
         elif isinstance(child, RMSNorm):
             setattr(module, name, FusedRMSNorm(child))
+        elif isinstance(child, VocabParallelHead):
+            setattr(module, name, FusedVocabParallelHead(child))
         elif name == "lm_head" and type(child) is nn.Linear and child.bias is None:
             setattr(module, name, FusedLMHead(child, invariant))
         else:

@@ -104,7 +104,6 @@ class PrefillGraphs:
         last[:b] = torch.tensor(lengths) - 1
         g.load("last", last)
         # Not `capture.replay`: its timing is the verify's, read after the round's verify.
-        self.capture.staging.flush()
-        g.graph.replay()
+        g.replay()
         self.replays += 1
         return g.outputs["features"], g.outputs["logits"]

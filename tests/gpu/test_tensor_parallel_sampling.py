@@ -1,0 +1,95 @@
+"""Speculative sampling at TP=2 on two GPUs matches the target's exact distribution (the joint of
+3 sampled tokens of a 6-token vocabulary against transformers in bf16, chi-square, as
+`test_cuda_sampling.py`), through the verify graphs whose all-reduces pair with the follower's;
+a TP=2 target whose rank 0 drops the other rank's partial sums fails the same test."""
+
+from __future__ import annotations
+
+import gc
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+if torch.cuda.device_count() < 2:
+    pytest.skip("needs two CUDA devices", allow_module_level=True)
+pytest.importorskip("flashinfer")
+
+import specpair.runtime.gpu.fused as fused_module
+from specpair.models.parallel import Collectives
+from specpair.models.tiny import make_tiny_llama
+from specpair.parallel.build import build_parallel_states, build_parallel_target
+from specpair.runtime.build import StateBuilder, build_drafter
+from specpair.runtime.engine import SpeculativeEngine
+from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.shape import TreeShape
+from specpair.runtime.state import tier_state
+from tests.engine.test_sampling_lossless import PARAMS, fit_pvalue
+from tests.gpu.test_cuda_sampling import DEPTH, PROMPT, RUNS, VOCAB, exact_joint
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+# heads and KV heads that split over two ranks
+SHAPE = dict(hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512)
+TIER, BATCH = TreeShape(3), 16
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("tp_sampling")
+    common = {"vocab_size": VOCAB, "tokenizer": False, "init_std": 0.3, **SHAPE}
+    target = make_tiny_llama(root / "target", seed=21, num_layers=2, **common)  # type: ignore[arg-type]
+    draft = make_tiny_llama(root / "draft", seed=22, num_layers=1, **common)  # type: ignore[arg-type]
+    return target, draft
+
+
+def tp2_samples(target: Path, draft: Path, params: SamplingParams, runs: int) -> Counter:
+    gc.collect()
+    torch.cuda.set_device(0)
+    worker, ranks = build_parallel_target(
+        target, tensor_parallel=2, max_requests=BATCH, max_len=64, dtype=BF16, device="cuda:0"
+    )
+    try:
+        _, states = build_parallel_states(worker, ranks.lockstep, [TIER])
+        drafter = build_drafter(
+            draft, target_path=target, max_requests=BATCH, max_len=64, dtype=BF16, device="cuda:0"
+        )
+        drafts = StateBuilder(None, drafter).build_all([TIER])
+        state = tier_state(TIER, states[TIER].verify, drafts[TIER].extend, drafts[TIER].draft)
+        engine = SpeculativeEngine(worker, drafter)
+        counts: Counter = Counter()
+        for start in range(0, runs, BATCH):
+            sampling = [
+                SamplingParams(params.temperature, params.top_p, params.top_k, start + i)
+                for i in range(BATCH)
+            ]
+            results = engine.generate(
+                [PROMPT] * BATCH, max_new_tokens=DEPTH, state=state, sampling=sampling
+            )
+            counts.update(tuple(r.token_ids) for r in results)
+        assert state.verify.graph_accepts > 0  # type: ignore[union-attr]  # in the accept graph
+    finally:
+        ranks.stop()
+    return counts
+
+
+def test_tp2_speculative_sampling_matches_the_target_distribution(pair) -> None:
+    counts = tp2_samples(*pair, PARAMS[0], RUNS)
+    assert fit_pvalue(counts, exact_joint(pair[0], PARAMS[0])) > 1e-3
+
+
+def test_dropping_the_other_ranks_partial_sums_fails_the_same_test(pair, monkeypatch) -> None:
+    """Rank 0 still takes part in each all-reduce (the follower must not hang) but keeps its own
+    partial sum: its layers see half of every attention and MLP output."""
+
+    def own_part_only(x: Tensor) -> Tensor:
+        Collectives.issued += 1
+        dist.all_reduce(x.clone())
+        return x
+
+    monkeypatch.setattr(fused_module, "reduce_sum", own_part_only)  # read as the graphs capture
+    counts = tp2_samples(*pair, PARAMS[0], RUNS // 2)
+    assert fit_pvalue(counts, exact_joint(pair[0], PARAMS[0])) < 1e-6
