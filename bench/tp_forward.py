@@ -83,14 +83,16 @@ def cells_at(tp: int, target: Path, draft: Path, args: argparse.Namespace) -> li
             seconds = time.perf_counter() - t0
             times = engine.times
             rounds = max(times.rounds, 1)
-            steps = (ranks.lockstep.sent - sent0) if ranks else 0
+            steps, send_s = 0, 0.0
+            if ranks is not None:
+                steps, send_s = ranks.lockstep.sent - sent0, ranks.lockstep.send_s - send0
             out.append({
                 "tp": tp, "config": config, "workload": wl.name, "batch": batch,
                 "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                 "verify_ms": 1e3 * times.verify / rounds,
                 "verify_gpu_ms": sum(v for _, v in times.gpu_ms) / rounds,
                 "steps_per_round": steps / rounds,
-                "step_send_us": 1e6 * ((ranks.lockstep.send_s - send0) / steps) if steps else 0.0,
+                "step_send_us": 1e6 * send_s / steps if steps else 0.0,
                 "start_s": start_s,
                 "gpu_used_gib": [(total - free) / 2**30 for free, total in memory],
             })  # fmt: skip
