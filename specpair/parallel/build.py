@@ -12,6 +12,7 @@ from specpair.models.loading import read_args
 from specpair.models.parallel import Shard, check_shardable, load_shard
 from specpair.parallel.lockstep import LeaderModel, LockstepCache
 from specpair.parallel.ranks import RankGroup, ShardSpec
+from specpair.parallel.watchdog import DEFAULT_FLOOR_S, Watchdog, WatchedWorker
 from specpair.runtime.target.worker import TargetWorker
 
 
@@ -27,10 +28,12 @@ def build_parallel_target(
     device: str = "cpu",
     threads: int = 1,
     on_exit: Callable[[str], None] | None = None,
+    rank_timeout_floor_s: float = DEFAULT_FLOOR_S,
 ) -> tuple[TargetWorker, RankGroup]:
     """`build_target` over `tensor_parallel` ranks: this process is rank 0 and returns its
     worker; ranks 1 … N-1 run in child processes until `RankGroup.stop`. `on_exit` hears of a
-    follower that exits before then (from a thread)."""
+    follower that exits, or of a step that overran its bound (a rank hung; `watchdog.py`,
+    whose floor is `rank_timeout_floor_s`), before then (from a thread)."""
     path = Path(path)
     check_shardable(read_args(path), tensor_parallel, path / "config.json")  # before any spawn
     spec = ShardSpec(path, tensor_parallel, max_requests, max_len, dtype, device, threads)
@@ -53,8 +56,10 @@ def build_parallel_target(
         group.agree(error)  # raises this rank's error or a follower's
         assert model is not None
         cache = LockstepCache(group.lockstep, **spec.cache_options(model.args))
-        worker = TargetWorker(model, cache, keep_features=keep_features,
-                              feature_layers=feature_layers)  # fmt: skip
+        group.watchdog = Watchdog(group.fail, floor_s=rank_timeout_floor_s)
+        worker = WatchedWorker(
+            model, cache, group.watchdog, keep_features=keep_features, feature_layers=feature_layers
+        )
         group.watch()
     except BaseException:
         group.stop()
