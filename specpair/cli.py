@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 import tomllib
@@ -232,6 +233,12 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             asyncio.run(_serve(service, config))
     except (BindError, CheckpointError, RankExitedError) as exc:  # one line, no traceback
         print(f"{parser.prog} serve {args.service}: error: {exc}", file=sys.stderr)
+        if isinstance(exc, RankExitedError):
+            # A hung rank may hold the compute thread inside a collective for good (NCCL does
+            # not fail it when the peer is killed), and the interpreter's exit joins it.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         return 1
     return 0
 

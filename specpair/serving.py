@@ -243,6 +243,10 @@ class GrpcServer:
     async def ready(self) -> None:
         await self._set(health_pb2.HealthCheckResponse.SERVING)
 
+    async def not_serving(self) -> None:
+        """Health NOT_SERVING while the server still answers (a service going down)."""
+        await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
+
     async def _set(self, status: Any) -> None:
         await self.health.set("", status)
         for name in self.service_names:

@@ -25,7 +25,7 @@ from specpair.runtime.target.worker import TargetSequence
 from target_service.detokenize import TextStream
 from target_service.request import ClientRequest
 from target_service.scheduler import Scheduler
-from target_service.served import ServedRequest
+from target_service.served import RoundEvent, ServedRequest
 from target_service.validation import validate_generate
 
 log = get_logger(__name__)
@@ -43,6 +43,12 @@ class RoundFailedError(RuntimeError):
     """The round that served the request failed (a bug; the scheduler logged it)."""
 
 
+class TargetDownError(NotReadyError, RoundFailedError):
+    """The target is going down (a tensor-parallel rank exited or hung); the message says why.
+    Before a response it is refused as a loading target is (UNAVAILABLE, 503); after one it
+    fails the request as a failed round does."""
+
+
 class DeadlineExceededError(RuntimeError):
     """The client's deadline passed on arrival or while the request queued (never prefilled)."""
 
@@ -55,12 +61,23 @@ class Frontend:
         self.tokenizer: Any = None
         self.eos: frozenset[int] = frozenset()  # end every generation (`eos_ids`)
         self.bos: int | None = None  # starts every text prompt (`prompt_bos`)
+        self.failure: str | None = None  # why the target is going down (`fail`)
         self._ids = itertools.count()
+        self._flying: set[ServedRequest] = set()  # submitted, their clients still reading
 
     def ready(self) -> Scheduler:
+        if self.failure is not None:
+            raise TargetDownError(self.failure)
         if self.scheduler is None:
             raise NotReadyError("target model is still loading")
         return self.scheduler
+
+    def fail(self, message: str) -> None:
+        """The target is going down: every request in flight is answered with `message` now
+        (its round may never return: a hung rank holds it), and new ones are refused."""
+        self.failure = message
+        for served in self._flying:
+            served.events.put_nowait(RoundEvent([], -1, 0, "error"))
 
     async def generate(
         self, request: ClientRequest, *, time_remaining: float | None = None
@@ -70,7 +87,8 @@ class Frontend:
 
         Raises (before the first response) NotReadyError, InvalidRequestError (its message
         names the field) or QueueFullError; RoundFailedError or DeadlineExceededError (the
-        client's `time_remaining` seconds ran out while the request queued) later. Closing
+        client's `time_remaining` seconds ran out while the request queued) later;
+        TargetDownError (both a NotReadyError and a RoundFailedError) at any point. Closing
         the generator early (a client that went away) cancels the request: it leaves at the
         next round boundary and its KV is freed on both services. Callers close it deterministically
         (`contextlib.aclosing`), not at garbage collection.
@@ -101,6 +119,7 @@ class Frontend:
         deadline = None if time_remaining is None else time.monotonic() + time_remaining
         served = ServedRequest(seq, deadline=deadline)
         scheduler.submit(served)
+        self._flying.add(served)
         self.metrics.prompt_tokens.inc(len(valid.prompt_ids))
         structlog.contextvars.bind_contextvars(request_id=request_id)
         log.info(
@@ -115,6 +134,8 @@ class Frontend:
                 event = await served.events.get()
                 if event.finish_reason == "error":
                     finished = True
+                    if self.failure is not None:
+                        raise TargetDownError(self.failure)
                     raise RoundFailedError("the round failed; see logs")
                 if event.finish_reason == "expired":
                     finished = True
@@ -142,6 +163,7 @@ class Frontend:
                     self.metrics.request_latency.observe(time.perf_counter() - arrival)
                 yield response
         finally:
+            self._flying.discard(served)
             if not finished:  # the client went away (cancelled, deadline, disconnected)
                 scheduler.cancel(served)
                 log.info("request cancelled")

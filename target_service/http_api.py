@@ -1,7 +1,7 @@
 """The target's OpenAI-compatible HTTP door: Starlette routes served by uvicorn on the
 service's own event loop, each request run through the same `Frontend.generate` as gRPC.
 
-    GET  /health                  200 once the model is loaded, 503 before
+    GET  /health                  200 once the model is loaded, 503 before and once it fails
     GET  /v1/models               the one model served
     POST /v1/completions          prompt (text or token ids) → text; stream: server-sent events
     POST /v1/chat/completions     messages → the assistant's reply (the chat template)
@@ -120,6 +120,8 @@ class OpenAIApp:
         self.app = Gate(starlette, loopback=loopback, api_key=api_key)
 
     async def health(self, request: Request) -> Response:
+        if self.frontend.failure is not None:
+            return JSONResponse({"status": "down", "error": self.frontend.failure}, status_code=503)
         if self.frontend.scheduler is None:
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})

@@ -47,8 +47,9 @@ class RunningTarget:
     rank_exit: asyncio.Future[str] | None = None  # what `ranks` said when one exited
 
     async def wait(self) -> None:
-        """Until the server terminates; raises RankExitedError when a follower rank exits
-        first (the target cannot compute without it)."""
+        """Until the server terminates; raises RankExitedError when a follower rank exits or
+        hangs first (the target cannot compute without it; its requests in flight have
+        already been answered with the message, and health says NOT_SERVING)."""
         if self.rank_exit is None:
             await self.server.server.wait_for_termination()
             return
@@ -105,7 +106,7 @@ def _build_scheduler(
     if config.tensor_parallel > 1:
         worker, ranks = build_parallel_target(
             config.model_path, tensor_parallel=config.tensor_parallel, threads=config.threads,
-            on_exit=on_rank_exit, **options,
+            on_exit=on_rank_exit, rank_timeout_floor_s=config.rank_timeout_floor_s, **options,
         )  # fmt: skip
     else:
         worker = build_target(config.model_path, **options)
@@ -181,11 +182,16 @@ async def start(config: TargetConfig) -> RunningTarget:
     loop = asyncio.get_running_loop()
     rank_exit: asyncio.Future[str] = loop.create_future()
 
-    def exited(message: str) -> None:
-        if not rank_exit.done():
-            rank_exit.set_result(message)
+    going_down: set[asyncio.Task[None]] = set()  # health's NOT_SERVING, held till it is set
 
-    def on_rank_exit(message: str) -> None:  # from the ranks' watch thread
+    def exited(message: str) -> None:
+        if rank_exit.done():
+            return
+        rank_exit.set_result(message)
+        frontend.fail(message)  # before the round fails: requests get why, not "see logs"
+        going_down.add(loop.create_task(server.not_serving()))
+
+    def on_rank_exit(message: str) -> None:  # a rank exited or hung (the watch, the watchdog)
         log.error(message)
         loop.call_soon_threadsafe(exited, message)
 
@@ -208,6 +214,8 @@ async def start(config: TargetConfig) -> RunningTarget:
             scheduler.compute.shutdown()
         if ranks is not None:
             await asyncio.to_thread(ranks.stop)
+        if rank_exit.done():  # a rank failed while loading or warming up: that is the cause
+            raise RankExitedError(rank_exit.result()) from None
         raise
     if config.draft_address is not None:
         make_link = functools.partial(

@@ -33,6 +33,7 @@ from specpair.config.model_service import (
 from specpair.config.server import ServerConfig, TLSConfig
 from specpair.config.target import (
     DEFAULT_MAX_WATCHERS,
+    DEFAULT_RANK_TIMEOUT_FLOOR_S,
     GPU_TENSOR_PARALLEL,
     FeatureDType,
     TargetConfig,
@@ -46,6 +47,7 @@ __all__ = [
     "DEFAULT_HTTP_ADDRESS",
     "DEFAULT_MAX_WATCHERS",
     "DEFAULT_METRICS",
+    "DEFAULT_RANK_TIMEOUT_FLOOR_S",
     "DEFAULT_TARGET_ADDRESS",
     "GPU_TENSOR_PARALLEL",
     "MODELS_DIR",

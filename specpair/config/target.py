@@ -19,6 +19,7 @@ from specpair.config.server import ServerConfig
 from specpair.runtime.shape import DETERMINISTIC_TREES, TreeShape
 
 DEFAULT_MAX_WATCHERS = 8  # WatchRounds streams a target serves at once
+DEFAULT_RANK_TIMEOUT_FLOOR_S = 30.0  # `specpair/parallel/watchdog.py` says why
 GPU_TENSOR_PARALLEL = (
     "tensor_parallel > 1 runs on the CPU (gloo) only for now: the GPU's fused layers and CUDA "
     "graphs have no all-reduce yet (--device cpu)"
@@ -125,6 +126,15 @@ class TargetConfig(ModelServiceConfig):
                         "serves as rank 0 and starts the others (CPU, gloo; each rank takes "
                         "--threads)"),
     )  # fmt: skip
+    rank_timeout_floor_s: float = field(
+        default=DEFAULT_RANK_TIMEOUT_FLOOR_S,
+        metadata=option(
+            "with --tensor-parallel: the least time a step may take before a rank counts as "
+            "hung and the target exits, in seconds (a step's bound is 8 × the 99th percentile "
+            "of recent steps' time per token × its tokens, at least this)",
+            flag="--rank-timeout-floor",
+        ),
+    )
     no_prompt_handoff: bool = field(
         default=False,
         metadata=option("send a joining request's prompt (and its features) to the draft in "
@@ -151,6 +161,8 @@ class TargetConfig(ModelServiceConfig):
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
         if self.tensor_parallel > 1 and self.device != "cpu":
             raise ValueError(GPU_TENSOR_PARALLEL)
+        if not self.rank_timeout_floor_s > 0:
+            raise ValueError(f"rank_timeout_floor_s must be > 0, got {self.rank_timeout_floor_s}")
         if self.draft_address is not None:
             if not self.draft_addresses:
                 raise ValueError("draft_address: no address (--no-draft decodes without one)")

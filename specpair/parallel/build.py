@@ -13,6 +13,7 @@ from specpair.models.loading import read_args
 from specpair.models.parallel import Shard, check_shardable, load_shard
 from specpair.parallel.lockstep import Build, LeaderModel, Lockstep, LockstepCache
 from specpair.parallel.ranks import RankGroup, ShardSpec
+from specpair.parallel.watchdog import DEFAULT_FLOOR_S, Watchdog, WatchedWorker
 from specpair.runtime.build import StateBuilder, gpu_target
 from specpair.runtime.shape import TreeShape
 from specpair.runtime.state import SpecRuntimeState
@@ -32,11 +33,14 @@ def build_parallel_target(
     threads: int = 1,
     deterministic: bool = False,
     on_exit: Callable[[str], None] | None = None,
+    rank_timeout_floor_s: float = DEFAULT_FLOOR_S,
 ) -> tuple[TargetWorker, RankGroup]:
     """`build_target` over `tensor_parallel` ranks: this process is rank 0 (on `device`; on a
     GPU the caller has made it the current device) and returns its worker; ranks 1 … N-1 run
-    in child processes until `RankGroup.stop`. `on_exit` hears of a follower that exits
-    before then (from a thread). On GPUs build the states with `build_parallel_states`."""
+    in child processes until `RankGroup.stop`. `on_exit` hears of a follower that exits, or
+    of a step that overran its bound (a rank hung; `watchdog.py`, whose floor is
+    `rank_timeout_floor_s`), before then (from a thread). On GPUs build the states with
+    `build_parallel_states`."""
     if deterministic:
         raise ValueError("--deterministic does not run with --tensor-parallel > 1")
     path = Path(path)
@@ -63,8 +67,10 @@ def build_parallel_target(
         group.agree(error)  # raises this rank's error or a follower's
         assert model is not None
         cache = LockstepCache(group.lockstep, **spec.cache_options(model.args))
-        worker = TargetWorker(model, cache, keep_features=keep_features,
-                              feature_layers=feature_layers)  # fmt: skip
+        group.watchdog = Watchdog(group.fail, floor_s=rank_timeout_floor_s)
+        worker = WatchedWorker(
+            model, cache, group.watchdog, keep_features=keep_features, feature_layers=feature_layers
+        )
         if spec.cuda:
             gpu_target(worker)
         group.watch()

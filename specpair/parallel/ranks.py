@@ -7,10 +7,12 @@ the store, then the process group (gloo on the CPU; NCCL on GPUs, rank r on cuda
 its shard; every rank says whether its load worked (`agree`) before any serves. A follower then
 runs `Follower.run` until rank 0's `Stop`. A follower that exits before that is reported once,
 from a watch thread, to the `on_exit` callback (the target service stops with that message);
-rank 0's next collective fails at once too (gloo sees the closed connection). A follower whose
-rank 0 is gone fails its next collective the same way and exits. So does a follower whose step
-raises: its collectives may no longer pair up with rank 0's, and a target that diverged must
-not serve.
+rank 0's next collective fails at once too (gloo sees the closed connection). A follower that
+hangs instead is found by rank 0's `Watchdog` (`watchdog.py`), which calls `fail`: reported the
+same way, once, and every follower killed at once. A follower whose rank 0 is gone fails its
+next collective the same way and exits, and one that waits for no collective sees its parent go
+(`watch_parent`). So does a follower whose step raises: its collectives may no longer pair up
+with rank 0's, and a target that diverged must not serve.
 
 On GPUs a follower also fuses its shard and holds a `TargetWorker` over it, whose CUDA graphs
 it captures when rank 0 sends `Build` (`lockstep.py`); the fused layers all-reduce inside them.
@@ -40,6 +42,7 @@ from specpair.logging import get_logger
 from specpair.models.args import ModelArgs
 from specpair.models.parallel import Shard, TensorParallelLlama, load_shard
 from specpair.parallel.lockstep import Follower, Lockstep
+from specpair.parallel.watchdog import Watchdog, watch_parent
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.target.worker import TargetWorker
 
@@ -50,6 +53,7 @@ log = get_logger(__name__)
 FOLLOWER_TIMEOUT = timedelta(days=3650)
 LEADER_TIMEOUT = timedelta(minutes=10)
 STOP_TIMEOUT_S = 10.0
+IDLE_TIMEOUT_S = 2.0  # after a failure, for rank 0's step to fail out of its collective
 
 
 class RankExitedError(RuntimeError):
@@ -130,7 +134,10 @@ class RankGroup:
         self.lockstep = Lockstep()
         self.procs: list[BaseProcess] = []
         self.on_exit = on_exit or (lambda message: log.error(message))
+        self.watchdog: Watchdog | None = None  # times rank 0's steps once the worker is built
+        self.failed = False  # a rank exited or hung: what `on_exit` heard
         self._stopping = threading.Event()
+        self._reported = threading.Lock()
         self._store: Any = None  # the TCP store outlives the start-up: the group was made on it
 
     def start(self) -> None:
@@ -182,7 +189,23 @@ class RankGroup:
             return
         proc = by_sentinel[ready[0]]  # type: ignore[index]
         proc.join()
-        self.on_exit(self._exited(proc, "while serving"))
+        self._report(self._exited(proc, "while serving"))
+
+    def fail(self, message: str) -> None:
+        """A rank is hung (the watchdog, from its thread): reported to `on_exit`, then every
+        follower killed. Killing comes second so that requests hear this message before the
+        round that fails with it; it frees rank 0's blocked collective too (gloo fails it)."""
+        if self._report(message):
+            for proc in self.procs:
+                proc.kill()
+
+    def _report(self, message: str) -> bool:
+        """Tells `on_exit` of the first failure only (a hang's kill is no second one)."""
+        if self._stopping.is_set() or not self._reported.acquire(blocking=False):
+            return False
+        self.failed = True
+        self.on_exit(message)
+        return True
 
     def _check_alive(self, when: str) -> None:
         for proc in self.procs:
@@ -198,18 +221,25 @@ class RankGroup:
 
     def stop(self) -> None:
         """Tells the followers to stop (once no step holds the group), waits for them, and
-        kills any left; rank 0 leaves the process group."""
+        kills any left; rank 0 leaves the process group. After a failure the followers are
+        killed at once: a hung step holds the group, and may hold it forever."""
         self._stopping.set()
-        if self.procs and all(proc.is_alive() for proc in self.procs) and dist.is_initialized():
+        if self.watchdog is not None:
+            self.watchdog.close()
+        healthy = not self.failed and all(proc.is_alive() for proc in self.procs)
+        if self.procs and healthy and dist.is_initialized():
             # a follower that goes meanwhile fails the send: the others fail their next step
             with contextlib.suppress(RuntimeError):
                 self.lockstep.stop(STOP_TIMEOUT_S)
         for proc in self.procs:
-            proc.join(STOP_TIMEOUT_S)
+            proc.join(0 if self.failed else STOP_TIMEOUT_S)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        if dist.is_initialized():
+        # Not while the compute thread is still inside a collective: a group destroyed under
+        # it may wait for it (NCCL). gloo fails that collective once the followers are gone.
+        idle = self.watchdog is None or self.watchdog.wait_idle(IDLE_TIMEOUT_S)
+        if dist.is_initialized() and idle:
             dist.destroy_process_group()
 
 
@@ -217,6 +247,7 @@ def follow(spec: ShardSpec, rank: int, port: int) -> None:
     """A follower process: joins the group, loads its shard, follows rank 0 until `Stop`."""
     # Ctrl-C reaches every process of the terminal's group; rank 0 decides when followers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    watch_parent()
     torch.set_num_threads(spec.threads)
     device = spec.rank_device(rank)
     if spec.cuda:

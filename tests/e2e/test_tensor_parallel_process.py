@@ -1,17 +1,25 @@
 """`specpair serve target --tensor-parallel 2` as a real process: it answers as the target in
 one process does; SIGTERM stops it and its follower cleanly; a SIGKILLed follower ends it
-with exit status 1 and one line naming the rank."""
+with exit status 1 and one line naming the rank; a stopped (hung) follower does too, within
+the watchdog's bound, and its requests in flight get the line; a SIGKILLed rank 0 leaves no
+follower behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
+import time
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specpair.client import SpecpairClient
 from specpair.group import ServiceGroup
+from specpair.proto.v1 import target_pb2, target_pb2_grpc
 from tests.e2e.test_processes import free_port, service, wait_for
 from tests.service.conftest import reference_greedy
 
@@ -61,3 +69,80 @@ def test_a_tensor_parallel_target_process(ckpts: dict[str, Path], tmp_path: Path
         f"specpair serve target: error: tensor-parallel rank 1 (pid {follower}) exited with "
         "code -9 while serving: the target cannot compute without it"
     ]
+
+
+FLOOR_S = 2.0  # the test's bound: every healthy step of the tiny model takes milliseconds
+
+
+def test_a_hung_follower_fails_its_requests_and_ends_the_target(
+    ckpts: dict[str, Path], tmp_path: Path
+) -> None:
+    """SIGSTOP the follower while a stream is in flight: within the floor and a few seconds
+    the stream ends with UNAVAILABLE and the watchdog's line, health stops saying SERVING,
+    and the process exits 1 with that one line; without the watchdog it waits out gloo."""
+    address = f"127.0.0.1:{free_port()}"
+    target = service(
+        "target", address, "target", "--model", str(ckpts["target"]), "--no-draft",
+        "--tensor-parallel", "2", "--http-address", "", "--rank-timeout-floor", str(FLOOR_S),
+    )  # fmt: skip
+    with ServiceGroup(log_dir=tmp_path, health_timeout_s=180) as group:
+        proc = group.start(target)
+        follower = follower_of(proc.pid)
+        channel = grpc.insecure_channel(address)
+        try:
+            stream = target_pb2_grpc.TargetServiceStub(channel).Generate(
+                target_pb2.GenerateRequest(prompt_token_ids=PROMPT, max_tokens=400),
+                timeout=60,
+            )
+            next(stream)  # the prompt is in: rounds follow one another
+            os.kill(follower, signal.SIGSTOP)
+            stopped = time.monotonic()
+            with pytest.raises(grpc.RpcError) as failed:
+                for _ in stream:
+                    pass
+            waited = time.monotonic() - stopped
+            health = health_pb2_grpc.HealthStub(channel)
+            with contextlib.suppress(grpc.RpcError):  # or the process is gone already
+                reply = health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert reply.status != health_pb2.HealthCheckResponse.SERVING
+        finally:
+            channel.close()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(follower, signal.SIGCONT)
+        assert proc.wait(30) == 1
+        assert not Path(f"/proc/{follower}").exists()  # killed on the way out
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    hung = re.compile(
+        r"tensor-parallel step (prefill|verify) \(\d+ tokens\) did not finish in \d+\.\d s "
+        r"\(bound \d+\.\d s: .*\): a rank is hung; the target exits"
+    )
+    assert hung.fullmatch(failed.value.details())
+    assert waited < FLOOR_S + 8
+    errors = [
+        line
+        for line in (tmp_path / "target.log").read_text().splitlines()
+        if line.startswith("specpair serve target: error:")
+    ]
+    assert errors == [f"specpair serve target: error: {failed.value.details()}"]
+
+
+def test_a_killed_rank_0_leaves_no_follower(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    target = service(
+        "target", address, "target", "--model", str(ckpts["target"]), "--no-draft",
+        "--tensor-parallel", "2", "--http-address", "",
+    )  # fmt: skip
+    with ServiceGroup(log_dir=tmp_path, health_timeout_s=180) as group:
+        proc = group.start(target)
+        follower = follower_of(proc.pid)
+        proc.kill()  # no `stop`, no Stop step: the follower must notice by itself
+        proc.wait(10)
+        wait_for(lambda: not alive(follower), 10, "the follower to exit")
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie of ours, or one re-parented and reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -1,14 +1,19 @@
 """A target service with tensor_parallel=2 (this process is rank 0; one follower process,
 gloo) over real gRPC: it answers as the one-process target does, with a draft, and stops its
-follower cleanly; a follower that dies takes it down with a message naming the rank, and the
-requests that follow fail at once instead of waiting on it."""
+follower cleanly; a follower that dies takes it down with a message naming the rank, health
+says NOT_SERVING, and the requests that follow are refused at once with that message; a
+follower that hangs does the same within the watchdog's bound, failing the requests in flight."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
 from specpair.parallel.ranks import RankExitedError
 from tests.service.conftest import Stack, draft_config, reference_greedy, target_config
@@ -50,6 +55,39 @@ async def test_a_follower_that_dies_takes_the_target_down(ckpts) -> None:
             await asyncio.wait_for(stack.target.wait(), 30)  # what `serve` waits on
         with pytest.raises(grpc.aio.AioRpcError) as failed:
             await asyncio.wait_for(stack.generate(prompt_token_ids=PROMPTS[1], max_tokens=4), 30)
-        assert failed.value.code() == grpc.StatusCode.INTERNAL
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE  # going down: try another
+        assert (
+            "rank 1" in failed.value.details() and "exited with code -9" in failed.value.details()
+        )
+        health = await stack.target.server.health.Check(health_pb2.HealthCheckRequest(), None)
+        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         await asyncio.wait_for(stack.stop(), 30)
+
+
+async def test_a_hung_follower_fails_the_requests_in_flight(ckpts) -> None:
+    config = target_config(
+        ckpts["target"], draft_address=None, tensor_parallel=2, rank_timeout_floor_s=2.0
+    )
+    stack = Stack(None, config)
+    await stack.start()
+    ranks = stack.target.ranks
+    follower = ranks.procs[0]
+    try:
+        flying = asyncio.ensure_future(stack.generate(prompt_token_ids=PROMPTS[1], max_tokens=400))
+        while len(ranks.watchdog.rates.get("verify", ())) < 5:  # decoding, round after round
+            await asyncio.sleep(0.01)
+        os.kill(follower.pid, signal.SIGSTOP)
+        with pytest.raises(RankExitedError, match=r"did not finish in 2\.0 s") as hung:
+            await asyncio.wait_for(stack.target.wait(), 15)
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await asyncio.wait_for(flying, 5)
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert failed.value.details() == str(hung.value)
+        health = await stack.target.server.health.Check(health_pb2.HealthCheckRequest(), None)
+        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(follower.pid, signal.SIGCONT)
+        await asyncio.wait_for(stack.stop(), 30)
+    assert follower.exitcode == -signal.SIGKILL

@@ -1,0 +1,221 @@
+"""Rank 0's watchdog over a tensor-parallel target's steps, and a follower's watch on rank 0.
+
+A rank that hangs (stopped, deadlocked, a GPU that stopped answering) leaves rank 0's compute
+thread blocked inside a collective: gloo waits out its timeout (ours is minutes, to let shards
+load), and on a GPU a graph replay returns at once and the hang shows at the next host sync.
+So rank 0 times each whole worker call its compute thread makes (`WatchedWorker`: prefill,
+prepare, verify), keeps each kind's recent cost per token, and declares the group hung when a
+call runs past
+
+    bound = max(floor, FACTOR × p99(recent seconds per token of this kind) × this call's tokens)
+
+e.g. verifies at 4 ms a token (p99), a verify of 12 tokens: max(30 s, 8 × 4 ms × 12) = 30 s;
+a 20 000-token prompt after prefills at 2 ms a token: max(30 s, 8 × 2 ms × 20 000) = 320 s.
+Per token, because a call's cost grows with its tokens: a long prompt after short ones must
+not look hung. The floor covers what the record cannot: the first calls of a kind (nothing
+measured yet: the warm-up's first calls also allocate and initialise) and a healthy host that
+stalls a step for a while (a loaded CPU, another process's burst); no healthy step of ours
+takes 30 s, and a hung one is found in about that long instead of gloo's 10 minutes.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from specpair.config import DEFAULT_RANK_TIMEOUT_FLOOR_S
+from specpair.models.llama import LlamaModel
+from specpair.runtime.kv_cache import KVCache
+from specpair.runtime.state import SpecRuntimeState
+from specpair.runtime.target.worker import TargetSequence, TargetWorker, VerifyResult
+from specpair.runtime.tree import CandidateTree
+
+DEFAULT_FLOOR_S = DEFAULT_RANK_TIMEOUT_FLOOR_S
+# A healthy step's cost per token moves with its batch's make-up and the host's load, by a
+# few times at most; 8× the 99th percentile is past that, short of a stall the floor covers.
+FACTOR = 8.0
+WINDOW = 512  # recent calls of each kind the percentile reads
+PARENT_POLL_S = 0.5
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The `q` quantile (0..1) of `values` by nearest rank: [1, 2, …, 100], 0.99 → 99."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
+def step_bound(
+    rates: Sequence[float], tokens: int, floor_s: float, factor: float = FACTOR
+) -> float:
+    """Seconds a call of `tokens` tokens may take, given its kind's recent seconds per token."""
+    if not rates:
+        return floor_s
+    return max(floor_s, factor * percentile(rates, 0.99) * max(1, tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    step: str
+    tokens: int
+    started: float
+    bound_s: float
+    p99_s: float | None  # seconds per token the bound came from (None: the floor alone)
+
+
+class Watchdog:
+    """Times one call at a time (the compute thread's) and calls `on_hang` once, from its own
+    thread, with one line naming the step that overran its bound."""
+
+    def __init__(
+        self,
+        on_hang: Callable[[str], None],
+        *,
+        floor_s: float = DEFAULT_FLOOR_S,
+        factor: float = FACTOR,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not floor_s > 0:
+            raise ValueError(f"rank_timeout_floor_s must be > 0, got {floor_s}")
+        self.on_hang = on_hang
+        self.floor_s, self.factor, self.clock = floor_s, factor, clock
+        self.rates: dict[str, collections.deque[float]] = {}
+        self.fired = False
+        self._call: _Call | None = None
+        self._closed = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(
+            target=self._watch, name="tensor-parallel-watchdog", daemon=True
+        )
+        self._thread.start()
+
+    def bound(self, step: str, tokens: int) -> float:
+        return step_bound(self.rates.get(step, ()), tokens, self.floor_s, self.factor)
+
+    @contextmanager
+    def timing(self, step: str, tokens: int) -> Iterator[None]:
+        """Watches the block as one call of `step` over `tokens` tokens; records its time
+        per token when it returns."""
+        tokens = max(1, tokens)
+        with self._cond:
+            rates = self.rates.get(step, ())
+            p99 = percentile(rates, 0.99) if rates else None
+            call = _Call(step, tokens, self.clock(), self.bound(step, tokens), p99)
+            self._call = call
+            self._cond.notify_all()
+        try:
+            yield
+        except BaseException:
+            with self._cond:
+                self._call = None
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._call = None
+            took = self.clock() - call.started
+            self.rates.setdefault(step, collections.deque(maxlen=WINDOW)).append(took / tokens)
+            self._cond.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Whether the call in progress (if any) returned or raised within `timeout_s`."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._call is None, timeout_s)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _watch(self) -> None:
+        with self._cond:
+            while True:
+                if self._closed:
+                    return
+                call = self._call
+                if call is None:
+                    self._cond.wait()
+                    continue
+                left = call.started + call.bound_s - self.clock()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                self.fired = True
+                break
+        self.on_hang(hang_message(call, self.clock() - call.started, self.factor))
+
+
+def hang_message(call: _Call, took: float, factor: float) -> str:
+    """One line: `tensor-parallel step verify (12 tokens) did not finish in 30.0 s (bound
+    30.0 s: the floor; p99 4.1 ms a token): a rank is hung; the target exits`."""
+    if call.p99_s is None:
+        basis = f"the floor; no earlier {call.step} measured"
+    else:
+        scaled = factor * call.p99_s * call.tokens
+        p99 = f"p99 {call.p99_s * 1e3:.2g} ms a token"
+        basis = f"the floor; {p99}" if call.bound_s > scaled else f"{factor:g} × {p99}"
+    return (
+        f"tensor-parallel step {call.step} ({call.tokens} tokens) did not finish in "
+        f"{took:.1f} s (bound {call.bound_s:.1f} s: {basis}): a rank is hung; the target exits"
+    )
+
+
+class WatchedWorker(TargetWorker):
+    """Rank 0's worker whose collective calls `watchdog` times."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: KVCache,
+        watchdog: Watchdog,
+        *,
+        keep_features: bool = False,
+        feature_layers: tuple[int, ...] = (),
+    ) -> None:
+        super().__init__(model, cache, keep_features=keep_features, feature_layers=feature_layers)
+        self.watchdog = watchdog
+
+    def prefill(self, seqs: Sequence[TargetSequence]) -> list[Tensor | None]:
+        with self.watchdog.timing("prefill", sum(len(s.prompt) for s in seqs)):
+            return super().prefill(seqs)
+
+    def prepare(
+        self,
+        seqs: Sequence[TargetSequence],
+        state: SpecRuntimeState,
+        depths: Sequence[int] | None = None,
+    ) -> None:
+        with self.watchdog.timing("prepare", len(seqs)):
+            super().prepare(seqs, state, depths)
+
+    def verify(
+        self,
+        seqs: Sequence[TargetSequence],
+        trees: Sequence[CandidateTree],
+        state: SpecRuntimeState | None = None,
+    ) -> list[VerifyResult]:
+        # the forward's tokens: every row padded to the largest tree (and its root)
+        tokens = len(seqs) * (1 + max((len(tree) for tree in trees), default=0))
+        with self.watchdog.timing("verify", tokens):
+            return super().verify(seqs, trees, state)
+
+
+def watch_parent(poll_s: float = PARENT_POLL_S) -> None:
+    """In a follower: exits the process once rank 0 (its parent) is gone, however it went. A
+    SIGKILLed rank 0 runs no `stop`, and a follower blocked in a collective may never hear of
+    it (NCCL does not fail on a peer's death); re-parented, the follower sees a new parent."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        gone = f"rank 0 (pid {parent}) is gone"
+        print(f"tensor-parallel follower (pid {os.getpid()}): {gone}; exiting", flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tensor-parallel-parent", daemon=True).start()
