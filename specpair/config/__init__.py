@@ -36,6 +36,8 @@ from specpair.config.target import (
     GPU_TENSOR_PARALLEL,
     FeatureDType,
     TargetConfig,
+    describe_ranks,
+    rank_devices,
 )
 
 __all__ = [
@@ -61,9 +63,11 @@ __all__ = [
     "check_device",
     "check_grpc_address",
     "compute_threads",
+    "describe_ranks",
     "env_address",
     "env_http_address",
     "is_loopback",
+    "rank_devices",
     "split_address",
     "split_list",
 ]
