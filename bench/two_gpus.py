@@ -60,10 +60,13 @@ class Account:
     wait_ms: float  # the target waited for the draft's messages
     draft_ms: float  # the draft's extend + steps (its own clock)
     rpc_ms: float
+    plain_rounds: int = 0  # rounds without drafts (the target alone's are all such)
+    plain_verify_ms: float = 0.0
 
     @classmethod
     def of(cls, stats: Sequence[RoundStats]) -> Account:
         spec = [r for r in stats if r.speculative]
+        plain = [r.timings.verify_ms for r in stats if not r.speculative]
         n = max(len(spec), 1)
         accepts = [a for r in spec for a in r.accept_lengths]
 
@@ -78,6 +81,8 @@ class Account:
             wait_ms=mean("wait_ms"),
             draft_ms=mean("extend_ms") + mean("draft_ms"),
             rpc_ms=mean("rpc_ms"),
+            plain_rounds=len(plain),
+            plain_verify_ms=sum(plain) / max(len(plain), 1),
         )
 
 

@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--draft-device", help="the draft's device (default: --device), e.g. cuda:1")
     up.add_argument(
         "--tensor-parallel", type=int, default=1, metavar="N",
-        help="split the target over N ranks (CPU; default: %(default)s)",
+        help="split the target over N ranks (default: %(default)s); on CUDA one GPU a rank, "
+        "from --device's on: cuda:K … cuda:K+N-1, the draft on cuda:K unless --draft-device",
     )  # fmt: skip
     up.add_argument(
         "--deterministic", action="store_true",
@@ -197,6 +198,10 @@ def preflight(args: argparse.Namespace) -> TargetConfig | DraftConfig | Controll
     config = config_from_args(args)
     if isinstance(config, TargetConfig | DraftConfig) and not config.model_path.is_dir():
         raise ValueError(f"--model {config.model_path}: no such checkpoint directory")
+    if isinstance(config, TargetConfig) and config.tensor_parallel > 1 and config.device != "cpu":
+        import torch  # the ranks' GPUs: only a CUDA tensor-parallel target pays for the import
+
+        config.check_gpus(torch.cuda.device_count())
     check = _service_entry(args.service, PREFLIGHT_GROUP, required=False)
     if check is not None:
         check(config)

@@ -11,7 +11,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from specpair.config import MODELS_DIR, env_address, env_http_address
+from specpair.config import (
+    MODELS_DIR,
+    describe_ranks,
+    env_address,
+    env_http_address,
+    rank_devices,
+)
 from specpair.group import Service, ServiceGroup
 from specpair.options import TOKEN_ENV
 
@@ -79,6 +85,23 @@ def served_models(args: argparse.Namespace) -> tuple[Path, Path, str]:
     )
 
 
+def draft_device(args: argparse.Namespace) -> str:
+    """--draft-device, else the target's rank 0 device: `--device cuda --tensor-parallel 4`
+    puts the draft on cuda:0, beside rank 0 (which serves and waits on the draft's messages)."""
+    return str(args.draft_device or rank_devices(args.device, args.tensor_parallel)[0])
+
+
+def placement(args: argparse.Namespace) -> str:
+    """Where `up` puts the models: `draft on cuda:0, target on cuda:0-3 (tensor-parallel 4)`;
+    a draft on a GPU of a follower rank says so (it shares that GPU with the rank's shard)."""
+    draft = draft_device(args)
+    line = f"draft on {draft}, target on {describe_ranks(args.device, args.tensor_parallel)}"
+    ranks = rank_devices(args.device, args.tensor_parallel)
+    if draft.startswith("cuda") and draft in ranks[1:]:
+        line += f"; the draft shares {draft} with target rank {ranks.index(draft)}"
+    return line
+
+
 def up_services(args: argparse.Namespace, token: str | None = None) -> tuple[list[Service], str]:
     """(draft, target, controller on their SPECPAIR_*_ADDRESS, a note on the models); `token`:
     the ops token all three are given."""
@@ -91,7 +114,7 @@ def up_services(args: argparse.Namespace, token: str | None = None) -> tuple[lis
         "--draft-kind",
         str(args.draft_kind),
         "--device",
-        args.draft_device or args.device,
+        draft_device(args),
     )
     shapes = tuple(arg for shape in args.tree_shapes for arg in ("--tree-shapes", shape))
     draft_args += shapes
@@ -167,6 +190,7 @@ def run_up(args: argparse.Namespace, check: Callable[[Sequence[str]], object]) -
     token = os.environ.get(TOKEN_ENV) or group_token()
     services, note = up_services(args, token)
     print(f"specpair up: {note}", flush=True)
+    print(f"specpair up: {placement(args)}", flush=True)
     for service in services:
         try:
             check(service.args)

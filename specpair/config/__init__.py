@@ -34,9 +34,10 @@ from specpair.config.server import ServerConfig, TLSConfig
 from specpair.config.target import (
     DEFAULT_MAX_WATCHERS,
     DEFAULT_RANK_TIMEOUT_FLOOR_S,
-    GPU_TENSOR_PARALLEL,
     FeatureDType,
     TargetConfig,
+    describe_ranks,
+    rank_devices,
 )
 
 __all__ = [
@@ -49,7 +50,6 @@ __all__ = [
     "DEFAULT_METRICS",
     "DEFAULT_RANK_TIMEOUT_FLOOR_S",
     "DEFAULT_TARGET_ADDRESS",
-    "GPU_TENSOR_PARALLEL",
     "MODELS_DIR",
     "ControllerConfig",
     "DType",
@@ -63,9 +63,11 @@ __all__ = [
     "check_device",
     "check_grpc_address",
     "compute_threads",
+    "describe_ranks",
     "env_address",
     "env_http_address",
     "is_loopback",
+    "rank_devices",
     "split_address",
     "split_list",
 ]

@@ -20,10 +20,25 @@ from specpair.runtime.shape import DETERMINISTIC_TREES, TreeShape
 
 DEFAULT_MAX_WATCHERS = 8  # WatchRounds streams a target serves at once
 DEFAULT_RANK_TIMEOUT_FLOOR_S = 30.0  # `specpair/parallel/watchdog.py` says why
-GPU_TENSOR_PARALLEL = (
-    "tensor_parallel > 1 runs on the CPU (gloo) only for now: the GPU's fused layers and CUDA "
-    "graphs have no all-reduce yet (--device cpu)"
-)
+
+
+def rank_devices(device: str, tensor_parallel: int) -> tuple[str, ...]:
+    """Each rank's device, rank 0 first: `cuda:K` with N ranks takes cuda:K … cuda:K+N-1
+    (plain `cuda` is cuda:0: `cuda:2`, 4 ranks → cuda:2, cuda:3, cuda:4, cuda:5); on the CPU
+    every rank is `cpu`. One rank keeps the device as given."""
+    if tensor_parallel == 1 or not device.startswith("cuda"):
+        return (device,) * tensor_parallel
+    first = int(device.partition(":")[2] or 0)
+    return tuple(f"cuda:{first + rank}" for rank in range(tensor_parallel))
+
+
+def describe_ranks(device: str, tensor_parallel: int) -> str:
+    """Where a target runs, for a start-up line: `cuda:0-3 (tensor-parallel 4)`, `cuda:1`."""
+    if tensor_parallel == 1:
+        return device
+    devices = rank_devices(device, tensor_parallel)
+    where = f"{devices[0]}-{devices[-1].partition(':')[2]}" if device != "cpu" else "cpu"
+    return f"{where} (tensor-parallel {tensor_parallel})"
 
 
 class FeatureDType(StrEnum):
@@ -123,8 +138,10 @@ class TargetConfig(ModelServiceConfig):
     tensor_parallel: int = field(
         default=1,
         metadata=option("ranks the target model is split over, Megatron-style: this process "
-                        "serves as rank 0 and starts the others (CPU, gloo; each rank takes "
-                        "--threads)"),
+                        "serves as rank 0 and starts the others on this machine. On the CPU "
+                        "over gloo, each rank taking --threads; on GPUs over NCCL, one GPU a "
+                        "rank: --device cuda:K puts rank r on cuda:K+r (plain cuda: K = 0), "
+                        "so cuda:K … cuda:K+N-1 must be visible"),
     )  # fmt: skip
     rank_timeout_floor_s: float = field(
         default=DEFAULT_RANK_TIMEOUT_FLOOR_S,
@@ -159,8 +176,12 @@ class TargetConfig(ModelServiceConfig):
             raise ValueError(DETERMINISTIC_TREES)
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
-        if self.tensor_parallel > 1 and self.device != "cpu":
-            raise ValueError(GPU_TENSOR_PARALLEL)
+        if self.deterministic and self.tensor_parallel > 1:
+            raise ValueError(
+                f"--deterministic with --tensor-parallel {self.tensor_parallel}: the "
+                f"batch-invariant mode runs on one GPU (its kernels' fixed reduction order does "
+                f"not cover an all-reduce); drop one of the two"
+            )
         if not self.rank_timeout_floor_s > 0:
             raise ValueError(f"rank_timeout_floor_s must be > 0, got {self.rank_timeout_floor_s}")
         if self.draft_address is not None:
@@ -208,6 +229,21 @@ class TargetConfig(ModelServiceConfig):
         if any(i < 0 for i in self.feature_layers):
             raise ValueError(
                 f"feature_layers must be layer indices >= 0, got {self.feature_layers}"
+            )
+
+    def check_gpus(self, visible: int) -> None:
+        """Refuses a tensor-parallel target on CUDA whose ranks' GPUs are not all among the
+        `visible` ones (`torch.cuda.device_count()`, which `serve` and `up` pass before anything
+        loads). Not in `__post_init__`: a config is also built where it will not run (the
+        manifests' tests, on machines without GPUs)."""
+        if not self.device.startswith("cuda") or self.tensor_parallel == 1:
+            return
+        devices = rank_devices(self.device, self.tensor_parallel)
+        if int(devices[-1].partition(":")[2]) >= visible:
+            raise ValueError(
+                f"--tensor-parallel {self.tensor_parallel} --device {self.device} puts its ranks "
+                f"on {devices[0]} … {devices[-1]}, but {visible} CUDA device"
+                f"{'s are' if visible != 1 else ' is'} visible"
             )
 
     @property

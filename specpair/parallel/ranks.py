@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from specpair.config.target import rank_devices
 from specpair.logging import get_logger
 from specpair.models.args import ModelArgs
 from specpair.models.parallel import Shard, TensorParallelLlama, load_shard
@@ -86,9 +87,7 @@ class ShardSpec:
 
     def rank_device(self, rank: int) -> str:
         """cuda:K+rank for rank 0 on cuda:K (plain `cuda`: K = 0); the CPU for every rank."""
-        if not self.cuda:
-            return "cpu"
-        return f"cuda:{(torch.device(self.device).index or 0) + rank}"
+        return rank_devices(self.device, self.world)[rank]
 
     def cache_options(self, args: ModelArgs, rank: int = 0) -> dict[str, Any]:
         """`KVCache`'s arguments for one rank: its heads / N of the model's."""

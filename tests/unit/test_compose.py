@@ -1,4 +1,5 @@
-"""docker-compose.yml (+ the CPU overlay) and docker/Dockerfile, checked without Docker.
+"""docker-compose.yml (+ the CPU and tensor-parallel overlays) and docker/Dockerfile, checked
+without Docker.
 
 Docker cannot run in CI, so: the files validate against the compose-spec JSON schema (vendored
 in tests/data/ from check-jsonschema 0.39, Apache-2.0, see compose-spec.LICENSE), every command
@@ -33,6 +34,7 @@ from specpair.serving import GrpcServer
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 CPU_OVERLAY = ROOT / "docker-compose.cpu.yml"
+TP_OVERLAY = ROOT / "docker-compose.tp.yml"
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 SCHEMA = Path(__file__).resolve().parents[1] / "data" / "compose-spec.json"
 ROLES = ("draft", "target", "controller")
@@ -118,6 +120,7 @@ def _strip_tags(value: Any) -> Any:
 CONFIGS = {
     "gpu": lambda: load(COMPOSE),
     "cpu": lambda: merge(load(COMPOSE), load(CPU_OVERLAY)),
+    "tp": lambda: merge(load(COMPOSE), load(TP_OVERLAY)),
 }
 
 
@@ -150,7 +153,7 @@ def _port(address: str) -> str:
 # ---- the files are valid ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", [COMPOSE, CPU_OVERLAY], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [COMPOSE, CPU_OVERLAY, TP_OVERLAY], ids=lambda p: p.name)
 def test_each_file_matches_the_compose_schema(path: Path) -> None:
     schema = json.loads(SCHEMA.read_text())
     jsonschema.Draft202012Validator(schema).validate(_strip_tags(load(path)))
@@ -172,7 +175,11 @@ def test_the_schema_check_catches_a_bad_file() -> None:
     or subprocess.run(["docker", "compose", "version"], capture_output=True).returncode != 0,
     reason="the `docker compose` plugin is not installed here; the schema checks stand in",
 )
-@pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, CPU_OVERLAY]], ids=["gpu", "cpu"])
+@pytest.mark.parametrize(
+    "files",
+    [[COMPOSE], [COMPOSE, CPU_OVERLAY], [COMPOSE, TP_OVERLAY]],
+    ids=["gpu", "cpu", "tp"],
+)
 def test_docker_compose_config_accepts_the_files(files: list[Path]) -> None:
     args = [a for f in files for a in ("-f", str(f))]
     done = subprocess.run(
@@ -299,6 +306,31 @@ def test_cpu_overlay_needs_no_gpu_and_changes_nothing_else() -> None:
     assert cpu["controller"]["command"] == gpu["controller"]["command"]
 
 
+def _gpus(service: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(service["deploy"]["resources"]["reservations"]["devices"])
+
+
+def test_tp_overlay_gives_the_target_a_gpu_per_rank_and_shared_memory() -> None:
+    gpu, tp = load(COMPOSE)["services"], CONFIGS["tp"]()["services"]
+    target = flags(tp["target"]["command"])
+    ranks = int(target["tensor-parallel"])
+    assert ranks > 1 and target["device"] == "cuda"  # rank r on cuda:r of the container
+    (devices,) = _gpus(tp["target"])  # replaced (`!override`), not appended to `count: 1`
+    assert devices == {
+        "driver": "nvidia",
+        "device_ids": [str(i) for i in range(ranks)],
+        "capabilities": ["gpu"],
+    }
+    assert tp["target"]["shm_size"] == "8gb", "NCCL outgrows the default 64 MiB /dev/shm"
+    (draft_gpu,) = _gpus(tp["draft"])
+    assert draft_gpu["device_ids"] == ["0"], "the draft beside rank 0, as `specpair up` puts it"
+    # Compose replaces `command` whole, so the overlay repeats it: it must differ only here.
+    same = [a for a in tp["target"]["command"] if not a.startswith("--tensor-parallel=")]
+    assert same == gpu["target"]["command"]
+    for role in ("draft", "controller"):
+        assert tp[role]["command"] == gpu[role]["command"], role
+
+
 def test_build_args_pass_through_compose_and_the_build_needs_no_hub() -> None:
     dockerfile = DOCKERFILE.read_text()
     assert not re.search(r"^# *syntax=", dockerfile, re.M), "a syntax line pulls from Docker Hub"
@@ -317,7 +349,7 @@ def test_build_args_pass_through_compose_and_the_build_needs_no_hub() -> None:
 
 
 def test_the_compose_version_needed_is_stated() -> None:
-    for path in (COMPOSE, CPU_OVERLAY, ROOT / "README.md"):
+    for path in (COMPOSE, CPU_OVERLAY, TP_OVERLAY, ROOT / "README.md"):
         assert re.search(r"Compose v?2\.24\.4", path.read_text()), path
 
 

@@ -1,4 +1,4 @@
-"""deploy/k8s/ (the base and the CPU overlay), checked without a cluster.
+"""deploy/k8s/ (the base, the CPU overlay, the tensor-parallel one), checked without a cluster.
 
 Every object validates against the Kubernetes schemas of the oldest and newest release we claim
 (vendored in tests/data/kubernetes/, strict: no field the API lacks), and a broken object fails.
@@ -47,12 +47,13 @@ def _load(path: Path) -> list[Doc]:
 
 # Strategic merge: lists of objects with a merge key merge item by item; the patches here use
 # no other kind of list (a patch that does fails `render`, not silently).
-MERGE_KEYS = {"containers": "name", "volumes": "name"}
+MERGE_KEYS = {"containers": "name", "volumes": "name", "volumeMounts": "mountPath"}
 
 
 def strategic_merge(base: Any, patch: Any, key: str = "") -> Any:
     """The strategic-merge rules the overlay relies on: maps merge, null deletes a key, lists
-    of primitives (`args`) are replaced, `containers` / `volumes` merge by name."""
+    of primitives (`args`) are replaced, `containers` / `volumes` merge by name,
+    `volumeMounts` by mountPath, a patch's new items ahead of the base's."""
     if isinstance(base, dict) and isinstance(patch, dict):
         out = copy.deepcopy(base)
         for k, v in patch.items():
@@ -68,15 +69,16 @@ def strategic_merge(base: Any, patch: Any, key: str = "") -> Any:
             return copy.deepcopy(patch)
         if key not in MERGE_KEYS:
             raise NotImplementedError(f"strategic merge of the list {key!r}")
-        merge_key, out = MERGE_KEYS[key], copy.deepcopy(base)
-        index = {item[merge_key]: i for i, item in enumerate(out)}
+        merge_key, items = MERGE_KEYS[key], copy.deepcopy(base)
+        index = {item[merge_key]: i for i, item in enumerate(items)}
+        added = []  # kustomize puts a patch's new items first, in the patch's order
         for item in patch:
             if item[merge_key] in index:
                 i = index[item[merge_key]]
-                out[i] = strategic_merge(out[i], item, key)
+                items[i] = strategic_merge(items[i], item, key)
             else:
-                out.append(copy.deepcopy(item))
-        return out
+                added.append(copy.deepcopy(item))
+        return added + items
     return copy.deepcopy(patch)
 
 
@@ -115,7 +117,7 @@ def _ident(doc: Doc) -> tuple[str, str, str]:
     return doc["apiVersion"], doc["kind"], doc["metadata"]["name"]
 
 
-VARIANTS = {"base": K8S / "base", "cpu": K8S / "cpu"}
+VARIANTS = {"base": K8S / "base", "cpu": K8S / "cpu", "tp4": K8S / "tp4"}
 
 
 @pytest.fixture(params=sorted(VARIANTS))
@@ -273,7 +275,11 @@ def services(docs: list[Doc]) -> dict[str, Doc]:
 
 
 def test_every_container_serves_its_role_beyond_loopback(docs: list[Doc]) -> None:
-    kinds = {"draft": DraftConfig, "target": TargetConfig, "controller": ControllerConfig}
+    kinds: dict[str, type[DraftConfig | TargetConfig | ControllerConfig]] = {
+        "draft": DraftConfig,
+        "target": TargetConfig,
+        "controller": ControllerConfig,
+    }
     for role, workload in workloads(docs).items():
         c = container(workload)
         assert "command" not in c, "the image's ENTRYPOINT (specpair) must run"
@@ -285,7 +291,7 @@ def test_every_container_serves_its_role_beyond_loopback(docs: list[Doc]) -> Non
         assert _ports(c) == {
             "grpc": _port(cfg.server.address),
             "metrics": _port(cfg.server.metrics_address),
-            **({"http": _port(cfg.http_address)} if role == "target" else {}),
+            **({"http": _port(cfg.http_address)} if isinstance(cfg, TargetConfig) else {}),
         }
         assert c["image"].partition(":")[0] == "specpair"
         sec = workload["spec"]["template"]["spec"]["securityContext"]
@@ -343,15 +349,18 @@ def test_models_come_from_a_read_only_volume(docs: list[Doc]) -> None:
         assert model.name == role
 
 
-def test_the_gpu_services_hold_one_gpu_each_in_the_base_only() -> None:
+def test_the_gpu_services_hold_a_gpu_per_rank_except_on_the_cpu() -> None:
     for name, directory in VARIANTS.items():
         found = workloads(render(directory))
         for role, workload in found.items():
             limits = container(workload)["resources"].get("limits", {})
             cfg = config(workload)
-            if name == "base" and role in GPU_ROLES:
-                assert limits["nvidia.com/gpu"] == 1, role
+            if name != "cpu" and role in GPU_ROLES:
+                ranks = cfg.tensor_parallel if role == "target" else 1
+                assert limits["nvidia.com/gpu"] == ranks, (name, role)
                 assert cfg.device == "cuda", role
+                if role == "target":  # the pod sees cuda:0 … its count - 1
+                    cfg.check_gpus(limits["nvidia.com/gpu"])
             else:
                 assert "nvidia.com/gpu" not in limits, (name, role)
                 assert getattr(cfg, "device", "cpu") == "cpu", (name, role)
@@ -359,11 +368,13 @@ def test_the_gpu_services_hold_one_gpu_each_in_the_base_only() -> None:
 
 def test_threads_fit_the_cpus_requested(docs: list[Doc]) -> None:
     """A container's os.cpu_count() is the node's, so `--threads 0` (half the cores) would
-    oversubscribe the pod's CPUs: the model services say theirs."""
+    oversubscribe the pod's CPUs: the model services say theirs (each rank of a tensor-parallel
+    target takes --threads)."""
     for role in GPU_ROLES:
         workload = workloads(docs)[role]
-        requested = container(workload)["resources"]["requests"]["cpu"]
-        assert "--threads=" + str(requested) in container(workload)["args"], role
+        requested = int(container(workload)["resources"]["requests"]["cpu"])
+        cfg = config(workload)
+        assert cfg.threads * getattr(cfg, "tensor_parallel", 1) == requested, role
 
 
 def test_the_cpu_overlay_changes_only_the_device_and_threads() -> None:
@@ -375,6 +386,24 @@ def test_the_cpu_overlay_changes_only_the_device_and_threads() -> None:
         assert same_cpu == same_base, role
         assert container(cpu[role])["image"] == "specpair:cpu"
         assert container(base[role])["image"] == "specpair:cuda"
+
+
+def test_the_tp4_overlay_changes_only_the_targets_ranks_and_gives_nccl_shared_memory() -> None:
+    base, tp = workloads(render(K8S / "base")), workloads(render(K8S / "tp4"))
+    for role in ("draft", "controller"):
+        assert tp[role] == base[role], role
+    changed = ("--tensor-parallel=", "--threads=")
+    same = [a for a in container(tp["target"])["args"] if not a.startswith(changed)]
+    assert same == [a for a in container(base["target"])["args"] if not a.startswith(changed)]
+    assert config(tp["target"]).tensor_parallel == 4
+    pod = tp["target"]["spec"]["template"]["spec"]
+    (shm,) = [m for m in container(tp["target"])["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == shm["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory" and not shm.get("readOnly")
+    # the base's mounts are kept beside it (merged by mountPath, not replaced)
+    assert len(container(tp["target"])["volumeMounts"]) == 1 + len(
+        container(base["target"])["volumeMounts"]
+    )
 
 
 def test_targets_reach_the_drafts_through_their_headless_service(docs: list[Doc]) -> None:
@@ -448,6 +477,7 @@ def test_the_gpu_kernels_compiled_at_start_up_outlive_the_pod() -> None:
     caches = kernel_caches()
     for variant, expected in (
         ("base", {"persistentVolumeClaim": {"claimName": "specpair-kernel-cache"}}),
+        ("tp4", {"persistentVolumeClaim": {"claimName": "specpair-kernel-cache"}}),
         ("cpu", {"emptyDir": {}}),
     ):
         for role in GPU_ROLES:
