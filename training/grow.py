@@ -9,6 +9,19 @@ trained pair really achieves:
     python -m training.grow models/draft  /tmp/grown/draft  --shape llama3.2-1b
     python -m training.grow SRC DST --hidden 512 --layers 8 --heads 16 --kv-heads 4 \\
         --head-dim 128 --intermediate 2048 --vocab 8448
+    python -m training.grow models/target /tmp/t70 --shape llama3-70b --device cuda
+    python -m training.grow models/eagle3 /tmp/t70-eagle3 --shape llama3-70b --device cuda
+
+(Explicit flags without --shape keep the small model's tied embedding; --tied no unties.)
+
+Memory and time: the tensors are built on --device one decoder layer at a time and written in
+files of at most 2 GiB, one thread writing a file while the next is built, so the host holds
+at most two files' tensors (plus, with --device cpu, the float32 embedding being built), never
+the model: llama3-70b is 131 GiB in bf16 (about 70 files). On the CPU the build dominates (randn,
+casts): 2 cores wrote 3.55 GiB in 40 s (61 s with the write not overlapped), hours for 70B.
+With --device cuda the build is GPU work and the time is the device-to-host copy and the
+writes; safetensors wrote 0.64 GiB/s on that 2-core machine, about 3.5 min for 131 GiB, and
+a GPU host's disk is likely faster (not measured there).
 
 The construction (small h, d, … → big H, D, …), exact up to float rounding:
 - hidden: small dims stay at [0, h); padded residual dims hold 0, except dim P = h, which every
@@ -50,7 +63,7 @@ import torch
 from torch import Tensor
 
 from specpair.models.loading import eagle_layout, read_args, read_tensors
-from specpair.models.saving import checkpoint_shapes, write_shards
+from specpair.models.saving import SHARD_BYTES, checkpoint_shapes, write_shards
 from training.grow_eagle3 import eagle3_tensors
 from training.growth import SHAPES, Growth, Shape, big_args
 
@@ -146,9 +159,11 @@ def grow(
     dtype: torch.dtype = torch.bfloat16,
     device: str = "cpu",
     seed: int = 0,
+    shard_bytes: int = SHARD_BYTES,
     progress: Callable[[str], None] | None = None,
 ) -> Path:
-    """Writes the grown checkpoint of `src` (a Llama or an EAGLE head) at `dst`."""
+    """Writes the grown checkpoint of `src` (a Llama or an EAGLE head) at `dst`, in files of
+    at most `shard_bytes`."""
     layout = eagle_layout(src)
     eagle = layout is not None
     small_args = read_args(src, allow_eagle=eagle)
@@ -161,30 +176,37 @@ def grow(
     config = grown_config(src, growth, dtype)
     if layout == "eagle3":
         config["draft_vocab_size"] = names["lm_head.weight"][0]
-    write_shards(dst, names, config, make, dtype=dtype, progress=progress)
+    write_shards(dst, names, config, make, dtype=dtype, shard_bytes=shard_bytes, progress=progress)
     for name in COPIED_FILES:
         if (src / name).is_file():
             shutil.copy(src / name, dst / name)
     return dst
 
 
-def main() -> None:
+FIELDS = ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "vocab")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("src", type=Path, help="small checkpoint (Llama or specpair EAGLE head)")
     parser.add_argument("dst", type=Path)
     parser.add_argument("--shape", choices=sorted(SHAPES), help="a named big shape")
-    for field in ("hidden", "layers", "heads", "kv-heads", "head-dim", "intermediate", "vocab"):
-        parser.add_argument(f"--{field}", type=int, help="(overrides --shape)")
+    for field in FIELDS:
+        parser.add_argument(f"--{field.replace('_', '-')}", type=int, help="(overrides --shape)")
     parser.add_argument("--tied", choices=["yes", "no"], help="tie embeddings (default: shape's)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--device", default="cpu", help="where tensors are built (cuda is faster)")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    return parser
+
+
+def parse_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Shape:
+    """--shape's fields, each overridden by its flag; without --shape every flag is needed."""
     base = SHAPES[args.shape] if args.shape else None
     values = {}
-    for field in ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "vocab"):
+    for field in FIELDS:
         value = getattr(args, field)
         if value is None and base is None:
             parser.error(f"--{field.replace('_', '-')} is required without --shape")
@@ -192,7 +214,13 @@ def main() -> None:
     tied = base.tied if base else None
     if args.tied:
         tied = args.tied == "yes"
-    shape = Shape(**values, tied=tied)
+    return Shape(**values, tied=tied)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    shape = parse_shape(parser, args)
     t0 = time.perf_counter()
     try:
         grow(

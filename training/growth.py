@@ -28,6 +28,7 @@ class Shape:
 
 SHAPES = {
     "llama3-8b": Shape(4096, 32, 32, 8, 128, 14336, 128256, tied=False),
+    "llama3-70b": Shape(8192, 80, 64, 8, 128, 28672, 128256, tied=False),
     "llama3.2-1b": Shape(2048, 16, 32, 8, 64, 8192, 128256, tied=True),
 }
 

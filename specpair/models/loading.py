@@ -3,9 +3,13 @@ from safetensors or `pytorch_model*.bin`, sharded through their index or not).""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -169,6 +173,11 @@ def weight_names(path: Path) -> set[str]:
     return names
 
 
+def _unreadable(file: Path, exc: Exception) -> CheckpointError:
+    # a truncated or foreign file: name it, not a library's internals
+    return CheckpointError(f"{file}: unreadable weights ({type(exc).__name__}: {exc})")
+
+
 def _read_file(file: Path, wanted: set[str] | None) -> dict[str, torch.Tensor]:
     try:
         if file.suffix == ".bin":  # a pickle: weights_only refuses anything but tensors
@@ -181,8 +190,8 @@ def _read_file(file: Path, wanted: set[str] | None) -> dict[str, torch.Tensor]:
             return {name: f.get_tensor(name) for name in names}
     except CheckpointError:
         raise
-    except Exception as exc:  # a truncated or foreign file: name it, not a library's internals
-        raise CheckpointError(f"{file}: unreadable weights ({type(exc).__name__}: {exc})") from None
+    except Exception as exc:
+        raise _unreadable(file, exc) from None
 
 
 def read_tensors(path: Path, wanted: set[str] | None = None) -> dict[str, torch.Tensor]:
@@ -193,21 +202,114 @@ def read_tensors(path: Path, wanted: set[str] | None = None) -> dict[str, torch.
     return tensors
 
 
-def _load_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor], path: Path) -> None:
-    expected = module.state_dict()
-    missing, unexpected = set(expected) - set(tensors), set(tensors) - set(expected)
+Index = tuple[slice, ...]  # () is the whole tensor; (slice(None), slice(0, 4)): its first columns
+Read = Callable[[Index], torch.Tensor]  # reads that part of one tensor
+Take = Callable[[str, torch.Size, Read], torch.Tensor]  # (name, full shape, read) -> kept part
+
+
+class CheckpointTensors:
+    """A checkpoint's tensors, read in part on demand. A safetensors file's `get_slice` reads
+    only the bytes of the part asked for (the file is memory-mapped: pages another rank's
+    process reads are shared through the page cache); pickled `.bin` files can only be read
+    whole, at open. `shapes` comes from the file headers (or the loaded pickles)."""
+
+    def __init__(self, path: Path) -> None:
+        self.shapes: dict[str, torch.Size] = {}
+        self._files: dict[str, tuple[Path, Any]] = {}  # name -> (file, its safe_open handle)
+        self._whole: dict[str, torch.Tensor] = {}
+        self._stack = ExitStack()
+        for file in weight_files(path):
+            if file.suffix == ".bin":
+                self._whole.update(_read_file(file, None))
+                continue
+            try:
+                f = self._stack.enter_context(safe_open(str(file), framework="pt"))
+                for name in f.keys():  # noqa: SIM118
+                    self.shapes[name] = torch.Size(f.get_slice(name).get_shape())
+                    self._files[name] = (file, f)
+            except Exception as exc:
+                self._stack.close()
+                raise _unreadable(file, exc) from None
+        self.shapes.update({name: t.shape for name, t in self._whole.items()})
+
+    def read(self, name: str, index: Index = ()) -> torch.Tensor:
+        if name in self._whole:  # a view would keep the whole pickled tensor alive
+            return self._whole[name][index].clone() if index else self._whole[name]
+        file, f = self._files[name]
+        try:
+            return f.get_slice(name)[index] if index else f.get_tensor(name)
+        except Exception as exc:
+            raise _unreadable(file, exc) from None
+
+    def __enter__(self) -> CheckpointTensors:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._stack.close()
+        self._whole.clear()
+
+
+def check_weights(
+    path: Path, expected: Mapping[str, torch.Size], found: Mapping[str, torch.Size]
+) -> None:
+    """Refuses tensors (name -> shape) other than the architecture's, or of another shape."""
+    missing, unexpected = set(expected) - set(found), set(found) - set(expected)
     if missing or unexpected:
         raise CheckpointError(
             f"{path}: weights do not match the architecture: "
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
     for name, want in expected.items():
-        if tensors[name].shape != want.shape:
+        if found[name] != want:
             raise CheckpointError(
-                f"{path}: {name} has shape {tuple(tensors[name].shape)}, "
-                f"config.json implies {tuple(want.shape)}"
+                f"{path}: {name} has shape {tuple(found[name])}, config.json implies {tuple(want)}"
             )
+
+
+def _load_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    expected = {name: t.shape for name, t in module.state_dict().items()}
+    check_weights(path, expected, {name: t.shape for name, t in tensors.items()})
     module.load_state_dict(tensors, strict=True, assign=True)
+
+
+def llama_args(path: Path, context: int | None) -> ModelArgs:
+    """The config at `path`; `context` (tokens served) is checked against a sliding window."""
+    args = read_args(path)
+    check_context(path, args, context or args.max_position_embeddings)
+    return args
+
+
+def take_whole(name: str, shape: torch.Size, read: Read) -> torch.Tensor:
+    return read(())
+
+
+def read_llama(
+    path: Path,
+    args: ModelArgs,
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    take: Take = take_whole,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of a `LlamaModel` of `args` (HF names), each read, cast to `dtype` and moved
+    to `device` before the next is read. Names and shapes are checked from the file headers
+    before any weight is read. `take(name, full shape, read)` reads the part the caller keeps
+    (a tensor-parallel rank's: `parallel.take_part`). A tied LM head is read from the embedding
+    (HF stores it once; a stored copy is ignored, as `transformers` does)."""
+    with torch.device("meta"):
+        expected = {name: t.shape for name, t in LlamaModel(args).state_dict().items()}
+    with CheckpointTensors(path) as checkpoint:
+        source = {name: name for name in checkpoint.shapes}
+        if args.tie_word_embeddings and "model.embed_tokens.weight" in source:
+            source["lm_head.weight"] = "model.embed_tokens.weight"
+        check_weights(path, expected, {n: checkpoint.shapes[s] for n, s in source.items()})
+        tensors = {}
+        for name, shape in expected.items():
+            part = take(name, shape, functools.partial(checkpoint.read, source[name]))
+            tensors[name] = part.to(dtype).to(device)
+    return tensors
 
 
 def load_llama(
@@ -219,14 +321,10 @@ def load_llama(
 ) -> LlamaModel:
     """The model at `path`; `context` (tokens served) is checked against a sliding window."""
     path = Path(path)
-    args = read_args(path)
-    check_context(path, args, context or args.max_position_embeddings)
+    args = llama_args(path, context)
     with torch.device("meta"):
         model = LlamaModel(args)
-    tensors = read_tensors(path)
-    if args.tie_word_embeddings:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    _load_into(model, {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}, path)
+    model.load_state_dict(read_llama(path, args, dtype=dtype, device=device), assign=True)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(args).to(device)

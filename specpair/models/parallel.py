@@ -21,7 +21,8 @@ has initialised (`specpair/parallel/ranks.py`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar, cast
@@ -33,7 +34,8 @@ from torch import Tensor, nn
 
 from specpair.models.args import ModelArgs
 from specpair.models.llama import DecoderLayer, LlamaModel
-from specpair.models.loading import CheckpointError, load_llama
+from specpair.models.loading import CheckpointError, Index, Read, llama_args, read_llama
+from specpair.models.rope import rope_inv_freq
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,23 +151,37 @@ COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # weight and bi
 ROW = ("o_proj.weight", "down_proj.weight")  # input columns; their biases are whole
 
 
+def part(name: str, shape: Sequence[int], shard: Shard) -> Index:
+    """Which part of the full tensor `name` (HF names) of `shape` this rank holds. World 2:
+    q_proj [4096, 4096] -> rows 2048:4096 on rank 1; o_proj [4096, 4096] -> [:, 2048:4096];
+    lm_head [7, H] -> rows 4:8, of which only 4:7 exist (`take_part` pads); norms -> ()."""
+    module = name.split(".")[-2]  # model.layers.0.self_attn.q_proj.weight: q_proj
+    if module in COLUMN:
+        return (shard.chunk(shape[0]),)
+    if name.endswith(ROW):
+        return (slice(None), shard.chunk(shape[1]))
+    if name == "lm_head.weight":
+        per = -(-shape[0] // shard.world)
+        return (slice(shard.rank * per, (shard.rank + 1) * per),)
+    return ()
+
+
+def take_part(name: str, shape: torch.Size, read: Read, *, shard: Shard) -> Tensor:
+    """Reads this rank's part of tensor `name`, as `TensorParallelLlama` holds it: the LM
+    head's rows past the vocabulary are zeros (their logits are cut after the gather)."""
+    tensor = read(part(name, shape, shard))
+    if name == "lm_head.weight":
+        per = -(-shape[0] // shard.world)
+        tensor = F.pad(tensor, (0, 0, 0, per - len(tensor)))
+    return tensor
+
+
 def shard_state(state: dict[str, Tensor], shard: Shard) -> dict[str, Tensor]:
-    """This rank's part of a full model's state dict (HF names), as `TensorParallelLlama`
-    holds it."""
-    out = {}
-    for name, tensor in state.items():
-        module = name.split(".")[-2]  # model.layers.0.self_attn.q_proj.weight: q_proj
-        if module in COLUMN:
-            tensor = tensor[shard.chunk(tensor.shape[0])]
-        elif name.endswith(ROW):
-            tensor = tensor[:, shard.chunk(tensor.shape[1])]
-        elif name == "lm_head.weight":
-            per = -(-tensor.shape[0] // shard.world)
-            rows = tensor[shard.rank * per : (shard.rank + 1) * per]
-            tensor = torch.zeros(per, tensor.shape[1], dtype=tensor.dtype)
-            tensor[: len(rows)] = rows  # the last rank's rows past V stay zero (cut after gather)
-        out[name] = tensor.clone()
-    return out
+    """This rank's part of a full model's state dict (HF names)."""
+    return {
+        name: take_part(name, tensor.shape, tensor.__getitem__, shard=shard).clone()
+        for name, tensor in state.items()
+    }
 
 
 M = TypeVar("M", bound=TensorParallelLlama)
@@ -180,12 +196,18 @@ def load_shard(
     context: int | None = None,
     make: Callable[[ModelArgs, Shard], M] = TensorParallelLlama,  # type: ignore[assignment]
 ) -> M:
-    """This rank's shard of the checkpoint at `path` (loaded whole on the host first, with
-    every check `load_llama` makes); `make` builds the model class (rank 0's `LeaderModel`)."""
-    full = load_llama(path, dtype=dtype, device="cpu", context=context)
-    check_shardable(full.args, shard.world, Path(path) / "config.json")
+    """This rank's shard of the checkpoint at `path`, with every check `load_llama` makes; `make`
+    builds the model class (rank 0's `LeaderModel`). From safetensors only this rank's part of
+    each tensor is read (`get_slice`), cast and moved to `device` before the next, so a rank's
+    host memory peaks near its largest tensor (on the CPU: its shard), never the whole model;
+    pickled `.bin` checkpoints are read whole first."""
+    path = Path(path)
+    args = llama_args(path, context)
+    check_shardable(args, shard.world, path / "config.json")
     with torch.device("meta"):
-        model = make(full.args, shard)
-    model.load_state_dict(shard_state(full.state_dict(), shard), assign=True)
-    model.inv_freq = full.inv_freq
+        model = make(args, shard)
+    take = functools.partial(take_part, shard=shard)
+    tensors = read_llama(path, args, dtype=dtype, device=device, take=take)
+    model.load_state_dict(tensors, assign=True)
+    model.inv_freq = rope_inv_freq(args).to(device)
     return model.to(device).eval()

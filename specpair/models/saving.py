@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -94,23 +95,42 @@ def write_shards(
         size += nbytes
     weight_map: dict[str, str] = {}
     t0 = time.perf_counter()
-    for i, names in enumerate(shards, 1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {}
-        for name in names:
-            tensor = make(name)
-            if tensor.shape != shapes[name]:
-                raise ValueError(f"{name}: made {tuple(tensor.shape)}, expected {shapes[name]}")
-            if tensor.is_floating_point():  # an index map (EAGLE-3's d2t, t2d) keeps its type
-                tensor = tensor.to(dtype)
-            tensors[name] = tensor.cpu().contiguous()
-            weight_map[name] = file
-        save_file(tensors, str(directory / file), metadata={"format": "pt"})
-        if progress is not None:
-            gib = sum(t.numel() * itemsize for t in tensors.values()) / 2**30
-            progress(f"{directory.name}/{file}: {gib:.2f} GiB, {time.perf_counter() - t0:.0f} s")
+    # One thread writes file i (safetensors releases the GIL) while this one builds file i + 1:
+    # at most two files' tensors are on the host at once.
+    with ThreadPoolExecutor(max_workers=1) as writer:
+        writing: tuple[Future[None], str, float] | None = None
+        for i, names in enumerate(shards, 1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            tensors = {}
+            for name in names:
+                tensor = make(name)
+                if tensor.shape != shapes[name]:
+                    raise ValueError(f"{name}: made {tuple(tensor.shape)}, expected {shapes[name]}")
+                if tensor.is_floating_point():  # an index map (EAGLE-3's d2t, t2d) keeps its type
+                    tensor = tensor.to(dtype)
+                tensors[name] = tensor.cpu().contiguous()
+                weight_map[name] = file
+            if writing is not None:
+                _written(writing, directory, t0, progress)
+            gib = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**30
+            done = writer.submit(save_file, tensors, str(directory / file), {"format": "pt"})
+            writing = (done, file, gib)
+        if writing is not None:
+            _written(writing, directory, t0, progress)
     total = sum(s.numel() * itemsize for s in shapes.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     return directory
+
+
+def _written(
+    writing: tuple[Future[None], str, float],
+    directory: Path,
+    t0: float,
+    progress: Callable[[str], None] | None,
+) -> None:
+    done, file, gib = writing
+    done.result()  # raises the writer's error
+    if progress is not None:
+        progress(f"{directory.name}/{file}: {gib:.2f} GiB, {time.perf_counter() - t0:.0f} s")

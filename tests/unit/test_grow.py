@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sysconfig
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,8 +22,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from specpair.config import MODELS_DIR
 from specpair.models.eagle3_loading import aux_layers, load_eagle3
 from specpair.models.loading import load_eagle, load_llama, read_args
+from specpair.models.parallel import Shard, TensorParallelLlama, load_shard, shard_state
 from training.corpus import is_heldout
-from training.grow import Growth, Shape, grow
+from training.grow import SHAPES, Growth, Shape, build_parser, grow, parse_shape
 
 TARGET_SHAPE = Shape(512, 8, 8, 2, 128, 1024, 8448, tied=False)  # d 40 -> 128: m = 3
 DRAFT_SHAPE = Shape(256, 6, 8, 2, 64, 512, 8448, tied=True)  # 5 q heads / 1 kv -> 2 kv groups
@@ -172,6 +174,8 @@ def test_grown_eagle3_head_drafts_what_the_small_one_drafts(
     big_head = load_eagle3(grown["eagle3"], grown["target"])
     layers = aux_layers(MODELS_DIR / "eagle3", small_target.args.num_layers)
     assert aux_layers(grown["eagle3"], big_target.args.num_layers) == layers
+    # extra layers come after the small ones, so the ids stay right on an 80-layer target
+    assert aux_layers(grown["eagle3"], 80) == layers
     h, v = small_target.args.hidden_size, small_target.args.vocab_size
     draft_small, draft_big = len(small_head.d2t), len(big_head.d2t)
     assert draft_big == draft_small + 8448 - 8192  # as many extra draft ids as extra target ids
@@ -200,3 +204,44 @@ def test_growth_refuses_a_shape_too_small_naming_the_field(tmp_path: Path) -> No
         grow(MODELS_DIR / "target", tmp_path / "x", Shape(512, 8, 9, 3, 128, 1024, 8448))
     with pytest.raises(ValueError, match="--head-dim 16"):
         grow(MODELS_DIR / "target", tmp_path / "x", Shape(512, 8, 8, 2, 16, 1024, 8448))
+
+
+def test_the_70b_shape_parses_as_issue_52_writes_it() -> None:
+    argv = "models/target /tmp/t70 --hidden 8192 --layers 80 --heads 64 --kv-heads 8 "
+    argv += "--head-dim 128 --intermediate 28672 --vocab 128256"
+    parser = build_parser()
+    shape = parse_shape(parser, parser.parse_args(argv.split()))
+    assert shape == Shape(8192, 80, 64, 8, 128, 28672, 128256, tied=None)
+    named = parse_shape(parser, parser.parse_args(["a", "b", "--shape", "llama3-70b"]))
+    assert named == SHAPES["llama3-70b"] == Shape(8192, 80, 64, 8, 128, 28672, 128256, tied=False)
+    # the small target's heads land in the 70B shape (growth's refusals would name a field)
+    big = Growth(read_args(MODELS_DIR / "target"), replace(
+        read_args(MODELS_DIR / "target"), hidden_size=8192, num_layers=80, num_heads=64,
+        num_kv_heads=8, head_dim=128, intermediate_size=28672, vocab_size=128256,
+    ))  # fmt: skip
+    assert big.kv_heads == [[0], [1]] and big.q_heads == [0, 1, 2, 3, 8, 9, 10, 11]
+
+
+def test_a_grown_checkpoint_is_written_in_bounded_files_a_rank_can_slice(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Small files (64 KiB here, 2 GiB by default) with their index, one progress line each;
+    load_shard reads the result as slicing the whole model would."""
+    limit = 64 * 2**10
+    shape = Shape(384, 8, 8, 2, 64, 768, 8448, tied=False)
+    path = grow(
+        MODELS_DIR / "target", tmp_path / "g", shape, dtype=torch.bfloat16, shard_bytes=limit,
+        progress=print,
+    )  # fmt: skip
+    files = sorted(path.glob("model-*-of-*.safetensors"))
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert len(files) > 10 and set(index["weight_map"].values()) == {f.name for f in files}
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == [f"g/{f.name}" for f in files]
+    held = Counter(index["weight_map"].values())
+    for file in files:  # a file over the limit holds one tensor bigger than the limit
+        assert file.stat().st_size < limit + 4096 or held[file.name] == 1, file.name
+    full = load_llama(path).state_dict()
+    model: TensorParallelLlama = load_shard(path, Shard(1, 2))
+    for name, tensor in shard_state(full, Shard(1, 2)).items():
+        assert model.state_dict()[name].equal(tensor), name
