@@ -3,16 +3,17 @@
 
 Start-up: rank 0 opens a TCP store on a free loopback port and spawns the followers; each joins
 the store, then the process group (gloo on the CPU; NCCL on GPUs, rank r on cuda:K+r where rank
-0's device is cuda:K), then a gloo group for the lockstep's steps (host objects), then loads
-its shard; every rank says whether its load worked (`agree`) before any serves. A follower then
-runs `Follower.run` until rank 0's `Stop`. A follower that exits before that is reported once,
-from a watch thread, to the `on_exit` callback (the target service stops with that message);
-rank 0's next collective fails at once too (gloo sees the closed connection). A follower that
-hangs instead is found by rank 0's `Watchdog` (`watchdog.py`), which calls `fail`: reported the
-same way, once, and every follower killed at once. A follower whose rank 0 is gone fails its
-next collective the same way and exits, and one that waits for no collective sees its parent go
-(`watch_parent`). So does a follower whose step raises: its collectives may no longer pair up
-with rank 0's, and a target that diverged must not serve.
+0's device is cuda:K), then a gloo group for start-up's host objects, then loads its shard;
+every rank says whether its load worked (`agree`) before any serves. A follower then runs
+`Follower.run`, reading rank 0's steps from a pipe, until rank 0's `Stop`. A follower that
+exits before that is reported once, from a watch thread, to the `on_exit` callback (the target
+service stops with that message); rank 0's next collective fails at once too (gloo sees the
+closed connection). A follower that hangs instead is found by rank 0's `Watchdog`
+(`watchdog.py`), which calls `fail`: reported the same way, once, and every follower killed at
+once. A follower whose rank 0 is gone fails its next collective the same way and exits, and one
+that waits for no collective sees its parent go (`watch_parent`). So does a follower whose step
+raises: its collectives may no longer pair up with rank 0's, and a target that diverged must
+not serve.
 
 On GPUs a follower also fuses its shard and holds a `TargetWorker` over it, whose CUDA graphs
 it captures when rank 0 sends `Build` (`lockstep.py`); the fused layers all-reduce inside them.
@@ -31,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -105,7 +107,7 @@ class ShardSpec:
 
 def join(spec: ShardSpec, rank: int, store: Any, timeout: timedelta) -> Any:
     """Joins the process group (NCCL on GPUs, bound to this rank's device; gloo on the CPU)
-    and returns the gloo group the lockstep's steps go over (the same on every rank)."""
+    and returns a gloo group for host objects (`agree`; None on the CPU: the group is gloo)."""
     options: dict[str, Any] = {}
     backend = "gloo"
     if spec.cuda:
@@ -138,6 +140,7 @@ class RankGroup:
         self._stopping = threading.Event()
         self._reported = threading.Lock()
         self._store: Any = None  # the TCP store outlives the start-up: the group was made on it
+        self._host_group: Any = None  # `join`'s
 
     def start(self) -> None:
         """Spawns the followers and joins them in the process group (rank 0)."""
@@ -147,12 +150,15 @@ class RankGroup:
         )
         context = mp.get_context("spawn")
         for rank in range(1, world):
+            steps, pipe = context.Pipe(duplex=False)  # the follower's end, rank 0's
             proc = context.Process(
-                target=follow, args=(self.spec, rank, self._store.port),
+                target=follow, args=(self.spec, rank, self._store.port, steps),
                 name=f"specpair-tp-rank{rank}", daemon=True,
             )  # fmt: skip
             proc.start()
+            steps.close()  # the follower's now: it reads EOF once rank 0 is gone
             self.procs.append(proc)
+            self.lockstep.pipes.append(pipe)
         # The group's rendezvous would wait LEADER_TIMEOUT for a follower that died starting.
         deadline = time.monotonic() + LEADER_TIMEOUT.total_seconds()
         while not self._store.check([f"joined/{rank}" for rank in range(1, world)]):
@@ -160,14 +166,14 @@ class RankGroup:
             if time.monotonic() > deadline:
                 raise RankExitedError("tensor-parallel followers did not join in time")
             time.sleep(0.05)
-        self.lockstep.group = join(self.spec, 0, self._store, LEADER_TIMEOUT)
+        self._host_group = join(self.spec, 0, self._store, LEADER_TIMEOUT)
         log.info("tensor-parallel ranks joined", ranks=world, port=self._store.port,
                  devices=[self.spec.rank_device(r) for r in range(world)])  # fmt: skip
 
     def agree(self, error: BaseException | None) -> None:
         """Raises rank 0's own load error, or a follower's, once every rank has loaded."""
         try:
-            errors = agree("" if error is None else f"{error}", self.lockstep.group)
+            errors = agree("" if error is None else f"{error}", self._host_group)
         except RuntimeError:
             self._check_alive("while loading its shard")
             raise
@@ -242,8 +248,9 @@ class RankGroup:
             dist.destroy_process_group()
 
 
-def follow(spec: ShardSpec, rank: int, port: int) -> None:
-    """A follower process: joins the group, loads its shard, follows rank 0 until `Stop`."""
+def follow(spec: ShardSpec, rank: int, port: int, steps: Connection) -> None:
+    """A follower process: joins the group, loads its shard, follows rank 0's `steps` until
+    `Stop`."""
     # Ctrl-C reaches every process of the terminal's group; rank 0 decides when followers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     watch_parent()
@@ -258,7 +265,7 @@ def follow(spec: ShardSpec, rank: int, port: int) -> None:
     error = ""
     try:
         follower = load_follower(spec, rank)
-        follower.group = group
+        follower.pipe = steps
     except Exception as exc:  # rank 0 raises it (the same error, or this one's)
         error = f"{exc}" or repr(exc)
     if not any(agree(error, group)):
