@@ -141,11 +141,17 @@ class Replay:
 
 
 @dataclass(frozen=True, slots=True)
+class Apply:
+    """Only the changes: a plan made ahead (`TargetWorker.prepare`, while the draft drafts),
+    sent ahead so that the followers plan while rank 0 waits too."""
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     pass
 
 
-Op = Forward | Logits | Build | Replay | Stop
+Op = Forward | Logits | Build | Replay | Apply | Stop
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +271,12 @@ class Lockstep:
             return
         with self.lock:
             self._send(Replay(graph), None)
+
+    def send_changes(self) -> None:
+        """Sends the changes recorded so far (an `Apply` step), if any."""
+        with self.lock:
+            if self.changes and not self.muted:
+                self._send(Apply(), None)
 
     def stop(self, timeout_s: float) -> bool:
         """Tells the followers to stop; False when a step held the group past `timeout_s`."""

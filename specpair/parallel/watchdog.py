@@ -32,6 +32,7 @@ from torch import Tensor
 
 from specpair.config import DEFAULT_RANK_TIMEOUT_FLOOR_S
 from specpair.models.llama import LlamaModel
+from specpair.parallel.lockstep import Lockstep
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.target.worker import TargetSequence, TargetWorker, VerifyResult
@@ -166,19 +167,21 @@ def hang_message(call: _Call, took: float, factor: float) -> str:
 
 
 class WatchedWorker(TargetWorker):
-    """Rank 0's worker whose collective calls `watchdog` times."""
+    """Rank 0's worker whose collective calls `watchdog` times; a plan it makes ahead goes to
+    the followers at once (`Lockstep.send_changes`), so they plan ahead too."""
 
     def __init__(
         self,
         model: LlamaModel,
         cache: KVCache,
         watchdog: Watchdog,
+        lockstep: Lockstep,
         *,
         keep_features: bool = False,
         feature_layers: tuple[int, ...] = (),
     ) -> None:
         super().__init__(model, cache, keep_features=keep_features, feature_layers=feature_layers)
-        self.watchdog = watchdog
+        self.watchdog, self.lockstep = watchdog, lockstep
 
     def prefill(self, seqs: Sequence[TargetSequence]) -> list[Tensor | None]:
         with self.watchdog.timing("prefill", sum(len(s.prompt) for s in seqs)):
@@ -192,6 +195,7 @@ class WatchedWorker(TargetWorker):
     ) -> None:
         with self.watchdog.timing("prepare", len(seqs)):
             super().prepare(seqs, state, depths)
+        self.lockstep.send_changes()
 
     def verify(
         self,

@@ -179,8 +179,12 @@ class FusedVocabParallelHead(FusedLMHead):
 
 def reduced(parts: Tensor) -> Tensor:
     """A row-parallel projection's partials [S, N, out] on one rank -> the whole output as one
-    partial [1, N, out], summed over the ranks."""
-    return reduce_sum(parts.sum(0, keepdim=True) if parts.shape[0] > 1 else parts)
+    float32 partial [1, N, out], summed over the ranks. Summed in float32 as one rank sums its
+    split-K partials: a cuBLAS output (more than GEMV_MAX_ROWS rows) is bf16, and adding the
+    ranks' bf16 sums would round each layer's output once more than one GPU does."""
+    if parts.shape[0] > 1 or parts.dtype != torch.float32:
+        parts = parts.sum(0, keepdim=True, dtype=torch.float32)
+    return reduce_sum(parts)
 
 
 class FusedDecoderLayer(nn.Module):
