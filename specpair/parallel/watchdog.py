@@ -21,6 +21,7 @@ takes 30 s, and a hung one is found in about that long instead of gloo's 10 minu
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import time
@@ -219,7 +220,8 @@ def watch_parent(poll_s: float = PARENT_POLL_S) -> None:
         while os.getppid() == parent:
             time.sleep(poll_s)
         gone = f"rank 0 (pid {parent}) is gone"
-        print(f"tensor-parallel follower (pid {os.getpid()}): {gone}; exiting", flush=True)
+        with contextlib.suppress(OSError):  # stdout may have been a pipe rank 0 read
+            print(f"tensor-parallel follower (pid {os.getpid()}): {gone}; exiting", flush=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="tensor-parallel-parent", daemon=True).start()

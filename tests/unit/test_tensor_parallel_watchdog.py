@@ -129,12 +129,15 @@ def test_a_floor_must_be_positive() -> None:
         Watchdog(lambda message: None, floor_s=0)
 
 
+# The child says when it watches (its imports take seconds on a loaded machine): a parent killed
+# before that would leave it watching its new parent.
 ORPHAN = """
 import os, subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", (
     "import time; from specpair.parallel.watchdog import watch_parent; "
-    "watch_parent(0.05); time.sleep(60)"
-)])
+    "watch_parent(0.05); print('watching', flush=True); time.sleep(60)"
+)], stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline().strip() == "watching"
 print(child.pid, flush=True)
 time.sleep(60)
 """
@@ -145,8 +148,7 @@ def test_a_follower_exits_once_its_parent_is_killed() -> None:
     parent = subprocess.Popen([sys.executable, "-c", ORPHAN], stdout=subprocess.PIPE, text=True)
     try:
         assert parent.stdout is not None
-        child = int(parent.stdout.readline())
-        time.sleep(3)  # the child imports torch and starts watching
+        child = int(parent.stdout.readline())  # once it watches
         assert alive(child)
     finally:
         parent.kill()
