@@ -23,6 +23,7 @@ import torch
 from bench.common import device_info, format_table, write_json
 from bench.gpu_speedup import grown_pair, make_workloads
 from specpair.parallel.build import build_parallel_states, build_parallel_target
+from specpair.parallel.ranks import exit_if_nccl
 from specpair.runtime.build import StateBuilder, build_drafter, build_target, feature_layers
 from specpair.runtime.engine import SpeculativeEngine, StageTimes
 from specpair.runtime.shape import TreeShape
@@ -134,6 +135,7 @@ def main() -> None:
         ["TP", "config", "workload", "batch", "tok/s", "x TP=1", "x alone", "verify ms",
          "verify GPU ms", "steps/round", "step send us"], rows,
     ))  # fmt: skip
+    exit_if_nccl(0)
 
 
 if __name__ == "__main__":

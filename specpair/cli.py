@@ -245,6 +245,9 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             sys.stderr.flush()
             os._exit(1)
         return 1
+    from specpair.parallel.ranks import exit_if_nccl
+
+    exit_if_nccl(0)
     return 0
 
 

@@ -22,6 +22,7 @@ it captures when rank 0 sends `Build` (`lockstep.py`); the fused layers all-redu
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -224,10 +225,16 @@ class RankGroup:
             f"{when}: the target cannot compute without it"
         )
 
-    def stop(self) -> None:
+    def stop(self, leave: bool | None = None) -> None:
         """Tells the followers to stop (once no step holds the group), waits for them, and
-        kills any left; rank 0 leaves the process group. After a failure the followers are
-        killed at once: a hung step holds the group, and may hold it forever."""
+        kills any left; rank 0 leaves the process group if `leave` (default: on the CPU).
+        After a failure the followers are killed at once: a hung step holds the group, and may
+        hold it forever.
+
+        NCCL's group can be left only once every CUDA graph that captured its collectives is
+        freed: its communicator waits for them (an H100 pair's and an H200 pair's stop hung
+        there). A service on GPUs exits instead; a caller that builds another group in this
+        process (tests, benchmarks) drops its workers and states first, then passes True."""
         self._stopping.set()
         if self.watchdog is not None:
             self.watchdog.close()
@@ -241,21 +248,28 @@ class RankGroup:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        if leave is None:
+            leave = not self.spec.cuda
+        if not leave:
+            return
         # Not while the compute thread is still inside a collective: a group destroyed under
         # it may wait for it (NCCL). gloo fails that collective once the followers are gone.
         idle = self.watchdog is None or self.watchdog.wait_idle(IDLE_TIMEOUT_S)
         if dist.is_initialized() and idle:
-            leave(self.spec)
+            if self.spec.cuda:
+                gc.collect()  # the graphs the caller dropped
+                torch.cuda.synchronize()
+            dist.destroy_process_group()
 
 
-def leave(spec: ShardSpec) -> None:
-    """Rank 0 leaves the process group. NCCL's is aborted, not destroyed: its destroy waited
-    minutes on an H100 pair once the followers had gone, where an abort returns at once and
-    frees the group for the next in this process (tests, benchmarks)."""
-    if spec.cuda:
-        dist.distributed_c10d._abort_process_group()
-    else:
-        dist.destroy_process_group()
+def exit_if_nccl(code: int) -> None:
+    """Exits at once (no interpreter teardown) if this process is still in an NCCL group: a
+    GPU rank 0 leaves it to the exit (`RankGroup.stop`), and the teardown's destroy of the
+    communicator would wait for the CUDA graphs still alive."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def follow(spec: ShardSpec, rank: int, port: int, steps: Connection) -> None:

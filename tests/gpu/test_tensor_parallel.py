@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +25,6 @@ pytest.importorskip("flashinfer")
 
 from specpair.config import MODELS_DIR
 from specpair.parallel.build import build_parallel_states, build_parallel_target
-from specpair.parallel.ranks import RankGroup
 from specpair.runtime.build import StateBuilder, build_drafter, build_target, feature_layers
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.gpu.verify_graphs import VerifyGraphs
@@ -40,7 +40,7 @@ TARGET = MODELS_DIR / "target"
 NEW_TOKENS = 32
 
 
-def build(tp: int, draft: Path) -> tuple[TargetWorker, RankGroup | None]:
+def build(tp: int, draft: Path) -> tuple[TargetWorker, Any]:
     gc.collect()
     torch.cuda.set_device(0)  # rank 0's, as the target service binds it
     options = dict(
@@ -53,14 +53,19 @@ def build(tp: int, draft: Path) -> tuple[TargetWorker, RankGroup | None]:
 
 
 @pytest.fixture(scope="module")
-def tp2() -> Iterator[tuple[TargetWorker, RankGroup, StateBuilder, dict]]:
+def tp2() -> Iterator[list]:
+    """[worker, ranks, builder, states]; emptied before the group is left (NCCL's waits for
+    every graph that captured its collectives to be freed: `RankGroup.stop`)."""
     worker, ranks = build(2, MODELS_DIR / "eagle3")
     assert ranks is not None
+    built: list = [worker, ranks]
+    del worker
     try:
-        builder, states = build_parallel_states(worker, ranks.lockstep, TIERS)
-        yield worker, ranks, builder, states
+        built += build_parallel_states(built[0], ranks.lockstep, TIERS)
+        yield built
     finally:
-        ranks.stop()
+        built.clear()
+        ranks.stop(leave=True)
 
 
 def with_draft(states: dict, draft: Path) -> tuple[object, dict[TreeShape, SpecRuntimeState]]:

@@ -53,26 +53,34 @@ def tp2_samples(target: Path, draft: Path, params: SamplingParams, runs: int) ->
         target, tensor_parallel=2, max_requests=BATCH, max_len=64, dtype=BF16, device="cuda:0"
     )
     try:
-        _, states = build_parallel_states(worker, ranks.lockstep, [TIER])
-        drafter = build_drafter(
-            draft, target_path=target, max_requests=BATCH, max_len=64, dtype=BF16, device="cuda:0"
+        counts = sample(worker, ranks.lockstep, draft, target, params, runs)
+    except BaseException:
+        ranks.stop(leave=False)  # the traceback holds the graphs: the next group fails to start
+        raise
+    del worker  # every graph freed, so that the group can be left (`RankGroup.stop`)
+    ranks.stop(leave=True)
+    return counts
+
+
+def sample(worker, lockstep, draft: Path, target: Path, params: SamplingParams, runs: int):  # type: ignore[no-untyped-def]
+    _, states = build_parallel_states(worker, lockstep, [TIER])
+    drafter = build_drafter(
+        draft, target_path=target, max_requests=BATCH, max_len=64, dtype=BF16, device="cuda:0"
+    )
+    drafts = StateBuilder(None, drafter).build_all([TIER])
+    state = tier_state(TIER, states[TIER].verify, drafts[TIER].extend, drafts[TIER].draft)
+    engine = SpeculativeEngine(worker, drafter)
+    counts: Counter = Counter()
+    for start in range(0, runs, BATCH):
+        sampling = [
+            SamplingParams(params.temperature, params.top_p, params.top_k, start + i)
+            for i in range(BATCH)
+        ]
+        results = engine.generate(
+            [PROMPT] * BATCH, max_new_tokens=DEPTH, state=state, sampling=sampling
         )
-        drafts = StateBuilder(None, drafter).build_all([TIER])
-        state = tier_state(TIER, states[TIER].verify, drafts[TIER].extend, drafts[TIER].draft)
-        engine = SpeculativeEngine(worker, drafter)
-        counts: Counter = Counter()
-        for start in range(0, runs, BATCH):
-            sampling = [
-                SamplingParams(params.temperature, params.top_p, params.top_k, start + i)
-                for i in range(BATCH)
-            ]
-            results = engine.generate(
-                [PROMPT] * BATCH, max_new_tokens=DEPTH, state=state, sampling=sampling
-            )
-            counts.update(tuple(r.token_ids) for r in results)
-        assert state.verify.graph_accepts > 0  # type: ignore[union-attr]  # in the accept graph
-    finally:
-        ranks.stop()
+        counts.update(tuple(r.token_ids) for r in results)
+    assert state.verify.graph_accepts > 0  # type: ignore[union-attr]  # in the accept graph
     return counts
 
 
