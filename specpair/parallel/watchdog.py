@@ -12,10 +12,11 @@ call runs past
 e.g. verifies at 4 ms a token (p99), a verify of 12 tokens: max(30 s, 8 × 4 ms × 12) = 30 s;
 a 20 000-token prompt after prefills at 2 ms a token: max(30 s, 8 × 2 ms × 20 000) = 320 s.
 Per token, because a call's cost grows with its tokens: a long prompt after short ones must
-not look hung. The floor covers what the record cannot: the first calls of a kind (nothing
-measured yet: the warm-up's first calls also allocate and initialise) and a healthy host that
-stalls a step for a while (a loaded CPU, another process's burst); no healthy step of ours
-takes 30 s, and a hung one is found in about that long instead of gloo's 10 minutes.
+not look hung. The floor covers a healthy host that stalls a step for a while (a loaded CPU,
+another process's burst); no healthy step of ours takes 30 s once its kind has run, and a hung
+one is found in about that long instead of gloo's 10 minutes. A kind's first call, with
+nothing measured yet, may take FIRST_CALL_S: it may compile kernels (flashinfer's JIT of one
+prefill module took 20–40 s on an H200, and a 30 s bound failed a healthy TP=2 target there).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ DEFAULT_FLOOR_S = DEFAULT_RANK_TIMEOUT_FLOOR_S
 # few times at most; 8× the 99th percentile is past that, short of a stall the floor covers.
 FACTOR = 8.0
 WINDOW = 512  # recent calls of each kind the percentile reads
+FIRST_CALL_S = 600.0  # the bound of a kind's first call (see above)
 PARENT_POLL_S = 0.5
 
 
@@ -58,7 +60,7 @@ def step_bound(
 ) -> float:
     """Seconds a call of `tokens` tokens may take, given its kind's recent seconds per token."""
     if not rates:
-        return floor_s
+        return max(floor_s, FIRST_CALL_S)
     return max(floor_s, factor * percentile(rates, 0.99) * max(1, tokens))
 
 
@@ -156,7 +158,7 @@ def hang_message(call: _Call, took: float, factor: float) -> str:
     """One line: `tensor-parallel step verify (12 tokens) did not finish in 30.0 s (bound
     30.0 s: the floor; p99 4.1 ms a token): a rank is hung; the target exits`."""
     if call.p99_s is None:
-        basis = f"the floor; no earlier {call.step} measured"
+        basis = f"a first {call.step}'s, none measured yet"
     else:
         scaled = factor * call.p99_s * call.tokens
         p99 = f"p99 {call.p99_s * 1e3:.2g} ms a token"

@@ -86,7 +86,9 @@ def test_the_graphs_that_all_reduce_are_the_verify_and_prefill_graphs(tp2) -> No
     graphs = builder.target_graphs.graphs
     collective = [g for g in graphs if g.collective]
     verify = {id(g) for st in states.values() for g in st.verify.graphs.values()}
-    prefill = {id(g) for g in worker.prefill_graphs.graphs.values()}
+    # (none for the shipped target: its head_dim 40 is not flashinfer's, whose prefill they run)
+    graphed = worker.prefill_graphs
+    prefill = set() if graphed is None else {id(g) for g in graphed.graphs.values()}
     assert {id(g) for g in collective} == verify | prefill
     assert all(g.mirror is not None for g in collective)
     assert all(g.mirror is None for g in graphs if not g.collective)  # accepts: rank 0's alone
