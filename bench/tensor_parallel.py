@@ -2,7 +2,8 @@
 through the SDK, against the same target on one GPU, with and without speculation.
 
 Deployments, each a `specpair up --device cuda` (the draft on rank 0's GPU, SGLang's rule, the
-policy `up` ships), started side by side on one machine of ≥ max(--tp) GPUs:
+policy `up` ships), started one after another and kept up side by side on one machine of
+≥ max(--tp) GPUs:
 
 - `TP=1`: the target on cuda:0;
 - `TP=N` for each N of --tp: the target on cuda:0 … cuda:N-1.
@@ -12,9 +13,9 @@ every --batches load): first each TP=N speculating; then every deployment pinned
 (the target alone: `up` builds it) and measured again. Ratios: `x TP=1`, a target alone over
 TP=1's alone (same workload and load); `x alone`, speculation over its own deployment's alone.
 Per cell from the target's RoundStats (bench.two_gpus.Account): mean verify ms of speculative
-rounds and of plain ones. Per deployment: seconds from `up` to its ready line (all start
-together, so they share the machine's CPU and disk meanwhile) and, once all are up, each GPU's
-memory in use (nvidia-smi: every deployment's processes on that GPU together).
+rounds and of plain ones. Per deployment: seconds from `up` to its ready line (the ones before
+it already up and idle) and, once all are up, each GPU's memory in use (nvidia-smi: every
+deployment's processes on that GPU together).
 
     python -m bench.tensor_parallel [--tp 2] [--batches 1 8] [--requests 12 32] \\
         [--out bench/out/tensor_parallel.json]
@@ -33,7 +34,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -215,16 +215,14 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     log_dir = args.out.parent / f"{args.out.stem}_logs"
     with ExitStack() as stack:
-        print(f"starting {len(commands)} deployments side by side …", flush=True)
-
-        def start(name: str) -> Up:
+        # One after another: each start-up time is its own (not shared with another's loading
+        # and compiling), and two `up`s choosing free ports at once cannot pick the same one.
+        print(f"starting {len(commands)} deployments, one after another …", flush=True)
+        ups: dict[str, Up] = {}
+        for name in commands:
             t0 = time.perf_counter()
-            up = stack.enter_context(running_up(commands[name], log_dir / f"{name}.log"))
+            ups[name] = stack.enter_context(running_up(commands[name], log_dir / f"{name}.log"))
             starts[name] = time.perf_counter() - t0
-            return up
-
-        with ThreadPoolExecutor(len(commands)) as pool:
-            ups = dict(zip(commands, pool.map(start, commands), strict=True))
         for up in ups.values():
             wait_draft_connected(SpecpairClient(up.target, timeout=60))
         memory += gpu_memory()

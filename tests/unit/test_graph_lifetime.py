@@ -66,6 +66,7 @@ def test_captured_graph_keeps_closure_tensors_alive(fake_cuda: None) -> None:
     assert builder.captures == 1  # counted on the builder the services report from
     assert graph.outputs["hidden"].shape == (2, 1, 2)
     assert graph.staging is builder.staging  # one pinned staging per builder
-    del graph
+    assert builder.graphs == [graph]  # indexed: a tensor-parallel follower replays by index
+    del graph, builder
     gc.collect()
-    assert rows() is None  # and released with the graph
+    assert rows() is None  # and released with the graph and its builder
