@@ -10,12 +10,12 @@ from dataclasses import replace
 
 import pytest
 
-from controller.goodput import GoodputPolicy
-from controller.goodput_acceptance import AcceptanceModel
-from controller.goodput_config import GoodputConfig, parse_profile
-from controller.goodput_cost import CostModel, batch_bucket
-from controller.interface import RoundSample
-from controller.least_squares import line_at
+from controller.policies.goodput.acceptance import AcceptanceModel
+from controller.policies.goodput.config import GoodputConfig, parse_profile
+from controller.policies.goodput.cost import CostModel, batch_bucket
+from controller.policies.goodput.least_squares import line_at
+from controller.policies.goodput.policy import GoodputPolicy
+from controller.policies.interface import RoundSample
 from specpair.runtime.shape import TreeShape
 from specpair.tiers import RegimeSteps
 
@@ -548,7 +548,7 @@ def test_probes_take_at_most_their_budget_of_the_time_at_tier_0() -> None:
 
 
 def test_the_controller_passes_the_regime_to_the_policy() -> None:
-    from controller.controlled_target import round_sample
+    from controller.service.controlled_target import round_sample
     from specpair.proto.v1 import target_pb2
     from specpair.wire import stats_from_proto
 

@@ -5,8 +5,8 @@ For each candidate tier s at the current batch size b the policy predicts
     tokens/s(s) = b · E[tokens per round](s) / T(s, b)
 
 from an acceptance model (E, per-position acceptance learnt from accept lengths:
-goodput_acceptance.py) and a cost model (T, round time per tier and batch size, profiled at
-start-up and learnt from the rounds' timings: goodput_cost.py). E.g. α = 0.6 → E = 1.6, 2.18,
+acceptance.py) and a cost model (T, round time per tier and batch size, profiled at
+start-up and learnt from the rounds' timings: cost.py). E.g. α = 0.6 → E = 1.6, 2.18,
 2.46 at tiers 1, 3, 7; with T = 22, 30, 38 ms and T(0) = 20 ms at batch 1 that is 72.7, 72.5,
 64.7 and 50 tokens/s: tier 1 (but by 0.3 %, inside the default margin: from tier 3 the policy
 would stay).
@@ -15,7 +15,7 @@ Guards, shared with the sglang kind: no decision in the first `warmup_batches` r
 every `update_interval` rounds; a move needs a predicted gain over the current tier of more than
 `min_gain` (5 %: bursty acceptance must not flip a near tie between two tiers). At tier 0
 nothing is learnt about drafts, so now and then the policy probes a positive tier, paced by
-rounds and by what probes cost, backing off while they fail (goodput_probe.py).
+rounds and by what probes cost, backing off while they fail (probe.py).
 
 Two regimes, learnt apart: greedy batches and batches where some request samples. They differ
 in both models — a sampled round costs more (the warps, the draft's q on the wire) and accepts
@@ -30,16 +30,16 @@ A prediction is only as good as what it extrapolates from: a tier never measured
 batch bucket and regime whose predicted tokens/s is within `explore_margin` of the best is
 tried (for one interval) before the policy settles, so that a stage model that mispredicts
 it — e.g. verify held flat when only one tier was measured — cannot hide a better tier. Once
-settled, the runner-up is re-measured now and then (goodput_probe.py): what a tier measured in
+settled, the runner-up is re-measured now and then (probe.py): what a tier measured in
 its first rounds would otherwise stand for good once another looks better.
 """
 
 from __future__ import annotations
 
-from controller.goodput_acceptance import AcceptanceModel
-from controller.goodput_config import GoodputConfig, Regime
-from controller.goodput_cost import CostModel, batch_bucket
-from controller.goodput_probe import (
+from controller.policies.goodput.acceptance import AcceptanceModel
+from controller.policies.goodput.config import GoodputConfig, Regime
+from controller.policies.goodput.cost import CostModel, batch_bucket
+from controller.policies.goodput.probe import (
     PROBE_MEMORY,
     REMEASURE_REQUEST_ROUNDS,
     could_pay,
@@ -50,8 +50,8 @@ from controller.goodput_probe import (
     runner_up,
     start_remeasure,
 )
-from controller.goodput_report import description, tier_estimates
-from controller.interface import GatedPolicy, RoundSample, TierEstimate, snap_tier
+from controller.policies.goodput.report import description, tier_estimates
+from controller.policies.interface import GatedPolicy, RoundSample, TierEstimate, snap_tier
 from specpair.runtime.shape import TreeShape
 from specpair.tiers import RegimeSteps
 
