@@ -29,10 +29,10 @@ from typing import Any
 from bench.acceptance import code_prompts, prose_prompts
 from bench.common import device_info, format_table, write_json
 from bench.services import BenchServices, watch_rounds
-from controller.bands import PolicySpec
-from controller.controlled_target import round_sample
-from controller.interface import RoundSample, SpeculationPolicy
-from controller.policy import PolicyConfig
+from controller.policies.bands import PolicySpec
+from controller.policies.interface import RoundSample, SpeculationPolicy
+from controller.policies.sglang import PolicyConfig
+from controller.service.controlled_target import round_sample
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.config import MODELS_DIR
 from specpair.runtime.round import RoundStats

@@ -62,8 +62,8 @@ from bench.common import device_info, format_table, read_json, write_json
 from bench.gpu_speedup import Cell, Workload, add_pair_args, bench_pair, make_workloads
 from bench.gpu_speedup import serve_cells as serve_batch
 from bench.services import BenchServices, wait_draft_connected, watch_rounds
-from controller.bands import PolicySpec
-from controller.policy import PolicyConfig
+from controller.policies.bands import PolicySpec
+from controller.policies.sglang import PolicyConfig
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.models.loading import read_args
 from specpair.runtime.round import RoundStats

@@ -43,8 +43,8 @@ from typing import Any, Protocol
 
 from bench.adaptive import ROUND_KEYS, RunResult, oracle_of
 from bench.common import format_table, read_json, write_json
-from controller.bands import PolicySpec
-from controller.interface import RoundSample
+from controller.policies.bands import PolicySpec
+from controller.policies.interface import RoundSample
 
 STATIC = "static-"
 DEFAULT_RUN = Path("bench/results/goodput_gpu_eagle_h100_run4.json.gz")

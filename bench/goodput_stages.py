@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import format_table, read_json, write_json
-from controller.goodput import GoodputPolicy
-from controller.goodput_config import GoodputConfig, parse_profile
-from controller.interface import RoundSample
+from controller.policies.goodput.config import GoodputConfig, parse_profile
+from controller.policies.goodput.policy import GoodputPolicy
+from controller.policies.interface import RoundSample
 from specpair.runtime.shape import TreeShape
 
 NOT_TIERS = ("adaptive", "goodput")

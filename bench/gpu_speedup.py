@@ -52,8 +52,8 @@ from bench.common import device_info, format_table, write_json
 from bench.profile_costs import TIERS as PROFILED_TIERS
 from bench.profile_costs import profile
 from bench.services import BenchServices, wait_draft_connected, watch_rounds
-from controller.bands import PolicySpec
-from controller.policy import PolicyConfig
+from controller.policies.bands import PolicySpec
+from controller.policies.sglang import PolicyConfig
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.config import MODELS_DIR, compute_threads
 from specpair.models.loading import read_args

@@ -9,7 +9,8 @@ one finished. Two workloads:
   (the goal: no worse than the target alone), the stack held at tier 0 without a controller
   (what the extra processes cost by themselves) and static tier 3 beside them.
 - `mixed`: code greedy beside prose sampled at T = 1.0, alternating, so that every batch holds
-  both: one batch tier (goodput) vs per-request tiers (`controller.request_tiers`), static 3.
+  both: one batch tier (goodput) vs per-request tiers (`controller.policies.request_tiers`),
+  static 3.
 
 It reports tokens/s per configuration, the share of request-rounds at each tier (from
 RoundStats: drafted requests at their own tier, the rest at 0) and writes JSON.
@@ -33,7 +34,7 @@ from bench import profile_costs
 from bench.acceptance import code_prompts, prose_prompts
 from bench.common import device_info, format_table, write_json
 from bench.services import BenchServices, wait_draft_connected, watch_rounds
-from controller.bands import PolicySpec
+from controller.policies.bands import PolicySpec
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.config import MODELS_DIR
 from specpair.runtime.round import RoundStats
@@ -43,7 +44,10 @@ CODE_PROMPTS = 24  # held-out stdlib windows this Python's stdlib gives (bench.a
 GOODPUT = {"kind": "goodput", "candidate_steps": list(STEPS)}
 PROFILED = "goodput (profiled)"
 MAX_BATCH = 16  # the target decodes this many at once; the other clients' requests queue
-PER_REQUEST = {"kind": "controller.request_tiers:RequestTiers", "candidate_steps": list(STEPS)}
+PER_REQUEST = {
+    "kind": "controller.policies.request_tiers:RequestTiers",
+    "candidate_steps": list(STEPS),
+}
 # name → (draft?, controller policy or None: the initial tier stays, initial tier)
 CONFIGS: dict[str, dict[str, tuple[bool, dict[str, Any] | None, int]]] = {
     "load": {

@@ -1,4 +1,5 @@
-"""The controller: adaptive tier policy, per-target round watchers and the ops API.
+"""The controller: `policies/` (pure: the tier each target runs) and `service/` (the process:
+per-target round watchers, the ops API).
 
-Importing the package imports nothing else, so `controller.policy` needs no grpc.
+Importing the package imports nothing else, so `controller.policies` needs no grpc.
 """

@@ -172,24 +172,25 @@ def _service_entry(
 ) -> Callable[[Any], Any] | None:
     """What `service` registered under `group`; None where it registered nothing and the entry
     is not `required`."""
-    found = entry_points(group=group, name=service)
-    if found:
-        return next(iter(found)).load()  # type: ignore[no-any-return]
-    # A source checkout run through PYTHONPATH (a GPU machine with no installer), or an install
-    # older than a group, has no installed metadata for it: read the checkout's pyproject.toml.
+    # A source checkout (run through PYTHONPATH on a GPU machine with no installer, or installed
+    # editable) names its entries in its own pyproject.toml, which is the code that runs: the
+    # installed metadata may be another checkout's, or older than a group or a module's move.
     pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
     table: dict[str, str] = {}
     if pyproject.is_file():
         project = tomllib.loads(pyproject.read_text()).get("project", {})
         table = project.get("entry-points", {}).get(group, {})
-    if service not in table:
-        if not required:
-            return None
-        raise RuntimeError(
-            f"no {service!r} service registered under the {group!r} entry points: "
-            "install the package (pip install -e .) so its metadata lists them"
-        )
-    return EntryPoint(service, table[service], group).load()  # type: ignore[no-any-return]
+    if service in table:
+        return EntryPoint(service, table[service], group).load()  # type: ignore[no-any-return]
+    found = entry_points(group=group, name=service)
+    if found:
+        return next(iter(found)).load()  # type: ignore[no-any-return]
+    if not required:
+        return None
+    raise RuntimeError(
+        f"no {service!r} service registered under the {group!r} entry points: "
+        "install the package (pip install -e .) so its metadata lists them"
+    )
 
 
 def preflight(args: argparse.Namespace) -> TargetConfig | DraftConfig | ControllerConfig:

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 from specpair.config import TLSConfig
 
 if TYPE_CHECKING:
-    from specpair.client.results import ControllerState, TargetState
+    from specpair.client.results import ControllerState
+    from specpair.target_state import TargetState
 
 
 def client_tls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> TLSConfig:

@@ -19,10 +19,9 @@ from specpair.client.results import (
     GenerateDelta,
     GenerateResult,
     SpecpairError,
-    TargetState,
-    TierSwitch,
 )
 from specpair.client.sync import ControllerClient, SpecpairClient
+from specpair.target_state import TargetState, TierSwitch
 
 __all__ = [
     "AsyncControllerClient",

@@ -28,13 +28,13 @@ from specpair.client.results import (
     GenerateDelta,
     GenerateResult,
     SpecpairError,
-    TargetState,
     message_to_dict,
     policy_from_pb,
     targets_from_pb,
 )
 from specpair.config import TLSConfig, env_address
 from specpair.proto.v1 import controller_pb2, controller_pb2_grpc, target_pb2, target_pb2_grpc
+from specpair.target_state import TargetState
 
 # A TLSConfig, or the path of the CA that signed the server's certificate.
 TLSArg = TLSConfig | str | os.PathLike[str] | None

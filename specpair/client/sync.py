@@ -22,7 +22,8 @@ from specpair.client.aio import (
     ConnectionOptions,
 )
 from specpair.client.requests import GenerateParams, Messages, Prompt
-from specpair.client.results import ControllerState, GenerateDelta, GenerateResult, TargetState
+from specpair.client.results import ControllerState, GenerateDelta, GenerateResult
+from specpair.target_state import TargetState
 
 T = TypeVar("T")
 C = TypeVar("C", bound=Connection)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from bench.goodput_gpu import PHASED_RUNS, SWEEP_CONFIGS, TARGET_ALONE
-from controller.bands import PolicySpec
-from controller.interface import RegimePolicy
+from controller.policies.bands import PolicySpec
+from controller.policies.interface import RegimePolicy
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

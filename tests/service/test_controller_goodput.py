@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from controller.server import start
+from controller.service.server import start
 from specpair.client import build_policy_update
 from specpair.config import ControllerConfig, ServerConfig
 from specpair.proto.v1 import common_pb2, controller_pb2, controller_pb2_grpc, target_pb2
@@ -185,7 +185,10 @@ async def test_request_tiers_reach_the_target_through_apply_tier(tmp_path: Path)
     and keeps the other drafting; the controller sends the map with the batch tier."""
     fake = FakeTarget(steps=3, candidates=(0, 1, 3, 7))
     async with class_controller(
-        fake, tmp_path, "controller.request_tiers:RequestTiers", {"candidate_steps": [0, 1, 3, 7]}
+        fake,
+        tmp_path,
+        "controller.policies.request_tiers:RequestTiers",
+        {"candidate_steps": [0, 1, 3, 7]},
     ) as running:
         await eventually(lambda: bool(fake.watchers) and running.controller.snapshot()[0].connected)
         for _ in range(100):

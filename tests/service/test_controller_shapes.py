@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from controller.bands import PolicySpec
-from controller.server import RunningController, start
+from controller.policies.bands import PolicySpec
+from controller.service.server import RunningController, start
 from specpair.client import AsyncControllerClient, SpecpairError
 from specpair.client.results import ControllerState
 from specpair.client_commands import status_table

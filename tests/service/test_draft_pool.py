@@ -15,9 +15,9 @@ import grpc
 
 import draft_service.server as draft_server
 import target_service.server as target_server
-from controller.policy import PolicyConfig
-from controller.server import RunningController
-from controller.server import start as start_controller
+from controller.policies.sglang import PolicyConfig
+from controller.service.server import RunningController
+from controller.service.server import start as start_controller
 from specpair.channels import auth_metadata, target_metadata
 from specpair.client.results import ControllerState
 from specpair.client_commands import status_table

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import draft_service.server as draft_server
 import target_service.server as target_server
-from controller.server import start as start_controller
+from controller.service.server import start as start_controller
 from specpair.config import ControllerConfig, ServerConfig
 from specpair.proto.v1 import (
     common_pb2,

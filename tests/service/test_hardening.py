@@ -338,7 +338,7 @@ async def _send_garbage(channel: grpc.aio.Channel, method: str, streaming: bool)
 
 
 async def test_garbage_bytes_on_every_rpc_are_invalid_argument(ckpts, make_stack) -> None:
-    from controller.server import start as start_controller
+    from controller.service.server import start as start_controller
     from specpair.config import ControllerConfig, ServerConfig
     from specpair.proto.v1 import controller_pb2
 
@@ -367,7 +367,7 @@ async def test_garbage_bytes_on_every_rpc_are_invalid_argument(ckpts, make_stack
 
 
 async def test_update_policy_error_does_not_echo_a_huge_list(ckpts, make_stack) -> None:
-    from controller.server import start as start_controller
+    from controller.service.server import start as start_controller
     from specpair.config import ControllerConfig, ServerConfig
     from specpair.proto.v1 import controller_pb2, controller_pb2_grpc
 
@@ -634,7 +634,7 @@ async def test_metrics_count_tokens_answer_only_their_path_and_each_service_its_
 
 
 async def test_demo_names_a_dead_draft_and_passes_the_ops_token(ckpts, make_stack, capsys) -> None:
-    from controller.server import start as start_controller
+    from controller.service.server import start as start_controller
     from specpair.config import ControllerConfig, ServerConfig
     from specpair.demo import run_demo
 
@@ -735,7 +735,7 @@ async def test_demo_ends_with_tokens_per_s_with_and_without_speculation(
 ) -> None:
     import re
 
-    from controller.server import start as start_controller
+    from controller.service.server import start as start_controller
     from specpair.config import ControllerConfig, ServerConfig
     from specpair.demo import run_demo
 

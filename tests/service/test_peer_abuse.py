@@ -13,7 +13,7 @@ import grpc
 import pytest
 from structlog.testing import capture_logs
 
-from controller.server import start as start_controller
+from controller.service.server import start as start_controller
 from specpair.client import AsyncSpecpairClient
 from specpair.config import MODELS_DIR, ControllerConfig, ServerConfig
 from specpair.metrics import ServiceMetrics

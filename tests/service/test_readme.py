@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import pytest_asyncio
 
-from controller.server import start as start_controller
+from controller.service.server import start as start_controller
 from specpair.config import MODELS_DIR, ControllerConfig, ServerConfig
 from tests.service.conftest import Stack, draft_config, eventually, target_config
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from controller.bands import BandedPolicy, PolicySpec, load_policy_class
-from controller.goodput_config import GoodputConfig
-from controller.interface import RoundSample, SpeculationPolicy, TierEstimate
-from controller.policy import AdaptiveSpeculativeParams, PolicyConfig
+from controller.policies.bands import BandedPolicy, PolicySpec, load_policy_class
+from controller.policies.goodput.config import GoodputConfig
+from controller.policies.interface import RoundSample, SpeculationPolicy, TierEstimate
+from controller.policies.sglang import AdaptiveSpeculativeParams, PolicyConfig
 
 FILE = {
     "kind": "goodput",
@@ -188,8 +188,8 @@ def test_policy_class_by_import_path() -> None:
     assert policy.reconfigure(spec.replace_partial(steps=4).policy_options()) is True
     with pytest.raises(ValueError, match="steps must be an int"):
         spec.replace_partial(steps="x")
-    assert load_policy_class("controller.bands:BandedPolicy") is BandedPolicy
+    assert load_policy_class("controller.policies.bands:BandedPolicy") is BandedPolicy
     with pytest.raises(ValueError, match="does not implement SpeculationPolicy"):
-        PolicySpec.from_mapping({"kind": "controller.interface:DecisionGate"})
+        PolicySpec.from_mapping({"kind": "controller.policies.interface:DecisionGate"})
     with pytest.raises(ValueError, match="failed"):
         PolicySpec.from_mapping({"kind": "collections:OrderedDict"})

@@ -148,7 +148,9 @@ def test_controller_policy_imports_without_grpc() -> None:
     import subprocess
     import sys
 
-    code = "import sys, controller.policy; assert 'grpc' not in sys.modules, 'grpc imported'"
+    code = (
+        "import sys, controller.policies.sglang; assert 'grpc' not in sys.modules, 'grpc imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -162,6 +164,19 @@ def test_serve_finds_services_in_a_checkout_without_installed_metadata(monkeypat
     assert cli._service_entry("draft") is serve_draft
     with pytest.raises(RuntimeError, match="no 'nope' service"):
         cli._service_entry("nope")
+
+
+def test_serve_prefers_the_checkouts_entries_to_stale_installed_metadata(monkeypatch) -> None:
+    # An editable install made before `controller.server` moved to `controller.service.server`
+    # still lists the old module: the checkout's pyproject.toml names the code that runs.
+    from importlib.metadata import EntryPoint
+
+    import specpair.cli as cli
+    from controller.service.server import serve
+
+    stale = EntryPoint("controller", "controller.server:serve", cli.SERVICES_GROUP)
+    monkeypatch.setattr(cli, "entry_points", lambda **_: [stale])
+    assert cli._service_entry("controller") is serve
 
 
 def test_version_and_a_bad_log_level_are_one_line(
@@ -260,7 +275,7 @@ def test_up_checks_the_policy_before_any_model_loads(tmp_path: Path) -> None:
 
 
 def test_the_readme_policy_example_is_a_valid_policy() -> None:
-    from controller.server import load_policy
+    from controller.service.server import load_policy
 
     shipped = Path(__file__).resolve().parents[2] / "deploy" / "policy.json"
     spec = load_policy(shipped)

@@ -426,8 +426,8 @@ def test_every_policy_key_the_controller_takes_the_sdk_can_send() -> None:
     # made `update_policy` refuse a whole goodput config.
     import dataclasses
 
-    from controller.goodput_config import GoodputConfig
-    from controller.policy import PolicyConfig
+    from controller.policies.goodput.config import GoodputConfig
+    from controller.policies.sglang import PolicyConfig
     from specpair.client.requests import POLICY_FIELDS, POLICY_OPTIONS
 
     keys = {f.name for c in (GoodputConfig, PolicyConfig) for f in dataclasses.fields(c)}

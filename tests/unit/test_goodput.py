@@ -10,12 +10,12 @@ from dataclasses import replace
 
 import pytest
 
-from controller.goodput import GoodputPolicy
-from controller.goodput_acceptance import AcceptanceModel
-from controller.goodput_config import GoodputConfig, parse_profile
-from controller.goodput_cost import CostModel, batch_bucket
-from controller.interface import RoundSample
-from controller.least_squares import line_at
+from controller.policies.goodput.acceptance import AcceptanceModel
+from controller.policies.goodput.config import GoodputConfig, parse_profile
+from controller.policies.goodput.cost import CostModel, batch_bucket
+from controller.policies.goodput.least_squares import line_at
+from controller.policies.goodput.policy import GoodputPolicy
+from controller.policies.interface import RoundSample
 from specpair.runtime.shape import TreeShape
 from specpair.tiers import RegimeSteps
 
@@ -520,6 +520,24 @@ def test_failed_probes_back_off_and_a_probe_that_cannot_pay_is_skipped() -> None
     assert probes.count(1) <= 2 and probes.count(3) <= 3 and tiers[-120:] == [0] * 120
 
 
+def test_a_lost_re_measure_or_failed_probe_doubles_its_wait_up_to_16_intervals() -> None:
+    # probe_interval 10: each loss doubles the wait (20, 40, 80, 160, then held at 160); a win
+    # puts it back at one interval. A failed probe also keeps its cost for the next's budget.
+    policy = GoodputPolicy(GoodputConfig(candidate_steps=(1, 3, 7), probe_interval=10), 3)
+    runner_up, regime = TreeShape(7), policy.regime
+    remeasure_waits, probe_waits, probe_costs = [], [], []
+    for lost in (True, True, True, True, True, False):
+        policy._judge_remeasure(runner_up, lost=lost)
+        policy._judge_probe(12.5, failed=lost)
+        remeasure_waits.append(regime.remeasure_every[runner_up])
+        probe_waits.append(regime.probe_every)
+        probe_costs.append(regime.probe_cost_ms)
+    assert remeasure_waits == [20, 40, 80, 160, 160, 10]
+    assert probe_waits == [20, 40, 80, 160, 160, 10]
+    assert probe_costs == [12.5] * 5 + [None]
+    assert regime.remeasure_every.keys() == {runner_up}  # the tier kept is not waited on
+
+
 def test_probes_take_at_most_their_budget_of_the_time_at_tier_0() -> None:
     # cpu_round(accept=0): tier 0 takes 12 ms, tier 1 is predicted at 17.25 (17 and the
     # stage model's schedule share); a probe of 4 rounds is predicted to cost 4 · 5.25 = 21 ms,
@@ -548,7 +566,7 @@ def test_probes_take_at_most_their_budget_of_the_time_at_tier_0() -> None:
 
 
 def test_the_controller_passes_the_regime_to_the_policy() -> None:
-    from controller.controlled_target import round_sample
+    from controller.service.controlled_target import round_sample
     from specpair.proto.v1 import target_pb2
     from specpair.wire import stats_from_proto
 

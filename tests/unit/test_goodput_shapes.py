@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from controller.bands import PolicySpec
-from controller.goodput import GoodputPolicy
-from controller.goodput_config import GoodputConfig
-from controller.goodput_cost import CostModel
-from controller.interface import RoundSample
-from controller.request_tiers import RequestTiers
+from controller.policies.bands import PolicySpec
+from controller.policies.goodput.config import GoodputConfig
+from controller.policies.goodput.cost import CostModel
+from controller.policies.goodput.policy import GoodputPolicy
+from controller.policies.interface import RoundSample
+from controller.policies.request_tiers import RequestTiers
 from specpair.runtime.shape import TreeShape
 
 TREE = TreeShape(4, 4, 16)
@@ -193,7 +193,7 @@ def test_a_band_that_lists_its_chains_lists_its_trees() -> None:
 
 
 def test_the_state_file_keeps_a_tree_pin_and_a_tree_tier(tmp_path: Path) -> None:
-    from controller import memory
+    from controller.service import memory
 
     path = tmp_path / "state.json"
     saved = memory.Memory(TREE, {"kind": "goodput"}, {"t:1": memory.TargetMemory(TREE, 3.2, 9)})

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from bench.goodput_sim import Pinned, Recorded, load, main, simulate
-from controller.bands import PolicySpec
-from controller.interface import RoundSample, TierEstimate
+from controller.policies.bands import PolicySpec
+from controller.policies.interface import RoundSample, TierEstimate
 from specpair.runtime.shape import TreeShape
 from specpair.tiers import RegimeSteps
 

@@ -1,6 +1,7 @@
 """The import graph points one way: no cycle among the project's modules (counting imports
 under TYPE_CHECKING and inside functions, which hide cycles rather than remove them), and
-`runtime/`'s two sides and its GPU layer stay apart."""
+`runtime/`'s two sides and its GPU layer stay apart; the controller's policies are pure and the
+controller never imports the SDK."""
 
 from __future__ import annotations
 
@@ -110,3 +111,61 @@ def test_runtime_sides_and_gpu_layer_stay_apart() -> None:
         if core and m not in (rt + "build", rt + "engine"):  # the assembly of both sides
             wrong += [f"{m} -> {d}" for d in deps if d.startswith(both)]
     assert not wrong, "\n".join(wrong)
+
+
+def _raw_imports(path: Path) -> set[str]:
+    """Every module name `path` imports, the project's or not (`grpc`, `specpair.proto.v1`)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return out
+
+
+def _reaches(start: str, graph: dict[str, set[str]]) -> set[str]:
+    """`start` and every project module it imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += graph.get(m, set())
+    return seen
+
+
+def _forbidden_reached(prefix: str, banned: tuple[str, ...]) -> list[str]:
+    """`module -> import` for every import under `banned` that a module under `prefix` makes or
+    reaches through the project's modules."""
+    modules, graph = _modules(), _graph()
+    wrong = []
+    for m in sorted(m for m in modules if m == prefix or m.startswith(prefix + ".")):
+        for reached in sorted(_reaches(m, graph)):
+            raw = _raw_imports(modules[reached])
+            hits = sorted(i for i in raw if any(i == b or i.startswith(b + ".") for b in banned))
+            wrong += [f"{m} (through {reached}) -> {h}" for h in hits]
+    return wrong
+
+
+def test_the_policies_are_pure() -> None:
+    """controller/policies/ imports no grpc, no protos, no service and no SDK, even through
+    the modules it does import: a policy is unit-tested and replayed without a process."""
+    banned = ("grpc", "specpair.proto", "controller.service", "specpair.client")
+    wrong = _forbidden_reached("controller.policies", banned)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_controller_never_imports_the_sdk() -> None:
+    """What the controller and the SDK both speak (a target's state) is in specpair/, so that
+    neither imports the other."""
+    wrong = _forbidden_reached("controller", ("specpair.client",))
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_purity_check_sees_an_import_made_through_another_module(tmp_path: Path) -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": set(), "d": set()}
+    assert _reaches("a", graph) == {"a", "b", "c"}
+    module = tmp_path / "m.py"
+    module.write_text("import grpc\nfrom specpair.proto.v1 import target_pb2\n")
+    assert {"grpc", "specpair.proto.v1", "specpair.proto.v1.target_pb2"} <= _raw_imports(module)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.policy import AdaptiveSpeculativeParams, PolicyConfig, snap_to_candidate
-from controller.server import load_policy
+from controller.policies.sglang import AdaptiveSpeculativeParams, PolicyConfig, snap_to_candidate
+from controller.service.server import load_policy
 
 # α = 1 makes the EMA equal to the last batch mean exactly, so thresholds can be hit exactly.
 FAST = PolicyConfig(ema_alpha=1.0, warmup_batches=0, update_interval=1)
@@ -243,7 +243,7 @@ def test_the_wire_carries_every_policy_key() -> None:
     # these messages, so a key added to one side only fails here. The kind travels beside them,
     # the tree shapes after them (with, in an update, the flag that they are set), and other
     # kinds' keys (goodput, bands) in options_json.
-    from controller.policy import FIELD_NAMES, WIRE_FIELD_NAMES
+    from controller.policies.sglang import FIELD_NAMES, WIRE_FIELD_NAMES
     from specpair.proto.v1 import controller_pb2
 
     assert (*FIELD_NAMES, "tree_shapes") == WIRE_FIELD_NAMES

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from controller.bands import PolicySpec
-from controller.goodput_cost import CostModel
-from controller.interface import PerRequestPolicy, RoundSample
-from controller.request_tiers import RequestTiers
+from controller.policies.bands import PolicySpec
+from controller.policies.goodput.cost import CostModel
+from controller.policies.interface import PerRequestPolicy, RoundSample
+from controller.policies.request_tiers import RequestTiers
 
 OPTIONS = {"candidate_steps": [0, 1, 3, 7], "warmup_batches": 0, "update_interval": 1}
 
@@ -90,11 +90,15 @@ def test_equal_requests_share_one_tier_and_no_map() -> None:
 
 
 def test_loads_as_a_policy_class_with_the_goodput_keys() -> None:
-    spec = PolicySpec.from_mapping({"kind": "controller.request_tiers:RequestTiers", **OPTIONS})
+    spec = PolicySpec.from_mapping(
+        {"kind": "controller.policies.request_tiers:RequestTiers", **OPTIONS}
+    )
     assert spec.candidate_steps == (0, 1, 3, 7)
     assert isinstance(spec.build(3), RequestTiers)
     with pytest.raises(ValueError, match="unknown policy key"):
-        PolicySpec.from_mapping({"kind": "controller.request_tiers:RequestTiers", "nope": 1})
+        PolicySpec.from_mapping(
+            {"kind": "controller.policies.request_tiers:RequestTiers", "nope": 1}
+        )
 
 
 def test_a_mixed_round_teaches_the_uniform_costs() -> None:

@@ -6,19 +6,24 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from controller import memory
-from controller.bands import PolicySpec
-from controller.controlled_target import ControlledTarget, round_sample, target_tiers, tier_names
-from controller.interface import as_tier, policy_regimes, policy_tier
-from controller.policy import PolicyConfig
-from controller.target_link import TargetLink
-from specpair.client.results import TargetState
+from controller.policies.bands import PolicySpec
+from controller.policies.interface import as_tier, policy_regimes, policy_tier
+from controller.policies.sglang import PolicyConfig
+from controller.service import memory
+from controller.service.controlled_target import (
+    ControlledTarget,
+    round_sample,
+    target_tiers,
+    tier_names,
+)
+from controller.service.target_link import TargetLink
 from specpair.config import ControllerConfig
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import target_pb2
 from specpair.runtime.round import RoundStats
 from specpair.runtime.shape import TreeShape
+from specpair.target_state import TargetState
 
 log = get_logger("controller")
 

@@ -108,7 +108,7 @@ class SpeculationPolicy(Protocol):
 
 @runtime_checkable
 class PerRequestPolicy(SpeculationPolicy, Protocol):
-    """A policy that also tiers each request (`controller.request_tiers:RequestTiers`): the
+    """A policy that also tiers each request (`controller.policies.request_tiers:RequestTiers`): the
     controller sends `request_steps` with every ApplyTier the policy asks for."""
 
     @property

@@ -25,15 +25,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.goodput import GoodputPolicy
-from controller.goodput_config import GoodputConfig
-from controller.interface import (
+from controller.policies.goodput.config import GoodputConfig
+from controller.policies.goodput.policy import GoodputPolicy
+from controller.policies.interface import (
     RegimePolicy,
     RoundSample,
     SpeculationPolicy,
     TierEstimate,
 )
-from controller.policy import (
+from controller.policies.sglang import (
     MAX_BATCH_SIZE,
     AdaptiveSpeculativeParams,
     PolicyConfig,

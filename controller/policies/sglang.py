@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
-from controller.interface import GatedPolicy, RoundSample, TierEstimate, snap_to_candidate
+from controller.policies.interface import GatedPolicy, RoundSample, TierEstimate, snap_to_candidate
 from specpair.runtime.shape import MAX_TREE_NODES, ShapeError, TreeShape, parse_tiers
 
 # Sane ranges. A value past these is a typo or an attack, never a policy: 2^31 − 1 batches

@@ -5,8 +5,8 @@ For each candidate tier s at the current batch size b the policy predicts
     tokens/s(s) = b · E[tokens per round](s) / T(s, b)
 
 from an acceptance model (E, per-position acceptance learnt from accept lengths:
-goodput_acceptance.py) and a cost model (T, round time per tier and batch size, profiled at
-start-up and learnt from the rounds' timings: goodput_cost.py). E.g. α = 0.6 → E = 1.6, 2.18,
+acceptance.py) and a cost model (T, round time per tier and batch size, profiled at
+start-up and learnt from the rounds' timings: cost.py). E.g. α = 0.6 → E = 1.6, 2.18,
 2.46 at tiers 1, 3, 7; with T = 22, 30, 38 ms and T(0) = 20 ms at batch 1 that is 72.7, 72.5,
 64.7 and 50 tokens/s: tier 1 (but by 0.3 %, inside the default margin: from tier 3 the policy
 would stay).
@@ -15,7 +15,7 @@ Guards, shared with the sglang kind: no decision in the first `warmup_batches` r
 every `update_interval` rounds; a move needs a predicted gain over the current tier of more than
 `min_gain` (5 %: bursty acceptance must not flip a near tie between two tiers). At tier 0
 nothing is learnt about drafts, so now and then the policy probes a positive tier, paced by
-rounds and by what probes cost, backing off while they fail (goodput_probe.py).
+rounds and by what probes cost, backing off while they fail (probe.py).
 
 Two regimes, learnt apart: greedy batches and batches where some request samples. They differ
 in both models — a sampled round costs more (the warps, the draft's q on the wire) and accepts
@@ -30,16 +30,16 @@ A prediction is only as good as what it extrapolates from: a tier never measured
 batch bucket and regime whose predicted tokens/s is within `explore_margin` of the best is
 tried (for one interval) before the policy settles, so that a stage model that mispredicts
 it — e.g. verify held flat when only one tier was measured — cannot hide a better tier. Once
-settled, the runner-up is re-measured now and then (goodput_probe.py): what a tier measured in
+settled, the runner-up is re-measured now and then (probe.py): what a tier measured in
 its first rounds would otherwise stand for good once another looks better.
 """
 
 from __future__ import annotations
 
-from controller.goodput_acceptance import AcceptanceModel
-from controller.goodput_config import GoodputConfig, Regime
-from controller.goodput_cost import CostModel, batch_bucket
-from controller.goodput_probe import (
+from controller.policies.goodput.acceptance import AcceptanceModel
+from controller.policies.goodput.config import GoodputConfig, Regime
+from controller.policies.goodput.cost import CostModel, batch_bucket
+from controller.policies.goodput.probe import (
     PROBE_MEMORY,
     REMEASURE_REQUEST_ROUNDS,
     could_pay,
@@ -50,8 +50,8 @@ from controller.goodput_probe import (
     runner_up,
     start_remeasure,
 )
-from controller.goodput_report import description, tier_estimates
-from controller.interface import GatedPolicy, RoundSample, TierEstimate, snap_tier
+from controller.policies.goodput.report import description, tier_estimates
+from controller.policies.interface import GatedPolicy, RoundSample, TierEstimate, snap_tier
 from specpair.runtime.shape import TreeShape
 from specpair.tiers import RegimeSteps
 
@@ -184,65 +184,102 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         return self.regime.tokens_per_s(steps, batch_size or self._batch)
 
     def _decide(self) -> bool:
-        old, baseline = self._tier, self._tier
-        probed = self._probe_rounds is not None
+        """One decision, its rules in order; True where the tier changed."""
+        old, probed = self._tier, self.probing
+        # 1. A re-measure of the runner-up runs until it can be judged; then the runner-up must
+        #    earn its way off the tier it left, as any move must earn it off the current tier.
         if self._remeasured is not None and not self._remeasure_judged():
             return False
         remeasured, self._remeasured = self._remeasured, None
-        if remeasured is not None:
-            baseline = remeasured  # the runner-up must earn its way off the tier it left
+        baseline = old if remeasured is None else remeasured
+        # 2. A probe runs its rounds, then must earn its way off tier 0.
         probe_ms = 0.0
-        zero = TreeShape(0)
-        if self._probe_rounds is not None:
-            if self._probe_rounds < self.config.probe_rounds:
+        if probed:
+            if not self._probe_judged():
                 return False
-            probe_ms = probe_cost(self.cost, self._batch, self._probe_rounds, self._probe_ms)
-            self._probe_rounds, baseline = None, zero  # the probe must earn its way off tier 0
-        elif self._tier == zero and self._rounds_at_zero >= self.regime.probe_every:
-            min_gain, b = self.config.min_gain, self._batch
-            positive = [
-                t for t in self.config.tiers if t.steps > 0 and could_pay(self.cost, t, b, min_gain)
-            ]
-            if positive and probe_paid_for(self.regime, self.config, positive[0], b, self._zero_ms):
-                self._rounds_at_zero, self._zero_ms = 0, 0.0
-                self._tier, self._probe_rounds, self._probe_ms = positive[0], 0, 0.0
-                self._stay = 0
-                # The probe's own rounds decide: the long acceptance window would otherwise
-                # let what made the policy leave (say 30 rejections) outvote them for good.
-                self.acceptance.forget(PROBE_MEMORY)
-                return True
+            probe_ms, baseline = self._end_probe(), TreeShape(0)
+        # 3. Long enough at tier 0, the smallest positive tier that could pay is probed.
+        elif (probe := self._probe_due()) is not None:
+            self._start_probe(probe)
+            return True
+        # 4. The tier with the most predicted tokens/s, once the baseline has an estimate.
         rates = {t: r for t in self.config.tiers if (r := self.tokens_per_s(t))}
         if not rates:
             return False
-        best = max(rates, key=lambda t: rank(t, rates[t]))
-        base_rate = rates.get(baseline)
-        if base_rate is None and baseline.steps > 0 and not probed:
+        if baseline not in rates and baseline.steps > 0 and not probed:
             return False  # no estimate of the current tier yet: learn it before comparing
-        if (young := self._young(rates, best)) is not None:
-            self._tier = young
-        elif base_rate is None or rates[best] > base_rate * (1.0 + self.config.min_gain):
-            self._tier = best
-        else:
-            self._tier = baseline
-        if self._tier == zero and old != zero:
+        self._tier = self._choose(rates, baseline)
+        # 5. What the decision taught: the time at tier 0 restarts on arriving there; a judged
+        #    runner-up waits longer for its next re-measure if it lost; a positive tier kept
+        #    hands a runner-up whose wait is over one re-measure; a probe that failed backs off.
+        if self._tier == TreeShape(0) and old != TreeShape(0):
             self._rounds_at_zero, self._zero_ms = 0, 0.0
         if remeasured is not None:  # `old` is the runner-up: it kept its place or lost it
-            interval = self.config.probe_interval
-            every = self.regime.remeasure_every
-            lost = self._tier != old
-            every[old] = min(2 * every.get(old, interval), 16 * interval) if lost else interval
+            self._judge_remeasure(old, lost=self._tier != old)
         elif self._tier == old and old.steps > 0 and not probed:
             self._remeasure(rates)
         if self._tier != old:
             self._stay = 0
         if probed:
-            limit = 16 * self.config.probe_interval
-            failed = self._tier == zero
-            self.regime.probe_every = (
-                min(2 * self.regime.probe_every, limit) if failed else self.config.probe_interval
-            )
-            self.regime.probe_cost_ms = probe_ms if failed else None
+            self._judge_probe(probe_ms, failed=self._tier == TreeShape(0))
         return self._tier != old
+
+    def _choose(self, rates: dict[TreeShape, float], baseline: TreeShape) -> TreeShape:
+        """A close tier never tried here first (`_young`), else the best where it beats
+        `baseline` by more than `min_gain` (or `baseline` has no estimate), else `baseline`."""
+        best = max(rates, key=lambda t: rank(t, rates[t]))
+        base_rate = rates.get(baseline)
+        if (young := self._young(rates, best)) is not None:
+            return young
+        if base_rate is None or rates[best] > base_rate * (1.0 + self.config.min_gain):
+            return best
+        return baseline
+
+    def _probe_judged(self) -> bool:
+        """Whether the probe has run its `probe_rounds` rounds with drafts."""
+        return self._probe_rounds is not None and self._probe_rounds >= self.config.probe_rounds
+
+    def _end_probe(self) -> float:
+        """Ends the probe; what its rounds cost beyond as many at tier 0."""
+        rounds, self._probe_rounds = self._probe_rounds or 0, None
+        return probe_cost(self.cost, self._batch, rounds, self._probe_ms)
+
+    def _probe_due(self) -> TreeShape | None:
+        """The tier to probe: at tier 0 for `probe_every` rounds, the smallest positive tier
+        that could pay by `min_gain`, where the time at tier 0 pays for its probe."""
+        if self._tier != TreeShape(0) or self._rounds_at_zero < self.regime.probe_every:
+            return None
+        min_gain, b = self.config.min_gain, self._batch
+        positive = [
+            t for t in self.config.tiers if t.steps > 0 and could_pay(self.cost, t, b, min_gain)
+        ]
+        if positive and probe_paid_for(self.regime, self.config, positive[0], b, self._zero_ms):
+            return positive[0]
+        return None
+
+    def _start_probe(self, tier: TreeShape) -> None:
+        self._rounds_at_zero, self._zero_ms = 0, 0.0
+        self._tier, self._probe_rounds, self._probe_ms = tier, 0, 0.0
+        self._stay = 0
+        # The probe's own rounds decide: the long acceptance window would otherwise let what
+        # made the policy leave (say 30 rejections) outvote them for good.
+        self.acceptance.forget(PROBE_MEMORY)
+
+    def _judge_probe(self, probe_ms: float, *, failed: bool) -> None:
+        """A failed probe doubles the wait for the next (up to 16 intervals) and leaves its cost
+        for `probe_paid_for`; one that paid resets both."""
+        limit = 16 * self.config.probe_interval
+        every = self.regime.probe_every
+        self.regime.probe_every = min(2 * every, limit) if failed else self.config.probe_interval
+        self.regime.probe_cost_ms = probe_ms if failed else None
+
+    def _judge_remeasure(self, runner_up: TreeShape, *, lost: bool) -> None:
+        """A runner-up that lost its re-measure waits twice as long for the next (up to 16
+        intervals); one that won waits one interval."""
+        interval = self.config.probe_interval
+        every = self.regime.remeasure_every
+        longer = min(2 * every.get(runner_up, interval), 16 * interval)
+        every[runner_up] = longer if lost else interval
 
     def _remeasure(self, rates: dict[TreeShape, float]) -> None:
         """Runs the runner-up for one interval, of the tiers whose wait is over: a tier that

@@ -1,13 +1,14 @@
 """The goodput policy's cost model: what a round at tier s costs (time) at a batch size, learnt
 online from RoundSamples' timings as moving averages that follow a workload that changes. What
-a round yields is `goodput_acceptance.py`'s."""
+a round yields is `acceptance.py`'s."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-from controller.goodput_terms import (
+from controller.policies.goodput.least_squares import line_at, slope
+from controller.policies.goodput.terms import (
     Bucket,
     Ema,
     Rate,
@@ -15,8 +16,7 @@ from controller.goodput_terms import (
     named,
     uniform_round,
 )
-from controller.interface import RoundSample, as_tier
-from controller.least_squares import line_at, slope
+from controller.policies.interface import RoundSample, as_tier
 from specpair.runtime.shape import TreeShape
 
 SEEN_REQUESTS = 4096  # ids kept to tell a request's first round: more than ever run at once

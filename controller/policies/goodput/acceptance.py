@@ -1,6 +1,6 @@
 """What a round at tier s yields: per-position acceptance of a chain draft, learnt online from
 accept lengths and decayed so that it follows a workload that changes. The goodput policy's
-other model, what a round costs, is `goodput_cost.py`."""
+other model, what a round costs, is `cost.py`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The goodput policy's keys (`GoodputConfig`, with the start-up cost profiles) and what it
-keeps per sampling regime (`Regime`); the policy itself is `controller/goodput.py`."""
+keeps per sampling regime (`Regime`); the policy itself is `policy.py`'s."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.goodput_acceptance import AcceptanceModel
-from controller.goodput_cost import CostModel
-from controller.interface import RoundSample, as_tier
-from controller.policy import (
+from controller.policies.goodput.acceptance import AcceptanceModel
+from controller.policies.goodput.cost import CostModel
+from controller.policies.interface import RoundSample, as_tier
+from controller.policies.sglang import (
     MAX_BATCH_SIZE,
     MAX_BATCHES,
     MAX_STEPS,
@@ -150,7 +150,7 @@ class Regime:
     rounds: int = 0
     tier: TreeShape | None = None  # the tier it ran at when the batch last left it
     # Per tier, rounds the policy stays at another before re-measuring it (the probe interval
-    # until it lost a re-measure; each loss doubles it: goodput_probe.py)
+    # until it lost a re-measure; each loss doubles it: probe.py)
     remeasure_every: dict[TreeShape, int] = field(default_factory=dict)
     # Per tree shape, its own acceptance by depth: a tree's branches are no chain's positions.
     # Before its rounds teach it, a tree is predicted as the chain of its depth (the chains'

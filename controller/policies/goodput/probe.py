@@ -33,9 +33,9 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from controller.goodput_config import GoodputConfig, Regime
-from controller.goodput_cost import CostModel
-from controller.interface import as_tier
+from controller.policies.goodput.config import GoodputConfig, Regime
+from controller.policies.goodput.cost import CostModel
+from controller.policies.interface import as_tier
 from specpair.runtime.shape import TreeShape
 
 # Per-position acceptance a probe must be able to pay at, above what a trained EAGLE head

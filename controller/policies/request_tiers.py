@@ -16,8 +16,8 @@ a 2 ms step share: code at α = 0.9 (E(3) = 3.44) and prose at α = 0.1 (E(3) = 
 Guards as the goodput kind's: warm-up and interval, and a new assignment must beat the current
 one by `min_gain`. A request at tier 0 learns nothing, so after `probe_interval` rounds there
 it runs the smallest positive tier for one interval. Loaded as a policy class:
-`--policy-class controller.request_tiers:RequestTiers` with the goodput kind's keys. The batch
-tier sent (`current_steps`) is m: a request not yet seen runs there.
+`--policy-class controller.policies.request_tiers:RequestTiers` with the goodput kind's keys.
+The batch tier sent (`current_steps`) is m: a request not yet seen runs there.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from controller.goodput import GoodputPolicy
-from controller.goodput_acceptance import AcceptanceModel
-from controller.goodput_config import GoodputConfig
-from controller.interface import GatedPolicy, RoundSample, TierEstimate
+from controller.policies.goodput.acceptance import AcceptanceModel
+from controller.policies.goodput.config import GoodputConfig
+from controller.policies.goodput.policy import GoodputPolicy
+from controller.policies.interface import GatedPolicy, RoundSample, TierEstimate
 from specpair.runtime.shape import TreeShape
 
 SWEEPS = 2

@@ -11,14 +11,19 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from controller.interface import PerRequestPolicy, RoundSample, SpeculationPolicy, policy_regimes
-from controller.target_link import NotConnectedError, TargetLink
-from specpair.client.results import TargetState, TierSwitch
+from controller.policies.interface import (
+    PerRequestPolicy,
+    RoundSample,
+    SpeculationPolicy,
+    policy_regimes,
+)
+from controller.service.target_link import NotConnectedError, TargetLink
 from specpair.logging import get_logger
 from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import target_pb2
 from specpair.runtime.round import RoundStats
 from specpair.runtime.shape import ShapeError, TreeShape, tier_from_wire, tier_name
+from specpair.target_state import TargetState, TierSwitch
 from specpair.tiers import RegimeSteps
 
 log = get_logger("controller")

@@ -1,11 +1,11 @@
-"""The goodput cost model's terms (`goodput_cost.py`): per tier and batch bucket, moving
+"""The goodput cost model's terms (`cost.py`): per tier and batch bucket, moving
 averages of what rounds took, and how a round is read into them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from controller.interface import RoundSample
+from controller.policies.interface import RoundSample
 from specpair.runtime.shape import TreeShape
 
 

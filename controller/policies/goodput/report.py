@@ -1,9 +1,9 @@
 """What the goodput policy reports of itself: each tier's predicted tokens/s (`ctl status`'s
-estimates) and a line on what its models learnt. The policy itself is `controller/goodput.py`."""
+estimates) and a line on what its models learnt. The policy itself is `policy.py`'s."""
 
 from __future__ import annotations
 
-from controller.goodput_config import GoodputConfig, Regime
+from controller.policies.goodput.config import GoodputConfig, Regime
 from specpair.runtime.shape import tier_name
 from specpair.tiers import TierEstimate
 

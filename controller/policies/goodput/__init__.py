@@ -1,0 +1,1 @@
+"""The goodput kind: the tier with the most expected tokens per second (`policy.py`)."""

@@ -1,0 +1,1 @@
+"""The controller's process: target links, the policy loop per target, memory, the ops API."""
