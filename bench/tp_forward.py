@@ -37,9 +37,13 @@ def cells_at(tp: int, target: Path, draft: Path, args: argparse.Namespace) -> li
     tier = TreeShape(args.tier)
     tiers = [TreeShape(0), tier]
     options: dict[str, Any] = dict(
-        max_requests=8, max_len=1024, keep_features=True, dtype=torch.bfloat16, device="cuda:0",
+        max_requests=8,
+        max_len=1024,
+        keep_features=True,
+        dtype=torch.bfloat16,
+        device="cuda:0",
         feature_layers=feature_layers(draft, target),
-    )  # fmt: skip
+    )
     t0 = time.perf_counter()
     ranks = None
     if tp == 1:
@@ -49,8 +53,14 @@ def cells_at(tp: int, target: Path, draft: Path, args: argparse.Namespace) -> li
     else:
         worker, ranks = build_parallel_target(target, tensor_parallel=tp, **options)
         builder, states = build_parallel_states(worker, ranks.lockstep, tiers)
-    drafter = build_drafter(draft, target_path=target, max_requests=8, max_len=1024,
-                            dtype=torch.bfloat16, device="cuda:0")  # fmt: skip
+    drafter = build_drafter(
+        draft,
+        target_path=target,
+        max_requests=8,
+        max_len=1024,
+        dtype=torch.bfloat16,
+        device="cuda:0",
+    )
     drafts = StateBuilder(None, drafter).build_all(tiers)
     start_s = time.perf_counter() - t0
     memory = [torch.cuda.mem_get_info(i) for i in range(tp)]
@@ -77,9 +87,11 @@ def cells_at(tp: int, target: Path, draft: Path, args: argparse.Namespace) -> li
             for lo in range(0, len(wl.ids), batch):
                 group = range(lo, min(lo + batch, len(wl.ids)))
                 results = engine.generate(
-                    [wl.ids[i] for i in group], max_new_tokens=args.new_tokens, state=state,
+                    [wl.ids[i] for i in group],
+                    max_new_tokens=args.new_tokens,
+                    state=state,
                     sampling=[wl.sampling(i) for i in group],
-                )  # fmt: skip
+                )
                 tokens += sum(len(r.token_ids) for r in results)
             seconds = time.perf_counter() - t0
             times = engine.times
@@ -87,16 +99,23 @@ def cells_at(tp: int, target: Path, draft: Path, args: argparse.Namespace) -> li
             steps, send_s = 0, 0.0
             if ranks is not None:
                 steps, send_s = ranks.lockstep.sent - sent0, ranks.lockstep.send_s - send0
-            out.append({
-                "tp": tp, "config": config, "workload": wl.name, "batch": batch,
-                "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                "verify_ms": 1e3 * times.verify / rounds,
-                "verify_gpu_ms": sum(v for _, v in times.gpu_ms) / rounds,
-                "steps_per_round": steps / rounds,
-                "step_send_us": 1e6 * send_s / steps if steps else 0.0,
-                "start_s": start_s,
-                "gpu_used_gib": [(total - free) / 2**30 for free, total in memory],
-            })  # fmt: skip
+            out.append(
+                {
+                    "tp": tp,
+                    "config": config,
+                    "workload": wl.name,
+                    "batch": batch,
+                    "tokens": tokens,
+                    "seconds": seconds,
+                    "tokens_per_s": tokens / seconds,
+                    "verify_ms": 1e3 * times.verify / rounds,
+                    "verify_gpu_ms": sum(v for _, v in times.gpu_ms) / rounds,
+                    "steps_per_round": steps / rounds,
+                    "step_send_us": 1e6 * send_s / steps if steps else 0.0,
+                    "start_s": start_s,
+                    "gpu_used_gib": [(total - free) / 2**30 for free, total in memory],
+                }
+            )
             print(out[-1], flush=True)
     finally:
         if ranks is not None:
@@ -121,20 +140,41 @@ def main() -> None:
     for c in cells:
         one = base.get((c["config"], c["workload"], c["batch"]))
         own = alone.get((c["tp"], c["batch"]), alone[(c["tp"], 1)])  # this TP's target alone
-        rows.append([
-            str(c["tp"]), c["config"], c["workload"], str(c["batch"]),
-            f"{c['tokens_per_s']:.1f}",
-            "-" if one is None else f"{c['tokens_per_s'] / one['tokens_per_s']:.2f}",
-            f"{c['tokens_per_s'] / own['tokens_per_s']:.2f}",
-            f"{c['verify_ms']:.2f}", f"{c['verify_gpu_ms']:.2f}",
-            f"{c['steps_per_round']:.1f}", f"{c['step_send_us']:.0f}",
-        ])  # fmt: skip
+        rows.append(
+            [
+                str(c["tp"]),
+                c["config"],
+                c["workload"],
+                str(c["batch"]),
+                f"{c['tokens_per_s']:.1f}",
+                "-" if one is None else f"{c['tokens_per_s'] / one['tokens_per_s']:.2f}",
+                f"{c['tokens_per_s'] / own['tokens_per_s']:.2f}",
+                f"{c['verify_ms']:.2f}",
+                f"{c['verify_gpu_ms']:.2f}",
+                f"{c['steps_per_round']:.1f}",
+                f"{c['step_send_us']:.0f}",
+            ]
+        )
     write_json(args.out, {"device": device_info(), "args": vars(args), "cells": cells})
     print(f"wrote {args.out}")
-    print(format_table(
-        ["TP", "config", "workload", "batch", "tok/s", "x TP=1", "x alone", "verify ms",
-         "verify GPU ms", "steps/round", "step send us"], rows,
-    ))  # fmt: skip
+    print(
+        format_table(
+            [
+                "TP",
+                "config",
+                "workload",
+                "batch",
+                "tok/s",
+                "x TP=1",
+                "x alone",
+                "verify ms",
+                "verify GPU ms",
+                "steps/round",
+                "step send us",
+            ],
+            rows,
+        )
+    )
     exit_if_nccl(0)
 
 

@@ -69,9 +69,13 @@ def build_parallel_target(
         cache = LockstepCache(group.lockstep, **spec.cache_options(model.args))
         group.watchdog = Watchdog(group.fail, floor_s=rank_timeout_floor_s)
         worker = WatchedWorker(
-            model, cache, group.watchdog, group.lockstep, keep_features=keep_features,
+            model,
+            cache,
+            group.watchdog,
+            group.lockstep,
+            keep_features=keep_features,
             feature_layers=feature_layers,
-        )  # fmt: skip
+        )
         if spec.cuda:
             gpu_target(worker)
         group.watch()

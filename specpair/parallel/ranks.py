@@ -115,9 +115,13 @@ def join(spec: ShardSpec, rank: int, store: Any, timeout: timedelta) -> Any:
         backend = "nccl"
         options["device_id"] = torch.device(spec.rank_device(rank))
     dist.init_process_group(
-        backend, store=dist.PrefixStore("group", store), rank=rank, world_size=spec.world,
-        timeout=timeout, **options,
-    )  # fmt: skip
+        backend,
+        store=dist.PrefixStore("group", store),
+        rank=rank,
+        world_size=spec.world,
+        timeout=timeout,
+        **options,
+    )
     return dist.new_group(backend="gloo", timeout=timeout) if spec.cuda else None
 
 
@@ -168,8 +172,12 @@ class RankGroup:
                 raise RankExitedError("tensor-parallel followers did not join in time")
             time.sleep(0.05)
         self._host_group = join(self.spec, 0, self._store, LEADER_TIMEOUT)
-        log.info("tensor-parallel ranks joined", ranks=world, port=self._store.port,
-                 devices=[self.spec.rank_device(r) for r in range(world)])  # fmt: skip
+        log.info(
+            "tensor-parallel ranks joined",
+            ranks=world,
+            port=self._store.port,
+            devices=[self.spec.rank_device(r) for r in range(world)],
+        )
 
     def agree(self, error: BaseException | None) -> None:
         """Raises rank 0's own load error, or a follower's, once every rank has loaded."""
@@ -308,9 +316,12 @@ def follow(spec: ShardSpec, rank: int, port: int, steps: Connection) -> None:
 def load_follower(spec: ShardSpec, rank: int) -> Follower:
     """This rank's shard and cache; on a GPU fused, with the worker its graphs are built for."""
     model: TensorParallelLlama = load_shard(
-        spec.path, Shard(rank, spec.world), dtype=spec.dtype, device=spec.rank_device(rank),
+        spec.path,
+        Shard(rank, spec.world),
+        dtype=spec.dtype,
+        device=spec.rank_device(rank),
         context=spec.max_len,
-    )  # fmt: skip
+    )
     cache = KVCache(**spec.cache_options(model.args, rank))
     if not spec.cuda:
         return Follower(model, cache)

@@ -42,9 +42,17 @@ def follower_of(pid: int) -> int:
 def test_a_tensor_parallel_target_process(ckpts: dict[str, Path], tmp_path: Path) -> None:
     address = f"127.0.0.1:{free_port()}"
     target = service(
-        "target", address, "target", "--model", str(ckpts["target"]), "--no-draft",
-        "--tensor-parallel", "2", "--http-address", "",
-    )  # fmt: skip
+        "target",
+        address,
+        "target",
+        "--model",
+        str(ckpts["target"]),
+        "--no-draft",
+        "--tensor-parallel",
+        "2",
+        "--http-address",
+        "",
+    )
     expected = reference_greedy(ckpts["target"], [PROMPT], 20)[0]
     with ServiceGroup(log_dir=tmp_path, health_timeout_s=180) as group:
         proc = group.start(target)
@@ -82,9 +90,19 @@ def test_a_hung_follower_fails_its_requests_and_ends_the_target(
     and the process exits 1 with that one line; without the watchdog it waits out gloo."""
     address = f"127.0.0.1:{free_port()}"
     target = service(
-        "target", address, "target", "--model", str(ckpts["target"]), "--no-draft",
-        "--tensor-parallel", "2", "--http-address", "", "--rank-timeout-floor", str(FLOOR_S),
-    )  # fmt: skip
+        "target",
+        address,
+        "target",
+        "--model",
+        str(ckpts["target"]),
+        "--no-draft",
+        "--tensor-parallel",
+        "2",
+        "--http-address",
+        "",
+        "--rank-timeout-floor",
+        str(FLOOR_S),
+    )
     with ServiceGroup(log_dir=tmp_path, health_timeout_s=180) as group:
         proc = group.start(target)
         follower = follower_of(proc.pid)

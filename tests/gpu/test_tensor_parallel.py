@@ -44,9 +44,13 @@ def build(tp: int, draft: Path) -> tuple[TargetWorker, Any]:
     gc.collect()
     torch.cuda.set_device(0)  # rank 0's, as the target service binds it
     options = dict(
-        max_requests=4, max_len=256, keep_features=True, dtype=BF16, device="cuda:0",
+        max_requests=4,
+        max_len=256,
+        keep_features=True,
+        dtype=BF16,
+        device="cuda:0",
         feature_layers=feature_layers(draft, TARGET),
-    )  # fmt: skip
+    )
     if tp == 1:
         return build_target(TARGET, **options), None  # type: ignore[arg-type]
     return build_parallel_target(TARGET, tensor_parallel=tp, **options)  # type: ignore[arg-type]

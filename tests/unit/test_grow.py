@@ -89,9 +89,15 @@ def hf(path: Path) -> torch.nn.Module:
 def test_growth_maps_heads_and_rope_as_worked_out() -> None:
     small = read_args(MODELS_DIR / "target")
     big = replace(
-        small, hidden_size=4096, head_dim=128, num_heads=32, num_kv_heads=8, num_layers=32,
-        intermediate_size=14336, vocab_size=128256,
-    )  # fmt: skip
+        small,
+        hidden_size=4096,
+        head_dim=128,
+        num_heads=32,
+        num_kv_heads=8,
+        num_layers=32,
+        intermediate_size=14336,
+        vocab_size=128256,
+    )
     growth = Growth(small, big)
     assert growth.m == 3
     assert growth.rope_theta() == pytest.approx(10000 ** (16 / 15))
@@ -215,10 +221,19 @@ def test_the_70b_shape_parses_as_issue_52_writes_it() -> None:
     named = parse_shape(parser, parser.parse_args(["a", "b", "--shape", "llama3-70b"]))
     assert named == SHAPES["llama3-70b"] == Shape(8192, 80, 64, 8, 128, 28672, 128256, tied=False)
     # the small target's heads land in the 70B shape (growth's refusals would name a field)
-    big = Growth(read_args(MODELS_DIR / "target"), replace(
-        read_args(MODELS_DIR / "target"), hidden_size=8192, num_layers=80, num_heads=64,
-        num_kv_heads=8, head_dim=128, intermediate_size=28672, vocab_size=128256,
-    ))  # fmt: skip
+    big = Growth(
+        read_args(MODELS_DIR / "target"),
+        replace(
+            read_args(MODELS_DIR / "target"),
+            hidden_size=8192,
+            num_layers=80,
+            num_heads=64,
+            num_kv_heads=8,
+            head_dim=128,
+            intermediate_size=28672,
+            vocab_size=128256,
+        ),
+    )
     assert big.kv_heads == [[0], [1]] and big.q_heads == [0, 1, 2, 3, 8, 9, 10, 11]
 
 

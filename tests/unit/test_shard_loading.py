@@ -28,20 +28,34 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """4 heads and 4 KV heads, so each splits over 2 and 4 ranks."""
     root = tmp_path_factory.mktemp("shards")
     biased = make_tiny_family(
-        root / "biased", LlamaConfig, LlamaForCausalLM, seed=7, vocab_size=VOCAB,
-        num_key_value_heads=4, attention_bias=True, mlp_bias=True,
-    )  # fmt: skip
+        root / "biased",
+        LlamaConfig,
+        LlamaForCausalLM,
+        seed=7,
+        vocab_size=VOCAB,
+        num_key_value_heads=4,
+        attention_bias=True,
+        mlp_bias=True,
+    )
     tied = make_tiny_llama(
-        root / "tied", seed=8, vocab_size=VOCAB, num_kv_heads=4, tie_word_embeddings=True,
+        root / "tied",
+        seed=8,
+        vocab_size=VOCAB,
+        num_kv_heads=4,
+        tie_word_embeddings=True,
         tokenizer=False,
-    )  # fmt: skip
+    )
     # the biased model in 20 KB files with their index json, as the Hub shards big models
     state = load_file(biased / "model.safetensors")
     config = json.loads((biased / "config.json").read_text())
     sharded = write_shards(
-        root / "sharded", checkpoint_shapes(read_args(biased)), config, state.__getitem__,
-        dtype=torch.float32, shard_bytes=20_000,
-    )  # fmt: skip
+        root / "sharded",
+        checkpoint_shapes(read_args(biased)),
+        config,
+        state.__getitem__,
+        dtype=torch.float32,
+        shard_bytes=20_000,
+    )
     pickled = root / "pickled"  # no safetensors: read whole, then sliced
     pickled.mkdir()
     shutil.copy(biased / "config.json", pickled)
