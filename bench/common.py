@@ -97,6 +97,11 @@ class Stats:
         )
 
 
+def format_optional(value: float | None, spec: str) -> str:
+    """`value` formatted by `spec`, or "-" for a table cell with nothing measured."""
+    return "-" if value is None else format(value, spec)
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """Plain aligned text: first column left-aligned, the rest right-aligned."""
     widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]

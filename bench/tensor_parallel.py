@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import device_info, format_table, grouped_bars, write_json
+from bench.common import device_info, format_optional, format_table, grouped_bars, write_json
 from bench.gpu_speedup import Workload, add_pair_args, bench_pair, make_workloads, request_counts
 from bench.services import wait_draft_connected
 from bench.two_gpus import Account, run_cell
@@ -102,10 +102,6 @@ def fill_ratios(cells: list[TPCell]) -> None:
         c.x_tp1 = c.tokens_per_s / tp1 if c.mode == ALONE and tp1 else None
 
 
-def _f(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def render(cells: Sequence[TPCell]) -> str:
     rows = [
         [
@@ -114,9 +110,9 @@ def render(cells: Sequence[TPCell]) -> str:
             c.workload,
             str(c.clients),
             f"{c.tokens_per_s:.1f}",
-            _f(c.x_tp1, ".2f"),
-            _f(c.x_alone, ".2f"),
-            _f(c.account.accept, ".2f"),
+            format_optional(c.x_tp1, ".2f"),
+            format_optional(c.x_alone, ".2f"),
+            format_optional(c.account.accept, ".2f"),
             f"{c.account.verify_ms:.2f}" if c.account.rounds else "-",
             f"{c.account.plain_verify_ms:.2f}" if c.account.plain_rounds else "-",
         ]
@@ -207,7 +203,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         verify = a.verify_ms if a.rounds else a.plain_verify_ms
         print(
             f"  {name:6s} {mode:12s} {wl.name:18s} {clients:2d} clients "
-            f"{cell.tokens_per_s:8.1f} tok/s  accept {_f(a.accept, '.2f')} verify {verify:.2f} ms",
+            f"{cell.tokens_per_s:8.1f} tok/s  accept {format_optional(a.accept, '.2f')} "
+            f"verify {verify:.2f} ms",
             flush=True,
         )
         fill_ratios(cells)

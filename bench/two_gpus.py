@@ -34,7 +34,7 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.common import device_info, format_table, grouped_bars, write_json
+from bench.common import device_info, format_optional, format_table, grouped_bars, write_json
 from bench.gpu_speedup import Workload, add_pair_args, bench_pair, make_workloads, request_counts
 from bench.services import wait_draft_connected, watch_rounds
 from bench.up_client import Up, pin_target_alone, running_up, sdk_door
@@ -156,10 +156,6 @@ def fill_ratios(cells: list[TwoCell]) -> None:
         c.x_alone = c.tokens_per_s / alone[key] if key in alone else None
 
 
-def _f(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def render(cells: Sequence[TwoCell]) -> str:
     rows = [
         [
@@ -167,9 +163,9 @@ def render(cells: Sequence[TwoCell]) -> str:
             c.workload,
             str(c.clients),
             f"{c.tokens_per_s:.1f}",
-            _f(c.x_one_gpu, ".2f"),
-            _f(c.x_alone, ".2f"),
-            _f(c.account.accept, ".2f"),
+            format_optional(c.x_one_gpu, ".2f"),
+            format_optional(c.x_alone, ".2f"),
+            format_optional(c.account.accept, ".2f"),
             f"{c.account.round_ms:.2f}",
             f"{c.account.verify_ms:.2f}",
             f"{c.account.wait_ms:.2f}",
@@ -249,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         a = cell.account
         print(
             f"  {name:18s} {wl.name:18s} {clients:2d} clients {cell.tokens_per_s:8.1f} tok/s  "
-            f"accept {_f(a.accept, '.2f')} round {a.round_ms:.2f} ms "
+            f"accept {format_optional(a.accept, '.2f')} round {a.round_ms:.2f} ms "
             f"verify {a.verify_ms:.2f} wait {a.wait_ms:.2f}",
             flush=True,
         )

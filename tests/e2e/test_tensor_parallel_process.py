@@ -18,10 +18,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specpair.client import SpecpairClient
-from specpair.group import ServiceGroup
+from specpair.group import Service, ServiceGroup
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
 from tests.e2e.test_processes import free_port, service, wait_for
 from tests.service.conftest import reference_greedy
+from tests.unit.test_tensor_parallel_watchdog import alive
 
 pytestmark = pytest.mark.slow
 PROMPT = [10, 11, 12, 13, 14, 15, 16, 17, 18]
@@ -39,9 +40,9 @@ def follower_of(pid: int) -> int:
     return followers[0]
 
 
-def test_a_tensor_parallel_target_process(ckpts: dict[str, Path], tmp_path: Path) -> None:
-    address = f"127.0.0.1:{free_port()}"
-    target = service(
+def tp_target(ckpts: dict[str, Path], address: str, *extra: str) -> Service:
+    """The tiny target at --tensor-parallel 2, without a draft or the HTTP API."""
+    return service(
         "target",
         address,
         "target",
@@ -52,7 +53,13 @@ def test_a_tensor_parallel_target_process(ckpts: dict[str, Path], tmp_path: Path
         "2",
         "--http-address",
         "",
+        *extra,
     )
+
+
+def test_a_tensor_parallel_target_process(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    target = tp_target(ckpts, address)
     expected = reference_greedy(ckpts["target"], [PROMPT], 20)[0]
     with ServiceGroup(log_dir=tmp_path, health_timeout_s=180) as group:
         proc = group.start(target)
@@ -89,20 +96,7 @@ def test_a_hung_follower_fails_its_requests_and_ends_the_target(
     the stream ends with UNAVAILABLE and the watchdog's line, health stops saying SERVING,
     and the process exits 1 with that one line; without the watchdog it waits out gloo."""
     address = f"127.0.0.1:{free_port()}"
-    target = service(
-        "target",
-        address,
-        "target",
-        "--model",
-        str(ckpts["target"]),
-        "--no-draft",
-        "--tensor-parallel",
-        "2",
-        "--http-address",
-        "",
-        "--rank-timeout-floor",
-        str(FLOOR_S),
-    )
+    target = tp_target(ckpts, address, "--rank-timeout-floor", str(FLOOR_S))
     with ServiceGroup(log_dir=tmp_path, health_timeout_s=180) as group:
         proc = group.start(target)
         follower = follower_of(proc.pid)
@@ -146,21 +140,10 @@ def test_a_hung_follower_fails_its_requests_and_ends_the_target(
 
 def test_a_killed_rank_0_leaves_no_follower(ckpts: dict[str, Path], tmp_path: Path) -> None:
     address = f"127.0.0.1:{free_port()}"
-    target = service(
-        "target", address, "target", "--model", str(ckpts["target"]), "--no-draft",
-        "--tensor-parallel", "2", "--http-address", "",
-    )  # fmt: skip
+    target = tp_target(ckpts, address)
     with ServiceGroup(log_dir=tmp_path, health_timeout_s=180) as group:
         proc = group.start(target)
         follower = follower_of(proc.pid)
         proc.kill()  # no `stop`, no Stop step: the follower must notice by itself
         proc.wait(10)
         wait_for(lambda: not alive(follower), 10, "the follower to exit")
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie of ours, or one re-parented and reaped, does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

@@ -171,10 +171,9 @@ class FusedVocabParallelHead(FusedLMHead):
         self.vocab_size, self.world = head.vocab_size, head.world
 
     def forward(self, hidden: Tensor) -> Tensor:
-        x = hidden.reshape(-1, hidden.shape[-1])
-        parts = linear_parts(x, self.weight)
-        local = parts[0] if parts.shape[0] == 1 else parts.sum(0)
-        return gather_vocab(local, self.world, self.vocab_size).view(*hidden.shape[:-1], -1)
+        local = super().forward(hidden)  # this rank's rows: [..., V / world]
+        whole = gather_vocab(local.reshape(-1, local.shape[-1]), self.world, self.vocab_size)
+        return whole.view(*hidden.shape[:-1], -1)
 
 
 def reduced(parts: Tensor) -> Tensor:
