@@ -273,9 +273,12 @@ class Lockstep:
             self._send(Replay(graph), None)
 
     def send_changes(self) -> None:
-        """Sends the changes recorded so far (an `Apply` step), if any."""
+        """Sends the changes recorded so far (an `Apply` step) if a graph was planned among
+        them: the followers' plans are what is worth moving ahead; commits and frees ride
+        with the next step (on the CPU, whose stages plan nothing ahead, that is every one)."""
         with self.lock:
-            if self.changes and not self.muted:
+            planned = any(isinstance(c, GraphPlan | GraphLoad) for c in self.changes)
+            if planned and not self.muted:
                 self._send(Apply(), None)
 
     def stop(self, timeout_s: float) -> bool:
