@@ -5,8 +5,8 @@ Deployments, each a `specpair up --device cuda` (the draft on rank 0's GPU, SGLa
 policy `up` ships), started one after another and kept up side by side on one machine of
 ≥ max(--tp) GPUs:
 
-- `TP=1`: the target on cuda:0;
-- `TP=N` for each N of --tp: the target on cuda:0 … cuda:N-1.
+- `TP=N` for each N of --tp (default 1 and 2): the target on cuda:0 … cuda:N-1 (a target
+  bigger than one GPU: leave 1 out, as the 70B run below).
 
 Cells (held-out code prompts, greedy and T = 0.7 top-p 0.95 with a seed per request, each at
 every --batches load): first each TP=N speculating; then every deployment pinned to tier 0
@@ -15,9 +15,11 @@ TP=1's alone (same workload and load); `x alone`, speculation over its own deplo
 Per cell from the target's RoundStats (bench.two_gpus.Account): mean verify ms of speculative
 rounds and of plain ones. Per deployment: seconds from `up` to its ready line (the ones before
 it already up and idle) and, once all are up, each GPU's memory in use (nvidia-smi: every
-deployment's processes on that GPU together).
+deployment's processes on that GPU together); and lossless, greedy: the first --check prompts'
+tokens speculating against the same deployment's target alone (`identical` of `checked`; bf16
+ties may part two outputs, issue 52's "up to the GPU tie rule").
 
-    python -m bench.tensor_parallel [--tp 2] [--batches 1 8] [--requests 12 32] \\
+    python -m bench.tensor_parallel [--tp 1 2] [--batches 1 8] [--requests 12 32] \\
         [--out bench/out/tensor_parallel.json]
     python -m bench.tensor_parallel --tp 4 --target-model /data/70b --draft-model /data/70b-eagle3
     python -m bench.tensor_parallel --device cpu --shape shipped --tp 2 --batches 1 \\
@@ -79,6 +81,25 @@ def up_command(args: argparse.Namespace, target: Path, draft: Path, tp: int) -> 
     ]
 
 
+def greedy_tokens(up: Up, wl: Workload, n: int, new_tokens: int) -> list[list[int]]:
+    """The first `n` prompts of `wl`, one at a time: each one's generated token ids."""
+    client = SpecpairClient(up.target, timeout=600)
+    return [
+        list(client.generate(wl.ids[i], max_tokens=new_tokens, temperature=0.0).token_ids)
+        for i in range(min(n, len(wl.ids)))
+    ]
+
+
+def lossless(speculating: list[list[int]], alone: list[list[int]]) -> dict[str, Any]:
+    """How many outputs match token for token, and where each other one first parts."""
+    parted = [
+        next((i for i, (a, b) in enumerate(zip(s, t, strict=False)) if a != b), min(len(s), len(t)))
+        for s, t in zip(speculating, alone, strict=True)
+        if s != t
+    ]
+    return {"checked": len(alone), "identical": len(alone) - len(parted), "parted_at": parted}
+
+
 def gpu_memory() -> list[dict[str, Any]]:
     """Each GPU's memory in use and in all, MiB (nvidia-smi); [] where there is none."""
     if shutil.which("nvidia-smi") is None:
@@ -136,7 +157,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     add_pair_args(parser)
     parser.set_defaults(draft_kind="eagle3")
-    parser.add_argument("--tp", type=int, nargs="+", default=[2], help="ranks, beside TP=1")
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="each deployment's ranks")
+    parser.add_argument("--check", type=int, default=4, help="greedy prompts checked lossless")
     parser.add_argument("--target-model", type=Path, help="a pre-grown target (with --draft-model)")
     parser.add_argument("--draft-model", type=Path, help="its draft (default: --shape's pair)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="clients a cell")
@@ -152,8 +174,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/out/tensor_parallel.json"))
     args = parser.parse_args(argv)
     counts = request_counts(parser, args.batches, args.requests)
-    if any(tp < 2 for tp in args.tp):
-        parser.error("--tp: ranks of the tensor-parallel deployments, each 2 or more")
+    if any(tp < 1 for tp in args.tp):
+        parser.error("--tp: each deployment's ranks, 1 or more")
     if (args.target_model is None) != (args.draft_model is None):
         parser.error("--target-model and --draft-model go together")
     from transformers import AutoTokenizer
@@ -171,11 +193,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         for wl in make_workloads(tokenizer, max(counts.values()), args.temperatures, args.top_p)
         if wl.prompts == "code"
     ]
-    ranks = [1, *sorted(set(args.tp))]
+    ranks = sorted(set(args.tp))
     commands = {deployment(tp): up_command(args, target, draft, tp) for tp in ranks}
     starts: dict[str, float] = {}
     memory: list[dict[str, Any]] = []
     cells: list[TPCell] = []
+    checks: dict[str, dict[str, Any]] = {}
+    greedy = next((wl for wl in workloads if wl.temperature == 0), None)
+    speculated: dict[str, list[list[int]]] = {}
 
     def save() -> None:
         write_json(
@@ -192,6 +217,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "top_p": args.top_p,
                 "start_s": starts,
                 "gpu_memory": memory,
+                "lossless": checks,
                 "cells": [asdict(c) | {"tokens_per_s": c.tokens_per_s} for c in cells],
             },
         )
@@ -233,8 +259,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                 for name, up in ups.items():
                     if name != deployment(1):
                         record(name, SPECULATING, wl, clients, n, up)
+        if greedy is not None:
+            for name, up in ups.items():
+                speculated[name] = greedy_tokens(up, greedy, args.check, args.new_tokens)
         for up in ups.values():
             pin_target_alone(ControllerClient(up.controller, token=up.token, timeout=30))
+        if greedy is not None:
+            for name, up in ups.items():
+                alone = greedy_tokens(up, greedy, args.check, args.new_tokens)
+                checks[name] = lossless(speculated[name], alone)
+                print(f"  {name} lossless (greedy): {checks[name]}", flush=True)
+            save()
         for wl in workloads:
             for clients, n in counts.items():
                 for name, up in ups.items():
@@ -245,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("start to ready: " + ", ".join(f"{n} {s:.1f} s" for n, s in starts.items()))
     for row in memory:
         print(f"GPU {row['gpu']}: {row['used_mib']} / {row['total_mib']} MiB in use")
+    for name, check in checks.items():
+        print(f"{name}: {check['identical']} of {check['checked']} greedy outputs identical")
     print(render(cells))
 
 

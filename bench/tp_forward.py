@@ -4,7 +4,9 @@ CUDA graphs) on the grown 8B target with the EAGLE-3 head, held-out code, the en
 Per TP and cell (target alone at tier 0's graphs, batch 1 and 8; the EAGLE-3 head at a static
 tier, greedy and T 0.7, batch 1): tokens/s, the verify's wall ms a round and its graphs' GPU ms
 (on rank 0), and for TP > 1 what keeping the ranks in step costs: rank 0's host time sending
-one step (the pickled plan, loads and replay order, over the gloo group), and steps a round.
+one step (the plan, loads and replay order, down a pipe), and steps a round. Small sums go over
+peer memory (`models/parallel.PeerReduce`); `SPECPAIR_ALL_REDUCE=nccl` sends them all through
+NCCL, to measure what that saves (a process joins NCCL's group once: one run each).
 `bench/tensor_parallel.py` measures the same through `specpair up` and the SDK.
 
     python -m bench.tp_forward [--tp 1 2] [--requests 8] [--new-tokens 128] [--tier 7]
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +26,7 @@ import torch
 from bench.common import device_info, format_table, write_json
 from bench.gpu_speedup import grown_pair, make_workloads
 from specpair.parallel.build import build_parallel_states, build_parallel_target
-from specpair.parallel.ranks import exit_if_nccl
+from specpair.parallel.ranks import ALL_REDUCE_ENV, exit_if_nccl
 from specpair.runtime.build import StateBuilder, build_drafter, build_target, feature_layers
 from specpair.runtime.engine import SpeculativeEngine, StageTimes
 from specpair.runtime.shape import TreeShape
@@ -102,6 +105,7 @@ def cells_at(tp: int, target: Path, draft: Path, args: argparse.Namespace) -> li
             out.append(
                 {
                     "tp": tp,
+                    "all_reduce": os.environ.get(ALL_REDUCE_ENV, "peer") if tp > 1 else "-",
                     "config": config,
                     "workload": wl.name,
                     "batch": batch,
@@ -143,6 +147,7 @@ def main() -> None:
         rows.append(
             [
                 str(c["tp"]),
+                c["all_reduce"],
                 c["config"],
                 c["workload"],
                 str(c["batch"]),
@@ -161,6 +166,7 @@ def main() -> None:
         format_table(
             [
                 "TP",
+                "all-reduce",
                 "config",
                 "workload",
                 "batch",

@@ -79,10 +79,68 @@ class Collectives:
     issued = 0
 
 
+class PeerReduce:
+    """A one-shot all-reduce over peer memory for small sums: each rank copies its partial into
+    a buffer every rank of the node has mapped (torch symmetric memory over NVLink P2P, no
+    multicast), waits at a barrier, then reads and adds every rank's copy itself, so a sum is
+    one kernel of a few microseconds instead of NCCL's ring (about 15-20 us inside a graph at
+    8 rows x 4096 on two H200s, 64 of them a forward: issue 52's measurement). Above
+    `max_bytes` each rank reading every peer's whole buffer costs more than the ring saves, so
+    bigger sums (prefill chunks) stay on NCCL.
+
+    The kernel (`symm_mem.one_shot_all_reduce_copy_out`) ends with a second barrier, so the
+    one buffer is safe to reuse by the next sum on the same stream, inside a CUDA graph too."""
+
+    def __init__(self, device: torch.device, max_bytes: int) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group_name = dist.group.WORLD.group_name  # type: ignore[union-attr]
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:  # needed before torch 2.9, a no-op after
+            enable(self.group_name)
+        self.max_numel = max_bytes // 4  # float32: `reduced` sums in float32
+        self.buffer = symm_mem.empty(self.max_numel, dtype=torch.float32, device=device)
+        symm_mem.rendezvous(self.buffer, self.group_name)  # collective: every rank maps each
+
+    def fits(self, x: Tensor) -> bool:
+        return x.dtype == torch.float32 and x.numel() <= self.max_numel and x.is_contiguous()
+
+    def __call__(self, x: Tensor) -> Tensor:
+        out = torch.empty_like(x)
+        torch.ops.symm_mem.one_shot_all_reduce_copy_out(
+            self.buffer[: x.numel()], x.view(-1), "sum", self.group_name, out.view(-1)
+        )
+        return out
+
+
+PEER_REDUCE_MAX_BYTES = 1 << 20  # 64 rows of 4096 float32: a batch-8 tier-7 verify
+_peer: PeerReduce | None = None
+
+
+def start_peer_reduce(device: torch.device, max_bytes: int = PEER_REDUCE_MAX_BYTES) -> str:
+    """Maps this rank's peer-reduce buffer (collective: every rank of the group calls it, after
+    NCCL's group is up); '' once mapped, else why not (then sums go through NCCL)."""
+    global _peer
+    try:
+        _peer = PeerReduce(device, max_bytes)
+    except Exception as exc:  # no P2P between the GPUs, a torch without symmetric memory
+        _peer = None
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def stop_peer_reduce() -> None:
+    """Back to NCCL for every sum (each rank: when one rank could not map its buffer)."""
+    global _peer
+    _peer = None
+
+
 def reduce_sum(x: Tensor) -> Tensor:
-    """Sums `x` over the ranks, in place (a test replaces it with a broken one, which the
-    distribution test must catch)."""
+    """Sums `x` over the ranks (a test replaces it with a broken one, which the distribution
+    test must catch); in place through NCCL, out of place through peer memory."""
     Collectives.issued += 1
+    if _peer is not None and x.is_cuda and _peer.fits(x):
+        return _peer(x)
     dist.all_reduce(x)
     return x
 

@@ -44,7 +44,14 @@ import torch.distributed as dist
 from specpair.config.target import rank_devices
 from specpair.logging import get_logger
 from specpair.models.args import ModelArgs
-from specpair.models.parallel import Shard, TensorParallelLlama, load_shard
+from specpair.models.parallel import (
+    PEER_REDUCE_MAX_BYTES,
+    Shard,
+    TensorParallelLlama,
+    load_shard,
+    start_peer_reduce,
+    stop_peer_reduce,
+)
 from specpair.parallel.lockstep import Follower, Lockstep
 from specpair.parallel.watchdog import Watchdog, watch_parent
 from specpair.runtime.kv_cache import KVCache
@@ -122,7 +129,31 @@ def join(spec: ShardSpec, rank: int, store: Any, timeout: timedelta) -> Any:
         timeout=timeout,
         **options,
     )
-    return dist.new_group(backend="gloo", timeout=timeout) if spec.cuda else None
+    if not spec.cuda:
+        return None
+    host_group = dist.new_group(backend="gloo", timeout=timeout)
+    peer_reduce(spec, rank, host_group)
+    return host_group
+
+
+# "nccl" sends every sum through NCCL (to measure what the peer-memory reduce saves)
+ALL_REDUCE_ENV = "SPECPAIR_ALL_REDUCE"
+
+
+def peer_reduce(spec: ShardSpec, rank: int, host_group: Any) -> None:
+    """Small sums over peer memory on every rank, or on none: a rank that cannot map the
+    buffer (no P2P between its GPUs) sends every rank's sums back to NCCL, so the collectives
+    the graphs capture pair up."""
+    if os.environ.get(ALL_REDUCE_ENV, "peer") == "nccl":
+        return
+    errors = agree(start_peer_reduce(torch.device(spec.rank_device(rank))), host_group)
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    if failed:
+        stop_peer_reduce()
+        if rank == 0:
+            log.warning("all-reduce through NCCL only: no peer memory", why="; ".join(failed))
+    elif rank == 0:
+        log.info("small all-reduces over peer memory", max_bytes=PEER_REDUCE_MAX_BYTES)
 
 
 def agree(error: str, group: Any = None) -> list[str]:
