@@ -72,7 +72,6 @@ def build_parallel_target(
             model,
             cache,
             group.watchdog,
-            group.lockstep,
             keep_features=keep_features,
             feature_layers=feature_layers,
         )

@@ -21,15 +21,17 @@ order, their all-reduces paired) and then replays together. Rank 0's graphs that
 collectives report their plans and input loads as changes (`GraphPlan`, `GraphLoad`, in order
 with the cache's), and each replay as a `Replay` step naming the graph:
 
-    rank 0: prepare → plan(layout), load(positions); verify → load(tokens), replay(graph 17)
-            ── Step((GraphPlan(17, 0, layout), GraphLoad(17, "positions", …),
-                     GraphLoad(17, "tokens", …)), Replay(17))
-    rank 1: the same plan and loads on its graph 17, then its replay
+    rank 0: prepare → plan(layout) ── Step((GraphPlan(17, 0, layout),), Apply())
+    rank 1:                          the same plan on its graph 17, while rank 0 makes its own
+    rank 0: load(positions); verify → load(tokens), replay(graph 17)
+            ── Step((GraphLoad(17, "positions", …), GraphLoad(17, "tokens", …)), Replay(17))
+    rank 1: the same loads, then its replay
 
-So a round costs one step message and no host round-trip per layer; the all-reduces inside the
-graphs go over NCCL. A step travels as bytes down a pipe to each follower (`encode`: host
-tensors as numpy arrays), ~0.1 ms, where a gloo broadcast of the pickled object took 1.6–2.9 ms
-a step on an H100 pair and held the follower back by as much (`bench/tp_forward.py`).
+So a round costs two step messages and no host round-trip per layer; the sums inside the
+graphs go over peer memory or NCCL (`models/parallel.reduce_sum`). A step travels as bytes down
+a pipe to each follower (`encode`: host tensors as numpy arrays), 0.2-0.4 ms of rank 0's host
+time on an H200 pair, where a gloo broadcast of the pickled object took 1.6-2.9 ms a step on
+an H100 pair and held the follower back by as much (`bench/tp_forward.py`).
 """
 
 from __future__ import annotations
@@ -261,7 +263,13 @@ class Lockstep:
     # -- a `GraphMirror` (runtime/gpu/capture.py) for rank 0's collective graphs --------------
 
     def plan(self, graph: int, attention: int, layout: BatchLayout) -> None:
+        """Sends the plan at once (an `Apply` step, with the changes recorded before it),
+        before rank 0 makes its own: a follower's plan is its longest host work of a round
+        (flashinfer's, over its pages), so it runs beside rank 0's instead of after it."""
         self.record(GraphPlan(graph, attention, layout))
+        if not self.muted:
+            with self.lock:
+                self._send(Apply(), None)
 
     def load(self, graph: int, name: str, src: Tensor | Sequence[Tensor]) -> None:
         self.record(GraphLoad(graph, name, src if isinstance(src, Tensor) else tuple(src)))
@@ -271,15 +279,6 @@ class Lockstep:
             return
         with self.lock:
             self._send(Replay(graph), None)
-
-    def send_changes(self) -> None:
-        """Sends the changes recorded so far (an `Apply` step) if a graph was planned among
-        them: the followers' plans are what is worth moving ahead; commits and frees ride
-        with the next step (on the CPU, whose stages plan nothing ahead, that is every one)."""
-        with self.lock:
-            planned = any(isinstance(c, GraphPlan | GraphLoad) for c in self.changes)
-            if planned and not self.muted:
-                self._send(Apply(), None)
 
     def stop(self, timeout_s: float) -> bool:
         """Tells the followers to stop; False when a step held the group past `timeout_s`."""

@@ -34,7 +34,6 @@ from torch import Tensor
 
 from specpair.config import DEFAULT_RANK_TIMEOUT_FLOOR_S
 from specpair.models.llama import LlamaModel
-from specpair.parallel.lockstep import Lockstep
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.target.worker import TargetSequence, TargetWorker, VerifyResult
@@ -170,21 +169,19 @@ def hang_message(call: _Call, took: float, factor: float) -> str:
 
 
 class WatchedWorker(TargetWorker):
-    """Rank 0's worker whose collective calls `watchdog` times; a plan it makes ahead goes to
-    the followers at once (`Lockstep.send_changes`), so they plan ahead too."""
+    """Rank 0's worker whose collective calls `watchdog` times."""
 
     def __init__(
         self,
         model: LlamaModel,
         cache: KVCache,
         watchdog: Watchdog,
-        lockstep: Lockstep,
         *,
         keep_features: bool = False,
         feature_layers: tuple[int, ...] = (),
     ) -> None:
         super().__init__(model, cache, keep_features=keep_features, feature_layers=feature_layers)
-        self.watchdog, self.lockstep = watchdog, lockstep
+        self.watchdog = watchdog
 
     def prefill(self, seqs: Sequence[TargetSequence]) -> list[Tensor | None]:
         with self.watchdog.timing("prefill", sum(len(s.prompt) for s in seqs)):
@@ -198,7 +195,6 @@ class WatchedWorker(TargetWorker):
     ) -> None:
         with self.watchdog.timing("prepare", len(seqs)):
             super().prepare(seqs, state, depths)
-        self.lockstep.send_changes()
 
     def verify(
         self,
