@@ -54,13 +54,16 @@ def tp2_samples(
     """Samples from a TP=2 pair built in a process of its own: NCCL's group, once joined, is
     left only with the process (`parallel/ranks.py`), and each test needs a group."""
     context = mp.get_context("spawn")
-    results = context.Queue()
+    answer, results = context.Pipe(duplex=False)  # a pipe's send is done when it returns
     child = context.Process(
         target=_sample_in_child, args=(target, draft, params, runs, broken, results)
     )
     child.start()
+    results.close()
     try:
-        counts = results.get(timeout=CHILD_TIMEOUT_S)
+        if not answer.poll(CHILD_TIMEOUT_S):
+            pytest.fail(f"no samples from the TP=2 process in {CHILD_TIMEOUT_S} s")
+        counts = answer.recv()
     finally:
         child.join(30)
         if child.is_alive():
@@ -83,9 +86,9 @@ def _sample_in_child(
         worker, ranks = build_parallel_target(
             target, tensor_parallel=2, max_requests=BATCH, max_len=64, dtype=BF16, device="cuda:0"
         )
-        results.put(dict(sample(worker, ranks.lockstep, draft, target, params, runs)))
+        results.send(dict(sample(worker, ranks.lockstep, draft, target, params, runs)))
     except BaseException as exc:
-        results.put(f"{type(exc).__name__}: {exc}")
+        results.send(f"{type(exc).__name__}: {exc}")
     sys.stdout.flush()
     os._exit(0)  # leaves NCCL's group with the process
 
