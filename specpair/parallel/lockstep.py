@@ -144,8 +144,8 @@ class Replay:
 
 @dataclass(frozen=True, slots=True)
 class Apply:
-    """Only the changes: a plan made ahead (`TargetWorker.prepare`, while the draft drafts),
-    sent ahead so that the followers plan while rank 0 waits too."""
+    """Only the changes: a graph's plan, sent before rank 0 makes its own (`Lockstep.plan`),
+    so that the followers plan while rank 0 does."""
 
 
 @dataclass(frozen=True, slots=True)
