@@ -21,7 +21,7 @@ from specpair.models.llama import Attend
 from specpair.runtime.accept_batch import ChainBatch, TreeBatch
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
-from specpair.runtime.round import DraftInput
+from specpair.runtime.round_messages import DraftInput
 from specpair.runtime.sampling import RowParams
 from specpair.runtime.tree import CandidateTree
 

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from specpair.runtime import round as round_messages
+from specpair.runtime import round_messages
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = "bench/RESULTS.md"
 DOCS = ["ARCHITECTURE.md", "README.md", RESULTS]
 PATH = re.compile(r"(?<![\w./-])([A-Za-z0-9_./-]+\.(?:py|proto|sh|yml|yaml|toml|md))(?![\w-])")
 PACKAGES = ("specpair", "controller", "target_service", "draft_service", "bench", "training")
-# `specpair.wire.tensor_into`, `controller.policies.request_tiers:RequestTiers`,
+# `specpair.rpc.wire.tensor_into`, `controller.policies.request_tiers:RequestTiers`,
 # `python -m bench.tiers`
 MODULE = re.compile(rf"(?<![\w./])((?:{'|'.join(PACKAGES)})(?:\.\w+)+)(?::(\w+))?")
 RESULT_FILE = re.compile(r"([\w.-]+\.(?:json|json\.gz|png))$")
@@ -102,7 +102,7 @@ def layout_entries() -> list[str]:
     """Every file and folder of ARCHITECTURE.md's Layout tree, with its folders prefixed.
 
     A line's names come before its description (two spaces apart): `  wire.py   round
-    messages` under `specpair/` is `specpair/wire.py`; a line that is one folder opens it for
+    messages` under `specpair/` is `specpair/rpc/wire.py`; a line that is one folder opens it for
     the lines indented below, and the `.py` files its description names (down to the next line
     of names) are that folder's: `target/   worker.py (…)`. A name with a folder in it
     (`tests/unit/test_layering.py`) is from the repository's root."""
@@ -133,7 +133,7 @@ def layout_entries() -> list[str]:
 
 def test_the_layout_tree_names_only_files_that_exist() -> None:
     entries = layout_entries()
-    assert "specpair/wire.py" in entries and "controller/policies/request_tiers.py" in entries
+    assert "specpair/rpc/wire.py" in entries and "controller/policies/request_tiers.py" in entries
     missing = [
         e
         for e in entries
