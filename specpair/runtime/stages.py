@@ -75,6 +75,21 @@ class DraftModel(Protocol):
         """The eager forward of `extend_inputs`' rows: each request's last hidden [B, 1, H]."""
 
 
+class PrefillStage(Protocol):
+    """Prompts prefilled in CUDA graphs (`gpu/prefill_graphs.py`); the target's worker
+    prefills eagerly where none fits."""
+
+    @property
+    def longest(self) -> int:
+        """The longest prompt a graph takes: one past it runs eagerly."""
+
+    def run(
+        self, layout: BatchLayout, tokens: Tensor, lengths: Sequence[int]
+    ) -> tuple[Tensor, Tensor] | None:
+        """Features [B', T', F] and last rows' logits [B', V] of prompts `tokens` [B, T] on the
+        host; None where no graph fits."""
+
+
 class VerifyStage(Protocol):
     """The target's forward over a batch of candidate trees."""
 
