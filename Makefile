@@ -67,7 +67,7 @@ lint: $(STAMP)
 	fi
 
 proto: $(STAMP)
-	$(BIN)/python -m specpair.proto_gen
+	$(BIN)/python -m specpair.rpc.proto_gen
 
 run: $(STAMP)
 	$(BIN)/specpair up --demo

@@ -34,16 +34,16 @@ from bench.common import device_info, format_table, shape_arg, write_json
 from specpair.config import FeatureDType
 from specpair.models.draft_vocab import coverage, frequency_map, token_counts
 from specpair.proto.v1 import common_pb2
+from specpair.rpc.wire_tensor import fp8_rows_into, tensor_from_proto
 from specpair.runtime.build import StateBuilder, build_drafter, build_target, feature_layers
 from specpair.runtime.draft.drafter import Drafter
 from specpair.runtime.engine import SpeculativeEngine
-from specpair.runtime.round import DraftInput
+from specpair.runtime.round_messages import DraftInput
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.shape import TreeShape
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.target.worker import TargetWorker
 from specpair.runtime.tree import CandidateTree
-from specpair.wire_tensor import fp8_rows_into, tensor_from_proto
 from training.corpus import MAX_FILE_BYTES, is_heldout
 
 EOT_ID = 0  # <|endoftext|>: bos, eos and pad of the shared tokenizer

@@ -35,7 +35,7 @@ from controller.policies.sglang import PolicyConfig
 from controller.service.controlled_target import round_sample
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.config import MODELS_DIR
-from specpair.runtime.round import RoundStats
+from specpair.runtime.round_messages import RoundStats
 
 KINDS = ("sglang", "goodput")  # runs under a policy; the others pin a tier
 RUNS = (*KINDS, "static-1", "static-3", "static-7")

@@ -66,7 +66,7 @@ from controller.policies.bands import PolicySpec
 from controller.policies.sglang import PolicyConfig
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.models.loading import read_args
-from specpair.runtime.round import RoundStats
+from specpair.runtime.round_messages import RoundStats
 
 STEPS = (0, 1, 3, 7)
 STATIC = tuple(f"static-{s}" for s in STEPS)

@@ -57,13 +57,13 @@ from controller.policies.sglang import PolicyConfig
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.config import MODELS_DIR, compute_threads
 from specpair.models.loading import read_args
+from specpair.rpc.serving import compute_executor
 from specpair.runtime.build import build_drafter, build_states, build_target, feature_layers
 from specpair.runtime.engine import SpeculativeEngine, StageTimes
-from specpair.runtime.round import RoundStats
+from specpair.runtime.round_messages import RoundStats
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.shape import TreeShape
-from specpair.serving import compute_executor
-from target_service.special_tokens import eos_ids
+from target_service.request_path.special_tokens import eos_ids
 from training.grow import SHAPES, grow
 
 TIERS = (1, 3, 7)

@@ -7,7 +7,7 @@ second `--hold-ms` (the verify) before the next write. The transport time of a t
 time minus both holds, the same split `bench.round_overhead` calls "rpc". Modes:
 
 - `aio`: grpc.aio on both sides, plain awaits;
-- `aio+poll`: grpc.aio with `specpair.serving.busy_wait` on both reads (what the services do);
+- `aio+poll`: grpc.aio with `specpair.rpc.serving.busy_wait` on both reads (what the services do);
 - `sync`: grpc's threaded API (server handler thread, client iterator fed from a queue);
 - `tcp`: asyncio streams with a length prefix, no gRPC (the event loop's own floor).
 
@@ -37,7 +37,7 @@ import grpc
 
 from bench.common import cpu_list, device_info, format_table, percentile, write_json
 from bench.services import LINKS, link_address
-from specpair.serving import busy_wait
+from specpair.rpc.serving import busy_wait
 
 MODES = ("aio", "aio+poll", "sync", "tcp")
 PERCENTILES = (("p50", 50), ("p90", 90), ("p99", 99))

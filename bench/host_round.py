@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from bench.common import add_output_args, device_info, format_table, write_json
-from specpair import wire
 from specpair.proto.v1 import draft_pb2
-from specpair.runtime.round import RoundResponse
+from specpair.rpc import wire
+from specpair.runtime.round_messages import RoundResponse
 from specpair.runtime.sampling import DRAFT_SUPPORT, SamplingParams, make_generator
 from specpair.runtime.target.accepting import chain_inputs
 from specpair.runtime.tree import CandidateTree, chain, sparse_q_faults, validate_tree

@@ -31,7 +31,7 @@ from bench.common import format_table, write_json
 from bench.services import watch_rounds
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.client.requests import Prompt
-from specpair.runtime.round import RoundStats
+from specpair.runtime.round_messages import RoundStats
 from specpair.runtime.shape import TreeShape
 
 TIERS = tuple(map(TreeShape, (0, 1, 3, 7)))

@@ -50,12 +50,12 @@ from specpair.client import SpecpairClient
 from specpair.config import CANDIDATE_STEPS, compute_threads
 from specpair.models.loading import is_eagle_checkpoint, read_args
 from specpair.models.tiny import make_tiny_llama
+from specpair.rpc.serving import compute_executor
 from specpair.runtime.build import build_drafter, build_states, build_target, feature_layers
 from specpair.runtime.engine import GREEDY, SpeculativeEngine
-from specpair.runtime.round import RoundStats
+from specpair.runtime.round_messages import RoundStats
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.shape import TreeShape
-from specpair.serving import compute_executor
 
 STAGES = ("draft", "draft_gpu", "draft_host", "verify", "verify_gpu", "rpc", "schedule", "total")
 WARMUP_TOKENS = 8

@@ -16,14 +16,14 @@ from typing import Any
 
 import grpc
 
-from specpair.channels import auth_metadata
+from specpair.cli.group import Service, ServiceGroup
 from specpair.client import SpecpairClient
-from specpair.group import Service, ServiceGroup
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
+from specpair.rpc.channels import auth_metadata
+from specpair.rpc.wire import apply_tier_to_proto, stats_from_proto
 from specpair.runtime.build import feature_layers
-from specpair.runtime.round import RoundStats
+from specpair.runtime.round_messages import RoundStats
 from specpair.runtime.shape import TreeShape
-from specpair.wire import apply_tier_to_proto, stats_from_proto
 
 LINKS = ("tcp", "unix")
 
@@ -151,7 +151,7 @@ def apply_tier(address: str, tier: TreeShape | str | int) -> None:
 
 
 def watch_rounds(address: str, sink: list[RoundStats], token: str | None = None) -> grpc.Future:
-    """Collects the target's RoundStats (typed: `specpair.wire` decodes them) in a thread until
+    """Collects the target's RoundStats (typed: `specpair.rpc.wire` decodes them) in a thread until
     the returned call is cancelled; `token`: the ops token, where the target has one."""
     channel = grpc.insecure_channel(address)
     call = target_pb2_grpc.TargetServiceStub(channel).WatchRounds(

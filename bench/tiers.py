@@ -37,7 +37,7 @@ from bench.services import BenchServices, wait_draft_connected, watch_rounds
 from controller.policies.bands import PolicySpec
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.config import MODELS_DIR
-from specpair.runtime.round import RoundStats
+from specpair.runtime.round_messages import RoundStats
 
 STEPS = (0, 1, 3, 7)
 CODE_PROMPTS = 24  # held-out stdlib windows this Python's stdlib gives (bench.acceptance)

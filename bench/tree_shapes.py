@@ -35,7 +35,7 @@ from bench.common import device_info, format_table, write_json
 from bench.services import BenchServices, wait_draft_connected, watch_rounds
 from specpair.client import SpecpairClient
 from specpair.config import MODELS_DIR
-from specpair.runtime.round import RoundStats
+from specpair.runtime.round_messages import RoundStats
 from specpair.runtime.shape import TreeShape
 
 ALONE = "target alone"

@@ -39,7 +39,7 @@ from bench.gpu_speedup import Workload, add_pair_args, bench_pair, make_workload
 from bench.services import wait_draft_connected, watch_rounds
 from bench.up_client import Up, pin_target_alone, running_up, sdk_door
 from specpair.client import ControllerClient, SpecpairClient
-from specpair.runtime.round import RoundStats
+from specpair.runtime.round_messages import RoundStats
 
 # name → (target device, draft device)
 DEPLOYMENTS: dict[str, tuple[str, str]] = {

@@ -55,9 +55,9 @@ from bench.gpu_speedup import (
     request_counts,
 )
 from bench.services import free_address, wait_draft_connected
+from specpair.cli.launcher import READY
+from specpair.cli.options import TOKEN_ENV
 from specpair.client import ControllerClient, SpecpairClient
-from specpair.launcher import READY
-from specpair.options import TOKEN_ENV
 
 DOORS = ("openai", "http", "sdk")
 Door = Callable[[list[int], int, Any], int]  # (prompt ids, max tokens, sampling) -> tokens

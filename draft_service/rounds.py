@@ -1,6 +1,6 @@
-"""The draft service's side of the round: the wire edge (`specpair.wire` decodes each
+"""The draft service's side of the round: the wire edge (`specpair.rpc.wire` decodes each
 RoundRequest and encodes its RoundResponse), the checks a peer's round must pass, this cache's
-room, then the draft's round itself (`runtime/draft/round.py`: release → extend + draft →
+room, then the draft's round itself (`runtime/draft/draft_round.py`: release → extend + draft →
 respond).
 
 Request ids are namespaced per Round stream, whose id names the target that opened it
@@ -20,19 +20,19 @@ from specpair.config import DraftConfig
 from specpair.logging import Repeats, bounded, get_logger
 from specpair.models.loading import CheckpointError, eagle_layout
 from specpair.proto.v1 import draft_pb2
-from specpair.runtime.build import StateBuilder, build_drafter, feature_layers
-from specpair.runtime.draft.drafter import Drafter
-from specpair.runtime.draft.drafters import EagleDrafter
-from specpair.runtime.draft.round import DraftRound, RoundError
-from specpair.runtime.kv_cache import CacheFullError
-from specpair.runtime.round import DraftInput, RoundRequest, RoundResponse, StageTimings
-from specpair.runtime.shape import TreeShape
-from specpair.runtime.state import SpecRuntimeState, gpu_ms
-from specpair.wire import (
+from specpair.rpc.wire import (
     MalformedRequestError,
     request_from_proto,
     response_to_proto,
 )
+from specpair.runtime.build import StateBuilder, build_drafter, feature_layers
+from specpair.runtime.draft.draft_round import DraftRound, RoundError
+from specpair.runtime.draft.drafter import Drafter
+from specpair.runtime.draft.drafters import EagleDrafter
+from specpair.runtime.kv_cache import CacheFullError
+from specpair.runtime.round_messages import DraftInput, RoundRequest, RoundResponse, StageTimings
+from specpair.runtime.shape import TreeShape
+from specpair.runtime.state import SpecRuntimeState, gpu_ms
 
 __all__ = ["Answer", "DraftRounds", "RoundError"]
 log = get_logger(__name__)

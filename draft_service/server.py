@@ -1,5 +1,5 @@
 """gRPC front of the draft service: one Round stream per target, rounds through `Compute`
-(decoded and encoded there by `DraftRounds.run`, through `specpair.wire`)."""
+(decoded and encoded there by `DraftRounds.run`, through `specpair.rpc.wire`)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import grpc
 
 from draft_service.rounds import DraftRounds, stream_target
 from draft_service.warmup import warm_up
-from specpair.channels import TARGET_METADATA
 from specpair.config import DraftConfig, split_address
 from specpair.logging import get_logger
-from specpair.metrics import ServiceMetrics
 from specpair.models.loading import load_tokenizer, tokenizer_fingerprint
 from specpair.proto.v1 import draft_pb2, draft_pb2_grpc
-from specpair.serving import Compute, GrpcServer, bind_device, busy_wait, on_device, peer_host
-from specpair.wire import timings_into
+from specpair.rpc.channels import TARGET_METADATA
+from specpair.rpc.metrics import ServiceMetrics
+from specpair.rpc.serving import Compute, GrpcServer, bind_device, busy_wait, on_device, peer_host
+from specpair.rpc.wire import timings_into
 
 log = get_logger(__name__)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name

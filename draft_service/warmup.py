@@ -21,11 +21,11 @@ import torch
 from draft_service.rounds import DraftRounds
 from specpair.logging import get_logger
 from specpair.proto.v1 import draft_pb2
-from specpair.runtime.round import DraftInput, RoundRequest
+from specpair.rpc.wire import request_to_proto
+from specpair.runtime.round_messages import DraftInput, RoundRequest
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.shape import TreeShape
 from specpair.runtime.warmup import GREEDY, PROMPT_TOKENS, SAMPLED, Held, dummy_tokens, warming
-from specpair.wire import request_to_proto
 
 log = get_logger(__name__)
 STREAM = "warm-up#0"  # a stream of its own: its keys are no target's

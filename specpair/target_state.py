@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from specpair.proto.v1 import controller_pb2
-from specpair.tiers import TierEstimate
+from specpair.tier_estimate import TierEstimate
 
 
 class JSONReady:

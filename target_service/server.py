@@ -15,23 +15,28 @@ import torch
 
 from specpair.config import FeatureDType, TargetConfig, is_loopback, split_address
 from specpair.logging import get_logger
-from specpair.metrics import ServiceMetrics
 from specpair.models.loading import load_tokenizer, tokenizer_fingerprint
 from specpair.parallel.build import build_parallel_states, build_parallel_target
 from specpair.parallel.ranks import RankExitedError, RankGroup
 from specpair.proto.v1 import target_pb2_grpc
+from specpair.rpc.metrics import ServiceMetrics
 from specpair.runtime.build import StateBuilder, build_target
 from specpair.runtime.shape import MAX_TREE_NODES
 from specpair.runtime.target.warmup import warm_up
-from target_service.draft_link import DraftLink
-from target_service.draft_pool import DraftPool
-from target_service.frontend import Frontend
-from target_service.http_api import HttpServer, OpenAIApp
-from target_service.scheduler import Scheduler
-from target_service.servicer import CLIENT_METHODS, OPS_METHODS, SERVICE, TargetServicer
-from target_service.special_tokens import eos_ids, prompt_bos
-from target_service.usage import kv_cache_usage, log_throughput
-from target_service.validation import request_bytes_limit
+from target_service.batching.scheduler import Scheduler
+from target_service.batching.usage import kv_cache_usage, log_throughput
+from target_service.drafts.draft_link import DraftLink
+from target_service.drafts.draft_pool import DraftPool
+from target_service.http_door.http_api import HttpServer, OpenAIApp
+from target_service.request_path.frontend import Frontend
+from target_service.request_path.servicer import (
+    CLIENT_METHODS,
+    OPS_METHODS,
+    SERVICE,
+    TargetServicer,
+)
+from target_service.request_path.special_tokens import eos_ids, prompt_bos
+from target_service.request_path.validation import request_bytes_limit
 
 log = get_logger(__name__)
 
@@ -138,7 +143,7 @@ def _build_scheduler(
 
 async def start(config: TargetConfig) -> RunningTarget:
     """Binds the port (health NOT_SERVING), loads the model and states, then SERVING."""
-    from specpair.serving import GrpcServer, bind_device, on_device
+    from specpair.rpc.serving import GrpcServer, bind_device, on_device
 
     bind_device(config.device)  # this loop's thread runs every round's kernels
 

@@ -41,7 +41,7 @@ from controller.policies.sglang import (
     refuse_tree_shapes,
 )
 from specpair.runtime.shape import TreeShape
-from specpair.tiers import RegimeSteps
+from specpair.tier_estimate import RegimeSteps
 
 KindConfig = PolicyConfig | GoodputConfig
 KindPolicy = AdaptiveSpeculativeParams | GoodputPolicy

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from specpair.runtime.shape import TreeShape
-from specpair.tiers import RegimeSteps, TierEstimate
+from specpair.tier_estimate import RegimeSteps, TierEstimate
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,12 +19,12 @@ from controller.policies.interface import (
 )
 from controller.service.target_link import NotConnectedError, TargetLink
 from specpair.logging import get_logger
-from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import target_pb2
-from specpair.runtime.round import RoundStats
+from specpair.rpc.metrics import ServiceMetrics
+from specpair.runtime.round_messages import RoundStats
 from specpair.runtime.shape import ShapeError, TreeShape, tier_from_wire, tier_name
 from specpair.target_state import TargetState, TierSwitch
-from specpair.tiers import RegimeSteps
+from specpair.tier_estimate import RegimeSteps
 
 log = get_logger("controller")
 

@@ -19,9 +19,9 @@ from controller.service.controlled_target import (
 from controller.service.target_link import TargetLink
 from specpair.config import ControllerConfig
 from specpair.logging import get_logger
-from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import target_pb2
-from specpair.runtime.round import RoundStats
+from specpair.rpc.metrics import ServiceMetrics
+from specpair.runtime.round_messages import RoundStats
 from specpair.runtime.shape import TreeShape
 from specpair.target_state import TargetState
 

@@ -16,10 +16,10 @@ from controller.policies.sglang import WIRE_FIELD_NAMES, PolicyConfig
 from controller.service.controller import AdaptiveController
 from specpair.config import ControllerConfig, split_address
 from specpair.logging import bounded, get_logger
-from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import controller_pb2, controller_pb2_grpc
+from specpair.rpc.metrics import ServiceMetrics
+from specpair.rpc.serving import GrpcServer
 from specpair.runtime.shape import tier_from_wire
-from specpair.serving import GrpcServer
 from specpair.target_state import TargetState
 
 log = get_logger("controller")

@@ -1,5 +1,5 @@
 """The controller's link to one target: GetServerInfo, then its WatchRounds stream, reconnected
-with backoff (specpair.reconnect) for as long as the controller runs."""
+with backoff (specpair.rpc.reconnect) for as long as the controller runs."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
 
-from specpair.channels import auth_metadata
 from specpair.config import TLSConfig
 from specpair.logging import Repeats, bounded, get_logger
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
-from specpair.reconnect import ReconnectingLink
-from specpair.runtime.round import RoundStats
+from specpair.rpc.channels import auth_metadata
+from specpair.rpc.reconnect import ReconnectingLink
+from specpair.rpc.wire import apply_tier_to_proto, stats_from_proto
+from specpair.runtime.round_messages import RoundStats
 from specpair.runtime.shape import ShapeError, TreeShape
-from specpair.tiers import RegimeSteps
-from specpair.wire import apply_tier_to_proto, stats_from_proto
+from specpair.tier_estimate import RegimeSteps
 
 log = get_logger("controller")
 RPC_TIMEOUT_S = 5.0
@@ -29,7 +29,7 @@ class NotConnectedError(ConnectionError):
 
 class TargetLink(ReconnectingLink):
     """Calls `on_connect(info)` once a target answers (raising there fails the attempt), then
-    `on_round(stats)` for each round it reports (typed: `specpair.wire` decodes it), and
+    `on_round(stats)` for each round it reports (typed: `specpair.rpc.wire` decodes it), and
     `on_lost()` when the session ends."""
 
     def __init__(

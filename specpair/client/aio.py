@@ -11,7 +11,6 @@ from typing import Any, Self, TypedDict, Unpack
 import grpc
 from google.protobuf.message import Message
 
-from specpair.channels import auth_metadata, open_channel
 from specpair.client.requests import (
     Fold,
     GenerateParams,
@@ -34,6 +33,7 @@ from specpair.client.results import (
 )
 from specpair.config import TLSConfig, env_address
 from specpair.proto.v1 import controller_pb2, controller_pb2_grpc, target_pb2, target_pb2_grpc
+from specpair.rpc.channels import auth_metadata, open_channel
 from specpair.target_state import TargetState
 
 # A TLSConfig, or the path of the CA that signed the server's certificate.

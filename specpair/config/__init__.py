@@ -1,9 +1,10 @@
 """Service configuration: frozen dataclasses, validated once at the edge (CLI, environment).
 
 One module per concern; import from here (`from specpair.config import TargetConfig`):
-addresses.py (defaults, environment, checks), server.py (`ServerConfig`, `TLSConfig`),
-model_service.py (`ModelServiceConfig`, what the draft and the target both take), target.py,
-draft.py, controller.py (each service's own), option.py (a field's `specpair serve` option).
+addresses.py (defaults, environment, checks), server_config.py (`ServerConfig`,
+`TLSConfig`), model_service.py (`ModelServiceConfig`, what the draft and the target both take),
+target.py, draft.py, controller.py (each service's own), option.py (a field's `specpair serve`
+option).
 """
 
 from specpair.config.addresses import (
@@ -30,7 +31,7 @@ from specpair.config.model_service import (
     check_device,
     compute_threads,
 )
-from specpair.config.server import ServerConfig, TLSConfig
+from specpair.config.server_config import ServerConfig, TLSConfig
 from specpair.config.target import (
     DEFAULT_MAX_WATCHERS,
     DEFAULT_RANK_TIMEOUT_FLOOR_S,

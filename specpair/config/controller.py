@@ -7,7 +7,7 @@ from pathlib import Path
 
 from specpair.config.addresses import DEFAULT_TARGET_ADDRESS, check_grpc_address, split_list
 from specpair.config.option import option
-from specpair.config.server import ServerConfig
+from specpair.config.server_config import ServerConfig
 
 
 @dataclass(frozen=True, slots=True)

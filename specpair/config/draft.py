@@ -8,7 +8,7 @@ from pathlib import Path
 
 from specpair.config.model_service import ModelServiceConfig
 from specpair.config.option import option
-from specpair.config.server import ServerConfig
+from specpair.config.server_config import ServerConfig
 
 
 class DraftKind(StrEnum):

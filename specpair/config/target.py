@@ -15,7 +15,7 @@ from specpair.config.addresses import (
 )
 from specpair.config.model_service import ModelServiceConfig
 from specpair.config.option import option
-from specpair.config.server import ServerConfig
+from specpair.config.server_config import ServerConfig
 from specpair.runtime.shape import DETERMINISTIC_TREES, TreeShape
 
 DEFAULT_MAX_WATCHERS = 8  # WatchRounds streams a target serves at once
@@ -42,7 +42,7 @@ def describe_ranks(device: str, tensor_parallel: int) -> str:
 
 
 class FeatureDType(StrEnum):
-    """How a target sends EAGLE features (`specpair.wire_tensor`)."""
+    """How a target sends EAGLE features (`specpair.rpc.wire_tensor`)."""
 
     AUTO = "auto"  # the dtype they were computed in
     FLOAT8 = "float8"  # e4m3, one scale per row

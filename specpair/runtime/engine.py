@@ -1,5 +1,5 @@
-"""In-process speculative generation: the target's round (`target/round.py`) with the draft's
-round (`draft/round.py`) answering it in this process instead of over gRPC.
+"""In-process speculative generation: the target's round (`target/target_round.py`) with the draft's
+round (`draft/draft_round.py`) answering it in this process instead of over gRPC.
 
 The services run the same two rounds split across processes; this loop is the reference they
 are measured against (bench/round_overhead.py), and the tests' and benchmarks' engine (the
@@ -16,13 +16,13 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from specpair.runtime.draft.draft_round import DraftRound
 from specpair.runtime.draft.drafter import Drafter
-from specpair.runtime.draft.round import DraftRound
-from specpair.runtime.round import RoundRequest, RoundResponse
+from specpair.runtime.round_messages import RoundRequest, RoundResponse
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.state import SpecRuntimeState, gpu_ms
-from specpair.runtime.target.round import Batcher, Flight, TargetRound
 from specpair.runtime.target.session import DraftSession
+from specpair.runtime.target.target_round import Batcher, Flight, TargetRound
 from specpair.runtime.target.worker import TargetSequence, TargetWorker, VerifyResult
 
 GREEDY = SamplingParams()
@@ -40,7 +40,7 @@ def run_inline(coroutine: Coroutine[Any, Any, T]) -> T:
 
 
 async def inline(fn: Callable[..., T], *args: Any) -> T:
-    """Compute in line (`target/round.py: Runs`)."""
+    """Compute in line (`target/target_round.py: Runs`)."""
     return fn(*args)
 
 

@@ -21,7 +21,7 @@ from specpair.models.llama import Attend
 from specpair.runtime.accept_batch import ChainBatch, TreeBatch
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
-from specpair.runtime.round import DraftInput
+from specpair.runtime.round_messages import DraftInput
 from specpair.runtime.sampling import RowParams
 from specpair.runtime.tree import CandidateTree
 
@@ -73,6 +73,21 @@ class DraftModel(Protocol):
         lengths: list[int],
     ) -> Tensor:
         """The eager forward of `extend_inputs`' rows: each request's last hidden [B, 1, H]."""
+
+
+class PrefillStage(Protocol):
+    """Prompts prefilled in CUDA graphs (`gpu/prefill_graphs.py`); the target's worker
+    prefills eagerly where none fits."""
+
+    @property
+    def longest(self) -> int:
+        """The longest prompt a graph takes: one past it runs eagerly."""
+
+    def run(
+        self, layout: BatchLayout, tokens: Tensor, lengths: Sequence[int]
+    ) -> tuple[Tensor, Tensor] | None:
+        """Features [B', T', F] and last rows' logits [B', V] of prompts `tokens` [B, T] on the
+        host; None where no graph fits."""
 
 
 class VerifyStage(Protocol):

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from specpair.cli.group import Service, ServiceGroup
 from specpair.client import ControllerClient, SpecpairClient
-from specpair.group import Service, ServiceGroup
 from tests.service.conftest import reference_greedy
 
 pytestmark = pytest.mark.slow

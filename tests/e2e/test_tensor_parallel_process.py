@@ -17,8 +17,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specpair.cli.group import Service, ServiceGroup
 from specpair.client import SpecpairClient
-from specpair.group import Service, ServiceGroup
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
 from tests.e2e.test_processes import free_port, service, wait_for
 from tests.service.conftest import reference_greedy

@@ -15,9 +15,9 @@ import pytest
 
 from bench.services import free_address, wait_draft_connected
 from bench.up_client import running_up
+from specpair.cli.options import TOKEN_ENV
 from specpair.client import SpecpairClient
 from specpair.config import MODELS_DIR
-from specpair.options import TOKEN_ENV
 from specpair.proto.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ import torch
 
 from specpair.runtime.build import StateBuilder, build_drafter, build_target
 from specpair.runtime.engine import SpeculativeEngine
-from specpair.runtime.round import DraftInput
+from specpair.runtime.round_messages import DraftInput
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.shape import TreeShape
 from tests.engine.test_greedy_lossless import NEW_TOKENS, PROMPTS, hf_greedy

@@ -20,7 +20,7 @@ from specpair.config import DraftConfig, ServerConfig, TargetConfig
 from specpair.proto.v1 import draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specpair.runtime.build import build_target
 from specpair.runtime.engine import SpeculativeEngine
-from target_service.draft_link import DRAFT_SERVICE
+from target_service.drafts.draft_link import DRAFT_SERVICE
 
 
 class Stack:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.up_client import main
-from specpair.launcher import READY
+from specpair.cli.launcher import READY
 
 pytestmark = pytest.mark.slow
 

@@ -18,12 +18,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from controller.policies.sglang import PolicyConfig
 from controller.service.server import RunningController, serve, start
-from specpair.channels import auth_metadata
+from specpair.cli.client_commands import status_table
 from specpair.client.results import ControllerState
-from specpair.client_commands import status_table
 from specpair.config import ControllerConfig, ServerConfig, TLSConfig
 from specpair.proto.v1 import controller_pb2, controller_pb2_grpc, target_pb2, target_pb2_grpc
-from specpair.serving import BindError, GrpcServer
+from specpair.rpc.channels import auth_metadata
+from specpair.rpc.serving import BindError, GrpcServer
 from specpair.target_state import TargetState
 from tests.service.conftest import eventually, self_signed
 

@@ -16,13 +16,13 @@ import pytest
 
 from controller.policies.bands import PolicySpec
 from controller.service.server import RunningController, start
+from specpair.cli.client_commands import status_table
 from specpair.client import AsyncControllerClient, SpecpairError
 from specpair.client.results import ControllerState
-from specpair.client_commands import status_table
 from specpair.config import ControllerConfig, ServerConfig
 from specpair.proto.v1 import common_pb2, target_pb2
+from specpair.rpc.serving import GrpcServer
 from specpair.runtime.shape import TreeShape
-from specpair.serving import GrpcServer
 from tests.service.conftest import draft_config, eventually, reference_greedy, target_config
 from tests.service.test_controller import FakeTarget, serve_target
 from tests.service.test_tiers import watch

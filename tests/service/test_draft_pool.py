@@ -18,11 +18,11 @@ import target_service.server as target_server
 from controller.policies.sglang import PolicyConfig
 from controller.service.server import RunningController
 from controller.service.server import start as start_controller
-from specpair.channels import auth_metadata, target_metadata
+from specpair.cli.client_commands import status_table
 from specpair.client.results import ControllerState
-from specpair.client_commands import status_table
 from specpair.config import MODELS_DIR, ControllerConfig, DraftConfig, ServerConfig, TargetConfig
 from specpair.proto.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specpair.rpc.channels import auth_metadata, target_metadata
 from tests.service.conftest import draft_config, eventually, reference_greedy, target_config
 from tests.service.test_hardening import draft_input
 

@@ -35,7 +35,7 @@ from specpair.proto.v1 import (
     target_pb2,
     target_pb2_grpc,
 )
-from target_service.validation import DEFAULT_MAX_TOKENS
+from target_service.request_path.validation import DEFAULT_MAX_TOKENS
 from tests.service.conftest import draft_config, reference_greedy, target_config
 
 MAX_LEN = 96  # a short context bounds the longest valid generation a fuzzed request asks for

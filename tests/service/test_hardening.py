@@ -16,18 +16,18 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from structlog.testing import capture_logs
 
-from specpair import wire
-from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specpair.rpc import wire
+from specpair.rpc.metrics import ServiceMetrics
+from specpair.rpc.wire import response_to_proto
 from specpair.runtime.build import build_states, build_target
-from specpair.runtime.round import RoundResponse
+from specpair.runtime.round_messages import RoundResponse
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.shape import TreeShape
 from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import chain
-from specpair.wire import response_to_proto
-from target_service.scheduler import Scheduler
-from target_service.served import ServedRequest
+from target_service.batching.scheduler import Scheduler
+from target_service.batching.served import ServedRequest
 from tests.service.conftest import (
     draft_config,
     eventually,
@@ -388,7 +388,7 @@ async def test_update_policy_error_does_not_echo_a_huge_list(ckpts, make_stack) 
 
 async def test_taken_grpc_port_fails_before_the_model_loads(ckpts, make_stack, monkeypatch) -> None:
     import target_service.server as target_server
-    from specpair.serving import BindError
+    from specpair.rpc.serving import BindError
 
     stack = await make_stack(None, target_config(ckpts["target"], draft_address=None))
     taken = f"127.0.0.1:{stack.target.port}"
@@ -412,7 +412,7 @@ async def test_taken_unix_socket_and_metrics_port_fail_naming_the_address(
     import socket
 
     import draft_service.server as draft_server
-    from specpair.serving import BindError
+    from specpair.rpc.serving import BindError
 
     monkeypatch.setattr(draft_server, "DraftRounds", None)  # calling it would fail the test
     sockets = tempfile.mkdtemp(prefix="specpair-")  # short: socket paths stop at ~107 bytes
@@ -635,8 +635,8 @@ async def test_metrics_count_tokens_answer_only_their_path_and_each_service_its_
 
 async def test_demo_names_a_dead_draft_and_passes_the_ops_token(ckpts, make_stack, capsys) -> None:
     from controller.service.server import start as start_controller
+    from specpair.cli.demo import run_demo
     from specpair.config import ControllerConfig, ServerConfig
-    from specpair.demo import run_demo
 
     dead = "unix:/nonexistent/specpair-draft.sock"
     stack = await make_stack(None, target_config(ckpts["target"], draft_address=dead))
@@ -736,8 +736,8 @@ async def test_demo_ends_with_tokens_per_s_with_and_without_speculation(
     import re
 
     from controller.service.server import start as start_controller
+    from specpair.cli.demo import run_demo
     from specpair.config import ControllerConfig, ServerConfig
-    from specpair.demo import run_demo
 
     token = "s3cret"
     target_cfg = target_config(ckpts["target"], candidate_steps=(0, 1, 3, 7))

@@ -23,7 +23,7 @@ from structlog.testing import capture_logs
 
 from specpair.config import MODELS_DIR
 from specpair.proto.v1 import target_pb2
-from target_service.http_guards import body_limit
+from target_service.http_door.http_guards import body_limit
 from tests.service.conftest import Stack, draft_config, eventually, target_config
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -314,7 +314,7 @@ async def test_unknown_paths_and_methods_and_tools_get_openai_errors(stack: Stac
 async def test_the_demo_chat_turn_sends_the_api_key(stack: Stack) -> None:
     import urllib.error
 
-    from specpair.demo import chat_over_http
+    from specpair.cli.demo import chat_over_http
 
     address = f"127.0.0.1:{stack.target.http_port}"
     reply = await asyncio.to_thread(chat_over_http, address, "Hi", max_tokens=3, api_key=KEY)

@@ -9,9 +9,9 @@ from typing import Any
 
 import draft_service.server as draft_server
 from specpair.proto.v1 import draft_pb2, draft_pb2_grpc, target_pb2
-from specpair.runtime.round import RoundResponse
+from specpair.rpc.wire import response_to_proto
+from specpair.runtime.round_messages import RoundResponse
 from specpair.runtime.tree import chain
-from specpair.wire import response_to_proto
 from tests.service.conftest import draft_config, eventually, fake_draft, target_config
 from tests.service.test_hardening import PROMPT
 

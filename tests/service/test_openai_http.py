@@ -23,14 +23,14 @@ import pytest_asyncio
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+from specpair.cli.demo import chat_over_http
 from specpair.client import AsyncSpecpairClient, SpecpairError
 from specpair.config import MODELS_DIR
-from specpair.demo import chat_over_http
-from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import target_pb2
-from target_service.frontend import Frontend
-from target_service.http_api import HttpServer, OpenAIApp
-from target_service.http_guards import body_limit
+from specpair.rpc.metrics import ServiceMetrics
+from target_service.http_door.http_api import HttpServer, OpenAIApp
+from target_service.http_door.http_guards import body_limit
+from target_service.request_path.frontend import Frontend
 from tests.conftest import hf_greedy
 from tests.service.conftest import Stack, draft_config, target_config
 

@@ -16,11 +16,11 @@ from structlog.testing import capture_logs
 from controller.service.server import start as start_controller
 from specpair.client import AsyncSpecpairClient
 from specpair.config import MODELS_DIR, ControllerConfig, ServerConfig
-from specpair.metrics import ServiceMetrics
 from specpair.proto.v1 import controller_pb2, controller_pb2_grpc, target_pb2
-from specpair.runtime.round import RoundStats, StageTimings
-from target_service.round_feed import BEHIND, EVICTED, QUEUE_ROUNDS, RoundFeed
-from target_service.servicer import TargetServicer
+from specpair.rpc.metrics import ServiceMetrics
+from specpair.runtime.round_messages import RoundStats, StageTimings
+from target_service.batching.round_feed import BEHIND, EVICTED, QUEUE_ROUNDS, RoundFeed
+from target_service.request_path.servicer import TargetServicer
 from tests.service.conftest import draft_config, eventually, target_config
 from tests.service.test_draft_pool import TargetStream
 from tests.service.test_hardening import PROMPT, DraftStream, draft_input

@@ -9,16 +9,16 @@ import itertools
 import time
 from pathlib import Path
 
-from specpair.metrics import ServiceMetrics
 from specpair.models.tiny import make_tiny_llama
+from specpair.rpc.metrics import ServiceMetrics
 from specpair.runtime.build import build_states, build_target
-from specpair.runtime.round import RoundRequest, RoundResponse
+from specpair.runtime.round_messages import RoundRequest, RoundResponse
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.shape import TreeShape
 from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import EMPTY_TREE
-from target_service.scheduler import Scheduler
-from target_service.served import RoundEvent, ServedRequest
+from target_service.batching.scheduler import Scheduler
+from target_service.batching.served import RoundEvent, ServedRequest
 
 NEW_TOKENS = 6
 SEND_S = 0.005

@@ -1,4 +1,4 @@
-"""specpair.group.address_in_use: a listener counts, a free port and a self-connect do not."""
+"""specpair.cli.group.address_in_use: a listener counts, a free port and a self-connect do not."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from specpair import group
-from specpair.group import address_in_use
+from specpair.cli import group
+from specpair.cli.group import address_in_use
 
 
 def test_a_listening_port_is_in_use_and_a_closed_one_is_not() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from specpair.cli import main
+from specpair.cli.main import main
 
 
 def free_port() -> int:
@@ -73,8 +73,8 @@ def test_up_refuses_an_address_another_process_serves(
     import socket
     import subprocess
 
-    from specpair.cli import build_parser
-    from specpair.launcher import run_up
+    from specpair.cli.launcher import run_up
+    from specpair.cli.main import build_parser
 
     handler = signal.getsignal(signal.SIGTERM)  # run_up takes SIGTERM over; pytest's returns
 
@@ -99,7 +99,7 @@ def test_up_refuses_an_address_another_process_serves(
 def test_serve_options_come_from_the_config_fields(monkeypatch: pytest.MonkeyPatch) -> None:
     from pathlib import Path
 
-    from specpair.cli import build_parser, config_from_args
+    from specpair.cli.main import build_parser, config_from_args
     from specpair.config import DraftConfig, DraftKind, DType, ServerConfig, TargetConfig
 
     monkeypatch.delenv("SPECPAIR_DRAFT_ADDRESS", raising=False)
@@ -133,7 +133,7 @@ def test_serve_options_come_from_the_config_fields(monkeypatch: pytest.MonkeyPat
 def test_controller_targets_repeat_and_default_to_the_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from specpair.cli import build_parser, config_from_args
+    from specpair.cli.main import build_parser, config_from_args
     from specpair.config import ControllerConfig
 
     monkeypatch.setenv("SPECPAIR_TARGET_ADDRESS", "10.0.0.2:7000")
@@ -157,7 +157,7 @@ def test_controller_policy_imports_without_grpc() -> None:
 def test_serve_finds_services_in_a_checkout_without_installed_metadata(monkeypatch) -> None:
     # Run from a source tree through PYTHONPATH (no `pip install`), the entry points come from
     # the checkout's pyproject.toml; a name in neither place is refused by name.
-    import specpair.cli as cli
+    import specpair.cli.main as cli
     from draft_service.server import serve as serve_draft
 
     monkeypatch.setattr(cli, "entry_points", lambda **_: [])
@@ -171,7 +171,7 @@ def test_serve_prefers_the_checkouts_entries_to_stale_installed_metadata(monkeyp
     # still lists the old module: the checkout's pyproject.toml names the code that runs.
     from importlib.metadata import EntryPoint
 
-    import specpair.cli as cli
+    import specpair.cli.main as cli
     from controller.service.server import serve
 
     stale = EntryPoint("controller", "controller.server:serve", cli.SERVICES_GROUP)
@@ -203,7 +203,7 @@ def _options(parser: argparse.ArgumentParser, path: str = "specpair") -> Iterato
 
 
 def test_every_option_has_help_and_shows_its_default() -> None:
-    from specpair.cli import build_parser
+    from specpair.cli.main import build_parser
 
     options = list(_options(build_parser()))
     assert len(options) > 60
@@ -285,8 +285,8 @@ def test_the_readme_policy_example_is_a_valid_policy() -> None:
 
 
 def test_up_names_the_models_it_serves(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from specpair.cli import build_parser
-    from specpair.launcher import up_services
+    from specpair.cli.launcher import up_services
+    from specpair.cli.main import build_parser
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     a, b = tmp_path / "a", tmp_path / "b"
@@ -301,8 +301,8 @@ def test_up_names_the_models_it_serves(monkeypatch: pytest.MonkeyPatch, tmp_path
 def test_up_keeps_compiled_kernels_under_its_cache_unless_told(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from specpair.cli import build_parser
-    from specpair.launcher import up_services
+    from specpair.cli.launcher import up_services
+    from specpair.cli.main import build_parser
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("FLASHINFER_WORKSPACE_BASE", raising=False)

@@ -26,7 +26,7 @@ from specpair.client import (
 )
 from specpair.config import ServerConfig
 from specpair.proto.v1 import controller_pb2, controller_pb2_grpc, target_pb2, target_pb2_grpc
-from specpair.serving import GrpcServer
+from specpair.rpc.serving import GrpcServer
 
 TOKEN = "s3cret"
 # The fake's script: (new tokens, accept length) per round; the first round is the prefill's
@@ -415,7 +415,7 @@ def test_default_address_comes_from_the_environment(monkeypatch: pytest.MonkeyPa
 
 def test_importing_the_sdk_does_not_import_torch() -> None:
     code = (
-        "import sys, specpair.client, specpair.healthcheck; "
+        "import sys, specpair.client, specpair.rpc.healthcheck; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

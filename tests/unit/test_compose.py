@@ -27,9 +27,9 @@ import jsonschema
 import pytest
 import yaml
 
-from specpair import healthcheck
 from specpair.config import ServerConfig
-from specpair.serving import GrpcServer
+from specpair.rpc import healthcheck
+from specpair.rpc.serving import GrpcServer
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -208,7 +208,7 @@ def test_the_image_entrypoint_is_the_specpair_cli() -> None:
     assert re.search(r'^ENTRYPOINT \["specpair"\]$', text, re.M)
     assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim$", text, re.M)
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["specpair"] == "specpair.cli:main"
+    assert scripts["specpair"] == "specpair.cli.main:main"
 
 
 def test_the_image_carries_every_package_and_the_models() -> None:
@@ -235,8 +235,10 @@ def test_healthchecks_probe_grpc_health_on_the_service_port(config: dict[str, An
     for role, service in config["services"].items():
         port = _port(flags(service["command"])["address"])
         test = service["healthcheck"]["test"]
-        assert test == ["CMD", "python", "-m", "specpair.healthcheck", f"127.0.0.1:{port}"], role
-    assert importlib.util.find_spec("specpair.healthcheck") is not None
+        assert test == ["CMD", "python", "-m", "specpair.rpc.healthcheck", f"127.0.0.1:{port}"], (
+            role
+        )
+    assert importlib.util.find_spec("specpair.rpc.healthcheck") is not None
 
 
 def test_start_order_waits_for_health(config: dict[str, Any]) -> None:
@@ -392,11 +394,15 @@ def test_merge_follows_compose_rules() -> None:
 
 
 def _parser() -> Any:
-    if importlib.util.find_spec("specpair.cli") is None:
-        pytest.skip("specpair/cli.py does not exist yet (being written); cannot parse commands")
-    from specpair import cli
+    if importlib.util.find_spec("specpair.cli.main") is None:
+        pytest.skip(
+            "specpair/cli/main.py does not exist yet (being written); cannot parse commands"
+        )
+    from specpair.cli import main as cli
 
-    assert hasattr(cli, "build_parser"), "specpair.cli must expose build_parser() for this check"
+    assert hasattr(cli, "build_parser"), (
+        "specpair.cli.main must expose build_parser() for this check"
+    )
     return cli.build_parser()
 
 

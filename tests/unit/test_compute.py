@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 
 from specpair.config import DraftConfig, ServerConfig
-from specpair.serving import SETTLE_BUDGET_S, Compute, busy_wait, on_device, settle, settle_budget
+from specpair.rpc.serving import (
+    SETTLE_BUDGET_S,
+    Compute,
+    busy_wait,
+    on_device,
+    settle,
+    settle_budget,
+)
 
 
 @pytest.mark.parametrize(("device", "inline"), [("cuda", True), ("cuda:1", True), ("cpu", False)])

@@ -35,7 +35,7 @@ def test_metrics_endpoint_stays_host_port() -> None:
 def test_http_api_address_defaults_on_for_the_cli_and_empty_disables(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from specpair.cli import build_parser, config_from_args
+    from specpair.cli.main import build_parser, config_from_args
 
     monkeypatch.delenv("SPECPAIR_HTTP_ADDRESS", raising=False)
     base = ["serve", "target", "--model", "m"]
@@ -84,7 +84,7 @@ def test_the_front_door_settings_are_checked_once(monkeypatch: pytest.MonkeyPatc
 def test_the_api_key_is_an_option_whose_value_help_never_shows(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from specpair.cli import build_parser, config_from_args
+    from specpair.cli.main import build_parser, config_from_args
 
     monkeypatch.setenv("SPECPAIR_API_KEY", "sk-from-the-environment")
     parser = build_parser()

@@ -24,8 +24,8 @@ def test_refused_on_the_cpu_naming_the_field(tmp_path: Path) -> None:
 
 
 def test_serve_target_has_the_switch_and_up_passes_it() -> None:
-    from specpair.cli import build_parser
-    from specpair.launcher import up_services
+    from specpair.cli.launcher import up_services
+    from specpair.cli.main import build_parser
 
     parser = build_parser()
     on = parser.parse_args(["serve", "target", "--model", "m", "--deterministic"])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from target_service.detokenize import TextStream
+from target_service.request_path.detokenize import TextStream
 
 TEXT = "def main(argv):\n    return 0\n\nclass Config:\n    name: str = 'specpair'\n"
 

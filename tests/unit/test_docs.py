@@ -21,7 +21,7 @@ import pytest
 from controller.policies.goodput.config import GoodputConfig
 from controller.policies.sglang import PolicyConfig
 from specpair.config import ControllerConfig, TargetConfig
-from specpair.runtime import round as round_messages
+from specpair.runtime import round_messages
 from specpair.runtime.kv_cache import KVCache
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +32,7 @@ DOCS = ["ARCHITECTURE.md", "README.md", RESULTS, *TOPICS]
 ARCHITECTURE_MAX_LINES = 320
 PATH = re.compile(r"(?<![\w./-])([A-Za-z0-9_./-]+\.(?:py|proto|sh|yml|yaml|toml|md))(?![\w-])")
 PACKAGES = ("specpair", "controller", "target_service", "draft_service", "bench", "training")
-# `specpair.wire.tensor_into`, `controller.policies.request_tiers:RequestTiers`,
+# `specpair.rpc.wire.tensor_into`, `controller.policies.request_tiers:RequestTiers`,
 # `python -m bench.tiers`
 MODULE = re.compile(rf"(?<![\w./])((?:{'|'.join(PACKAGES)})(?:\.\w+)+)(?::(\w+))?")
 RESULT_FILE = re.compile(r"([\w.-]+\.(?:json|json\.gz|png))$")
@@ -112,7 +112,7 @@ def layout_entries() -> list[str]:
     """Every file and folder of docs/layout.md's tree, with its folders prefixed.
 
     A line's names come before its description (two spaces apart): `  wire.py   round
-    messages` under `specpair/` is `specpair/wire.py`; a line that is one folder opens it for
+    messages` under `specpair/` is `specpair/rpc/wire.py`; a line that is one folder opens it for
     the lines indented below, and the `.py` files its description names (down to the next line
     of names) are that folder's: `target/   worker.py (…)`. A name with a folder in it
     (`tests/unit/test_layering.py`) is from the repository's root."""
@@ -143,7 +143,7 @@ def layout_entries() -> list[str]:
 
 def test_the_layout_tree_names_only_files_that_exist() -> None:
     entries = layout_entries()
-    assert "specpair/wire.py" in entries and "controller/policies/request_tiers.py" in entries
+    assert "specpair/rpc/wire.py" in entries and "controller/policies/request_tiers.py" in entries
     missing = [
         e
         for e in entries
@@ -363,7 +363,7 @@ def default(cls: type, name: str) -> object:
 
 
 def keepalive(option: str) -> float:
-    return dict(constant("specpair.serving.SERVER_OPTIONS"))[option] / 1000
+    return dict(constant("specpair.rpc.serving.SERVER_OPTIONS"))[option] / 1000
 
 
 def c(dotted: str) -> object:
@@ -377,7 +377,7 @@ def c(dotted: str) -> object:
 PREFIXES = {
     "sampling.": "specpair.runtime.sampling.",
     "gpu.": "specpair.runtime.gpu.",
-    "deadline.": "target_service.draft_deadline.",
+    "deadline.": "target_service.drafts.draft_deadline.",
     "watchdog.": "specpair.parallel.watchdog.",
     "addresses.": "specpair.config.addresses.",
 }
@@ -477,7 +477,7 @@ QUOTED: list[tuple[str, str, tuple[object, ...]]] = [
     (
         "docs/wire.md",
         r"(\d+) MiB message limits \(`MESSAGE_LIMIT`",
-        (c("specpair.channels.MESSAGE_LIMIT") / 2**20,),
+        (c("specpair.rpc.channels.MESSAGE_LIMIT") / 2**20,),
     ),
     (
         "docs/wire.md",
@@ -489,8 +489,8 @@ QUOTED: list[tuple[str, str, tuple[object, ...]]] = [
         "docs/round.md",
         r"for at most (\d+) µs a running request \(at least (\d+) ms",
         (
-            c("specpair.serving.SETTLE_PER_REQUEST_S") * 1e6,
-            c("specpair.serving.SETTLE_BUDGET_S") * 1e3,
+            c("specpair.rpc.serving.SETTLE_PER_REQUEST_S") * 1e6,
+            c("specpair.rpc.serving.SETTLE_BUDGET_S") * 1e3,
         ),
     ),
     (
@@ -512,7 +512,7 @@ QUOTED: list[tuple[str, str, tuple[object, ...]]] = [
     (
         "docs/services.md",
         r"a `WatchRounds` queue \((\d+) rounds",
-        (c("target_service.round_feed.QUEUE_ROUNDS"),),
+        (c("target_service.batching.round_feed.QUEUE_ROUNDS"),),
     ),
     (
         "docs/services.md",
@@ -530,19 +530,19 @@ QUOTED: list[tuple[str, str, tuple[object, ...]]] = [
         r"omitted `max_tokens` is (\d+) on every door\), except the OpenAI door's own "
         r"`temperature` (\d+\.\d+)",
         (
-            c("target_service.validation.DEFAULT_MAX_TOKENS"),
-            c("target_service.openai_request.DEFAULT_TEMPERATURE"),
+            c("target_service.request_path.validation.DEFAULT_MAX_TOKENS"),
+            c("target_service.http_door.openai_request.DEFAULT_TEMPERATURE"),
         ),
     ),
     (
         "docs/services.md",
         r"every child \(SIGTERM, (\d+) s, then SIGKILL",
-        (c("specpair.group.STOP_GRACE_S"),),
+        (c("specpair.cli.group.STOP_GRACE_S"),),
     ),
     (
         "docs/security.md",
         r"the same (\d+) MiB message limits",
-        (c("specpair.channels.MESSAGE_LIMIT") / 2**20,),
+        (c("specpair.rpc.channels.MESSAGE_LIMIT") / 2**20,),
     ),
     (
         "docs/security.md",
@@ -552,12 +552,12 @@ QUOTED: list[tuple[str, str, tuple[object, ...]]] = [
     (
         "docs/security.md",
         r"a whole queue \((\d+) rounds\)",
-        (c("target_service.round_feed.QUEUE_ROUNDS"),),
+        (c("target_service.batching.round_feed.QUEUE_ROUNDS"),),
     ),
     (
         "docs/security.md",
         r"JSON over (\d+) kB parses on a worker thread",
-        (c("target_service.http_guards.PARSE_INLINE_BYTES") / 1024,),
+        (c("target_service.http_door.http_guards.PARSE_INLINE_BYTES") / 1024,),
     ),
     (
         "docs/failure.md",

@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from specpair import wire
 from specpair.logging import Repeats, bounded
 from specpair.proto.v1 import draft_pb2
-from target_service.draft_deadline import MAX_BENCH_S, MIN_ROUNDS, RoundPace, bench_s, deadline
+from specpair.rpc import wire
+from target_service.drafts.draft_deadline import (
+    MAX_BENCH_S,
+    MIN_ROUNDS,
+    RoundPace,
+    bench_s,
+    deadline,
+)
 
 
 def _pace(seconds: float, inputs: int, rounds: int = MIN_ROUNDS) -> RoundPace:

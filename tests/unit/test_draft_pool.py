@@ -9,14 +9,14 @@ from typing import Any
 import pytest
 
 from specpair.proto.v1 import target_pb2
-from specpair.runtime.round import RoundRequest, RoundResponse, StageTimings
+from specpair.runtime.round_messages import RoundRequest, RoundResponse, StageTimings
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.target.session import DraftSession
 from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import EMPTY_TREE, CandidateTree
-from target_service.draft_merge import slowest
-from target_service.draft_pool import DraftPool
-from target_service.draft_resolve import is_name, resolve
+from target_service.drafts.draft_merge import slowest
+from target_service.drafts.draft_pool import DraftPool
+from target_service.drafts.draft_resolve import is_name, resolve
 
 State = target_pb2.DraftConnectionState
 

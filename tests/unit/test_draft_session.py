@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpair.runtime.round import RoundResponse
+from specpair.runtime.round_messages import RoundResponse
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.target.session import DraftSession
 from specpair.runtime.target.worker import TargetSequence

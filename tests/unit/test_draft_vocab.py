@@ -120,8 +120,8 @@ def test_the_command_writes_a_map_of_the_most_frequent_ids(pair, tmp_path: Path,
 
 
 def test_serve_draft_takes_a_map_and_up_passes_it() -> None:
-    from specpair.cli import build_parser
-    from specpair.launcher import up_services
+    from specpair.cli.launcher import up_services
+    from specpair.cli.main import build_parser
 
     parser = build_parser()
     args = parser.parse_args(["serve", "draft", "--model", "m", "--token-map", "map.pt"])

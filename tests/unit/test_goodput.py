@@ -17,7 +17,7 @@ from controller.policies.goodput.least_squares import line_at
 from controller.policies.goodput.policy import GoodputPolicy
 from controller.policies.interface import RoundSample
 from specpair.runtime.shape import TreeShape
-from specpair.tiers import RegimeSteps
+from specpair.tier_estimate import RegimeSteps
 
 
 def chain_accepts(rng: random.Random, rates: list[float], steps: int, n: int) -> list[int]:
@@ -568,7 +568,7 @@ def test_probes_take_at_most_their_budget_of_the_time_at_tier_0() -> None:
 def test_the_controller_passes_the_regime_to_the_policy() -> None:
     from controller.service.controlled_target import round_sample
     from specpair.proto.v1 import target_pb2
-    from specpair.wire import stats_from_proto
+    from specpair.rpc.wire import stats_from_proto
 
     stats = target_pb2.RoundStats(
         speculative_num_steps=3, batch_size=2, accept_lengths=[1, 2], speculative=True,

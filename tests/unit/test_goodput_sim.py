@@ -15,7 +15,7 @@ from bench.goodput_sim import Pinned, Recorded, load, main, simulate
 from controller.policies.bands import PolicySpec
 from controller.policies.interface import RoundSample, TierEstimate
 from specpair.runtime.shape import TreeShape
-from specpair.tiers import RegimeSteps
+from specpair.tier_estimate import RegimeSteps
 
 HERE = "tests.unit.test_goodput_sim"
 BETWEEN_S = 0.004  # per phase, outside rounds

@@ -23,9 +23,9 @@ import jsonschema
 import pytest
 import yaml
 
-from specpair import cli
+from specpair.cli import main as cli
+from specpair.cli.options import TOKEN_ENV
 from specpair.config import ControllerConfig, DraftConfig, TargetConfig, split_address
-from specpair.options import TOKEN_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

@@ -1,12 +1,17 @@
 """The import graph points one way: no cycle among the project's modules (counting imports
-under TYPE_CHECKING and inside functions, which hide cycles rather than remove them), and
-`runtime/`'s two sides and its GPU layer stay apart; the controller's policies are pure and the
-controller never imports the SDK."""
+under TYPE_CHECKING and inside functions, which hide cycles rather than remove them); the
+shared package imports no service and no service another; the runtime imports no config and
+reaches its GPU layer only where it assembles the states; `runtime/`'s two sides and its GPU
+layer stay apart; the controller's policies are pure and the controller never imports the SDK."""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("specpair", "draft_service", "target_service", "controller")
@@ -111,6 +116,129 @@ def test_runtime_sides_and_gpu_layer_stay_apart() -> None:
         if core and m not in (rt + "build", rt + "engine"):  # the assembly of both sides
             wrong += [f"{m} -> {d}" for d in deps if d.startswith(both)]
     assert not wrong, "\n".join(wrong)
+
+
+SERVICES = ("target_service", "draft_service", "controller")
+
+
+def _under(*prefixes: str) -> Callable[[str], bool]:
+    """Whether a module is one of `prefixes` or inside one."""
+    return lambda m: any(m == p or m.startswith(p + ".") for p in prefixes)
+
+
+def _service(m: str) -> str | None:
+    top = m.partition(".")[0]
+    return top if top in SERVICES else None
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Modules that `source` accepts never import (directly, anywhere in the file) one that
+    `banned(module, dependency)` names, except the edges of `allowed`, each with its reason."""
+
+    name: str
+    source: Callable[[str], bool]
+    banned: Callable[[str, str], bool]
+    allowed: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def broken(self, graph: dict[str, set[str]]) -> list[str]:
+        return [
+            f"{m} -> {d}"
+            for m in sorted(graph)
+            if self.source(m)
+            for d in sorted(graph[m])
+            if self.banned(m, d) and (m, d) not in self.allowed
+        ]
+
+
+_gpu = _under("specpair.runtime.gpu")
+# Where the runtime assembles a tier's states: the only core module that picks GPU stages.
+ASSEMBLY = ("specpair.runtime.build",)
+RULES = [
+    Rule(
+        # a service registers itself (`specpair.services` entry points): `specpair serve`
+        # finds it by name
+        "the shared package imports no service",
+        _under("specpair"),
+        lambda m, d: _service(d) is not None,
+    ),
+    Rule(
+        "no service imports another",
+        lambda m: _service(m) is not None,
+        lambda m, d: _service(d) not in (None, _service(m)),
+    ),
+    Rule(
+        # the runtime takes plain values; a service turns its config into them
+        "the runtime imports no config",
+        _under("specpair.runtime"),
+        lambda m, d: _under("specpair.config")(d),
+    ),
+    Rule(
+        # the core holds the protocols (`stages.py`); `build.py` hands it CUDA-graph stages
+        "the core runtime reaches the GPU layer only in the assembly",
+        lambda m: _under("specpair.runtime")(m) and not _gpu(m) and m not in ASSEMBLY,
+        lambda m, d: _gpu(d),
+        allowed={
+            ("specpair.runtime.kv_cache", "specpair.runtime.gpu.attention"): (
+                "the cache makes its own attention backends (`Backends`: SDPA on the CPU, "
+                "flashinfer or Triton on a GPU), and `KVCache(...)` is built so in parallel/"
+            ),
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: r.name)
+def test_the_packages_import_one_way(rule: Rule) -> None:
+    wrong = rule.broken(_graph())
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: r.name)
+def test_each_allowed_exception_is_still_needed(rule: Rule) -> None:
+    graph = _graph()
+    stale = [f"{m} -> {d}" for m, d in rule.allowed if d not in graph.get(m, set())]
+    assert not stale, "allowed, but no longer imported: " + ", ".join(stale)
+
+
+BREAKING = {  # an edge each rule must refuse
+    "the shared package imports no service": ("specpair.cli.main", "target_service.server"),
+    "no service imports another": ("controller.service.server", "draft_service.rounds"),
+    "the runtime imports no config": ("specpair.runtime.engine", "specpair.config.target"),
+    "the core runtime reaches the GPU layer only in the assembly": (
+        "specpair.runtime.target.worker",
+        "specpair.runtime.gpu.prefill_graphs",
+    ),
+}
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: r.name)
+def test_each_rule_refuses_an_edge_that_breaks_it(rule: Rule) -> None:
+    m, d = BREAKING[rule.name]
+    graph = {m: {d}, d: set(), "specpair.runtime.build": {"specpair.runtime.gpu.capture"}}
+    assert rule.broken(graph) == [f"{m} -> {d}"]
+
+
+def test_the_walker_sees_imports_in_functions_and_from_imports(tmp_path: Path) -> None:
+    """The rules see what `_imports` finds: `from a import b` (b a module or a name), and
+    imports inside functions and under TYPE_CHECKING."""
+    module = tmp_path / "m.py"
+    module.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from specpair.runtime import kv_cache\n"
+        "if TYPE_CHECKING:\n"
+        "    from specpair.config.target import TargetConfig\n"
+        "def f():\n"
+        "    from target_service.batching.scheduler import Scheduler\n"
+        "    import specpair.runtime.gpu.attention\n"
+    )
+    found = _imports(module, _modules())
+    assert {
+        "specpair.runtime.kv_cache",
+        "specpair.config.target",
+        "target_service.batching.scheduler",
+        "specpair.runtime.gpu.attention",
+    } <= found
 
 
 def _raw_imports(path: Path) -> set[str]:

@@ -7,10 +7,10 @@ import re
 import pytest
 
 from specpair.proto.v1 import target_pb2
-from target_service.openai_request import ApiRequest, error_param, parse_request
-from target_service.openai_response import ResponseWriter
-from target_service.request import ClientRequest
-from target_service.validation import DEFAULT_MAX_TOKENS, InvalidRequestError
+from target_service.http_door.openai_request import ApiRequest, error_param, parse_request
+from target_service.http_door.openai_response import ResponseWriter
+from target_service.request_path.request import ClientRequest
+from target_service.request_path.validation import DEFAULT_MAX_TOKENS, InvalidRequestError
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -144,7 +144,7 @@ def test_the_readme_refuses_exactly_what_the_server_refuses() -> None:
     # README once listed min_p as honoured and as refused; the server honours it.
     from pathlib import Path
 
-    from target_service.openai_request import TOOL_PARAMETERS, UNSUPPORTED
+    from target_service.http_door.openai_request import TOOL_PARAMETERS, UNSUPPORTED
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     start = readme.index("because speculation does not apply them exactly yet:")

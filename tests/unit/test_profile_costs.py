@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bench.profile_costs import SKIP_AFTER_PIN, counted_ms, render
-from specpair.runtime.round import RoundStats, StageTimings
+from specpair.runtime.round_messages import RoundStats, StageTimings
 from specpair.runtime.shape import TreeShape
 
 T0, T1, T3 = map(TreeShape, (0, 1, 3))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specpair.proto_gen import ROOT, generate
+from specpair.rpc.proto_gen import ROOT, generate
 
 
 def test_generated_stubs_are_fresh(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from specpair.reconnect import ReconnectingLink
+from specpair.rpc.reconnect import ReconnectingLink
 
 REAL_SLEEP = asyncio.sleep  # the tests below record the link's waits through asyncio.sleep
 

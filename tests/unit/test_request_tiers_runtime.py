@@ -11,14 +11,20 @@ import torch
 from draft_service.rounds import DraftRounds, RoundError
 from specpair.config import DraftConfig, ServerConfig
 from specpair.proto.v1 import draft_pb2
+from specpair.rpc.wire import request_from_proto, request_to_proto, stats_to_proto
 from specpair.runtime.build import build_drafter, build_states
-from specpair.runtime.round import DraftInput, RoundRequest, RoundResponse, RoundStats, StageTimings
+from specpair.runtime.round_messages import (
+    DraftInput,
+    RoundRequest,
+    RoundResponse,
+    RoundStats,
+    StageTimings,
+)
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.target.features import LastRows
 from specpair.runtime.target.session import DraftSession
 from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import EMPTY_TREE, chain
-from specpair.wire import request_from_proto, request_to_proto, stats_to_proto
 
 GREEDY = SamplingParams()
 

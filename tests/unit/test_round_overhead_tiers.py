@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.round_overhead import headroom, make_parser, service_run
-from specpair.runtime.round import RoundStats, StageTimings
+from specpair.runtime.round_messages import RoundStats, StageTimings
 from specpair.runtime.shape import TreeShape
 
 

@@ -66,9 +66,9 @@ def test_a_bad_tier_on_the_wire_names_its_field(steps, shape, match) -> None:
 
 
 def test_the_services_build_tree_shapes_beside_the_chains() -> None:
-    from specpair.cli import build_parser
+    from specpair.cli.launcher import up_services
+    from specpair.cli.main import build_parser
     from specpair.config import DraftConfig, ServerConfig, TargetConfig
-    from specpair.launcher import up_services
 
     server = ServerConfig(address="127.0.0.1:0")
     cfg = TargetConfig(server, Path("m"), tree_shapes=("6X8X32", "4x4x16"), initial_shape="4x4x16")

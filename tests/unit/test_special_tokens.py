@@ -11,9 +11,9 @@ from transformers import AutoTokenizer
 
 from specpair.models.loading import CheckpointError
 from specpair.models.tiny import write_tokenizer
-from target_service.request import ClientRequest
-from target_service.special_tokens import eos_ids, prompt_bos
-from target_service.validation import validate_generate
+from target_service.request_path.request import ClientRequest
+from target_service.request_path.special_tokens import eos_ids, prompt_bos
+from target_service.request_path.validation import validate_generate
 
 BOS = "<|begin_of_text|>"
 

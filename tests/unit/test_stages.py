@@ -9,7 +9,7 @@ import pytest
 from specpair.runtime.build import StateBuilder, build_drafter, build_states, build_target
 from specpair.runtime.draft.eager import EagerDraft, EagerExtend
 from specpair.runtime.engine import GREEDY
-from specpair.runtime.round import DraftInput
+from specpair.runtime.round_messages import DraftInput
 from specpair.runtime.target.verify import EagerVerify
 from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import EMPTY_TREE

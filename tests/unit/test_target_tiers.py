@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from specpair.metrics import ServiceMetrics
+from specpair.rpc.metrics import ServiceMetrics
 from specpair.runtime.shape import TreeShape
-from specpair.tiers import RegimeSteps
-from target_service.tiers import Tiers
+from specpair.tier_estimate import RegimeSteps
+from target_service.batching.batch_tiers import Tiers
 
 T = TreeShape
 TREE = TreeShape(4, 4, 16)

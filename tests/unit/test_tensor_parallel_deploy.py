@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specpair import cli
+from specpair.cli import main as cli
+from specpair.cli.launcher import placement, run_up, up_services
 from specpair.config import ServerConfig, TargetConfig, describe_ranks, rank_devices
-from specpair.launcher import placement, run_up, up_services
 
 SERVER = ServerConfig("127.0.0.1:0")
 

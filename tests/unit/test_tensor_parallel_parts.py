@@ -152,8 +152,8 @@ def test_rank_0_forwards_only_over_the_attend_it_just_bound(biased: Path) -> Non
 
 
 def test_up_passes_tensor_parallel_to_the_target() -> None:
-    from specpair.cli import build_parser
-    from specpair.launcher import up_services
+    from specpair.cli.launcher import up_services
+    from specpair.cli.main import build_parser
 
     services, _ = up_services(build_parser().parse_args(["up", "--tensor-parallel", "2"]))
     args = next(s.args for s in services if s.name == "target")

@@ -9,11 +9,7 @@ import pytest
 import torch
 
 from specpair.proto.v1 import common_pb2, draft_pb2, target_pb2
-from specpair.runtime.round import DraftInput, RoundRequest, RoundResponse, RoundStats, StageTimings
-from specpair.runtime.sampling import SamplingParams
-from specpair.runtime.shape import TreeShape
-from specpair.runtime.tree import CandidateTree
-from specpair.wire import (
+from specpair.rpc.wire import (
     MalformedRequestError,
     request_from_proto,
     request_to_proto,
@@ -23,7 +19,17 @@ from specpair.wire import (
     stats_to_proto,
     timings_from_proto,
 )
-from specpair.wire_tensor import tensor_from_proto, tensor_into
+from specpair.rpc.wire_tensor import tensor_from_proto, tensor_into
+from specpair.runtime.round_messages import (
+    DraftInput,
+    RoundRequest,
+    RoundResponse,
+    RoundStats,
+    StageTimings,
+)
+from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.shape import TreeShape
+from specpair.runtime.tree import CandidateTree
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -53,7 +53,7 @@ from controller.policies.goodput.probe import (
 from controller.policies.goodput.report import description, tier_estimates
 from controller.policies.interface import GatedPolicy, RoundSample, TierEstimate, snap_tier
 from specpair.runtime.shape import TreeShape
-from specpair.tiers import RegimeSteps
+from specpair.tier_estimate import RegimeSteps
 
 
 class GoodputPolicy(GatedPolicy[GoodputConfig]):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from controller.policies.goodput.config import GoodputConfig, Regime
 from specpair.runtime.shape import tier_name
-from specpair.tiers import TierEstimate
+from specpair.tier_estimate import TierEstimate
 
 
 def tier_estimates(

@@ -1,1 +1,1 @@
-"""Generated gRPC stubs (see specpair/proto_gen.py)."""
+"""Generated gRPC stubs (see specpair/rpc/proto_gen.py)."""

@@ -22,7 +22,7 @@ from specpair.models.args import ModelArgs
 from specpair.runtime.draft.extend import DraftForward
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
-from specpair.runtime.round import DraftInput
+from specpair.runtime.round_messages import DraftInput
 from specpair.runtime.sampling import RowParams, derived_seed, draft_support, make_generator
 from specpair.runtime.stages import DraftQ, DraftSampling, DraftStage, ExtendStage
 from specpair.runtime.state import SpecRuntimeState

@@ -19,7 +19,7 @@ from specpair.models.eagle3 import Eagle3Head
 from specpair.models.llama import Attend, LlamaModel
 from specpair.runtime.draft.drafter import Drafter
 from specpair.runtime.kv_cache import KVCache
-from specpair.runtime.round import DraftInput
+from specpair.runtime.round_messages import DraftInput
 
 
 class LMDrafter(Drafter):

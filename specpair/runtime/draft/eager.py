@@ -9,7 +9,7 @@ from torch import Tensor
 
 from specpair.runtime.draft.drafter import Drafter
 from specpair.runtime.draft.tree_draft import draft_trees
-from specpair.runtime.round import DraftInput
+from specpair.runtime.round_messages import DraftInput
 from specpair.runtime.shape import TreeShape
 from specpair.runtime.stages import DraftQ, DraftSampling
 from specpair.runtime.tree import CandidateTree

@@ -16,7 +16,7 @@ from torch import Tensor
 from specpair.models.llama import Attend
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout, padded_groups, place_rows
-from specpair.runtime.round import DraftInput
+from specpair.runtime.round_messages import DraftInput
 
 
 class DraftForward(ABC):

@@ -28,7 +28,7 @@ from specpair.runtime.gpu.draft_capture import extend_graph, step_graph
 from specpair.runtime.gpu.step_graphs import StepGraphs
 from specpair.runtime.kv_cache import CacheFullError
 from specpair.runtime.layout import BatchLayout, padded_groups, tril_mask
-from specpair.runtime.round import DraftInput
+from specpair.runtime.round_messages import DraftInput
 from specpair.runtime.stages import DraftModel, DraftStage, ExtendStage
 
 

@@ -1,8 +1,8 @@
 """The target's side of the round protocol: what the draft has seen of each request.
 
 `DraftSession` is the one place that decides what goes to the draft next and what comes back
-is worth verifying. The target's round (`round.py`: the target service, the in-process engine
-and the GPU benchmarks alike) drives it:
+is worth verifying. The target's round (`target_round.py`: the target service, the in-process
+engine and the GPU benchmarks alike) drives it:
 
     session.add(seq, prefill_features)              # a prefilled request joins
     handoff = session.handoff(round_id, new_seqs)    # its prompt, ahead of its first round
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from specpair.logging import Repeats, get_logger
-from specpair.runtime.round import DraftInput, RoundRequest, RoundResponse, StageTimings
+from specpair.runtime.round_messages import DraftInput, RoundRequest, RoundResponse, StageTimings
 from specpair.runtime.shape import MAX_TREE_NODES, TreeShape
 from specpair.runtime.target.features import FeatureLog, LastRows
 from specpair.runtime.target.worker import TargetSequence

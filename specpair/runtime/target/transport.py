@@ -1,6 +1,6 @@
 """How the target's round reaches its draft: the one seam between the two sides.
 
-Two transports carry the same typed messages: `DraftPool` (`target_service/draft_pool.py`), a
+Two transports carry the same typed messages: `DraftPool` (`target_service/drafts/draft_pool.py`), a
 long-lived gRPC Round stream to each draft replica (`DraftLink`), and `InProcessDraft`
 (`runtime/engine.py`), a drafter in this process answering each round as the draft service
 would.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from specpair.runtime.round import RoundRequest, RoundResponse
+from specpair.runtime.round_messages import RoundRequest, RoundResponse
 from specpair.runtime.target.worker import TargetSequence
 
 

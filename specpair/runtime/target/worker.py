@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -27,14 +26,11 @@ from specpair.runtime.sampling import (
     sample_rows,
     warp_rows,
 )  # fmt: skip
-from specpair.runtime.stages import VerifyStage
+from specpair.runtime.stages import PrefillStage, VerifyStage
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.target.accepting import accept_batch, uniforms
 from specpair.runtime.target.verify import EagerVerify
 from specpair.runtime.tree import CandidateTree, full_parents, tree_depths, tree_mask
-
-if TYPE_CHECKING:
-    from specpair.runtime.gpu.prefill_graphs import PrefillGraphs
 
 
 @dataclass
@@ -122,7 +118,7 @@ class TargetWorker:
         # the verify of plain decoding (no state)
         self.plain = EagerVerify(model, cache, feature_layers)
         # small prefills in CUDA graphs (`gpu/prefill_graphs.py`), set by `StateBuilder` on a GPU
-        self.prefill_graphs: PrefillGraphs | None = None
+        self.prefill_graphs: PrefillStage | None = None
         self.last_gpu_ms = 0.0  # GPU time of the last verify's graph replays (0: none ran)
         self.accept_paths: Counter[str] = Counter()  # verifies by `accepting.ACCEPT_PATHS`
         self.last_accept = ""  # the last verify's

@@ -1,0 +1,1 @@
+"""gRPC plumbing the services share: channels, servers, interceptors, health, metrics, the wire."""

@@ -1,0 +1,270 @@
+"""Conversions between the wire messages (protos) and the round's typed messages.
+
+Whole messages cross here: `request_to_proto` / `request_from_proto` (RoundRequest),
+`response_to_proto` / `response_from_proto` (RoundResponse), `stats_to_proto` /
+`stats_from_proto` (RoundStats), and the tiers of an ApplyTier (`apply_tier_to_proto` /
+`apply_tier_from_proto`). Decoding names the field of anything malformed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import fields
+
+import torch
+
+from specpair.logging import bounded
+from specpair.proto.v1 import common_pb2, draft_pb2, target_pb2
+from specpair.rpc.wire_tensor import float_tensor, fp8_rows_into, tensor_from_proto, tensor_into
+from specpair.runtime.round_messages import (
+    DraftInput,
+    RoundRequest,
+    RoundResponse,
+    RoundStats,
+    StageTimings,
+)
+from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.shape import TreeShape, tier_from_wire, tier_name
+from specpair.runtime.tree import CandidateTree
+from specpair.tier_estimate import RegimeSteps
+
+
+def sampling_into(msg: common_pb2.SamplingParams, p: SamplingParams) -> None:
+    msg.temperature, msg.top_p, msg.top_k, msg.min_p = p.temperature, p.top_p, p.top_k, p.min_p
+    if p.seed is not None:
+        msg.seed = p.seed
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises ValueError naming the bad field (temperature, top_p, top_k, min_p)."""
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        min_p=msg.min_p,
+    )
+
+
+def request_to_proto(request: RoundRequest, fp8_features: bool = False) -> draft_pb2.RoundRequest:
+    """`fp8_features`: EAGLE features as float8 scaled per row (`fp8_rows_into`)."""
+    msg = draft_pb2.RoundRequest(
+        round_id=request.round_id,
+        speculative_num_steps=request.speculative_num_steps,
+        released_request_ids=request.released_request_ids,
+        shape=tier_name(request.tier),
+    )
+    for item in request.inputs:
+        _draft_input_into(msg.inputs.add(), item, fp8_features)
+    return msg
+
+
+class MalformedRequestError(ValueError):
+    """A RoundRequest with an input that cannot be decoded; the message names its field.
+    `request` holds what can be: the round, its releases and each input's id (nothing else)."""
+
+    def __init__(self, why: str, request: RoundRequest) -> None:
+        super().__init__(why)
+        self.request = request
+
+
+def request_from_proto(msg: draft_pb2.RoundRequest) -> RoundRequest:
+    """Raises MalformedRequestError naming the malformed field (`inputs[r7].sampling.top_p:
+    ...`, `shape: ...`)."""
+    tree = None
+    try:  # a ShapeError is a ValueError
+        shape = tier_from_wire(msg.speculative_num_steps, msg.shape, "shape")
+        tree = None if shape.is_chain else shape
+        inputs = tuple(_draft_input_from_proto(m) for m in msg.inputs)
+    except ValueError as exc:
+        ids = tuple(DraftInput(m.request_id, (), SamplingParams()) for m in msg.inputs)
+        raise MalformedRequestError(str(exc), _request(msg, ids, tree)) from None
+    return _request(msg, inputs, tree)
+
+
+def _request(
+    msg: draft_pb2.RoundRequest, inputs: tuple[DraftInput, ...], shape: TreeShape | None
+) -> RoundRequest:
+    return RoundRequest(
+        msg.round_id,
+        msg.speculative_num_steps,
+        inputs,
+        tuple(msg.released_request_ids),
+        shape,
+    )
+
+
+def response_to_proto(response: RoundResponse) -> draft_pb2.RoundResponse:
+    msg = draft_pb2.RoundResponse(
+        round_id=response.round_id,
+        error=response.error,
+        refused=response.refused,
+    )
+    for request_id, tree in response.trees.items():
+        _tree_into(msg.trees.add(), request_id, tree)
+    timings_into(msg.timings, response.timings)
+    return msg
+
+
+def response_from_proto(
+    msg: draft_pb2.RoundResponse,
+    max_nodes: int | None = None,
+    request_ids: Collection[str] | None = None,
+) -> RoundResponse:
+    """Never raises: a tree that cannot be decoded lands in `malformed` with why, so that it
+    costs only its request's speculation. A peer's answer is bounded before any tree is
+    decoded: a tree of more than `max_nodes` nodes (the round's shape) is malformed unread, a
+    tree for a request not in `request_ids` (the round's) is dropped unread, and
+    the error is cut to `bounded`'s length."""
+    trees, malformed = {}, {}
+    for t in msg.trees:
+        if request_ids is not None and t.request_id not in request_ids:
+            continue
+        if (why := _oversized(t, max_nodes)) is not None:
+            malformed[t.request_id] = why
+            continue
+        try:
+            trees[t.request_id] = _tree_from_proto(t)
+        except ValueError as exc:
+            malformed[t.request_id] = bounded(str(exc))
+    return RoundResponse(
+        msg.round_id, trees, timings_from_proto(msg.timings), bounded(msg.error), malformed,
+        dict(msg.refused),
+    )  # fmt: skip
+
+
+_TIMINGS = tuple(f.name for f in fields(StageTimings))
+
+
+def timings_into(msg: common_pb2.StageTimings, timings: StageTimings) -> None:
+    for name in _TIMINGS:
+        setattr(msg, name, getattr(timings, name))
+
+
+def timings_from_proto(msg: common_pb2.StageTimings) -> StageTimings:
+    return StageTimings(**{name: getattr(msg, name) for name in _TIMINGS})
+
+
+def stats_to_proto(stats: RoundStats) -> target_pb2.RoundStats:
+    msg = target_pb2.RoundStats(
+        round_id=stats.round_id,
+        speculative_num_steps=stats.speculative_num_steps,
+        batch_size=stats.batch_size,
+        accept_lengths=stats.accept_lengths,
+        speculative=stats.speculative,
+        unix_time=stats.unix_time,
+        request_ids=stats.request_ids,
+        request_steps=stats.request_steps,
+        plain_request_ids=stats.plain_request_ids,
+        sampled_requests=stats.sampled_requests,
+        shape=tier_name(stats.tier),
+    )
+    timings_into(msg.timings, stats.timings)
+    return msg
+
+
+def stats_from_proto(msg: target_pb2.RoundStats) -> RoundStats:
+    """Raises ShapeError on a shape that is not one (the controller drops that round)."""
+    shape = tier_from_wire(msg.speculative_num_steps, msg.shape, "shape")
+    return RoundStats(
+        msg.round_id, msg.speculative_num_steps, msg.batch_size, tuple(msg.accept_lengths),
+        msg.speculative, timings_from_proto(msg.timings), msg.unix_time, tuple(msg.request_ids),
+        tuple(msg.request_steps), tuple(msg.plain_request_ids), msg.sampled_requests,
+        None if shape.is_chain else shape,
+    )  # fmt: skip
+
+
+def _draft_input_into(msg: draft_pb2.DraftInput, item: DraftInput, fp8: bool) -> None:
+    msg.request_id = item.request_id
+    msg.appended_token_ids.extend(item.appended)
+    msg.speculative_num_steps = item.steps
+    sampling_into(msg.sampling, item.sampling)
+    if item.features is not None:
+        (fp8_rows_into if fp8 else tensor_into)(msg.features, item.features)
+
+
+def _draft_input_from_proto(msg: draft_pb2.DraftInput) -> DraftInput:
+    features = None
+    if msg.HasField("features"):
+        features = float_tensor(msg.features, f"inputs[{msg.request_id}].features")
+    try:
+        sampling = sampling_from_proto(msg.sampling)
+    except ValueError as exc:  # it names only its own field
+        raise ValueError(f"inputs[{msg.request_id}].sampling.{exc}") from None
+    return DraftInput(
+        msg.request_id, tuple(msg.appended_token_ids), sampling, features,
+        msg.speculative_num_steps,
+    )  # fmt: skip
+
+
+def _tree_into(msg: draft_pb2.CandidateTree, request_id: str, tree: CandidateTree) -> None:
+    msg.request_id = request_id
+    msg.token_ids.extend(tree.tokens)
+    msg.parents.extend(tree.parents)
+    if tree.draft_probs is not None:
+        tensor_into(msg.draft_probs, tree.draft_probs)
+    if tree.draft_ids is not None:
+        tensor_into(msg.draft_token_ids, tree.draft_ids.to(torch.int32))
+
+
+def _oversized(msg: draft_pb2.CandidateTree, max_nodes: int | None) -> str | None:
+    """Why a tree is larger than a round allows, counted on the message (nothing decoded)."""
+    n = max(len(msg.token_ids), len(msg.parents))
+    if max_nodes is None or n <= max_nodes:
+        return None
+    where = f"trees[{bounded(msg.request_id)}]"
+    return f"{where}: {n} nodes, more than the round's shape allows ({max_nodes})"
+
+
+def _tree_from_proto(msg: draft_pb2.CandidateTree) -> CandidateTree:
+    probs = ids = None
+    field = f"trees[{msg.request_id}]"
+    if msg.HasField("draft_probs"):
+        probs = float_tensor(msg.draft_probs, f"{field}.draft_probs").float()
+    if msg.HasField("draft_token_ids"):
+        ids = tensor_from_proto(msg.draft_token_ids, f"{field}.draft_token_ids")
+        if ids.dtype != torch.int32:
+            raise ValueError(f"{field}.draft_token_ids: int32 ids expected, got {ids.dtype}")
+        ids = ids.long()
+    return CandidateTree(tuple(msg.token_ids), tuple(msg.parents), probs, ids)
+
+
+def apply_tier_to_proto(
+    tier: TreeShape,
+    reason: str,
+    request_steps: Mapping[str, int] | None = None,
+    regimes: RegimeSteps | None = None,
+) -> target_pb2.ApplyTierRequest:
+    """An ApplyTier command: each tier as its steps, with its shape string beside when a tree;
+    per-request tiers are chains."""
+    msg = target_pb2.ApplyTierRequest(
+        speculative_num_steps=tier.steps, shape=tier_name(tier), reason=reason,
+        request_steps=dict(request_steps or {}),
+    )  # fmt: skip
+    if regimes is not None:
+        msg.greedy_steps, msg.greedy_shape = regimes.greedy.steps, tier_name(regimes.greedy)
+        msg.sampled_steps, msg.sampled_shape = regimes.sampled.steps, tier_name(regimes.sampled)
+    return msg
+
+
+def apply_tier_from_proto(
+    msg: target_pb2.ApplyTierRequest,
+) -> tuple[TreeShape, dict[str, TreeShape], RegimeSteps | None]:
+    """The batch tier, per-request tiers and per-regime tiers an ApplyTier names (a regime left
+    unset takes the batch tier); raises ShapeError naming the field. Whether each one is a
+    candidate is the target's check."""
+    tier = tier_from_wire(msg.speculative_num_steps, msg.shape, "speculative_num_steps")
+    own = {
+        rid: tier_from_wire(steps, "", f"request_steps[{rid}]")
+        for rid, steps in msg.request_steps.items()
+    }
+    regimes = None
+    greedy, sampled = msg.HasField("greedy_steps"), msg.HasField("sampled_steps")
+    if greedy or sampled or msg.greedy_shape or msg.sampled_shape:
+        regimes = RegimeSteps(
+            tier_from_wire(msg.greedy_steps, msg.greedy_shape, "greedy_steps")
+            if greedy or msg.greedy_shape else tier,
+            tier_from_wire(msg.sampled_steps, msg.sampled_shape, "sampled_steps")
+            if sampled or msg.sampled_shape else tier,
+        )  # fmt: skip
+    return tier, own, regimes

@@ -1,0 +1,1 @@
+"""Continuous batching: the scheduler, its served requests, tiers, round accounts and load."""

@@ -1,0 +1,1 @@
+"""The target's OpenAI-compatible HTTP door: routes, guards, OpenAI bodies in and out."""

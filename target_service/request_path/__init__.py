@@ -1,0 +1,1 @@
+"""A client's request from either door to its stream: decode, validate, submit, detokenize."""
