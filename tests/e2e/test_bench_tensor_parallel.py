@@ -1,7 +1,7 @@
 """`bench/tensor_parallel.py` end to end on the CPU with the shipped pair at --tp 2 (gloo
 ranks): `specpair up --tensor-parallel 2` beside `up` at one rank, speculating then pinned to
-the target alone, the round account, the start-up times and the greedy lossless check in its JSON, before device time is
-spent on it."""
+the target alone, the round account, the start-up times and the greedy lossless check in its
+JSON, before device time is spent on it."""
 
 from __future__ import annotations
 
