@@ -3,7 +3,8 @@
 One module per concern; import from here (`from specpair.config import TargetConfig`):
 addresses.py (defaults, environment, checks), server.py (`ServerConfig`, `TLSConfig`),
 model_service.py (`ModelServiceConfig`, what the draft and the target both take), target.py,
-draft.py, controller.py (each service's own), option.py (a field's `specpair serve` option).
+draft.py, controller.py (each service's own), option.py (a field's `specpair serve` option, or
+its lab switch), capabilities.py (the mode axes and the one table of combinations refused).
 """
 
 from specpair.config.addresses import (
