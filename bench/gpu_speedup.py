@@ -334,14 +334,16 @@ def services(
     repeats: int = 1, counts: Mapping[int, int] | None = None, threads: int = 0,
     profiled: dict[str, Any] | None = None, token_map: Path | None = None,
     tiers: Sequence[int] = TIERS, adaptive: bool = True, target_flags: Sequence[str] = (),
+    lab: Mapping[str, str] | None = None,
 ) -> dict[str, Any] | None:  # fmt: skip
     """Target-only (`--no-draft`), then static `tiers` (`trees` too, pinned by shape) and
     adaptive through the controller (SGLang's rule over the chains, unless not `adaptive`;
     then with `goodput` the goodput kind, over the trees too; given `profiled`, seeded with a
-    start-up profile, written there). `target_flags` go to both target services."""
+    start-up profile, written there). `target_flags` go to both target services, `lab`
+    switches (field → value) to every service."""
     common: dict[str, Any] = dict(
         target=target, log_dir=log_dir, device=device, dtype=dtype, max_len=max_len,
-        threads=threads,
+        threads=threads, lab=lab,
         candidate_steps=(0, *TIERS),  # the goodput kind's tier 0 is the target alone
         # the target's default max_batch (16) would run a batch-64 cell 16 at a time
         target_options=("--max-batch", str(max(batches)),
@@ -611,7 +613,12 @@ def main() -> None:
                         help="services: no cell of SGLang's rule (adaptive)")  # fmt: skip
     parser.add_argument(
         "--target-flags", default="", metavar="FLAGS",
-        help="more flags for the target service, e.g. '--no-prompt-handoff'",
+        help="more flags for the target service, e.g. '--join-group 1'",
+    )  # fmt: skip
+    parser.add_argument(
+        "--lab", action="append", default=[], metavar="FIELD=VALUE",
+        help="a lab switch for the services, e.g. no_prompt_handoff=1 (ARCHITECTURE.md, "
+        "'Lab switches')",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, help="JSON (default: bench/results/…_<kind>.json)")
     parser.add_argument(
@@ -697,6 +704,7 @@ def main() -> None:
             profiled=profiled if args.profile else None, token_map=args.token_map,
             tiers=args.tiers, adaptive=not args.no_adaptive,
             target_flags=shlex.split(args.target_flags),
+            lab={k: v for k, _, v in (item.partition("=") for item in args.lab)},
         )  # fmt: skip
     save()
     title = f"{args.draft_kind} draft, {args.shape} pair, {gpu}: tokens/s by configuration"

@@ -269,7 +269,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--threads", type=int, default=0, help="intra-op threads (0: half the cores)"
     )
     parser.add_argument(
-        "--busy-poll-ms", type=float, help="the services' --busy-poll-ms (default: theirs)"
+        "--busy-poll-ms", type=float, help="the services' busy_poll_ms lab switch (default: theirs)"
     )
     parser.add_argument(
         "--links", nargs="+", choices=LINKS, default=["tcp"],
@@ -393,7 +393,7 @@ def compare(
     write_json(args.out, result)
     print(f"\n{mode} vs in-process on {args.device} ({dtype_name}); batch {args.batch}, "
           f"{args.new_tokens} new tokens, prompts of {len(work[0])}+ tokens, {threads} intra-op "
-          f"thread(s) per process, services' --busy-poll-ms "
+          f"thread(s) per process, services' busy_poll_ms "
           f"{'default' if args.busy_poll_ms is None else args.busy_poll_ms}")  # fmt: skip
     for name, r in per_tier.items():
         for link, lr in r["links"].items():

@@ -10,7 +10,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import grpc
 
 from specpair.cli.group import Service, ServiceGroup
 from specpair.client import SpecpairClient
+from specpair.config.option import lab_variable
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
 from specpair.rpc.channels import auth_metadata
 from specpair.rpc.wire import apply_tier_to_proto, stats_from_proto
@@ -54,7 +55,9 @@ class BenchServices(ServiceGroup):
     (None: the command's defaults). `link` is the target's wire to the draft: loopback "tcp" or
     a "unix" domain socket. Each service is given its device as `specpair up` gives it
     (`--device cuda:1`). `draft_options` / `target_options`: more flags for the draft / target
-    service (e.g. ("--max-batch", "64")).
+    service (e.g. ("--max-batch", "64")). `lab`: lab switches for every service, by field
+    (`{"no_prompt_handoff": "1"}`: `SPECPAIR_LAB_NO_PROMPT_HANDOFF=1`; ARCHITECTURE.md, "Lab
+    switches"); `busy_poll_ms` is one.
     """
 
     def __init__(
@@ -77,6 +80,7 @@ class BenchServices(ServiceGroup):
         link: str = "tcp",
         draft_options: Sequence[str] = (),
         target_options: Sequence[str] = (),
+        lab: Mapping[str, str] | None = None,
     ) -> None:
         self.draft, self.socket_dir = link_address(link, "draft")
         self.target, self.controller = free_address(), free_address()
@@ -87,10 +91,12 @@ class BenchServices(ServiceGroup):
         for flag, value in options.items():
             if value:
                 model += (flag, str(value))
+        switches = dict(lab or {})
         if busy_poll_ms is not None:
-            model += ("--busy-poll-ms", str(busy_poll_ms))
+            switches["busy_poll_ms"] = str(busy_poll_ms)
         # No HTTP API: benchmarks speak gRPC, and groups side by side must not share port 8000.
         env = {**os.environ, "SPECPAIR_HTTP_ADDRESS": ""}
+        env.update({lab_variable(name): value for name, value in switches.items()})
         draft_arg, target_arg = draft_device or device, device
         pins = {name: frozenset(ids) for name, ids in (cpus or {}).items()}
         services = []

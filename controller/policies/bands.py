@@ -38,8 +38,8 @@ from controller.policies.sglang import (
     AdaptiveSpeculativeParams,
     PolicyConfig,
     is_int,
-    refuse_tree_shapes,
 )
+from specpair.config.capabilities import Modes, Policy, Tiers, check
 from specpair.runtime.shape import TreeShape
 from specpair.tier_estimate import RegimeSteps
 
@@ -88,7 +88,9 @@ class PolicySpec:
         raw_bands = rest.pop("bands", [])
         if not isinstance(raw_bands, list | tuple):
             raise ValueError(f"bands must be a list of objects, got {raw_bands!r}")
-        if kind == "sglang":
+        listed = [rest, *(b for b in raw_bands if isinstance(b, Mapping))]
+        check(Modes(policy=Policy(kind), tiers=Tiers.of(any(b.get("tree_shapes") for b in listed))))
+        if kind == "sglang":  # its keys have no tree_shapes: an empty list names none
             rest = _chains(rest)
             raw_bands = [_chains(b) if isinstance(b, Mapping) else b for b in raw_bands]
         top = KINDS[kind][0].from_mapping(rest)
@@ -177,11 +179,8 @@ def _construct(
 
 
 def _chains(values: Mapping[str, Any]) -> dict[str, Any]:
-    """The sglang kind's keys: `tree_shapes` refused by name (an empty list names none)."""
-    out = dict(values)
-    if shapes := out.pop("tree_shapes", ()):
-        refuse_tree_shapes(shapes)
-    return out
+    """The sglang kind's keys, without `tree_shapes` (checked empty by `from_mapping`)."""
+    return {k: v for k, v in values.items() if k != "tree_shapes"}
 
 
 def kind_of(config: KindConfig) -> str:

@@ -29,6 +29,7 @@ from controller.policies.goodput.acceptance import AcceptanceModel
 from controller.policies.goodput.config import GoodputConfig
 from controller.policies.goodput.policy import GoodputPolicy
 from controller.policies.interface import GatedPolicy, RoundSample, TierEstimate
+from specpair.config.capabilities import Modes, Policy, Tiers, check
 from specpair.runtime.shape import TreeShape
 
 SWEEPS = 2
@@ -168,9 +169,5 @@ class RequestTiers(GatedPolicy[GoodputConfig]):
 
 def chains_only(config: GoodputConfig) -> GoodputConfig:
     """Per-request tiers are chains (ApplyTier's request_steps): tree shapes are refused."""
-    if config.tree_shapes:
-        raise ValueError(
-            f"tree_shapes {list(config.tree_shapes)}: per-request tiers are chains; choose "
-            'tree shapes with kind "goodput"'
-        )
+    check(Modes(policy=Policy.REQUEST, tiers=Tiers.of(config.tree_shapes)))
     return config

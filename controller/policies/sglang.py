@@ -89,16 +89,6 @@ FIELD_NAMES = PolicyConfig.field_names()
 WIRE_FIELD_NAMES = (*FIELD_NAMES, "tree_shapes")
 
 
-def refuse_tree_shapes(shapes: object) -> None:
-    """SGLang's adaptive rule moves along one line of tiers by accept length (its topk > 1
-    support, PR #24054, keeps one topk and num_draft_tokens for every tier); a chain and a tree
-    of one depth accept and cost differently, which the rule cannot weigh."""
-    raise ValueError(
-        f"tree_shapes {shapes!r}: sglang's rule chooses among chains by accept length; "
-        'choose tree shapes with kind "goodput"'
-    )
-
-
 def check_steps(steps: object, *, minimum: int) -> tuple[int, ...]:
     """Sorted and deduplicated as SGLang does, so [7, 1, 3, 3] means tiers 1 < 3 < 7."""
     if isinstance(steps, str | bytes) or not isinstance(steps, Sequence):
@@ -162,7 +152,6 @@ __all__ = [
     "check_tree_shapes",
     "finite_float",
     "is_int",
-    "refuse_tree_shapes",
     "snap_to_candidate",  # defined beside the gate both kinds share
 ]
 

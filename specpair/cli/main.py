@@ -20,6 +20,8 @@ from specpair.cli.options import (
     add_config_options,
     add_server_options,
     config_values,
+    lab_epilog,
+    lab_values,
     server_config,
 )
 from specpair.config import (
@@ -94,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="service", required=True
     )
     for name, cls in SERVICE_CONFIGS.items():
-        service = serve.add_parser(name, help=SERVICE_HELP[name])
+        service = serve.add_parser(name, help=SERVICE_HELP[name], epilog=lab_epilog(cls))
         add_server_options(service, name)
         add_config_options(service, cls)
 
@@ -164,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> TargetConfig | DraftConfig | ControllerConfig:
     """Validated service config for `serve`; raises ValueError with the offending option."""
     cls = SERVICE_CONFIGS[args.service]
-    return cls(server_config(args), **config_values(args, cls))
+    return cls(server_config(args), **config_values(args, cls), **lab_values(cls))
 
 
 def _service_entry(

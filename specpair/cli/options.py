@@ -6,6 +6,9 @@ command a default other than the library's, `off_flag` adds a switch that sets t
 None (`--no-draft`), `secret` keeps its value (from `env`) out of --help. The field's type
 gives the parser: an enum becomes choices, a tuple of ints a comma-separated list, a tuple of
 strings a repeatable option.
+
+A field with `lab` metadata is no option: `lab_values` reads it from its `SPECPAIR_LAB_`
+variable (`config.option.lab_variable`), once, where `serve` builds the config.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from specpair.config import DEFAULT_METRICS, ServerConfig, TLSConfig, env_address
+from specpair.config.option import lab_variable
 
 
 def steps(text: str) -> tuple[int, ...]:
@@ -99,6 +103,46 @@ def config_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
         elif isinstance(f.default, tuple) and isinstance(value, list | type(None)):
             value = tuple(value) if value else _tuple_default(f)
         values[f.name] = value
+    return values
+
+
+def lab_fields(cls: type) -> list[dataclasses.Field[Any]]:
+    """`cls`'s lab switches (`config.option.lab`)."""
+    return [f for f in dataclasses.fields(cls) if "lab" in f.metadata]
+
+
+def lab_epilog(cls: type) -> str | None:
+    """The line `serve --help` ends with where `cls` has lab switches: their variables."""
+    names = [lab_variable(f.name) for f in lab_fields(cls)]
+    if not names:
+        return None
+    return f"lab switches (measuring only; ARCHITECTURE.md, 'Lab switches'): {', '.join(names)}"
+
+
+TRUE, FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def lab_values(cls: type, environ: typing.Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The lab switches of `cls` set in `environ` (default: this process's environment), as
+    its constructor takes them; ValueError names the variable of a value that does not parse."""
+    environ = os.environ if environ is None else environ
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in lab_fields(cls):
+        variable = lab_variable(f.name)
+        if (text := environ.get(variable)) is None:
+            continue
+        kind = hints[f.name]
+        if kind is bool:
+            if text.strip().lower() not in TRUE + FALSE:
+                raise ValueError(f"{variable}: expected 1 or 0, got {text!r}")
+            values[f.name] = text.strip().lower() in TRUE
+            continue
+        number = float if float in typing.get_args(kind) or kind is float else int
+        try:
+            values[f.name] = number(text)
+        except ValueError:
+            raise ValueError(f"{variable}: expected a number, got {text!r}") from None
     return values
 
 

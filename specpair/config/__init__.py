@@ -1,10 +1,10 @@
 """Service configuration: frozen dataclasses, validated once at the edge (CLI, environment).
 
 One module per concern; import from here (`from specpair.config import TargetConfig`):
-addresses.py (defaults, environment, checks), server_config.py (`ServerConfig`,
-`TLSConfig`), model_service.py (`ModelServiceConfig`, what the draft and the target both take),
-target.py, draft.py, controller.py (each service's own), option.py (a field's `specpair serve`
-option).
+addresses.py (defaults, environment, checks), server_config.py (`ServerConfig`, `TLSConfig`),
+model_service.py (`ModelServiceConfig`, what the draft and the target both take), target.py,
+draft.py, controller.py (each service's own), option.py (a field's `specpair serve` option, or
+its lab switch), capabilities.py (the mode axes and the one table of combinations refused).
 """
 
 from specpair.config.addresses import (

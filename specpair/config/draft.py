@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from specpair.config.capabilities import Device, Draft, Modes, Tiers, check
 from specpair.config.model_service import ModelServiceConfig
 from specpair.config.option import option
 from specpair.config.server_config import ServerConfig
@@ -42,10 +43,7 @@ class DraftConfig(ModelServiceConfig):
     def __post_init__(self) -> None:
         self._resolve()
         object.__setattr__(self, "draft_kind", DraftKind(self.draft_kind))
-        if self.draft_kind is DraftKind.EAGLE and self.target_path is None:
-            raise ValueError("draft_kind 'eagle' needs the target checkpoint (--target-model)")
-        if self.token_map is not None and self.draft_kind is not DraftKind.EAGLE:
-            raise ValueError("token_map applies to an EAGLE head (--draft-kind eagle)")
+        check(self.modes)
         if self.max_requests < 1:
             raise ValueError("max_requests must be >= 1")
         if not 0 <= self.max_target_requests <= self.max_requests:
@@ -57,6 +55,18 @@ class DraftConfig(ModelServiceConfig):
             # Without a token no stream proves who opened it: no one host may hold it all.
             share = self.max_requests if self.server.ops_token else max(1, self.max_requests // 2)
             object.__setattr__(self, "max_target_requests", share)
+
+    @property
+    def modes(self) -> Modes:
+        """The axes of `capabilities` this draft sets; an EAGLE head's generation (EAGLE-3 or
+        not) is its checkpoint's, checked where it loads (`runtime.build.check_drafter`)."""
+        return Modes(
+            device=Device.of(self.device),
+            draft=Draft.EAGLE if self.draft_kind is DraftKind.EAGLE else Draft.MODEL,
+            tiers=Tiers.of(self.tree_shapes),
+            token_map=self.token_map is not None,
+            target_model=self.target_path is not None,
+        )
 
     @property
     def cache_len(self) -> int:

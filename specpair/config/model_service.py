@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from specpair.config.option import option
+from specpair.config.option import lab, option
 from specpair.runtime.shape import TreeShape, parse_tiers
 
 CANDIDATE_STEPS = (1, 3, 7)
@@ -79,8 +79,8 @@ class ModelServiceConfig:
     )
     busy_poll_ms: float | None = field(
         default=None,
-        metadata=option("poll for the peer's next message this long before sleeping "
-                        f"(default: {BUSY_POLL_MS_CUDA:g} on CUDA, 0 on the CPU)"),
+        metadata=lab("poll for the peer's next message this long, in ms, before sleeping "
+                     f"(default: {BUSY_POLL_MS_CUDA:g} on CUDA, 0 on the CPU)"),
     )  # fmt: skip
 
     def _resolve(self) -> None:

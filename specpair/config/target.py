@@ -13,10 +13,11 @@ from specpair.config.addresses import (
     split_address,
     split_list,
 )
+from specpair.config.capabilities import Device, Draft, Modes, Tiers, check
 from specpair.config.model_service import ModelServiceConfig
-from specpair.config.option import option
+from specpair.config.option import lab, option
 from specpair.config.server_config import ServerConfig
-from specpair.runtime.shape import DETERMINISTIC_TREES, TreeShape
+from specpair.runtime.shape import TreeShape
 
 DEFAULT_MAX_WATCHERS = 8  # WatchRounds streams a target serves at once
 DEFAULT_RANK_TIMEOUT_FLOOR_S = 30.0  # `specpair/parallel/watchdog.py` says why
@@ -154,9 +155,9 @@ class TargetConfig(ModelServiceConfig):
     )
     no_prompt_handoff: bool = field(
         default=False,
-        metadata=option("send a joining request's prompt (and its features) to the draft in "
-                        "its first round, instead of beside the round it joins during "
-                        "(measuring; the hand-off keeps it off the round's path)"),
+        metadata=lab("send a joining request's prompt (and its features) to the draft in its "
+                     "first round, instead of beside the round it joins during (the hand-off "
+                     "keeps it off the round's path)"),
     )  # fmt: skip
     deterministic: bool = field(
         default=False,
@@ -167,21 +168,9 @@ class TargetConfig(ModelServiceConfig):
 
     def __post_init__(self) -> None:
         self._resolve()
-        if self.deterministic and not self.device.startswith("cuda"):
-            raise ValueError(
-                f"deterministic: the batch-invariant mode is a GPU mode (--device cuda), not "
-                f"--device {self.device}"
-            )
-        if self.deterministic and self.tree_shapes:
-            raise ValueError(DETERMINISTIC_TREES)
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
-        if self.deterministic and self.tensor_parallel > 1:
-            raise ValueError(
-                f"--deterministic with --tensor-parallel {self.tensor_parallel}: the "
-                f"batch-invariant mode runs on one GPU (its kernels' fixed reduction order does "
-                f"not cover an all-reduce); drop one of the two"
-            )
+        check(self.modes)
         if not self.rank_timeout_floor_s > 0:
             raise ValueError(f"rank_timeout_floor_s must be > 0, got {self.rank_timeout_floor_s}")
         if self.draft_address is not None:
@@ -245,6 +234,17 @@ class TargetConfig(ModelServiceConfig):
                 f"on {devices[0]} … {devices[-1]}, but {visible} CUDA device"
                 f"{'s are' if visible != 1 else ' is'} visible"
             )
+
+    @property
+    def modes(self) -> Modes:
+        """The axes of `capabilities` this target sets (the draft's kind is the draft's)."""
+        return Modes(
+            device=Device.of(self.device),
+            draft=None if self.draft_address is not None else Draft.NONE,
+            tiers=Tiers.of(self.tree_shapes),
+            deterministic=self.deterministic,
+            tensor_parallel=self.tensor_parallel > 1,
+        )
 
     @property
     def initial_tier(self) -> TreeShape:

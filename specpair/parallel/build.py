@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from specpair.config.capabilities import Modes, check
 from specpair.models.args import ModelArgs
 from specpair.models.loading import read_args
 from specpair.models.parallel import Shard, check_shardable, load_shard
@@ -41,8 +42,7 @@ def build_parallel_target(
     of a step that overran its bound (a rank hung; `watchdog.py`, whose floor is
     `rank_timeout_floor_s`), before then (from a thread). On GPUs build the states with
     `build_parallel_states`."""
-    if deterministic:
-        raise ValueError("--deterministic does not run with --tensor-parallel > 1")
+    check(Modes(deterministic=deterministic, tensor_parallel=tensor_parallel > 1))
     path = Path(path)
     check_shardable(read_args(path), tensor_parallel, path / "config.json")  # before any spawn
     spec = ShardSpec(

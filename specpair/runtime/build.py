@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import torch
 
+from specpair.config.capabilities import Device, Draft, Modes, Tiers, check, refusal
 from specpair.logging import get_logger
 from specpair.models.args import ModelArgs
 from specpair.models.eagle import EagleHead
@@ -36,7 +37,7 @@ from specpair.runtime.gpu.prefill_graphs import PrefillGraphs
 from specpair.runtime.gpu.tree_graphs import tree_stages
 from specpair.runtime.gpu.verify_graphs import VerifyGraphs
 from specpair.runtime.kv_cache import KVCache
-from specpair.runtime.shape import DETERMINISTIC_TREES, TreeShape
+from specpair.runtime.shape import TreeShape
 from specpair.runtime.stages import DraftStage, ExtendStage, VerifyStage
 from specpair.runtime.state import SpecRuntimeState, tier_state
 from specpair.runtime.target.verify import EagerVerify
@@ -99,8 +100,7 @@ def build_target(
     """`feature_layers`: an EAGLE-3 draft's (`eagle3_loading.aux_layers`): every forward
     (prefill, verify, its graphs) returns those layers' outputs as the features.
     `deterministic`: the batch-invariant mode (a GPU's; see `TargetWorker`)."""
-    if deterministic and not _is_cuda(device):
-        raise ValueError("deterministic: the batch-invariant mode is a GPU mode (--device cuda)")
+    check(Modes(device=Device.of(str(device)), deterministic=deterministic))
     model = load_llama(path, dtype=dtype, device=device, context=max_len)
     cache = make_cache(
         model.args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device,
@@ -121,6 +121,20 @@ def feature_layers(draft_path: str | Path, target_path: str | Path) -> tuple[int
     return aux_layers(draft_path, read_args(target_path).num_layers)
 
 
+def check_drafter(
+    path: str | Path, target_path: str | Path | None, token_map: str | Path | None
+) -> str | None:
+    """The draft checkpoint's EAGLE layout (None: a draft LM), its modes checked against
+    `capabilities` (only the files say whether a head is EAGLE-3); CheckpointError names the
+    checkpoint and the field."""
+    layout = eagle_layout(path)
+    kind = Draft.MODEL if layout is None else Draft.EAGLE3 if layout == "eagle3" else Draft.EAGLE
+    modes = Modes(draft=kind, token_map=token_map is not None, target_model=target_path is not None)
+    if (refused := refusal(modes)) is not None:
+        raise CheckpointError(f"{path}: {refused.message}")
+    return layout
+
+
 def build_drafter(
     path: str | Path,
     *,
@@ -134,13 +148,9 @@ def build_drafter(
     """An EAGLE drafter when `path` is an EAGLE head (needs `target_path`), else a standalone LM.
     `token_map`: the ids an EAGLE-1/2 head drafts over (`models/draft_vocab.py`)."""
     drafter: Drafter
-    layout = eagle_layout(path)
-    if token_map is not None and layout in (None, "eagle3"):
-        what = "an EAGLE-3 head drafts over its own d2t" if layout else "not an EAGLE head"
-        raise CheckpointError(f"{path}: {what}; a token map applies to EAGLE-1/2 heads")
+    layout = check_drafter(path, target_path, token_map)
     if layout is not None:
-        if target_path is None:
-            raise CheckpointError(f"{path}: an EAGLE head; the target checkpoint path is required")
+        assert target_path is not None  # check_drafter: an EAGLE head needs it
         head: EagleHead | Eagle3Head
         if layout == "eagle3":
             head = load_eagle3(path, target_path, dtype=dtype, device=device, context=max_len)
@@ -203,8 +213,9 @@ class StateBuilder:
         extends in its depth's graphs (a chain's of the same steps) and drafts in graphs of its
         own where its steps fit the Triton tree kernel (`gpu/tree_graphs.py`), else eagerly."""
         shape = tier if isinstance(tier, TreeShape) else TreeShape(tier)
-        if self.target is not None and self.target.deterministic and not shape.is_chain:
-            raise ValueError(DETERMINISTIC_TREES)
+        if self.target is not None:
+            tiers = Tiers.CHAINS if shape.is_chain else Tiers.TREES
+            check(Modes(deterministic=self.target.deterministic, tiers=tiers))
         verify: VerifyStage | None = None
         extend: ExtendStage | None = None
         draft: DraftStage | None = None

@@ -17,13 +17,6 @@ from dataclasses import dataclass
 # The largest tree a target accepts (`DraftSession.max_tree_nodes`, a request's KV headroom past
 # its context): bounds a shape's num_draft_tokens.
 MAX_TREE_NODES = 64
-# A chain's node at depth d sits at cache position prompt + d, where the target alone puts that
-# token; a tree's sits after its siblings, so its verify sums the same keys in another order.
-DETERMINISTIC_TREES = (
-    "tree_shapes: the batch-invariant mode (--deterministic) serves chains only: a tree node's "
-    "keys sit among its siblings', so its attention sums them in another order than the "
-    "target alone does"
-)
 
 
 class ShapeError(ValueError):

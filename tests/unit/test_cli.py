@@ -312,3 +312,47 @@ def test_up_keeps_compiled_kernels_under_its_cache_unless_told(
         assert service.env is not None, service.name
         assert service.env["FLASHINFER_WORKSPACE_BASE"] == str(tmp_path / "specpair" / "flashinfer")
         assert service.env["TRITON_CACHE_DIR"] == "/elsewhere/triton"
+
+
+def test_lab_switches_are_environment_variables_not_flags(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A switch that only measures (`config.option.lab`) is no `serve` flag: it is read from
+    its SPECPAIR_LAB_ variable where the config is built, and ARCHITECTURE.md lists it."""
+    from pathlib import Path
+
+    from specpair.options import lab_fields
+
+    from specpair.cli import build_parser, config_from_args
+    from specpair.config import DraftConfig, TargetConfig
+    from specpair.config.option import lab_variable
+
+    parse = build_parser().parse_args
+    base = ["serve", "target", "--model", "m"]
+    for flag in ("--no-prompt-handoff", "--busy-poll-ms=3"):
+        with pytest.raises(SystemExit):
+            parse([*base, flag])
+    capsys.readouterr()
+    plain = config_from_args(parse(base))
+    assert isinstance(plain, TargetConfig)
+    assert not plain.no_prompt_handoff and plain.busy_poll_ms == 0.0
+    monkeypatch.setenv("SPECPAIR_LAB_NO_PROMPT_HANDOFF", "1")
+    monkeypatch.setenv("SPECPAIR_LAB_BUSY_POLL_MS", "2.5")
+    lab = config_from_args(parse(base))
+    assert isinstance(lab, TargetConfig)
+    assert lab.no_prompt_handoff and lab.busy_poll_ms == 2.5
+    draft = config_from_args(parse(["serve", "draft", "--model", "d"]))
+    assert isinstance(draft, DraftConfig) and draft.busy_poll_ms == 2.5
+    monkeypatch.setenv("SPECPAIR_LAB_NO_PROMPT_HANDOFF", "maybe")
+    with pytest.raises(ValueError, match="SPECPAIR_LAB_NO_PROMPT_HANDOFF: expected 1 or 0"):
+        config_from_args(parse(base))
+
+    architecture = (Path(__file__).resolve().parents[2] / "ARCHITECTURE.md").read_text()
+    fields = [f.name for cls in (TargetConfig, DraftConfig) for f in lab_fields(cls)]
+    assert {"no_prompt_handoff", "busy_poll_ms"} <= set(fields)
+    for name in fields:
+        assert f"`{lab_variable(name)}" in architecture, name
+    with pytest.raises(SystemExit):
+        parse([*base, "--help"])
+    out = capsys.readouterr().out
+    assert "SPECPAIR_LAB_NO_PROMPT_HANDOFF" in out and "--no-prompt-handoff" not in out
