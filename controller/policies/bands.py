@@ -39,7 +39,7 @@ from controller.policies.sglang import (
     PolicyConfig,
     is_int,
 )
-from specpair.config.capabilities import Modes, Policy, Tiers, check
+from specpair.capabilities import Modes, Policy, Tiers, check
 from specpair.runtime.shape import TreeShape
 from specpair.tier_estimate import RegimeSteps
 

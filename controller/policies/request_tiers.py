@@ -29,7 +29,7 @@ from controller.policies.goodput.acceptance import AcceptanceModel
 from controller.policies.goodput.config import GoodputConfig
 from controller.policies.goodput.policy import GoodputPolicy
 from controller.policies.interface import GatedPolicy, RoundSample, TierEstimate
-from specpair.config.capabilities import Modes, Policy, Tiers, check
+from specpair.capabilities import Modes, Policy, Tiers, check
 from specpair.runtime.shape import TreeShape
 
 SWEEPS = 2

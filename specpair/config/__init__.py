@@ -4,7 +4,7 @@ One module per concern; import from here (`from specpair.config import TargetCon
 addresses.py (defaults, environment, checks), server_config.py (`ServerConfig`, `TLSConfig`),
 model_service.py (`ModelServiceConfig`, what the draft and the target both take), target.py,
 draft.py, controller.py (each service's own), option.py (a field's `specpair serve` option, or
-its lab switch), capabilities.py (the mode axes and the one table of combinations refused).
+its lab switch). What modes combine is `specpair/capabilities.py`, which the configs read.
 """
 
 from specpair.config.addresses import (

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from specpair.config.capabilities import Device, Draft, Modes, Tiers, check
+from specpair.capabilities import Device, Draft, Modes, Tiers, check
 from specpair.config.model_service import ModelServiceConfig
 from specpair.config.option import option
 from specpair.config.server_config import ServerConfig

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from specpair.capabilities import Device, Draft, Modes, Tiers, check
 from specpair.config.addresses import (
     DEFAULT_DRAFT_ADDRESS,
     DEFAULT_HTTP_ADDRESS,
@@ -13,7 +14,6 @@ from specpair.config.addresses import (
     split_address,
     split_list,
 )
-from specpair.config.capabilities import Device, Draft, Modes, Tiers, check
 from specpair.config.model_service import ModelServiceConfig
 from specpair.config.option import lab, option
 from specpair.config.server_config import ServerConfig

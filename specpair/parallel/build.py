@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from specpair.config.capabilities import Modes, check
+from specpair.capabilities import Modes, check
 from specpair.models.args import ModelArgs
 from specpair.models.loading import read_args
 from specpair.models.parallel import Shard, check_shardable, load_shard

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import torch
 
-from specpair.config.capabilities import Device, Draft, Modes, Tiers, check, refusal
+from specpair.capabilities import Device, Draft, Modes, Tiers, check, refusal
 from specpair.logging import get_logger
 from specpair.models.args import ModelArgs
 from specpair.models.eagle import EagleHead

@@ -1,4 +1,4 @@
-"""The capabilities table (`specpair/config/capabilities.py`) is what is served: every
+"""The capabilities table (`specpair/capabilities.py`) is what is served: every
 combination of the mode axes either builds (target config, draft config and checkpoint, policy)
 or is refused with the table's reason naming its field; and the places that used to refuse on
 their own conditions now read the table."""
@@ -13,9 +13,8 @@ import pytest
 
 from controller.policies.bands import PolicySpec
 from controller.policies.request_tiers import RequestTiers
-from specpair.config import DraftConfig, DraftKind, ServerConfig, TargetConfig
-from specpair.config import capabilities as caps
-from specpair.config.capabilities import (
+from specpair import capabilities as caps
+from specpair.capabilities import (
     ACCEPTS,
     AXES,
     REFUSALS,
@@ -28,6 +27,7 @@ from specpair.config.capabilities import (
     combinations,
     refusal,
 )
+from specpair.config import DraftConfig, DraftKind, ServerConfig, TargetConfig
 from specpair.runtime import build
 from specpair.runtime.target.accepting import ACCEPT_PATHS
 
@@ -154,7 +154,7 @@ def _literals(path: Path) -> list[str]:
 
 def _imports_capabilities(path: Path) -> bool:
     return any(
-        isinstance(n, ast.ImportFrom) and n.module == "specpair.config.capabilities"
+        isinstance(n, ast.ImportFrom) and n.module == "specpair.capabilities"
         for n in ast.walk(ast.parse(path.read_text()))
     )
 
@@ -173,7 +173,7 @@ def test_the_old_refusal_sites_read_the_table_and_hold_no_reason_of_their_own() 
     for site in SITES:
         assert _imports_capabilities(ROOT / site), f"{site} no longer reads the capabilities"
     assert not hasattr(importlib.import_module("controller.policies.sglang"), "refuse_tree_shapes")
-    table = ROOT / "specpair/config/capabilities.py"
+    table = ROOT / "specpair/capabilities.py"
     # The reasons' openings, and the old sites' own phrasings of them.
     phrases = [row.reason[:40] for row in REFUSALS] + [
         "is a GPU mode",

@@ -321,9 +321,8 @@ def test_lab_switches_are_environment_variables_not_flags(
     its SPECPAIR_LAB_ variable where the config is built, and ARCHITECTURE.md lists it."""
     from pathlib import Path
 
-    from specpair.options import lab_fields
-
-    from specpair.cli import build_parser, config_from_args
+    from specpair.cli.main import build_parser, config_from_args
+    from specpair.cli.options import lab_fields
     from specpair.config import DraftConfig, TargetConfig
     from specpair.config.option import lab_variable
 
