@@ -95,9 +95,6 @@ class PeerReduce:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group_name = dist.group.WORLD.group_name  # type: ignore[union-attr]
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:  # needed before torch 2.9, a no-op after
-            enable(self.group_name)
         self.max_numel = max_bytes // 4  # float32: `reduced` sums in float32
         self.buffer = symm_mem.empty(self.max_numel, dtype=torch.float32, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)  # collective: every rank maps each
