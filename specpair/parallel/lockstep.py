@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -163,13 +164,21 @@ class Step:
 
 
 class _StepPickler(pickle.Pickler):
-    """Pickles a host tensor as its numpy array: torch's own reduction writes each tensor through
-    `torch.save` (tens of µs apiece, a step holds up to ten)."""
+    """Pickles a host tensor as its raw bytes, dtype and shape: torch's own reduction writes
+    each tensor through `torch.save` (tens of µs apiece, a step holds up to ten), and a numpy
+    array's own reduction costs about a third more than its bytes (a plan step: 87 against
+    125 µs to encode on a 2-core host)."""
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, Tensor) and obj.device.type == "cpu" and obj.dtype != torch.bfloat16:
-            return torch.from_numpy, (obj.numpy(),)
+            array = obj.numpy()
+            return _host_tensor, (array.tobytes(), array.dtype.str, array.shape)
         return NotImplemented
+
+
+def _host_tensor(data: bytes, dtype: str, shape: tuple[int, ...]) -> Tensor:
+    # a copy: a tensor over the message's bytes would be read-only
+    return torch.from_numpy(np.frombuffer(data, dtype=dtype).reshape(shape).copy())
 
 
 def encode(step: Step) -> bytes:
