@@ -74,8 +74,12 @@ class DraftRounds:
         if config.token_map is not None:  # build_drafter refused it for any other draft
             assert isinstance(self.drafter, EagleDrafter)
             rows = self.drafter.head.lm_head.weight.shape[0]
-            log.info("drafting over a token map", path=str(config.token_map), ids=rows,
-                     of=self.vocab_size)  # fmt: skip
+            log.info(
+                "drafting over a token map",
+                path=str(config.token_map),
+                ids=rows,
+                of=self.vocab_size,
+            )
         # What the target must send as features (GetServerInfo): () unless an EAGLE-3 head.
         self.feature_layers = (
             list(feature_layers(config.model_path, config.target_path))
@@ -124,9 +128,11 @@ class DraftRounds:
         state = self._state(request.tier) if request.inputs else None
         self._check(request)
         return self.round.answer(
-            request, state, stream=stream_id,
+            request,
+            state,
+            stream=stream_id,
             room=lambda inputs, round_id: self._with_room(inputs, round_id, stream_id),
-        )  # fmt: skip
+        )
 
     def _refuse(self, stream_id: str, request: RoundRequest, exc: Exception) -> Answer:
         """Bad input (RoundError, ValueError), no room (CacheFullError) or a bug: the target

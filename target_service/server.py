@@ -95,8 +95,12 @@ class RunningTarget:
 def _build_scheduler(
     config: TargetConfig, metrics: ServiceMetrics, on_rank_exit: Callable[[str], None]
 ) -> tuple[Scheduler, StateBuilder, RankGroup | None]:
-    log.info("loading target weights", path=str(config.model_path), device=config.device,
-             tensor_parallel=config.tensor_parallel)  # fmt: skip
+    log.info(
+        "loading target weights",
+        path=str(config.model_path),
+        device=config.device,
+        tensor_parallel=config.tensor_parallel,
+    )
     options: dict[str, Any] = dict(
         max_requests=config.max_batch,
         max_len=config.max_len + MAX_TREE_NODES + 1,  # headroom for a tree past the context
@@ -110,9 +114,13 @@ def _build_scheduler(
     ranks = None
     if config.tensor_parallel > 1:
         worker, ranks = build_parallel_target(
-            config.model_path, tensor_parallel=config.tensor_parallel, threads=config.threads,
-            on_exit=on_rank_exit, rank_timeout_floor_s=config.rank_timeout_floor_s, **options,
-        )  # fmt: skip
+            config.model_path,
+            tensor_parallel=config.tensor_parallel,
+            threads=config.threads,
+            on_exit=on_rank_exit,
+            rank_timeout_floor_s=config.rank_timeout_floor_s,
+            **options,
+        )
     else:
         worker = build_target(config.model_path, **options)
     if ranks is not None:
@@ -168,9 +176,12 @@ async def start(config: TargetConfig) -> RunningTarget:
     if config.http_address:  # answers 503 until the model is loaded, as health does
         loopback = is_loopback(split_address(config.http_address)[0])
         app = OpenAIApp(
-            frontend, config.model_path.name, api_key=config.api_key, loopback=loopback,
+            frontend,
+            config.model_path.name,
+            api_key=config.api_key,
+            loopback=loopback,
             read_timeout_s=config.http_read_timeout_s,
-        )  # fmt: skip
+        )
         http = HttpServer(app, config.http_address)
         await http.start()
         log.info(

@@ -224,9 +224,14 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     try:
         grow(
-            args.src, args.dst, shape, dtype=getattr(torch, args.dtype), device=args.device,
-            seed=args.seed, progress=lambda m: print(f"  {m}", flush=True),
-        )  # fmt: skip
+            args.src,
+            args.dst,
+            shape,
+            dtype=getattr(torch, args.dtype),
+            device=args.device,
+            seed=args.seed,
+            progress=lambda m: print(f"  {m}", flush=True),
+        )
     except ValueError as e:
         parser.error(str(e))
     print(f"{args.src} -> {args.dst} ({shape}) in {time.perf_counter() - t0:.1f} s")

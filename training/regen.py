@@ -36,8 +36,27 @@ TEMPERATURES = (0.0, 0.7, 1.0)
 # An opening quote starts a line and is followed by text; a closing one at a line's start is
 # followed by a line break, so code between two docstrings is never taken for one.
 _DOCSTRING = re.compile(r'^[ \t]*[rRuU]?"""(?=\S)(.{300,4000}?)"""', re.DOTALL | re.MULTILINE)
-_CODE_MARKS = (">>>", "::", "{", "}", "==", " = ", "()", "->", "$ ", "`", "|", "+--", "http",
-               "import ", "def ", "self.", "_(", "#", ":param")  # fmt: skip
+_CODE_MARKS = (
+    ">>>",
+    "::",
+    "{",
+    "}",
+    "==",
+    " = ",
+    "()",
+    "->",
+    "$ ",
+    "`",
+    "|",
+    "+--",
+    "http",
+    "import ",
+    "def ",
+    "self.",
+    "_(",
+    "#",
+    ":param",
+)
 
 
 def prose_paragraphs(texts: list[str], limit: int = 200_000) -> list[str]:
@@ -142,9 +161,15 @@ def regenerate(
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     gen = samples(
-        target, eot, code, prose,
-        batch=batch, new_tokens=new_tokens, rng=rng, prose_share=prose_share,
-    )  # fmt: skip
+        target,
+        eot,
+        code,
+        prose,
+        batch=batch,
+        new_tokens=new_tokens,
+        rng=rng,
+        prose_share=prose_share,
+    )
     parts: list[np.ndarray] = []
     t0, n_batches, tokens = time.time(), 0, 0
     while n_batches == 0 or time.time() - t0 < seconds:  # at least one batch
@@ -177,10 +202,16 @@ def main() -> None:
     train = corpus_mod.encode(tok, corpus.train)
     target = frozen_lm(a.target, pick_device())
     regen = regenerate(
-        target, tok, train, corpus.train,
-        seconds=a.seconds, batch=a.batch, new_tokens=a.new_tokens, seed=a.seed,
+        target,
+        tok,
+        train,
+        corpus.train,
+        seconds=a.seconds,
+        batch=a.batch,
+        new_tokens=a.new_tokens,
+        seed=a.seed,
         prose_share=a.prose_share,
-    )  # fmt: skip
+    )
     a.out.parent.mkdir(parents=True, exist_ok=True)
     np.savez(a.out, regen=regen, train=train, heldout=corpus_mod.encode(tok, corpus.heldout))
     print(f"wrote {a.out}")

@@ -74,8 +74,9 @@ class PolicyConfig(PolicyKeys):
         for name in ("down_hysteresis", "up_hysteresis"):
             value = finite_float(name, getattr(self, name))
             if abs(value) > MAX_HYSTERESIS:
-                raise ValueError(f"{name} must be in [-{MAX_HYSTERESIS:g}, {MAX_HYSTERESIS:g}], "
-                                 f"got {value:g}")  # fmt: skip
+                raise ValueError(
+                    f"{name} must be in [-{MAX_HYSTERESIS:g}, {MAX_HYSTERESIS:g}], got {value:g}"
+                )
             object.__setattr__(self, name, value)
 
     @property

@@ -232,8 +232,9 @@ def status_table(state: ControllerState) -> str:
         if target.model:
             lines.append(f"  {target.model}")
         for s in target.recent_switches:
-            lines.append(f"  round {s.round_id}: {s.from_tier} → {s.to_tier} "
-                         f"({s.reason}, EMA {s.ema:.2f})")  # fmt: skip
+            lines.append(
+                f"  round {s.round_id}: {s.from_tier} → {s.to_tier} ({s.reason}, EMA {s.ema:.2f})"
+            )
     if not state.targets:
         lines.append("(no targets)")
     return "\n".join(lines)

@@ -127,9 +127,11 @@ def run_demo(
     else:
         rate, plain_texts = plain
         same = plain_texts == texts == again
-        print(f"{line}, {rate:.0f} without (tier 0, the target alone): "
-              f"{speculative / rate:.2f}x, "
-              f"{'the same text' if same else 'DIFFERENT text (a bug: report it)'}")  # fmt: skip
+        print(
+            f"{line}, {rate:.0f} without (tier 0, the target alone): "
+            f"{speculative / rate:.2f}x, "
+            f"{'the same text' if same else 'DIFFERENT text (a bug: report it)'}"
+        )
 
 
 def timed_pass(client: SpecpairClient, max_tokens: int) -> tuple[float, list[str]]:
@@ -141,9 +143,13 @@ def timed_pass(client: SpecpairClient, max_tokens: int) -> tuple[float, list[str
 
 
 def plain_run(
-    client: SpecpairClient, target: str, info: dict[str, Any], *, max_tokens: int,
+    client: SpecpairClient,
+    target: str,
+    info: dict[str, Any],
+    *,
+    max_tokens: int,
     token: str | None,
-) -> tuple[float, list[str]] | None:  # fmt: skip
+) -> tuple[float, list[str]] | None:
     """The demo's prompts again at tier 0 (ApplyTier, as the controller sends it; the policy
     leaves rounds without drafts alone), then back to the tier before: (tokens/s, texts), or
     None without tier 0."""

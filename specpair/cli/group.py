@@ -109,9 +109,12 @@ class ServiceGroup:
         cpus = service.cpus
         env = {**(service.env or os.environ), "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(
-            [*SERVE, *service.args], stdout=out, stderr=out, env=env,
+            [*SERVE, *service.args],
+            stdout=out,
+            stderr=out,
+            env=env,
             preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
-        )  # fmt: skip
+        )
         if out is not None:
             out.close()  # the child holds its own descriptor
         self.procs[service.name] = proc

@@ -212,8 +212,9 @@ def run_up(args: argparse.Namespace, check: Callable[[Sequence[str]], object]) -
             from specpair.cli.demo import run_demo
 
             key = os.environ.get("SPECPAIR_API_KEY")
-            run_demo(env_address("target"), env_address("controller"), http, token=token,
-                     api_key=key)  # fmt: skip
+            run_demo(
+                env_address("target"), env_address("controller"), http, token=token, api_key=key
+            )
         while (name := group.exited()) is None:
             time.sleep(0.5)
         code = group.procs[name].returncode

@@ -57,13 +57,16 @@ def _client_tls_opts(p: argparse.ArgumentParser) -> None:
 
 def _generation_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--address", default=None, help="target HOST:PORT (default: $SPECPAIR_TARGET_ADDRESS "
-        "or 127.0.0.1:50051)",
-    )  # fmt: skip
-    p.add_argument("--max-tokens", type=int, help="tokens to generate at most (default: 16, "
-                   "the server's)")  # fmt: skip
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 is greedy (default: %(default)s)")  # fmt: skip
+        "--address",
+        default=None,
+        help="target HOST:PORT (default: $SPECPAIR_TARGET_ADDRESS or 127.0.0.1:50051)",
+    )
+    p.add_argument(
+        "--max-tokens", type=int, help="tokens to generate at most (default: 16, the server's)"
+    )
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)"
+    )
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="0: off (default: %(default)s)")
     p.add_argument("--seed", type=int, help="seed of a sampled request (reproducible output)")
@@ -104,30 +107,42 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--target-model", type=Path, help="default: models/target (or a tiny pair)")
     up.add_argument("--draft-model", type=Path, help="default: models/draft")
     up.add_argument(
-        "--draft-kind", type=DraftKind, choices=list(DraftKind), default="model",
+        "--draft-kind",
+        type=DraftKind,
+        choices=list(DraftKind),
+        default="model",
         help="draft with a small LM or an EAGLE head (default: %(default)s)",
-    )  # fmt: skip
+    )
     up.add_argument(
-        "--draft-token-map", type=Path, metavar="FILE",
+        "--draft-token-map",
+        type=Path,
+        metavar="FILE",
         help="the ids an EAGLE-1/2 head drafts over (`serve draft --token-map`)",
-    )  # fmt: skip
+    )
     up.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default: %(default)s)")
     up.add_argument("--draft-device", help="the draft's device (default: --device), e.g. cuda:1")
     up.add_argument(
-        "--tensor-parallel", type=int, default=1, metavar="N",
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
         help="split the target over N ranks (default: %(default)s); on CUDA one GPU a rank, "
         "from --device's on: cuda:K … cuda:K+N-1, the draft on cuda:K unless --draft-device",
-    )  # fmt: skip
+    )
     up.add_argument(
-        "--deterministic", action="store_true",
+        "--deterministic",
+        action="store_true",
         help="the target's batch-invariant mode (CUDA; see `serve target --help`)",
-    )  # fmt: skip
+    )
     up.add_argument(
-        "--tree-shapes", action="append", default=[], metavar="SHAPE",
+        "--tree-shapes",
+        action="append",
+        default=[],
+        metavar="SHAPE",
         help="build a tree-shaped tier on the target and the draft, e.g. 4x4x16 (repeat for "
         "more; default: none); `ctl pin` it, or list it in a goodput policy's "
         "tree_shapes",
-    )  # fmt: skip
+    )
     up.add_argument("--policy", type=Path, help="the controller's policy JSON file")
     up.add_argument("--demo", action="store_true", help="run the demo client once it is up")
 
@@ -144,22 +159,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     ctl = sub.add_parser("ctl", help="controller ops: status, pin, unpin, policy")
     ctl.add_argument(
-        "--address", default=None, help="controller HOST:PORT (default: "
-        "$SPECPAIR_CONTROLLER_ADDRESS or 127.0.0.1:50053)",
-    )  # fmt: skip
-    ctl.add_argument("--token-env", default=TOKEN_ENV,
-                     help="env var holding the ops token (default: %(default)s)")  # fmt: skip
+        "--address",
+        default=None,
+        help="controller HOST:PORT (default: $SPECPAIR_CONTROLLER_ADDRESS or 127.0.0.1:50053)",
+    )
+    ctl.add_argument(
+        "--token-env",
+        default=TOKEN_ENV,
+        help="env var holding the ops token (default: %(default)s)",
+    )
     _client_tls_opts(ctl)
     ops = ctl.add_subparsers(dest="op", required=True)
     status = ops.add_parser("status", help="state of every target")
     status.add_argument("--json", action="store_true", help="the state as JSON (for scripts)")
     pin = ops.add_parser("pin", help="pin a tier (overrides the policy)")
-    pin.add_argument("tier", help="the tier, a candidate: a chain's speculative_num_steps (7) "
-                     "or a tree shape STEPSxTOPKxNUM_DRAFT_TOKENS (4x4x16)")  # fmt: skip
+    pin.add_argument(
+        "tier",
+        help="the tier, a candidate: a chain's speculative_num_steps (7) "
+        "or a tree shape STEPSxTOPKxNUM_DRAFT_TOKENS (4x4x16)",
+    )
     ops.add_parser("unpin", help="hand the tier back to the policy")
     policy = ops.add_parser("policy", help="update policy keys live: KEY=VALUE …")
-    policy.add_argument("changes", nargs="+", metavar="KEY=VALUE",
-                        help="a policy key and its value (JSON, or a bare string)")  # fmt: skip
+    policy.add_argument(
+        "changes",
+        nargs="+",
+        metavar="KEY=VALUE",
+        help="a policy key and its value (JSON, or a bare string)",
+    )
     return parser
 
 

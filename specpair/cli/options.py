@@ -74,8 +74,7 @@ def add_config_options(parser: argparse.ArgumentParser, cls: type) -> None:
         text = str(f.metadata["help"])
         if extra.get("action") == "append":
             # argparse appends to a list default: the default is applied after parsing.
-            parser.add_argument(_flag(f), dest=f.name, type=kind, default=None, help=text,
-                                **extra)  # fmt: skip
+            parser.add_argument(_flag(f), dest=f.name, type=kind, default=None, help=text, **extra)
             continue
         if extra.get("action") == "store_true":
             parser.add_argument(_flag(f), dest=f.name, help=text, **extra)
@@ -85,8 +84,16 @@ def add_config_options(parser: argparse.ArgumentParser, cls: type) -> None:
             shown = ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
             text += f" (default: {shown})"
         metavar = None if "choices" in extra else _flag(f)[2:].upper().replace("-", "_")
-        parser.add_argument(_flag(f), dest=f.name, type=kind, required=required, metavar=metavar,
-                            default=None if required else default, help=text, **extra)  # fmt: skip
+        parser.add_argument(
+            _flag(f),
+            dest=f.name,
+            type=kind,
+            required=required,
+            metavar=metavar,
+            default=None if required else default,
+            help=text,
+            **extra,
+        )
         if off := f.metadata.get("off_flag"):
             parser.add_argument(
                 str(off), dest=f"{f.name}_off", action="store_true", help=f.metadata["off_help"]
@@ -169,15 +176,21 @@ def add_server_options(p: argparse.ArgumentParser, service: str) -> None:
         default=os.environ.get(f"SPECPAIR_{service.upper()}_METRICS", DEFAULT_METRICS[service]),
         help="HOST:PORT for Prometheus /metrics ('' disables; default: %(default)s)",
     )
-    p.add_argument("--ops-token-env", default=TOKEN_ENV,
-                   help="env var holding the ops token (default: %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--ops-token-env",
+        default=TOKEN_ENV,
+        help="env var holding the ops token (default: %(default)s)",
+    )
     p.add_argument("--tls-cert", type=Path, help="PEM certificate (enables TLS)")
     p.add_argument("--tls-key", type=Path, help="PEM private key")
     p.add_argument("--tls-ca", type=Path, help="PEM CA for verifying peers")
     p.add_argument(
-        "--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default="INFO",
         help="least severe log lines written (default: %(default)s)",
-    )  # fmt: skip
+    )
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

@@ -15,25 +15,31 @@ class ControllerConfig:
     server: ServerConfig
     targets: tuple[str, ...] = field(
         default=(DEFAULT_TARGET_ADDRESS,),
-        metadata=option("target HOST:PORT, each with its own policy (repeatable, or A,B)",
-                        flag="--target",
-                        env="SPECPAIR_TARGET_ADDRESS"),
-    )  # fmt: skip
+        metadata=option(
+            "target HOST:PORT, each with its own policy (repeatable, or A,B)",
+            flag="--target",
+            env="SPECPAIR_TARGET_ADDRESS",
+        ),
+    )
     policy_file: Path | None = field(
         default=None,
         metadata=option("policy JSON file (omitted keys: defaults)", flag="--policy"),
     )
     policy_class: str | None = field(
         default=None,
-        metadata=option("MODULE:CLASS, a SpeculationPolicy class to run instead of the kind (the "
-                        "policy file's keys are its options)"),
-    )  # fmt: skip
+        metadata=option(
+            "MODULE:CLASS, a SpeculationPolicy class to run instead of the kind (the "
+            "policy file's keys are its options)"
+        ),
+    )
     reconnect_s: float = 1.0
     state_file: Path | None = field(
         default=None,
-        metadata=option("JSON file keeping the pin, the live policy and each target's EMA "
-                        "across restarts", env="SPECPAIR_CONTROLLER_STATE"),
-    )  # fmt: skip
+        metadata=option(
+            "JSON file keeping the pin, the live policy and each target's EMA across restarts",
+            env="SPECPAIR_CONTROLLER_STATE",
+        ),
+    )
 
     def __post_init__(self) -> None:
         # `--target a:1,b:2` and repeated `--target` alike (and SPECPAIR_TARGET_ADDRESS=a:1,b:2)

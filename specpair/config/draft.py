@@ -27,18 +27,22 @@ class DraftConfig(ModelServiceConfig):
     )
     token_map: Path | None = field(
         default=None,
-        metadata=option("the ids an EAGLE-1/2 head drafts over (a frequency-ranked token map, "
-                        "SGLang's .pt or a JSON list; python -m specpair.models.token_map "
-                        "writes one): its LM head keeps only their rows"),
-    )  # fmt: skip
+        metadata=option(
+            "the ids an EAGLE-1/2 head drafts over (a frequency-ranked token map, "
+            "SGLang's .pt or a JSON list; python -m specpair.models.token_map "
+            "writes one): its LM head keeps only their rows"
+        ),
+    )
     max_requests: int = field(default=64, metadata=option("requests drafted for at once"))
     max_target_requests: int = field(
         default=0,
-        metadata=option("requests one target (all its Round streams) may hold; lower it when "
-                        "several targets share this draft (0: max_requests with an ops token; "
-                        "without one, where a target is only the host it connects from, half "
-                        "of max_requests)"),
-    )  # fmt: skip
+        metadata=option(
+            "requests one target (all its Round streams) may hold; lower it when "
+            "several targets share this draft (0: max_requests with an ops token; "
+            "without one, where a target is only the host it connects from, half "
+            "of max_requests)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         self._resolve()

@@ -65,9 +65,11 @@ class ModelServiceConfig:
     )
     tree_shapes: tuple[str, ...] = field(
         default=(),
-        metadata=option("tree-shaped tiers to build beside the chains, STEPSxTOPKxNODES "
-                        "(e.g. 4x4x16; repeat the flag for more)"),
-    )  # fmt: skip
+        metadata=option(
+            "tree-shaped tiers to build beside the chains, STEPSxTOPKxNODES "
+            "(e.g. 4x4x16; repeat the flag for more)"
+        ),
+    )
     max_len: int = field(
         default=1024,
         metadata=option("context length served: prompt + max_tokens must fit"),
@@ -79,9 +81,11 @@ class ModelServiceConfig:
     )
     busy_poll_ms: float | None = field(
         default=None,
-        metadata=lab("poll for the peer's next message this long, in ms, before sleeping "
-                     f"(default: {BUSY_POLL_MS_CUDA:g} on CUDA, 0 on the CPU)"),
-    )  # fmt: skip
+        metadata=lab(
+            "poll for the peer's next message this long, in ms, before sleeping "
+            f"(default: {BUSY_POLL_MS_CUDA:g} on CUDA, 0 on the CPU)"
+        ),
+    )
 
     def _resolve(self) -> None:
         _check_steps(self.candidate_steps)

@@ -55,95 +55,131 @@ class TargetConfig(ModelServiceConfig):
     model_path: Path = field(metadata=option("target checkpoint directory", flag="--model"))
     draft_address: str | None = field(
         default=DEFAULT_DRAFT_ADDRESS,
-        metadata=option("draft service HOST:PORT or unix:PATH; several replicas as A,B, or a "
-                        "name resolving to several addresses", flag="--draft",
-                        env="SPECPAIR_DRAFT_ADDRESS", off_flag="--no-draft",
-                        off_help="decode without speculation"),
-    )  # fmt: skip
+        metadata=option(
+            "draft service HOST:PORT or unix:PATH; several replicas as A,B, or a "
+            "name resolving to several addresses",
+            flag="--draft",
+            env="SPECPAIR_DRAFT_ADDRESS",
+            off_flag="--no-draft",
+            off_help="decode without speculation",
+        ),
+    )
     initial_steps: int = field(default=3, metadata=option("tier of the first rounds"))
     initial_shape: str = field(
-        default="", metadata=option("tree-shaped tier of the first rounds, in place of "
-                                    "initial_steps (one of tree_shapes)"),
-    )  # fmt: skip
+        default="",
+        metadata=option(
+            "tree-shaped tier of the first rounds, in place of initial_steps (one of tree_shapes)"
+        ),
+    )
     max_batch: int = field(default=16, metadata=option("requests decoded together"))
     max_queue: int = field(default=256, metadata=option("requests waiting beyond the batch"))
     join_group: int = field(
         default=0,
-        metadata=option("while more requests wait than the batch has room for, admit them "
-                        "this many at a time (each admission's prefill reads every weight); "
-                        "0: max_batch / 8, at least 1; 1: as soon as a request leaves"),
-    )  # fmt: skip
+        metadata=option(
+            "while more requests wait than the batch has room for, admit them "
+            "this many at a time (each admission's prefill reads every weight); "
+            "0: max_batch / 8, at least 1; 1: as soon as a request leaves"
+        ),
+    )
     draft_timeout_s: float = field(
         default=5.0,
-        metadata=option("the longest a round waits for its drafts, in seconds (a round "
-                        "carrying a prompt waits this long; an ordinary round's deadline follows "
-                        "the draft's measured pace, at most this); a round whose drafts come "
-                        "later is decoded without them and the replica is benched until a "
-                        "probe answers in time", flag="--draft-timeout"),
-    )  # fmt: skip
+        metadata=option(
+            "the longest a round waits for its drafts, in seconds (a round "
+            "carrying a prompt waits this long; an ordinary round's deadline follows "
+            "the draft's measured pace, at most this); a round whose drafts come "
+            "later is decoded without them and the replica is benched until a "
+            "probe answers in time",
+            flag="--draft-timeout",
+        ),
+    )
     draft_deadline_floor_s: float = field(
         default=1.0,
-        metadata=option("the shortest deadline an ordinary round's drafts get, in seconds "
-                        "(the measured pace sets it above this; at most --draft-timeout)",
-                        flag="--draft-deadline-floor"),
-    )  # fmt: skip
+        metadata=option(
+            "the shortest deadline an ordinary round's drafts get, in seconds "
+            "(the measured pace sets it above this; at most --draft-timeout)",
+            flag="--draft-deadline-floor",
+        ),
+    )
     reconnect_min_s: float = 0.2
     reconnect_max_s: float = 5.0
     draft_resolve_s: float = field(
         default=30.0,
-        metadata=option("seconds between lookups of a --draft name resolving to several "
-                        "replicas (pods come and go)", flag="--draft-resolve-interval"),
-    )  # fmt: skip
+        metadata=option(
+            "seconds between lookups of a --draft name resolving to several "
+            "replicas (pods come and go)",
+            flag="--draft-resolve-interval",
+        ),
+    )
     eos_stop: bool = True  # stop at the eos ids of generation_config.json and the tokenizer
     # "" (the library's default) disables the HTTP API; the command serves it by default.
     http_address: str = field(
         default="",
-        metadata=option("HOST:PORT of the OpenAI-compatible HTTP API ('' disables)",
-                        env="SPECPAIR_HTTP_ADDRESS", cli_default=DEFAULT_HTTP_ADDRESS),
-    )  # fmt: skip
+        metadata=option(
+            "HOST:PORT of the OpenAI-compatible HTTP API ('' disables)",
+            env="SPECPAIR_HTTP_ADDRESS",
+            cli_default=DEFAULT_HTTP_ADDRESS,
+        ),
+    )
     api_key: str | None = field(
         default=None,
-        metadata=option("key clients must send as 'Authorization: Bearer KEY': on HTTP /v1/ "
-                        "(what OpenAI clients send as api_key) and on gRPC Generate (the SDK "
-                        "and CLI send SPECPAIR_API_KEY); prefer the variable to the flag, "
-                        "which other users see in ps", env="SPECPAIR_API_KEY", secret=True),
-    )  # fmt: skip
+        metadata=option(
+            "key clients must send as 'Authorization: Bearer KEY': on HTTP /v1/ "
+            "(what OpenAI clients send as api_key) and on gRPC Generate (the SDK "
+            "and CLI send SPECPAIR_API_KEY); prefer the variable to the flag, "
+            "which other users see in ps",
+            env="SPECPAIR_API_KEY",
+            secret=True,
+        ),
+    )
     http_read_timeout_s: float = field(
         default=10.0,
-        metadata=option("seconds an HTTP client has to send a request's headers, and again its "
-                        "body", flag="--http-read-timeout"),
-    )  # fmt: skip
+        metadata=option(
+            "seconds an HTTP client has to send a request's headers, and again its body",
+            flag="--http-read-timeout",
+        ),
+    )
     max_watchers: int = field(
         default=DEFAULT_MAX_WATCHERS,
-        metadata=option("WatchRounds streams served at once (the controller holds one); more are "
-                        "refused, and one that falls a queue behind is dropped"),
-    )  # fmt: skip
+        metadata=option(
+            "WatchRounds streams served at once (the controller holds one); more are "
+            "refused, and one that falls a queue behind is dropped"
+        ),
+    )
     stats_log_interval_s: float = field(
         default=10.0,
-        metadata=option("seconds between throughput log lines (tokens/s, requests, KV cache "
-                        "use) while there is work; 0: none", flag="--stats-log-interval"),
-    )  # fmt: skip
+        metadata=option(
+            "seconds between throughput log lines (tokens/s, requests, KV cache "
+            "use) while there is work; 0: none",
+            flag="--stats-log-interval",
+        ),
+    )
     feature_layers: tuple[int, ...] = field(
         default=(),
-        metadata=option("the target layers whose outputs an EAGLE-3 draft reads, 0-based, e.g. "
-                        "1,2,4 (as its draft reports them; a vLLM head's ids are one more); "
-                        "default: the final hidden state"),
-    )  # fmt: skip
+        metadata=option(
+            "the target layers whose outputs an EAGLE-3 draft reads, 0-based, e.g. "
+            "1,2,4 (as its draft reports them; a vLLM head's ids are one more); "
+            "default: the final hidden state"
+        ),
+    )
     feature_dtype: FeatureDType = field(
         default=FeatureDType.AUTO,
-        metadata=option("how EAGLE features travel to the draft: auto, as computed (bfloat16 "
-                        "on CUDA, float32 on the CPU); float8, e4m3 scaled per row (half "
-                        "bfloat16's bytes, 1 + 4/width bytes a value; drafts change slightly, "
-                        "outputs do not)"),
-    )  # fmt: skip
+        metadata=option(
+            "how EAGLE features travel to the draft: auto, as computed (bfloat16 "
+            "on CUDA, float32 on the CPU); float8, e4m3 scaled per row (half "
+            "bfloat16's bytes, 1 + 4/width bytes a value; drafts change slightly, "
+            "outputs do not)"
+        ),
+    )
     tensor_parallel: int = field(
         default=1,
-        metadata=option("ranks the target model is split over, Megatron-style: this process "
-                        "serves as rank 0 and starts the others on this machine. On the CPU "
-                        "over gloo, each rank taking --threads; on GPUs over NCCL, one GPU a "
-                        "rank: --device cuda:K puts rank r on cuda:K+r (plain cuda: K = 0), "
-                        "so cuda:K … cuda:K+N-1 must be visible"),
-    )  # fmt: skip
+        metadata=option(
+            "ranks the target model is split over, Megatron-style: this process "
+            "serves as rank 0 and starts the others on this machine. On the CPU "
+            "over gloo, each rank taking --threads; on GPUs over NCCL, one GPU a "
+            "rank: --device cuda:K puts rank r on cuda:K+r (plain cuda: K = 0), "
+            "so cuda:K … cuda:K+N-1 must be visible"
+        ),
+    )
     rank_timeout_floor_s: float = field(
         default=DEFAULT_RANK_TIMEOUT_FLOOR_S,
         metadata=option(
@@ -155,16 +191,20 @@ class TargetConfig(ModelServiceConfig):
     )
     no_prompt_handoff: bool = field(
         default=False,
-        metadata=lab("send a joining request's prompt (and its features) to the draft in its "
-                     "first round, instead of beside the round it joins during (the hand-off "
-                     "keeps it off the round's path)"),
-    )  # fmt: skip
+        metadata=lab(
+            "send a joining request's prompt (and its features) to the draft in its "
+            "first round, instead of beside the round it joins during (the hand-off "
+            "keeps it off the round's path)"
+        ),
+    )
     deterministic: bool = field(
         default=False,
-        metadata=option("the batch-invariant mode (CUDA): a request's tokens do not depend on "
-                        "the batch it runs in, its place there, or the tier; greedy speculation "
-                        "gives the target alone's tokens exactly. Slower: see README"),
-    )  # fmt: skip
+        metadata=option(
+            "the batch-invariant mode (CUDA): a request's tokens do not depend on "
+            "the batch it runs in, its place there, or the tier; greedy speculation "
+            "gives the target alone's tokens exactly. Slower: see README"
+        ),
+    )
 
     def __post_init__(self) -> None:
         self._resolve()

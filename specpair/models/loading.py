@@ -360,9 +360,12 @@ def load_eagle(
     try:
         with torch.device("meta"):
             head = EagleHead(
-                args, target_args, fc_bias=fc_bias, input_norm=not public,
+                args,
+                target_args,
+                fc_bias=fc_bias,
+                input_norm=not public,
                 draft_vocab_size=None if token_map is None else len(token_map),
-            )  # fmt: skip
+            )
     except ValueError as exc:
         raise CheckpointError(f"{path / 'config.json'}: {exc}") from None
     # Older heads saved the rotary buffer; the frequencies are recomputed from the config.

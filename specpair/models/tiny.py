@@ -97,10 +97,15 @@ def make_tiny_family(
     Mistral, Llama with biases…) in the tiny shape; biases are drawn nonzero (HF starts them
     at zero, which no test could tell from no bias)."""
     shape: dict[str, Any] = dict(
-        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
         initializer_range=0.1,
-    )  # fmt: skip
+    )
     torch.manual_seed(seed)
     model = model_cls(config_cls(**{**shape, **config}))
     with torch.no_grad():

@@ -88,8 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out.write_text(json.dumps(ids.tolist()))
     else:
         torch.save(ids, args.out)
-    print(f"{args.out}: {len(ids)} ids covering {coverage(counts, ids):.2%} of "
-          f"{int(counts.sum())} tokens")  # fmt: skip
+    print(
+        f"{args.out}: {len(ids)} ids covering {coverage(counts, ids):.2%} of "
+        f"{int(counts.sum())} tokens"
+    )
     return 0
 
 

@@ -31,23 +31,32 @@ class ServiceMetrics:
         self.registry = CollectorRegistry()
         r, p = None, f"specpair_{service}"  # registered below, those of FAMILIES[service]
         self.accept_length = Histogram(
-            f"{p}_accept_length", "Accepted draft tokens per request per round (bonus excluded)",
-            buckets=(0, 1, 2, 3, 4, 5, 6, 7, 8), registry=r,
-        )  # fmt: skip
+            f"{p}_accept_length",
+            "Accepted draft tokens per request per round (bonus excluded)",
+            buckets=(0, 1, 2, 3, 4, 5, 6, 7, 8),
+            registry=r,
+        )
         self.active_tier = Gauge(f"{p}_speculative_num_steps", "Active tier", registry=r)
         self.tier_switches = Counter(f"{p}_tier_switches", "Tier switches applied", registry=r)
         self.stage_latency = Histogram(
-            f"{p}_stage_seconds", "Per-stage round latency", ["stage"],
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            f"{p}_stage_seconds",
+            "Per-stage round latency",
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.ttft = Histogram(
-            f"{p}_time_to_first_token_seconds", "Time to first token",
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            f"{p}_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.itl = Histogram(
-            f"{p}_inter_token_latency_seconds", "Time between streamed tokens",
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            f"{p}_inter_token_latency_seconds",
+            "Time between streamed tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         # vLLM's and SGLang's headline families, under our prefix.
         self.prompt_tokens = Counter(
             f"{p}_prompt_tokens", "Prompt tokens of admitted requests", registry=r
@@ -56,13 +65,16 @@ class ServiceMetrics:
             f"{p}_generation_tokens", "Tokens generated and streamed to clients", registry=r
         )
         self.request_latency = Histogram(
-            f"{p}_request_latency_seconds", "End-to-end request latency: arrival to last token",
-            buckets=REQUEST_BUCKETS, registry=r,
-        )  # fmt: skip
+            f"{p}_request_latency_seconds",
+            "End-to-end request latency: arrival to last token",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
         self.kv_cache_usage = Gauge(
-            f"{p}_kv_cache_usage", "Share of the KV cache's pages in use (0 to 1), read when "
-            "scraped", registry=r,
-        )  # fmt: skip
+            f"{p}_kv_cache_usage",
+            "Share of the KV cache's pages in use (0 to 1), read when scraped",
+            registry=r,
+        )
         self.running = Gauge(f"{p}_running_requests", "Requests in the batch", registry=r)
         self.queued = Gauge(f"{p}_queued_requests", "Requests waiting for admission", registry=r)
         self.requests = Counter(
@@ -72,10 +84,12 @@ class ServiceMetrics:
             f"{p}_plain_rounds", "Rounds decoded without speculation", ["reason"], registry=r
         )
         self.accepts = Counter(
-            f"{p}_accepts", "Verifies by where their accept ran (greedy: the argmax; graph / "
+            f"{p}_accepts",
+            "Verifies by where their accept ran (greedy: the argmax; graph / "
             "device: a sampled batch in an accept graph / batched eagerly; host: per request)",
-            ["path"], registry=r,
-        )  # fmt: skip
+            ["path"],
+            registry=r,
+        )
         exported = FAMILIES.get(service)
         for name, metric in vars(self).items():
             if name != "registry" and (exported is None or name in exported):

@@ -24,10 +24,16 @@ def generate(out: Path) -> list[Path]:
     sources = sorted(str(p.relative_to(PROTOS)) for p in PROTOS.rglob("*.proto"))
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
-            sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTOS}",
-            f"--python_out={tmp}", f"--grpc_python_out={tmp}",
-            f"--mypy_out={tmp}", f"--mypy_grpc_out={tmp}", *sources,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{PROTOS}",
+            f"--python_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            f"--mypy_out={tmp}",
+            f"--mypy_grpc_out={tmp}",
+            *sources,
+        ]
         # mypy-protobuf's protoc plugins live beside this interpreter, maybe not on PATH.
         bindir = str(Path(sys.executable).parent)
         env = {**os.environ, "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}

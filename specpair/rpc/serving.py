@@ -40,9 +40,11 @@ def compute_executor(name: str, threads: int) -> ThreadPoolExecutor:
     import torch
 
     return ThreadPoolExecutor(
-        max_workers=1, thread_name_prefix=name, initializer=torch.set_num_threads,
+        max_workers=1,
+        thread_name_prefix=name,
+        initializer=torch.set_num_threads,
         initargs=(threads,),
-    )  # fmt: skip
+    )
 
 
 def bind_device(device: str) -> None:

@@ -128,9 +128,13 @@ def response_from_proto(
         except ValueError as exc:
             malformed[t.request_id] = bounded(str(exc))
     return RoundResponse(
-        msg.round_id, trees, timings_from_proto(msg.timings), bounded(msg.error), malformed,
+        msg.round_id,
+        trees,
+        timings_from_proto(msg.timings),
+        bounded(msg.error),
+        malformed,
         dict(msg.refused),
-    )  # fmt: skip
+    )
 
 
 _TIMINGS = tuple(f.name for f in fields(StageTimings))
@@ -167,11 +171,19 @@ def stats_from_proto(msg: target_pb2.RoundStats) -> RoundStats:
     """Raises ShapeError on a shape that is not one (the controller drops that round)."""
     shape = tier_from_wire(msg.speculative_num_steps, msg.shape, "shape")
     return RoundStats(
-        msg.round_id, msg.speculative_num_steps, msg.batch_size, tuple(msg.accept_lengths),
-        msg.speculative, timings_from_proto(msg.timings), msg.unix_time, tuple(msg.request_ids),
-        tuple(msg.request_steps), tuple(msg.plain_request_ids), msg.sampled_requests,
-        None if shape.is_chain else shape,
-    )  # fmt: skip
+        round_id=msg.round_id,
+        speculative_num_steps=msg.speculative_num_steps,
+        batch_size=msg.batch_size,
+        accept_lengths=tuple(msg.accept_lengths),
+        speculative=msg.speculative,
+        timings=timings_from_proto(msg.timings),
+        unix_time=msg.unix_time,
+        request_ids=tuple(msg.request_ids),
+        request_steps=tuple(msg.request_steps),
+        plain_request_ids=tuple(msg.plain_request_ids),
+        sampled_requests=msg.sampled_requests,
+        shape=None if shape.is_chain else shape,
+    )
 
 
 def _draft_input_into(msg: draft_pb2.DraftInput, item: DraftInput, fp8: bool) -> None:
@@ -192,9 +204,12 @@ def _draft_input_from_proto(msg: draft_pb2.DraftInput) -> DraftInput:
     except ValueError as exc:  # it names only its own field
         raise ValueError(f"inputs[{msg.request_id}].sampling.{exc}") from None
     return DraftInput(
-        msg.request_id, tuple(msg.appended_token_ids), sampling, features,
+        msg.request_id,
+        tuple(msg.appended_token_ids),
+        sampling,
+        features,
         msg.speculative_num_steps,
-    )  # fmt: skip
+    )
 
 
 def _tree_into(msg: draft_pb2.CandidateTree, request_id: str, tree: CandidateTree) -> None:
@@ -238,9 +253,11 @@ def apply_tier_to_proto(
     """An ApplyTier command: each tier as its steps, with its shape string beside when a tree;
     per-request tiers are chains."""
     msg = target_pb2.ApplyTierRequest(
-        speculative_num_steps=tier.steps, shape=tier_name(tier), reason=reason,
+        speculative_num_steps=tier.steps,
+        shape=tier_name(tier),
+        reason=reason,
         request_steps=dict(request_steps or {}),
-    )  # fmt: skip
+    )
     if regimes is not None:
         msg.greedy_steps, msg.greedy_shape = regimes.greedy.steps, tier_name(regimes.greedy)
         msg.sampled_steps, msg.sampled_shape = regimes.sampled.steps, tier_name(regimes.sampled)
@@ -263,8 +280,10 @@ def apply_tier_from_proto(
     if greedy or sampled or msg.greedy_shape or msg.sampled_shape:
         regimes = RegimeSteps(
             tier_from_wire(msg.greedy_steps, msg.greedy_shape, "greedy_steps")
-            if greedy or msg.greedy_shape else tier,
+            if greedy or msg.greedy_shape
+            else tier,
             tier_from_wire(msg.sampled_steps, msg.sampled_shape, "sampled_steps")
-            if sampled or msg.sampled_shape else tier,
-        )  # fmt: skip
+            if sampled or msg.sampled_shape
+            else tier,
+        )
     return tier, own, regimes

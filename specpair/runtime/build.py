@@ -62,9 +62,13 @@ def make_cache(
     invariant: bool = False,
 ) -> KVCache:
     return KVCache.for_model(
-        args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device,
+        args,
+        max_requests=max_requests,
+        max_len=max_len,
+        dtype=dtype,
+        device=device,
         invariant=invariant,
-    )  # fmt: skip
+    )
 
 
 def gpu_target(worker: TargetWorker) -> TargetWorker:
@@ -103,13 +107,20 @@ def build_target(
     check(Modes(device=Device.of(str(device)), deterministic=deterministic))
     model = load_llama(path, dtype=dtype, device=device, context=max_len)
     cache = make_cache(
-        model.args, max_requests=max_requests, max_len=max_len, dtype=dtype, device=device,
+        model.args,
+        max_requests=max_requests,
+        max_len=max_len,
+        dtype=dtype,
+        device=device,
         invariant=deterministic,
-    )  # fmt: skip
+    )
     worker = TargetWorker(
-        model, cache, keep_features=keep_features, feature_layers=feature_layers,
+        model,
+        cache,
+        keep_features=keep_features,
+        feature_layers=feature_layers,
         deterministic=deterministic,
-    )  # fmt: skip
+    )
     return gpu_target(worker) if _is_cuda(device) else worker
 
 

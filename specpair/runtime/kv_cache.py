@@ -114,8 +114,16 @@ class KVCache:
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
         self.pad_slot = max_requests
         self.pages.grow(self.pad_slot, max_len)
-        self.attention = Backends(self.heads, page_size, self.pages_per_slot, max_len, dtype,
-                                  self.device, graph_attention, invariant)  # fmt: skip
+        self.attention = Backends(
+            self.heads,
+            page_size,
+            self.pages_per_slot,
+            max_len,
+            dtype,
+            self.device,
+            graph_attention,
+            invariant,
+        )
 
     @classmethod
     def for_model(

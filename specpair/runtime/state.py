@@ -84,6 +84,12 @@ def tier_state(
     parents = tuple(range(-1, shape.steps))
     depths = tuple(tree_depths(parents))
     return SpecRuntimeState(
-        shape.steps, parents, tree_mask(parents), depths, verify, extend, draft,
+        shape.steps,
+        parents,
+        tree_mask(parents),
+        depths,
+        verify,
+        extend,
+        draft,
         shape,
-    )  # fmt: skip
+    )

@@ -85,8 +85,9 @@ def rerank_trees(
     """The trees of the pool's first `n` requests (`grow_tree`; rows past them are a graph's
     padding), read back once; `depths[b]` caps request b's tree (default `shape.steps`)."""
     k = shape.topk
-    depth_of = torch.cat([torch.full((k,), 1)] + [torch.full((k * k,), j + 2) for j in
-                         range(shape.steps - 1)])  # fmt: skip
+    depth_of = torch.cat(
+        [torch.full((k,), 1)] + [torch.full((k * k,), j + 2) for j in range(shape.steps - 1)]
+    )
     caps = list(depths) if depths is not None else [shape.steps] * n
     host = [x[:n].cpu() for x in pool]
     return [

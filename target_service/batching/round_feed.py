@@ -57,8 +57,12 @@ class RoundFeed:
         """One round's account (`runtime/target/target_round.py: round_stats`): its stage timings to
         the metrics, its stats to every watcher."""
         timings = stats.timings
-        for stage, ms in (("draft", timings.draft_ms), ("verify", timings.verify_ms),
-                          ("rpc", timings.rpc_ms), ("schedule", timings.schedule_ms)):  # fmt: skip
+        for stage, ms in (
+            ("draft", timings.draft_ms),
+            ("verify", timings.verify_ms),
+            ("rpc", timings.rpc_ms),
+            ("schedule", timings.schedule_ms),
+        ):
             self.metrics.stage_latency.labels(stage).observe(ms / 1e3)
         self.metrics.stage_latency.labels("wait").observe(timings.wait_ms / 1e3)
         for queue in list(self._watchers):

@@ -90,9 +90,13 @@ class DraftLink(ReconnectingLink):
         authority: str | None = None,
     ) -> None:
         super().__init__(
-            address, name=f"draft-link {address}", tls=tls, backoff_min_s=backoff_min_s,
-            backoff_max_s=backoff_max_s, authority=authority,
-        )  # fmt: skip
+            address,
+            name=f"draft-link {address}",
+            tls=tls,
+            backoff_min_s=backoff_min_s,
+            backoff_max_s=backoff_max_s,
+            authority=authority,
+        )
         # What a draft must agree on (0 / "": not checked): its q ranges over our vocabulary
         # and its token ids mean what ours mean.
         self.vocab_size, self.tokenizer_fingerprint = vocab_size, tokenizer_fingerprint

@@ -169,11 +169,13 @@ class DraftPool:
         load = self._load()
         return [
             target_pb2.DraftReplica(
-                address=link.address, state=link.state,
-                incompatible_reason=link.incompatible, requests=load[link],
+                address=link.address,
+                state=link.state,
+                incompatible_reason=link.incompatible,
+                requests=load[link],
             )
             for link in self.links
-        ]  # fmt: skip
+        ]
 
     # ---- homes --------------------------------------------------------------------------
 

@@ -146,18 +146,23 @@ class OpenAIApp:
         media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
         if media_type != "application/json":
             return error_response(
-                415, f"Content-Type: expected application/json, got {media_type!r}",
-                kind="invalid_request_error", param="Content-Type",
-            )  # fmt: skip
+                415,
+                f"Content-Type: expected application/json, got {media_type!r}",
+                kind="invalid_request_error",
+                param="Content-Type",
+            )
         try:
             raw = await read_body(request, self.max_body, self.read_timeout_s)
         except ClientDisconnect:  # gone before its body arrived: nothing was submitted
             return Response(status_code=CLIENT_CLOSED)
         except BodyError as exc:  # the connection is closed after: its state is unknown
             return error_response(
-                exc.status, str(exc), kind="invalid_request_error", param="body",
+                exc.status,
+                str(exc),
+                kind="invalid_request_error",
+                param="body",
                 headers={"Connection": "close"},
-            )  # fmt: skip
+            )
         api: ApiRequest | None = None
         try:
             body = await parse_json(raw)

@@ -130,16 +130,20 @@ class Gate:
         refusal = None
         if self.loopback and host and host_name(host) not in LOOPBACK_NAMES:
             refusal = error_response(
-                421, f"Host: {host!r} is not a name of this server (it listens on loopback)",
-                kind="invalid_request_error", param="Host",
-            )  # fmt: skip
+                421,
+                f"Host: {host!r} is not a name of this server (it listens on loopback)",
+                kind="invalid_request_error",
+                param="Host",
+            )
         elif self.expected is not None and scope["path"].startswith("/v1/"):
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 refusal = error_response(
-                    401, "missing or wrong API key (send Authorization: Bearer KEY)",
-                    kind="invalid_request_error", code="invalid_api_key",
-                )  # fmt: skip
+                    401,
+                    "missing or wrong API key (send Authorization: Bearer KEY)",
+                    kind="invalid_request_error",
+                    code="invalid_api_key",
+                )
         if refusal is None:
             await self.app(scope, receive, send)
         else:

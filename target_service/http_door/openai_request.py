@@ -233,9 +233,11 @@ def parse_request(body: Any, *, chat: bool, max_len: int) -> ApiRequest:
     stop_ids: list[int] = []
     if body.get("stop_token_ids") is not None:
         stop_ids = _token_ids(
-            body["stop_token_ids"], "stop_token_ids", MAX_STOP_TOKEN_IDS,
+            body["stop_token_ids"],
+            "stop_token_ids",
+            MAX_STOP_TOKEN_IDS,
             f"at most {MAX_STOP_TOKEN_IDS}",
-        )  # fmt: skip
+        )
     top_k = 0 if top_k in (None, -1) else top_k  # -1: vLLM's and SGLang's "off"
     request = replace(
         asked,

@@ -111,9 +111,12 @@ class Frontend:
         # Keyed by our own id on the draft link: clients may reuse a request_id (two at once
         # would share draft state), and theirs may be long, ours rides in every round.
         seq = TargetSequence(
-            f"r{next(self._ids)}", valid.prompt_ids, valid.sampling, valid.max_tokens,
+            f"r{next(self._ids)}",
+            valid.prompt_ids,
+            valid.sampling,
+            valid.max_tokens,
             valid.stop_token_ids | self.eos,
-        )  # fmt: skip
+        )
         if time_remaining is not None and time_remaining <= 0:
             raise DeadlineExceededError("deadline passed on arrival")
         deadline = None if time_remaining is None else time.monotonic() + time_remaining

@@ -78,9 +78,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     ) -> target_pb2.TargetServiceGetServerInfoResponse:
         cfg, s = self.config, self.scheduler
         link = s.draft if s else None
-        state = target_pb2.DRAFT_CONNECTION_STATE_NONE if cfg.draft_address is None else (
-            link.state if link else target_pb2.DRAFT_CONNECTION_STATE_CONNECTING
-        )  # fmt: skip
+        state = (
+            target_pb2.DRAFT_CONNECTION_STATE_NONE
+            if cfg.draft_address is None
+            else (link.state if link else target_pb2.DRAFT_CONNECTION_STATE_CONNECTING)
+        )
         tier = s.tier if s else cfg.initial_tier
         return target_pb2.TargetServiceGetServerInfoResponse(
             speculative_num_steps=tier.steps,

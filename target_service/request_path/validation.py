@@ -151,9 +151,12 @@ def validate_generate(
     asked = request.sampling
     try:
         sampling = SamplingParams(
-            temperature=asked.temperature, top_p=asked.top_p, top_k=asked.top_k,
-            seed=asked.seed, min_p=asked.min_p,
-        )  # fmt: skip
+            temperature=asked.temperature,
+            top_p=asked.top_p,
+            top_k=asked.top_k,
+            seed=asked.seed,
+            min_p=asked.min_p,
+        )
     except ValueError as exc:
         raise InvalidRequestError(f"sampling.{exc}") from exc
     for i, token in enumerate(request.stop_token_ids):

@@ -19,10 +19,23 @@ ROOT = Path(__file__).resolve().parents[2]
 def serve(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "specpair.cli", "serve", *args,
-         "--address", "127.0.0.1:0", "--metrics-address", ""],
-        capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "specpair.cli",
+            "serve",
+            *args,
+            "--address",
+            "127.0.0.1:0",
+            "--metrics-address",
+            "",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 @pytest.mark.parametrize("service", ["target", "draft"])

@@ -22,15 +22,36 @@ pytestmark = pytest.mark.slow
 def bench(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "bench.goodput_gpu", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
 
 
 def test_goodput_benchmark_measures_every_goal(tmp_path: Path) -> None:
     out = tmp_path / "goodput.json"
-    run = bench("--device", "cpu", "--shape", "shipped", "--per-phase", "1", "--phase-tokens",
-                "6", "--batches", "1", "2", "--min-requests", "2", "--per-client", "1",
-                "--new-tokens", "6", "--out", str(out))  # fmt: skip
+    run = bench(
+        "--device",
+        "cpu",
+        "--shape",
+        "shipped",
+        "--per-phase",
+        "1",
+        "--phase-tokens",
+        "6",
+        "--batches",
+        "1",
+        "2",
+        "--min-requests",
+        "2",
+        "--per-client",
+        "1",
+        "--new-tokens",
+        "6",
+        "--out",
+        str(out),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
 
@@ -61,8 +82,12 @@ def test_goodput_benchmark_measures_every_goal(tmp_path: Path) -> None:
         assert c["same_as_target_alone"] is (None if c["config"] == TARGET_ALONE else True), c
 
     summary = report["summary"]
-    for key in ("goodput_vs_best_static", "goodput_vs_oracle", "sglang_vs_best_static",
-                "sglang_vs_oracle"):  # fmt: skip
+    for key in (
+        "goodput_vs_best_static",
+        "goodput_vs_oracle",
+        "sglang_vs_best_static",
+        "sglang_vs_oracle",
+    ):
         assert summary["phased"][key] > 0, key
     assert set(summary["phased"]["goals_met"]) == {"vs_best_static", "vs_oracle"}
     rows = summary["sweep"]["batches"]

@@ -13,11 +13,30 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_pingpong_measures_every_mode_on_both_links(tmp_path: Path) -> None:
     out = tmp_path / "pingpong.json"
     run = subprocess.run(
-        [sys.executable, "-m", "bench.grpc_pingpong", "--trips", "20", "--hold-ms", "1", "0",
-         "--request-bytes", "4096", "--response-bytes", "64", "--links", "tcp", "unix",
-         "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bench.grpc_pingpong",
+            "--trips",
+            "20",
+            "--hold-ms",
+            "1",
+            "0",
+            "--request-bytes",
+            "4096",
+            "--response-bytes",
+            "64",
+            "--links",
+            "tcp",
+            "unix",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     result = json.loads(out.read_text())
     modes = {"aio", "aio+poll", "sync", "tcp"}

@@ -17,11 +17,31 @@ pytestmark = pytest.mark.slow
 def test_speedup_benchmark_runs_every_configuration(tmp_path: Path) -> None:
     out = tmp_path / "speedup.json"
     run = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_speedup", "--device", "cpu", "--shape", "shipped",
-         "--batches", "1", "2", "--requests", "2", "--new-tokens", "6", "--temperatures", "0",
-         "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bench.gpu_speedup",
+            "--device",
+            "cpu",
+            "--shape",
+            "shipped",
+            "--batches",
+            "1",
+            "2",
+            "--requests",
+            "2",
+            "--new-tokens",
+            "6",
+            "--temperatures",
+            "0",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     cells = json.loads(out.read_text())["cells"]
     configs = {(c["deployment"], c["config"]) for c in cells}

@@ -66,19 +66,34 @@ def test_three_processes(ckpts: dict[str, Path], procs: ServiceGroup, tmp_path: 
     for s in (
         service("draft", draft_addr, "draft", "--model", target),
         service(
-            "target", target_addr, "target", "--model", target, "--draft", draft_addr,
-            "--initial-steps", "1", "--draft-timeout", "15", "--http-address", http_addr,
+            "target",
+            target_addr,
+            "target",
+            "--model",
+            target,
+            "--draft",
+            draft_addr,
+            "--initial-steps",
+            "1",
+            "--draft-timeout",
+            "15",
+            "--http-address",
+            http_addr,
         ),
-        service("controller", ctrl_addr, "controller", "--target", target_addr,
-                "--policy", str(policy)),
-    ):  # fmt: skip
+        service(
+            "controller", ctrl_addr, "controller", "--target", target_addr, "--policy", str(policy)
+        ),
+    ):
         procs.launch(s)
     for name in ("draft", "target", "controller"):
         procs.wait_healthy(name)
     client = SpecpairClient(target_addr, timeout=120)
     ctl = ControllerClient(ctrl_addr, timeout=10)
-    wait_for(lambda: client.server_info().get("draft_connection_state") == CONNECTED,
-             30, "the target to connect to the draft")  # fmt: skip
+    wait_for(
+        lambda: client.server_info().get("draft_connection_state") == CONNECTED,
+        30,
+        "the target to connect to the draft",
+    )
     builds_at_start = client.server_info()["runtime_state_builds"]
     assert builds_at_start == 3
 
@@ -93,9 +108,10 @@ def test_three_processes(ckpts: dict[str, Path], procs: ServiceGroup, tmp_path: 
     # The same request through the process's OpenAI-compatible HTTP API: the same text.
     body = {"model": "target", "prompt": PROMPTS[1], "max_tokens": 30, "temperature": 0}
     request = urllib.request.Request(
-        f"http://{http_addr}/v1/completions", json.dumps(body).encode(),
+        f"http://{http_addr}/v1/completions",
+        json.dumps(body).encode(),
         {"Content-Type": "application/json"},
-    )  # fmt: skip
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         completion = json.load(response)
     grpc_result = client.generate(PROMPTS[1], max_tokens=30)
@@ -121,8 +137,11 @@ def test_three_processes(ckpts: dict[str, Path], procs: ServiceGroup, tmp_path: 
 
     # C. an unrelated draft on the same address: reconnect, then the tier falls to 1
     procs.start(service("draft2", draft_addr, "draft", "--model", str(ckpts["draft"])))
-    wait_for(lambda: client.server_info()["draft_connection_state"] == CONNECTED,
-             30, "the target to reconnect")  # fmt: skip
+    wait_for(
+        lambda: client.server_info()["draft_connection_state"] == CONNECTED,
+        30,
+        "the target to reconnect",
+    )
     for _ in range(10):
         assert generate_all(40) == [e[:40] for e in expected]
         if client.server_info()["speculative_num_steps"] == 1:

@@ -65,8 +65,12 @@ def pair(root: Path, target: Path, kind: str, draft_vocab: int, seed: int) -> Pa
     token map: every other id from 1, so no draft id is its target id past the first)."""
     if kind == "eagle3":
         layers = [0, 1, 1]
-        return Pair(target, make_tiny_eagle3(root / kind, target, seed=seed,
-                                             draft_vocab=draft_vocab, layers=layers))  # fmt: skip
+        return Pair(
+            target,
+            make_tiny_eagle3(
+                root / kind, target, seed=seed, draft_vocab=draft_vocab, layers=layers
+            ),
+        )
     token_map = root / "map.json"
     token_map.write_text(json.dumps(list(range(1, 2 * draft_vocab, 2))))
     return Pair(target, make_tiny_eagle(root / kind, target, seed=seed), token_map)
@@ -77,10 +81,12 @@ def engine(
 ) -> tuple[SpeculativeEngine, SpecRuntimeState]:
     layers = feature_layers(p.head, p.target)
     assert bool(layers) == (p.token_map is None)
-    worker = build_target(p.target, max_requests=batch, max_len=max_len, feature_layers=layers,
-                          keep_features=True)  # fmt: skip
-    drafter = build_drafter(p.head, target_path=p.target, max_requests=batch, max_len=max_len,
-                            token_map=p.token_map)  # fmt: skip
+    worker = build_target(
+        p.target, max_requests=batch, max_len=max_len, feature_layers=layers, keep_features=True
+    )
+    drafter = build_drafter(
+        p.head, target_path=p.target, max_requests=batch, max_len=max_len, token_map=p.token_map
+    )
     return SpeculativeEngine(worker, drafter), build_states([tier], worker, drafter)[tier]
 
 

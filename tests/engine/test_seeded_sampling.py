@@ -37,9 +37,11 @@ def test_a_seed_gives_the_same_tokens_at_batch_1_and_in_a_batch_of_8(pair, tier:
 
     def run(group: list[int]) -> list[list[int]]:
         results = engine.generate(
-            [PROMPTS[i] for i in group], max_new_tokens=24, state=state,
+            [PROMPTS[i] for i in group],
+            max_new_tokens=24,
+            state=state,
             sampling=[SAMPLING[i] for i in group],
-        )  # fmt: skip
+        )
         return [r.token_ids for r in results]
 
     together = run(list(range(8)))

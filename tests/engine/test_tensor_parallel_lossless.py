@@ -41,9 +41,15 @@ MAX_LEN = 32
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("tp")
     target = make_tiny_family(
-        root / "target", LlamaConfig, LlamaForCausalLM, seed=31, vocab_size=VOCAB,
-        attention_bias=True, mlp_bias=True, initializer_range=0.3,
-    )  # fmt: skip
+        root / "target",
+        LlamaConfig,
+        LlamaForCausalLM,
+        seed=31,
+        vocab_size=VOCAB,
+        attention_bias=True,
+        mlp_bias=True,
+        initializer_range=0.3,
+    )
     draft = make_tiny_llama(
         root / "draft", seed=32, vocab_size=VOCAB, num_layers=1, init_std=0.3, tokenizer=False
     )
@@ -87,9 +93,12 @@ def hf_greedy(path: Path, prompt: list[int]) -> list[int]:
     out = model.generate(
         torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-        eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     return out[0, len(prompt) :].tolist()
 
 

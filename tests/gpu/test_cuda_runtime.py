@@ -70,9 +70,14 @@ def target(path: Path, max_requests: int = 4, draft: Path | None = None):
     gc.collect()  # earlier tests' graphs and caches go before this test captures
     layers = feature_layers(draft, path) if draft is not None else ()
     return build_target(
-        path, max_requests=max_requests, max_len=256, keep_features=True, dtype=BF16,
-        device="cuda", feature_layers=layers,
-    )  # fmt: skip
+        path,
+        max_requests=max_requests,
+        max_len=256,
+        keep_features=True,
+        dtype=BF16,
+        device="cuda",
+        feature_layers=layers,
+    )
 
 
 def pair_target(gpu_ckpts: dict[str, Path], draft: str) -> Path:
@@ -232,9 +237,13 @@ def test_tree_shapes_on_graphs_give_the_target_greedy_tokens(
     path = pair_target(gpu_ckpts, draft)
     worker = target(path, draft=gpu_ckpts[draft])
     drafter = build_drafter(
-        gpu_ckpts[draft], target_path=path, max_requests=4, max_len=256, dtype=BF16,
+        gpu_ckpts[draft],
+        target_path=path,
+        max_requests=4,
+        max_len=256,
+        dtype=BF16,
         device="cuda",
-    )  # fmt: skip
+    )
     shapes = [TreeShape(3), TreeShape(3, 2, 6), TreeShape(4, 4, 16), TreeShape(10, 8, 32)]
     builder = StateBuilder(worker, drafter)
     states = builder.build_all(shapes)
@@ -431,9 +440,13 @@ def test_tree_graphs_draft_the_trees_the_eager_draft_does(
     def drafter():  # type: ignore[no-untyped-def]
         gc.collect()
         d = build_drafter(
-            gpu_ckpts[draft], target_path=gpu_ckpts["target"], max_requests=4, max_len=256,
-            dtype=BF16, device="cuda",
-        )  # fmt: skip
+            gpu_ckpts[draft],
+            target_path=gpu_ckpts["target"],
+            max_requests=4,
+            max_len=256,
+            dtype=BF16,
+            device="cuda",
+        )
         return d, StateBuilder(None, d).build(shape)
 
     graphs, tier = drafter()
@@ -473,9 +486,13 @@ def tier_3_drafters(
     out = []
     for _ in range(2):
         d = build_drafter(
-            gpu_ckpts["draft"], target_path=None, max_requests=4, max_len=max_len, dtype=BF16,
+            gpu_ckpts["draft"],
+            target_path=None,
+            max_requests=4,
+            max_len=max_len,
+            dtype=BF16,
             device="cuda",
-        )  # fmt: skip
+        )
         state = build_states([3], worker, d)[3]
         assert isinstance(state.extend, ExtendGraphs)
         out.append((d, state))

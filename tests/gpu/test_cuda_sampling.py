@@ -42,7 +42,7 @@ from specpair.runtime.sampling import (
     sample_rows,
     warp,
     warp_rows,
-)  # fmt: skip
+)
 from specpair.runtime.shape import TreeShape
 from tests.engine.test_sampling_lossless import PARAMS, fit_pvalue
 
@@ -100,13 +100,23 @@ def gpu_samples(
     gc.collect()
     target = ckpts["target"]
     worker = build_target(
-        target, max_requests=batch, max_len=64, keep_features=True, dtype=BF16, device="cuda",
+        target,
+        max_requests=batch,
+        max_len=64,
+        keep_features=True,
+        dtype=BF16,
+        device="cuda",
         feature_layers=feature_layers(ckpts[draft], target),
-    )  # fmt: skip
+    )
     drafter = build_drafter(
-        ckpts[draft], target_path=target, max_requests=batch, max_len=64, dtype=BF16,
-        device="cuda", token_map=token_map,
-    )  # fmt: skip
+        ckpts[draft],
+        target_path=target,
+        max_requests=batch,
+        max_len=64,
+        dtype=BF16,
+        device="cuda",
+        token_map=token_map,
+    )
     state = build_states([tier], worker, drafter)[tier]
     chain = state.is_chain
     assert not chain or (isinstance(state.draft, StepGraphs) and state.draft.sampled)
@@ -209,9 +219,13 @@ def test_a_seed_gives_the_same_tokens_run_after_run(wide, tier: int) -> None:
         wide["target"], max_requests=8, max_len=128, keep_features=True, dtype=BF16, device="cuda"
     )
     drafter = build_drafter(
-        wide["eagle"], target_path=wide["target"], max_requests=8, max_len=128, dtype=BF16,
+        wide["eagle"],
+        target_path=wide["target"],
+        max_requests=8,
+        max_len=128,
+        dtype=BF16,
         device="cuda",
-    )  # fmt: skip
+    )
     state = build_states([max(tier, 1)], worker, drafter)[max(tier, 1)]
     engine = SpeculativeEngine(worker, drafter if tier else None)
     prompts = [[5 + i, 6, 7 + 2 * i, 100 - i] for i in range(8)]

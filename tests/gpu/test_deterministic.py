@@ -34,8 +34,14 @@ pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
 NEW = 40
 MAX_LEN = 600  # chunks of 256: a request crosses a chunk boundary while it decodes
-SHAPE = dict(hidden_size=1024, num_heads=8, num_kv_heads=2, intermediate_size=2816,
-             vocab_size=2048, init_std=0.05)  # fmt: skip
+SHAPE = dict(
+    hidden_size=1024,
+    num_heads=8,
+    num_kv_heads=2,
+    intermediate_size=2816,
+    vocab_size=2048,
+    init_std=0.05,
+)
 GREEDY = SamplingParams()
 ALONE = TreeShape(0)
 
@@ -57,13 +63,22 @@ def prompts() -> list[list[int]]:
 def setup(ckpts: dict[str, Path], deterministic: bool) -> tuple[TargetWorker, dict, object]:
     gc.collect()
     worker = build_target(
-        ckpts["target"], max_requests=32, max_len=MAX_LEN, keep_features=True, dtype=BF16,
-        device="cuda", deterministic=deterministic,
-    )  # fmt: skip
+        ckpts["target"],
+        max_requests=32,
+        max_len=MAX_LEN,
+        keep_features=True,
+        dtype=BF16,
+        device="cuda",
+        deterministic=deterministic,
+    )
     drafter = build_drafter(
-        ckpts["eagle"], target_path=ckpts["target"], max_requests=32, max_len=MAX_LEN,
-        dtype=BF16, device="cuda",
-    )  # fmt: skip
+        ckpts["eagle"],
+        target_path=ckpts["target"],
+        max_requests=32,
+        max_len=MAX_LEN,
+        dtype=BF16,
+        device="cuda",
+    )
     tiers = [ALONE, *map(TreeShape, (1, 3, 7))]
     return worker, build_states(tiers, worker, drafter), drafter
 
@@ -141,8 +156,9 @@ def test_greedy_speculation_gives_the_target_alones_tokens_at_every_tier_and_bat
         for size in (1, 8, 32):
             out: list[list[int]] = []
             for lo in range(0, n, size):
-                results = engine.generate(prompts[lo : lo + size], max_new_tokens=NEW,
-                                          state=states[tier])  # fmt: skip
+                results = engine.generate(
+                    prompts[lo : lo + size], max_new_tokens=NEW, state=states[tier]
+                )
                 out += [r.token_ids for r in results]
                 accepted += sum(sum(r.accept_lengths) for r in results)
             bad = [i for i in range(n) if out[i] != reference[i]]

@@ -105,10 +105,20 @@ def test_silu_mul_sums_partials() -> None:
 
 @pytest.mark.parametrize(
     ("config", "d", "t"),
-    [(None, 128, 4), ((8, 64, True), 128, 4), ((64, 16, True, 8), 128, 4),
-     ((16, 32, False, 4), 128, 4), ((32, 64, True, 8), 128, 4), (None, 40, 4),
-     ((8, 64, True), 40, 4), (None, 32, 4), (None, 80, 4), (None, 128, 32), (None, 128, 17)],
-)  # fmt: skip
+    [
+        (None, 128, 4),
+        ((8, 64, True), 128, 4),
+        ((64, 16, True, 8), 128, 4),
+        ((16, 32, False, 4), 128, 4),
+        ((32, 64, True, 8), 128, 4),
+        (None, 40, 4),
+        ((8, 64, True), 40, 4),
+        (None, 32, 4),
+        (None, 80, 4),
+        (None, 128, 32),
+        (None, 128, 17),
+    ],
+)
 def test_tree_attention_equals_masked_sdpa_over_the_pages(
     config: tuple | None, d: int, t: int
 ) -> None:
@@ -121,9 +131,16 @@ def test_tree_attention_equals_masked_sdpa_over_the_pages(
     torch.manual_seed(4)
     n_q, n_kv = 8, 2
     cache = KVCache(
-        num_layers=1, num_qo_heads=n_q, num_kv_heads=n_kv, head_dim=d, max_requests=3,
-        max_len=700, page_size=16, dtype=BF16, device="cuda",
-    )  # fmt: skip
+        num_layers=1,
+        num_qo_heads=n_q,
+        num_kv_heads=n_kv,
+        head_dim=d,
+        max_requests=3,
+        max_len=700,
+        page_size=16,
+        dtype=BF16,
+        device="cuda",
+    )
     cache.k.normal_()
     cache.v.normal_()
     slots = [cache.alloc() for _ in range(3)]
@@ -136,10 +153,14 @@ def test_tree_attention_equals_masked_sdpa_over_the_pages(
     )
     cache.write_index(layout)  # gives the slots their pages
     attn = TreeAttention(
-        batch=3, tokens=t, heads=(n_q, n_kv, d), page_size=16,
-        pages_per_slot=cache.pages_per_slot, device=torch.device("cuda"),
+        batch=3,
+        tokens=t,
+        heads=(n_q, n_kv, d),
+        page_size=16,
+        pages_per_slot=cache.pages_per_slot,
+        device=torch.device("cuda"),
         config=None if config is None else TreeConfig(*config),
-    )  # fmt: skip
+    )
     attn.plan(layout, cache.page_table)
     q = torch.randn(3 * t, n_q, d, dtype=BF16, device="cuda")
     out = attn.run(q, (cache.k[0], cache.v[0]), out=torch.empty_like(q))
@@ -152,9 +173,12 @@ def test_tree_attention_equals_masked_sdpa_over_the_pages(
     kk = cache.k[0].view(-1, n_kv, d)[rows].transpose(1, 2).float()  # [B, Hkv, K, D]
     vv = cache.v[0].view(-1, n_kv, d)[rows].transpose(1, 2).float()
     ref = F.scaled_dot_product_attention(
-        q.view(3, t, n_q, d).transpose(1, 2).float(), kk, vv, attn_mask=mask[:, None],
+        q.view(3, t, n_q, d).transpose(1, 2).float(),
+        kk,
+        vv,
+        attn_mask=mask[:, None],
         enable_gqa=True,
-    ).transpose(1, 2)  # fmt: skip
+    ).transpose(1, 2)
     torch.testing.assert_close(out.view(3, t, n_q, d).float(), ref, atol=2e-2, rtol=2e-2)
 
 

@@ -57,14 +57,28 @@ def test_shipped_pair_served_on_cuda_equals_cpu(tmp_path: Path, kind: str) -> No
     if kind == "eagle-mapped":
         runtime = Path(__file__).parents[2] / "specpair" / "runtime"
         sources = sorted(str(f) for f in runtime.rglob("*.py"))
-        token_map.main(["--tokenizer", str(MODELS_DIR / "target"), "--size", "2048",
-                          "--out", str(tmp_path / "map.pt"), *sources])  # fmt: skip
+        token_map.main(
+            [
+                "--tokenizer",
+                str(MODELS_DIR / "target"),
+                "--size",
+                "2048",
+                "--out",
+                str(tmp_path / "map.pt"),
+                *sources,
+            ]
+        )
         mapped = ("--token-map", str(tmp_path / "map.pt"))
     with BenchServices(  # an EAGLE-3 head is served as --draft-kind eagle
-        target=MODELS_DIR / "target", draft=draft, log_dir=tmp_path, draft_options=mapped,
+        target=MODELS_DIR / "target",
+        draft=draft,
+        log_dir=tmp_path,
+        draft_options=mapped,
         draft_kind="model" if kind == "model" else "eagle",
-        device="cuda", dtype="bfloat16", max_len=256,
-    ) as group:  # fmt: skip
+        device="cuda",
+        dtype="bfloat16",
+        max_len=256,
+    ) as group:
         client = SpecpairClient(group.target, timeout=120)
         identical = total = accepted = 0
         for tier in (1, 3, 7):
@@ -110,10 +124,15 @@ def test_requests_joining_beside_a_round_on_cuda_are_the_targets_greedy_tokens(
         MODELS_DIR / "target", max_requests=1, max_len=256, dtype=torch.bfloat16, device="cuda"
     )
     with BenchServices(
-        target=MODELS_DIR / "target", draft=MODELS_DIR / "eagle3", draft_kind="eagle",
-        log_dir=tmp_path, device="cuda", dtype="bfloat16", max_len=256,
+        target=MODELS_DIR / "target",
+        draft=MODELS_DIR / "eagle3",
+        draft_kind="eagle",
+        log_dir=tmp_path,
+        device="cuda",
+        dtype="bfloat16",
+        max_len=256,
         target_options=("--max-batch", "2"),
-    ) as group:  # fmt: skip
+    ) as group:
         client = SpecpairClient(group.target, timeout=120)
         apply_tier(group.target, 3)
         stats: list = []

@@ -16,11 +16,31 @@ pytestmark = pytest.mark.slow
 
 def test_up_client_measures_every_configuration_through_both_doors(tmp_path: Path) -> None:
     out = tmp_path / "up.json"
-    main([
-        "--device", "cpu", "--shape", "shipped", "--draft-kind", "eagle", "--batches", "1", "2",
-        "--requests", "2", "--new-tokens", "6", "--temperatures", "0", "--tiers", "3",
-        "--repeats", "2", "--out", str(out),
-    ])  # fmt: skip
+    main(
+        [
+            "--device",
+            "cpu",
+            "--shape",
+            "shipped",
+            "--draft-kind",
+            "eagle",
+            "--batches",
+            "1",
+            "2",
+            "--requests",
+            "2",
+            "--new-tokens",
+            "6",
+            "--temperatures",
+            "0",
+            "--tiers",
+            "3",
+            "--repeats",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     report = json.loads(out.read_text())
     cells = report["cells"]
     keys = {(c["config"], c["door"], c["batch"]) for c in cells}
@@ -29,10 +49,14 @@ def test_up_client_measures_every_configuration_through_both_doors(tmp_path: Pat
     assert report["command"][3:5] == ["up", "--device"]  # `specpair up` itself ran
     for c in cells:
         assert len(c["runs"]) == 2
-        assert c["speedup"] == pytest.approx(c["tokens_per_s"] / next(
-            a["tokens_per_s"] for a in cells
-            if a["config"] == "tier 0" and (a["door"], a["batch"]) == (c["door"], c["batch"])
-        ))  # fmt: skip
+        assert c["speedup"] == pytest.approx(
+            c["tokens_per_s"]
+            / next(
+                a["tokens_per_s"]
+                for a in cells
+                if a["config"] == "tier 0" and (a["door"], a["batch"]) == (c["door"], c["batch"])
+            )
+        )
     # Greedy is lossless through either door: each cell produced the same tokens (no request
     # stopped early on one door and ran on at another configuration).
     assert len({c["tokens"] for c in cells if c["batch"] == 1}) == 1

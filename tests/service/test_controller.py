@@ -361,10 +361,16 @@ async def test_target_down_at_start_then_up_then_restarted() -> None:
 async def test_ctl_status_is_a_table_and_json_on_request(stack: ControllerStack) -> None:
     async def ctl(*args: str) -> str:  # its own process: the controller logs to this one's stdout
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "specpair.cli", "ctl", "--address",
-            f"127.0.0.1:{stack.controller.port}", "status", *args,
+            sys.executable,
+            "-m",
+            "specpair.cli",
+            "ctl",
+            "--address",
+            f"127.0.0.1:{stack.controller.port}",
+            "status",
+            *args,
             stdout=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+        )
         out, _ = await asyncio.wait_for(proc.communicate(), 60)
         assert proc.returncode == 0
         return out.decode()

@@ -196,10 +196,16 @@ async def test_ctl_pins_a_tree_and_sets_tree_shapes() -> None:
 
         async def ctl(*args: str) -> tuple[int, str]:  # its own process, as a person runs it
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "specpair.cli", "ctl", "--address",
-                f"127.0.0.1:{s.running.port}", *args,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            )  # fmt: skip
+                sys.executable,
+                "-m",
+                "specpair.cli",
+                "ctl",
+                "--address",
+                f"127.0.0.1:{s.running.port}",
+                *args,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
             out, err = await asyncio.wait_for(proc.communicate(), 60)
             return proc.returncode or 0, (out + err).decode()
 
@@ -229,10 +235,15 @@ async def test_the_controller_pins_a_tree_on_real_services(ckpts, make_stack) ->
     controller learns the tree's acceptance and cost from those rounds."""
     steps, shapes = (1, 3, 7), (TREE,)
     stack = await make_stack(
-        draft_config(ckpts["eagle"], draft_kind="eagle", target_path=ckpts["target"],
-                     candidate_steps=steps, tree_shapes=shapes),
+        draft_config(
+            ckpts["eagle"],
+            draft_kind="eagle",
+            target_path=ckpts["target"],
+            candidate_steps=steps,
+            tree_shapes=shapes,
+        ),
         target_config(ckpts["target"], candidate_steps=steps, tree_shapes=shapes, max_batch=4),
-    )  # fmt: skip
+    )
     config = ControllerConfig(
         ServerConfig("127.0.0.1:0"), targets=(f"127.0.0.1:{stack.target.port}",), reconnect_s=0.1
     )

@@ -76,13 +76,16 @@ async def test_float8_features_change_no_output(
     if kind == "eagle3":
         draft, layers = eagle3_draft(head, ckpts["target"]), (0, 0, 0)
     else:
-        draft, layers = draft_config(ckpts["eagle"], draft_kind="eagle",
-                                     target_path=ckpts["target"]), ()  # fmt: skip
+        draft, layers = (
+            draft_config(ckpts["eagle"], draft_kind="eagle", target_path=ckpts["target"]),
+            (),
+        )
     stack = await make_stack(
         draft,
-        target_config(ckpts["target"], feature_layers=layers, initial_steps=3,
-                      feature_dtype="float8"),
-    )  # fmt: skip
+        target_config(
+            ckpts["target"], feature_layers=layers, initial_steps=3, feature_dtype="float8"
+        ),
+    )
     rounds = stack.draft.servicer.rounds
     run, dtypes = rounds.run, set()
 
@@ -108,8 +111,9 @@ async def test_an_eagle_head_over_a_token_map_greedy_over_services(
     that many rows); the target's output is unchanged."""
     token_map = tmp_path / "map.json"
     token_map.write_text(json.dumps(list(range(0, 320, 3))))
-    draft = draft_config(ckpts["eagle"], draft_kind="eagle", target_path=ckpts["target"],
-                         token_map=token_map)  # fmt: skip
+    draft = draft_config(
+        ckpts["eagle"], draft_kind="eagle", target_path=ckpts["target"], token_map=token_map
+    )
     stack = await make_stack(draft, target_config(ckpts["target"], initial_steps=tier))
     head = stack.draft.servicer.rounds.drafter.head
     assert head.lm_head.weight.shape[0] == 107  # the map's rows only

@@ -13,9 +13,15 @@ from tests.service.conftest import draft_config, target_config
 async def test_qwen2_pair_greedy_equals_transformers(make_stack, tmp_path) -> None:
     # A seed whose greedy reply varies (tied embeddings favour repeating the last token).
     qwen2 = make_tiny_family(
-        tmp_path / "qwen2", Qwen2Config, Qwen2ForCausalLM, seed=3, max_position_embeddings=512,
-        tie_word_embeddings=True, eos_token_id=None, bos_token_id=None,
-    )  # fmt: skip
+        tmp_path / "qwen2",
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        seed=3,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
     model = Qwen2ForCausalLM.from_pretrained(qwen2).eval()
     prompt = [5, 6, 7, 8, 9]
     with torch.no_grad():

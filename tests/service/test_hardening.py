@@ -185,10 +185,14 @@ async def test_more_requests_than_draft_slots_keeps_the_others_speculating(
 async def test_request_expired_in_the_queue_is_not_prefilled(ckpts) -> None:
     worker = build_target(ckpts["target"], max_requests=2, max_len=64)
     scheduler = Scheduler(
-        worker, build_states([TreeShape(3)], worker), initial_tier=TreeShape(3),
-        max_batch=2, max_queue=4, draft=None,
+        worker,
+        build_states([TreeShape(3)], worker),
+        initial_tier=TreeShape(3),
+        max_batch=2,
+        max_queue=4,
+        draft=None,
         metrics=ServiceMetrics("target"),
-    )  # fmt: skip
+    )
     prefilled: list[str] = []
     prefill = worker.prefill
 
@@ -306,9 +310,14 @@ async def test_killed_round_peer_releases_its_draft_slots(ckpts, make_stack, whe
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     for _ in range(3):  # a kill that stranded its 8 slots would show by the third
         peer = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", PEER, f"127.0.0.1:{stack.draft.port}", when,
-            stdout=asyncio.subprocess.PIPE, env=env,
-        )  # fmt: skip
+            sys.executable,
+            "-c",
+            PEER,
+            f"127.0.0.1:{stack.draft.port}",
+            when,
+            stdout=asyncio.subprocess.PIPE,
+            env=env,
+        )
         assert peer.stdout is not None
         assert await asyncio.wait_for(peer.stdout.readline(), 30) == b"holding\n"
         assert len(drafter.requests) == 8

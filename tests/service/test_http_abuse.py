@@ -40,10 +40,12 @@ async def stack() -> AsyncIterator[Stack]:
     started = await Stack(
         draft_config(MODELS_DIR / "draft"),
         target_config(
-            MODELS_DIR / "target", http_address="127.0.0.1:0", api_key=KEY,
+            MODELS_DIR / "target",
+            http_address="127.0.0.1:0",
+            api_key=KEY,
             http_read_timeout_s=READ_TIMEOUT_S,
         ),
-    ).start()  # fmt: skip
+    ).start()
     yield started
     await started.stop()
 
@@ -140,9 +142,13 @@ async def test_deeply_nested_json_is_400_not_500(stack: Stack) -> None:
     for raw, param in [
         (b"[" * 100_000 + b"]" * 100_000, "body"),
         (json.dumps(chat(temperature=[[[[]]]])).replace("[[[[]]]]", "[" * 900 + "]" * 900), None),
-        (json.dumps(chat(messages=[{"role": "user", "content": [[[[]]]]}])).replace(
-            "[[[[]]]]", "[" * 900 + "]" * 900), None),
-    ]:  # fmt: skip
+        (
+            json.dumps(chat(messages=[{"role": "user", "content": [[[[]]]]}])).replace(
+                "[[[[]]]]", "[" * 900 + "]" * 900
+            ),
+            None,
+        ),
+    ]:
         body = raw if isinstance(raw, bytes) else raw.encode()
         status, reply = await call(stack, CHAT, body)
         assert status == 400, reply
@@ -186,9 +192,12 @@ async def test_a_key_less_door_beyond_loopback_says_so(ckpts) -> None:
     try:
         # Beyond loopback any Host is served (the name clients use is not known here).
         status, _ = await asyncio.to_thread(
-            send, wide.target.http_port, COMPLETIONS, {"prompt": [1, 2], "max_tokens": 2},
+            send,
+            wide.target.http_port,
+            COMPLETIONS,
+            {"prompt": [1, 2], "max_tokens": 2},
             headers={"Host": "specpair.internal"},
-        )  # fmt: skip
+        )
         assert status == 200
     finally:
         await wide.stop()

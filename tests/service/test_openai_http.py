@@ -337,9 +337,14 @@ async def test_a_client_that_disconnects_frees_its_request(stack: Stack) -> None
 async def _cli(*args: str, stdin: bytes = b"") -> str:
     """`specpair …` as its own process (the services here log to this one's stdout)."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "specpair.cli", *args, cwd=ROOT,
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "specpair.cli",
+        *args,
+        cwd=ROOT,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
     out, _ = await asyncio.wait_for(proc.communicate(stdin), 60)
     assert proc.returncode == 0
     return out.decode()

@@ -58,9 +58,14 @@ async def test_the_readme_has_its_four_snippets() -> None:
 @pytest.mark.parametrize("index", range(4))
 async def test_a_readme_snippet_runs_as_printed(environment: dict[str, str], index: int) -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", SNIPPETS[index], cwd=ROOT, env=environment,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-c",
+        SNIPPETS[index],
+        cwd=ROOT,
+        env=environment,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 120)
     assert proc.returncode == 0, err.decode()[-2000:]
     assert out.strip(), "the snippet printed nothing"

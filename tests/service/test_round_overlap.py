@@ -74,10 +74,14 @@ def drafted_scheduler(tmp_path: Path) -> tuple[Scheduler, RecordingLink]:
     worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=2, max_len=64)
     link = RecordingLink()
     scheduler = Scheduler(
-        worker, build_states([TreeShape(3)], worker), initial_tier=TreeShape(3),
-        max_batch=2, max_queue=4,
-        draft=link, metrics=ServiceMetrics("target"),  # type: ignore[arg-type]
-    )  # fmt: skip
+        worker,
+        build_states([TreeShape(3)], worker),
+        initial_tier=TreeShape(3),
+        max_batch=2,
+        max_queue=4,
+        draft=link,
+        metrics=ServiceMetrics("target"),  # type: ignore[arg-type]
+    )
     return scheduler, link
 
 
@@ -111,10 +115,14 @@ def inline_scheduler(tmp_path: Path) -> Scheduler:
     """A target with no draft whose compute runs inline on the event loop, as on a GPU."""
     worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=2, max_len=96)
     scheduler = Scheduler(
-        worker, build_states([TreeShape(1)], worker), initial_tier=TreeShape(1),
-        max_batch=2, max_queue=4, draft=None,
+        worker,
+        build_states([TreeShape(1)], worker),
+        initial_tier=TreeShape(1),
+        max_batch=2,
+        max_queue=4,
+        draft=None,
         metrics=ServiceMetrics("target"),
-    )  # fmt: skip
+    )
     scheduler.compute.shutdown()
     scheduler.compute.executor = None
     return scheduler
@@ -234,10 +242,15 @@ async def joins_under_load(tmp_path: Path, join_group: int) -> list[int]:
     each prefill."""
     worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=4, max_len=96)
     scheduler = Scheduler(
-        worker, build_states([TreeShape(1)], worker), initial_tier=TreeShape(1),
-        max_batch=4, max_queue=8, join_group=join_group, draft=None,
+        worker,
+        build_states([TreeShape(1)], worker),
+        initial_tier=TreeShape(1),
+        max_batch=4,
+        max_queue=8,
+        join_group=join_group,
+        draft=None,
         metrics=ServiceMetrics("target"),
-    )  # fmt: skip
+    )
     sizes = prefill_sizes(scheduler)
     served = [
         ServedRequest(TargetSequence(f"r{i}", [5, 6, 7 + i], SamplingParams(), 2 * i + 2))

@@ -32,13 +32,16 @@ async def tree_stack(
     draft = draft or (ckpts["eagle"] if kind == "eagle" else ckpts["draft"])
     return await make_stack(
         draft_config(
-            draft, draft_kind=kind, target_path=ckpts["target"], candidate_steps=STEPS,
+            draft,
+            draft_kind=kind,
+            target_path=ckpts["target"],
+            candidate_steps=STEPS,
             tree_shapes=SHAPES,
         ),
         target_config(
             ckpts["target"], candidate_steps=STEPS, tree_shapes=SHAPES, max_batch=4, **target
         ),
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("kind", ["model", "eagle"])
@@ -76,23 +79,29 @@ async def test_sampled_requests_draft_trees_and_match_the_engine_seed_for_seed(
     rounds, task = await watch(stack)
     seeded = common_pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=11)
     outputs = await asyncio.gather(
-        *(stack.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS, sampling=seeded)
-          for p in PROMPTS)
-    )  # fmt: skip
+        *(
+            stack.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS, sampling=seeded)
+            for p in PROMPTS
+        )
+    )
     task.cancel()
     drafted = [r for r in rounds.values() if r.accept_lengths]
     assert drafted and all(r.shape == "4x4x16" for r in drafted)
     assert not any(r.plain_request_ids for r in drafted)  # no tree refused
     assert any(a >= 1 for r in drafted for a in r.accept_lengths)
     worker = build_target(ckpts["target"], max_requests=4, max_len=160, keep_features=True)
-    drafter = build_drafter(ckpts["target"], target_path=ckpts["target"], max_requests=4,
-                            max_len=160)  # fmt: skip
+    drafter = build_drafter(
+        ckpts["target"], target_path=ckpts["target"], max_requests=4, max_len=160
+    )
     state = StateBuilder(worker, drafter).build(TreeShape(4, 4, 16))
     sampling = [SamplingParams(temperature=0.8, top_p=0.95, seed=11)] * len(PROMPTS)
     in_process = SpeculativeEngine(worker, drafter).generate(
-        PROMPTS, max_new_tokens=MAX_TOKENS, state=state, sampling=sampling,
+        PROMPTS,
+        max_new_tokens=MAX_TOKENS,
+        state=state,
+        sampling=sampling,
         stop_token_ids=frozenset({0}),
-    )  # fmt: skip
+    )
     assert [t for t, _ in outputs] == [r.token_ids for r in in_process]
     await no_slots_left(stack)
 
@@ -169,9 +178,10 @@ async def test_a_draft_without_the_shape_costs_only_speculation(ckpts, make_stac
     name, the target decodes plainly, output unchanged."""
     stack = await make_stack(
         draft_config(ckpts["draft"], candidate_steps=STEPS),
-        target_config(ckpts["target"], candidate_steps=STEPS, tree_shapes=SHAPES,
-                      initial_shape="3x2x6"),
-    )  # fmt: skip
+        target_config(
+            ckpts["target"], candidate_steps=STEPS, tree_shapes=SHAPES, initial_shape="3x2x6"
+        ),
+    )
     rounds, task = await watch(stack)
     tokens, _ = await stack.generate(prompt_token_ids=PROMPTS[1], max_tokens=MAX_TOKENS)
     task.cancel()

@@ -22,7 +22,7 @@ from specpair.runtime.accept_batch import (
     accept_chain_batch,
     accept_tree_candidates,
     sparse_q,
-)  # fmt: skip
+)
 from specpair.runtime.sampling import RowParams, SamplingParams, warp, warp_rows
 from specpair.runtime.tree import chain
 from tests.unit.test_sampling_rows import fits, one_draft_outcomes
@@ -53,9 +53,14 @@ def one_draft_counts(n_runs: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = q_ids[torch.multinomial(q, n_runs, replacement=True, generator=gen)]
     params = RowParams.of([SAMPLED] * 2 * n_runs)
     accepted, last, covered = accept_candidates(
-        logits.expand(n_runs, -1, -1), params, x[:, None], torch.ones(n_runs).long(),
-        torch.rand(n_runs, 2, generator=gen), q_ids.expand(n_runs, 1, -1), q.expand(n_runs, 1, -1),
-    )  # fmt: skip
+        logits.expand(n_runs, -1, -1),
+        params,
+        x[:, None],
+        torch.ones(n_runs).long(),
+        torch.rand(n_runs, 2, generator=gen),
+        q_ids.expand(n_runs, 1, -1),
+        q.expand(n_runs, 1, -1),
+    )
     assert covered.all()
     observed = torch.zeros(2, V)
     for a in (0, 1):
@@ -83,9 +88,13 @@ def test_verdicts_equal_accept_chains_over_the_vocabulary() -> None:
     gen = torch.Generator().manual_seed(9)
     logits = peaked(b * (n + 1), seed=8).view(b, n + 1, V)
     requests = [
-        SAMPLED, SamplingParams(), SamplingParams(temperature=1.0, top_k=5),
-        SamplingParams(temperature=0.5, min_p=0.1), SAMPLED, SamplingParams(top_p=0.5),
-    ]  # fmt: skip
+        SAMPLED,
+        SamplingParams(),
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(temperature=0.5, min_p=0.1),
+        SAMPLED,
+        SamplingParams(top_p=0.5),
+    ]
     params = RowParams.of(requests).repeat(n + 1)
     drafts = torch.randint(0, 12, (b, n), generator=gen)
     drafts[0] = logits[0, :n].argmax(-1)  # likely accepted throughout
@@ -113,9 +122,14 @@ def test_greedy_rows_take_the_first_argmax_among_ties() -> None:
     logits[0, :, [7, 3]] = 5.0  # tied: the argmax is 3
     q_ids = torch.tensor([[[3]]])
     accepted, last, _ = accept_candidates(
-        logits, RowParams.of([SamplingParams()] * 2), torch.tensor([[3]]), torch.tensor([1]),
-        torch.full((1, 2), 0.5), q_ids, torch.ones(1, 1, 1),
-    )  # fmt: skip
+        logits,
+        RowParams.of([SamplingParams()] * 2),
+        torch.tensor([[3]]),
+        torch.tensor([1]),
+        torch.full((1, 2), 0.5),
+        q_ids,
+        torch.ones(1, 1, 1),
+    )
     assert (int(accepted[0]), int(last[0])) == (1, 3)
 
 
@@ -243,8 +257,11 @@ def test_sparse_q_places_each_requests_q_in_its_rows() -> None:
         for _ in range(int(torch.randint(1, 9, (1,), generator=gen))):
             m = int(torch.randint(0, n + 1, (1,), generator=gen))
             k = width if torch.rand(1, generator=gen) < 0.7 else 3
-            q_ids = torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(m)]) \
-                if m else torch.zeros(0, k, dtype=torch.long)  # fmt: skip
+            q_ids = (
+                torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(m)])
+                if m
+                else torch.zeros(0, k, dtype=torch.long)
+            )
             q = torch.softmax(torch.randn(m, k, generator=gen), -1)
             kind = int(torch.randint(0, 5, (1,), generator=gen))
             tokens = q_ids[:, 0].tolist()
@@ -253,8 +270,9 @@ def test_sparse_q_places_each_requests_q_in_its_rows() -> None:
             elif kind == 1:
                 trees.append(chain(tokens, torch.softmax(torch.randn(m, vocab), -1)))  # dense
             else:
-                trees.append(chain(tokens, q.half() if kind == 2 else q,
-                                   q_ids.int() if kind == 3 else q_ids))  # fmt: skip
+                trees.append(
+                    chain(tokens, q.half() if kind == 2 else q, q_ids.int() if kind == 3 else q_ids)
+                )
             greedy.append(bool(torch.rand(1, generator=gen) < 0.2))
         drafts = torch.zeros(len(trees), n, dtype=torch.long)
         for i, tree in enumerate(trees):

@@ -87,10 +87,12 @@ def test_one_band_is_exactly_sglangs_rule() -> None:
 def test_sglang_bands_keep_their_own_ema_and_tier() -> None:
     spec = PolicySpec.from_mapping(
         {
-            "ema_alpha": 1.0, "warmup_batches": 0, "update_interval": 1,
+            "ema_alpha": 1.0,
+            "warmup_batches": 0,
+            "update_interval": 1,
             "bands": [{"min_batch_size": 16, "candidate_steps": [1, 2, 5], "up_hysteresis": 3}],
         }
-    )  # fmt: skip
+    )
     policy = spec.build(3)
     assert policy.observe(sglang_round(1, 7)) is True and policy.current_steps == 7
     # Batch 16: its band started at 3, snapped to its nearest candidate 2.

@@ -17,9 +17,15 @@ from specpair.runtime.engine import SpeculativeEngine
 
 # The Llama-3-8B code path (llama3 rope, GQA, untied head) at hidden 64.
 SMALL = replace(
-    LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=16,
-)  # fmt: skip
+    LLAMA3_8B,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
 
 
 def test_llama3_8b_config_reads_back_as_the_8b_shape(tmp_path: Path) -> None:

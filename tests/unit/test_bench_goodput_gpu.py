@@ -10,22 +10,32 @@ from bench.goodput_gpu import cell_rounds, pooled_tokens_per_s, summarize
 
 
 def cell(config: str, batch: int, tokens: int, seconds: float) -> dict[str, Any]:
-    return {"config": config, "batch": batch, "tokens": tokens, "seconds": seconds,
-            "tokens_per_s": tokens / seconds}  # fmt: skip
+    return {
+        "config": config,
+        "batch": batch,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+    }
 
 
 def rounds(tier: int, n: int, batch: int) -> list[dict[str, Any]]:
-    return [{"tier": tier, "batch_size": batch, "accept_lengths": [1] * batch,
-             "total_ms": 10.0} for _ in range(n)]  # fmt: skip
+    return [
+        {"tier": tier, "batch_size": batch, "accept_lengths": [1] * batch, "total_ms": 10.0}
+        for _ in range(n)
+    ]
 
 
 def two_turns() -> dict[str, Any]:
     """Batch 1 then 2, two turns each: goodput's batch-1 cells ran at tier 3 then tier 7."""
     cells = [
-        cell("goodput", 1, 1024, 3.4), cell("tier 3", 1, 1024, 4.0),
-        cell("tier 3", 1, 1024, 3.0), cell("goodput", 1, 1024, 3.6),
-        cell("goodput", 2, 2048, 4.0), cell("tier 3", 2, 2048, 5.0),
-    ]  # fmt: skip
+        cell("goodput", 1, 1024, 3.4),
+        cell("tier 3", 1, 1024, 4.0),
+        cell("tier 3", 1, 1024, 3.0),
+        cell("goodput", 1, 1024, 3.6),
+        cell("goodput", 2, 2048, 4.0),
+        cell("tier 3", 2, 2048, 5.0),
+    ]
     goodput = rounds(3, 4, 1) + rounds(7, 2, 1) + rounds(7, 5, 2)
     tier3 = rounds(3, 6, 1) + rounds(3, 6, 1) + rounds(3, 3, 2)
     return {

@@ -58,8 +58,16 @@ def test_serve_on_a_taken_port_is_one_line_naming_it(
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         address = f"127.0.0.1:{holder.getsockname()[1]}"
-        argv = ["serve", "draft", "--model", str(tmp_path), "--address", address,
-                "--metrics-address", ""]  # fmt: skip
+        argv = [
+            "serve",
+            "draft",
+            "--model",
+            str(tmp_path),
+            "--address",
+            address,
+            "--metrics-address",
+            "",
+        ]
         assert main(argv) == 1
     err = capsys.readouterr().err
     expected = f"cannot listen on {address}: address in use or unavailable"
@@ -108,8 +116,18 @@ def test_serve_options_come_from_the_config_fields(monkeypatch: pytest.MonkeyPat
     target = config_from_args(parse(base))
     library = TargetConfig(ServerConfig("127.0.0.1:0"), Path("m"))
     assert isinstance(target, TargetConfig)
-    shared = ("max_len", "initial_steps", "max_batch", "max_queue", "draft_timeout_s",
-              "candidate_steps", "draft_address", "threads", "dtype", "busy_poll_ms")  # fmt: skip
+    shared = (
+        "max_len",
+        "initial_steps",
+        "max_batch",
+        "max_queue",
+        "draft_timeout_s",
+        "candidate_steps",
+        "draft_address",
+        "threads",
+        "dtype",
+        "busy_poll_ms",
+    )
     for name in shared:
         assert getattr(target, name) == getattr(library, name), name
     off = config_from_args(parse([*base, "--no-draft", "--draft-timeout", "2.5"]))
@@ -118,8 +136,22 @@ def test_serve_options_come_from_the_config_fields(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ValueError, match="initial_steps 4"):
         config_from_args(parse([*base, "--initial-steps", "4"]))
 
-    argv = ["serve", "draft", "--model", "h", "--draft-kind", "eagle", "--target-model", "t",
-            "--max-len", "100", "--candidate-steps", "1,2", "--device", "cuda:1"]  # fmt: skip
+    argv = [
+        "serve",
+        "draft",
+        "--model",
+        "h",
+        "--draft-kind",
+        "eagle",
+        "--target-model",
+        "t",
+        "--max-len",
+        "100",
+        "--candidate-steps",
+        "1,2",
+        "--device",
+        "cuda:1",
+    ]
     draft = config_from_args(parse(argv))
     assert isinstance(draft, DraftConfig)
     # max_len is the context served, as the target's; the draft adds its own headroom.

@@ -66,8 +66,12 @@ def test_the_front_door_settings_are_checked_once(monkeypatch: pytest.MonkeyPatc
 
     assert target(api_key="").api_key is None  # SPECPAIR_API_KEY="" as compose passes it
     assert target(api_key="k").api_key == "k"
-    for bad in ({"http_read_timeout_s": 0}, {"http_read_timeout_s": 1e9}, {"max_watchers": 0},
-                {"stats_log_interval_s": -1}):  # fmt: skip
+    for bad in (
+        {"http_read_timeout_s": 0},
+        {"http_read_timeout_s": 1e9},
+        {"max_watchers": 0},
+        {"stats_log_interval_s": -1},
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             target(**bad)
     draft = DraftConfig(ServerConfig("127.0.0.1:0"), Path("d"), max_requests=8)

@@ -97,8 +97,10 @@ def tracked() -> tuple[str, ...]:
 
 def exists(path: str) -> bool:
     """A tracked file given whole or from a folder down (`gpu/verify_graphs.py`), or a folder."""
-    return any(f == path or f.endswith("/" + path) or f.startswith(path.rstrip("/") + "/")
-               for f in tracked())  # fmt: skip
+    return any(
+        f == path or f.endswith("/" + path) or f.startswith(path.rstrip("/") + "/")
+        for f in tracked()
+    )
 
 
 @pytest.mark.parametrize("doc", DOCS)
@@ -162,8 +164,11 @@ def test_every_module_of_the_services_and_the_runtime_is_in_the_layout_tree() ->
     ]
     for folder in folders:
         files = {f for f in tracked() if f.startswith(folder) and "/" not in f[len(folder) :]}
-        unlisted = sorted(f for f in files if f.endswith(".py") and not f.endswith("__init__.py")
-                          and f not in entries)  # fmt: skip
+        unlisted = sorted(
+            f
+            for f in files
+            if f.endswith(".py") and not f.endswith("__init__.py") and f not in entries
+        )
         assert not unlisted, f"{LAYOUT} misses {unlisted}"
 
 

@@ -108,8 +108,10 @@ def test_the_command_writes_a_map_of_the_most_frequent_ids(pair, tmp_path: Path,
     text = tmp_path / "text.txt"
     text.write_text("def f(x):\n    return x\n" * 50)
     out = tmp_path / "map.pt"
-    assert token_map.main(["--tokenizer", str(target), "--size", "16", "--out", str(out),
-                             str(text)]) == 0  # fmt: skip
+    assert (
+        token_map.main(["--tokenizer", str(target), "--size", "16", "--out", str(out), str(text)])
+        == 0
+    )
     ids = load_token_map(out, 10**6)
     assert len(ids) == 16
     from specpair.models.loading import load_tokenizer

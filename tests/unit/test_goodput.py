@@ -219,9 +219,13 @@ def test_all_accepted_moves_up_after_warmup_and_interval() -> None:
 
 def test_nothing_accepted_turns_speculation_off_then_probes() -> None:
     cfg = GoodputConfig(
-        candidate_steps=(0, 1, 3, 7), warmup_batches=0, update_interval=1, probe_interval=20,
-        probe_rounds=4, probe_budget=1.0,  # the round count alone paces probes here
-    )  # fmt: skip
+        candidate_steps=(0, 1, 3, 7),
+        warmup_batches=0,
+        update_interval=1,
+        probe_interval=20,
+        probe_rounds=4,
+        probe_budget=1.0,  # the round count alone paces probes here
+    )
     policy = GoodputPolicy(cfg, 3)
     tiers = run(policy, 3, cpu_round(accept=0))
     assert tiers[-1] == 0  # 1 token / 12 ms (T(0) predicted) beats 1.0x / 17+ ms
@@ -241,9 +245,12 @@ def test_min_gain_hysteresis() -> None:
     profile = {"1": {"0": 20, "1": 22, "3": 30, "7": 38}}
     for gain, expected in ((0.03, 3), (0.0, 1)):
         cfg = GoodputConfig(
-            candidate_steps=(1, 3, 7), warmup_batches=0, update_interval=1, min_gain=gain,
+            candidate_steps=(1, 3, 7),
+            warmup_batches=0,
+            update_interval=1,
+            min_gain=gain,
             profile_ms=profile,  # type: ignore[arg-type]
-        )  # fmt: skip
+        )
         policy = GoodputPolicy(cfg, 3)
         policy.regime.acceptance = AcceptanceModel(decay=0.0, prior=1e9, prior_alpha=0.6)
         policy.observe(RoundSample(3, 1, (1,), 0.0))  # no timings: the profile stands
@@ -298,8 +305,9 @@ def test_the_schedule_follows_the_tokens_a_tier_gives() -> None:
     admission and streaming for 45 tokens; tier 0 gives 16 tokens a round, so it schedules less."""
     cost = CostModel(1.0)
     accepts = (2,) * 13 + (1,) * 3  # 29 accepted drafts + 16 bonus tokens
-    sample = RoundSample(3, 16, accepts, total_ms=174.0, verify_ms=31.0, draft_ms=102.0,
-                         schedule_ms=38.5)  # fmt: skip
+    sample = RoundSample(
+        3, 16, accepts, total_ms=174.0, verify_ms=31.0, draft_ms=102.0, schedule_ms=38.5
+    )
     cost.observe(sample)
     e = {0: 1.0, 3: 45 / 16}.__getitem__
     assert cost.round_ms(0, 16) == pytest.approx(174 - 2.5 - 102)  # without acceptance
@@ -503,9 +511,13 @@ def test_a_tier_never_measured_is_tried_once_when_predicted_close() -> None:
 
 def test_failed_probes_back_off_and_a_probe_that_cannot_pay_is_skipped() -> None:
     cfg = GoodputConfig(
-        candidate_steps=(0, 1, 3, 7), warmup_batches=0, update_interval=1, probe_interval=10,
-        probe_rounds=2, probe_budget=1.0,  # the round count alone paces probes here
-    )  # fmt: skip
+        candidate_steps=(0, 1, 3, 7),
+        warmup_batches=0,
+        update_interval=1,
+        probe_interval=10,
+        probe_rounds=2,
+        probe_budget=1.0,  # the round count alone paces probes here
+    )
     policy = GoodputPolicy(cfg, 1)
     tiers = run(policy, 200, cpu_round(accept=0))
     starts = [i for i in range(1, len(tiers)) if tiers[i] == 1 and tiers[i - 1] == 0]
@@ -545,9 +557,13 @@ def test_probes_take_at_most_their_budget_of_the_time_at_tier_0() -> None:
     # 20). Its first round carries the draft's catch-up (here 112 ms instead of 17): measured,
     # the probe cost 112 + 3 · 17 − 4 · 12 = 115 ms, so the next waits for 5.75 s (480 rounds).
     cfg = GoodputConfig(
-        candidate_steps=(0, 1, 3, 7), warmup_batches=0, update_interval=1, probe_interval=20,
-        probe_rounds=4, probe_budget=0.02,
-    )  # fmt: skip
+        candidate_steps=(0, 1, 3, 7),
+        warmup_batches=0,
+        update_interval=1,
+        probe_interval=20,
+        probe_rounds=4,
+        probe_budget=0.02,
+    )
     make = cpu_round(accept=0)
     policy = GoodputPolicy(cfg, 3)
     assert run(policy, 3, make)[-1] == 0
@@ -571,9 +587,12 @@ def test_the_controller_passes_the_regime_to_the_policy() -> None:
     from specpair.rpc.wire import stats_from_proto
 
     stats = target_pb2.RoundStats(
-        speculative_num_steps=3, batch_size=2, accept_lengths=[1, 2], speculative=True,
+        speculative_num_steps=3,
+        batch_size=2,
+        accept_lengths=[1, 2],
+        speculative=True,
         sampled_requests=1,
-    )  # fmt: skip
+    )
     assert round_sample(stats_from_proto(stats)).sampled == 1
     stats.sampled_requests = 0
     assert round_sample(stats_from_proto(stats)).sampled == 0
@@ -610,8 +629,11 @@ def test_the_mapped_eagle_runs_sampled_rounds_replayed_settle_on_its_best_tier()
         draft, verify, rest = cost[s]
         total = (draft + verify + rest) * rng.uniform(0.9, 1.1)
         accepts = tuple(chain_accepts(rng, rates, s, 1)) if s else ()
-        policy.observe(RoundSample(s, 1, accepts, total, verify, draft, 0.1,
-                                   request_ids=(f"r{i // 35}",), sampled=1))  # fmt: skip
+        policy.observe(
+            RoundSample(
+                s, 1, accepts, total, verify, draft, 0.1, request_ids=(f"r{i // 35}",), sampled=1
+            )
+        )
         tiers.append(s)
         tokens, ms = tokens + 1 + sum(accepts), ms + total
     assert tiers[-1000:].count(7) >= 800
@@ -628,8 +650,16 @@ def test_tier_0_on_a_profile_alone_is_re_measured_and_taken_at_large_batch() -> 
     where tier 0 is far below, it is never run."""
     rng = random.Random(0)
     profile = parse_profile({"1": {"0": 7.0}, "64": {"0": 17.3, "7": 65.1}})
-    cost = {(64, 0): 10.4, (64, 1): 26.1, (64, 3): 38.0, (64, 7): 42.2, (1, 0): 7.0,
-            (1, 1): 8.8, (1, 3): 10.5, (1, 7): 13.1}  # fmt: skip
+    cost = {
+        (64, 0): 10.4,
+        (64, 1): 26.1,
+        (64, 3): 38.0,
+        (64, 7): 42.2,
+        (1, 0): 7.0,
+        (1, 1): 8.8,
+        (1, 3): 10.5,
+        (1, 7): 13.1,
+    }
     for batch in (64, 1):
         policy = GoodputPolicy(GoodputConfig(candidate_steps=(0, 1, 3, 7), profile_ms=profile), 1)
         tiers = []
@@ -638,8 +668,18 @@ def test_tier_0_on_a_profile_alone_is_re_measured_and_taken_at_large_batch() -> 
             total = cost[batch, s] * rng.uniform(0.95, 1.05)
             accepts = tuple(chain_accepts(rng, [0.82, 0.66, 0.63], s, batch)) if s else ()
             ids = tuple(f"r{i // 40}-{j}" for j in range(batch))
-            policy.observe(RoundSample(s, batch, accepts, total, 0.5 * total, 0.3 * total, 0.5,
-                                       request_ids=ids if s else ()))  # fmt: skip
+            policy.observe(
+                RoundSample(
+                    s,
+                    batch,
+                    accepts,
+                    total,
+                    0.5 * total,
+                    0.3 * total,
+                    0.5,
+                    request_ids=ids if s else (),
+                )
+            )
             tiers.append(s)
         if batch == 64:
             assert 0 in tiers[:20]  # tried at the first decision: its time is a profile's
@@ -662,8 +702,9 @@ def test_admission_is_charged_per_token_as_rounds_with_drafts_and_without_pay_it
         # the same 64 requests every round: none is a first round, only admit_ms is admission
         ids = tuple(f"r{j}" for j in range(64))
         draft = 13.8 if drafted else 0.0
-        cost.observe(RoundSample(s, 64, accepts, total, 9.3, draft, 0.7, admit_ms=admit,
-                                 request_ids=ids))  # fmt: skip
+        cost.observe(
+            RoundSample(s, 64, accepts, total, 9.3, draft, 0.7, admit_ms=admit, request_ids=ids)
+        )
     per_request = {0: 1.0, 3: 3.0}.__getitem__
     assert cost.round_ms(3, 64) is None or cost.round_ms(3, 64) < 30  # learnt without admission
     zero, three = cost.round_ms(0, 64, per_request), cost.round_ms(3, 64, per_request)
@@ -680,8 +721,19 @@ def test_admission_spikes_at_batch_1_move_the_charge_little() -> None:
     values = []
     for i in range(320):
         admit = 30.0 if i % 32 == 0 else 0.0
-        cost.observe(RoundSample(3, 1, (2,), 10.0 + admit, 6.0, 2.0, 0.5, admit_ms=admit,
-                                 request_ids=(f"r{i // 32}",)))  # fmt: skip
+        cost.observe(
+            RoundSample(
+                3,
+                1,
+                (2,),
+                10.0 + admit,
+                6.0,
+                2.0,
+                0.5,
+                admit_ms=admit,
+                request_ids=(f"r{i // 32}",),
+            )
+        )
         if i >= 128:
             values.append(cost.round_ms(3, 1, {3: 3.0}.__getitem__))
     assert max(values) / min(values) < 1.25

@@ -24,8 +24,14 @@ TREE = TreeShape(4, 4, 16)
 
 
 def tree_round(tier: TreeShape, batch: int, accepts: list[int], **ms: float) -> RoundSample:
-    return RoundSample(tier.steps, batch, tuple(accepts), shape=None if tier.is_chain else tier,
-                       schedule_ms=0.0, **ms)  # fmt: skip
+    return RoundSample(
+        tier.steps,
+        batch,
+        tuple(accepts),
+        shape=None if tier.is_chain else tier,
+        schedule_ms=0.0,
+        **ms,
+    )
 
 
 class Target:
@@ -52,8 +58,9 @@ class Target:
             pattern = self.TREE if not tier.is_chain else self.CHAIN
             accepts.append(min(pattern[i % len(pattern)], s))
         total = verify + draft + fixed
-        return tree_round(tier, batch, accepts if s else [], total_ms=total, verify_ms=verify,
-                          draft_ms=draft)  # fmt: skip
+        return tree_round(
+            tier, batch, accepts if s else [], total_ms=total, verify_ms=verify, draft_ms=draft
+        )
 
     def tokens_per_s(self, tier: TreeShape, batch: int) -> float:
         """The truth the policy should find: mean tokens a round over its time."""
@@ -73,8 +80,13 @@ def run(policy: GoodputPolicy, target: Target, batch: int, rounds: int) -> list[
 
 
 def test_a_tree_whose_measured_acceptance_pays_wins_at_batch_1_and_drops_at_batch_32() -> None:
-    config = GoodputConfig(candidate_steps=(0, 1, 3), tree_shapes=("4x4x16",), warmup_batches=0,
-                           update_interval=2, explore_margin=0.3)  # fmt: skip
+    config = GoodputConfig(
+        candidate_steps=(0, 1, 3),
+        tree_shapes=("4x4x16",),
+        warmup_batches=0,
+        update_interval=2,
+        explore_margin=0.3,
+    )
     target = Target()
     tiers = config.tiers
     assert tiers == (TreeShape(0), TreeShape(1), TreeShape(3), TREE)
@@ -120,8 +132,9 @@ def test_the_tree_cost_worked_example() -> None:
     # At batch 64 with only one chain measured there, batch 1's slope (1 ms a token) scaled by
     # the batch stands in: 64 ms a token, so the tree's 9 more tokens and 9 more nodes cost
     # 1152 ms more than tier 7 (less the 3 steps it drafts fewer).
-    cost.observe(tree_round(TreeShape(7), 64, [1] * 64, total_ms=90.0, verify_ms=60.0,
-                            draft_ms=26.0))  # fmt: skip
+    cost.observe(
+        tree_round(TreeShape(7), 64, [1] * 64, total_ms=90.0, verify_ms=60.0, draft_ms=26.0)
+    )
     assert cost.round_ms(TREE, 64) == pytest.approx(90.0 + 64 * 9 - 3 * 26 / 7 + 64 * 9)
     assert cost.round_ms(3, 64) == pytest.approx(90.0 - 4 * 26 / 7)  # a chain: flat verify
     cost.observe(tree_round(TREE, 1, [4], total_ms=45.0, verify_ms=30.0, draft_ms=11.0))
@@ -156,8 +169,11 @@ def test_sglang_refuses_tree_shapes_and_keeps_its_chains() -> None:
     with pytest.raises(ValueError, match="sglang's rule"):
         goodput.replace_partial(kind="sglang", tree_shapes=["4x4x16"])
     plain = goodput.replace_partial(kind="sglang")  # a key sglang has not: left behind
-    assert plain.kind == "sglang" and plain.candidate_tiers == (TreeShape(1), TreeShape(3),
-                                                                 TreeShape(7))  # fmt: skip
+    assert plain.kind == "sglang" and plain.candidate_tiers == (
+        TreeShape(1),
+        TreeShape(3),
+        TreeShape(7),
+    )
     assert "tree_shapes" not in plain.to_dict()
     # An empty list names no shape: the rule runs over its chains as it always has.
     assert PolicySpec.from_mapping({"tree_shapes": []}) == PolicySpec.from_mapping({})
@@ -172,18 +188,29 @@ def test_per_request_tiers_refuse_tree_shapes() -> None:
 
 
 def test_a_band_that_lists_its_chains_lists_its_trees() -> None:
-    spec = PolicySpec.from_mapping({
-        "kind": "goodput", "candidate_steps": [0, 1, 3], "tree_shapes": ["4x4x16"],
-        "bands": [{"min_batch_size": 8, "min_gain": 0.1},
-                  {"min_batch_size": 16, "candidate_steps": [0, 1, 3], "tree_shapes": ["2x2x4"]},
-                  {"min_batch_size": 64, "candidate_steps": [0, 1]}],
-    })  # fmt: skip
+    spec = PolicySpec.from_mapping(
+        {
+            "kind": "goodput",
+            "candidate_steps": [0, 1, 3],
+            "tree_shapes": ["4x4x16"],
+            "bands": [
+                {"min_batch_size": 8, "min_gain": 0.1},
+                {"min_batch_size": 16, "candidate_steps": [0, 1, 3], "tree_shapes": ["2x2x4"]},
+                {"min_batch_size": 64, "candidate_steps": [0, 1]},
+            ],
+        }
+    )
     tiers = [b.config.tiers for b in spec.bands]
     assert [str(t) for t in tiers[1]] == ["0", "1", "3", "4x4x16"]  # inherited
     assert [str(t) for t in tiers[2]] == ["0", "1", "2x2x4", "3"]
     assert [str(t) for t in tiers[3]] == ["0", "1"]  # the trees dropped from batch 64 up
-    assert spec.candidate_tiers == (TreeShape(0), TreeShape(1), TreeShape(2, 2, 4), TreeShape(3),
-                                    TREE)  # fmt: skip
+    assert spec.candidate_tiers == (
+        TreeShape(0),
+        TreeShape(1),
+        TreeShape(2, 2, 4),
+        TreeShape(3),
+        TREE,
+    )
     assert spec.to_dict()["bands"][2] == {"min_batch_size": 64, "candidate_steps": [0, 1]}
     assert PolicySpec.from_mapping(spec.to_dict()) == spec
     policy = spec.build(TREE)
@@ -239,9 +266,15 @@ class Opening:
         slow = self.busy if 5 <= i <= 8 else 1.0
         verify, draft = (slow * ms for ms in self.stages(tier))
         admit = 35.0 if i % 4 == 0 else 0.0
-        return tree_round(tier, 1, [min(pattern[i % len(pattern)], tier.steps)],
-                          total_ms=verify + draft + 3.0 * slow + 1.2 * admit, verify_ms=verify,
-                          draft_ms=draft, admit_ms=admit)  # fmt: skip
+        return tree_round(
+            tier,
+            1,
+            [min(pattern[i % len(pattern)], tier.steps)],
+            total_ms=verify + draft + 3.0 * slow + 1.2 * admit,
+            verify_ms=verify,
+            draft_ms=draft,
+            admit_ms=admit,
+        )
 
     def tokens_per_s(self, tier: TreeShape) -> float:
         pattern = self.TREE if tier.topk > 1 else self.CHAIN
@@ -308,8 +341,9 @@ def test_a_re_measure_outlasts_a_burst_of_rejections() -> None:
 
 def test_profiles_name_trees_by_shape() -> None:
     raw = {"1": {"7": 11.8, "4X4X16": 12.3}, "32": {"3": 20.0}}
-    config = GoodputConfig.from_mapping({"candidate_steps": [3, 7], "tree_shapes": ["4x4x16"],
-                                         "profile_ms": raw})  # fmt: skip
+    config = GoodputConfig.from_mapping(
+        {"candidate_steps": [3, 7], "tree_shapes": ["4x4x16"], "profile_ms": raw}
+    )
     assert config.profile_ms == ((1, TREE, 12.3), (1, TreeShape(7), 11.8), (32, TreeShape(3), 20.0))
     assert config.to_dict()["profile_ms"] == {"1": {"7": 11.8, "4x4x16": 12.3}, "32": {"3": 20.0}}
     assert GoodputConfig.from_mapping(config.to_dict()) == config
@@ -331,9 +365,14 @@ def test_a_profiled_tree_is_judged_by_its_profile() -> None:
     target = Target()
     tiers = (TreeShape(0), TreeShape(1), TreeShape(3), TREE)
     profile = {str(b): {str(t): target.round(t, b).total_ms for t in tiers} for b in (1, 32)}
-    config = GoodputConfig(candidate_steps=(0, 1, 3), tree_shapes=("4x4x16",), warmup_batches=0,
-                           update_interval=2, explore_margin=0.3,
-                           profile_ms=profile)  # type: ignore[arg-type]  # fmt: skip
+    config = GoodputConfig(
+        candidate_steps=(0, 1, 3),
+        tree_shapes=("4x4x16",),
+        warmup_batches=0,
+        update_interval=2,
+        explore_margin=0.3,
+        profile_ms=profile,  # type: ignore[arg-type]
+    )
     policy = GoodputPolicy(config, 3)
     ran = run(policy, target, 32, 60)
     assert TREE not in ran and ran[-20:] == [max(ran[-20:], key=ran.count)] * 20

@@ -22,10 +22,18 @@ BETWEEN_S = 0.004  # per phase, outside rounds
 
 
 def rnd(tier: int, accept: int, ms: float, sampled: bool, admit: float = 0.0) -> dict[str, Any]:
-    return {"tier": tier, "steps": tier, "batch_size": 1,
-            "accept_lengths": [accept] if tier else [], "total_ms": ms + admit,
-            "verify_ms": ms / 2, "draft_ms": ms / 4 if tier else 0.0, "schedule_ms": 0.1,
-            "admit_ms": admit, "sampled": int(sampled)}  # fmt: skip
+    return {
+        "tier": tier,
+        "steps": tier,
+        "batch_size": 1,
+        "accept_lengths": [accept] if tier else [],
+        "total_ms": ms + admit,
+        "verify_ms": ms / 2,
+        "draft_ms": ms / 4 if tier else 0.0,
+        "schedule_ms": 0.1,
+        "admit_ms": admit,
+        "sampled": int(sampled),
+    }
 
 
 def request(tier: int, sampled: bool, k: int) -> list[dict[str, Any]]:
@@ -43,17 +51,29 @@ def static_run(tier: int, first_round: list[int]) -> dict[str, Any]:
     phases = [[request(tier, True, k) for k in (0, 1)], [request(tier, False, k) for k in (2, 3)]]
     rounds = [r for phase in phases for q in phase for r in q]
     seconds = [sum(r["total_ms"] for q in ph for r in q) / 1e3 + BETWEEN_S for ph in phases]
-    return {"name": f"static-{tier}", "phase_seconds": seconds, "phase_tokens": [16, 16],
-            "phase_first_round": first_round, "rounds": rounds, "switches": 0}  # fmt: skip
+    return {
+        "name": f"static-{tier}",
+        "phase_seconds": seconds,
+        "phase_tokens": [16, 16],
+        "phase_first_round": first_round,
+        "rounds": rounds,
+        "switches": 0,
+    }
 
 
 def report() -> dict[str, Any]:
     # static-0's second phase really starts at round 14: the recorded index lags the stream.
     runs = {"static-0": static_run(0, [0, 12]), "static-3": static_run(3, [0, 6])}
-    goodput = {"kind": "goodput", "candidate_steps": [0, 3], "warmup_batches": 2,
-               "update_interval": 2}  # fmt: skip
-    return {"phased": {"phases": ["prose", "code"], "requests_per_phase": 2, "runs": runs},
-            "policies": {"goodput": goodput}}  # fmt: skip
+    goodput = {
+        "kind": "goodput",
+        "candidate_steps": [0, 3],
+        "warmup_batches": 2,
+        "update_interval": 2,
+    }
+    return {
+        "phased": {"phases": ["prose", "code"], "requests_per_phase": 2, "runs": runs},
+        "policies": {"goodput": goodput},
+    }
 
 
 class FixedTier:
@@ -192,8 +212,20 @@ def test_main_prints_the_table_and_writes_json(
 ) -> None:
     run, out = tmp_path / "run.json", tmp_path / "sim.json"
     run.write_text(json.dumps(report()))
-    argv = ["goodput_sim", "--run", str(run), "--out", str(out), "--lag", "1", "4",
-            "--set", "min_gain=0.05", "--policy-class", f"{HERE}:FixedTier"]  # fmt: skip
+    argv = [
+        "goodput_sim",
+        "--run",
+        str(run),
+        "--out",
+        str(out),
+        "--lag",
+        "1",
+        "4",
+        "--set",
+        "min_gain=0.05",
+        "--policy-class",
+        f"{HERE}:FixedTier",
+    ]
     monkeypatch.setattr(sys, "argv", argv)
     main()
     text = capsys.readouterr().out

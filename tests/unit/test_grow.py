@@ -245,9 +245,13 @@ def test_a_grown_checkpoint_is_written_in_bounded_files_a_rank_can_slice(
     limit = 64 * 2**10
     shape = Shape(384, 8, 8, 2, 64, 768, 8448, tied=False)
     path = grow(
-        MODELS_DIR / "target", tmp_path / "g", shape, dtype=torch.bfloat16, shard_bytes=limit,
+        MODELS_DIR / "target",
+        tmp_path / "g",
+        shape,
+        dtype=torch.bfloat16,
+        shard_bytes=limit,
         progress=print,
-    )  # fmt: skip
+    )
     files = sorted(path.glob("model-*-of-*.safetensors"))
     index = json.loads((path / "model.safetensors.index.json").read_text())
     assert len(files) > 10 and set(index["weight_map"].values()) == {f.name for f in files}

@@ -328,8 +328,10 @@ def test_the_ops_token_comes_from_the_secret(docs: list[Doc]) -> None:
         assert not any("value" in e for e in env.values()), "no secret written in a manifest"
     target_env = {e["name"]: e for e in container(workloads(docs)["target"])["env"]}
     assert target_env["SPECPAIR_API_KEY"]["valueFrom"]["secretKeyRef"] == {
-        "name": SECRET, "key": "api-key", "optional": True
-    }  # fmt: skip
+        "name": SECRET,
+        "key": "api-key",
+        "optional": True,
+    }
 
 
 def test_models_come_from_a_read_only_volume(docs: list[Doc]) -> None:
@@ -344,8 +346,9 @@ def test_models_come_from_a_read_only_volume(docs: list[Doc]) -> None:
         assert ("persistentVolumeClaim" in volume) != ("hostPath" in volume), role
         if "persistentVolumeClaim" in volume:
             assert volume["persistentVolumeClaim"] == {
-                "claimName": "specpair-models", "readOnly": True
-            }  # fmt: skip
+                "claimName": "specpair-models",
+                "readOnly": True,
+            }
         assert model.name == role
 
 

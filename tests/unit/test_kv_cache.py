@@ -13,9 +13,14 @@ from specpair.runtime.layout import BatchLayout
 
 def make_cache(max_requests: int = 2, max_len: int = 16) -> KVCache:
     return KVCache(
-        num_layers=2, num_qo_heads=1, num_kv_heads=1, head_dim=2, max_requests=max_requests,
-        max_len=max_len, page_size=4,
-    )  # fmt: skip
+        num_layers=2,
+        num_qo_heads=1,
+        num_kv_heads=1,
+        head_dim=2,
+        max_requests=max_requests,
+        max_len=max_len,
+        page_size=4,
+    )
 
 
 def keys(cache: KVCache, layer: int, slot: int, n: int) -> list[float]:

@@ -86,16 +86,32 @@ def test_bad_fields_are_named(body: dict, field: str) -> None:
 @pytest.mark.parametrize(
     ("message", "max_field", "param", "text"),
     [
-        ("sampling.temperature must be >= 0, got -1.0", "max_tokens", "temperature",
-         "temperature must be >= 0, got -1.0"),
-        ("prompt_token_ids[2]: 9999 is outside", "max_tokens", "prompt[2]",
-         "prompt[2]: 9999 is outside"),
-        ("max_tokens: must be > 0", "max_completion_tokens", "max_completion_tokens",
-         "max_completion_tokens: must be > 0"),
-        ("messages[0].content[1].type: only text", "max_tokens", "messages[0].content[1].type",
-         "messages[0].content[1].type: only text"),
+        (
+            "sampling.temperature must be >= 0, got -1.0",
+            "max_tokens",
+            "temperature",
+            "temperature must be >= 0, got -1.0",
+        ),
+        (
+            "prompt_token_ids[2]: 9999 is outside",
+            "max_tokens",
+            "prompt[2]",
+            "prompt[2]: 9999 is outside",
+        ),
+        (
+            "max_tokens: must be > 0",
+            "max_completion_tokens",
+            "max_completion_tokens",
+            "max_completion_tokens: must be > 0",
+        ),
+        (
+            "messages[0].content[1].type: only text",
+            "max_tokens",
+            "messages[0].content[1].type",
+            "messages[0].content[1].type: only text",
+        ),
     ],
-)  # fmt: skip
+)
 def test_error_param_names_the_field_as_the_client_sent_it(
     message: str, max_field: str, param: str, text: str
 ) -> None:

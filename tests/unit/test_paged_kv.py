@@ -79,8 +79,16 @@ def test_the_invariant_modes_eager_attention_gives_each_request_its_batch_of_one
         q, k, v = (x[rows, : max(lengths[r] for r in rows)] for x in qkv)
         return cache.bind(layout)(0, q, k, v)
 
-    cache = KVCache(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=8, max_requests=3,
-                    max_len=32, page_size=4, invariant=True)  # fmt: skip
+    cache = KVCache(
+        num_layers=1,
+        num_qo_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_requests=3,
+        max_len=32,
+        page_size=4,
+        invariant=True,
+    )
     slots = [cache.alloc() for _ in starts]
     for slot, start in zip(slots, starts, strict=True):
         if start:  # the context: random keys and values, committed

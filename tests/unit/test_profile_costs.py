@@ -13,8 +13,16 @@ TREE = TreeShape.parse("3x2x6")
 def stats(tier: TreeShape, batch: int, ms: float, admit_ms: float = 0.0) -> RoundStats:
     timings = StageTimings(total_ms=ms, admit_ms=admit_ms)
     s = tier.steps
-    return RoundStats(0, s, batch, (1,) * batch if s else (), s > 0, timings, 0.0,
-                      shape=None if tier.is_chain else tier)  # fmt: skip
+    return RoundStats(
+        round_id=0,
+        speculative_num_steps=s,
+        batch_size=batch,
+        accept_lengths=(1,) * batch if s else (),
+        speculative=s > 0,
+        timings=timings,
+        unix_time=0.0,
+        shape=None if tier.is_chain else tier,
+    )
 
 
 def test_only_whole_batches_at_the_tier_without_admission_count() -> None:

@@ -65,8 +65,17 @@ async def test_backoff_doubles_while_failing_and_resets_on_connect(
     # failure like any other, so it is not retried in a tight loop; a failure the link
     # understands waits what the link says.
     assert waits == [0.01, 0.02, 0.04, 0.04, 0.0, 0.01, 0.02, 0.04, 9.0]
-    assert link.events[:9] == ["down", "wait 0.01", "dropped", "down", "wait 0.02", "dropped",
-                               "down", "wait 0.04", "dropped"]  # fmt: skip
+    assert link.events[:9] == [
+        "down",
+        "wait 0.01",
+        "dropped",
+        "down",
+        "wait 0.02",
+        "dropped",
+        "down",
+        "wait 0.04",
+        "dropped",
+    ]
     assert link.events[-2:] == ["dropped", "dropped"]  # the last attempt's, then close()'s
 
 

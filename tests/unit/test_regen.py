@@ -92,10 +92,23 @@ def test_train_eagle3_init_from_goes_on_from_the_given_head(tmp_path: Path) -> N
     tok = load_tokenizer(MODELS_DIR / "target")
     ids = np.asarray(tok.encode(SOURCE * 20).ids, dtype=np.uint16)
     train_eagle3(
-        MODELS_DIR / "target", ids, ids, tmp_path / "head", tmp_path,
-        steps=1, seconds=None, batch=1, seq_len=32, ttt_steps=2, vocab=0, layers=[1, 2, 4],
-        intermediate_size=1024, lr=1e-9, seed=0, init_from=MODELS_DIR / "eagle3",
-    )  # fmt: skip
+        MODELS_DIR / "target",
+        ids,
+        ids,
+        tmp_path / "head",
+        tmp_path,
+        steps=1,
+        seconds=None,
+        batch=1,
+        seq_len=32,
+        ttt_steps=2,
+        vocab=0,
+        layers=[1, 2, 4],
+        intermediate_size=1024,
+        lr=1e-9,
+        seed=0,
+        init_from=MODELS_DIR / "eagle3",
+    )
     shipped = load_file(str(MODELS_DIR / "eagle3" / "model.safetensors"))
     trained = load_file(str(tmp_path / "head" / "model.safetensors"))
     assert shipped.keys() == trained.keys()

@@ -105,9 +105,17 @@ def test_a_mixed_round_teaches_the_uniform_costs() -> None:
     """The inverse of the worked example: the mixed round's time, seen as tier 7's."""
     cost = CostModel(1.0)
     mixed = RoundSample(
-        7, 4, (7, 7, 1), total_ms=40 - 2.0 - 6.5, verify_ms=17.0, draft_ms=7.5, schedule_ms=1.0,
-        request_ids=("a", "b", "c"), request_steps=(7, 7, 1), plain_request_ids=("d",),
-    )  # fmt: skip
+        7,
+        4,
+        (7, 7, 1),
+        total_ms=40 - 2.0 - 6.5,
+        verify_ms=17.0,
+        draft_ms=7.5,
+        schedule_ms=1.0,
+        request_ids=("a", "b", "c"),
+        request_steps=(7, 7, 1),
+        plain_request_ids=("d",),
+    )
     cost.observe(mixed)  # its requests' first round: a join round, not learnt
     assert cost.round_ms(7, 4) is None
     cost.observe(mixed)

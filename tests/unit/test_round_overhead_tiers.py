@@ -43,10 +43,15 @@ def test_headroom_covers_a_trees_verify_and_draft_rows() -> None:
 
 def round_at(tier: TreeShape, total_ms: float) -> RoundStats:
     return RoundStats(
-        round_id=0, speculative_num_steps=tier.steps, batch_size=1, accept_lengths=(1,),
-        speculative=True, timings=StageTimings(total_ms=total_ms), unix_time=0.0,
+        round_id=0,
+        speculative_num_steps=tier.steps,
+        batch_size=1,
+        accept_lengths=(1,),
+        speculative=True,
+        timings=StageTimings(total_ms=total_ms),
+        unix_time=0.0,
         shape=None if tier.is_chain else tier,
-    )  # fmt: skip
+    )
 
 
 def test_a_tiers_service_rounds_exclude_a_chain_of_the_same_steps() -> None:

@@ -22,7 +22,7 @@ from specpair.runtime.sampling import (
     sample_rows,
     warp,
     warp_rows,
-)  # fmt: skip
+)
 from specpair.runtime.tree import chain
 
 WARPS = [

@@ -19,7 +19,7 @@ from specpair.models.parallel import (
     TensorParallelLlama,
     check_shardable,
     shard_state,
-)  # fmt: skip
+)
 from specpair.parallel.build import build_parallel_target
 from specpair.parallel.lockstep import (
     Alloc,
@@ -29,7 +29,7 @@ from specpair.parallel.lockstep import (
     LockstepCache,
     LockstepError,
     replay,
-)  # fmt: skip
+)
 from specpair.parallel.ranks import ShardSpec
 from specpair.runtime.kv_cache import CacheFullError, KVCache
 from specpair.runtime.layout import BatchLayout
@@ -43,9 +43,14 @@ def biased(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from specpair.models.tiny import make_tiny_family
 
     return make_tiny_family(
-        tmp_path_factory.mktemp("tp") / "m", LlamaConfig, LlamaForCausalLM, seed=5,
-        vocab_size=VOCAB, attention_bias=True, mlp_bias=True,
-    )  # fmt: skip
+        tmp_path_factory.mktemp("tp") / "m",
+        LlamaConfig,
+        LlamaForCausalLM,
+        seed=5,
+        vocab_size=VOCAB,
+        attention_bias=True,
+        mlp_bias=True,
+    )
 
 
 def test_the_shards_put_together_are_the_full_weights(biased: Path) -> None:
@@ -97,9 +102,14 @@ def test_ranks_take_the_gpus_after_rank_0s() -> None:
 
 
 CACHE: dict[str, Any] = dict(
-    num_layers=1, num_qo_heads=2, num_kv_heads=1, head_dim=4, max_requests=3, max_len=12,
+    num_layers=1,
+    num_qo_heads=2,
+    num_kv_heads=1,
+    head_dim=4,
+    max_requests=3,
+    max_len=12,
     page_size=4,
-)  # fmt: skip
+)
 
 
 def test_a_follower_replaying_the_changes_holds_rank_0s_cache() -> None:

@@ -131,8 +131,12 @@ def _sparse_tree(gen: torch.Generator, n: int, k: int, vocab: int, fault: int) -
         return CandidateTree(tuple(tokens.tolist()), tuple(range(-1, n - 1)), None, ids.int())
     dtype = torch.int64 if fault == 11 else torch.int32
     probs = q.half() if fault == 12 else q
-    return CandidateTree(tuple(tokens.tolist()), tuple(range(-1, n - 1)), probs, ids.to(dtype)
-                         if not ids.dtype.is_floating_point else ids)  # fmt: skip
+    return CandidateTree(
+        tuple(tokens.tolist()),
+        tuple(range(-1, n - 1)),
+        probs,
+        ids.to(dtype) if not ids.dtype.is_floating_point else ids,
+    )
 
 
 def _alone(tree: CandidateTree, vocab: int) -> str | None:
@@ -156,8 +160,11 @@ def test_a_rounds_sparse_qs_checked_at_once_fault_as_each_alone() -> None:
         for _ in range(int(torch.randint(1, 9, (1,), generator=gen))):
             n = int(torch.randint(1, 8, (1,), generator=gen))
             k = 6 if torch.rand(1, generator=gen) < 0.8 else 5
-            fault = int(torch.randint(0, 13, (1,), generator=gen)) if torch.rand(
-                1, generator=gen) < 0.4 else 0  # fmt: skip
+            fault = (
+                int(torch.randint(0, 13, (1,), generator=gen))
+                if torch.rand(1, generator=gen) < 0.4
+                else 0
+            )
             trees.append(_sparse_tree(gen, n, k, vocab, fault))
             trees += [chain([1, 2])] if fault == 0 and n == 1 else []  # no q at all
         expected = [_alone(t, vocab) for t in trees]

@@ -58,8 +58,10 @@ def test_round_request_decodes_back_to_what_was_sent() -> None:
     wire = draft_pb2.RoundRequest.FromString(request_to_proto(sent).SerializeToString())
     got = request_from_proto(wire)
     assert (got.round_id, got.speculative_num_steps, got.released_request_ids) == (
-        3, 7, ("gone", "left")
-    )  # fmt: skip
+        3,
+        7,
+        ("gone", "left"),
+    )
     assert [(g.request_id, g.appended, g.sampling) for g in got.inputs] == [
         (s.request_id, s.appended, s.sampling) for s in sent.inputs
     ]
@@ -114,9 +116,18 @@ def test_round_stats_travel_whole() -> None:
 def test_round_stats_decode_to_what_was_sent() -> None:
     """The controller and the benchmarks read RoundStats through `stats_from_proto`."""
     stats = RoundStats(
-        7, 3, 3, (2, 0), True, StageTimings(total_ms=9.5, wait_ms=1.0), 2.5, ("a", "b"), (3, 1),
-        ("c",), 2,
-    )  # fmt: skip
+        round_id=7,
+        speculative_num_steps=3,
+        batch_size=3,
+        accept_lengths=(2, 0),
+        speculative=True,
+        timings=StageTimings(total_ms=9.5, wait_ms=1.0),
+        unix_time=2.5,
+        request_ids=("a", "b"),
+        request_steps=(3, 1),
+        plain_request_ids=("c",),
+        sampled_requests=2,
+    )
     wire = target_pb2.RoundStats.FromString(stats_to_proto(stats).SerializeToString())
     assert stats_from_proto(wire) == stats
 

@@ -84,8 +84,9 @@ class GoodputConfig(PolicyKeys):
     @property
     def tiers(self) -> tuple[TreeShape, ...]:
         """Every candidate, sorted: [0, 1, 3] and ["4x4x16"] → 0, 1, 3, 4x4x16."""
-        return tuple(sorted([*map(TreeShape, self.candidate_steps),
-                             *map(TreeShape.parse, self.tree_shapes)]))  # fmt: skip
+        return tuple(
+            sorted([*map(TreeShape, self.candidate_steps), *map(TreeShape.parse, self.tree_shapes)])
+        )
 
     @property
     def acceptance_decay(self) -> float:
@@ -117,8 +118,9 @@ def parse_profile(raw: object, name: str = "profile_ms") -> ProfileMs:
             batch, tier, ms = int(item[0]), _profile_tier(item[1]), float(item[2])
         except (TypeError, ValueError, IndexError, KeyError):
             raise ValueError(f"{name} entry {item!r} is not (batch, tier, ms)") from None
-        if not (1 <= batch <= MAX_BATCH_SIZE and tier.steps <= MAX_STEPS
-                and 0.0 < ms <= MAX_ROUND_MS):  # fmt: skip
+        if not (
+            1 <= batch <= MAX_BATCH_SIZE and tier.steps <= MAX_STEPS and 0.0 < ms <= MAX_ROUND_MS
+        ):
             raise ValueError(
                 f"{name}: batch {batch} tier {tier} ms {ms:g} needs batch in [1, "
                 f"{MAX_BATCH_SIZE}], tier steps in [0, {MAX_STEPS}], ms in (0, {MAX_ROUND_MS:g}]"

@@ -90,9 +90,14 @@ def could_pay(cost: CostModel, tier: TreeShape, batch_size: int, min_gain: float
 
 
 def remeasure_due(
-    regime: Regime, rates: dict[TreeShape, float], current: TreeShape, stay: int,
-    batch_size: int, wait: int, few: float,
-) -> dict[TreeShape, float]:  # fmt: skip
+    regime: Regime,
+    rates: dict[TreeShape, float],
+    current: TreeShape,
+    stay: int,
+    batch_size: int,
+    wait: int,
+    few: float,
+) -> dict[TreeShape, float]:
     """`rates` of `current` and of the tiers whose wait is over after `stay` rounds at it: a
     tier that lost its last re-measure waits longer, and must not hold back one that did not.
     Tier 0 learns only its time: it is due while that rests on a profile or on fewer than

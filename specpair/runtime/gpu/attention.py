@@ -43,9 +43,13 @@ class PagedAttend:
     form (rope + K/V straight into the cache rows, one Triton kernel)."""
 
     def __init__(
-        self, k: Tensor, v: Tensor, heads: tuple[int, int, int], backend: AttentionBackend,
+        self,
+        k: Tensor,
+        v: Tensor,
+        heads: tuple[int, int, int],
+        backend: AttentionBackend,
         rows: Tensor,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.k, self.v, self.heads, self.backend, self.rows = k, v, heads, backend, rows
         self.fused_write = backend.fused_write and k.is_cuda
 
@@ -101,9 +105,14 @@ class FlashInferAttention:
     fused_write = True
 
     def __init__(
-        self, wrapper: Any, heads: tuple[int, int, int], page_size: int, dtype: torch.dtype,
-        device: torch.device, invariant: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        wrapper: Any,
+        heads: tuple[int, int, int],
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        invariant: bool = False,
+    ) -> None:
         self.wrapper, self.heads, self.page_size = wrapper, heads, page_size
         self.dtype, self.device = dtype, device
         # flashinfer splits a long request's keys by the batch's shape unless told not to
@@ -142,10 +151,16 @@ class Backends:
     """Makes one cache's backends: the eager one of each forward, and those of CUDA graphs."""
 
     def __init__(
-        self, heads: tuple[int, int, int], page_size: int, pages_per_slot: int, max_len: int,
-        dtype: torch.dtype, device: torch.device, graph_attention: str = "triton",
+        self,
+        heads: tuple[int, int, int],
+        page_size: int,
+        pages_per_slot: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        graph_attention: str = "triton",
         invariant: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """`invariant`: the batch-invariant mode: the tree kernel's fixed key chunks
         (`invariant_tree_config`) in every graph, flashinfer without split KV."""
         self.heads, self.page_size, self.pages_per_slot = heads, page_size, pages_per_slot
@@ -188,9 +203,13 @@ class Backends:
         # wrappers share the float workspace: a run's temporaries live within the run, and the
         # runs of one stream are sequential; each has its own plan (int workspace)
         return FlashInferAttention(
-            self.flashinfer_wrapper(), self.heads, self.page_size, self.dtype, self.device,
+            self.flashinfer_wrapper(),
+            self.heads,
+            self.page_size,
+            self.dtype,
+            self.device,
             self.invariant,
-        )  # fmt: skip
+        )
 
     def _new_eager(self) -> AttentionBackend:
         """A new eager backend: flashinfer where it serves the head size, else SDPA."""
@@ -224,9 +243,14 @@ class Backends:
             return None
         config = invariant_tree_config(self.max_len) if self.invariant else None
         return TreeAttention(
-            batch=batch, tokens=tokens, heads=self.heads, page_size=self.page_size,
-            pages_per_slot=self.pages_per_slot, device=self.device, config=config,
-        )  # fmt: skip
+            batch=batch,
+            tokens=tokens,
+            heads=self.heads,
+            page_size=self.page_size,
+            pages_per_slot=self.pages_per_slot,
+            device=self.device,
+            config=config,
+        )
 
     def flashinfer_graph(self, batch: int, tokens: int) -> FlashInferAttention:
         """flashinfer in CUDA-graph mode over static metadata buffers of [batch, tokens]."""

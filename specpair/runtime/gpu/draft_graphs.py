@@ -23,7 +23,7 @@ from specpair.runtime.gpu.capture import (
     bucket_of,
     pad2d,
     pad_layout,
-)  # fmt: skip
+)
 from specpair.runtime.gpu.draft_capture import extend_graph, step_graph
 from specpair.runtime.gpu.step_graphs import StepGraphs
 from specpair.runtime.kv_cache import CacheFullError

@@ -70,9 +70,12 @@ class PrefillGraphs:
         self.capture = capture
         cache = capture.cache
         keys = [
-            (b, t) for b in capture.buckets if b <= MOST_PROMPTS
-            for t in TOKENS if t <= cache.max_len and b * t <= MOST_ROWS
-        ]  # fmt: skip
+            (b, t)
+            for b in capture.buckets
+            if b <= MOST_PROMPTS
+            for t in TOKENS
+            if t <= cache.max_len and b * t <= MOST_ROWS
+        ]
         self.graphs = capture.timed(
             "prefill", lambda: {k: prefill_graph(capture, model, *k, feature_layers) for k in keys}
         )

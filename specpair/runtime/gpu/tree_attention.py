@@ -40,10 +40,26 @@ MAX_ROWS = 128
 
 @triton.jit
 def _kv_block(
-    k_ptr, v_ptr, pages_ptr, mask_ptr, b, h, start, hi, n0, tok, live, d, pages_stride, n_kv,
-    T: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    pages_ptr,
+    mask_ptr,
+    b,
+    h,
+    start,
+    hi,
+    n0,
+    tok,
+    live,
+    d,
+    pages_stride,
+    n_kv,
+    T: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-):  # fmt: skip
+):
     """Keys, values and tree-mask bits of key positions [n0, n0 + BLOCK_N) (masked at hi)."""
     pos = n0 + tl.arange(0, BLOCK_N)
     valid = pos < hi
@@ -64,12 +80,30 @@ def _kv_block(
 
 @triton.jit
 def _tree_attn_kernel(
-    q_ptr, k_ptr, v_ptr, pages_ptr, starts_ptr, mask_ptr, part_o_ptr, part_ml_ptr,
-    sm_scale, pages_stride, n_q, n_kv,
-    T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
-    R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
-    PDL: tl.constexpr, CHUNK: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pages_ptr,
+    starts_ptr,
+    mask_ptr,
+    part_o_ptr,
+    part_ml_ptr,
+    sm_scale,
+    pages_stride,
+    n_q,
+    n_kv,
+    T: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    PAGE: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     # grid (B, Hkv, SPLITS); rows r = token * G + group head, for r < T * G; head dims d < D of
     # DP lanes (D rounded up to a power of two, at least 16 for tl.dot)
     await_previous(PDL)
@@ -96,20 +130,71 @@ def _tree_attn_kernel(
     # PREFETCH the next block's are in flight while this one's softmax runs.
     if PREFETCH:
         k, v, vis = _kv_block(
-            k_ptr, v_ptr, pages_ptr, mask_ptr, b, h, start, hi, lo, tok, live, d, pages_stride,
-            n_kv, T, D, DP, PAGE, BLOCK_N,
-        )  # fmt: skip
+            k_ptr,
+            v_ptr,
+            pages_ptr,
+            mask_ptr,
+            b,
+            h,
+            start,
+            hi,
+            lo,
+            tok,
+            live,
+            d,
+            pages_stride,
+            n_kv,
+            T,
+            D,
+            DP,
+            PAGE,
+            BLOCK_N,
+        )
     for n0 in range(lo, hi, BLOCK_N):
         if PREFETCH:
             k_next, v_next, vis_next = _kv_block(
-                k_ptr, v_ptr, pages_ptr, mask_ptr, b, h, start, hi, n0 + BLOCK_N, tok, live, d,
-                pages_stride, n_kv, T, D, DP, PAGE, BLOCK_N,
-            )  # fmt: skip
+                k_ptr,
+                v_ptr,
+                pages_ptr,
+                mask_ptr,
+                b,
+                h,
+                start,
+                hi,
+                n0 + BLOCK_N,
+                tok,
+                live,
+                d,
+                pages_stride,
+                n_kv,
+                T,
+                D,
+                DP,
+                PAGE,
+                BLOCK_N,
+            )
         else:
             k, v, vis = _kv_block(
-                k_ptr, v_ptr, pages_ptr, mask_ptr, b, h, start, hi, n0, tok, live, d,
-                pages_stride, n_kv, T, D, DP, PAGE, BLOCK_N,
-            )  # fmt: skip
+                k_ptr,
+                v_ptr,
+                pages_ptr,
+                mask_ptr,
+                b,
+                h,
+                start,
+                hi,
+                n0,
+                tok,
+                live,
+                d,
+                pages_stride,
+                n_kv,
+                T,
+                D,
+                DP,
+                PAGE,
+                BLOCK_N,
+            )
         s = tl.where(vis, tl.dot(q, tl.trans(k)) * sm_scale, -1.0e30)  # [R, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.where(vis, tl.exp(s - m_new[:, None]), 0.0)
@@ -127,10 +212,19 @@ def _tree_attn_kernel(
 
 @triton.jit
 def _merge_kernel(
-    part_o_ptr, part_ml_ptr, out_ptr, n_q, n_kv,
-    T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, R: tl.constexpr,
-    SPLITS: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
+    part_o_ptr,
+    part_ml_ptr,
+    out_ptr,
+    n_q,
+    n_kv,
+    T: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    R: tl.constexpr,
+    SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # grid (B * T, Hq): one output row from the SPLITS chunk partials of its KV head
     await_previous(PDL)
     bt, hq = tl.program_id(0), tl.program_id(1)
@@ -203,9 +297,16 @@ class TreeAttention:
     fused_write = True
 
     def __init__(
-        self, *, batch: int, tokens: int, heads: tuple[int, int, int], page_size: int,
-        pages_per_slot: int, device: torch.device, config: TreeConfig | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        *,
+        batch: int,
+        tokens: int,
+        heads: tuple[int, int, int],
+        page_size: int,
+        pages_per_slot: int,
+        device: torch.device,
+        config: TreeConfig | None = None,
+    ) -> None:
         n_q, n_kv, d = heads
         self.batch, self.tokens, self.heads, self.page_size = batch, tokens, heads, page_size
         self.group = n_q // n_kv
@@ -250,15 +351,43 @@ class TreeAttention:
         n_q, n_kv, d = self.heads
         k, v, cfg = *kv, self.config
         _tree_attn_kernel[(self.batch, n_kv, self.splits)](
-            q, k, v, self.pages, self.starts, self.mask, self.part_o, self.part_ml,
-            self.sm_scale, self.pages.stride(0), n_q, n_kv,
-            T=self.tokens, G=self.group, D=d, DP=self.lanes, PAGE=self.page_size, R=self.rows,
-            BLOCK_N=cfg.block_n, SPLITS=cfg.splits, PREFETCH=cfg.prefetch, num_warps=self.warps,
-            CHUNK=cfg.chunk, **pdl(),
-        )  # fmt: skip
-        _merge_kernel[(self.batch * self.tokens, n_q)](
-            self.part_o, self.part_ml, out, n_q, n_kv,
-            T=self.tokens, G=self.group, D=d, DP=self.lanes, R=self.rows, SPLITS=self.splits,
+            q,
+            k,
+            v,
+            self.pages,
+            self.starts,
+            self.mask,
+            self.part_o,
+            self.part_ml,
+            self.sm_scale,
+            self.pages.stride(0),
+            n_q,
+            n_kv,
+            T=self.tokens,
+            G=self.group,
+            D=d,
+            DP=self.lanes,
+            PAGE=self.page_size,
+            R=self.rows,
+            BLOCK_N=cfg.block_n,
+            SPLITS=cfg.splits,
+            PREFETCH=cfg.prefetch,
+            num_warps=self.warps,
+            CHUNK=cfg.chunk,
             **pdl(),
-        )  # fmt: skip
+        )
+        _merge_kernel[(self.batch * self.tokens, n_q)](
+            self.part_o,
+            self.part_ml,
+            out,
+            n_q,
+            n_kv,
+            T=self.tokens,
+            G=self.group,
+            D=d,
+            DP=self.lanes,
+            R=self.rows,
+            SPLITS=self.splits,
+            **pdl(),
+        )
         return out

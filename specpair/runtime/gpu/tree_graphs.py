@@ -58,9 +58,14 @@ def tree_graph(
 
     def body() -> dict[str, Tensor]:
         pool = grow_tree(
-            d.logits, d.needs_features, inputs["hidden"], inputs["starts"], shape,
-            inputs["temperature"], forward,
-        )  # fmt: skip
+            d.logits,
+            d.needs_features,
+            inputs["hidden"],
+            inputs["starts"],
+            shape,
+            inputs["temperature"],
+            forward,
+        )
         return dict(zip(("tokens", "scores", "parents"), pool, strict=True))
 
     return capture.capture(body, inputs, attns)

@@ -47,9 +47,18 @@ def await_previous(PDL: tl.constexpr):  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _rmsnorm_kernel(
-    x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, h, n_rows, eps,
-    SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    d_ptr,
+    w_ptr,
+    sum_ptr,
+    out_ptr,
+    h,
+    n_rows,
+    eps,
+    SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # one program per row; x += the sum of SPLITS delta rows [SPLITS, n_rows, h] (0: none).
     # SPLITS is a compile-time constant so the partial loads are all issued at once.
     row = tl.program_id(0)
@@ -89,18 +98,40 @@ def add_rmsnorm(x: Tensor, parts: Tensor, weight: Tensor, eps: float) -> tuple[T
     total, out = torch.empty_like(x), torch.empty_like(x)
     block = triton.next_power_of_2(h)
     _rmsnorm_kernel[(n,)](
-        x, parts, weight, total, out, h, n, eps, SPLITS=parts.shape[0], BLOCK=block,
-        num_warps=16, **pdl(),
-    )  # fmt: skip
+        x,
+        parts,
+        weight,
+        total,
+        out,
+        h,
+        n,
+        eps,
+        SPLITS=parts.shape[0],
+        BLOCK=block,
+        num_warps=16,
+        **pdl(),
+    )
     return total, out
 
 
 @triton.jit
 def _rope_write_kernel(
-    parts_ptr, n_rows, width, cos_ptr, sin_ptr, q_ptr, rows_ptr, k_ptr, v_ptr,
-    n_q, n_kv, SPLITS: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
+    parts_ptr,
+    n_rows,
+    width,
+    cos_ptr,
+    sin_ptr,
+    q_ptr,
+    rows_ptr,
+    k_ptr,
+    v_ptr,
+    n_q,
+    n_kv,
+    SPLITS: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
     PDL: tl.constexpr,
-):  # fmt: skip
+):
     # grid (N, Hq + 2 Hkv): one head of one token from the summed QKV partials. q heads are
     # rotated into q [N, Hq, D]; k heads rotated and v heads copied into the cache rows
     # k/v [rows, Hkv, D] at rows[token] (the paged cache's flat write index). HALF_P is HALF
@@ -137,9 +168,16 @@ def _rope_write_kernel(
 
 
 def rope_write(
-    parts: Tensor, cos: Tensor, sin: Tensor, rows: Tensor, k_cache: Tensor, v_cache: Tensor,
-    n_q: int, n_kv: int, head_dim: int,
-) -> Tensor:  # fmt: skip
+    parts: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    rows: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    n_q: int,
+    n_kv: int,
+    head_dim: int,
+) -> Tensor:
     """QKV partials [S, N, (Hq + 2 Hkv) D] -> rotated q [N, Hq, D]; rotated k and v are written
     into the cache rows k_cache/v_cache [R, Hkv, D] at rows [N] (one kernel, no index_copy)."""
     splits, n, width = parts.shape
@@ -147,16 +185,29 @@ def rope_write(
     cos, sin, parts = cos.contiguous(), sin.contiguous(), parts.contiguous()
     half = head_dim // 2
     _rope_write_kernel[(n, n_q + 2 * n_kv)](
-        parts, n, width, cos, sin, q, rows, k_cache, v_cache, n_q, n_kv,
-        SPLITS=splits, HALF=half, HALF_P=triton.next_power_of_2(half), **pdl(),
-    )  # fmt: skip
+        parts,
+        n,
+        width,
+        cos,
+        sin,
+        q,
+        rows,
+        k_cache,
+        v_cache,
+        n_q,
+        n_kv,
+        SPLITS=splits,
+        HALF=half,
+        HALF_P=triton.next_power_of_2(half),
+        **pdl(),
+    )
     return q
 
 
 @triton.jit
 def _silu_mul_kernel(
     gu_ptr, out_ptr, inter, n_rows, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
-):  # fmt: skip
+):
     await_previous(PDL)
     row, blk = tl.program_id(0), tl.program_id(1)
     cols = blk * BLOCK + tl.arange(0, BLOCK)
@@ -188,9 +239,18 @@ def silu_mul(parts: Tensor, dtype: torch.dtype) -> Tensor:
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, part_ptr, m, n, k, k_per_split,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    part_ptr,
+    m,
+    n,
+    k,
+    k_per_split,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # grid (cdiv(m, BM), cdiv(n, BN), splits): rows [pid_n * BN, +BN) of w over k range pid_k
     # for x rows [pid_m * BM, +BM); fp32 partials. Each x row's sum runs the same tiles in the
     # same order whatever m is: a row's result does not depend on the rows beside it. The row
@@ -235,9 +295,15 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int, int, int] | None:
 
 
 def gemv_partials(
-    x: Tensor, w: Tensor, splits: int, bn: int = 64, bk: int = 128, warps: int = 4, stages: int = 3,
+    x: Tensor,
+    w: Tensor,
+    splits: int,
+    bn: int = 64,
+    bk: int = 128,
+    warps: int = 4,
+    stages: int = 3,
     bm: int = 16,
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """x [M, K] @ w[N, K]^T as fp32 split-K partials [splits, M, N]: a consumer kernel sums
     them, so no reduce kernel runs. For the few-row matmuls of batch-1 decoding (M <= 16), and
     for every matmul of the batch-invariant mode (tiles of `bm` rows, one size for every M).
@@ -248,7 +314,18 @@ def gemv_partials(
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), splits)
     _gemv_kernel[grid](
-        x.contiguous(), w, part, m, n, k, k // splits,
-        BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, **pdl(),
-    )  # fmt: skip
+        x.contiguous(),
+        w,
+        part,
+        m,
+        n,
+        k,
+        k // splits,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        num_warps=warps,
+        num_stages=stages,
+        **pdl(),
+    )
     return part

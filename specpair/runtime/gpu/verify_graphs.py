@@ -23,7 +23,7 @@ from specpair.runtime.accept_batch import (
     TreeBatch,
     accept_candidates,
     accept_tree_candidates,
-)  # fmt: skip
+)
 from specpair.runtime.gpu.capture import GraphCapture, StageGraph, bucket_of, pad2d, pad_layout
 from specpair.runtime.layout import BatchLayout
 from specpair.runtime.shape import TreeShape

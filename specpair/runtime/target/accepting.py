@@ -24,7 +24,7 @@ from specpair.runtime.accept_batch import (
     accept_chain_batch,
     accept_tree_batch,
     sparse_q,
-)  # fmt: skip
+)
 from specpair.runtime.sampling import RowParams, SamplingParams, warp
 from specpair.runtime.tree import CandidateTree, full_parents
 
@@ -86,11 +86,14 @@ def accept_batch(
         if seq.sampling.greedy
         else accept_sampling(tree, warp(host[i, : len(tree) + 1], seq.sampling), seq.generator)
         if tree.draft_probs is not None or not len(tree)
-        else tree_acceptance(tree, accept_tree_batch(
-            host[i : i + 1, : len(tree) + 1], tree_inputs([seq], [tree], len(tree) + 1)
-        )[0])
+        else tree_acceptance(
+            tree,
+            accept_tree_batch(
+                host[i : i + 1, : len(tree) + 1], tree_inputs([seq], [tree], len(tree) + 1)
+            )[0],
+        )
         for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True))
-    ], "host"  # fmt: skip
+    ], "host"
 
 
 def tree_inputs(

@@ -253,18 +253,26 @@ class DraftSession:
         fallbacks.append("malformed_tree")
 
     def fault(
-        self, tree: CandidateTree, item: DraftInput, tier: int, tree_round: bool = False, *,
+        self,
+        tree: CandidateTree,
+        item: DraftInput,
+        tier: int,
+        tree_round: bool = False,
+        *,
         sparse_q: bool = True,
-    ) -> str | None:  # fmt: skip
+    ) -> str | None:
         """Why `tree` cannot be verified for `item` at `tier`, or None when it can (with
         `sparse_q` off, a sparse q is left to `sparse_q_faults`). A sampled chain carries the q
         it was drawn from; a tree round's trees carry none (they are accepted by the
         target-only rule, exact without q)."""
         try:
             validate_tree(
-                tree, max_nodes=self.max_tree_nodes, max_depth=tier, vocab_size=self.vocab_size,
+                tree,
+                max_nodes=self.max_tree_nodes,
+                max_depth=tier,
+                vocab_size=self.vocab_size,
                 sparse_q=sparse_q,
-            )  # fmt: skip
+            )
         except ValueError as exc:  # MalformedTreeError, or a shape torch refuses
             return str(exc)
         if len(tree) and not item.sampling.greedy and tree.draft_probs is None and not tree_round:

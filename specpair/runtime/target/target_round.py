@@ -107,9 +107,14 @@ class TargetRound(Generic[B]):
         if state is None or state.tier == 0:
             return flight  # target-only: the draft is not called (releases wait for a round)
         flight.request = self.session.request(
-            round_id, seqs, state.tier, epoch=draft.epochs(seqs), features=draft.features,
-            steps=steps, shape=None if state.is_chain else state.shape,
-        )  # fmt: skip
+            round_id,
+            seqs,
+            state.tier,
+            epoch=draft.epochs(seqs),
+            features=draft.features,
+            steps=steps,
+            shape=None if state.is_chain else state.shape,
+        )
         flight.epoch = await draft.send(flight.request)
         flight.sent = time.perf_counter()
         await self.replan(flight)

@@ -25,7 +25,7 @@ from specpair.runtime.sampling import (
     make_generator,
     sample_rows,
     warp_rows,
-)  # fmt: skip
+)
 from specpair.runtime.stages import PrefillStage, VerifyStage
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.target.accepting import accept_batch, uniforms
