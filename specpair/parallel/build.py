@@ -59,9 +59,13 @@ def build_parallel_target(
         error: Exception | None = None
         try:
             model = load_shard(
-                path, Shard(0, tensor_parallel), dtype=dtype, device=spec.rank_device(0),
-                context=max_len, make=leader,
-            )  # fmt: skip
+                path,
+                Shard(0, tensor_parallel),
+                dtype=dtype,
+                device=spec.rank_device(0),
+                context=max_len,
+                make=leader,
+            )
         except Exception as exc:
             error = exc
         group.agree(error)  # raises this rank's error or a follower's

@@ -188,9 +188,11 @@ class RankGroup:
         for rank in range(1, world):
             steps, pipe = context.Pipe(duplex=False)  # the follower's end, rank 0's
             proc = context.Process(
-                target=follow, args=(self.spec, rank, self._store.port, steps),
-                name=f"specpair-tp-rank{rank}", daemon=True,
-            )  # fmt: skip
+                target=follow,
+                args=(self.spec, rank, self._store.port, steps),
+                name=f"specpair-tp-rank{rank}",
+                daemon=True,
+            )
             proc.start()
             steps.close()  # the follower's now: it reads EOF once rank 0 is gone
             self.procs.append(proc)
