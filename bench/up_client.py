@@ -118,8 +118,10 @@ def running_up(
     env_changes: Mapping[str, str | None] | None = None,
 ) -> Iterator[Up]:
     """Starts `command` on free loopback ports, echoes its `specpair up:` lines, waits for its
-    READY line, and stops it as Ctrl-C does (SIGINT) on the way out. `env_changes`: variables
-    set for it (None: unset)."""
+    READY line, and stops it on the way out with SIGTERM, which `up` takes as Ctrl-C (SIGINT
+    does nothing to a process a non-interactive shell's background job started: it inherits
+    SIGINT ignored, and `up` would be killed after the wait, its services left running).
+    `env_changes`: variables set for it (None: unset)."""
     # the group's ops token, given (`up` makes one of its own where none is set)
     token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(16)
     up = Up(free_address(), free_address(), free_address(), log, token)
@@ -166,7 +168,7 @@ def running_up(
         yield up
     finally:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(120)
             except subprocess.TimeoutExpired:
