@@ -74,6 +74,11 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
 
 
+def median(values: Sequence[float]) -> float:
+    """The 50th percentile: the middle value, or the mean of the two middle ones."""
+    return percentile(values, 50)
+
+
 @dataclass(frozen=True, slots=True)
 class Stats:
     """Summary of repeated measurements of one quantity."""
@@ -88,7 +93,7 @@ class Stats:
     @classmethod
     def of(cls, samples: Sequence[float]) -> Stats:
         return cls(
-            median=percentile(samples, 50),
+            median=median(samples),
             p10=percentile(samples, 10),
             p90=percentile(samples, 90),
             min=min(samples),

@@ -1,4 +1,39 @@
-"""Replays a speculation policy offline, closed loop, on a recorded phased run (no GPU).
+"""Replays the goodput policy offline (no GPU), on what a GPU run recorded.
+
+    python -m bench.goodput_sim [phases] [--run RUN.json.gz] [--lag 1 10] [--regime-map] …
+    python -m bench.goodput_sim stages --run RUN.json [--profile] [--seeds 4] [--noise 0.1]
+
+`phases` (the default) replays a policy closed loop on a `goodput_gpu` phased run's per-tier round
+traces; `stages` draws rounds from a `gpu_speedup` run's per-cell stage times and accept means,
+batch by batch. `python -m bench.goodput_sim MODE -h` gives a mode's options; `stages` was
+bench/goodput_stages.py (git history).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from bisect import bisect_right
+from collections import Counter, deque
+from dataclasses import dataclass, field, fields
+from itertools import accumulate
+from pathlib import Path
+from typing import Any, Protocol
+
+from bench.adaptive import ROUND_KEYS, RunResult, oracle_of
+from bench.common import format_table, median, read_json, write_json
+from controller.policies.bands import PolicySpec
+from controller.policies.goodput.config import GoodputConfig, parse_profile
+from controller.policies.goodput.policy import GoodputPolicy
+from controller.policies.interface import RoundSample
+from specpair.runtime.shape import TreeShape
+
+# --- phases (was bench/goodput_sim.py) ---
+
+PHASES_DOC = """\
+Replays a speculation policy offline, closed loop, on a recorded phased run (no GPU).
 
 `bench/goodput_gpu.py`'s phased part runs the same requests (batch 1, one after another) at
 each static tier, so the static runs' rounds say what every tier costs and accepts at every
@@ -24,29 +59,15 @@ RoundSample the target would have sent (costs, accept lengths, sampled flag as r
 - A phase's time is its rounds' plus the time between rounds (client, wire), the median of the
   static runs' recorded phase seconds less their rounds'.
 
-    python -m bench.goodput_sim [--run bench/results/goodput_gpu_eagle_h100_run4.json.gz]
+    python -m bench.goodput_sim [phases] [--run bench/results/goodput_gpu_eagle_h100_run4.json.gz]
         [--lag 1 10] [--set min_gain=0.05 ...] [--policy-class module:Class] [--regime-map]
         [--catchup-ms 28] [--png /tmp/goodput_sim.png] [--out /tmp/goodput_sim.json]
 """
 
-from __future__ import annotations
-
-import argparse
-import json
-import statistics
-from bisect import bisect_right
-from collections import Counter, deque
-from dataclasses import dataclass, field
-from itertools import accumulate
-from pathlib import Path
-from typing import Any, Protocol
-
-from bench.adaptive import ROUND_KEYS, RunResult, oracle_of
-from bench.common import format_table, read_json, write_json
-from controller.policies.bands import PolicySpec
-from controller.policies.interface import RoundSample
 
 STATIC = "static-"
+
+
 DEFAULT_RUN = Path("bench/results/goodput_gpu_eagle_h100_run4.json.gz")
 
 
@@ -126,18 +147,21 @@ def load(report: dict[str, Any]) -> Recorded:
     between: list[list[float]] = [[] for _ in phases]
     for s, run in sorted(statics.items()):
         requests = split_requests(run.rounds, len(phases) * per)
-        traces[s] = [[Trace.of(q) for q in requests[p * per : (p + 1) * per]]
-                     for p in range(len(phases))]  # fmt: skip
+        traces[s] = [
+            [Trace.of(q) for q in requests[p * per : (p + 1) * per]] for p in range(len(phases))
+        ]
         for p in range(len(phases)):
             ms = sum(r["total_ms"] for t in traces[s][p] for r in t.rounds)
             between[p].append(run.phase_seconds[p] - ms / 1e3)
     targets = [[t.tokens for t in phase] for phase in traces[0]]
     for name, run in runs.items():
         if run.phase_tokens != [sum(t) for t in targets]:
-            raise ValueError(f"{name} made {run.phase_tokens} tokens per phase, static-0 "
-                             f"{[sum(t) for t in targets]}")  # fmt: skip
+            raise ValueError(
+                f"{name} made {run.phase_tokens} tokens per phase, static-0 "
+                f"{[sum(t) for t in targets]}"
+            )
     sampled = [[t.rounds[0]["sampled"] > 0 for t in phase] for phase in traces[0]]
-    return Recorded(phases, runs, traces, targets, sampled, [statistics.median(b) for b in between])
+    return Recorded(phases, runs, traces, targets, sampled, [median(b) for b in between])
 
 
 @dataclass
@@ -147,9 +171,14 @@ class Sim:
 
 
 def simulate(
-    rec: Recorded, policy: Stepper, name: str, *, lag: int = 1, catchup_ms: float = 28.0,
+    rec: Recorded,
+    policy: Stepper,
+    name: str,
+    *,
+    lag: int = 1,
+    catchup_ms: float = 28.0,
     regime_map: bool = False,
-) -> Sim:  # fmt: skip
+) -> Sim:
     applied = policy.current_steps
     pending: deque[tuple[int, int]] = deque()  # (first round it applies to, tier)
     sim, last_sampled = Sim(RunResult(name)), None
@@ -216,9 +245,15 @@ def variants(recorded: dict[str, Any], sets: dict[str, Any], cls: str | None) ->
 
 def row(label: str, run: RunResult, best: float, oracle: float, tiers: list[int]) -> list[str]:
     tps, counts = run.tokens_per_s(), sorted(Counter(tiers).items())
-    return [label, *[f"{run.tokens_per_s(i):.1f}" for i in range(len(run.phase_seconds))],
-            f"{tps:.1f}", f"{tps / best:.3f}", f"{tps / oracle:.3f}", str(run.switches),
-            " ".join(f"{s}:{n}" for s, n in counts)]  # fmt: skip
+    return [
+        label,
+        *[f"{run.tokens_per_s(i):.1f}" for i in range(len(run.phase_seconds))],
+        f"{tps:.1f}",
+        f"{tps / best:.3f}",
+        f"{tps / oracle:.3f}",
+        str(run.switches),
+        " ".join(f"{s}:{n}" for s, n in counts),
+    ]
 
 
 def plot(panels: list[tuple[str, list[int], list[int]]], path: Path) -> None:
@@ -241,8 +276,10 @@ def plot(panels: list[tuple[str, list[int], list[int]]], path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def phases_main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.goodput_sim phases", description=PHASES_DOC
+    )
     parser.add_argument("--run", type=Path, default=DEFAULT_RUN, help="goodput_gpu.py JSON")
     parser.add_argument("--lag", type=int, nargs="+", default=[1], help="rounds; several: each")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON")
@@ -252,7 +289,7 @@ def main() -> None:
     parser.add_argument("--initial", type=int, default=3, help="the tier a policy starts at")
     parser.add_argument("--out", type=Path, default=Path("/tmp/goodput_sim.json"))
     parser.add_argument("--png", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     report, sets = read_json(args.run), parse_sets(args.set)
     rec = load(report)
     n_phases = len(rec.phases)
@@ -268,13 +305,27 @@ def main() -> None:
         for lag in args.lag:
             name = f"{label}, lag {lag}"
             sims[name] = simulate(rec, spec.build(args.initial), name, lag=lag, **opts)
-    error = max(abs(results[n].phase_seconds[i] / rec.runs[n].phase_seconds[i] - 1)
-                for n in statics for i in range(n_phases))  # fmt: skip
+    error = max(
+        abs(results[n].phase_seconds[i] / rec.runs[n].phase_seconds[i] - 1)
+        for n in statics
+        for i in range(n_phases)
+    )
     rows = [row(f"{n} (sim)", results[n], best, oracle, s.tiers) for n, s in statics.items()]
-    rows.append(["oracle (sim)", *[f"{results[n].tokens_per_s(i):.1f}"
-                 for i, n in enumerate(oracle_runs)], f"{oracle:.1f}", "", "", "", ""])  # fmt: skip
-    panels = [(f"{n}: {s.result.tokens_per_s():.1f} tok/s", s.tiers, s.result.phase_first_round)
-              for n, s in sims.items()]  # fmt: skip
+    rows.append(
+        [
+            "oracle (sim)",
+            *[f"{results[n].tokens_per_s(i):.1f}" for i, n in enumerate(oracle_runs)],
+            f"{oracle:.1f}",
+            "",
+            "",
+            "",
+            "",
+        ]
+    )
+    panels = [
+        (f"{n}: {s.result.tokens_per_s():.1f} tok/s", s.tiers, s.result.phase_first_round)
+        for n, s in sims.items()
+    ]
     if measured := rec.runs.get("goodput"):  # its ratios: against the recorded statics
         r_oracle, _ = oracle_of(rec.runs, n_phases, statics)
         r_best = max(rec.runs[n].tokens_per_s() for n in statics)
@@ -283,24 +334,265 @@ def main() -> None:
         title = f"recorded goodput run: {measured.tokens_per_s():.1f} tok/s"
         panels.insert(0, (title, tiers, measured.phase_first_round))
     rows += [row(n, s.result, best, oracle, s.tiers) for n, s in sims.items()]
-    runs = {n: {**s.result.__dict__, "rounds": [], "tiers": s.tiers} for n, s in
-            {**statics, **sims}.items()}  # fmt: skip
-    write_json(args.out, {"run": args.run, "options": {**opts, "lag": args.lag, "set": sets,
-               "initial": args.initial, "policy_class": args.policy_class}, "phases":
-               rec.phases, "between_s": rec.between_s, "static_max_error": error,
-               "oracle": {"tokens_per_s": oracle, "runs": oracle_runs}, "runs": runs})  # fmt: skip
+    runs = {
+        n: {**s.result.__dict__, "rounds": [], "tiers": s.tiers}
+        for n, s in {**statics, **sims}.items()
+    }
+    write_json(
+        args.out,
+        {
+            "run": args.run,
+            "options": {
+                **opts,
+                "lag": args.lag,
+                "set": sets,
+                "initial": args.initial,
+                "policy_class": args.policy_class,
+            },
+            "phases": rec.phases,
+            "between_s": rec.between_s,
+            "static_max_error": error,
+            "oracle": {"tokens_per_s": oracle, "runs": oracle_runs},
+            "runs": runs,
+        },
+    )
     if args.png:
         plot(panels, args.png)
         print(f"timeline: {args.png}")
-    print(f"phases: {json.dumps(rec.phases)}; time between rounds per phase "
-          f"(s): {[round(b, 4) for b in rec.between_s]}; simulated statics vs recorded phase "
-          f"seconds: max error {error:.2%}")  # fmt: skip
-    print(f"tokens/s per phase, simulated from {args.run} (catch-up {args.catchup_ms} ms, "
-          f"regime map {'on' if args.regime_map else 'off'}); the recorded run's ratios are "
-          "against the recorded statics\n")  # fmt: skip
-    headers = ["run", *[f"phase {i + 1}" for i in range(n_phases)], "overall", "/ best static",
-               "/ oracle", "switches", "rounds per tier"]  # fmt: skip
+    print(
+        f"phases: {json.dumps(rec.phases)}; time between rounds per phase "
+        f"(s): {[round(b, 4) for b in rec.between_s]}; simulated statics vs recorded phase "
+        f"seconds: max error {error:.2%}"
+    )
+    print(
+        f"tokens/s per phase, simulated from {args.run} (catch-up {args.catchup_ms} ms, "
+        f"regime map {'on' if args.regime_map else 'off'}); the recorded run's ratios are "
+        "against the recorded statics\n"
+    )
+    headers = [
+        "run",
+        *[f"phase {i + 1}" for i in range(n_phases)],
+        "overall",
+        "/ best static",
+        "/ oracle",
+        "switches",
+        "rounds per tier",
+    ]
     print(format_table(headers, rows))
+
+
+# --- stages (was bench/goodput_stages.py) ---
+
+STAGES_DOC = """\
+Replays the goodput policy offline on a `gpu_speedup` run's per-cell stage times (no GPU).
+
+Each static cell of the run (target alone, tiers, tree shapes) gives, per batch size, what a
+round at that tier costs (`stage_ms`: draft, verify, rpc + schedule, admit) and how many drafts
+it accepts (`accept_mean`). Rounds are drawn from them: the time with ±`--noise` uniform noise,
+the accept lengths from a per-position pass rate fitted to the cell's mean (a chain's first
+position passes at tier 1's mean, the rest at one rate; a tree at one rate), e.g. tier 1 0.82
+and tier 7 2.76 → 0.82, then 0.74 at each position after. One GoodputPolicy (the run's profile with
+`--profile`) meets the batch sizes in order, `--rounds` rounds each, as the bench's cells do;
+its tokens/s at each batch is set against the best static tier's there (simulated the same way).
+
+    python -m bench.goodput_sim stages --run bench/results/gpu_trees_eagle_h100_large.json \\
+        [--rounds 330] [--seeds 4] [--profile] [--out bench/out/goodput_stages.json]
+
+Run at an earlier commit's `controller/` (a `git worktree`), it compares two policies on the same
+rounds: 30 seeds on `gpu_trees_eagle_h100_profiled.json` gave batch 1 / 4 / 16 / 64 means of
+0.969 / 0.951 / 0.961 / 0.818 at 561b36e and 0.966 / 0.955 / 0.962 / 0.905 after tier 0's
+exploration and admission per token.
+"""
+
+
+NOT_TIERS = ("adaptive", "goodput")
+
+
+@dataclass(frozen=True)
+class Stage:
+    draft: float
+    verify: float
+    rest: float  # rpc + schedule
+    admit: float
+    first: float  # pass rate at position 0
+    rate: float  # at positions after
+
+    @property
+    def total(self) -> float:
+        return self.draft + self.verify + self.rest + self.admit
+
+
+def tier_of(config: str) -> TreeShape:
+    """'target-only' → 0, 'tier 3' → 3, 'tree 5x4x20' → 5x4x20."""
+    if config == "target-only":
+        return TreeShape(0)
+    return TreeShape.parse(config.split()[-1])
+
+
+def expected(first: float, rate: float, steps: int) -> float:
+    return sum(first * rate**k for k in range(steps))
+
+
+def fit_rate(first: float, steps: int, mean: float) -> float:
+    """The rate after position 0 whose expected accept length at `steps` is `mean`."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected(first, mid, steps) < mean else (lo, mid)
+    return (lo + hi) / 2
+
+
+def stages(run: dict[str, Any]) -> dict[int, dict[TreeShape, Stage]]:
+    """Per batch size, per static tier: its round's stage times and fitted acceptance."""
+    out: dict[int, dict[TreeShape, Stage]] = {}
+    cells = [c for c in run["cells"] if c["deployment"] == "services"]
+    for c in cells:
+        if c["config"] in NOT_TIERS:
+            continue
+        tier, m = tier_of(c["config"]), c["stage_ms"]
+        first = rate = 0.0
+        if tier.steps:
+            if tier.is_chain:
+                one = next(d for d in cells if d["batch"] == c["batch"] and d["config"] == "tier 1")
+                first = min(one["accept_mean"], 0.999)
+                rate = fit_rate(first, tier.steps, c["accept_mean"]) if tier.steps > 1 else first
+            else:
+                rate = fit_rate(1.0, tier.steps + 1, c["accept_mean"] + 1.0)
+                first = rate
+        out.setdefault(c["batch"], {})[tier] = Stage(
+            m["draft"], m["verify"], m["rpc"] + m["schedule"], m["admit"], first, rate
+        )
+    return out
+
+
+def accepts(rng: random.Random, stage: Stage, steps: int, batch: int) -> tuple[int, ...]:
+    out = []
+    for _ in range(batch):
+        a = 0
+        while a < steps and rng.random() < (stage.first if a == 0 else stage.rate):
+            a += 1
+        out.append(a)
+    return tuple(out)
+
+
+def simulate_stages(
+    table: dict[int, dict[TreeShape, Stage]],
+    rounds: int,
+    seed: int,
+    noise: float,
+    profile: Any = (),
+    pinned: TreeShape | None = None,
+    min_gain: float = 0.05,
+) -> dict[int, float]:
+    """Tokens per ms at each batch size, one policy (or a pinned tier) meeting them in order."""
+    rng = random.Random(seed)
+    batches = sorted(table)
+    tiers = {t for b in batches for t in table[b]}
+    chains = tuple(sorted(t.steps for t in tiers if t.is_chain))
+    trees = tuple(str(t) for t in sorted(tiers, key=str) if not t.is_chain)
+    config = GoodputConfig(
+        candidate_steps=chains, tree_shapes=trees, profile_ms=profile, min_gain=min_gain
+    )
+    start = 3 if 3 in chains else max(chains)
+    policy = GoodputPolicy(config, start)
+    rates = {}
+    for b in batches:
+        tokens, ms = 0, 0.0
+        for i in range(rounds):
+            t = pinned if pinned is not None else policy.current_tier
+            st = table[b][t]
+            scale = rng.uniform(1.0 - noise, 1.0 + noise)
+            got = accepts(rng, st, t.steps, b) if t.steps else ()
+            ids = tuple(f"b{b}-r{(i * b + j) // (b * 40)}-{j}" for j in range(b))
+            policy.observe(
+                RoundSample(
+                    t.steps,
+                    b,
+                    got,
+                    st.total * scale,
+                    st.verify * scale,
+                    st.draft * scale,
+                    st.rest * scale * 0.3,
+                    admit_ms=st.admit * scale,
+                    request_ids=ids,
+                    shape=None if t.is_chain else t,
+                )
+            )
+            tokens += b + sum(got)
+            ms += st.total * scale
+        rates[b] = tokens / ms
+    return rates
+
+
+def stages_main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.goodput_sim stages",
+        description=STAGES_DOC,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--run", type=Path, default=Path("bench/results/gpu_trees_eagle_h100_large.json")
+    )
+    parser.add_argument("--rounds", type=int, default=330, help="rounds at each batch size")
+    parser.add_argument("--seeds", type=int, default=4)
+    parser.add_argument("--noise", type=float, default=0.1)
+    parser.add_argument("--profile", action="store_true", help="seed goodput with the run's")
+    default_gain = next(f.default for f in fields(GoodputConfig) if f.name == "min_gain")
+    parser.add_argument("--min-gain", type=float, default=default_gain)
+    parser.add_argument("--out", type=Path, default=Path("bench/out/goodput_stages.json"))
+    args = parser.parse_args(argv)
+    run = read_json(args.run)
+    table = stages(run)
+    profile = parse_profile(run["profile"]["profile_ms"]) if args.profile else ()
+    tiers = sorted({t for b in table for t in table[b]}, key=lambda t: (t.verified, str(t)))
+    common = set.intersection(*(set(table[b]) for b in table))
+    static = {
+        t: simulate_stages(table, args.rounds * 4, 1, args.noise, pinned=t)
+        for t in tiers
+        if t in common
+    }
+    runs = [
+        simulate_stages(table, args.rounds, s, args.noise, profile, min_gain=args.min_gain)
+        for s in range(args.seeds)
+    ]
+    rows, report = [], {}
+    for b in sorted(table):
+        best_tier = max(static, key=lambda t: static[t][b])
+        ratios = [r[b] / static[best_tier][b] for r in runs]
+        report[b] = {
+            "best": str(best_tier),
+            "ratios": ratios,
+            "static": {str(t): static[t][b] for t in static},
+        }
+        mean = sum(ratios) / len(ratios)
+        rows.append(
+            [str(b), str(best_tier), f"{mean:.3f}", f"{min(ratios):.3f}", f"{max(ratios):.3f}"]
+        )
+    write_json(
+        args.out,
+        {"run": str(args.run), "rounds": args.rounds, "profile": args.profile, "batches": report},
+    )
+    print(
+        f"goodput replayed on {args.run}'s stage times, {args.rounds} rounds a batch size, "
+        f"{args.seeds} seeds{' with its profile' if args.profile else ''}:\n"
+    )
+    print(format_table(["batch", "best static", "goodput / best, mean", "min", "max"], rows))
+
+
+MODES = {
+    "phases": phases_main,
+    "stages": stages_main,
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`MODE [options]`; without a mode, phases's options."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return
+    mode = args.pop(0) if args and args[0] in MODES else "phases"
+    MODES[mode](args)
 
 
 if __name__ == "__main__":

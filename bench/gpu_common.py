@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from bench.common import median
 from specpair.models.args import ModelArgs
 from specpair.models.eagle import EagleHead
 from specpair.models.llama import LlamaModel
@@ -129,11 +130,6 @@ def copy_bandwidth(gib: float = 4.0, iters: int = 20) -> float:
     dst = torch.empty_like(src)
     seconds = median(time_cuda(lambda: dst.copy_(src), iters))
     return 2 * n * 2 / seconds
-
-
-def median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2]
 
 
 def build_pair(draft: str, max_batch: int, buckets: list[int], tiers: list[int], max_len: int):  # type: ignore[no-untyped-def]

@@ -11,9 +11,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 echo "=== tests"; timeout 150 python3 -m pytest -q -p no:cacheprovider -rP tests/gpu tests/unit/test_paged_kv.py tests/unit/test_graph_lifetime.py > $OUT/tests.log 2>&1; echo rc=$?
 grep -E "^\[|passed|failed|^E  " $OUT/tests.log | grep -v Assertion | tail -30
 echo "t=$(( $(date +%s) - T0 ))"
-echo "=== profile"; timeout 150 python3 -m bench.gpu_profile --out $OUT/gpu_profile.json > $OUT/gpu_profile.log 2>&1; echo rc=$?
+echo "=== profile"; timeout 150 python3 -m bench.gpu_rounds profile --out $OUT/gpu_profile.json > $OUT/gpu_profile.log 2>&1; echo rc=$?
 grep -A4 "^Verify graph" $OUT/gpu_profile.log
-echo "=== forward"; timeout 150 python3 -m bench.gpu_forward --iters 40 --out $OUT/gpu_forward.json > $OUT/gpu_forward.log 2>&1; echo rc=$?
+echo "=== forward"; timeout 150 python3 -m bench.gpu_kernels forward --iters 40 --out $OUT/gpu_forward.json > $OUT/gpu_forward.log 2>&1; echo rc=$?
 grep -v Assertion $OUT/gpu_forward.log | grep -v "INFO\|^\s\|^ours" | tail -13
 echo "t=$(( $(date +%s) - T0 ))"
 echo "=== rounds"; timeout 150 python3 -m bench.gpu_rounds --drafts none eagle --rounds 12 --out $OUT/gpu_rounds.json > $OUT/gpu_rounds.log 2>&1; echo rc=$?

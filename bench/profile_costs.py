@@ -20,14 +20,13 @@ catching up on tokens it missed at tier 0).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.common import format_table, write_json
+from bench.common import format_table, median, write_json
 from bench.services import watch_rounds
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.client.requests import Prompt
@@ -63,10 +62,15 @@ def counted_ms(rounds: Sequence[RoundStats], tier: TreeShape, batch: int) -> lis
 
 
 def profile(
-    client: SpecpairClient, ctl: ControllerClient, prompts: Sequence[Prompt], *,
-    tiers: Sequence[TreeShape] = TIERS, batches: Sequence[int] = (1,),
-    sampled_batches: Sequence[int] = (1,), new_tokens: int = NEW_TOKENS,
-) -> dict[str, Any]:  # fmt: skip
+    client: SpecpairClient,
+    ctl: ControllerClient,
+    prompts: Sequence[Prompt],
+    *,
+    tiers: Sequence[TreeShape] = TIERS,
+    batches: Sequence[int] = (1,),
+    sampled_batches: Sequence[int] = (1,),
+    new_tokens: int = NEW_TOKENS,
+) -> dict[str, Any]:
     """{"profile_ms": {batch: {tier: ms}}, "sampled_profile_ms": …, "rounds": {…}} (keys as
     strings, the policy file's shape: a tree by its shape, "5x4x20"); the controller is left
     unpinned."""
@@ -87,8 +91,12 @@ def profile(
                     tokens = new_tokens * (TIER0_TOKENS if tier.steps == 0 else 1)
 
                     def one(i: int, temperature: float = temperature, tokens: int = tokens) -> None:
-                        client.generate(prompts[i % len(prompts)], max_tokens=tokens,
-                                        temperature=temperature, seed=i)  # fmt: skip
+                        client.generate(
+                            prompts[i % len(prompts)],
+                            max_tokens=tokens,
+                            temperature=temperature,
+                            seed=i,
+                        )
 
                     with ThreadPoolExecutor(batch) as pool:
                         list(pool.map(one, range(batch)))
@@ -97,17 +105,20 @@ def profile(
                     times = counted_ms(rounds, tier, batch)
                     out["rounds"][f"{key} {batch} {tier}"] = len(times)
                     if times:
-                        out[key].setdefault(str(batch), {})[str(tier)] = statistics.median(times)
-                    print(f"  profile {key:18s} batch {batch:2d} tier {tier}: "
-                          f"{len(times)} rounds", flush=True)  # fmt: skip
+                        out[key].setdefault(str(batch), {})[str(tier)] = median(times)
+                    print(
+                        f"  profile {key:18s} batch {batch:2d} tier {tier}: {len(times)} rounds",
+                        flush=True,
+                    )
     finally:
         ctl.unpin()
     return out
 
 
 def render(result: dict[str, Any]) -> str:
-    names = {t for key in ("profile_ms", "sampled_profile_ms") for b in result[key].values()
-             for t in b}  # fmt: skip
+    names = {
+        t for key in ("profile_ms", "sampled_profile_ms") for b in result[key].values() for t in b
+    }
     columns = sorted({*map(str, TIERS), *names}, key=TreeShape.parse)
     rows = []
     for key in ("profile_ms", "sampled_profile_ms"):
@@ -121,22 +132,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True)
     parser.add_argument("--controller", required=True)
-    parser.add_argument("--prompt", action="append", default=None,
-                        help="prompt text (repeat for more); default: one code prompt")  # fmt: skip
+    parser.add_argument(
+        "--prompt",
+        action="append",
+        default=None,
+        help="prompt text (repeat for more); default: one code prompt",
+    )
     parser.add_argument("--batches", type=int, nargs="+", default=[1])
     parser.add_argument("--sampled-batches", type=int, nargs="+", default=[1])
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
-    parser.add_argument("--tree-shapes", nargs="+", default=[], metavar="SHAPE",
-                        help="tree shapes to profile beside the chains (the services' and the "
-                             "controller's tree_shapes)")  # fmt: skip
+    parser.add_argument(
+        "--tree-shapes",
+        nargs="+",
+        default=[],
+        metavar="SHAPE",
+        help="tree shapes to profile beside the chains (the services' and the "
+        "controller's tree_shapes)",
+    )
     parser.add_argument("--out", type=Path, default=Path("/tmp/specpair-profile.json"))
     args = parser.parse_args()
     prompts: list[Prompt] = args.prompt or ["def parse_args(argv):\n    parser = "]
     result = profile(
-        SpecpairClient(args.target, timeout=600), ControllerClient(args.controller, timeout=30),
-        prompts, tiers=(*TIERS, *map(TreeShape.parse, args.tree_shapes)), batches=args.batches,
-        sampled_batches=args.sampled_batches, new_tokens=args.new_tokens,
-    )  # fmt: skip
+        SpecpairClient(args.target, timeout=600),
+        ControllerClient(args.controller, timeout=30),
+        prompts,
+        tiers=(*TIERS, *map(TreeShape.parse, args.tree_shapes)),
+        batches=args.batches,
+        sampled_batches=args.sampled_batches,
+        new_tokens=args.new_tokens,
+    )
     write_json(args.out, {k: result[k] for k in ("profile_ms", "sampled_profile_ms")})
     print(render(result))
 

@@ -1,4 +1,63 @@
-"""Per-round cost of the two-service deployment vs the in-process engine, same models, per tier.
+"""What a round costs besides the GPU: the two services against the in-process engine, per stage
+(the default mode), and the target's host work on a sampled round's trees without any model.
+
+    python -m bench.round_overhead [services] [--device cuda] [--tiers 1 3 7] [--batch 1]
+    python -m bench.round_overhead host [--batches 1 8 16] [--tiers 3 7] [--iters 200]
+
+`python -m bench.round_overhead MODE -h` gives a mode's options. `host` was bench/host_round.py
+(git history). The transport floor under the rpc share: bench/grpc_pingpong.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer
+
+from bench import common
+from bench.acceptance import code_prompts
+from bench.checkpoints import random_pair
+from bench.common import (
+    add_output_args,
+    device_info,
+    format_table,
+    median,
+    percentile,
+    shape_arg,
+    write_json,
+)
+from bench.gpu_common import LLAMA3_8B
+from bench.services import LINKS, BenchServices, apply_tier, wait_draft_connected, watch_rounds
+from specpair.client import SpecpairClient
+from specpair.config import CANDIDATE_STEPS, compute_threads
+from specpair.models.loading import is_eagle_checkpoint, read_args
+from specpair.models.tiny import make_tiny_llama
+from specpair.proto.v1 import draft_pb2
+from specpair.rpc import wire
+from specpair.rpc.serving import compute_executor
+from specpair.runtime.build import build_drafter, build_states, build_target, feature_layers
+from specpair.runtime.engine import GREEDY, SpeculativeEngine
+from specpair.runtime.round_messages import RoundResponse, RoundStats
+from specpair.runtime.sampling import DRAFT_SUPPORT, SamplingParams, make_generator
+from specpair.runtime.shape import TreeShape
+from specpair.runtime.target.accepting import chain_inputs
+from specpair.runtime.tree import CandidateTree, chain, sparse_q_faults, validate_tree
+
+# --- services (was bench/round_overhead.py) ---
+
+SERVICES_DOC = """\
+Per-round cost of the two-service deployment vs the in-process engine, same models, per tier.
 
 Both run the same greedy workload (a batch of concurrent requests at a fixed tier: a chain "7"
 or a tree "5x4x20", STEPSxTOPKxNUM_DRAFT_TOKENS). In-process rounds split into draft / verify /
@@ -18,46 +77,10 @@ the draft over loopback TCP, then over a Unix domain socket.
 `--shape llama3-8b` writes a random bf16 Llama-3-8B and an EAGLE head for it (16 GB) first.
 """
 
-from __future__ import annotations
-
-import argparse
-import gc
-import os
-import tempfile
-import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
-from pathlib import Path
-from typing import Any
-
-import torch
-from transformers import AutoTokenizer
-
-from bench import common
-from bench.acceptance import code_prompts
-from bench.checkpoints import random_pair
-from bench.common import (
-    add_output_args,
-    device_info,
-    format_table,
-    percentile,
-    shape_arg,
-    write_json,
-)
-from bench.gpu_common import LLAMA3_8B
-from bench.services import LINKS, BenchServices, apply_tier, wait_draft_connected, watch_rounds
-from specpair.client import SpecpairClient
-from specpair.config import CANDIDATE_STEPS, compute_threads
-from specpair.models.loading import is_eagle_checkpoint, read_args
-from specpair.models.tiny import make_tiny_llama
-from specpair.rpc.serving import compute_executor
-from specpair.runtime.build import build_drafter, build_states, build_target, feature_layers
-from specpair.runtime.engine import GREEDY, SpeculativeEngine
-from specpair.runtime.round_messages import RoundStats
-from specpair.runtime.sampling import SamplingParams
-from specpair.runtime.shape import TreeShape
 
 STAGES = ("draft", "draft_gpu", "draft_host", "verify", "verify_gpu", "rpc", "schedule", "total")
+
+
 WARMUP_TOKENS = 8
 
 
@@ -233,7 +256,9 @@ def same_device(a: str, b: str) -> bool:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.round_overhead services",
+        description=SERVICES_DOC,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--target", type=Path, help="target checkpoint (default: generated)")
     parser.add_argument("--draft", type=Path, help="draft checkpoint (default: generated)")
@@ -283,9 +308,9 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main() -> None:
+def services_main(argv: list[str] | None = None) -> None:
     parser = make_parser()
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     draft_device = args.draft_device or args.device
     for dev in {args.device, draft_device}:
         index = torch.device(dev).index or 0
@@ -409,6 +434,127 @@ def compare(
     for link in args.links:
         print(f"\nms per round, two services over {link}\n")
         print(format_table(headers, rows[link]))
+
+
+# --- host (was bench/host_round.py) ---
+
+HOST_DOC = """\
+The target's host work on a sampled round's trees, without any model: what the services pay
+per round besides the GPU, by batch and tier, over a Llama-3 vocabulary.
+
+Per round of B sampled chains of s drafts, each with a 64-token q (as the draft sends them),
+median µs of: the draft's `RoundResponse` encoded, the target decoding it, checking the trees
+(`validate_tree`, then the round's sparse qs at once; beside it, each tree's alone), and
+`chain_inputs` (uniforms, drafts, q for the accept); and the message's bytes.
+
+    python -m bench.round_overhead host [--batches 1 8 16] [--tiers 3 7] [--iters 200]
+"""
+
+
+VOCAB = 128256
+
+
+class Sampled:
+    """What `chain_inputs` reads of a request."""
+
+    def __init__(self, seed: int) -> None:
+        self.sampling = SamplingParams(temperature=0.7, top_p=0.95, seed=seed)
+        self.generator = make_generator(seed)
+
+
+def sampled_chain(s: int, gen: torch.Generator) -> CandidateTree:
+    """A chain of s drafts, each drawn from its own 64-token q (the draft is its first id)."""
+    ids = torch.stack([torch.randperm(VOCAB, generator=gen)[:DRAFT_SUPPORT] for _ in range(s)])
+    q = torch.softmax(torch.randn(s, DRAFT_SUPPORT, generator=gen), -1)
+    return chain(ids[:, 0].tolist(), q, ids.int())
+
+
+def median_us(fn: Callable[[], Any], iters: int) -> float:
+    fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e6 * median(times)
+
+
+def measure(batch: int, s: int, iters: int) -> dict[str, float]:
+    gen = torch.Generator().manual_seed(batch * 100 + s)
+    trees = {f"r{i}": sampled_chain(s, gen) for i in range(batch)}
+    response = RoundResponse(round_id=1, trees=trees)
+    data = wire.response_to_proto(response).SerializeToString()
+    seqs = [Sampled(i) for i in range(batch)]
+
+    def check() -> None:  # as served: structure per tree, then the round's sparse qs at once
+        for tree in trees.values():
+            validate_tree(tree, max_nodes=64, max_depth=s, vocab_size=VOCAB, sparse_q=False)
+        assert not any(sparse_q_faults(list(trees.values()), VOCAB))
+
+    def check_alone() -> None:  # each tree's sparse q on its own
+        for tree in trees.values():
+            validate_tree(tree, max_nodes=64, max_depth=s, vocab_size=VOCAB)
+
+    return {
+        "bytes": float(len(data)),
+        "encode": median_us(lambda: wire.response_to_proto(response).SerializeToString(), iters),
+        "decode": median_us(
+            lambda: wire.response_from_proto(draft_pb2.RoundResponse.FromString(data)), iters
+        ),
+        "check": median_us(check, iters),
+        "check_alone": median_us(check_alone, iters),
+        "chain_inputs": median_us(lambda: chain_inputs(seqs, list(trees.values()), s + 1), iters),
+    }
+
+
+def host_main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.round_overhead host",
+        description=HOST_DOC,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16])
+    parser.add_argument("--tiers", type=int, nargs="+", default=[3, 7])
+    parser.add_argument("--iters", type=int, default=200)
+    add_output_args(parser, "bench/out/host_round.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # as a service's event loop runs it
+    cells = [
+        {"batch": b, "tier": s, **measure(b, s, args.iters)}
+        for s in args.tiers
+        for b in args.batches
+    ]
+    write_json(Path(args.out), {"device": device_info(), "vocab": VOCAB, "cells": cells})
+    keys = ["encode", "decode", "check", "chain_inputs"]
+    rows = [
+        [
+            str(c["batch"]),
+            str(c["tier"]),
+            f"{c['bytes'] / 1024:.1f}",
+            *(f"{c[k]:.0f}" for k in keys),
+            f"{sum(c[k] for k in keys):.0f}",
+            f"{c['check_alone']:.0f}",
+        ]
+        for c in cells
+    ]
+    headers = ["batch", "tier", "KB", *(f"{k} us" for k in keys), "total us", "check alone us"]
+    print(format_table(headers, rows))
+
+
+MODES = {
+    "services": services_main,
+    "host": host_main,
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`MODE [options]`; without a mode, services's options."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return
+    mode = args.pop(0) if args and args[0] in MODES else "services"
+    MODES[mode](args)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ RoundStats: drafted requests at their own tier, the rest at 0) and writes JSON.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +31,7 @@ from typing import Any
 
 from bench import profile_costs
 from bench.acceptance import code_prompts, prose_prompts
-from bench.common import device_info, format_table, write_json
+from bench.common import device_info, format_table, median, write_json
 from bench.services import BenchServices, wait_draft_connected, watch_rounds
 from controller.policies.bands import PolicySpec
 from specpair.client import ControllerClient, SpecpairClient
@@ -109,9 +108,12 @@ def jobs_of(workload: str, tokenizer: Any, requests: int) -> list[Job]:
 
 
 def seed_profile(
-    client: SpecpairClient, ctl: ControllerClient, policy: dict[str, Any], jobs: list[Job],
+    client: SpecpairClient,
+    ctl: ControllerClient,
+    policy: dict[str, Any],
+    jobs: list[Job],
     args: argparse.Namespace,
-) -> None:  # fmt: skip
+) -> None:
     """Profiles each tier's round time at the clients' batch size and the powers of two below
     it (greedy) and hands it to the running goodput kind (a live update keeps the kind; the
     profile seeds its cost model)."""
@@ -139,10 +141,15 @@ def run_config(
     log_dir = args.log_dir / name.replace(" ", "_").replace("(", "").replace(")", "")
     log_dir.mkdir(parents=True, exist_ok=True)
     with BenchServices(
-        target=args.target, draft=args.draft if draft else None, draft_kind=args.draft_kind,
-        policy=policy, log_dir=log_dir, initial_steps=initial,
-        candidate_steps=STEPS if draft else None, target_options=("--max-batch", str(MAX_BATCH)),
-    ) as group:  # fmt: skip
+        target=args.target,
+        draft=args.draft if draft else None,
+        draft_kind=args.draft_kind,
+        policy=policy,
+        log_dir=log_dir,
+        initial_steps=initial,
+        candidate_steps=STEPS if draft else None,
+        target_options=("--max-batch", str(MAX_BATCH)),
+    ) as group:
         client = SpecpairClient(group.target, timeout=600)
         if draft:
             wait_draft_connected(client)
@@ -187,8 +194,12 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=64, help="concurrent clients (load)")
     parser.add_argument("--mixed-clients", type=int, default=8, help="concurrent clients (mixed)")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="run the configs this many times in turn; report medians")  # fmt: skip
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the configs this many times in turn; report medians",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/out/tiers.json"))
     parser.add_argument("--log-dir", type=Path, default=Path("bench/out/tiers-logs"))
     args = parser.parse_args()
@@ -217,33 +228,51 @@ def main() -> None:
             for name, (draft, policy, initial) in chosen.items():
                 runs[name].append(run_config(name, draft, policy, initial, jobs, run_args))
         results[workload] = runs
-    write_json(args.out, {
-        "device": device_info(), "new_tokens": args.new_tokens, "draft_kind": args.draft_kind,
-        "clients": {"load": args.clients, "mixed": args.mixed_clients},
-        "requests": {"load": args.load_requests, "mixed": args.mixed_requests},
-        "policies": {"goodput": GOODPUT, "per-request": PER_REQUEST},
-        "repeat": args.repeat,
-        "results": {w: {n: {"median_tokens_per_s": median_rate(rs),
-                            "runs": [{**r.__dict__, "tokens_per_s": r.tokens_per_s} for r in rs]}
-                        for n, rs in by_name.items()}
-                    for w, by_name in results.items()},
-    })  # fmt: skip
+    write_json(
+        args.out,
+        {
+            "device": device_info(),
+            "new_tokens": args.new_tokens,
+            "draft_kind": args.draft_kind,
+            "clients": {"load": args.clients, "mixed": args.mixed_clients},
+            "requests": {"load": args.load_requests, "mixed": args.mixed_requests},
+            "policies": {"goodput": GOODPUT, "per-request": PER_REQUEST},
+            "repeat": args.repeat,
+            "results": {
+                w: {
+                    n: {
+                        "median_tokens_per_s": median_rate(rs),
+                        "runs": [{**r.__dict__, "tokens_per_s": r.tokens_per_s} for r in rs],
+                    }
+                    for n, rs in by_name.items()
+                }
+                for w, by_name in results.items()
+            },
+        },
+    )
     rows = []
     for workload, by_name in results.items():
         base = median_rate(next(iter(by_name.values())))
         for name, rs in by_name.items():
             rates = sorted(r.tokens_per_s for r in rs)
-            rows.append([
-                f"{workload}: {name}", f"{median_rate(rs):.1f}", f"{median_rate(rs) / base:.3f}",
-                f"{rates[0]:.0f}–{rates[-1]:.0f}", rs[-1].tier_share(),
-            ])  # fmt: skip
-    print(f"\ntokens/s, closed loop, median of {args.repeat} run(s); ratio vs each workload's "
-          f"first row; written {args.out}\n")  # fmt: skip
+            rows.append(
+                [
+                    f"{workload}: {name}",
+                    f"{median_rate(rs):.1f}",
+                    f"{median_rate(rs) / base:.3f}",
+                    f"{rates[0]:.0f}–{rates[-1]:.0f}",
+                    rs[-1].tier_share(),
+                ]
+            )
+    print(
+        f"\ntokens/s, closed loop, median of {args.repeat} run(s); ratio vs each workload's "
+        f"first row; written {args.out}\n"
+    )
     print(format_table(["workload: config", "tokens/s", "ratio", "range", "tiers (last)"], rows))
 
 
 def median_rate(runs: list[RunResult]) -> float:
-    return statistics.median(r.tokens_per_s for r in runs)
+    return median([r.tokens_per_s for r in runs])
 
 
 if __name__ == "__main__":

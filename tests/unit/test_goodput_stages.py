@@ -1,4 +1,4 @@
-"""`bench/goodput_stages.py`: goodput replayed on a recorded run's per-cell stage times."""
+"""`bench.goodput_sim stages`: goodput replayed on a recorded run's per-cell stage times."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.common import read_json
-from bench.goodput_stages import expected, fit_rate, main, stages, tier_of
+from bench.goodput_sim import expected, fit_rate, stages, stages_main, tier_of
 from specpair.runtime.shape import TreeShape
 
 RUN = Path("bench/results/gpu_trees_eagle_h100_large.json")
@@ -31,7 +31,9 @@ def test_the_runs_cells_become_stages_per_batch_and_tier() -> None:
 
 def test_replay_reports_goodput_against_the_best_static_tier(tmp_path: Path) -> None:
     out = tmp_path / "stages.json"
-    main(["--run", str(RUN), "--rounds", "80", "--seeds", "1", "--profile", "--out", str(out)])
+    stages_main(
+        ["--run", str(RUN), "--rounds", "80", "--seeds", "1", "--profile", "--out", str(out)]
+    )
     report = json.loads(out.read_text())["batches"]
     assert report["16"]["best"] == "3" and report["64"]["best"] == "0"
     for b in ("16", "64"):
