@@ -5,7 +5,7 @@ signature `(x, cos, sin, attend) -> x`, each final `RMSNorm` for a `FusedRMSNorm
 head for a `FusedLMHead`, so `LlamaModel.forward` and `EagleHead.forward` run unchanged.
 
 At batch 1 a forward is a chain of weight reads, and every kernel boundary idles the memory bus,
-so a layer on the GPU is nine kernels (`bench/gpu_profile.py` counts them):
+so a layer on the GPU is nine kernels (`python -m bench.gpu_rounds profile` counts them):
 
     add_rmsnorm(x, down partials of the previous layer) → QKV GEMV → rope_write (q; k, v into
     the paged cache) → attention → O GEMV → add_rmsnorm → gate/up GEMV → silu·mul → down GEMV

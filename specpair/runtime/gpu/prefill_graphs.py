@@ -3,7 +3,7 @@
 Eagerly a prefill is host-bound while its prompts are few: on an H100 the grown 8B target's
 prefill of one 128-token prompt took 19.2 ms to enqueue (some 500 kernel launches, 32 layers of
 Python) for 7.4 ms of GPU work, and of eight prompts 36 ms; requests leaving a drafted batch of
-64 one or two a round paid that in every round (`bench/gpu_prefill.py`). A graph per (batch,
+64 one or two a round paid that in every round (`gpu_kernels prefill`). A graph per (batch,
 tokens) bucket replays the same forward over static buffers: prompts padded to the bucket
 (padding rows and columns see only themselves, as in the verify's graphs), the logits of each
 prompt's last row and the features (EAGLE) of every row out. Prompts past the largest bucket,

@@ -13,7 +13,7 @@ previous one (`gdc_wait`) before touching anything it wrote. Before that wait a 
 read what no kernel ever writes, the weights: a GEMV fetches its first weight tile while the
 norm, rope or attention before it still runs. The short kernels release their successor at
 once; a GEMV only after its loop (a GEMV launched beside another slowed both). What it saves:
-`bench/gpu_forward.py`'s "no-PDL" row (bench/RESULTS.md).
+`bench.gpu_kernels forward`'s "no-PDL" row (bench/RESULTS.md).
 """
 
 from __future__ import annotations
