@@ -612,9 +612,11 @@ def main() -> None:
     parser.add_argument("--no-adaptive", action="store_true",
                         help="services: no cell of SGLang's rule (adaptive)")  # fmt: skip
     parser.add_argument(
-        "--target-flags", default="", metavar="FLAGS",
+        "--target-flags",
+        default="",
+        metavar="FLAGS",
         help="more flags for the target service, e.g. '--join-group 1'",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--lab", action="append", default=[], metavar="FIELD=VALUE",
         help="a lab switch for the services, e.g. no_prompt_handoff=1 (ARCHITECTURE.md, "

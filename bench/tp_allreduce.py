@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -23,16 +22,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.common import device_info, format_table, write_json
+from bench.services import free_address
 from specpair.models import parallel
 
 SUMS = 32  # a graph's sums: as many as a forward's row-parallel layers, order of magnitude
 REPLAYS = 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _time_graph(reduce: Any, x: torch.Tensor, world: int) -> tuple[float, bool]:
@@ -108,7 +102,7 @@ def main() -> None:
     args = parser.parse_args()
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    port = int(free_address().rsplit(":", 1)[1])
     procs = [
         context.Process(target=_rank, args=(r, args.world, port, args.rows, args.hidden, results))
         for r in range(args.world)
