@@ -6,7 +6,8 @@ runs the `specpair up` command (its defaults: max batch, tiers 0/1/3/7, the cont
 SGLang rule) on free ports and changes nothing behind it but what the ops API offers a user:
 `ctl pin N` and a policy update. Configurations, each on the one running deployment:
 
-- `sglang`: the policy `up` starts with (SGLang's rule over tiers 1/3/7), first, untouched;
+- `sglang`: the policy `up` starts with (SGLang's rule over tiers 1/3/7, the target alone from
+  a batch of 33), first, untouched;
 - `goodput`: the goodput kind over tiers 0/1/3/7, set live (`ctl policy kind=goodput …`),
   afresh from tier 3;
 - `tier 0`: pinned to tier 0, the target alone (`up` builds its runtime state at start-up so
@@ -107,6 +108,8 @@ def up_command(args: argparse.Namespace, target: Path, draft: Path) -> list[str]
     ]  # fmt: skip
     if args.token_map:
         command += ["--draft-token-map", str(args.token_map)]
+    if args.max_batch:
+        command += ["--max-batch", str(args.max_batch)]
     return command
 
 
@@ -318,6 +321,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     parser.add_argument("--top-p", type=float, default=0.95, help="of the sampled workloads")
     parser.add_argument("--tiers", type=int, nargs="*", default=[7], help="pinned, beside 0")
+    parser.add_argument("--max-batch", type=int, help="`up --max-batch` (default: up's)")
     parser.add_argument("--doors", nargs="+", choices=DOORS, default=list(DOORS))
     parser.add_argument("--repeats", type=int, default=2,
                         help="turns over the doors per configuration, pooled")  # fmt: skip

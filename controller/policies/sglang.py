@@ -64,10 +64,13 @@ class PolicyConfig(PolicyKeys):
 
     def __post_init__(self) -> None:
         steps = self.candidate_steps
-        normalized = check_steps(steps, minimum=1)
-        if len(normalized) < 2:
+        normalized = check_steps(steps, minimum=0)
+        # [0] alone is speculation off (a band of large batches: the target alone); beside
+        # other tiers 0 could never be chosen back (no accept lengths come from a tier-0 round)
+        if normalized != (0,) and (0 in normalized or len(normalized) < 2):
             raise ValueError(
-                f"candidate_steps needs at least two distinct tiers, got {list(steps)}"
+                "candidate_steps needs at least two distinct tiers of at least 1, or [0] alone "
+                f"(speculation off), got {list(steps)}"
             )
         object.__setattr__(self, "candidate_steps", normalized)
         check_gates(self)

@@ -130,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
         "from --device's on: cuda:K … cuda:K+N-1, the draft on cuda:K unless --draft-device",
     )
     up.add_argument(
+        "--max-batch",
+        type=int,
+        metavar="N",
+        help="requests the target decodes together (`serve target --max-batch`; default: 64 on "
+        "a GPU, 16 on the CPU); each batch bucket up to it has its graphs built at start-up",
+    )
+    up.add_argument(
         "--deterministic",
         action="store_true",
         help="the target's batch-invariant mode (CUDA; see `serve target --help`)",
@@ -143,7 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
         "more; default: none); `ctl pin` it, or list it in a goodput policy's "
         "tree_shapes",
     )
-    up.add_argument("--policy", type=Path, help="the controller's policy JSON file")
+    up.add_argument(
+        "--policy",
+        type=Path,
+        help="the controller's policy JSON file (default: SGLang's rule over tiers 1/3/7, the "
+        "target alone from a batch of 33 up)",
+    )
     up.add_argument("--demo", action="store_true", help="run the demo client once it is up")
 
     gen = sub.add_parser("generate", help="generate from a running target")

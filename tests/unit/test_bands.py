@@ -127,7 +127,7 @@ def test_kind_switch_keeps_shared_keys_and_bands() -> None:
     assert goodput.kind == "goodput" and goodput.candidate_steps == (1, 3)
     assert [b.min_batch_size for b in goodput.bands] == [1, 8]
     with_zero = goodput.replace_partial(candidate_steps=[0, 1, 3])
-    with pytest.raises(ValueError, match=r"candidate_steps must be ints in \[1, 64\]"):
+    with pytest.raises(ValueError, match=r"two distinct tiers of at least 1, or \[0\] alone"):
         with_zero.replace_partial(kind="sglang")
     assert with_zero.replace_partial(kind="sglang", candidate_steps=[1, 3]).kind == "sglang"
     with pytest.raises(ValueError, match="chosen at start-up"):
@@ -195,3 +195,22 @@ def test_policy_class_by_import_path() -> None:
         PolicySpec.from_mapping({"kind": "controller.policies.interface:DecisionGate"})
     with pytest.raises(ValueError, match="failed"):
         PolicySpec.from_mapping({"kind": "collections:OrderedDict"})
+
+
+def test_ups_policy_turns_speculation_off_from_batch_33_and_back_on_below() -> None:
+    from specpair.cli.launcher import UP_POLICY
+
+    spec = PolicySpec.from_mapping(UP_POLICY)
+    assert spec.kind == "sglang" and spec.candidate_steps == (0, 1, 3, 7)
+    policy = spec.build(3)
+    assert policy.observe(RoundSample(3, 33, (2,) * 33)) is True and policy.current_steps == 0
+    for batch in (40, 64):  # the target alone: no accept lengths, the band stays at 0
+        assert policy.observe(RoundSample(0, batch, ())) is False and policy.current_steps == 0
+    assert policy.observe(RoundSample(0, 32, ())) is True and policy.current_steps == 3
+    assert "band 1–32" in policy.describe()
+
+
+@pytest.mark.parametrize("steps", [[0, 1], [0, 3, 7], [1]])
+def test_sglang_takes_tier_0_only_alone(steps: list[int]) -> None:
+    with pytest.raises(ValueError, match=r"two distinct tiers of at least 1, or \[0\] alone"):
+        PolicyConfig(candidate_steps=tuple(steps))

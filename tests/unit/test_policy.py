@@ -173,9 +173,9 @@ def test_config_defaults_and_normalization() -> None:
     [
         ({"candidate_steps": [3]}, "candidate_steps needs at least two"),
         ({"candidate_steps": [3, 3]}, "candidate_steps needs at least two"),
-        ({"candidate_steps": [0, 1]}, r"candidate_steps must be ints in \[1, 64\]"),
-        ({"candidate_steps": [1, 2.5]}, r"candidate_steps must be ints in \[1, 64\]"),
-        ({"candidate_steps": [1, 2**62]}, r"candidate_steps must be ints in \[1, 64\]"),
+        ({"candidate_steps": [0, 1]}, r"at least 1, or \[0\] alone"),
+        ({"candidate_steps": [1, 2.5]}, r"candidate_steps must be ints in \[0, 64\]"),
+        ({"candidate_steps": [1, 2**62]}, r"candidate_steps must be ints in \[0, 64\]"),
         ({"candidate_steps": 3}, "candidate_steps must be a list"),
         ({"ema_alpha": 0}, r"ema_alpha must be in \(0, 1\]"),
         ({"ema_alpha": 1.5}, r"ema_alpha must be in \(0, 1\]"),
