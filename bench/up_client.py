@@ -322,6 +322,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--top-p", type=float, default=0.95, help="of the sampled workloads")
     parser.add_argument("--tiers", type=int, nargs="*", default=[7], help="pinned, beside 0")
     parser.add_argument("--max-batch", type=int, help="`up --max-batch` (default: up's)")
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=["goodput"], help="configurations left out"
+    )
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="run every cell once unrecorded first (the first config otherwise "
+        "pays each batch size's first kernels)",
+    )
     parser.add_argument("--doors", nargs="+", choices=DOORS, default=list(DOORS))
     parser.add_argument("--repeats", type=int, default=2,
                         help="turns over the doors per configuration, pooled")  # fmt: skip
@@ -342,6 +351,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ]  # fmt: skip
     # the pins come last: SGLang's rule lists no tier 0, the goodput kind does (`apply`)
     configs = ["sglang", "goodput", "tier 0", *(f"tier {t}" for t in args.tiers)]
+    configs = [c for c in configs if c.split()[0] not in args.skip]
     command = up_command(args, target, draft)
     cells: list[UpCell] = []
 
@@ -365,6 +375,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     with running_up(command, args.out.with_suffix(".log")) as up:
         wait_draft_connected(SpecpairClient(up.target, timeout=60))
         ctl = ControllerClient(up.controller, token=up.token, timeout=30)
+        if args.warm:  # every batch size once, unrecorded: first shapes' kernels, buckets
+            run_cells(up, "warm", workloads, counts, args.new_tokens, args.doors, 1, lambda c: None)
         for config in configs:
             print(config, flush=True)
             apply(ctl, config)
