@@ -6,8 +6,7 @@ runs the `specpair up` command (its defaults: max batch, tiers 0/1/3/7, the cont
 SGLang rule) on free ports and changes nothing behind it but what the ops API offers a user:
 `ctl pin N` and a policy update. Configurations, each on the one running deployment:
 
-- `sglang`: the policy `up` starts with (SGLang's rule over tiers 1/3/7, the target alone from
-  a batch of 33), first, untouched;
+- `sglang`: the policy `up` starts with (SGLang's rule over tiers 1/3/7), first, untouched;
 - `goodput`: the goodput kind over tiers 0/1/3/7, set live (`ctl policy kind=goodput …`),
   afresh from tier 3;
 - `tier 0`: pinned to tier 0, the target alone (`up` builds its runtime state at start-up so

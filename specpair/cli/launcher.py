@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import signal
@@ -124,7 +123,8 @@ def up_services(args: argparse.Namespace, token: str | None = None) -> tuple[lis
     if args.draft_token_map:
         draft_args += ("--token-map", str(args.draft_token_map))
     controller_args: tuple[str, ...] = ("controller", "--target", env_address("target"))
-    controller_args += ("--policy", str(args.policy or up_policy_file()))
+    if args.policy:
+        controller_args += ("--policy", str(args.policy))
     from specpair.runtime.build import feature_layers  # torch: only when starting services
 
     # Tier 0 (the target alone) is built too: the demo measures tokens/s against it.
@@ -149,29 +149,9 @@ def up_services(args: argparse.Namespace, token: str | None = None) -> tuple[lis
     return services, note
 
 
-# `up`'s policy where none is given: SGLang's rule over tiers 1/3/7, and the target alone from
-# a batch of 33 up (the 64-row graph bucket), where every tier lost on an H200 with the grown
-# 8B pair and the EAGLE-3 head: 64 clients tier 7 0.95× greedy and 0.73× sampled, against
-# 1.41× and 1.09× at 32 (bench/RESULTS.md, "up_client", the load sweep).
-UP_POLICY = {
-    "kind": "sglang",
-    "candidate_steps": [1, 3, 7],
-    "bands": [{"min_batch_size": 33, "candidate_steps": [0]}],
-}
 # `up`'s max batch on a GPU (the target's own default, 16, elsewhere): 64 concurrent requests
 # decode together, the graph buckets 1 … 64 built at start-up.
 UP_GPU_MAX_BATCH = 64
-
-
-def up_policy_file() -> Path:
-    """Where `up` writes `UP_POLICY` for its controller when no --policy is given."""
-    return cache_dir() / "up-policy.json"
-
-
-def write_up_policy() -> None:
-    path = up_policy_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(UP_POLICY, indent=2) + "\n")
 
 
 def ops_token_file() -> Path:
@@ -215,13 +195,6 @@ def run_up(args: argparse.Namespace, check: Callable[[Sequence[str]], object]) -
     """`check`: a service's `serve` arguments, validated as `serve` validates them (ValueError
     naming the fault): every service is checked before the first starts, so a bad policy file
     fails in a second, not after both models have loaded."""
-    if args.policy is None:
-        try:
-            write_up_policy()
-        except OSError as exc:
-            message = f"specpair up: error: cannot write its policy ({exc}): give --policy FILE"
-            print(message, file=sys.stderr)
-            return 2
     token = os.environ.get(TOKEN_ENV) or group_token()
     services, note = up_services(args, token)
     print(f"specpair up: {note}", flush=True)

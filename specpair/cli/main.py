@@ -150,12 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         "more; default: none); `ctl pin` it, or list it in a goodput policy's "
         "tree_shapes",
     )
-    up.add_argument(
-        "--policy",
-        type=Path,
-        help="the controller's policy JSON file (default: SGLang's rule over tiers 1/3/7, the "
-        "target alone from a batch of 33 up)",
-    )
+    up.add_argument("--policy", type=Path, help="the controller's policy JSON file")
     up.add_argument("--demo", action="store_true", help="run the demo client once it is up")
 
     gen = sub.add_parser("generate", help="generate from a running target")

@@ -197,10 +197,10 @@ def test_policy_class_by_import_path() -> None:
         PolicySpec.from_mapping({"kind": "collections:OrderedDict"})
 
 
-def test_ups_policy_turns_speculation_off_from_batch_33_and_back_on_below() -> None:
-    from specpair.cli.launcher import UP_POLICY
-
-    spec = PolicySpec.from_mapping(UP_POLICY)
+def test_an_sglang_band_of_tier_0_alone_turns_speculation_off_and_back_on_below() -> None:
+    spec = PolicySpec.from_mapping(
+        {"candidate_steps": [1, 3, 7], "bands": [{"min_batch_size": 33, "candidate_steps": [0]}]}
+    )
     assert spec.kind == "sglang" and spec.candidate_steps == (0, 1, 3, 7)
     policy = spec.build(3)
     assert policy.observe(RoundSample(3, 33, (2,) * 33)) is True and policy.current_steps == 0

@@ -7,7 +7,7 @@ import json
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -347,34 +347,6 @@ def test_up_passes_max_batch_to_the_target_and_its_config_reads_it(
     services, _ = up_services(parser.parse_args(["up", "--device", "cuda"]))
     target = next(s for s in services if s.name == "target")
     assert config_from_args(parser.parse_args(["serve", *target.args])).max_batch == 64
-
-
-def test_up_without_a_policy_writes_its_own_and_the_controller_reads_it(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    from controller.policies.bands import PolicySpec
-    from controller.service.server import load_policy
-    from specpair.cli.launcher import UP_POLICY, run_up, up_services
-    from specpair.cli.main import build_parser, config_from_args
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    parser = build_parser()
-    checked: list[Path] = []
-
-    def check(argv: Sequence[str]) -> None:  # stops `up` at the first check, the controller's
-        config = config_from_args(parser.parse_args(["serve", *argv]))
-        if argv[0] == "controller":
-            assert config.policy_file is not None
-            checked.append(config.policy_file)
-            raise ValueError("stop here")
-
-    assert run_up(parser.parse_args(["up"]), check) == 2
-    assert json.loads(checked[0].read_text()) == UP_POLICY
-    assert load_policy(checked[0]) == PolicySpec.from_mapping(UP_POLICY)
-    given = tmp_path / "mine.json"
-    services, _ = up_services(parser.parse_args(["up", "--policy", str(given)]))
-    controller = next(s for s in services if s.name == "controller")
-    assert controller.args[controller.args.index("--policy") + 1] == str(given)
 
 
 def test_up_keeps_compiled_kernels_under_its_cache_unless_told(
