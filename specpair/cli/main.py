@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         help="requests the target decodes together (`serve target --max-batch`; default: 64 on "
-        "a GPU, 16 on the CPU); each batch bucket up to it has its graphs built at start-up",
+        "a GPU, 16 on the CPU); each batch bucket up to it has its graphs built at start-up, "
+        "and the KV cache holds N x max_len tokens: lower it where GPU memory is short",
     )
     up.add_argument(
         "--deterministic",
