@@ -145,6 +145,7 @@ def _build_scheduler(
         threads=config.threads,
         device=config.device,
         handoff=not config.no_prompt_handoff,
+        feed_at_tier_0=config.feed_draft_at_tier_0,
     )
     return scheduler, builder, ranks
 

@@ -197,6 +197,14 @@ class TargetConfig(ModelServiceConfig):
             "keeps it off the round's path)"
         ),
     )
+    feed_draft_at_tier_0: bool = field(
+        default=False,
+        metadata=lab(
+            "in a round at tier 0, send the draft what it has not seen (it only extends, "
+            "beside the verify, answered after it), so that a positive tier after it appends "
+            "one token a request, not every token decoded at tier 0 (and its features)"
+        ),
+    )
     deterministic: bool = field(
         default=False,
         metadata=option(

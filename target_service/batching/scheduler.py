@@ -62,6 +62,7 @@ class Scheduler:
         threads: int = 1,
         device: str = "cpu",
         handoff: bool = True,
+        feed_at_tier_0: bool = False,
     ) -> None:
         self.worker = worker
         self.handoff = handoff  # joins' prompts go to the draft beside a round (`_admit_beside`)
@@ -80,7 +81,13 @@ class Scheduler:
         self._wakeup = asyncio.Event()
         self.feed = RoundFeed(metrics, max_watchers)  # each round's RoundStats, for WatchRounds
         self.round: TargetRound[ServedRequest] = TargetRound(
-            worker, self.session, draft, self.compute, metrics=metrics, publish=self.feed.publish
+            worker,
+            self.session,
+            draft,
+            self.compute,
+            metrics=metrics,
+            publish=self.feed.publish,
+            feed_at_tier_0=feed_at_tier_0,
         )
         self._draft = draft
 

@@ -385,7 +385,7 @@ async def test_update_policy_error_does_not_echo_a_huge_list(ckpts, make_stack) 
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{controller.port}") as channel:
             stub = controller_pb2_grpc.ControllerServiceStub(channel)
-            request = controller_pb2.UpdatePolicyRequest(candidate_steps=[0] * 100_000)
+            request = controller_pb2.UpdatePolicyRequest(candidate_steps=[1] * 100_000)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.UpdatePolicy(request, timeout=10)
     finally:

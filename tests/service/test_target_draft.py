@@ -476,3 +476,44 @@ async def test_a_request_joining_beside_a_round_has_its_prompt_handed_off(
         assert mine[:2] == [(0, len(joiner)), (3, 1)]  # the prompt, then its first token
     else:
         assert mine[0] == (3, len(joiner) + 1) and all(tier for tier, _ in mine)
+
+
+@pytest.mark.parametrize("feed", [True, False])
+async def test_rounds_at_tier_0_keep_the_draft_fed_when_told(ckpts, make_stack, feed: bool) -> None:
+    """An EAGLE request decoded at tier 0, then at tier 3. Fed (`feed_draft_at_tier_0`, a
+    lab switch), each tier-0 round sends the draft what it has not seen, so the first tier-3
+    round appends one token; unfed, the draft hears nothing at tier 0, and the first tier-3
+    round carries the prompt and every token decoded since. Its tokens are the target alone's
+    either way."""
+    target = target_config(
+        ckpts["target"], candidate_steps=(0, 3), initial_steps=0, feed_draft_at_tier_0=feed
+    )
+    stack = await make_stack(
+        draft_config(ckpts["eagle"], draft_kind="eagle", target_path=ckpts["target"]), target
+    )
+    rounds = stack.draft.servicer.rounds
+    seen: list[tuple[int, int]] = []  # (tier, tokens appended) per input
+    draft = rounds.draft
+
+    def recording(stream_id: str, request: Any) -> Any:
+        seen.extend((request.speculative_num_steps, len(i.appended)) for i in request.inputs)
+        return draft(stream_id, request)
+
+    rounds.draft = recording
+    prompt = PROMPTS[1]
+    tokens: list[int] = []
+    call = stack.stub.Generate(
+        target_pb2.GenerateRequest(prompt_token_ids=prompt, max_tokens=MAX_TOKENS)
+    )
+    async for r in call:
+        tokens += r.token_ids
+        if len(tokens) == 6:  # six rounds at tier 0
+            await stack.stub.ApplyTier(target_pb2.ApplyTierRequest(speculative_num_steps=3))
+    assert tokens == reference_greedy(ckpts["target"], [prompt], MAX_TOKENS)[0]
+    fed = [n for tier, n in seen if tier == 0]
+    first = next(n for tier, n in seen if tier == 3)
+    if feed:
+        assert fed[0] == len(prompt) + 1 and set(fed[1:]) == {1}, fed
+        assert len(fed) >= 6 and first == 1
+    else:
+        assert not fed and first >= len(prompt) + 6

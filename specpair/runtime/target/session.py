@@ -137,19 +137,47 @@ class DraftSession:
             own = tier if steps is None else steps[i]
             if own == 0:
                 continue
-            view = self.views[seq.request_id]
-            self._renew(view, epoch)
-            seen, prompt = view.seen, len(seq.prompt)
-            if seen >= prompt:
-                appended = tuple(seq.output[seen - prompt :])
-            else:
-                appended = (*seq.prompt[seen:], *seq.output)
-            rows = view.features.since(seen - 1) if features else None
             own = 0 if own == tier else own  # 0 on the wire: the round's tier
-            inputs.append(DraftInput(seq.request_id, appended, seq.sampling, rows, own))
+            inputs.append(self._unseen(seq, epoch, features, own))
         released = tuple(self._released)
         self._released.clear()
         return RoundRequest(round_id, tier, tuple(inputs), released, shape)
+
+    def feed(
+        self,
+        round_id: int,
+        seqs: Sequence[TargetSequence],
+        *,
+        epoch: int | Mapping[str, int] = 0,
+        features: bool = False,
+    ) -> RoundRequest:
+        """A round at tier 0 for `seqs`: what `request` would send each (the draft only
+        extends, and answers with empty chains), so that the next round at a positive tier
+        appends one token a request. Worked example: seen 4 of prompt [5, 6, 7] + output
+        [8, 9, 4, 2] → appended (2,) with the row of 4; the draft answers, seen = 7."""
+        inputs = tuple(self._unseen(seq, epoch, features, 0) for seq in seqs)
+        released = tuple(self._released)
+        self._released.clear()
+        return RoundRequest(round_id, 0, inputs, released)
+
+    def _unseen(
+        self,
+        seq: TargetSequence,
+        epoch: int | Mapping[str, int],
+        features: bool,
+        steps: int,
+    ) -> DraftInput:
+        """`seq`'s tokens the draft has not seen (with `features`, the rows that predicted
+        them), on its stream `epoch`; `steps`: its own tier on the wire (0: the round's)."""
+        view = self.views[seq.request_id]
+        self._renew(view, epoch)
+        seen, prompt = view.seen, len(seq.prompt)
+        if seen >= prompt:
+            appended = tuple(seq.output[seen - prompt :])
+        else:
+            appended = (*seq.prompt[seen:], *seq.output)
+        rows = view.features.since(seen - 1) if features else None
+        return DraftInput(seq.request_id, appended, seq.sampling, rows, steps)
 
     def handoff(
         self,

@@ -83,10 +83,12 @@ class TargetRound(Generic[B]):
         *,
         metrics: ServiceMetrics | None = None,
         publish: Callable[[RoundStats], None] | None = None,
+        feed_at_tier_0: bool = False,
     ) -> None:
         self.worker, self.session, self.draft, self.compute = worker, session, draft, compute
         self.metrics = metrics
         self.publish = publish
+        self.feed_at_tier_0 = feed_at_tier_0  # `feed`'s switch
 
     async def start(
         self,
@@ -105,7 +107,9 @@ class TargetRound(Generic[B]):
             self.session.no_stream()
             return flight
         if state is None or state.tier == 0:
-            return flight  # target-only: the draft is not called (releases wait for a round)
+            if state is not None and self.feed_at_tier_0:
+                await self.feed(flight, draft)
+            return flight  # target-only: no drafts (releases wait for a round)
         flight.request = self.session.request(
             round_id,
             seqs,
@@ -196,6 +200,17 @@ class TargetRound(Generic[B]):
             return
         sent = await draft.send(request)
         if sent is not None:
+            flight.handoff = (request, sent)
+
+    async def feed(self, flight: Flight[B], draft: DraftTransport) -> None:
+        """A round at tier 0: sends the draft every token of `flight` it has not seen (a tier-0
+        request: it only extends), behind nothing, answered after the verify as a hand-off
+        is. Without it a request decoded at tier 0 for n tokens sends all n (with an EAGLE
+        head, n feature rows) in its next round at a positive tier, on that round's path."""
+        request = self.session.feed(
+            flight.round_id, flight.seqs, epoch=draft.epochs(flight.seqs), features=draft.features
+        )
+        if (sent := await draft.send(request)) is not None:
             flight.handoff = (request, sent)
 
     async def _handoff_answer(self, flight: Flight[B], request: RoundRequest, sent: int) -> None:
