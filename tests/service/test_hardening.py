@@ -18,20 +18,18 @@ from structlog.testing import capture_logs
 
 from specpair.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specpair.rpc import wire
-from specpair.rpc.metrics import ServiceMetrics
 from specpair.rpc.wire import response_to_proto
-from specpair.runtime.build import build_states, build_target
+from specpair.runtime.build import build_target
 from specpair.runtime.round_messages import RoundResponse
 from specpair.runtime.sampling import SamplingParams
-from specpair.runtime.shape import TreeShape
 from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import chain
-from target_service.batching.scheduler import Scheduler
 from target_service.batching.served import ServedRequest
 from tests.service.conftest import (
     draft_config,
     eventually,
     fake_draft,
+    one_tier_scheduler,
     reference_greedy,
     target_config,
 )
@@ -184,15 +182,7 @@ async def test_more_requests_than_draft_slots_keeps_the_others_speculating(
 
 async def test_request_expired_in_the_queue_is_not_prefilled(ckpts) -> None:
     worker = build_target(ckpts["target"], max_requests=2, max_len=64)
-    scheduler = Scheduler(
-        worker,
-        build_states([TreeShape(3)], worker),
-        initial_tier=TreeShape(3),
-        max_batch=2,
-        max_queue=4,
-        draft=None,
-        metrics=ServiceMetrics("target"),
-    )
+    scheduler = one_tier_scheduler(worker, tier=3, max_batch=2)
     prefilled: list[str] = []
     prefill = worker.prefill
 
