@@ -16,6 +16,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from structlog.testing import capture_logs
 
+from bench.common import free_address
 from specpair.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specpair.rpc import wire
 from specpair.rpc.wire import response_to_proto
@@ -596,14 +597,8 @@ async def test_mutual_tls_between_the_services_and_for_clients(ckpts, tmp_path) 
 async def test_metrics_count_tokens_answer_only_their_path_and_each_service_its_own(
     ckpts, make_stack
 ) -> None:
-    import socket
     import urllib.error
     import urllib.request
-
-    def free_address() -> str:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return f"127.0.0.1:{s.getsockname()[1]}"
 
     def get(url: str) -> tuple[int, str]:
         try:
