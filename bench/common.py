@@ -1,4 +1,5 @@
-"""Helpers every benchmark shares: device description, timing statistics, tables, JSON output."""
+"""Helpers every benchmark shares: device description, free ports, timing statistics, tables,
+JSON output."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import math
 import os
 import platform
+import socket
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,6 +51,17 @@ def shape_arg(text: str) -> TreeShape:
         return TreeShape.parse(text)
     except ShapeError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def free_port() -> int:
+    """A loopback port free now; the kernel may lend it again before the caller binds it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def free_address() -> str:
+    return f"127.0.0.1:{free_port()}"
 
 
 def device_info() -> dict[str, Any]:

@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -16,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from bench.common import free_address
 from specpair.cli.group import Service, ServiceGroup
 from specpair.client import SpecpairClient
 from specpair.config.option import lab_variable
@@ -27,12 +27,6 @@ from specpair.runtime.round_messages import RoundStats
 from specpair.runtime.shape import TreeShape
 
 LINKS = ("tcp", "unix")
-
-
-def free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def link_address(link: str, name: str) -> tuple[str, str | None]:

@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.common import device_info, format_table, write_json
-from bench.services import free_address
+from bench.common import device_info, format_table, free_port, write_json
 from specpair.models import parallel
 
 SUMS = 32  # a graph's sums: as many as a forward's row-parallel layers, order of magnitude
@@ -102,7 +101,7 @@ def main() -> None:
     args = parser.parse_args()
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = int(free_address().rsplit(":", 1)[1])
+    port = free_port()
     procs = [
         context.Process(target=_rank, args=(r, args.world, port, args.rows, args.hidden, results))
         for r in range(args.world)

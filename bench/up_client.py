@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import device_info, format_table, grouped_bars, write_json
+from bench.common import device_info, format_table, free_address, grouped_bars, write_json
 from bench.gpu_speedup import (
     GOODPUT,
     Workload,
@@ -54,7 +54,7 @@ from bench.gpu_speedup import (
     make_workloads,
     request_counts,
 )
-from bench.services import free_address, wait_draft_connected
+from bench.services import wait_draft_connected
 from specpair.cli.launcher import READY
 from specpair.cli.options import TOKEN_ENV
 from specpair.client import ControllerClient, SpecpairClient

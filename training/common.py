@@ -1,11 +1,12 @@
-"""Shared training plumbing: seeds, batches, the time-budgeted AdamW loop, perplexity, plots."""
+"""Shared training plumbing: seeds, batches, the time-budgeted AdamW loop, evaluation, records."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,23 @@ def lm_perplexity(model: nn.Module, windows: torch.Tensor, batch: int = 32) -> f
         total += loss.item()
         count += w[:, 1:].numel()
     return math.exp(total / max(count, 1))
+
+
+def heldout_by_step(
+    step_stats: Callable[[torch.Tensor], Sequence[Sequence[float]]],
+    windows: torch.Tensor,
+    device: torch.device,
+    shape: tuple[int, int],
+    batch: int = 16,
+) -> np.ndarray:
+    """Per unroll step, each statistic `step_stats` gives a batch of held-out windows, averaged
+    over the batches: [steps, stats] (`shape`)."""
+    sums = np.zeros(shape)
+    with torch.no_grad(), autocast(device):
+        for i in range(0, len(windows), batch):
+            st = step_stats(windows[i : i + batch].to(device))
+            sums += np.array([[float(v) for v in s] for s in st])
+    return sums / max(1, -(-len(windows) // batch))
 
 
 @dataclass(frozen=True)
@@ -210,3 +228,26 @@ def plot_loss(curve: list[float], path: Path, title: str, tokens_per_step: int, 
     fig.savefig(path)
     plt.close(fig)
     print(f"saved {path}")
+
+
+def curve_stats(curve: list[float], tokens_per_step: int, train_s: float) -> dict[str, object]:
+    """What every training_stats.json says of the loop: tokens seen, seconds, the final loss."""
+    return {
+        "tokens_seen": len(curve) * tokens_per_step,
+        "train_seconds": round(train_s, 1),
+        "final_train_loss": round(sum(curve[-20:]) / len(curve[-20:]), 4),
+    }
+
+
+def save_run(
+    out_dir: Path,
+    stats: dict[str, object],
+    curve: list[float],
+    plot: Path,
+    title: str,
+    tokens_per_step: int,
+    note: str,
+) -> None:
+    """The run's record: its loss plot at `plot` and its stats beside the weights."""
+    plot_loss(curve, plot, title, tokens_per_step, note)
+    (out_dir / "training_stats.json").write_text(json.dumps(stats, indent=1) + "\n")

@@ -13,7 +13,6 @@ trains the head for the chains it drafts at serving time.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -27,12 +26,14 @@ from training.common import (
     Batches,
     Schedule,
     autocast,
+    curve_stats,
     device_name,
     frozen_lm,
+    heldout_by_step,
     heldout_windows,
     model_dtype,
     pick_device,
-    plot_loss,
+    save_run,
     seed_all,
     train_loop,
 )
@@ -115,12 +116,9 @@ def train_eagle(
     # Held-out per-step numbers, with the head cast to bf16 as shipped and no input noise.
     head = head.to(dtype).eval()
     windows = heldout_windows(heldout_ids, seq_len, 256 * seq_len)
-    sums = np.zeros((unroll, 3))
-    with torch.no_grad(), autocast(device):
-        for i in range(0, len(windows), 16):
-            _, st = eagle_losses(head, target, windows[i : i + 16].to(device), unroll, 0.0)
-            sums += np.array([[float(v) for v in s] for s in st])
-    per_step = sums / max(1, -(-len(windows) // 16))
+    per_step = heldout_by_step(
+        lambda w: eagle_losses(head, target, w, unroll, 0.0)[1], windows, device, (unroll, 3)
+    )
     for k, (reg, ce, match) in enumerate(per_step):
         print(f"[eagle] held-out step {k}: smooth-L1 {reg:.4f} CE {ce:.3f} top-1 match {match:.3f}")
     save_head(head, out_dir)
@@ -133,14 +131,14 @@ def train_eagle(
         "unroll": unroll,
         "ce_weight": ce_weight,
         "intermediate_size": head.config.intermediate_size,
-        "tokens_seen": len(curve) * batch * seq_len,
-        "train_seconds": round(train_s, 1),
-        "final_train_loss": round(sum(curve[-20:]) / len(curve[-20:]), 4),
+        **curve_stats(curve, batch * seq_len, train_s),
         "heldout_top1_match_by_step": [round(float(m), 4) for m in per_step[:, 2]],
         "heldout_ce_by_step": [round(float(c), 4) for c in per_step[:, 1]],
         "device": device_name(device),
     }
-    plot_loss(
+    save_run(
+        out_dir,
+        stats,
         curve,
         plots_dir / f"{out_dir.name}_loss.png",
         f"EAGLE head: {n_params / 1e6:.2f}M params, {len(curve)} steps, unroll {unroll}",
@@ -148,7 +146,6 @@ def train_eagle(
         "held-out top-1 match with target by step: "
         + " / ".join(f"{m:.2f}" for m in per_step[:, 2]),
     )
-    (out_dir / "training_stats.json").write_text(json.dumps(stats, indent=1) + "\n")
     return stats
 
 

@@ -22,7 +22,6 @@ in the space the target's own head reads, instead of from noise).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -37,12 +36,14 @@ from training.common import (
     Batches,
     Schedule,
     autocast,
+    curve_stats,
     device_name,
     frozen_lm,
+    heldout_by_step,
     heldout_windows,
     model_dtype,
     pick_device,
-    plot_loss,
+    save_run,
     seed_all,
     train_loop,
 )
@@ -146,12 +147,9 @@ def train_eagle3(
 
     head = head.to(dtype).eval()
     windows = heldout_windows(heldout_ids, seq_len, 256 * seq_len)
-    sums = np.zeros((ttt_steps, 2))
-    with torch.no_grad(), autocast(device):
-        for i in range(0, len(windows), 16):
-            _, st = ttt_losses(head, target, windows[i : i + 16].to(device), ttt_steps, layers)
-            sums += np.array([[float(v) for v in s] for s in st])
-    per_step = sums / max(1, -(-len(windows) // 16))
+    per_step = heldout_by_step(
+        lambda w: ttt_losses(head, target, w, ttt_steps, layers)[1], windows, device, (ttt_steps, 2)
+    )
     for k, (ce, match) in enumerate(per_step):
         print(f"[eagle3] held-out step {k}: CE {ce:.3f} top-1 match {match:.3f}")
     save_head(head, out_dir)
@@ -169,21 +167,20 @@ def train_eagle3(
         "init_from_target": init_from_target,
         "init_from": str(init_from) if init_from else None,
         "intermediate_size": intermediate_size,
-        "tokens_seen": len(curve) * batch * seq_len,
-        "train_seconds": round(train_s, 1),
-        "final_train_loss": round(sum(curve[-20:]) / len(curve[-20:]), 4),
+        **curve_stats(curve, batch * seq_len, train_s),
         "heldout_top1_match_by_step": [round(float(m), 4) for m in per_step[:, 1]],
         "heldout_ce_by_step": [round(float(c), 4) for c in per_step[:, 0]],
         "device": device_name(device),
     }
-    plot_loss(
+    save_run(
+        out_dir,
+        stats,
         curve,
         plots_dir / f"{out_dir.name}_loss.png",
         f"EAGLE-3 head: {n_params / 1e6:.2f}M params, {len(curve)} steps, TTT {ttt_steps}",
         batch * seq_len,
         "held-out top-1 match by step: " + " / ".join(f"{m:.2f}" for m in per_step[:, 1]),
     )
-    (out_dir / "training_stats.json").write_text(json.dumps(stats, indent=1) + "\n")
     return stats
 
 

@@ -6,7 +6,6 @@ python -m training.train_lm --kind target --tokenizer models/target --out models
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -21,11 +20,12 @@ from training.common import (
     Batches,
     Schedule,
     autocast,
+    curve_stats,
     device_name,
     heldout_windows,
     lm_perplexity,
     pick_device,
-    plot_loss,
+    save_run,
     seed_all,
     train_loop,
 )
@@ -122,20 +122,19 @@ def train_lm(
         "steps": len(curve),
         "batch": batch,
         "seq_len": seq_len,
-        "tokens_seen": len(curve) * batch * seq_len,
-        "train_seconds": round(train_s, 1),
-        "final_train_loss": round(sum(curve[-20:]) / len(curve[-20:]), 4),
+        **curve_stats(curve, batch * seq_len, train_s),
         "heldout_ppl": round(ppl, 3),
         "device": device_name(device),
     }
-    plot_loss(
+    save_run(
+        out_dir,
+        stats,
         curve,
         plots_dir / f"{kind}_loss.png",
         f"{kind}: {n_params / 1e6:.2f}M params, {len(curve)} steps x {batch * seq_len} tokens",
         batch * seq_len,
         f"held-out ppl {ppl:.2f}",
     )
-    (out_dir / "training_stats.json").write_text(json.dumps(stats, indent=1) + "\n")
     return stats
 
 

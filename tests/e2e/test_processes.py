@@ -12,7 +12,6 @@ Throughout, neither service builds a runtime state after start-up.
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.common import free_address
 from specpair.cli.group import Service, ServiceGroup
 from specpair.client import ControllerClient, SpecpairClient
 from tests.service.conftest import reference_greedy
@@ -29,12 +29,6 @@ pytestmark = pytest.mark.slow
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3], [100, 200, 50, 60, 70]]
 CONNECTED = "DRAFT_CONNECTION_STATE_CONNECTED"
 FAST_POLICY = {"warmup_batches": 2, "update_interval": 1, "ema_alpha": 0.5}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def service(name: str, address: str, *args: str) -> Service:
@@ -57,11 +51,11 @@ def procs(tmp_path: Path) -> Iterator[ServiceGroup]:
 
 
 def test_three_processes(ckpts: dict[str, Path], procs: ServiceGroup, tmp_path: Path) -> None:
-    draft_addr, target_addr, ctrl_addr = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    draft_addr, target_addr, ctrl_addr = (free_address() for _ in range(3))
     policy = tmp_path / "policy.json"
     policy.write_text(json.dumps(FAST_POLICY))
     target = str(ckpts["target"])
-    http_addr = f"127.0.0.1:{free_port()}"
+    http_addr = free_address()
     # Launched together, then waited on: the target and controller come up while peers load.
     for s in (
         service("draft", draft_addr, "draft", "--model", target),

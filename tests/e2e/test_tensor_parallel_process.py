@@ -17,10 +17,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.common import free_address
 from specpair.cli.group import Service, ServiceGroup
 from specpair.client import SpecpairClient
 from specpair.proto.v1 import target_pb2, target_pb2_grpc
-from tests.e2e.test_processes import free_port, service, wait_for
+from tests.e2e.test_processes import service, wait_for
 from tests.service.conftest import reference_greedy
 from tests.unit.test_tensor_parallel_watchdog import alive
 
@@ -58,7 +59,7 @@ def tp_target(ckpts: dict[str, Path], address: str, *extra: str) -> Service:
 
 
 def test_a_tensor_parallel_target_process(ckpts: dict[str, Path], tmp_path: Path) -> None:
-    address = f"127.0.0.1:{free_port()}"
+    address = free_address()
     target = tp_target(ckpts, address)
     expected = reference_greedy(ckpts["target"], [PROMPT], 20)[0]
     with ServiceGroup(log_dir=tmp_path, health_timeout_s=180) as group:
@@ -95,7 +96,7 @@ def test_a_hung_follower_fails_its_requests_and_ends_the_target(
     """SIGSTOP the follower while a stream is in flight: within the floor and a few seconds
     the stream ends with UNAVAILABLE and the watchdog's line, health stops saying SERVING,
     and the process exits 1 with that one line; without the watchdog it waits out gloo."""
-    address = f"127.0.0.1:{free_port()}"
+    address = free_address()
     target = tp_target(ckpts, address, "--rank-timeout-floor", str(FLOOR_S))
     with ServiceGroup(log_dir=tmp_path, health_timeout_s=180) as group:
         proc = group.start(target)
@@ -139,7 +140,7 @@ def test_a_hung_follower_fails_its_requests_and_ends_the_target(
 
 
 def test_a_killed_rank_0_leaves_no_follower(ckpts: dict[str, Path], tmp_path: Path) -> None:
-    address = f"127.0.0.1:{free_port()}"
+    address = free_address()
     target = tp_target(ckpts, address)
     with ServiceGroup(log_dir=tmp_path, health_timeout_s=180) as group:
         proc = group.start(target)

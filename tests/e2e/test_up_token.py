@@ -13,7 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.services import free_address, wait_draft_connected
+from bench.common import free_address
+from bench.services import wait_draft_connected
 from bench.up_client import running_up
 from specpair.cli.options import TOKEN_ENV
 from specpair.client import SpecpairClient

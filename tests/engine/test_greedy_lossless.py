@@ -15,13 +15,14 @@ PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3], [100, 200, 50, 
 NEW_TOKENS = 24
 
 
-def hf_greedy(path: Path, prompt: list[int]) -> list[int]:
+def hf_greedy(path: Path, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+    """`transformers`' greedy continuation of `prompt`, exactly `new_tokens` long (no EOS)."""
     model = LlamaForCausalLM.from_pretrained(path).eval()
     out = model.generate(
         torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=NEW_TOKENS,
-        min_new_tokens=NEW_TOKENS,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
         do_sample=False,
         eos_token_id=None,
         pad_token_id=0,

@@ -29,6 +29,7 @@ from specpair.runtime.build import build_drafter, build_states, build_target
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.sampling import SamplingParams, warp
 from specpair.runtime.target.worker import TargetWorker
+from tests.engine.test_greedy_lossless import hf_greedy
 
 VOCAB = 7
 PROMPTS = [[1, 4, 2], [3, 5, 6, 0, 2, 1, 4, 4, 3], [6]]
@@ -88,20 +89,6 @@ def generate(
     return [r.token_ids for r in results]
 
 
-def hf_greedy(path: Path, prompt: list[int]) -> list[int]:
-    model = LlamaForCausalLM.from_pretrained(path).eval()
-    out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=NEW_TOKENS,
-        min_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
-
-
 def spy_logits(worker: TargetWorker, monkeypatch: pytest.MonkeyPatch) -> list[Tensor]:
     """Every logits tensor the worker's model computes from now on (prefill and verify)."""
     seen: list[Tensor] = []
@@ -128,7 +115,7 @@ def test_logits_equal_one_process(models, tp1, tp2, monkeypatch) -> None:
 @pytest.mark.parametrize(("draft", "tier"), [(None, 0), ("draft", 1), ("draft", 3), ("target", 3)])
 def test_greedy_equals_transformers(models, tp2, draft, tier) -> None:
     path = {None: None, "draft": models[1], "target": models[0]}[draft]
-    expected = [hf_greedy(models[0], p) for p in PROMPTS]
+    expected = [hf_greedy(models[0], p, NEW_TOKENS) for p in PROMPTS]
     assert generate(tp2, path, tier, PROMPTS) == expected
 
 

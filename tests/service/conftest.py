@@ -18,8 +18,12 @@ import draft_service.server as draft_server
 import target_service.server as target_server
 from specpair.config import DraftConfig, ServerConfig, TargetConfig
 from specpair.proto.v1 import draft_pb2_grpc, target_pb2, target_pb2_grpc
-from specpair.runtime.build import build_target
+from specpair.rpc.metrics import ServiceMetrics
+from specpair.runtime.build import build_states, build_target
 from specpair.runtime.engine import SpeculativeEngine
+from specpair.runtime.shape import TreeShape
+from specpair.runtime.target.worker import TargetWorker
+from target_service.batching.scheduler import Scheduler
 from target_service.drafts.draft_link import DRAFT_SERVICE
 
 
@@ -104,6 +108,23 @@ async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> Non
         if time.monotonic() > deadline:
             raise AssertionError(f"{predicate} did not hold within {timeout} s")
         await asyncio.sleep(0.01)
+
+
+def one_tier_scheduler(
+    worker: TargetWorker, tier: int, max_batch: int, draft: Any = None, **kwargs: Any
+) -> Scheduler:
+    """A scheduler of tier `tier` alone over `worker`, its queue twice the batch; no draft
+    unless one (a real link or a fake) is given."""
+    return Scheduler(
+        worker,
+        build_states([TreeShape(tier)], worker),
+        initial_tier=TreeShape(tier),
+        max_batch=max_batch,
+        max_queue=2 * max_batch,
+        draft=draft,
+        metrics=ServiceMetrics("target"),
+        **kwargs,
+    )
 
 
 def target_config(target: Path, **kwargs: Any) -> TargetConfig:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -16,6 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.common import free_address
 from controller.policies.sglang import PolicyConfig
 from controller.service.server import RunningController, serve, start
 from specpair.cli.client_commands import status_table
@@ -106,7 +106,7 @@ async def serve_target(
 ) -> GrpcServer:
     """The fake behind the real server plumbing, so the ops-token check is the real one.
 
-    The port came from `free_port`: until it is bound again, the kernel may lend it to an
+    The port came from `free_address`: until it is bound again, the kernel may lend it to an
     outgoing connection (the controller redials the address every 0.1 s), so a bind that
     finds it taken retries for up to 5 s."""
     protected = [f"/{TARGET_SERVICE}/ApplyTier", f"/{TARGET_SERVICE}/WatchRounds"]
@@ -126,12 +126,6 @@ async def serve_target(
     await server.start()
     await server.ready()
     return server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -321,7 +315,7 @@ async def test_controller_without_the_targets_token_stays_disconnected() -> None
 
 
 async def test_target_down_at_start_then_up_then_restarted() -> None:
-    address = f"127.0.0.1:{free_port()}"
+    address = free_address()
     config = ControllerConfig(ServerConfig("127.0.0.1:0"), targets=(address,), reconnect_s=0.1)
     running = await start(config, policy=FAST)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
@@ -402,8 +396,8 @@ async def test_malformed_rounds_do_not_break_the_watch(stack: ControllerStack) -
 
 
 async def test_serve_runs_until_cancelled_then_stops() -> None:
-    address = f"127.0.0.1:{free_port()}"
-    config = ControllerConfig(ServerConfig(address), targets=(f"127.0.0.1:{free_port()}",))
+    address = free_address()
+    config = ControllerConfig(ServerConfig(address), targets=(free_address(),))
     ready = asyncio.Event()
     task = asyncio.create_task(serve(config, ready_event=ready))
     await asyncio.wait_for(ready.wait(), timeout=3)

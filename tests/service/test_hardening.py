@@ -16,22 +16,21 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from structlog.testing import capture_logs
 
+from bench.common import free_address
 from specpair.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specpair.rpc import wire
-from specpair.rpc.metrics import ServiceMetrics
 from specpair.rpc.wire import response_to_proto
-from specpair.runtime.build import build_states, build_target
+from specpair.runtime.build import build_target
 from specpair.runtime.round_messages import RoundResponse
 from specpair.runtime.sampling import SamplingParams
-from specpair.runtime.shape import TreeShape
 from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import chain
-from target_service.batching.scheduler import Scheduler
 from target_service.batching.served import ServedRequest
 from tests.service.conftest import (
     draft_config,
     eventually,
     fake_draft,
+    one_tier_scheduler,
     reference_greedy,
     target_config,
 )
@@ -184,15 +183,7 @@ async def test_more_requests_than_draft_slots_keeps_the_others_speculating(
 
 async def test_request_expired_in_the_queue_is_not_prefilled(ckpts) -> None:
     worker = build_target(ckpts["target"], max_requests=2, max_len=64)
-    scheduler = Scheduler(
-        worker,
-        build_states([TreeShape(3)], worker),
-        initial_tier=TreeShape(3),
-        max_batch=2,
-        max_queue=4,
-        draft=None,
-        metrics=ServiceMetrics("target"),
-    )
+    scheduler = one_tier_scheduler(worker, tier=3, max_batch=2)
     prefilled: list[str] = []
     prefill = worker.prefill
 
@@ -606,14 +597,8 @@ async def test_mutual_tls_between_the_services_and_for_clients(ckpts, tmp_path) 
 async def test_metrics_count_tokens_answer_only_their_path_and_each_service_its_own(
     ckpts, make_stack
 ) -> None:
-    import socket
     import urllib.error
     import urllib.request
-
-    def free_address() -> str:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return f"127.0.0.1:{s.getsockname()[1]}"
 
     def get(url: str) -> tuple[int, str]:
         try:

@@ -10,15 +10,14 @@ import time
 from pathlib import Path
 
 from specpair.models.tiny import make_tiny_llama
-from specpair.rpc.metrics import ServiceMetrics
-from specpair.runtime.build import build_states, build_target
+from specpair.runtime.build import build_target
 from specpair.runtime.round_messages import RoundRequest, RoundResponse
 from specpair.runtime.sampling import SamplingParams
-from specpair.runtime.shape import TreeShape
 from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import EMPTY_TREE
 from target_service.batching.scheduler import Scheduler
 from target_service.batching.served import RoundEvent, ServedRequest
+from tests.service.conftest import one_tier_scheduler
 
 NEW_TOKENS = 6
 SEND_S = 0.005
@@ -73,15 +72,7 @@ def drafted_scheduler(tmp_path: Path) -> tuple[Scheduler, RecordingLink]:
     """A tier-3 scheduler of batches up to 2 over a tiny target and a `RecordingLink`."""
     worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=2, max_len=64)
     link = RecordingLink()
-    scheduler = Scheduler(
-        worker,
-        build_states([TreeShape(3)], worker),
-        initial_tier=TreeShape(3),
-        max_batch=2,
-        max_queue=4,
-        draft=link,
-        metrics=ServiceMetrics("target"),  # type: ignore[arg-type]
-    )
+    scheduler = one_tier_scheduler(worker, tier=3, max_batch=2, draft=link)
     return scheduler, link
 
 
@@ -114,15 +105,7 @@ async def test_next_round_goes_out_before_the_results_stream(tmp_path: Path) -> 
 def inline_scheduler(tmp_path: Path) -> Scheduler:
     """A target with no draft whose compute runs inline on the event loop, as on a GPU."""
     worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=2, max_len=96)
-    scheduler = Scheduler(
-        worker,
-        build_states([TreeShape(1)], worker),
-        initial_tier=TreeShape(1),
-        max_batch=2,
-        max_queue=4,
-        draft=None,
-        metrics=ServiceMetrics("target"),
-    )
+    scheduler = one_tier_scheduler(worker, tier=1, max_batch=2)
     scheduler.compute.shutdown()
     scheduler.compute.executor = None
     return scheduler
@@ -241,16 +224,7 @@ async def joins_under_load(tmp_path: Path, join_group: int) -> list[int]:
     """Seven requests through a batch of 4 (they leave after 2, 4, 6, … tokens): the size of
     each prefill."""
     worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=4, max_len=96)
-    scheduler = Scheduler(
-        worker,
-        build_states([TreeShape(1)], worker),
-        initial_tier=TreeShape(1),
-        max_batch=4,
-        max_queue=8,
-        join_group=join_group,
-        draft=None,
-        metrics=ServiceMetrics("target"),
-    )
+    scheduler = one_tier_scheduler(worker, tier=1, max_batch=4, join_group=join_group)
     sizes = prefill_sizes(scheduler)
     served = [
         ServedRequest(TargetSequence(f"r{i}", [5, 6, 7 + i], SamplingParams(), 2 * i + 2))

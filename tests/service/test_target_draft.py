@@ -13,6 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.common import free_port
 from specpair.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
 from tests.service.conftest import (
     draft_config,
@@ -415,13 +416,10 @@ async def test_full_queue_is_resource_exhausted_and_others_finish(ckpts, make_st
 
 
 async def test_metrics_endpoint_exports_the_serving_metrics(ckpts, make_stack) -> None:
-    import socket
     import urllib.request
     from dataclasses import replace
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cfg = target_config(ckpts["target"])
     cfg = replace(cfg, server=replace(cfg.server, metrics_address=f"127.0.0.1:{port}"))
     stack = await make_stack(draft_config(ckpts["target"]), cfg)

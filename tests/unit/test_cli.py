@@ -13,13 +13,8 @@ from typing import Any
 
 import pytest
 
+from bench.common import free_address
 from specpair.cli.main import main
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize(
@@ -48,7 +43,6 @@ def test_bad_policy_change_is_one_line_and_exit_2(
 def test_serve_on_a_taken_port_is_one_line_naming_it(
     tmp_path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import socket
 
     import specpair.logging
 
@@ -78,7 +72,6 @@ def test_up_refuses_an_address_another_process_serves(
     tmp_path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import signal
-    import socket
     import subprocess
 
     from specpair.cli.launcher import run_up
@@ -293,10 +286,7 @@ def test_serve_controller_with_a_bad_policy_file_is_one_line_naming_the_key(
 def test_up_checks_the_policy_before_any_model_loads(tmp_path: Path) -> None:
     bad = tmp_path / "policy.json"
     bad.write_text(json.dumps({"warmup_batches": -1}))
-    env = {
-        f"SPECPAIR_{name}_ADDRESS": f"127.0.0.1:{free_port()}"
-        for name in ("DRAFT", "TARGET", "CONTROLLER")
-    }
+    env = {f"SPECPAIR_{name}_ADDRESS": free_address() for name in ("DRAFT", "TARGET", "CONTROLLER")}
     done = _specpair("up", "--policy", str(bad), env=env | {"XDG_CACHE_HOME": str(tmp_path)})
     assert done.returncode == 2, done.stderr
     assert "starting" not in done.stdout, done.stdout  # no service was started

@@ -208,6 +208,19 @@ def cpu_round(accept: int) -> object:
     return make
 
 
+def probing(interval: int, rounds: int, budget: float = 1.0) -> GoodputConfig:
+    """Tiers 0, 1, 3, 7 decided every round from the first; probes of `rounds` rounds every
+    `interval` rounds (at budget 1.0 the round count alone paces them)."""
+    return GoodputConfig(
+        candidate_steps=(0, 1, 3, 7),
+        warmup_batches=0,
+        update_interval=1,
+        probe_interval=interval,
+        probe_rounds=rounds,
+        probe_budget=budget,
+    )
+
+
 def test_all_accepted_moves_up_after_warmup_and_interval() -> None:
     cfg = GoodputConfig(candidate_steps=(0, 1, 3, 7), warmup_batches=10, update_interval=5)
     policy = GoodputPolicy(cfg, 3)
@@ -218,15 +231,7 @@ def test_all_accepted_moves_up_after_warmup_and_interval() -> None:
 
 
 def test_nothing_accepted_turns_speculation_off_then_probes() -> None:
-    cfg = GoodputConfig(
-        candidate_steps=(0, 1, 3, 7),
-        warmup_batches=0,
-        update_interval=1,
-        probe_interval=20,
-        probe_rounds=4,
-        probe_budget=1.0,  # the round count alone paces probes here
-    )
-    policy = GoodputPolicy(cfg, 3)
+    policy = GoodputPolicy(probing(interval=20, rounds=4), 3)
     tiers = run(policy, 3, cpu_round(accept=0))
     assert tiers[-1] == 0  # 1 token / 12 ms (T(0) predicted) beats 1.0x / 17+ ms
     tiers = run(policy, 40, cpu_round(accept=0))
@@ -510,14 +515,7 @@ def test_a_tier_never_measured_is_tried_once_when_predicted_close() -> None:
 
 
 def test_failed_probes_back_off_and_a_probe_that_cannot_pay_is_skipped() -> None:
-    cfg = GoodputConfig(
-        candidate_steps=(0, 1, 3, 7),
-        warmup_batches=0,
-        update_interval=1,
-        probe_interval=10,
-        probe_rounds=2,
-        probe_budget=1.0,  # the round count alone paces probes here
-    )
+    cfg = probing(interval=10, rounds=2)
     policy = GoodputPolicy(cfg, 1)
     tiers = run(policy, 200, cpu_round(accept=0))
     starts = [i for i in range(1, len(tiers)) if tiers[i] == 1 and tiers[i - 1] == 0]
@@ -556,16 +554,8 @@ def test_probes_take_at_most_their_budget_of_the_time_at_tier_0() -> None:
     # so at a 2 % budget the first waits for 1.05 s at tier 0 (88 rounds, not the interval's
     # 20). Its first round carries the draft's catch-up (here 112 ms instead of 17): measured,
     # the probe cost 112 + 3 · 17 − 4 · 12 = 115 ms, so the next waits for 5.75 s (480 rounds).
-    cfg = GoodputConfig(
-        candidate_steps=(0, 1, 3, 7),
-        warmup_batches=0,
-        update_interval=1,
-        probe_interval=20,
-        probe_rounds=4,
-        probe_budget=0.02,
-    )
     make = cpu_round(accept=0)
-    policy = GoodputPolicy(cfg, 3)
+    policy = GoodputPolicy(probing(interval=20, rounds=4, budget=0.02), 3)
     assert run(policy, 3, make)[-1] == 0
     tiers: list[int] = []
     for _ in range(700):

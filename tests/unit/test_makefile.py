@@ -7,7 +7,6 @@ from __future__ import annotations
 import http.server
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from bench.common import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
@@ -40,12 +41,6 @@ def index(tmp_path: Path) -> Iterator[str]:
         yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_torch(tmp_path: Path, cpu_index: str, gpu: bool = False) -> tuple[list[str], float]:
@@ -82,7 +77,7 @@ def test_without_a_gpu_torch_comes_from_the_cpu_index(tmp_path: Path, index: str
 
 
 def test_an_unreachable_cpu_index_falls_back_to_plain_pip_at_once(tmp_path: Path) -> None:
-    args, took = make_torch(tmp_path, f"http://127.0.0.1:{closed_port()}")
+    args, took = make_torch(tmp_path, f"http://127.0.0.1:{free_port()}")
     assert args[-1] == "torch==2.13.0" and "--extra-index-url" not in args
     assert took < 30
 

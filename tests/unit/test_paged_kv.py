@@ -24,6 +24,7 @@ from specpair.runtime.layout import (
     padded_groups,
 )
 from specpair.runtime.target.worker import TargetWorker
+from tests.unit.test_kv_cache import make_cache
 
 
 def test_page_metadata_worked_example() -> None:
@@ -103,18 +104,6 @@ def test_the_invariant_modes_eager_attention_gives_each_request_its_batch_of_one
         assert not together[r, lengths[r] :].any()
 
 
-def paged(max_requests: int = 2, max_len: int = 16) -> KVCache:
-    return KVCache(
-        num_layers=2,
-        num_qo_heads=1,
-        num_kv_heads=1,
-        head_dim=2,
-        max_requests=max_requests,
-        max_len=max_len,
-        page_size=4,
-    )
-
-
 def write(cache: KVCache, slot: int, start: int, values: list[float]) -> None:
     n = len(values)
     layout = BatchLayout(
@@ -133,7 +122,7 @@ def values(cache: KVCache, slot: int, n: int) -> list[float]:
 
 
 def test_commit_moves_non_contiguous_path_across_pages_and_free_returns_pages() -> None:
-    cache = paged()
+    cache = make_cache()
     other = cache.alloc()
     slot = cache.alloc()
     write(cache, other, 0, [9.0] * 5)  # interleave page ownership between the slots

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import sys
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -16,16 +15,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from bench.common import free_port
 from specpair.models import parallel
 from specpair.parallel import ranks
 
 MAPPED = object()  # stands for a mapped `PeerReduce` on this CPU-only machine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, port: int, maps: tuple[bool, bool], env: str, answer: Connection) -> None:
@@ -59,7 +53,7 @@ def _rank(rank: int, port: int, maps: tuple[bool, bool], env: str, answer: Conne
 def run(maps: tuple[bool, bool], env: str = "") -> list[tuple[bool, int]]:
     """Each rank's (peer memory in use, mapping attempts) after joining."""
     context = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     pipes, procs = [], []
     for rank in range(2):
         answer, send = context.Pipe(duplex=False)
