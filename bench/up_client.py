@@ -58,6 +58,7 @@ from bench.services import wait_draft_connected
 from specpair.cli.launcher import READY
 from specpair.cli.options import TOKEN_ENV
 from specpair.client import ControllerClient, SpecpairClient
+from specpair.config.option import lab_variable
 
 DOORS = ("openai", "http", "sdk")
 Door = Callable[[list[int], int, Any], int]  # (prompt ids, max tokens, sampling) -> tokens
@@ -109,6 +110,8 @@ def up_command(args: argparse.Namespace, target: Path, draft: Path) -> list[str]
         command += ["--draft-token-map", str(args.token_map)]
     if args.max_batch:
         command += ["--max-batch", str(args.max_batch)]
+    if args.policy:
+        command += ["--policy", str(args.policy)]
     return command
 
 
@@ -321,6 +324,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--top-p", type=float, default=0.95, help="of the sampled workloads")
     parser.add_argument("--tiers", type=int, nargs="*", default=[7], help="pinned, beside 0")
     parser.add_argument("--max-batch", type=int, help="`up --max-batch` (default: up's)")
+    parser.add_argument("--policy", type=Path, help="`up --policy` (default: up's)")
+    parser.add_argument(
+        "--lab",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a lab switch for up's services, e.g. feed_draft_at_tier_0=1 (ARCHITECTURE.md, "
+        "'Lab switches')",
+    )
     parser.add_argument(
         "--skip", nargs="*", default=[], choices=["goodput"], help="configurations left out"
     )
@@ -360,7 +372,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             "device": info, "date": time.strftime("%Y-%m-%d"), "command": command,
             "draft_kind": args.draft_kind, "shape": args.shape, "new_tokens": args.new_tokens,
             "requests": counts, "token_map": args.token_map and str(args.token_map),
-            "repeats": args.repeats,
+            "repeats": args.repeats, "lab": args.lab,
+            "policy": args.policy and json.loads(args.policy.read_text()),
             "cells": [asdict(c) | {"tokens_per_s": c.tokens_per_s, "spread": c.spread}
                       for c in cells],
         })  # fmt: skip
@@ -371,7 +384,8 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"{cell.tokens_per_s:8.1f} tok/s", flush=True)  # fmt: skip
         save()
 
-    with running_up(command, args.out.with_suffix(".log")) as up:
+    lab = {lab_variable(k): v for k, _, v in (item.partition("=") for item in args.lab)}
+    with running_up(command, args.out.with_suffix(".log"), env_changes=lab) as up:
         wait_draft_connected(SpecpairClient(up.target, timeout=60))
         ctl = ControllerClient(up.controller, token=up.token, timeout=30)
         if args.warm:  # every batch size once, unrecorded: first shapes' kernels, buckets

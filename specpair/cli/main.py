@@ -270,6 +270,10 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 1
     assert service is not None  # required
     configure_logging(args.service, level=args.log_level)
+    if labs := lab_values(SERVICE_CONFIGS[args.service]):  # a measuring switch: say so
+        from specpair.logging import get_logger
+
+        get_logger(__name__).warning("lab switches set", **labs)
     try:
         with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
             asyncio.run(_serve(service, config))
