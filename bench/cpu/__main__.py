@@ -8,9 +8,7 @@
     python -m bench.cpu engine [--batch 4]                    the in-process engine's tokens/s
 
 `python -m bench.cpu MODE -h` gives a mode's options. `adaptive`, `tiers` and `trees` run the
-real services (bench/services.py); the others the in-process engine or the models alone. Before
-they were one entry point the modes were bench/adaptive.py, tiers.py, tree_shapes.py,
-acceptance.py, accept_rules.py and engine_cpu.py (git history).
+real services (bench/services.py); the others the in-process engine or the models alone.
 """
 
 from __future__ import annotations

@@ -117,8 +117,11 @@ def main(argv: list[str] | None = None) -> None:
             )
     oracle, oracle_tiers = oracle_of(results, len(phases))
     best_static = max(results.keys() & set(STATIC), key=lambda n: results[n].tokens_per_s())
-    args.png.parent.mkdir(parents=True, exist_ok=True)
-    plot(results, policy, args.png)
+    # The timeline draws a panel per policy kind; pinned runs alone have none to draw.
+    timeline = any(k in results for k in KINDS)
+    if timeline:
+        args.png.parent.mkdir(parents=True, exist_ok=True)
+        plot(results, policy, args.png)
     write_json(
         args.out,
         {
@@ -160,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{kind} / best static ({best_static}) = {vs_static:.3f}x; "
             f"{kind} / oracle = {a / oracle:.3f}x"
         )
-    print(f"timeline: {args.png}")
+    if timeline:
+        print(f"timeline: {args.png}")
     print(
         f"tokens/s per phase ({args.requests_per_phase} requests × {args.new_tokens} tokens, "
         f"concurrency {args.concurrency})\n"
