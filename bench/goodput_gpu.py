@@ -6,7 +6,7 @@ started once and reconfigured live through the ops API: a static tier is a pin, 
 an `update_policy` (a kind switch starts it afresh at tier 3). The target alone (`specpair serve
 target --no-draft`) is started once more for the no-speculation baseline.
 
-(a) `phased`: `bench/adaptive.py`'s workload (prose sampled at T = 1.0, then held-out code
+(a) `phased`: `bench/phased.py`'s workload (prose sampled at T = 1.0, then held-out code
     greedy, twice) at batch 1 under goodput, sglang and static tiers 0 / 1 / 3 / 7. Goals:
     goodput ≥ 1.05× the best static tier and ≥ 0.97× the per-phase oracle (the best static
     tier of each phase, stitched together); sglang beside it.
@@ -26,7 +26,7 @@ target --no-draft`) is started once more for the no-speculation baseline.
     differ by more than the goal's margin (bench/RESULTS.md, "goodput_gpu").
 (c) Timelines (`<out>_phased.png`, `<out>_sweep.png`): per policy kind over rounds, the active
     tier, the policy's estimate (its pure policy replayed on the run's RoundStats, as
-    `bench.adaptive` does: sglang's EMA accept length; goodput's predicted accepted drafts, and
+    `bench.cpu.adaptive` does: sglang's EMA accept length; goodput's predicted accepted drafts, and
     its predicted tokens/s of the tier each round ran at) and the measured tokens/s (tokens the
     round's requests gained over its wall time, `--smooth` rounds at a time).
 
@@ -56,11 +56,11 @@ from pathlib import Path
 from typing import Any
 
 from bench import profile_costs
-from bench.adaptive import Phase, RunResult, build_phases, oracle_of, replay, round_record
-from bench.adaptive import run_workload as run_phased
 from bench.common import device_info, format_table, read_json, write_json
 from bench.gpu_speedup import Cell, Workload, add_pair_args, bench_pair, make_workloads
 from bench.gpu_speedup import serve_cells as serve_batch
+from bench.phased import Phase, RunResult, build_phases, oracle_of, replay, round_record
+from bench.phased import run_workload as run_phased
 from bench.services import BenchServices, wait_draft_connected, watch_rounds
 from controller.policies.bands import PolicySpec
 from controller.policies.sglang import PolicyConfig

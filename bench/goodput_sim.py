@@ -22,8 +22,8 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any, Protocol
 
-from bench.adaptive import ROUND_KEYS, RunResult, oracle_of
 from bench.common import format_table, median, read_json, write_json
+from bench.phased import ROUND_KEYS, RunResult, oracle_of
 from controller.policies.bands import PolicySpec
 from controller.policies.goodput.config import GoodputConfig, parse_profile
 from controller.policies.goodput.policy import GoodputPolicy

@@ -28,10 +28,10 @@ from torch import Tensor
 from transformers import AutoTokenizer
 
 import specpair.runtime.sampling as sampling_module
-from bench.acceptance import code_prompts
 from bench.common import device_info, format_table, median, write_json
 from bench.gpu_common import LLAMA3_8B, copy_bandwidth, time_cuda, weight_bytes
 from bench.gpu_speedup import add_pair_args, bench_pair
+from bench.prompts import code_prompts
 from specpair.models.llama import LlamaModel
 from specpair.models.rope import rope_inv_freq
 from specpair.runtime.accept import accept_chains

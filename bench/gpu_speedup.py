@@ -14,7 +14,7 @@ kind, tokens/s and the mean accept length of target-only, static tiers 1 / 3 / 7
 and controller as processes; target-only is `specpair serve target --no-draft`) and in-process
 beside them (the engine at a fixed tier per batch; adaptive needs the controller, so services
 only). `speedup` = tokens/s over target-only of the same deployment, workload and batch.
-`--phased` adds `bench/adaptive.py`'s phased workload on the services (adaptive vs each static
+`--phased` adds `bench/phased.py`'s phased workload on the services (adaptive vs each static
 tier vs the per-phase oracle).
 
     python -m bench.gpu_speedup --draft-kind eagle [--models-dir /tmp/specpair-grown] [--phased]
@@ -46,11 +46,11 @@ from typing import Any
 
 import torch
 
-from bench.acceptance import code_prompts, prose_prompts
-from bench.adaptive import KINDS, RUNS, STATIC, build_phases, load_policy, oracle_of, run_workload
 from bench.common import device_info, format_table, write_json
+from bench.phased import KINDS, RUNS, STATIC, build_phases, load_policy, oracle_of, run_workload
 from bench.profile_costs import TIERS as PROFILED_TIERS
 from bench.profile_costs import profile
+from bench.prompts import code_prompts, prose_prompts
 from bench.services import BenchServices, wait_draft_connected, watch_rounds
 from controller.policies.bands import PolicySpec
 from controller.policies.sglang import PolicyConfig

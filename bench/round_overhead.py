@@ -26,7 +26,6 @@ import torch
 from transformers import AutoTokenizer
 
 from bench import common
-from bench.acceptance import code_prompts
 from bench.checkpoints import random_pair
 from bench.common import (
     add_output_args,
@@ -38,6 +37,7 @@ from bench.common import (
     write_json,
 )
 from bench.gpu_common import LLAMA3_8B
+from bench.prompts import code_prompts
 from bench.services import LINKS, BenchServices, apply_tier, wait_draft_connected, watch_rounds
 from specpair.client import SpecpairClient
 from specpair.config import CANDIDATE_STEPS, compute_threads

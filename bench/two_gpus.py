@@ -13,7 +13,7 @@ each two-GPU cell has its one-GPU twin measured beside it:
 Per cell, from the target's RoundStats, where a round's time goes: verify (wall), the wait for
 the draft's messages, the draft's own time (its extend + steps) and the round (total). Before
 its cells each deployment runs a warm-up of every workload and load (kernels compiled).
-Held-out code prompts (`bench.acceptance`), greedy and T = 0.7 (top-p 0.95, a seed per request).
+Held-out code prompts (`bench.prompts`), greedy and T = 0.7 (top-p 0.95, a seed per request).
 
     python -m bench.two_gpus --draft-kind eagle3 [--batches 1 8 32] [--out bench/out/two_gpus.json]
     python -m bench.two_gpus --draft-kind model

@@ -18,7 +18,7 @@ completion's `usage.completion_tokens` counted; `http` = the same body POSTed wi
 API without the client package's own cost); `sdk` = `SpecpairClient.generate`. A cell runs
 its requests `batch` at a time (threads) after one warm-up request; tokens/s = completion
 tokens / wall seconds, pooled over `--repeats` turns that take the doors in turn. Held-out code
-prompts (`bench.acceptance`), greedy and T = 0.7 top-p 0.95 with a seed per request.
+prompts (`bench.prompts`), greedy and T = 0.7 top-p 0.95 with a seed per request.
 
     python -m bench.up_client --draft-kind eagle3 --batches 1 8 --requests 8 32 \\
         --new-tokens 128 [--token-map MAP] [--out bench/out/up_client.json]

@@ -9,7 +9,7 @@ each followed by the target's continuation at a mix of temperatures:
     [prompt (true text, 24-256 tokens) | continuation (target, `new_tokens`) | EOT] ...
 
 Prompts are of two kinds: windows of the training code, and English paragraphs taken from the
-training files' docstrings (a code model's prose is its docstrings: `bench/acceptance.py`'s prose
+training files' docstrings (a code model's prose is its docstrings: `bench/prompts.py`'s prose
 prompts were written by hand and never enter training).
 """
 

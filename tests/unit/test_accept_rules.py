@@ -1,4 +1,4 @@
-"""The recursive rejection rule `bench.accept_rules` measures (k drafts drawn from q without
+"""The recursive rejection rule `bench.cpu.accept_rules` measures (k drafts drawn from q without
 replacement, each tried against the last residual) emits tokens distributed as p, whatever q
 and k; a variant that leaves p unchanged after a rejection does not (the test's power)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from bench.accept_rules import rrs_level
+from bench.cpu.accept_rules import rrs_level
 
 N = 12_000
 

@@ -33,7 +33,7 @@ ARCHITECTURE_MAX_LINES = 320
 PATH = re.compile(r"(?<![\w./-])([A-Za-z0-9_./-]+\.(?:py|proto|sh|yml|yaml|toml|md))(?![\w-])")
 PACKAGES = ("specpair", "controller", "target_service", "draft_service", "bench", "training")
 # `specpair.rpc.wire.tensor_into`, `controller.policies.request_tiers:RequestTiers`,
-# `python -m bench.tiers`
+# `python -m bench.cpu tiers`
 MODULE = re.compile(rf"(?<![\w./])((?:{'|'.join(PACKAGES)})(?:\.\w+)+)(?::(\w+))?")
 RESULT_FILE = re.compile(r"([\w.-]+\.(?:json|json\.gz|png))$")
 

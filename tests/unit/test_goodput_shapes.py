@@ -238,7 +238,7 @@ def test_the_state_file_keeps_a_tree_pin_and_a_tree_tier(tmp_path: Path) -> None
 
 
 class Opening:
-    """The batch-1 CPU run where the policy missed (bench.tree_shapes --adaptive): chain 3 is
+    """The batch-1 CPU run where the policy missed (`bench.cpu trees --adaptive`): chain 3 is
     best (3.125 tokens / 31 ms), tree 3x2x6 accepts more but costs more (3.625 / 40.5 ms: 12 %
     fewer tokens/s), chain 1 gives 1.875 / 21 ms. The first 12 rounds run the service's first
     requests at chain 3 (the policy starts there): their openings accept 1 draft a round

@@ -1,6 +1,6 @@
 """CPU tokens/s of target-only vs speculative decoding (tiers 1, 3, 7), with a per-stage split.
 
-    python -m bench.engine_cpu [--batch 4] [--target models/target --draft models/draft]
+    python -m bench.cpu engine [--batch 4] [--target models/target --draft models/draft]
 
 Without checkpoints it generates a target big enough that its forward dominates on CPU and a
 small unrelated draft. Every speculative output is checked against target-only's, token for token.
@@ -201,8 +201,11 @@ def render(rows: Sequence[Row]) -> str:
     return format_table(headers, table)
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.cpu engine",
+        description=__doc__.splitlines()[0],
+    )
     parser.add_argument("--target", type=Path, help="target checkpoint (default: generated)")
     parser.add_argument("--draft", type=Path, help="draft checkpoint (default: generated)")
     parser.add_argument("--batch", type=int, default=1)
@@ -211,7 +214,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=0)
     add_output_args(parser, "bench/out/engine_cpu.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if (args.target is None) != (args.draft is None):
         parser.error("--target and --draft go together")
     if args.batch < 1 or args.new_tokens < 1 or args.repeats < 1:
@@ -219,8 +222,8 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     device = device_info()
     print(f"device: {device['cpu']}, {device['torch_threads']} threads, torch {device['torch']}")
@@ -267,7 +270,3 @@ def main() -> None:
     print(f"wrote {args.out}\n")
     print(render(rows))
     print(FOOTNOTE.format(repeats=args.repeats))
-
-
-if __name__ == "__main__":
-    main()

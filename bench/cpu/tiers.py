@@ -15,7 +15,7 @@ one finished. Two workloads:
 It reports tokens/s per configuration, the share of request-rounds at each tier (from
 RoundStats: drafted requests at their own tier, the rest at 0) and writes JSON.
 
-    python -m bench.tiers [--workloads load,mixed] [--load-requests 192] [--new-tokens 32]
+    python -m bench.cpu tiers [--workloads load,mixed] [--load-requests 192] [--new-tokens 32]
         [--configs "target alone,goodput (profiled)"] [--repeat 3]
 """
 
@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import profile_costs
-from bench.acceptance import code_prompts, prose_prompts
 from bench.common import device_info, format_table, median, write_json
+from bench.prompts import code_prompts, prose_prompts
 from bench.services import BenchServices, wait_draft_connected, watch_rounds
 from controller.policies.bands import PolicySpec
 from specpair.client import ControllerClient, SpecpairClient
@@ -39,7 +39,7 @@ from specpair.config import MODELS_DIR
 from specpair.runtime.round_messages import RoundStats
 
 STEPS = (0, 1, 3, 7)
-CODE_PROMPTS = 24  # held-out stdlib windows this Python's stdlib gives (bench.acceptance)
+CODE_PROMPTS = 24  # held-out stdlib windows this Python's stdlib gives (bench.prompts)
 GOODPUT = {"kind": "goodput", "candidate_steps": list(STEPS)}
 PROFILED = "goodput (profiled)"
 MAX_BATCH = 16  # the target decodes this many at once; the other clients' requests queue
@@ -94,7 +94,7 @@ class RunResult:
 
 
 def jobs_of(workload: str, tokenizer: Any, requests: int) -> list[Job]:
-    # Held-out code windows repeat across requests (as bench.adaptive's 24): there is no
+    # Held-out code windows repeat across requests (as bench.phased's 24): there is no
     # prefix cache, so a repeat costs what a new prompt would.
     code = [p.ids for p in code_prompts(tokenizer, min(requests, CODE_PROMPTS), 96, 128)]
     code = [code[i % len(code)] for i in range(requests)]
@@ -182,8 +182,12 @@ def run_config(
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.cpu tiers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--target", type=Path, default=MODELS_DIR / "target")
     parser.add_argument("--draft", type=Path, default=MODELS_DIR / "eagle")
     parser.add_argument("--draft-kind", choices=["model", "eagle"], default="eagle")
@@ -202,7 +206,7 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=Path("bench/out/tiers.json"))
     parser.add_argument("--log-dir", type=Path, default=Path("bench/out/tiers-logs"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.target))
@@ -273,7 +277,3 @@ def main() -> None:
 
 def median_rate(runs: list[RunResult]) -> float:
     return median([r.tokens_per_s for r in runs])
-
-
-if __name__ == "__main__":
-    main()

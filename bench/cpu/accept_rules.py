@@ -1,7 +1,7 @@
 """Which exact rule accepts most of a sampled draft, per tree level: the target's and the
 draft's warped distributions p and q at the same positions, and what each rule accepts there.
 
-    python -m bench.accept_rules [--prompts 8] [--positions 24] [--draws 64]
+    python -m bench.cpu accept-rules [--prompts 8] [--positions 24] [--draws 64]
 
 At each position of the target's own sampled continuation (held-out code, prose) of the
 shipped target, with the shipped draft LM's q at the same prefix:
@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bench.acceptance import code_prompts, prose_prompts
 from bench.common import device_info, format_table, write_json
+from bench.prompts import code_prompts, prose_prompts
 from specpair.runtime.sampling import SamplingParams, warp
 
 KS = (1, 2, 4)
@@ -80,14 +80,17 @@ def positions(
     return p, q
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.cpu accept-rules",
+        description=__doc__.split("\n\n")[0],
+    )
     parser.add_argument("--models", type=Path, default=Path("models"))
     parser.add_argument("--prompts", type=int, default=8, help="held-out code prompts")
     parser.add_argument("--positions", type=int, default=24, help="sampled positions a prompt")
     parser.add_argument("--draws", type=int, default=64, help="draws a position (recursive)")
     parser.add_argument("--out", type=Path, default=Path("bench/out/accept_rules.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(args.models / "target")
     load = AutoModelForCausalLM.from_pretrained
@@ -113,18 +116,37 @@ def main() -> None:
             rejection = sum(rs) / n
             target_only = {k: sum(v) / n for k, v in only.items()}
             recursive = {k: sum(v) / n for k, v in rrs.items()}
-            cells.append({"prompts": name, "temperature": t, "top_p": top_p, "positions": n,
-                          "rejection": rejection, "target_only": target_only,
-                          "recursive": recursive})  # fmt: skip
-            rows.append([name, f"{t:g}", f"{top_p:g}", f"{rejection:.3f}",
-                         *(f"{target_only[k]:.3f}" for k in KS),
-                         *(f"{recursive[k]:.3f}" for k in KS), str(n)])  # fmt: skip
+            cells.append(
+                {
+                    "prompts": name,
+                    "temperature": t,
+                    "top_p": top_p,
+                    "positions": n,
+                    "rejection": rejection,
+                    "target_only": target_only,
+                    "recursive": recursive,
+                }
+            )
+            rows.append(
+                [
+                    name,
+                    f"{t:g}",
+                    f"{top_p:g}",
+                    f"{rejection:.3f}",
+                    *(f"{target_only[k]:.3f}" for k in KS),
+                    *(f"{recursive[k]:.3f}" for k in KS),
+                    str(n),
+                ]
+            )
             print(f"  {name} T={t:g}: {n} positions", flush=True)
     write_json(args.out, {"device": device_info(), "draws": args.draws, "cells": cells})
-    heads = ["prompts", "T", "top-p", "rejection (k 1)", *(f"target-only k {k}" for k in KS),
-             *(f"recursive k {k}" for k in KS), "positions"]  # fmt: skip
+    heads = [
+        "prompts",
+        "T",
+        "top-p",
+        "rejection (k 1)",
+        *(f"target-only k {k}" for k in KS),
+        *(f"recursive k {k}" for k in KS),
+        "positions",
+    ]
     print(format_table(heads, rows))
-
-
-if __name__ == "__main__":
-    main()

@@ -7,7 +7,7 @@ the last one finished. A tree accepts more per round but verifies `num_draft_tok
 per request and drafts `topk` rows per step, so it wins where a round costs little more for more
 tokens (small batches) and loses as the batch grows.
 
-    python -m bench.tree_shapes [--shapes 3 7 3x2x6 4x4x16 6x4x24] [--batches 1 4 16]
+    python -m bench.cpu trees [--shapes 3 7 3x2x6 4x4x16 6x4x24] [--batches 1 4 16]
         [--requests 16] [--new-tokens 48] [--draft-kind eagle] [--adaptive]
         [--out bench/out/tree_shapes.json]
 
@@ -30,8 +30,8 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from bench.acceptance import code_prompts
 from bench.common import device_info, format_table, write_json
+from bench.prompts import code_prompts
 from bench.services import BenchServices, wait_draft_connected, watch_rounds
 from specpair.client import SpecpairClient
 from specpair.config import MODELS_DIR
@@ -76,12 +76,16 @@ def run_shape(shape: str, prompts: list[list[int]], args: argparse.Namespace) ->
     log_dir = args.log_dir / shape.replace(" ", "_")
     log_dir.mkdir(parents=True, exist_ok=True)
     with BenchServices(
-        target=args.target, draft=None if tree is None else args.draft,
-        draft_kind=args.draft_kind, log_dir=log_dir, policy=policy,
+        target=args.target,
+        draft=None if tree is None else args.draft,
+        draft_kind=args.draft_kind,
+        log_dir=log_dir,
+        policy=policy,
         initial_steps=tree.steps if tree is not None and tree.is_chain else CHAINS[0],
-        candidate_steps=CHAINS, draft_options=flags,
+        candidate_steps=CHAINS,
+        draft_options=flags,
         target_options=(*flags, *initial, "--max-batch", str(max(args.batches))),
-    ) as group:  # fmt: skip
+    ) as group:
         client = SpecpairClient(group.target, timeout=600)
         if tree is not None:
             wait_draft_connected(client)
@@ -154,8 +158,11 @@ def plot(cells: list[Cell], shapes: list[str], batches: list[int], path: Path) -
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.cpu trees",
+        description=__doc__.splitlines()[0],
+    )
     parser.add_argument("--target", type=Path, default=MODELS_DIR / "target")
     parser.add_argument("--draft", type=Path, default=MODELS_DIR / "eagle")
     parser.add_argument("--draft-kind", choices=["model", "eagle"], default="eagle")
@@ -164,12 +171,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16, help="per batch (at least batch)")
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument(
-        "--adaptive", action="store_true",
+        "--adaptive",
+        action="store_true",
         help="add the goodput policy choosing among every shape of the run (a controller)",
-    )  # fmt: skip
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/out/tree_shapes.json"))
     parser.add_argument("--log-dir", type=Path, default=Path("bench/out/tree_shapes-logs"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for shape in args.shapes:
         TreeShape.parse(shape)  # a bad one fails here, not after the first runs
     tokenizer = AutoTokenizer.from_pretrained(str(args.target))
@@ -185,7 +193,3 @@ def main() -> None:
     plot(cells, args.shapes, args.batches, png)
     print(f"wrote {args.out} and {png}\n")
     print(render(cells, args.shapes, args.batches))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,19 +1,15 @@
 """Mean accept length per tier and draft kind, greedy and sampled, on held-out code and on prose.
 
-    python -m bench.acceptance [--models models] [--code-prompts 16] [--new-tokens 64]
-                               [--tiers 1 3 7 4x4x16 6x8x32] [--temperatures 0 0.7 1]
-                               [--token-map-sizes 2048 4096]
+    python -m bench.cpu acceptance [--models models] [--code-prompts 16] [--new-tokens 64]
+                                   [--tiers 1 3 7 4x4x16 6x8x32] [--temperatures 0 0.7 1]
+                                   [--token-map-sizes 2048 4096]
 
 Runs the in-process engine on CPU with the shipped pair (`models/target` with `models/draft`, a
 standalone LM, `models/eagle`, an EAGLE head on the target's last hidden state, and `models/eagle3`,
 an EAGLE-3 head on three of its layers; `--drafts` picks). One `generate`
 call per cell batches every prompt of a set; sampling seeds are fixed per prompt, so each cell
-is reproducible and every tier and draft kind sees the same requests.
-
-Code prompts are windows of this interpreter's standard-library files whose corpus names
-(`stdlib/<relative path>`) `training.corpus.is_heldout` holds out: the rule the training corpus
-split by, on names alone, so no model trained on them. Windows whose lines mostly occur in
-training-named files (boilerplate, vendored copies) are skipped.
+is reproducible and every tier and draft kind sees the same requests. The prompts are
+`bench/prompts.py`'s.
 """
 
 from __future__ import annotations
@@ -31,6 +27,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from bench.common import device_info, format_table, shape_arg, write_json
+from bench.prompts import PROSE_PROMPTS, Prompt, code_prompts, prose_prompts, read_py, stdlib_files
 from specpair.config import FeatureDType
 from specpair.models.draft_vocab import coverage, frequency_map, token_counts
 from specpair.proto.v1 import common_pb2
@@ -44,38 +41,11 @@ from specpair.runtime.shape import TreeShape
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.target.worker import TargetWorker
 from specpair.runtime.tree import CandidateTree
-from training.corpus import MAX_FILE_BYTES, is_heldout
+from training.corpus import is_heldout
 
 EOT_ID = 0  # <|endoftext|>: bos, eos and pad of the shared tokenizer
 TEMPERATURES = (0.0, 0.7, 1.0)
 DRAFT_KINDS = ("draft", "eagle", "eagle3")  # folder names under --models
-# Same folders the training corpus skipped: packaging trees are not the standard library.
-_SKIP_DIRS = {"__pycache__", "site-packages", "dist-packages"}
-# Held out by name, trained as text: setuptools vendors distutils as `setuptools/_distutils`,
-# which training read from site-packages (on the GPU machine 4 of the 5 long lines of our
-# distutils window occur in training files).
-_VENDORED = ("stdlib/distutils/",)
-
-# English prose, no code. Each ends mid-sentence so the continuation is plain text, not a
-# newline (a prompt that ends in whitespace splits it where training text never does).
-PROSE_PROMPTS = (
-    "The old lighthouse keeper climbed the spiral stairs every evening, counting the steps as"
-    " his father had taught him, and when he reached the lamp room he",
-    "Most people who visit the city in autumn come for the markets, which fill the narrow"
-    " streets with the smell of roasted chestnuts and the sound of",
-    "After three weeks of rain the river had risen above its banks, and the farmers along the"
-    " valley began moving their animals to higher ground before",
-    "When the committee finally published its report, the conclusions surprised almost"
-    " everyone: the project had cost twice as much as planned, yet",
-    "She opened the letter slowly, recognising her grandmother's careful handwriting on the"
-    " envelope, and read the first line twice because it said that",
-    "A good teacher does not simply hand out answers; instead, she asks the kind of questions"
-    " that lead her students to",
-    "The history of the bicycle begins in the early nineteenth century, when inventors in"
-    " Germany and France experimented with wooden frames that riders pushed along",
-    "Every spring the small village holds a festival in honour of the first harvest, and"
-    " families travel from distant towns to share food, music and",
-)
 
 FOOTNOTE = """\
 accept s=k: mean accepted draft tokens per round (bonus token excluded, at most k), over every
@@ -90,13 +60,6 @@ T > 0: speculative sampling (drafts accepted by rejection sampling against the t
 
 
 @dataclass(frozen=True, slots=True)
-class Prompt:
-    source: str  # corpus name of the file ("stdlib/json/__init__.py") or "prose/<i>"
-    text: str
-    ids: list[int]
-
-
-@dataclass(frozen=True, slots=True)
 class Cell:
     prompts: str  # "code" | "prose"
     draft: str  # one of DRAFT_KINDS
@@ -108,79 +71,6 @@ class Cell:
     seconds: float
     matches_target: bool | None  # greedy output == target-only greedy output; None when sampled
     accept_by_prompt: tuple[float | None, ...]  # per request, prompt order; None: no rounds
-
-
-def stdlib_files(stdlib: Path) -> dict[str, Path]:
-    """This stdlib's `.py` files by corpus name ("stdlib/<relative path>"), sorted."""
-    found = {}
-    for path in sorted(stdlib.rglob("*.py")):
-        relative = path.relative_to(stdlib)
-        if not _SKIP_DIRS.intersection(relative.parts):
-            found[f"stdlib/{relative.as_posix()}"] = path
-    return found
-
-
-def read_py(path: Path) -> str | None:
-    try:
-        return path.read_text(encoding="utf-8") if path.stat().st_size <= MAX_FILE_BYTES else None
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def long_lines(text: str) -> set[str]:
-    """Stripped lines of 20+ characters: short ones (`return x`, `)`) are everywhere."""
-    return {line.strip() for line in text.splitlines() if len(line.strip()) >= 20}
-
-
-def code_window(
-    ids: Sequence[int], decode: Callable[[list[int]], str], lo: int, hi: int, at: float
-) -> list[int] | None:
-    """`lo`..`hi` tokens from about fraction `at` of a file: from a line's first token to mid-line.
-
-    The window opens right after a token holding a newline, and ends, as late as it can, on a
-    token whose text ends in a non-space character with the same line going on after it.
-    None when the file has no such window.
-    """
-    if len(ids) < hi + 2:
-        return None
-    start = min(int(len(ids) * at), len(ids) - hi - 1)
-    while start > 0 and "\n" not in decode([ids[start - 1]]):
-        start -= 1
-    for end in range(start + hi, start + lo - 1, -1):
-        last, after = decode([ids[end - 1]]), decode([ids[end]])
-        if last[-1:].strip() and "\n" not in after:
-            return list(ids[start:end])
-    return None
-
-
-def code_prompts(tokenizer: PreTrainedTokenizerBase, count: int, lo: int, hi: int) -> list[Prompt]:
-    """`count` windows from held-out stdlib files, spread evenly over their sorted names."""
-
-    def decode(ids: list[int]) -> str:
-        return str(tokenizer.decode(ids))
-
-    files = stdlib_files(Path(sysconfig.get_paths()["stdlib"]))
-    # A held-out name can still carry trained text: the encodings/ codecs are one boilerplate
-    # with a different codec name, so a window mostly made of lines of a training file is out.
-    trained: set[str] = set()
-    for name, path in files.items():
-        if not is_heldout(name):
-            trained |= long_lines(read_py(path) or "")
-    eligible = []
-    for name, path in files.items():
-        text = read_py(path)
-        if not is_heldout(name) or name.startswith(_VENDORED) or text is None:
-            continue
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        window = code_window(ids, decode, lo, hi, at=0.3)
-        if window is None:
-            continue
-        lines = long_lines(decode(window))
-        if len(lines & trained) * 2 <= len(lines):
-            eligible.append(Prompt(name, decode(window), window))
-    if len(eligible) < count:
-        raise SystemExit(f"only {len(eligible)} held-out stdlib files give a prompt, need {count}")
-    return [eligible[i * len(eligible) // count] for i in range(count)]
 
 
 def token_maps(
@@ -202,13 +92,6 @@ def token_maps(
         torch.save(ids, maps[n])
         print(f"token map {n}: {coverage(counts, ids):.2%} of the counted tokens")
     return maps
-
-
-def prose_prompts(tokenizer: PreTrainedTokenizerBase) -> list[Prompt]:
-    return [
-        Prompt(f"prose/{i}", text, tokenizer.encode(text, add_special_tokens=False))
-        for i, text in enumerate(PROSE_PROMPTS)
-    ]
 
 
 def sampling_for(prompts: Sequence[Prompt], temperature: float, seed: int) -> list[SamplingParams]:
@@ -280,40 +163,51 @@ def render(cells: Sequence[Cell], tiers: Sequence[str]) -> str:
     return format_table(headers, rows)
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.cpu acceptance", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--models", type=Path, default=Path("models"), help="target + drafts")
     parser.add_argument("--drafts", nargs="+", choices=DRAFT_KINDS, default=list(DRAFT_KINDS))
     parser.add_argument("--code-prompts", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=[96, 128], metavar="N")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument(
-        "--tiers", type=shape_arg, nargs="+", default=[TreeShape(s) for s in (1, 3, 7)],
+        "--tiers",
+        type=shape_arg,
+        nargs="+",
+        default=[TreeShape(s) for s in (1, 3, 7)],
         help="shapes: STEPS (a chain) or STEPSxTOPKxNUM_DRAFT_TOKENS (a tree)",
-    )  # fmt: skip
+    )
     parser.add_argument("--temperatures", type=float, nargs="+", default=list(TEMPERATURES))
     parser.add_argument(
-        "--feature-dtype", choices=list(FeatureDType), default=FeatureDType.AUTO,
+        "--feature-dtype",
+        choices=list(FeatureDType),
+        default=FeatureDType.AUTO,
         help="EAGLE features as the target would send them (float8: through the wire's e4m3 "
         "per-row encoding and back, as `serve target --feature-dtype float8`)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--token-map-sizes", type=int, nargs="+", default=[], metavar="N",
+        "--token-map-sizes",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="N",
         help="also the EAGLE head over each size's frequency-ranked token map (`eagle/N`), its "
         "ids counted over the training-named stdlib files",
-    )  # fmt: skip
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=0, help="first sampling seed (one per prompt)")
     parser.add_argument("--out", type=Path, default=Path("bench/out/acceptance.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     lo, hi = args.prompt_tokens
     if args.code_prompts < 1 or args.new_tokens < 1 or not 1 <= lo <= hi:
         parser.error("--code-prompts and --new-tokens must be >= 1, --prompt-tokens LO <= HI")
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     device = device_info()
     print(f"device: {device['cpu']}, {device['torch_threads']} threads, torch {device['torch']}")
@@ -332,7 +226,7 @@ def main() -> None:
     )
     for p in prompt_sets["code"]:
         print(f"  {p.source} ({len(p.ids)} tokens)")
-    print(f"prose prompts: {len(PROSE_PROMPTS)} English sentences written in this file")
+    print(f"prose prompts: {len(PROSE_PROMPTS)} English sentences (bench/prompts.py)")
 
     batch = max(len(p) for p in prompt_sets.values())
     longest = max(len(p.ids) for ps in prompt_sets.values() for p in ps)
@@ -414,7 +308,3 @@ def main() -> None:
     print(FOOTNOTE)
     print()
     print(render(cells, [str(s) for s in args.tiers]))
-
-
-if __name__ == "__main__":
-    main()
