@@ -6,7 +6,8 @@ runs the `specpair up` command (its defaults: max batch, tiers 0/1/3/7, the cont
 SGLang rule) on free ports and changes nothing behind it but what the ops API offers a user:
 `ctl pin N` and a policy update. Configurations, each on the one running deployment:
 
-- `sglang`: the policy `up` starts with (SGLang's rule over tiers 1/3/7), first, untouched;
+- `sglang`: the policy `up` starts with (SGLang's rule over tiers 1/3/7), first, untouched
+  (`policy` instead with `--policy FILE`: `up --policy FILE`'s);
 - `goodput`: the goodput kind over tiers 0/1/3/7, set live (`ctl policy kind=goodput …`),
   afresh from tier 3;
 - `tier 0`: pinned to tier 0, the target alone (`up` builds its runtime state at start-up so
@@ -57,7 +58,7 @@ from bench.gpu_speedup import (
 from bench.services import wait_draft_connected
 from specpair.cli.launcher import READY
 from specpair.cli.options import TOKEN_ENV
-from specpair.client import ControllerClient, SpecpairClient
+from specpair.client import ControllerClient, SpecpairClient, SpecpairError
 from specpair.config.option import lab_variable
 
 DOORS = ("openai", "http", "sdk")
@@ -269,7 +270,14 @@ def apply(ctl: ControllerClient, config: str) -> None:
     """Configurations run in `configs` order: SGLang's rule as `up` started it, then goodput
     (whose tiers hold 0, so that the pins after it may name tier 0)."""
     if config.startswith("tier "):
-        ctl.pin(int(config.removeprefix("tier ")))
+        tier = int(config.removeprefix("tier "))
+        try:
+            ctl.pin(tier)
+        except SpecpairError as exc:  # SGLang's rule has no tier 0 (goodput skipped): set it
+            if exc.code != "INVALID_ARGUMENT" or "not a candidate" not in exc.details:
+                raise
+            ctl.update_policy(**GOODPUT)
+            ctl.pin(tier)
     elif config == "goodput":
         ctl.pin(3)  # afresh from tier 3, as in gpu_speedup
         ctl.update_policy(**GOODPUT)
@@ -361,7 +369,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                                     args.top_p) if wl.prompts == "code"
     ]  # fmt: skip
     # the pins come last: SGLang's rule lists no tier 0, the goodput kind does (`apply`)
-    configs = ["sglang", "goodput", "tier 0", *(f"tier {t}" for t in args.tiers)]
+    first = "policy" if args.policy else "sglang"  # up's own, or the one given
+    configs = [first, "goodput", "tier 0", *(f"tier {t}" for t in args.tiers)]
     configs = [c for c in configs if c.split()[0] not in args.skip]
     command = up_command(args, target, draft)
     cells: list[UpCell] = []
