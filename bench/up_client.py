@@ -55,11 +55,14 @@ from bench.gpu_speedup import (
     make_workloads,
     request_counts,
 )
-from bench.services import wait_draft_connected
+from bench.services import wait_draft_connected, watch_rounds
 from specpair.cli.launcher import READY
 from specpair.cli.options import TOKEN_ENV
 from specpair.client import ControllerClient, SpecpairClient, SpecpairError
 from specpair.config.option import lab_variable
+from specpair.runtime.round_messages import RoundStats
+
+STAGES = ("total", "draft", "rpc", "wait", "verify", "verify_gpu", "schedule", "admit", "handoff")
 
 DOORS = ("openai", "http", "sdk")
 Door = Callable[[list[int], int, Any], int]  # (prompt ids, max tokens, sampling) -> tokens
@@ -75,6 +78,9 @@ class UpCell:
     seconds: float
     runs: list[float] = field(default_factory=list)  # tokens/s of each run
     speedup: float | None = None  # over "tier 0", same door, workload and batch
+    # the target's rounds during the cell's runs (WatchRounds): means of a round's stage ms,
+    # its batch size and accepted draft tokens a drafted request (`anatomy`)
+    rounds: dict[str, float] = field(default_factory=dict)
 
     @property
     def spread(self) -> float | None:
@@ -113,6 +119,8 @@ def up_command(args: argparse.Namespace, target: Path, draft: Path) -> list[str]
         command += ["--max-batch", str(args.max_batch)]
     if args.policy:
         command += ["--policy", str(args.policy)]
+    if args.feature_dtype != "auto":
+        command += ["--feature-dtype", args.feature_dtype]
     return command
 
 
@@ -234,6 +242,21 @@ def sdk_door(up: Up) -> Door:
     return one
 
 
+def anatomy(rounds: Sequence[RoundStats]) -> dict[str, float]:
+    """A cell's rounds in a few means: how many, their batch, accepted tokens a drafted request,
+    and each stage's ms a round (`StageTimings`: `admit` = joining, inside `total`; `handoff`
+    = the joiners' prompts to the draft, inside `admit`)."""
+    if not rounds:
+        return {}
+    n = len(rounds)
+    accepts = [a for r in rounds for a in r.accept_lengths]
+    out = {"rounds": float(n), "batch": sum(r.batch_size for r in rounds) / n,
+           "accept": sum(accepts) / len(accepts) if accepts else 0.0}  # fmt: skip
+    for stage in STAGES:
+        out[stage] = sum(getattr(r.timings, f"{stage}_ms") for r in rounds) / n
+    return out
+
+
 def run_cells(
     up: Up, config: str, workloads: Sequence[Workload], counts: dict[int, int],
     new_tokens: int, doors: Sequence[str], repeats: int, record: Callable[[UpCell], None],
@@ -252,16 +275,22 @@ def run_cells(
                     def request(i: int, wl: Workload = wl, one: Door = one) -> int:
                         return one(wl.ids[i], new_tokens, wl.sampling(i))
 
+                    rounds: list[RoundStats] = []
+                    call = watch_rounds(up.target, rounds, up.token)
+                    time.sleep(0.1)  # subscribed before the first request
                     t0 = time.perf_counter()
                     with ThreadPoolExecutor(batch) as pool:
                         tokens = sum(pool.map(request, range(n)))
                     seconds = time.perf_counter() - t0
+                    time.sleep(0.1)  # the last round's stats
+                    call.cancel()
                     cell = cells.setdefault(
                         (door, wl.name, batch), UpCell(config, door, wl.name, batch, 0, 0.0)
                     )
                     cell.tokens += tokens
                     cell.seconds += seconds
                     cell.runs.append(tokens / seconds)
+                    cell.rounds = anatomy(rounds)  # the last run's
     for cell in cells.values():
         record(cell)
 
@@ -311,6 +340,19 @@ def render(cells: Sequence[UpCell]) -> str:
     return format_table(headers, rows)
 
 
+def render_anatomy(cells: Sequence[UpCell]) -> str:
+    """Each cell's rounds (its last run): the batch they ran, accepted draft tokens a drafted
+    request, and ms a round by stage."""
+    rows = [
+        [c.config, c.workload, str(c.batch), f"{c.rounds['rounds']:.0f}",
+         f"{c.rounds['batch']:.1f}", f"{c.rounds['accept']:.2f}",
+         *(f"{c.rounds[stage]:.2f}" for stage in STAGES)]
+        for c in cells if c.rounds
+    ]  # fmt: skip
+    headers = ["config", "workload", "clients", "rounds", "batch", "accept", *STAGES]
+    return format_table(headers, rows)
+
+
 def plot(cells: Sequence[UpCell], path: Path, title: str) -> None:
     series: dict[str, dict[str, float]] = {}
     for c in sorted(cells, key=lambda c: (c.workload, c.batch, c.door)):
@@ -333,6 +375,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tiers", type=int, nargs="*", default=[7], help="pinned, beside 0")
     parser.add_argument("--max-batch", type=int, help="`up --max-batch` (default: up's)")
     parser.add_argument("--policy", type=Path, help="`up --policy` (default: up's)")
+    parser.add_argument("--feature-dtype", choices=("auto", "float8"), default="auto",
+                        help="`up --feature-dtype`")  # fmt: skip
     parser.add_argument(
         "--lab",
         action="append",
@@ -381,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "device": info, "date": time.strftime("%Y-%m-%d"), "command": command,
             "draft_kind": args.draft_kind, "shape": args.shape, "new_tokens": args.new_tokens,
             "requests": counts, "token_map": args.token_map and str(args.token_map),
-            "repeats": args.repeats, "lab": args.lab,
+            "repeats": args.repeats, "lab": args.lab, "feature_dtype": args.feature_dtype,
             "policy": args.policy and json.loads(args.policy.read_text()),
             "cells": [asdict(c) | {"tokens_per_s": c.tokens_per_s, "spread": c.spread}
                       for c in cells],
@@ -409,6 +453,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     gpu = info.get("gpu", info["cpu"])
     plot(cells, args.out.with_suffix(".png"), f"specpair up, {args.draft_kind}, {gpu}")
     print(f"\nwrote {args.out}\n")
+    print("rounds (ms a round, means; the last run of each cell):")
+    print(render_anatomy(cells) + "\n")
     print(render(cells))
 
 

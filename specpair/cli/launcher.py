@@ -144,6 +144,8 @@ def up_services(args: argparse.Namespace, token: str | None = None) -> tuple[lis
         target_args += ("--max-batch", str(max_batch))
     if args.deterministic:
         target_args += ("--deterministic",)
+    if args.feature_dtype != "auto":
+        target_args += ("--feature-dtype", args.feature_dtype)
     if args.draft_kind == "eagle" and (layers := feature_layers(draft, target)):
         target_args += ("--feature-layers", ",".join(map(str, layers)))  # an EAGLE-3 head's
     env = kernel_cache_env(os.environ) | ({TOKEN_ENV: token} if token else {})

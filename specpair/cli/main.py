@@ -138,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
         "and the KV cache holds N x max_len tokens: lower it where GPU memory is short",
     )
     up.add_argument(
+        "--feature-dtype",
+        choices=("auto", "float8"),
+        default="auto",
+        help="how EAGLE features travel to the draft (`serve target --feature-dtype`): auto, "
+        "as computed; float8, half bfloat16's bytes (drafts change slightly, outputs do not)",
+    )
+    up.add_argument(
         "--deterministic",
         action="store_true",
         help="the target's batch-invariant mode (CUDA; see `serve target --help`)",

@@ -65,6 +65,7 @@ class StageTimings:
     total_ms: float = 0.0
     wait_ms: float = 0.0  # the target waited for the draft's messages
     admit_ms: float = 0.0  # prefill of the requests joining the round (in total, not schedule)
+    handoff_ms: float = 0.0  # of admit_ms: the joiners' prompts to the draft, and its answer
     draft_host_ms: float = 0.0  # the draft service's event loop and thread hand-offs
     draft_gpu_ms: float = 0.0  # CUDA graph replays, from CUDA events; 0 when none ran
     verify_gpu_ms: float = 0.0

@@ -339,6 +339,26 @@ def test_up_passes_max_batch_to_the_target_and_its_config_reads_it(
     assert config_from_args(parser.parse_args(["serve", *target.args])).max_batch == 64
 
 
+def test_up_passes_its_feature_dtype_to_the_target(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from specpair.cli.launcher import up_services
+    from specpair.cli.main import build_parser, config_from_args
+    from specpair.config.target import FeatureDType
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    parser = build_parser()
+    for given, expected in (
+        (["--feature-dtype", "float8"], FeatureDType.FLOAT8),
+        ([], FeatureDType.AUTO),
+    ):
+        services, _ = up_services(parser.parse_args(["up", *given]))
+        target = next(s for s in services if s.name == "target")
+        assert (
+            config_from_args(parser.parse_args(["serve", *target.args])).feature_dtype == expected
+        )
+
+
 def test_up_keeps_compiled_kernels_under_its_cache_unless_told(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

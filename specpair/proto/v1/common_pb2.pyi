@@ -141,6 +141,7 @@ class StageTimings(_message.Message):
     VERIFY_GPU_MS_FIELD_NUMBER: _builtins.int
     WAIT_MS_FIELD_NUMBER: _builtins.int
     ADMIT_MS_FIELD_NUMBER: _builtins.int
+    HANDOFF_MS_FIELD_NUMBER: _builtins.int
     draft_ms: _builtins.float
     extend_ms: _builtins.float
     verify_ms: _builtins.float
@@ -160,6 +161,10 @@ class StageTimings(_message.Message):
     """Admission just before the round (prefill of the requests joining it): part of total_ms,
     not of schedule_ms; a per-request cost, the same whatever the tier.
     """
+    handoff_ms: _builtins.float
+    """Of admit_ms: the hand-off (the joiners' prompts and features built and sent to the draft,
+    and, after the verify, the wait for its answer).
+    """
     def __init__(
         self,
         *,
@@ -174,10 +179,11 @@ class StageTimings(_message.Message):
         verify_gpu_ms: _builtins.float = ...,
         wait_ms: _builtins.float = ...,
         admit_ms: _builtins.float = ...,
+        handoff_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit_ms", b"admit_ms", "draft_gpu_ms", b"draft_gpu_ms", "draft_host_ms", b"draft_host_ms", "draft_ms", b"draft_ms", "extend_ms", b"extend_ms", "rpc_ms", b"rpc_ms", "schedule_ms", b"schedule_ms", "total_ms", b"total_ms", "verify_gpu_ms", b"verify_gpu_ms", "verify_ms", b"verify_ms", "wait_ms", b"wait_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit_ms", b"admit_ms", "draft_gpu_ms", b"draft_gpu_ms", "draft_host_ms", b"draft_host_ms", "draft_ms", b"draft_ms", "extend_ms", b"extend_ms", "handoff_ms", b"handoff_ms", "rpc_ms", b"rpc_ms", "schedule_ms", b"schedule_ms", "total_ms", b"total_ms", "verify_gpu_ms", b"verify_gpu_ms", "verify_ms", b"verify_ms", "wait_ms", b"wait_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

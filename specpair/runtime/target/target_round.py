@@ -59,6 +59,7 @@ class Flight(Generic[B]):
     # request, and what `send` returned for `receive`
     handoff: tuple[RoundRequest, int] | None = None
     handoff_s: float = 0.0  # waiting for the hand-off's answer, after the verify
+    handoff_send_s: float = 0.0  # building and sending the hand-off (within beside_s)
 
 
 class Batcher(Protocol[B]):
@@ -193,6 +194,7 @@ class TargetRound(Generic[B]):
         draft = self.draft
         if draft is None or not draft.connected or flight.epoch is None or flight.handoff:
             return
+        t0 = time.perf_counter()
         request = self.session.handoff(
             round_id, seqs, epoch=draft.epochs(seqs), features=draft.features
         )
@@ -201,6 +203,7 @@ class TargetRound(Generic[B]):
         sent = await draft.send(request)
         if sent is not None:
             flight.handoff = (request, sent)
+        flight.handoff_send_s += time.perf_counter() - t0
 
     async def feed(self, flight: Flight[B], draft: DraftTransport) -> None:
         """A round at tier 0: sends the draft every token of `flight` it has not seen (a tier-0
@@ -264,6 +267,7 @@ def round_stats(
         total_ms=1e3 * total_s,
         wait_ms=1e3 * flight.wait_s,
         admit_ms=1e3 * (flight.admit_s + flight.beside_s + flight.handoff_s),
+        handoff_ms=1e3 * (flight.handoff_send_s + flight.handoff_s),
     )
     plain = set(range(len(seqs))).difference(drafted)
     state = flight.state
