@@ -452,6 +452,9 @@ async def test_the_cli_chat_says_how_it_ends_and_ends_cleanly(stack: Stack) -> N
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
+            # a runner started as a background job hands its children SIGINT ignored, and
+            # the Ctrl-C below would then never reach the chat
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
 
     # /exit after one turn: exit 0, and the first line said how a chat ends

@@ -157,3 +157,50 @@ def test_a_refused_handoff_sends_the_whole_prompt_in_the_first_round() -> None:
     assert item.appended == (5, 6, 7, 8)
     handoff = session.handoff(3, [seq], epoch=2)  # a new stream: the draft holds nothing
     assert handoff is not None and handoff.inputs[0].appended == (5, 6, 7)
+
+
+def test_the_first_round_may_go_out_before_the_handoffs_answer() -> None:
+    """A hand-off counts its prompt as held when it goes out: the first round, built before
+    its answer is read, appends one token from start 3. A refusal read after it sets the
+    count back to 0; the first round's own answer (refused there: out of step) keeps it 0,
+    so the round after sends the whole history from start 0."""
+    session = DraftSession(vocab_size=50)
+    seq = joined([5, 6, 7], 8)
+    session.add(seq, None)
+    handoff = session.handoff(1, [seq], epoch=1)
+    assert handoff is not None and handoff.inputs[0].start == 0
+    first = session.request(2, [seq], 3, epoch=1)
+    assert first.inputs[0].appended == (8,) and first.inputs[0].start == 3
+    session.drafts(handoff, RoundResponse(1, refused={"a": "RESOURCE_EXHAUSTED: no slot"}))
+    drafts = session.drafts(first, RoundResponse(2, refused={"a": "start: out of step"}))
+    assert drafts.trees == [EMPTY_TREE] and drafts.fallbacks == ["draft_refused"]
+    (item,) = session.request(3, [seq], 3, epoch=1).inputs
+    assert item.appended == (5, 6, 7, 8) and item.start == 0
+
+
+def test_a_taken_handoff_read_late_counts_once() -> None:
+    session = DraftSession(vocab_size=50)
+    seq = joined([5, 6, 7], 8)
+    session.add(seq, None)
+    handoff = session.handoff(1, [seq], epoch=1)
+    assert handoff is not None
+    first = session.request(2, [seq], 3, epoch=1)
+    session.drafts(handoff, RoundResponse(1, {"a": EMPTY_TREE}))
+    session.drafts(first, RoundResponse(2, {"a": chain([9, 4, 1])}))
+    seq.append([9, 4, 2])
+    (item,) = session.request(3, [seq], 3, epoch=1).inputs
+    assert item.appended == (9, 4, 2) and item.start == 4
+
+
+def test_an_unanswered_round_starts_its_requests_afresh() -> None:
+    """No answer (late, lost): the draft may hold anything of them, so the next round sends
+    each whole from start 0, which a draft takes as a new request."""
+    session = DraftSession(vocab_size=50)
+    seq = joined([5, 6, 7], 8)
+    session.add(seq, None)
+    session.drafts(session.request(1, [seq], 3, epoch=1), RoundResponse(1, {"a": chain([9])}))
+    seq.append([9, 4])
+    drafts = session.drafts(session.request(2, [seq], 3, epoch=1), None)
+    assert drafts.fallbacks == ["draft_failed"]
+    (item,) = session.request(3, [seq], 3, epoch=1).inputs
+    assert item.appended == (5, 6, 7, 8, 9, 4) and item.start == 0
