@@ -139,9 +139,7 @@ class DraftSession:
                 continue
             own = 0 if own == tier else own  # 0 on the wire: the round's tier
             inputs.append(self._unseen(seq, epoch, features, own))
-        released = tuple(self._released)
-        self._released.clear()
-        return RoundRequest(round_id, tier, tuple(inputs), released, shape)
+        return RoundRequest(round_id, tier, tuple(inputs), self._drain_released(), shape)
 
     def feed(
         self,
@@ -156,9 +154,7 @@ class DraftSession:
         appends one token a request. Worked example: seen 4 of prompt [5, 6, 7] + output
         [8, 9, 4, 2] → appended (2,) with the row of 4; the draft answers, seen = 7."""
         inputs = tuple(self._unseen(seq, epoch, features, 0) for seq in seqs)
-        released = tuple(self._released)
-        self._released.clear()
-        return RoundRequest(round_id, 0, inputs, released)
+        return RoundRequest(round_id, 0, inputs, self._drain_released())
 
     def _unseen(
         self,
@@ -209,6 +205,12 @@ class DraftSession:
             inputs.append(DraftInput(seq.request_id, prompt, seq.sampling, rows))
         return RoundRequest(round_id, 0, tuple(inputs)) if inputs else None
 
+    def _drain_released(self) -> tuple[str, ...]:
+        """The requests that left since the last request went out, handed to this one."""
+        released = tuple(self._released)
+        self._released.clear()
+        return released
+
     @staticmethod
     def _renew(view: DraftView, epoch: int | Mapping[str, int]) -> None:
         """Puts `view` on its draft stream `epoch` (or its own, by request id); a new stream
@@ -221,9 +223,7 @@ class DraftSession:
         """A request that only frees state (when no round follows), or None: nothing to free."""
         if not self._released:
             return None
-        request = RoundRequest(round_id, 0, (), tuple(self._released))
-        self._released.clear()
-        return request
+        return RoundRequest(round_id, 0, (), self._drain_released())
 
     def drafts(self, request: RoundRequest, response: RoundResponse | None) -> Drafts:
         """The trees `response` brings for `request`'s inputs (None: the draft failed to
