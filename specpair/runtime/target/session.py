@@ -143,9 +143,7 @@ class DraftSession:
                 continue
             own = 0 if own == tier else own  # 0 on the wire: the round's tier
             inputs.append(self._unseen(seq, epoch, features, own))
-        released = tuple(self._released)
-        self._released.clear()
-        return RoundRequest(round_id, tier, tuple(inputs), released, shape)
+        return RoundRequest(round_id, tier, tuple(inputs), self._drain_released(), shape)
 
     def feed(
         self,
@@ -163,9 +161,7 @@ class DraftSession:
         inputs = tuple(self._unseen(seq, epoch, features, 0) for seq in seqs)
         for item in inputs:  # `_unseen` left each one's count at its start
             self.views[item.request_id].seen += len(item.appended)
-        released = tuple(self._released)
-        self._released.clear()
-        return RoundRequest(round_id, 0, inputs, released)
+        return RoundRequest(round_id, 0, inputs, self._drain_released())
 
     def _unseen(
         self,
@@ -218,6 +214,12 @@ class DraftSession:
             view.seen = len(prompt)
         return RoundRequest(round_id, 0, tuple(inputs)) if inputs else None
 
+    def _drain_released(self) -> tuple[str, ...]:
+        """The requests that left since the last request went out, handed to this one."""
+        released = tuple(self._released)
+        self._released.clear()
+        return released
+
     @staticmethod
     def _renew(view: DraftView, epoch: int | Mapping[str, int]) -> None:
         """Puts `view` on its draft stream `epoch` (or its own, by request id); a new stream
@@ -230,9 +232,7 @@ class DraftSession:
         """A request that only frees state (when no round follows), or None: nothing to free."""
         if not self._released:
             return None
-        request = RoundRequest(round_id, 0, (), tuple(self._released))
-        self._released.clear()
-        return request
+        return RoundRequest(round_id, 0, (), self._drain_released())
 
     def drafts(self, request: RoundRequest, response: RoundResponse | None) -> Drafts:
         """The trees `response` brings for `request`'s inputs (None: the draft failed to
