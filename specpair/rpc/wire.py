@@ -190,8 +190,6 @@ def _draft_input_into(msg: draft_pb2.DraftInput, item: DraftInput, fp8: bool) ->
     msg.request_id = item.request_id
     msg.appended_token_ids.extend(item.appended)
     msg.speculative_num_steps = item.steps
-    if item.start is not None:
-        msg.start = item.start
     sampling_into(msg.sampling, item.sampling)
     if item.features is not None:
         (fp8_rows_into if fp8 else tensor_into)(msg.features, item.features)
@@ -211,7 +209,6 @@ def _draft_input_from_proto(msg: draft_pb2.DraftInput) -> DraftInput:
         sampling,
         features,
         msg.speculative_num_steps,
-        msg.start if msg.HasField("start") else None,
     )
 
 

@@ -34,9 +34,6 @@ class DraftInput:
     # predicted appended[len(appended) - n + i]. EAGLE only.
     features: Tensor | None = None
     steps: int = 0  # tokens to draft for this request; 0: the round's speculative_num_steps
-    # tokens the target counts the draft as holding before `appended` (0: a new request, any
-    # state held dropped first); a draft holding another count refuses it. None: unchecked.
-    start: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

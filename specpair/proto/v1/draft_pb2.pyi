@@ -31,17 +31,10 @@ class DraftInput(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     FEATURES_FIELD_NUMBER: _builtins.int
     SPECULATIVE_NUM_STEPS_FIELD_NUMBER: _builtins.int
-    START_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     speculative_num_steps: _builtins.int
     """How many tokens to draft for this request; 0: the round's speculative_num_steps. Never
     more than the round's (its state), which is the largest of its requests'.
-    """
-    start: _builtins.int
-    """How many tokens of this request the target counts the draft as holding before
-    appended_token_ids: 0, a new request (any state held for it is dropped first). A draft
-    that holds another count keeps nothing of it and refuses it, so the target re-sends its
-    whole history. Unset: not checked.
     """
     @_builtins.property
     def appended_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -63,15 +56,12 @@ class DraftInput(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         features: _common_pb2.Tensor | None = ...,
         speculative_num_steps: _builtins.int = ...,
-        start: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_start", b"_start", "features", b"features", "sampling", b"sampling", "start", b"start"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["features", b"features", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_start", b"_start", "appended_token_ids", b"appended_token_ids", "features", b"features", "request_id", b"request_id", "sampling", b"sampling", "speculative_num_steps", b"speculative_num_steps", "start", b"start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["appended_token_ids", b"appended_token_ids", "features", b"features", "request_id", b"request_id", "sampling", b"sampling", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType__start: _TypeAlias = _typing.Literal["start"]  # noqa: Y015
-    _WhichOneofArgType__start: _TypeAlias = _typing.Literal["_start", b"_start"]  # noqa: Y015
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__start) -> _WhichOneofReturnType__start | None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DraftInput: _TypeAlias = DraftInput  # noqa: Y015
 

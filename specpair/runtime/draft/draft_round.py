@@ -44,10 +44,9 @@ class DraftRound:
             return RoundResponse(request.round_id)
         assert state is not None, "a round with inputs needs its tier's state"
         fresh = [replace(i, request_id=prefix + i.request_id) for i in request.inputs]
-        fresh, refused = self._in_step(fresh)
+        refused: dict[str, str] = {}
         if room is not None:
-            fresh, roomless = room(fresh, request.round_id)
-            refused |= roomless
+            fresh, refused = room(fresh, request.round_id)
         trees = self.drafter.draft(fresh, state) if fresh else []  # extend + draft
         n = len(prefix)
         return RoundResponse(
@@ -55,31 +54,6 @@ class DraftRound:
             {item.request_id[n:]: tree for item, tree in zip(fresh, trees, strict=True)},
             refused={key[n:]: why for key, why in refused.items()},
         )
-
-    def _in_step(self, inputs: list[DraftInput]) -> tuple[list[DraftInput], dict[str, str]]:
-        """The inputs whose `start` matches what this draft holds of their request, and why
-        each other one is refused. Its state goes either way: a start of 0 begins the request
-        afresh, and a mismatch (the target counted a hand-off this draft refused, say) leaves
-        a state the target will re-send from scratch. Worked example: a hand-off of a 5-token
-        prompt refused for room, then the first round's input (start 5, one token) → refused,
-        so the next round carries the whole history with start 0."""
-        kept: list[DraftInput] = []
-        refused: dict[str, str] = {}
-        for item in inputs:
-            if item.start is None:
-                kept.append(item)
-                continue
-            held = self.drafter.held(item.request_id)
-            if item.start != held or held == 0:  # afresh, or out of step: nothing is kept
-                self.release(item.request_id)
-            if item.start in (0, held):
-                kept.append(item)
-            else:
-                refused[item.request_id] = (
-                    f"start: this draft holds {held} tokens of the request, not {item.start}; "
-                    "send its whole history"
-                )
-        return kept, refused
 
     def release(self, key: str) -> None:
         """Frees a request's state (`key`: namespaced)."""

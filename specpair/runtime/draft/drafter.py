@@ -33,7 +33,6 @@ from specpair.runtime.tree import CandidateTree, chain
 class DraftSlot:
     slot: int
     generator: torch.Generator
-    held: int = 0  # tokens of the request extended so far (`DraftInput.start` is checked on it)
 
 
 def _split(values: list[Tensor], counts: list[int]) -> list[list[int]]:
@@ -62,11 +61,6 @@ class Drafter(DraftForward):
         if entry is not None:
             self.cache.free(entry.slot)
 
-    def held(self, request_id: str) -> int:
-        """Tokens of the request this drafter has extended (0: it holds nothing of it)."""
-        entry = self.requests.get(request_id)
-        return 0 if entry is None else entry.held
-
     def _slot(self, item: DraftInput) -> DraftSlot:
         entry = self.requests.get(item.request_id)
         if entry is None:
@@ -92,12 +86,10 @@ class Drafter(DraftForward):
         t0 = time.perf_counter()
         if state.tier == 0:
             self.extend(inputs, slots)
-            self._extended(inputs, entries)
             self.last_times = (time.perf_counter() - t0, 0.0)
             return [chain(())] * len(inputs)
         extend, draft = self._stages(state)
         hidden = extend.run(inputs, slots)  # [B', 1, H] at each request's last row
-        self._extended(inputs, entries)
         if self.profile and hidden.is_cuda:  # to time extend and draft apart
             torch.cuda.synchronize()
         t1 = time.perf_counter()
@@ -121,11 +113,6 @@ class Drafter(DraftForward):
             chain(tokens[:d]) if q is None else chain(tokens[:d], q[1][:d], q[0][:d])
             for tokens, q, d in zip(drafts, qs, depths, strict=True)
         ]
-
-    @staticmethod
-    def _extended(inputs: Sequence[DraftInput], entries: Sequence[DraftSlot]) -> None:
-        for item, entry in zip(inputs, entries, strict=True):
-            entry.held += len(item.appended)
 
     def _sampling(
         self, inputs: Sequence[DraftInput], entries: Sequence[DraftSlot], tier: int

@@ -12,14 +12,10 @@ engine and the GPU benchmarks alike) drives it:
     session.verified(seq, result.features)           # EAGLE features of the committed rows
     session.release(request_id)                      # it left: freed with the next request
 
-Per request it counts the tokens (prompt + output) the draft holds, and each input says the
-count it was built on (`DraftInput.start`). Sent tokens count once the draft answers with a
-tree for them; no tree, a refused or unanswered round or a new stream (epoch: a reconnected
-draft lost everything) sets the count to 0, so the draft re-prefills from the request's whole
-history (tokens, and features from the `FeatureLog`), with start 0. A hand-off counts its
-prompt as held when it goes out, so that the next round, built before its answer is read,
-appends the first token alone; a draft that refused the hand-off refuses that round's input
-too (its start is not what the draft holds), and the count goes back to 0.
+Per request it counts the tokens (prompt + output) the draft holds. Sent tokens count once the
+draft answers with a tree for them; no tree, a refused round or a new stream (epoch: a
+reconnected draft lost everything) sets the count to 0, so the draft re-prefills from the
+request's whole history (tokens, and features from the `FeatureLog`).
 """
 
 from __future__ import annotations
@@ -156,11 +152,8 @@ class DraftSession:
         """A round at tier 0 for `seqs`: what `request` would send each (the draft only
         extends, and answers with empty chains), so that the next round at a positive tier
         appends one token a request. Worked example: seen 4 of prompt [5, 6, 7] + output
-        [8, 9, 4, 2] → appended (9, 4, 2) with the rows of 8, 9, 4, start 4, and seen = 7 at
-        once (as a hand-off counts: the next round may go out before this answer is read)."""
+        [8, 9, 4, 2] → appended (9, 4, 2) with the rows of 8, 9, 4; the draft answers, seen = 7."""
         inputs = tuple(self._unseen(seq, epoch, features, 0) for seq in seqs)
-        for item in inputs:  # `_unseen` left each one's count at its start
-            self.views[item.request_id].seen += len(item.appended)
         return RoundRequest(round_id, 0, inputs, self._drain_released())
 
     def _unseen(
@@ -180,7 +173,7 @@ class DraftSession:
         else:
             appended = (*seq.prompt[seen:], *seq.output)
         rows = view.features.since(seen - 1) if features else None
-        return DraftInput(seq.request_id, appended, seq.sampling, rows, steps, start=seen)
+        return DraftInput(seq.request_id, appended, seq.sampling, rows, steps)
 
     def handoff(
         self,
@@ -196,9 +189,8 @@ class DraftSession:
         one token, as any later round does, instead of the whole prompt.
 
         Worked example: prompt [5, 6, 7], output [8] (pending), nothing seen → appended
-        (5, 6, 7) with the 2 feature rows that predicted 6, 7, and seen = 3 at once; the first
-        round appends (8,) with the row of 7 and start 3, whether or not the hand-off's answer
-        has been read (a refusal there sets seen back to 0).
+        (5, 6, 7) with the 2 feature rows that predicted 6, 7; the draft answers, seen = 3; the
+        first round appends (8,) with the row of 7.
         """
         inputs = []
         for seq in seqs:
@@ -210,8 +202,7 @@ class DraftSession:
                 continue
             prompt = tuple(seq.prompt)
             rows = view.features.since(-1)[: len(prompt) - 1] if features else None
-            inputs.append(DraftInput(seq.request_id, prompt, seq.sampling, rows, start=0))
-            view.seen = len(prompt)
+            inputs.append(DraftInput(seq.request_id, prompt, seq.sampling, rows))
         return RoundRequest(round_id, 0, tuple(inputs)) if inputs else None
 
     def _drain_released(self) -> tuple[str, ...]:
@@ -239,8 +230,7 @@ class DraftSession:
         answer). A tree that breaks the rules costs only its request's speculation."""
         empty = [EMPTY_TREE] * len(request.inputs)
         ids = tuple(item.request_id for item in request.inputs)
-        if response is None:  # whatever the draft holds of them, they start afresh
-            self._unheld(request)
+        if response is None:
             return Drafts(empty, StageTimings(), False, ["draft_failed"], ids)
         if response.error:  # cut at the wire (`response_from_proto`)
             if (left_out := self.repeats.due("draft error")) is not None:
@@ -250,7 +240,9 @@ class DraftSession:
                     error=response.error,
                     left_out=left_out,
                 )
-            self._unheld(request)  # it dropped their state: re-send everything
+            for item in request.inputs:  # it dropped their state: re-send everything
+                if (view := self.views.get(item.request_id)) is not None:
+                    view.seen = 0
             return Drafts(empty, response.timings, False, ["draft_error"], ids)
         trees: list[CandidateTree] = []
         fallbacks: list[str] = []
@@ -260,11 +252,8 @@ class DraftSession:
             why = response.malformed.get(item.request_id)
             view = self.views.get(item.request_id)
             kept = tree is not None or why is not None  # no tree: the draft kept nothing
-            if view is not None and not kept:
-                view.seen = 0
-            elif view is not None:  # a hand-off or feed counted already, maybe a later one too
-                start = view.seen if item.start is None else item.start
-                view.seen = max(view.seen, start + len(item.appended))
+            if view is not None:
+                view.seen = view.seen + len(item.appended) if kept else 0
             if item.request_id in response.refused:  # no room there (the reason names it)
                 fallbacks.append("draft_refused")
             if tree is not None and not self.in_process:
@@ -283,11 +272,6 @@ class DraftSession:
                 self._malformed(ids[i], why, fallbacks)
                 trees[i] = EMPTY_TREE
         return Drafts(trees, response.timings, True, fallbacks, ids)
-
-    def _unheld(self, request: RoundRequest) -> None:
-        for item in request.inputs:
-            if (view := self.views.get(item.request_id)) is not None:
-                view.seen = 0
 
     def _malformed(self, request_id: str, why: str, fallbacks: list[str]) -> None:
         if (left_out := self.repeats.due("malformed tree")) is not None:

@@ -60,10 +60,6 @@ class Flight(Generic[B]):
     handoff: tuple[RoundRequest, int] | None = None
     handoff_s: float = 0.0  # waiting for the hand-off's answer, after the verify
     handoff_send_s: float = 0.0  # building and sending the hand-off (within beside_s)
-    # the round before's hand-off, its answer read before this round's own (`run`), and the
-    # wait for it (within the request's round trip)
-    prior: tuple[RoundRequest, int] | None = None
-    prior_s: float = 0.0
 
 
 class Batcher(Protocol[B]):
@@ -152,15 +148,9 @@ class TargetRound(Generic[B]):
             self.metrics.accepts.labels(self.worker.last_accept).inc()
         for seq, res in zip(seqs, results, strict=True):
             self.session.verified(seq, res.features)  # EAGLE: the committed rows' features
+        if flight.handoff is not None:  # its answer follows the round's own on the stream
+            await self._handoff_answer(flight, *flight.handoff)
         following = await batcher.next_round(flight)  # out before this one streams
-        if flight.handoff is not None:
-            # Its answer lies on the stream between this round's and the next one's: read
-            # with the next one's when one went out (the draft extends the prompts while
-            # this target verifies and streams), now otherwise.
-            if following is not None and following.epoch is not None:
-                following.prior = flight.handoff
-            else:
-                flight.handoff_s = await self._handoff_answer(*flight.handoff)
         drafted = []  # the requests verified with drafts (the rest decoded plainly)
         for i, (item, tree, res) in enumerate(zip(flight.batch, trees, results, strict=True)):
             with_drafts = drafts.speculative and len(tree) > 0
@@ -186,8 +176,6 @@ class TargetRound(Generic[B]):
             ids = tuple(seq.request_id for seq in flight.seqs)
             drafts = Drafts([EMPTY_TREE] * len(ids), StageTimings(), False, why, ids)
         else:
-            if flight.prior is not None:
-                flight.prior_s = await self._handoff_answer(*flight.prior)
             response = None
             if flight.epoch is not None:
                 t0 = time.perf_counter()
@@ -228,15 +216,14 @@ class TargetRound(Generic[B]):
         if (sent := await draft.send(request)) is not None:
             flight.handoff = (request, sent)
 
-    async def _handoff_answer(self, request: RoundRequest, sent: int) -> float:
-        """Reads the hand-off's answer (seconds waited): each prompt the draft took stays
-        counted as seen; a refused or lost one goes back to 0, and the round already out for
-        it is refused there too (`DraftSession`), so its next round sends it whole."""
+    async def _handoff_answer(self, flight: Flight[B], request: RoundRequest, sent: int) -> None:
+        """The hand-off's answer: each prompt the draft took counts as seen; a refused or lost
+        one is sent whole in its first round, as without a hand-off."""
         assert self.draft is not None
         t0 = time.perf_counter()
         response = await self.draft.receive(request.round_id, sent)
+        flight.handoff_s += time.perf_counter() - t0
         self._count(self.session.drafts(request, response).fallbacks)
-        return time.perf_counter() - t0
 
     def _count(self, fallbacks: list[str]) -> None:
         if self.metrics is not None:
@@ -267,7 +254,7 @@ def round_stats(
     rtt_s = verify_start - flight.started  # the request going out to its trees
     verify_s = flight.verified - verify_start
     total_s = flight.admit_s + end - flight.started  # the round's share of the wall time
-    rpc_ms = 1e3 * (rtt_s - flight.beside_s - flight.prior_s) - draft.total_ms - draft.draft_host_ms
+    rpc_ms = 1e3 * (rtt_s - flight.beside_s) - draft.total_ms - draft.draft_host_ms
     timings = StageTimings(
         draft_ms=draft.draft_ms,
         extend_ms=draft.extend_ms,
@@ -279,8 +266,8 @@ def round_stats(
         schedule_ms=1e3 * max(total_s - rtt_s - verify_s - flight.admit_s - flight.handoff_s, 0),
         total_ms=1e3 * total_s,
         wait_ms=1e3 * flight.wait_s,
-        admit_ms=1e3 * (flight.admit_s + flight.beside_s + flight.prior_s + flight.handoff_s),
-        handoff_ms=1e3 * (flight.handoff_send_s + flight.prior_s + flight.handoff_s),
+        admit_ms=1e3 * (flight.admit_s + flight.beside_s + flight.handoff_s),
+        handoff_ms=1e3 * (flight.handoff_send_s + flight.handoff_s),
     )
     plain = set(range(len(seqs))).difference(drafted)
     state = flight.state
