@@ -31,7 +31,7 @@ from bench.prompts import PROSE_PROMPTS, Prompt, code_prompts, prose_prompts, re
 from specpair.config import FeatureDType
 from specpair.models.draft_vocab import coverage, frequency_map, token_counts
 from specpair.proto.v1 import common_pb2
-from specpair.rpc.wire_tensor import fp8_rows_into, tensor_from_proto
+from specpair.rpc.wire_tensor import feature_rows_from_proto, fp8_rows_into
 from specpair.runtime.build import StateBuilder, build_drafter, build_target, feature_layers
 from specpair.runtime.draft.drafter import Drafter
 from specpair.runtime.engine import SpeculativeEngine
@@ -132,7 +132,7 @@ def through_float8(draft: DraftCall) -> DraftCall:
             if item.features is not None:
                 msg = common_pb2.Tensor()
                 fp8_rows_into(msg, item.features)
-                item = replace(item, features=tensor_from_proto(msg, "features"))
+                item = replace(item, features=feature_rows_from_proto(msg, "features"))
             sent.append(item)
         return draft(sent, state)
 

@@ -54,6 +54,7 @@ from torch import Tensor
 from specpair.models.args import ModelArgs
 from specpair.models.llama import Attend
 from specpair.models.parallel import Shard, TensorParallelLlama
+from specpair.runtime.feature_rows import FeatureRows
 from specpair.runtime.gpu.attention import PagedAttend
 from specpair.runtime.kv_cache import CacheFullError, KVCache
 from specpair.runtime.layout import BatchLayout
@@ -111,7 +112,7 @@ class GraphPlan:
 class GraphLoad:
     graph: int
     name: str
-    src: Tensor | tuple[Tensor, ...]  # a host tensor, or per-request rows (`load_rows`)
+    src: Tensor | tuple[FeatureRows, ...]  # a host tensor, or per-request rows (`load_rows`)
 
 
 CacheChange = Alloc | Free | Commit | Truncate | Bind | GraphPlan | GraphLoad
@@ -280,7 +281,7 @@ class Lockstep:
             with self.lock:
                 self._send(Apply(), None)
 
-    def load(self, graph: int, name: str, src: Tensor | Sequence[Tensor]) -> None:
+    def load(self, graph: int, name: str, src: Tensor | Sequence[FeatureRows]) -> None:
         self.record(GraphLoad(graph, name, src if isinstance(src, Tensor) else tuple(src)))
 
     def replay(self, graph: int) -> None:

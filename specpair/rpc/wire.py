@@ -9,13 +9,21 @@ Whole messages cross here: `request_to_proto` / `request_from_proto` (RoundReque
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import torch
+from torch import Tensor
 
 from specpair.logging import bounded
 from specpair.proto.v1 import common_pb2, draft_pb2, target_pb2
-from specpair.rpc.wire_tensor import float_tensor, fp8_rows_into, tensor_from_proto, tensor_into
+from specpair.rpc.wire_tensor import (
+    feature_rows_from_proto,
+    feature_rows_into,
+    float_tensor,
+    tensor_from_proto,
+    tensor_into,
+)
+from specpair.runtime.feature_rows import quantize_rows
 from specpair.runtime.round_messages import (
     DraftInput,
     RoundRequest,
@@ -47,16 +55,27 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
 
 
 def request_to_proto(request: RoundRequest, fp8_features: bool = False) -> draft_pb2.RoundRequest:
-    """`fp8_features`: EAGLE features as float8 scaled per row (`fp8_rows_into`)."""
+    """`fp8_features`: EAGLE features as float8 scaled per row (`quantize_rows`)."""
     msg = draft_pb2.RoundRequest(
         round_id=request.round_id,
         speculative_num_steps=request.speculative_num_steps,
         released_request_ids=request.released_request_ids,
         shape=tier_name(request.tier),
     )
-    for item in request.inputs:
+    inputs = _quantized(request.inputs) if fp8_features else request.inputs
+    for item in inputs:
         _draft_input_into(msg.inputs.add(), item, fp8_features)
     return msg
+
+
+def _quantized(inputs: tuple[DraftInput, ...]) -> tuple[DraftInput, ...]:
+    """`inputs` with their features as host float8 rows, all quantized together: one device
+    sync a round (their copy to the host), not one or two a request."""
+    feats = {i: f for i, item in enumerate(inputs) if isinstance(f := item.features, Tensor)}
+    rows = dict(zip(feats, quantize_rows(list(feats.values())), strict=True))
+    return tuple(
+        replace(item, features=rows[i]) if i in rows else item for i, item in enumerate(inputs)
+    )
 
 
 class MalformedRequestError(ValueError):
@@ -192,13 +211,13 @@ def _draft_input_into(msg: draft_pb2.DraftInput, item: DraftInput, fp8: bool) ->
     msg.speculative_num_steps = item.steps
     sampling_into(msg.sampling, item.sampling)
     if item.features is not None:
-        (fp8_rows_into if fp8 else tensor_into)(msg.features, item.features)
+        feature_rows_into(msg.features, item.features, fp8)
 
 
 def _draft_input_from_proto(msg: draft_pb2.DraftInput) -> DraftInput:
     features = None
     if msg.HasField("features"):
-        features = float_tensor(msg.features, f"inputs[{msg.request_id}].features")
+        features = feature_rows_from_proto(msg.features, f"inputs[{msg.request_id}].features")
     try:
         sampling = sampling_from_proto(msg.sampling)
     except ValueError as exc:  # it names only its own field

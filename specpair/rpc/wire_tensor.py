@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from specpair.proto.v1 import common_pb2
+from specpair.runtime.feature_rows import FeatureRows, Fp8Rows, quantize_rows
 
 _DTYPES = {
     common_pb2.D_TYPE_FLOAT32: torch.float32,
@@ -26,10 +27,6 @@ _NP_DTYPES: dict[torch.dtype, np.dtype[Any]] = {  # bfloat16: its 16-bit pattern
     torch.bfloat16: np.dtype("<i2"),
     torch.int32: np.dtype("<i4"),
 }
-
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
 
 
 def tensor_into(msg: common_pb2.Tensor, t: Tensor) -> None:
@@ -50,24 +47,33 @@ def tensor_into(msg: common_pb2.Tensor, t: Tensor) -> None:
     msg.shape.extend(t.shape)
 
 
-def fp8_rows_into(msg: common_pb2.Tensor, t: Tensor) -> None:
-    """Writes `t` [..., W] as float8 e4m3 with one float32 scale per row: each row's largest
-    magnitude maps to e4m3's 448, so a row keeps ~2 significant bits below its own top value
-    whatever its range. 1 + 4/W bytes a value: a row of W = 4096 takes 4100 bytes (bfloat16:
-    8192). An all-zero row has scale 0."""
-    x = t.detach().float()
-    rows = x.reshape(-1, x.shape[-1])
-    scale = rows.abs().amax(-1) / FP8_MAX
-    q = (rows / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]).to(FP8)
-    msg.data = q.view(torch.uint8).cpu().numpy().tobytes()
+def fp8_rows_into(msg: common_pb2.Tensor, rows: Tensor | Fp8Rows) -> None:
+    """Writes `rows` [n, W] as float8 e4m3 with one float32 scale per row (`quantize_rows`;
+    rows quantized already are written as they are). 1 + 4/W bytes a value: a row of
+    W = 4096 takes 4100 bytes (bfloat16: 8192). An all-zero row has scale 0."""
+    shape = rows.shape
+    if isinstance(rows, Tensor):
+        rows = quantize_rows([rows])[0]
+    msg.data = rows.q.numpy().tobytes()
     msg.dtype = common_pb2.D_TYPE_FLOAT8_E4M3
     del msg.shape[:]
-    msg.shape.extend(t.shape)
+    msg.shape.extend(shape)
     del msg.row_scales[:]
-    msg.row_scales.extend(scale.cpu().tolist())
+    msg.row_scales.extend(rows.scale.tolist())
 
 
-def _fp8_rows_from_proto(msg: common_pb2.Tensor, field: str) -> Tensor:
+def feature_rows_into(msg: common_pb2.Tensor, rows: FeatureRows, fp8: bool) -> None:
+    """EAGLE feature rows: as float8 scaled per row when `fp8` (or quantized already), else as
+    computed."""
+    if fp8 or isinstance(rows, Fp8Rows):
+        fp8_rows_into(msg, rows)
+    else:
+        tensor_into(msg, rows)
+
+
+def fp8_rows_from_proto(msg: common_pb2.Tensor, field: str) -> Fp8Rows:
+    """A float8 Tensor as `Fp8Rows` [rows, W], its bytes and scales as they came (no
+    conversion: the rows are dequantized where they are placed)."""
     shape = tuple(msg.shape)
     if not shape or any(n < 0 for n in shape) or math.prod(shape) != len(msg.data):
         raise ValueError(f"{field}: {len(msg.data)} bytes do not hold float8 shape {list(shape)}")
@@ -77,16 +83,15 @@ def _fp8_rows_from_proto(msg: common_pb2.Tensor, field: str) -> Tensor:
         raise ValueError(f"{field}.row_scales: {len(scales)} scales for {rows} rows")
     if not np.all(np.isfinite(scales)) or np.any(scales < 0):
         raise ValueError(f"{field}.row_scales: each scale must be finite and >= 0")
-    q = torch.from_numpy(np.frombuffer(msg.data, dtype=np.uint8).copy()).view(FP8)
-    values = q.float().view(rows, shape[-1]) * torch.from_numpy(scales)[:, None]
-    return values.view(shape)
+    q = torch.from_numpy(np.frombuffer(msg.data, dtype=np.uint8).copy())
+    return Fp8Rows(q.view(rows, shape[-1]), torch.from_numpy(scales))
 
 
 def tensor_from_proto(msg: common_pb2.Tensor, field: str) -> Tensor:
     """Decodes a Tensor message; `field` names it in the error of a malformed one. A float8
-    one decodes to float32."""
+    one decodes to float32 on the host (`feature_rows_from_proto` keeps it float8)."""
     if msg.dtype == common_pb2.D_TYPE_FLOAT8_E4M3:
-        return _fp8_rows_from_proto(msg, field)
+        return fp8_rows_from_proto(msg, field).dequantize().view(tuple(msg.shape))
     if msg.dtype not in _DTYPES:
         raise ValueError(f"{field}.dtype: unsupported {msg.dtype}")
     dtype = _DTYPES[msg.dtype]
@@ -97,6 +102,15 @@ def tensor_from_proto(msg: common_pb2.Tensor, field: str) -> Tensor:
     arr = np.frombuffer(msg.data, dtype=np_dtype).reshape(shape)
     t = torch.from_numpy(arr.copy())
     return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+
+
+def feature_rows_from_proto(msg: common_pb2.Tensor, field: str) -> FeatureRows:
+    """EAGLE feature rows [n, W]: float8 ones as `Fp8Rows`, others as a floating tensor."""
+    if msg.dtype != common_pb2.D_TYPE_FLOAT8_E4M3:
+        return float_tensor(msg, field)
+    if len(msg.shape) != 2:
+        raise ValueError(f"{field}: float8 rows [n, W] expected, got shape {list(msg.shape)}")
+    return fp8_rows_from_proto(msg, field)
 
 
 def float_tensor(msg: common_pb2.Tensor, field: str) -> Tensor:

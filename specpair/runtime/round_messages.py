@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torch import Tensor
-
+from specpair.runtime.feature_rows import FeatureRows
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.shape import TreeShape
 from specpair.runtime.tree import CandidateTree
@@ -31,8 +30,9 @@ class DraftInput:
     appended: tuple[int, ...]  # ends with the pending (bonus) token
     sampling: SamplingParams
     # [n, H] target hidden states of the positions committed since the last round; row i
-    # predicted appended[len(appended) - n + i]. EAGLE only.
-    features: Tensor | None = None
+    # predicted appended[len(appended) - n + i]. EAGLE only; float8 from a remote target
+    # sending them so (`Fp8Rows`, dequantized on the draft's device where they are placed).
+    features: FeatureRows | None = None
     steps: int = 0  # tokens to draft for this request; 0: the round's speculative_num_steps
 
 

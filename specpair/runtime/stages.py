@@ -19,6 +19,7 @@ from torch import Tensor
 from specpair.models.args import ModelArgs
 from specpair.models.llama import Attend
 from specpair.runtime.accept_batch import ChainBatch, TreeBatch
+from specpair.runtime.feature_rows import FeatureRows
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
 from specpair.runtime.round_messages import DraftInput
@@ -60,14 +61,14 @@ class DraftModel(Protocol):
 
     def extend_inputs(
         self, inputs: Sequence[DraftInput], slots: list[int]
-    ) -> tuple[Tensor, list[Tensor] | None, Tensor, BatchLayout, list[int]]:
+    ) -> tuple[Tensor, list[FeatureRows] | None, Tensor, BatchLayout, list[int]]:
         """Commits the extend rows; returns host tokens and positions [B, T], each request's
         feature rows [n_b, W] (EAGLE), layout."""
 
     def extend_forward(
         self,
         tokens: Tensor,
-        features: list[Tensor] | None,
+        features: list[FeatureRows] | None,
         positions: Tensor,
         layout: BatchLayout,
         lengths: list[int],

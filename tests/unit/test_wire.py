@@ -20,6 +20,7 @@ from specpair.rpc.wire import (
     timings_from_proto,
 )
 from specpair.rpc.wire_tensor import tensor_from_proto, tensor_into
+from specpair.runtime.feature_rows import Fp8Rows
 from specpair.runtime.round_messages import (
     DraftInput,
     RoundRequest,
@@ -153,8 +154,9 @@ def test_float8_features_are_half_of_bfloat16_and_close_per_row() -> None:
     assert len(fp8.inputs[0].features.data) == 5 * 4096  # + 5 float32 scales
     assert fp8.ByteSize() < 0.51 * bf16.ByteSize()
     got = request_from_proto(draft_pb2.RoundRequest.FromString(fp8.SerializeToString()))
-    decoded = got.inputs[0].features
-    assert decoded is not None and decoded.dtype == torch.float32 and decoded.shape == (5, 4096)
+    rows = got.inputs[0].features
+    assert isinstance(rows, Fp8Rows) and rows.shape == (5, 4096)  # float8 until placed
+    decoded = rows.dequantize()
     # e4m3 keeps 3 mantissa bits: within 1/16 of each value, or of 2^-9 of the row's top below
     # e4m3's normal range
     top = feats.abs().amax(-1, keepdim=True)
@@ -171,6 +173,7 @@ def test_float8_features_are_half_of_bfloat16_and_close_per_row() -> None:
         (lambda f: f.row_scales.__setitem__(0, float("nan")), "finite and >= 0"),
         (lambda f: f.row_scales.__setitem__(1, -1.0), "finite and >= 0"),
         (lambda f: setattr(f, "data", f.data[:-1]), "do not hold float8 shape"),
+        (lambda f: f.shape.insert(0, 1), r"features: float8 rows \[n, W\] expected"),
     ],
 )
 def test_malformed_float8_features_name_their_field(spoil, match) -> None:

@@ -18,6 +18,7 @@ from specpair.models.eagle import EagleHead
 from specpair.models.eagle3 import Eagle3Head
 from specpair.models.llama import Attend, LlamaModel
 from specpair.runtime.draft.drafter import Drafter
+from specpair.runtime.feature_rows import FeatureRows
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.round_messages import DraftInput
 
@@ -29,7 +30,7 @@ class LMDrafter(Drafter):
 
     def extend_rows(
         self, inputs: Sequence[DraftInput]
-    ) -> tuple[list[Sequence[int]], list[Tensor] | None]:
+    ) -> tuple[list[Sequence[int]], list[FeatureRows] | None]:
         return [i.appended for i in inputs], None
 
     def forward(
@@ -51,9 +52,9 @@ class EagleDrafter(Drafter):
 
     def extend_rows(
         self, inputs: Sequence[DraftInput]
-    ) -> tuple[list[Sequence[int]], list[Tensor] | None]:
+    ) -> tuple[list[Sequence[int]], list[FeatureRows] | None]:
         rows: list[Sequence[int]] = []
-        feats: list[Tensor] = []
+        feats: list[FeatureRows] = []
         for item in inputs:
             if item.features is None or len(item.features) == 0:
                 raise ValueError(f"request {item.request_id}: the EAGLE drafter needs features")

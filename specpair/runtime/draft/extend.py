@@ -14,8 +14,9 @@ import torch
 from torch import Tensor
 
 from specpair.models.llama import Attend
+from specpair.runtime.feature_rows import FeatureRows, place_features
 from specpair.runtime.kv_cache import KVCache
-from specpair.runtime.layout import BatchLayout, padded_groups, place_rows
+from specpair.runtime.layout import BatchLayout, padded_groups
 from specpair.runtime.round_messages import DraftInput
 
 
@@ -28,7 +29,7 @@ class DraftForward(ABC):
     @abstractmethod
     def extend_rows(
         self, inputs: Sequence[DraftInput]
-    ) -> tuple[list[Sequence[int]], list[Tensor] | None]:
+    ) -> tuple[list[Sequence[int]], list[FeatureRows] | None]:
         """Per request the token rows extend runs (and, for EAGLE, their features [n, H])."""
 
     @abstractmethod
@@ -47,7 +48,7 @@ class DraftForward(ABC):
 
     def extend_inputs(
         self, inputs: Sequence[DraftInput], slots: list[int]
-    ) -> tuple[Tensor, list[Tensor] | None, Tensor, BatchLayout, list[int]]:
+    ) -> tuple[Tensor, list[FeatureRows] | None, Tensor, BatchLayout, list[int]]:
         """Commits the extend rows; returns host tokens and positions [B, T], each request's
         feature rows [n_b, W] as they came (padded only where they are placed), layout."""
         rows, feats = self.extend_rows(inputs)
@@ -74,7 +75,7 @@ class DraftForward(ABC):
     def extend_forward(
         self,
         tokens: Tensor,
-        features: list[Tensor] | None,
+        features: list[FeatureRows] | None,
         positions: Tensor,
         layout: BatchLayout,
         lengths: list[int],
@@ -82,9 +83,9 @@ class DraftForward(ABC):
         """The eager forward of `extend_inputs`' rows: each request's last hidden [B, 1, H]."""
         padded = None
         if features is not None:
-            # float8 on the wire arrives as float32: compute in the cache's (the model's) dtype
+            # in the cache's (the model's) dtype; float8 rows are dequantized on the device
             width, dtype = features[0].shape[-1], self.cache.dtype
-            padded = place_rows(
+            padded = place_features(
                 torch.zeros(*tokens.shape, width, dtype=dtype, device=self.device), features
             )
         hidden = self.forward(

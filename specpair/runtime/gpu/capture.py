@@ -36,6 +36,7 @@ from torch import Tensor
 
 from specpair.logging import get_logger
 from specpair.models.parallel import Collectives
+from specpair.runtime.feature_rows import FeatureRows
 from specpair.runtime.gpu.attention import AttentionBackend
 from specpair.runtime.gpu.staging import Staging
 from specpair.runtime.kv_cache import KVCache
@@ -50,7 +51,7 @@ class GraphMirror(Protocol):
 
     def plan(self, graph: int, attention: int, layout: BatchLayout) -> None: ...
 
-    def load(self, graph: int, name: str, src: Tensor | Sequence[Tensor]) -> None: ...
+    def load(self, graph: int, name: str, src: Tensor | Sequence[FeatureRows]) -> None: ...
 
     def replay(self, graph: int) -> None: ...
 
@@ -172,7 +173,7 @@ class StageGraph:
             self.mirror.load(self.index, name, src)
         self.staging.copy(self.inputs[name], src)
 
-    def load_rows(self, name: str, rows: Sequence[Tensor]) -> None:
+    def load_rows(self, name: str, rows: Sequence[FeatureRows]) -> None:
         """Per-request host rows [n_b, ...] into the static input `name` [B', T', ...] at
         [b, :n_b], with no padded copy made first (`Staging.copy_rows`)."""
         if self.mirror is not None:

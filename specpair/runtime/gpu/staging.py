@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from specpair.runtime.feature_rows import FeatureRows, Fp8Rows, place_features
 from specpair.runtime.layout import place_rows
 
 
@@ -35,13 +36,21 @@ class Staging:
         twin.copy_(src)
         self._queue(dst, twin)
 
-    def copy_rows(self, dst: Tensor, rows: Sequence[Tensor]) -> None:
+    def copy_rows(self, dst: Tensor, rows: Sequence[FeatureRows]) -> None:
         """rows[b] [n_b, ...] into dst[b, :n_b], each written once, straight into the twin.
         The rest of dst keeps stale (finite) values: only a graph's padding reads them, and
         padding is invisible to real rows (the buffers start as zeros). E.g. EAGLE-3 features
         at batch 8, 24 KB a row (bf16, 3H = 12 288): no zero-filled [B, T, 3H] staging copy and
-        no second pad into the graph's shape."""
-        twin = place_rows(self._twin(dst), rows)
+        no second pad into the graph's shape.
+
+        Float8 rows skip the twin: their bytes cross and are dequantized into dst on the
+        device (`place_features`), queued now, not deferred, ahead of the replay that reads
+        them."""
+        plain = [r for r in rows if not isinstance(r, Fp8Rows)]
+        if len(plain) < len(rows):
+            place_features(dst, rows)
+            return
+        twin = place_rows(self._twin(dst), plain)
         self._queue(dst[: len(rows)], twin[: len(rows)])  # the bucket's padding rows stay
 
     def _twin(self, dst: Tensor) -> Tensor:
