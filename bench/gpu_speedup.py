@@ -51,7 +51,13 @@ from bench.phased import KINDS, RUNS, STATIC, build_phases, load_policy, oracle_
 from bench.profile_costs import TIERS as PROFILED_TIERS
 from bench.profile_costs import profile
 from bench.prompts import code_prompts, prose_prompts
-from bench.services import BenchServices, wait_draft_connected, watch_rounds
+from bench.services import (
+    BenchServices,
+    add_lab_arg,
+    lab_fields,
+    wait_draft_connected,
+    watch_rounds,
+)
 from controller.policies.bands import PolicySpec
 from controller.policies.sglang import PolicyConfig
 from specpair.client import ControllerClient, SpecpairClient
@@ -617,11 +623,7 @@ def main() -> None:
         metavar="FLAGS",
         help="more flags for the target service, e.g. '--join-group 1'",
     )
-    parser.add_argument(
-        "--lab", action="append", default=[], metavar="FIELD=VALUE",
-        help="a lab switch for the services, e.g. no_prompt_handoff=1 (ARCHITECTURE.md, "
-        "'Lab switches')",
-    )  # fmt: skip
+    add_lab_arg(parser, "no_prompt_handoff=1")
     parser.add_argument("--out", type=Path, help="JSON (default: bench/results/…_<kind>.json)")
     parser.add_argument(
         "--replot", type=Path, metavar="JSON", help="only redraw an earlier run's PNG and table"
@@ -706,7 +708,7 @@ def main() -> None:
             profiled=profiled if args.profile else None, token_map=args.token_map,
             tiers=args.tiers, adaptive=not args.no_adaptive,
             target_flags=shlex.split(args.target_flags),
-            lab={k: v for k, _, v in (item.partition("=") for item in args.lab)},
+            lab=lab_fields(args.lab),
         )  # fmt: skip
     save()
     title = f"{args.draft_kind} draft, {args.shape} pair, {gpu}: tokens/s by configuration"

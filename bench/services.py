@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -27,6 +28,25 @@ from specpair.runtime.round_messages import RoundStats
 from specpair.runtime.shape import TreeShape
 
 LINKS = ("tcp", "unix")
+
+
+def add_lab_arg(parser: argparse.ArgumentParser, example: str) -> None:
+    """`--lab FIELD=VALUE`, repeatable: a lab switch for the services a benchmark starts."""
+    parser.add_argument(
+        "--lab", action="append", default=[], metavar="FIELD=VALUE",
+        help=f"a lab switch for the services, e.g. {example} (ARCHITECTURE.md, 'Lab switches')",
+    )  # fmt: skip
+
+
+def lab_env(fields: Mapping[str, str]) -> dict[str, str]:
+    """Lab switches by field as the environment sets them: {"no_prompt_handoff": "1"} →
+    {"SPECPAIR_LAB_NO_PROMPT_HANDOFF": "1"}; `--lab` items by field: `lab_fields`."""
+    return {lab_variable(name): value for name, value in fields.items()}
+
+
+def lab_fields(items: Sequence[str]) -> dict[str, str]:
+    """`--lab` items by field: ["no_prompt_handoff=1"] → {"no_prompt_handoff": "1"}."""
+    return {name: value for name, _, value in (item.partition("=") for item in items)}
 
 
 def link_address(link: str, name: str) -> tuple[str, str | None]:
@@ -90,7 +110,7 @@ class BenchServices(ServiceGroup):
             switches["busy_poll_ms"] = str(busy_poll_ms)
         # No HTTP API: benchmarks speak gRPC, and groups side by side must not share port 8000.
         env = {**os.environ, "SPECPAIR_HTTP_ADDRESS": ""}
-        env.update({lab_variable(name): value for name, value in switches.items()})
+        env.update(lab_env(switches))
         draft_arg, target_arg = draft_device or device, device
         pins = {name: frozenset(ids) for name, ids in (cpus or {}).items()}
         services = []

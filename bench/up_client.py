@@ -55,11 +55,10 @@ from bench.gpu_speedup import (
     make_workloads,
     request_counts,
 )
-from bench.services import wait_draft_connected, watch_rounds
+from bench.services import add_lab_arg, lab_env, lab_fields, wait_draft_connected, watch_rounds
 from specpair.cli.launcher import READY
 from specpair.cli.options import TOKEN_ENV
 from specpair.client import ControllerClient, SpecpairClient, SpecpairError
-from specpair.config.option import lab_variable
 from specpair.runtime.round_messages import RoundStats
 
 STAGES = ("total", "draft", "rpc", "wait", "verify", "verify_gpu", "schedule", "admit", "handoff")
@@ -377,14 +376,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--policy", type=Path, help="`up --policy` (default: up's)")
     parser.add_argument("--feature-dtype", choices=("auto", "float8"), default="auto",
                         help="`up --feature-dtype`")  # fmt: skip
-    parser.add_argument(
-        "--lab",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="a lab switch for up's services, e.g. feed_draft_at_tier_0=1 (ARCHITECTURE.md, "
-        "'Lab switches')",
-    )
+    add_lab_arg(parser, "feed_draft_at_tier_0=1")
     parser.add_argument(
         "--skip", nargs="*", default=[], choices=["goodput"], help="configurations left out"
     )
@@ -437,7 +429,7 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"{cell.tokens_per_s:8.1f} tok/s", flush=True)  # fmt: skip
         save()
 
-    lab = {lab_variable(k): v for k, _, v in (item.partition("=") for item in args.lab)}
+    lab = lab_env(lab_fields(args.lab))
     with running_up(command, args.out.with_suffix(".log"), env_changes=lab) as up:
         wait_draft_connected(SpecpairClient(up.target, timeout=60))
         ctl = ControllerClient(up.controller, token=up.token, timeout=30)
