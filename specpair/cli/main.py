@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "float8"),
         default="auto",
         help="how EAGLE features travel to the draft (`serve target --feature-dtype`): auto, "
-        "as computed; float8, half bfloat16's bytes (drafts change slightly, outputs do not)",
+        "as computed; float8, half bfloat16's bytes (drafts change slightly, outputs do not; "
+        "at 64 clients it halved the hand-off's time; default: %(default)s)",
     )
     up.add_argument(
         "--deterministic",
