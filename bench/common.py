@@ -77,6 +77,15 @@ def device_info() -> dict[str, Any]:
     return info
 
 
+def cpu_run(threads: int) -> dict[str, Any]:
+    """A CPU benchmark's start: torch on `threads` threads, the device line printed; returns
+    `device_info()`."""
+    torch.set_num_threads(threads)
+    info = device_info()
+    print(f"device: {info['cpu']}, {info['torch_threads']} threads, torch {info['torch']}")
+    return info
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear-interpolation percentile, q in [0, 100] (numpy's default method)."""
     if not values:

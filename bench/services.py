@@ -33,9 +33,12 @@ LINKS = ("tcp", "unix")
 def add_lab_arg(parser: argparse.ArgumentParser, example: str) -> None:
     """`--lab FIELD=VALUE`, repeatable: a lab switch for the services a benchmark starts."""
     parser.add_argument(
-        "--lab", action="append", default=[], metavar="FIELD=VALUE",
+        "--lab",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
         help=f"a lab switch for the services, e.g. {example} (ARCHITECTURE.md, 'Lab switches')",
-    )  # fmt: skip
+    )
 
 
 def lab_env(fields: Mapping[str, str]) -> dict[str, str]:
@@ -181,6 +184,7 @@ def watch_rounds(address: str, sink: list[RoundStats], token: str | None = None)
     def collect() -> None:
         with contextlib.suppress(grpc.RpcError):
             sink.extend(stats_from_proto(r.round) for r in call)
+        channel.close()  # the call ended (cancelled): one channel a watch, not one left open
 
     threading.Thread(target=collect, daemon=True).start()
     return call

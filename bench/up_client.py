@@ -59,6 +59,7 @@ from bench.services import add_lab_arg, lab_env, lab_fields, wait_draft_connecte
 from specpair.cli.launcher import READY
 from specpair.cli.options import TOKEN_ENV
 from specpair.client import ControllerClient, SpecpairClient, SpecpairError
+from specpair.config import FeatureDType
 from specpair.runtime.round_messages import RoundStats
 
 STAGES = ("total", "draft", "rpc", "wait", "verify", "verify_gpu", "schedule", "admit", "handoff")
@@ -118,7 +119,7 @@ def up_command(args: argparse.Namespace, target: Path, draft: Path) -> list[str]
         command += ["--max-batch", str(args.max_batch)]
     if args.policy:
         command += ["--policy", str(args.policy)]
-    if args.feature_dtype != "auto":
+    if args.feature_dtype != FeatureDType.AUTO:
         command += ["--feature-dtype", args.feature_dtype]
     return command
 
@@ -249,8 +250,11 @@ def anatomy(rounds: Sequence[RoundStats]) -> dict[str, float]:
         return {}
     n = len(rounds)
     accepts = [a for r in rounds for a in r.accept_lengths]
-    out = {"rounds": float(n), "batch": sum(r.batch_size for r in rounds) / n,
-           "accept": sum(accepts) / len(accepts) if accepts else 0.0}  # fmt: skip
+    out = {
+        "rounds": float(n),
+        "batch": sum(r.batch_size for r in rounds) / n,
+        "accept": sum(accepts) / len(accepts) if accepts else 0.0,
+    }
     for stage in STAGES:
         out[stage] = sum(getattr(r.timings, f"{stage}_ms") for r in rounds) / n
     return out
@@ -343,11 +347,18 @@ def render_anatomy(cells: Sequence[UpCell]) -> str:
     """Each cell's rounds (its last run): the batch they ran, accepted draft tokens a drafted
     request, and ms a round by stage."""
     rows = [
-        [c.config, c.workload, str(c.batch), f"{c.rounds['rounds']:.0f}",
-         f"{c.rounds['batch']:.1f}", f"{c.rounds['accept']:.2f}",
-         *(f"{c.rounds[stage]:.2f}" for stage in STAGES)]
-        for c in cells if c.rounds
-    ]  # fmt: skip
+        [
+            c.config,
+            c.workload,
+            str(c.batch),
+            f"{c.rounds['rounds']:.0f}",
+            f"{c.rounds['batch']:.1f}",
+            f"{c.rounds['accept']:.2f}",
+            *(f"{c.rounds[stage]:.2f}" for stage in STAGES),
+        ]
+        for c in cells
+        if c.rounds
+    ]
     headers = ["config", "workload", "clients", "rounds", "batch", "accept", *STAGES]
     return format_table(headers, rows)
 
@@ -374,8 +385,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tiers", type=int, nargs="*", default=[7], help="pinned, beside 0")
     parser.add_argument("--max-batch", type=int, help="`up --max-batch` (default: up's)")
     parser.add_argument("--policy", type=Path, help="`up --policy` (default: up's)")
-    parser.add_argument("--feature-dtype", choices=("auto", "float8"), default="auto",
-                        help="`up --feature-dtype`")  # fmt: skip
+    parser.add_argument(
+        "--feature-dtype",
+        choices=[d.value for d in FeatureDType],
+        default=FeatureDType.AUTO.value,
+        help="`up --feature-dtype`",
+    )
     add_lab_arg(parser, "feed_draft_at_tier_0=1")
     parser.add_argument(
         "--skip", nargs="*", default=[], choices=["goodput"], help="configurations left out"

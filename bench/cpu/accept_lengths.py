@@ -26,7 +26,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from bench.common import device_info, format_table, shape_arg, write_json
+from bench.common import cpu_run, format_table, shape_arg, write_json
 from bench.prompts import PROSE_PROMPTS, Prompt, code_prompts, prose_prompts, read_py, stdlib_files
 from specpair.config import FeatureDType
 from specpair.models.draft_vocab import coverage, frequency_map, token_counts
@@ -208,9 +208,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    device = device_info()
-    print(f"device: {device['cpu']}, {device['torch_threads']} threads, torch {device['torch']}")
+    device = cpu_run(args.threads)
     hf_logging.set_verbosity_error()  # whole files are encoded; only windows reach the model
     target_path = args.models / "target"
     tokenizer = AutoTokenizer.from_pretrained(str(target_path))

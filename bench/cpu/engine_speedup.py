@@ -17,10 +17,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 from transformers.utils import logging as hf_logging
 
-from bench.common import Stats, add_output_args, device_info, format_table, write_json
+from bench.common import Stats, add_output_args, cpu_run, format_table, write_json
 from specpair.models.loading import is_eagle_checkpoint, read_args
 from specpair.models.tiny import make_tiny_llama
 from specpair.runtime.build import build_drafter, build_states, build_target
@@ -224,9 +223,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    device = device_info()
-    print(f"device: {device['cpu']}, {device['torch_threads']} threads, torch {device['torch']}")
+    device = cpu_run(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.target is None:

@@ -15,6 +15,7 @@ from specpair.cli.group import Service, ServiceGroup
 from specpair.cli.options import TOKEN_ENV
 from specpair.config import (
     MODELS_DIR,
+    FeatureDType,
     describe_ranks,
     env_address,
     env_http_address,
@@ -144,7 +145,7 @@ def up_services(args: argparse.Namespace, token: str | None = None) -> tuple[lis
         target_args += ("--max-batch", str(max_batch))
     if args.deterministic:
         target_args += ("--deterministic",)
-    if args.feature_dtype != "auto":
+    if args.feature_dtype != FeatureDType.AUTO:
         target_args += ("--feature-dtype", args.feature_dtype)
     if args.draft_kind == "eagle" and (layers := feature_layers(draft, target)):
         target_args += ("--feature-layers", ",".join(map(str, layers)))  # an EAGLE-3 head's

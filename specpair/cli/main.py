@@ -28,6 +28,7 @@ from specpair.config import (
     ControllerConfig,
     DraftConfig,
     DraftKind,
+    FeatureDType,
     TargetConfig,
 )
 
@@ -139,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--feature-dtype",
-        choices=("auto", "float8"),
-        default="auto",
+        choices=[d.value for d in FeatureDType],
+        default=FeatureDType.AUTO.value,
         help="how EAGLE features travel to the draft (`serve target --feature-dtype`): auto, "
         "as computed; float8, half bfloat16's bytes (drafts change slightly, outputs do not; "
         "at 64 clients it halved the hand-off's time; default: %(default)s)",
