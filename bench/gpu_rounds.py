@@ -5,6 +5,7 @@
     python -m bench.gpu_rounds host [--tier 3]         host time around the graphs
     python -m bench.gpu_rounds tier-switch             a tier switch and its first round
     python -m bench.gpu_rounds batch [--rounds 12]     tokens/s by batch, draft = target
+    python -m bench.gpu_rounds handoff [--prompts 64]  a prompt hand-off on the draft, by part
 
 `python -m bench.gpu_rounds MODE -h` gives a mode's options. Before they were one entry point
 the modes were bench/gpu_rounds.py, gpu_profile.py, gpu_host.py, gpu_tier_switch.py and
@@ -585,12 +586,101 @@ def batch_main(argv: list[str] | None = None) -> None:
     print(format_table(["batch", "no spec", "tier 1", "tier 3", "tier 7"], table))
 
 
+HANDOFF_DOC = """\
+A prompt hand-off on the draft service, in process: N prompts of L tokens with their EAGLE-3
+features (random), what the target's encode, the draft's decode and the draft's whole answer
+(decode, extend, encode) cost, features as bfloat16 bytes, float8 bytes and ring spans.
+
+    python -m bench.gpu_rounds handoff [--prompts 1 2 8 64] [--length 800] [--out FILE.json]
+"""
+
+
+@torch.inference_mode()
+def handoff_main(argv: list[str] | None = None) -> None:
+    from bench.gpu_speedup import add_pair_args, bench_pair
+    from draft_service.rounds import DraftRounds
+    from specpair.config import DraftConfig, ServerConfig
+    from specpair.rpc.wire import request_from_proto, request_to_proto
+    from specpair.runtime.engine import GREEDY
+    from specpair.runtime.feature_ring import FeatureRing, RingView
+    from specpair.runtime.round_messages import DraftInput, RoundRequest
+
+    parser = argparse.ArgumentParser(description=HANDOFF_DOC)
+    add_pair_args(parser)
+    parser.add_argument("--prompts", type=int, nargs="*", default=[1, 2, 8, 64])
+    parser.add_argument("--length", type=int, default=800)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    target, head = bench_pair(args.shape, args.models_dir, "eagle3", args.device)
+    config = DraftConfig(
+        ServerConfig("127.0.0.1:0"),
+        head,
+        draft_kind="eagle",  # type: ignore[arg-type]
+        target_path=target,
+        device=args.device,
+        max_requests=max(args.prompts),
+        max_target_requests=max(args.prompts),
+        max_len=args.length + 64,
+    )
+    rounds = DraftRounds(config)
+    width, device = rounds.drafter.feature_width, torch.device(args.device)
+    n_max = max(args.prompts)
+    ring = FeatureRing(n_max * args.length, width, torch.bfloat16, device)
+    rows, round_id = [], 0
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for n in args.prompts:
+        for how in ("bfloat16", "float8", "ring"):
+            times: dict[str, list[float]] = defaultdict(list)
+            for _ in range(args.repeats + 1):  # the first: warm-up
+                round_id += 1
+                feats = [
+                    torch.randn(args.length, width, dtype=torch.bfloat16, device=device)
+                    for _ in range(n)
+                ]
+                tokens = tuple(range(1, args.length + 2))
+                inputs = tuple(DraftInput(f"p{i}", tokens, GREEDY, f) for i, f in enumerate(feats))
+                request = RoundRequest(round_id, 0, inputs)
+                sync()
+                t0 = time.perf_counter()
+                shared = ring.put(round_id, feats) if how == "ring" else []
+                msg = request_to_proto(request, how == "float8", shared)
+                t1 = time.perf_counter()
+                stream = f"bench#{round_id}"
+                rounds.rings[stream] = RingView.of(ring)
+                request_from_proto(msg, rounds.rings[stream])
+                sync()
+                t2 = time.perf_counter()
+                answer = rounds.run(stream, msg)
+                sync()
+                t3 = time.perf_counter()
+                assert not answer.message.error, answer.message.error
+                rounds.release_stream(stream)
+                ring.release(round_id)
+                for name, ms in (("encode", t1 - t0), ("decode", t2 - t1), ("answer", t3 - t2)):
+                    times[name].append(1e3 * ms)
+                times["bytes"].append(msg.ByteSize() / 1e6)
+            row = {"prompts": n, "tokens": n * args.length, "features": how}
+            row |= {k: round(median(v[1:]), 2) for k, v in times.items()}
+            rows.append(row)
+            print(row, flush=True)
+    if args.out:
+        write_json(args.out, {"device": device_info(), "length": args.length, "rows": rows})
+    headers = list(rows[0])
+    print(format_table(headers, [[str(r[h]) for h in headers] for r in rows]))
+
+
 MODES = {
     "rounds": rounds_main,
     "profile": profile_main,
     "host": host_main,
     "tier-switch": tier_switch_main,
     "batch": batch_main,
+    "handoff": handoff_main,
 }
 
 

@@ -121,6 +121,8 @@ def up_command(args: argparse.Namespace, target: Path, draft: Path) -> list[str]
         command += ["--policy", str(args.policy)]
     if args.feature_dtype != FeatureDType.AUTO:
         command += ["--feature-dtype", args.feature_dtype]
+    if args.feature_ring_mib is not None:
+        command += ["--feature-ring-mib", str(args.feature_ring_mib)]
     return command
 
 
@@ -257,6 +259,10 @@ def anatomy(rounds: Sequence[RoundStats]) -> dict[str, float]:
     }
     for stage in STAGES:
         out[stage] = sum(getattr(r.timings, f"{stage}_ms") for r in rounds) / n
+    # joining comes in spikes (a wave of joiners, then none): its median and largest round
+    for stage in ("admit", "handoff"):
+        ms = sorted(getattr(r.timings, f"{stage}_ms") for r in rounds)
+        out[f"{stage}_p50"], out[f"{stage}_max"] = ms[n // 2], ms[-1]
     return out
 
 
@@ -391,6 +397,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=FeatureDType.AUTO.value,
         help="`up --feature-dtype`",
     )
+    parser.add_argument(
+        "--feature-ring-mib", type=int, help="`up --feature-ring-mib` (0: features as bytes)"
+    )
     add_lab_arg(parser, "feed_draft_at_tier_0=1")
     parser.add_argument(
         "--skip", nargs="*", default=[], choices=["goodput"], help="configurations left out"
@@ -433,6 +442,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "draft_kind": args.draft_kind, "shape": args.shape, "new_tokens": args.new_tokens,
             "requests": counts, "token_map": args.token_map and str(args.token_map),
             "repeats": args.repeats, "lab": args.lab, "feature_dtype": args.feature_dtype,
+            "feature_ring_mib": args.feature_ring_mib,
             "policy": args.policy and json.loads(args.policy.read_text()),
             "cells": [asdict(c) | {"tokens_per_s": c.tokens_per_s, "spread": c.spread}
                       for c in cells],

@@ -25,10 +25,12 @@ from specpair.rpc.wire import (
     request_from_proto,
     response_to_proto,
 )
+from specpair.rpc.wire_tensor import ring_from_proto
 from specpair.runtime.build import StateBuilder, build_drafter, feature_layers
 from specpair.runtime.draft.draft_round import DraftRound, RoundError
 from specpair.runtime.draft.drafter import Drafter
 from specpair.runtime.draft.drafters import EagleDrafter
+from specpair.runtime.feature_ring import RingView
 from specpair.runtime.kv_cache import CacheFullError
 from specpair.runtime.round_messages import DraftInput, RoundRequest, RoundResponse, StageTimings
 from specpair.runtime.shape import TreeShape
@@ -94,6 +96,7 @@ class DraftRounds:
         self.round = DraftRound(self.drafter)
         self.headroom = max(t.draft_headroom for t in self.states)
         self.repeats = Repeats()  # a peer whose every round is refused logs once in a while
+        self.rings: dict[str, RingView] = {}  # per stream: the target's feature ring, mapped
 
     @property
     def active_requests(self) -> int:
@@ -101,12 +104,15 @@ class DraftRounds:
 
     def release_stream(self, stream_id: str) -> None:
         self.round.release_stream(stream_id)
+        self.rings.pop(stream_id, None)
 
     def run(self, stream_id: str, message: draft_pb2.RoundRequest) -> Answer:
         """One round off the wire; errors in it come back in `error`, never as an exception."""
         t0 = time.perf_counter()
+        if message.HasField("feature_ring"):
+            return self._map_ring(stream_id, message)
         try:
-            request = request_from_proto(message)
+            request = request_from_proto(message, self.rings.get(stream_id))
             response = self.draft(stream_id, request)
         except Exception as exc:
             request = exc.request if isinstance(exc, MalformedRequestError) else request
@@ -122,6 +128,23 @@ class DraftRounds:
             draft_gpu_ms=gpu_ms(self.drafter),
         )
         return Answer(request, encoded, timings)
+
+    def _map_ring(self, stream_id: str, message: draft_pb2.RoundRequest) -> Answer:
+        """A probe with the target's feature ring: mapped, and answered with the token read
+        from it, or with why not (the target then sends features as bytes)."""
+        answer = draft_pb2.RoundResponse(round_id=message.round_id)
+        request = RoundRequest(message.round_id, 0)
+        if message.inputs or message.round_id != 0:
+            answer.error = "feature_ring: only on a probe (round 0, no inputs)"
+            return Answer(request, answer, StageTimings(), refused=True)
+        try:
+            ring = RingView(ring_from_proto(message.feature_ring), self.drafter.device)
+        except Exception as exc:  # another host or GPU, a driver that refuses: bytes it is
+            answer.feature_ring_error = bounded(f"{type(exc).__name__}: {exc}")
+            return Answer(request, answer, StageTimings())
+        self.rings[stream_id] = ring
+        answer.feature_ring_token = ring.token
+        return Answer(request, answer, StageTimings())
 
     def draft(self, stream_id: str, request: RoundRequest) -> RoundResponse:
         """The round's checks, then the draft's round at its tier, within this cache's room."""

@@ -15,12 +15,14 @@ import torch
 
 from specpair.config import FeatureDType, TargetConfig, is_loopback, split_address
 from specpair.logging import get_logger
+from specpair.models.args import ModelArgs
 from specpair.models.loading import load_tokenizer, tokenizer_fingerprint
 from specpair.parallel.build import build_parallel_states, build_parallel_target
 from specpair.parallel.ranks import RankExitedError, RankGroup
 from specpair.proto.v1 import target_pb2_grpc
 from specpair.rpc.metrics import ServiceMetrics
 from specpair.runtime.build import StateBuilder, build_target
+from specpair.runtime.feature_ring import FeatureRing
 from specpair.runtime.shape import MAX_TREE_NODES
 from specpair.runtime.target.warmup import warm_up
 from target_service.batching.scheduler import Scheduler
@@ -248,6 +250,7 @@ async def start(config: TargetConfig) -> RunningTarget:
             tokenizer_fingerprint=tokenizer_fingerprint(frontend.tokenizer),
             feature_layers=config.feature_layers,
             fp8_features=config.feature_dtype is FeatureDType.FLOAT8,
+            feature_ring=_ring_maker(config, scheduler.worker.model.args),
             identity=target_identity(config.server.address, server.port),
         )
         scheduler.draft = DraftPool(
@@ -283,3 +286,13 @@ async def serve(config: TargetConfig) -> None:
         await running.wait()
     finally:
         await running.stop()
+
+
+def _ring_maker(config: TargetConfig, args: ModelArgs) -> Callable[[], FeatureRing] | None:
+    """Makes a link's feature ring (`--feature-ring-mib`), of rows as wide as the features."""
+    if config.feature_ring_mib == 0:
+        return None
+    width = args.hidden_size * max(len(config.feature_layers), 1)
+    device = torch.device(config.device)
+    size, dtype = config.feature_ring_mib << 20, getattr(torch, config.dtype)
+    return functools.partial(FeatureRing.of_bytes, size, width, dtype, device)

@@ -147,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
         "at 64 clients it halved the hand-off's time; default: %(default)s)",
     )
     up.add_argument(
+        "--feature-ring-mib",
+        type=int,
+        metavar="MIB",
+        help="the target's buffer that the draft maps to read EAGLE features by reference "
+        "(`serve target --feature-ring-mib`; default: the target's, 0: features as bytes)",
+    )
+    up.add_argument(
         "--deterministic",
         action="store_true",
         help="the target's batch-invariant mode (CUDA; see `serve target --help`)",

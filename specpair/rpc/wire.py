@@ -8,7 +8,7 @@ Whole messages cross here: `request_to_proto` / `request_from_proto` (RoundReque
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import fields, replace
 
 import torch
@@ -23,6 +23,7 @@ from specpair.rpc.wire_tensor import (
     tensor_from_proto,
     tensor_into,
 )
+from specpair.runtime.feature_ring import RingView
 from specpair.runtime.feature_rows import quantize_rows
 from specpair.runtime.round_messages import (
     DraftInput,
@@ -54,17 +55,36 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     )
 
 
-def request_to_proto(request: RoundRequest, fp8_features: bool = False) -> draft_pb2.RoundRequest:
-    """`fp8_features`: EAGLE features as float8 scaled per row (`quantize_rows`)."""
+def request_to_proto(
+    request: RoundRequest, fp8_features: bool = False, shared: Sequence[int | None] = ()
+) -> draft_pb2.RoundRequest:
+    """`fp8_features`: EAGLE features as float8 scaled per row (`quantize_rows`). `shared[i]`:
+    input i's features lie in the stream's feature ring from that row (`FeatureRing.put`),
+    sent as a span instead of bytes."""
     msg = draft_pb2.RoundRequest(
         round_id=request.round_id,
         speculative_num_steps=request.speculative_num_steps,
         released_request_ids=request.released_request_ids,
         shape=tier_name(request.tier),
     )
-    inputs = _quantized(request.inputs) if fp8_features else request.inputs
-    for item in inputs:
-        _draft_input_into(msg.inputs.add(), item, fp8_features)
+    starts = list(shared) or [None] * len(request.inputs)
+    inputs = request.inputs
+    if shared:
+        inputs = tuple(
+            replace(item, features=None) if s is not None else item
+            for item, s in zip(inputs, starts, strict=True)
+        )
+    if fp8_features:
+        inputs = _quantized(inputs)
+    for item, start, sent in zip(inputs, starts, request.inputs, strict=True):
+        item_msg = msg.inputs.add()
+        _draft_input_into(item_msg, item, fp8_features)
+        if start is not None:
+            assert sent.features is not None
+            item_msg.shared_features.start, item_msg.shared_features.rows = (
+                start,
+                len(sent.features),
+            )
     return msg
 
 
@@ -87,18 +107,41 @@ class MalformedRequestError(ValueError):
         self.request = request
 
 
-def request_from_proto(msg: draft_pb2.RoundRequest) -> RoundRequest:
+def request_from_proto(msg: draft_pb2.RoundRequest, ring: RingView | None = None) -> RoundRequest:
     """Raises MalformedRequestError naming the malformed field (`inputs[r7].sampling.top_p:
-    ...`, `shape: ...`)."""
+    ...`, `shape: ...`). Features sent as spans of the stream's feature ring are read from
+    `ring` (copied out: the target reuses the rows once this round is answered)."""
     tree = None
     try:  # a ShapeError is a ValueError
         shape = tier_from_wire(msg.speculative_num_steps, msg.shape, "shape")
         tree = None if shape.is_chain else shape
-        inputs = tuple(_draft_input_from_proto(m) for m in msg.inputs)
+        inputs = _with_shared(msg, tuple(_draft_input_from_proto(m) for m in msg.inputs), ring)
     except ValueError as exc:
         ids = tuple(DraftInput(m.request_id, (), SamplingParams()) for m in msg.inputs)
         raise MalformedRequestError(str(exc), _request(msg, ids, tree)) from None
     return _request(msg, inputs, tree)
+
+
+def _with_shared(
+    msg: draft_pb2.RoundRequest, inputs: tuple[DraftInput, ...], ring: RingView | None
+) -> tuple[DraftInput, ...]:
+    """`inputs` with the features their `shared_features` spans name, read in one copy."""
+    shared = [i for i, m in enumerate(msg.inputs) if m.HasField("shared_features")]
+    if not shared:
+        return inputs
+    fields = [f"inputs[{msg.inputs[i].request_id}].shared_features" for i in shared]
+    if ring is None:
+        raise ValueError(f"{fields[0]}: this stream has no feature ring")
+    for i, field in zip(shared, fields, strict=True):
+        if msg.inputs[i].HasField("features"):
+            raise ValueError(f"{field}: sent beside features (one or the other)")
+    spans = [
+        (msg.inputs[i].shared_features.start, msg.inputs[i].shared_features.rows) for i in shared
+    ]
+    rows = dict(zip(shared, ring.take(spans, fields), strict=True))
+    return tuple(
+        replace(item, features=rows[i]) if i in rows else item for i, item in enumerate(inputs)
+    )
 
 
 def _request(

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specpair.proto.v1 import common_pb2
+from specpair.proto.v1 import common_pb2, draft_pb2
+from specpair.runtime.feature_ring import RingHandle
 from specpair.runtime.feature_rows import FeatureRows, Fp8Rows, quantize_rows
 
 _DTYPES = {
@@ -118,3 +119,38 @@ def float_tensor(msg: common_pb2.Tensor, field: str) -> Tensor:
     if not t.dtype.is_floating_point:
         raise ValueError(f"{field}: floating point expected, got {t.dtype}")
     return t
+
+
+def ring_into(msg: draft_pb2.FeatureRing, handle: RingHandle) -> None:
+    msg.rows, msg.width, msg.dtype = handle.rows, handle.width, _CODES[handle.dtype]
+    if handle.path:
+        msg.path = handle.path
+        return
+    ipc, fields = msg.cuda, handle.cuda
+    ipc.device_uuid = handle.device_uuid
+    ipc.handle, ipc.storage_size_bytes, ipc.storage_offset_bytes = fields[0:3]  # type: ignore[assignment]
+    ipc.ref_counter_handle, ipc.ref_counter_offset = fields[3:5]  # type: ignore[assignment]
+    ipc.event_handle = fields[5] or b""  # type: ignore[assignment]
+    ipc.event_sync_required = bool(fields[6])
+
+
+def ring_from_proto(msg: draft_pb2.FeatureRing) -> RingHandle:
+    """Raises ValueError naming the malformed field."""
+    if msg.dtype not in _DTYPES or not _DTYPES[msg.dtype].is_floating_point:
+        raise ValueError(f"feature_ring.dtype: unsupported {msg.dtype}")
+    dtype = _DTYPES[msg.dtype]
+    if msg.WhichOneof("memory") == "path":
+        return RingHandle(msg.rows, msg.width, dtype, path=msg.path)
+    if msg.WhichOneof("memory") != "cuda":
+        raise ValueError("feature_ring: neither a path nor a CUDA buffer")
+    c = msg.cuda
+    fields = (
+        c.handle,
+        c.storage_size_bytes,
+        c.storage_offset_bytes,
+        c.ref_counter_handle,
+        c.ref_counter_offset,
+        c.event_handle,
+        c.event_sync_required,
+    )
+    return RingHandle(msg.rows, msg.width, dtype, device_uuid=c.device_uuid, cuda=fields)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from torch import Tensor
 
 from specpair.config import TLSConfig
 from specpair.logging import get_logger
@@ -32,6 +33,8 @@ from specpair.rpc.channels import auth_metadata, target_metadata
 from specpair.rpc.reconnect import ReconnectingLink
 from specpair.rpc.serving import busy_wait
 from specpair.rpc.wire import request_to_proto, response_from_proto
+from specpair.rpc.wire_tensor import ring_into
+from specpair.runtime.feature_ring import FeatureRing
 from specpair.runtime.round_messages import RoundRequest, RoundResponse
 from specpair.runtime.shape import MAX_TREE_NODES
 from target_service.drafts.draft_deadline import HEALTHY_ROUNDS, RoundPace, bench_s, deadline
@@ -54,6 +57,7 @@ class Out:
     """A message out on the stream, answered in the order sent."""
 
     round_id: int
+    seq: int  # the stream's message count: tags its feature ring region
     inputs: int
     max_nodes: int  # the largest tree its shape allows (0: a hand-off or release wants none)
     request_ids: frozenset[str]
@@ -86,6 +90,7 @@ class DraftLink(ReconnectingLink):
         tokenizer_fingerprint: str = "",
         feature_layers: tuple[int, ...] = (),
         fp8_features: bool = False,
+        feature_ring: Callable[[], FeatureRing] | None = None,
         identity: str = "",
         authority: str | None = None,
     ) -> None:
@@ -102,6 +107,13 @@ class DraftLink(ReconnectingLink):
         self.vocab_size, self.tokenizer_fingerprint = vocab_size, tokenizer_fingerprint
         self.feature_layers = feature_layers  # the layers our features come from ((): final)
         self.fp8_features = fp8_features  # features sent as float8 scaled per row
+        # Features by reference to an EAGLE draft that maps it (made at its first connect):
+        # `ring_open` once the draft's probe answer read our token.
+        self._make_ring = feature_ring
+        self.ring: FeatureRing | None = None
+        self.ring_open = False
+        self._ring_said = ""
+        self._seq = 0
         self.incompatible = ""  # why the draft last refused, shown in GetServerInfo
         self.timeout_s = timeout_s  # the ceiling of every deadline
         self.deadline_floor_s = deadline_floor_s
@@ -184,6 +196,11 @@ class DraftLink(ReconnectingLink):
             raise IncompatibleDraftError(reason)
         self.incompatible = ""
         self.draft_kind = info.draft_kind
+        self.ring_open = False
+        if self.ring is not None:
+            self.ring.reset()
+        elif self._make_ring is not None and info.draft_kind == "eagle":
+            self.ring = self._new_ring(self._make_ring)
         self._call = stub.Round(metadata=self.metadata)
         await self._probe(self._call)
         self.epoch += 1
@@ -194,9 +211,12 @@ class DraftLink(ReconnectingLink):
         """An empty round, answered within the deadline, or the stream is not taken: a draft
         whose health says SERVING may still answer late or never."""
         wait = self.deadline(0)
+        probe = draft_pb2.RoundRequest(round_id=0)
+        if self.ring is not None:
+            ring_into(probe.feature_ring, self.ring.handle)
         try:
             async with asyncio.timeout(wait):
-                await call.write(draft_pb2.RoundRequest(round_id=0))
+                await call.write(probe)
                 answer = await call.read()
         except TimeoutError:
             self.strike()
@@ -205,6 +225,28 @@ class DraftLink(ReconnectingLink):
             raise ConnectionError("draft closed the stream")
         if answer.round_id != 0:
             raise ConnectionError(f"probe answered as round {answer.round_id}")
+        if self.ring is not None:
+            self._ring_answered(self.ring, answer)
+
+    def _new_ring(self, make: Callable[[], FeatureRing]) -> FeatureRing | None:
+        try:
+            return make()
+        except (RuntimeError, OSError, ValueError) as exc:  # out of memory, no memfd
+            self._make_ring = None
+            log.warning("no feature ring: features go to the draft as bytes", error=str(exc))
+            return None
+
+    def _ring_answered(self, ring: FeatureRing, answer: draft_pb2.RoundResponse) -> None:
+        self.ring_open = answer.feature_ring_token == ring.token
+        said = "shared" if self.ring_open else (answer.feature_ring_error or "token mismatch")
+        if said != self._ring_said:  # once, and again when it changes
+            self._ring_said = said
+            if self.ring_open:
+                log.info(
+                    "features shared with the draft", address=self.address, rows=ring.space.rows
+                )
+            else:
+                log.info("features sent as bytes: the draft cannot map the ring", reason=said)
 
     def strike(self) -> None:
         self.strikes += 1
@@ -243,7 +285,12 @@ class DraftLink(ReconnectingLink):
         call = self._call
         if not self.connected or call is None:
             return None
-        message = request_to_proto(request, self.fp8_features)
+        self._seq += 1
+        shared: list[int | None] = []
+        if self.ring_open and self.ring is not None and request.inputs:
+            features = [f if isinstance(f := i.features, Tensor) else None for i in request.inputs]
+            shared = self.ring.put(self._seq, features)
+        message = request_to_proto(request, self.fp8_features, shared)
         try:
             async with asyncio.timeout(self.timeout_s):
                 await call.write(message)
@@ -256,7 +303,7 @@ class DraftLink(ReconnectingLink):
         timed = bool(request.inputs) and not carries_prompt(request)  # releases: no drafting
         shape_nodes = request.tier.num_draft_tokens
         now = time.perf_counter()
-        self._out.append(Out(request.round_id, len(ids), shape_nodes, ids, now, timed))
+        self._out.append(Out(request.round_id, self._seq, len(ids), shape_nodes, ids, now, timed))
         return self.epoch
 
     async def receive(self, round_id: int, epoch: int) -> RoundResponse | None:
@@ -294,6 +341,8 @@ class DraftLink(ReconnectingLink):
         if out.timed:
             self.pace.add(time.perf_counter() - out.since, out.inputs)
         self._out.popleft()
+        if self.ring is not None:
+            self.ring.release(out.seq)  # the draft copied its rows out before answering
         self._in_time += 1
         if self._in_time >= HEALTHY_ROUNDS:
             self.strikes = 0

@@ -83,7 +83,10 @@ async def test_float8_features_change_no_output(
     stack = await make_stack(
         draft,
         target_config(
-            ckpts["target"], feature_layers=layers, initial_steps=3, feature_dtype="float8"
+            ckpts["target"],
+            feature_layers=layers,
+            initial_steps=3,
+            feature_dtype="float8",
         ),
     )
     rounds = stack.draft.servicer.rounds
@@ -122,3 +125,65 @@ async def test_an_eagle_head_over_a_token_map_greedy_over_services(
         tokens, responses = await stack.generate(prompt_token_ids=prompt, max_tokens=20)
         assert tokens == want
         assert [a for r in responses for a in r.speculation.accept_lengths]  # rounds were drafted
+
+
+def _eagle(ckpts: Any, head: Path, kind: str) -> tuple[Any, tuple[int, ...]]:
+    if kind == "eagle3":
+        return eagle3_draft(head, ckpts["target"]), (0, 0, 0)
+    return draft_config(ckpts["eagle"], draft_kind="eagle", target_path=ckpts["target"]), ()
+
+
+def _spy_features(rounds: Any) -> dict[str, int]:
+    """Counts the inputs whose features came as bytes and as spans of the ring."""
+    run, seen = rounds.run, {"bytes": 0, "shared": 0}
+
+    def spied(stream_id: str, message: Any) -> Any:
+        seen["bytes"] += sum(i.HasField("features") for i in message.inputs)
+        seen["shared"] += sum(i.HasField("shared_features") for i in message.inputs)
+        return run(stream_id, message)
+
+    rounds.run = spied
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+async def test_features_cross_by_reference_and_change_no_output(
+    ckpts: Any, make_stack: Any, head: Path, kind: str
+) -> None:
+    """A draft on this host maps the target's feature ring (`--feature-ring-mib`): every
+    round's and every hand-off's features go as spans of it, none as bytes, and the output is
+    the target's."""
+    draft, layers = _eagle(ckpts, head, kind)
+    stack = await make_stack(
+        draft,
+        target_config(ckpts["target"], feature_layers=layers, initial_steps=3, feature_ring_mib=8),
+    )
+    seen = _spy_features(stack.draft.servicer.rounds)
+    expected = reference_greedy(ckpts["target"], PROMPTS, 20)
+    outputs = await asyncio.gather(
+        *(stack.generate(prompt_token_ids=p, max_tokens=20) for p in PROMPTS)
+    )
+    assert [t for t, _ in outputs] == expected
+    assert seen["shared"] > len(PROMPTS) and seen["bytes"] == 0
+    assert all(r.speculation.accept_lengths for _, rs in outputs for r in rs[-1:])  # drafted
+
+
+async def test_a_draft_that_cannot_map_the_ring_gets_bytes(
+    ckpts: Any, make_stack: Any, head: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A draft on another host (here: one whose mapping fails) answers the probe with why;
+    the target sends bytes, the output is the same."""
+
+    def unmappable(*_: Any) -> Any:
+        raise FileNotFoundError("/proc/1/fd/3: not this host's")
+
+    monkeypatch.setattr("draft_service.rounds.RingView", unmappable)
+    draft, layers = _eagle(ckpts, head, "eagle3")
+    stack = await make_stack(
+        draft,
+        target_config(ckpts["target"], feature_layers=layers, initial_steps=3, feature_ring_mib=8),
+    )
+    seen = _spy_features(stack.draft.servicer.rounds)
+    tokens, _ = await stack.generate(prompt_token_ids=PROMPTS[0], max_tokens=20)
+    assert tokens == reference_greedy(ckpts["target"], PROMPTS[:1], 20)[0]
+    assert seen["bytes"] > 0 and seen["shared"] == 0

@@ -31,6 +31,7 @@ class DraftInput(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     FEATURES_FIELD_NUMBER: _builtins.int
     SPECULATIVE_NUM_STEPS_FIELD_NUMBER: _builtins.int
+    SHARED_FEATURES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     speculative_num_steps: _builtins.int
     """How many tokens to draft for this request; 0: the round's speculative_num_steps. Never
@@ -48,6 +49,10 @@ class DraftInput(_message.Message):
         round; row i is the state that predicted appended_token_ids[len - n + i].
         """
 
+    @_builtins.property
+    def shared_features(self) -> Global___FeatureSpan:
+        """Instead of features: where they lie in the stream's shared feature ring (FeatureRing)."""
+
     def __init__(
         self,
         *,
@@ -56,14 +61,126 @@ class DraftInput(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         features: _common_pb2.Tensor | None = ...,
         speculative_num_steps: _builtins.int = ...,
+        shared_features: Global___FeatureSpan | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["features", b"features", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["features", b"features", "sampling", b"sampling", "shared_features", b"shared_features"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["appended_token_ids", b"appended_token_ids", "features", b"features", "request_id", b"request_id", "sampling", b"sampling", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["appended_token_ids", b"appended_token_ids", "features", b"features", "request_id", b"request_id", "sampling", b"sampling", "shared_features", b"shared_features", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DraftInput: _TypeAlias = DraftInput  # noqa: Y015
+
+@_typing.final
+class FeatureSpan(_message.Message):
+    """Rows [start, start + rows) of the feature ring's data (its rows after the token row)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    start: _builtins.int
+    rows: _builtins.int
+    def __init__(
+        self,
+        *,
+        start: _builtins.int = ...,
+        rows: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rows", b"rows", "start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FeatureSpan: _TypeAlias = FeatureSpan  # noqa: Y015
+
+@_typing.final
+class FeatureRing(_message.Message):
+    """A buffer of EAGLE feature rows the target writes and a draft on the same host maps, so that
+    a round's features cross by reference, not as bytes. Sent on a stream's probe (round 0);
+    the draft answers with the token it read from the buffer's first row (feature_ring_token),
+    and the target uses the ring only when that token is its own. A region is the target's to
+    reuse once the round that carried it is answered: the draft copies its rows out first.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROWS_FIELD_NUMBER: _builtins.int
+    WIDTH_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    CUDA_FIELD_NUMBER: _builtins.int
+    rows: _builtins.int
+    """data rows, after the token row"""
+    width: _builtins.int
+    dtype: _common_pb2.DType.ValueType
+    path: _builtins.str
+    """CPU: a file both processes map (a memfd of the target's, as /proc/PID/fd/N)."""
+    @_builtins.property
+    def cuda(self) -> Global___CudaIpcBuffer:
+        """GPU: a CUDA IPC handle of the buffer's allocation."""
+
+    def __init__(
+        self,
+        *,
+        rows: _builtins.int = ...,
+        width: _builtins.int = ...,
+        dtype: _common_pb2.DType.ValueType = ...,
+        path: _builtins.str = ...,
+        cuda: Global___CudaIpcBuffer | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cuda", b"cuda", "memory", b"memory", "path", b"path"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda", b"cuda", "dtype", b"dtype", "memory", b"memory", "path", b"path", "rows", b"rows", "width", b"width"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_memory: _TypeAlias = _typing.Literal["path", "cuda"]  # noqa: Y015
+    _WhichOneofArgType_memory: _TypeAlias = _typing.Literal["memory", b"memory"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_memory) -> _WhichOneofReturnType_memory | None: ...
+
+Global___FeatureRing: _TypeAlias = FeatureRing  # noqa: Y015
+
+@_typing.final
+class CudaIpcBuffer(_message.Message):
+    """torch's UntypedStorage._share_cuda_() fields, and the GPU's UUID (the index may differ)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEVICE_UUID_FIELD_NUMBER: _builtins.int
+    HANDLE_FIELD_NUMBER: _builtins.int
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _builtins.int
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _builtins.int
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _builtins.int
+    EVENT_HANDLE_FIELD_NUMBER: _builtins.int
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _builtins.int
+    device_uuid: _builtins.str
+    handle: _builtins.bytes
+    storage_size_bytes: _builtins.int
+    storage_offset_bytes: _builtins.int
+    ref_counter_handle: _builtins.bytes
+    ref_counter_offset: _builtins.int
+    event_handle: _builtins.bytes
+    event_sync_required: _builtins.bool
+    def __init__(
+        self,
+        *,
+        device_uuid: _builtins.str = ...,
+        handle: _builtins.bytes = ...,
+        storage_size_bytes: _builtins.int = ...,
+        storage_offset_bytes: _builtins.int = ...,
+        ref_counter_handle: _builtins.bytes = ...,
+        ref_counter_offset: _builtins.int = ...,
+        event_handle: _builtins.bytes = ...,
+        event_sync_required: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_uuid", b"device_uuid", "event_handle", b"event_handle", "event_sync_required", b"event_sync_required", "handle", b"handle", "ref_counter_handle", b"ref_counter_handle", "ref_counter_offset", b"ref_counter_offset", "storage_offset_bytes", b"storage_offset_bytes", "storage_size_bytes", b"storage_size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaIpcBuffer: _TypeAlias = CudaIpcBuffer  # noqa: Y015
 
 @_typing.final
 class RoundRequest(_message.Message):
@@ -78,6 +195,7 @@ class RoundRequest(_message.Message):
     INPUTS_FIELD_NUMBER: _builtins.int
     RELEASED_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     SHAPE_FIELD_NUMBER: _builtins.int
+    FEATURE_RING_FIELD_NUMBER: _builtins.int
     round_id: _builtins.int
     speculative_num_steps: _builtins.int
     """The tier for this round; the draft switches to its pre-built state before drafting. With
@@ -95,6 +213,10 @@ class RoundRequest(_message.Message):
     def released_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Requests that finished or were cancelled: free their draft state."""
 
+    @_builtins.property
+    def feature_ring(self) -> Global___FeatureRing:
+        """A probe (round 0) only: the target's feature ring, for the draft to map."""
+
     def __init__(
         self,
         *,
@@ -103,10 +225,11 @@ class RoundRequest(_message.Message):
         inputs: _abc.Iterable[Global___DraftInput] | None = ...,
         released_request_ids: _abc.Iterable[_builtins.str] | None = ...,
         shape: _builtins.str = ...,
+        feature_ring: Global___FeatureRing | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["feature_ring", b"feature_ring"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "released_request_ids", b"released_request_ids", "round_id", b"round_id", "shape", b"shape", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["feature_ring", b"feature_ring", "inputs", b"inputs", "released_request_ids", b"released_request_ids", "round_id", b"round_id", "shape", b"shape", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -188,9 +311,16 @@ class RoundResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     REFUSED_FIELD_NUMBER: _builtins.int
+    FEATURE_RING_TOKEN_FIELD_NUMBER: _builtins.int
+    FEATURE_RING_ERROR_FIELD_NUMBER: _builtins.int
     round_id: _builtins.int
     error: _builtins.str
     """Set when the round could not be drafted (e.g. an unknown tier); the target decodes plainly."""
+    feature_ring_token: _builtins.bytes
+    """The answer to a probe's feature_ring: the token the draft read from it, or why it could not
+    map it (the target then sends features as bytes).
+    """
+    feature_ring_error: _builtins.str
     @_builtins.property
     def trees(self) -> _containers.RepeatedCompositeFieldContainer[Global___CandidateTree]: ...
     @_builtins.property
@@ -210,10 +340,12 @@ class RoundResponse(_message.Message):
         timings: _common_pb2.StageTimings | None = ...,
         error: _builtins.str = ...,
         refused: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        feature_ring_token: _builtins.bytes = ...,
+        feature_ring_error: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "refused", b"refused", "round_id", b"round_id", "timings", b"timings", "trees", b"trees"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "feature_ring_error", b"feature_ring_error", "feature_ring_token", b"feature_ring_token", "refused", b"refused", "round_id", b"round_id", "timings", b"timings", "trees", b"trees"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
