@@ -32,6 +32,7 @@ from specpair.logging import get_logger
 
 log = get_logger(__name__)
 TOKEN_BYTES = 16
+MEMFD_NAME = "specpair-features"
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +103,7 @@ class FeatureRing:
         if device.type == "cuda":
             self.buf = torch.empty((rows + 1, width), dtype=dtype, device=device)
         else:
-            self._fd = os.memfd_create("specpair-features", os.MFD_CLOEXEC)
+            self._fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
             os.ftruncate(self._fd, (rows + 1) * width * dtype.itemsize)
             path = f"/proc/{os.getpid()}/fd/{self._fd}"
             flat = torch.from_file(path, shared=True, size=(rows + 1) * width, dtype=dtype)
@@ -189,7 +190,11 @@ class RingView:
         if handle.path:
             if device.type != "cpu":
                 raise ValueError("feature_ring.path: host memory, and this draft runs on a GPU")
-            size = os.stat(handle.path).st_size  # FileNotFoundError: not this host's
+            # Only a target's ring, never a file the peer names: the draft would answer the
+            # probe with its first bytes.
+            if not os.readlink(handle.path).startswith(f"/memfd:{MEMFD_NAME}"):
+                raise ValueError("feature_ring.path: not a feature ring's memfd")
+            size = os.stat(handle.path).st_size
             if size != elements * handle.dtype.itemsize:
                 raise ValueError(f"feature_ring.path: {size} bytes, not the ring's")
             flat = torch.from_file(handle.path, shared=True, size=elements, dtype=handle.dtype)

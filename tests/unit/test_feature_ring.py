@@ -91,6 +91,10 @@ def test_a_handle_crosses_the_wire_and_a_bad_one_is_named() -> None:
         ring_from_proto(msg)
     with pytest.raises(ValueError, match="neither a path nor a CUDA buffer"):
         ring_from_proto(draft_pb2.FeatureRing(rows=4, width=8, dtype=1))
+    other = draft_pb2.FeatureRing(rows=4, width=8, dtype=1)
+    with open(__file__) as f, pytest.raises(ValueError, match="not a feature ring's memfd"):
+        other.path = f"/proc/self/fd/{f.fileno()}"  # any other file the draft can read
+        RingView(ring_from_proto(other), CPU)
     with pytest.raises(FileNotFoundError):
         RingView(
             ring_from_proto(draft_pb2.FeatureRing(rows=4, width=8, dtype=1, path="/nonexistent")),
