@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -21,6 +22,7 @@ from specpair.cli.options import (
     add_server_options,
     config_values,
     lab_epilog,
+    lab_fields,
     lab_values,
     server_config,
 )
@@ -286,7 +288,9 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 1
     assert service is not None  # required
     configure_logging(args.service, level=args.log_level)
-    if labs := lab_values(SERVICE_CONFIGS[args.service]):  # a measuring switch: say so
+    # a measuring switch: say so, from the config (the environment was read into it once)
+    labs = {f.name: getattr(config, f.name) for f in lab_fields(type(config))}
+    if labs := {name: v for name, v in labs.items() if v != _default(type(config), name)}:
         from specpair.logging import get_logger
 
         get_logger(__name__).warning("lab switches set", **labs)
@@ -324,3 +328,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "chat":
         return client_commands.cmd_chat(args, parser)
     return client_commands.cmd_ctl(args, parser)
+
+
+def _default(cls: type, name: str) -> Any:
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return (
+        field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
+    )
