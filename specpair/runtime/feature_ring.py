@@ -103,6 +103,7 @@ class FeatureRing:
         if device.type == "cuda":
             self.buf = torch.empty((rows + 1, width), dtype=dtype, device=device)
         else:
+            # open while the process lives: each new stream's draft opens it anew
             self._fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
             os.ftruncate(self._fd, (rows + 1) * width * dtype.itemsize)
             path = f"/proc/{os.getpid()}/fd/{self._fd}"
@@ -162,11 +163,6 @@ class FeatureRing:
     def reset(self) -> None:
         """A new stream: every region is free (the old stream's draft state is gone)."""
         self.space.reset()
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
 
 
 class RingView:
