@@ -220,6 +220,28 @@ async def test_sampling_over_the_wire_is_reproducible(ckpts, make_stack) -> None
     assert ra[-1].speculation.plain_rounds == 0
 
 
+async def test_a_sampled_rounds_q_goes_as_one_tensor(ckpts, make_stack) -> None:
+    """Sampled rounds answer with their trees' q in two tensors for the round (not two a
+    tree), and the target decodes them: no round falls back to plain decoding."""
+    stack = await make_stack(draft_config(ckpts["draft"]), target_config(ckpts["target"]))
+    rounds, run = stack.draft.servicer.rounds, stack.draft.servicer.rounds.run
+    together = []
+
+    def spied(stream_id: str, message: Any) -> Any:
+        answer = run(stream_id, message)
+        if any(t.token_ids for t in answer.message.trees):
+            together.append(answer.message.HasField("draft_probs"))
+        return answer
+
+    rounds.run = spied
+    sampling = common_pb2.SamplingParams(temperature=0.9, seed=3)
+    outputs = await asyncio.gather(
+        *(stack.generate(prompt_token_ids=p, max_tokens=24, sampling=sampling) for p in PROMPTS)
+    )
+    assert together and all(together)
+    assert all(rs[-1].speculation.plain_rounds == 0 for _, rs in outputs)
+
+
 async def watch_rounds(stack: Any) -> tuple[list[target_pb2.RoundStats], asyncio.Task[None]]:
     """The target's RoundStats as they come (the watch is open when this returns); cancel the
     task to stop."""

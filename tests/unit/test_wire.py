@@ -194,3 +194,52 @@ def test_a_bad_round_shape_names_the_field_and_keeps_the_ids_to_release() -> Non
     assert [i.request_id for i in err.value.request.inputs] == ["r7"]
     msg.shape = "3x2x6"
     assert request_from_proto(msg).tier == TreeShape(3, 2, 6)
+
+
+def _sparse(n: int, k: int, seed: int) -> CandidateTree:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(500, generator=gen)[:k] for _ in range(n)])
+    probs = torch.softmax(torch.randn(n, k, generator=gen), -1)
+    return CandidateTree(tuple(ids[:, 0].tolist()), tuple(range(-1, n - 1)), probs, ids)
+
+
+def test_a_sampled_rounds_q_travels_in_one_tensor_and_decodes_per_tree() -> None:
+    trees = {"a": _sparse(3, 8, 1), "b": _sparse(1, 8, 2), "c": _sparse(7, 8, 3)}
+    msg = response_to_proto(RoundResponse(4, trees))
+    assert msg.HasField("draft_probs") and list(msg.draft_probs.shape) == [11, 8]
+    assert not any(t.HasField("draft_probs") or t.HasField("draft_token_ids") for t in msg.trees)
+    back = response_from_proto(draft_pb2.RoundResponse.FromString(msg.SerializeToString()))
+    assert not back.malformed
+    for rid, tree in trees.items():
+        got = back.trees[rid]
+        assert got.tokens == tree.tokens and got.draft_ids is not None
+        assert torch.equal(got.draft_probs, tree.draft_probs)
+        assert torch.equal(got.draft_ids, tree.draft_ids)
+    # a round's q rows are counted over every tree, also those dropped unread (not its own)
+    only_c = response_from_proto(msg, max_nodes=7, request_ids={"c"})
+    assert torch.equal(only_c.trees["c"].draft_probs, trees["c"].draft_probs)
+
+
+def test_trees_of_mixed_q_keep_their_own() -> None:
+    trees = {"a": _sparse(2, 8, 1), "g": CandidateTree((5, 6), (-1, 0)), "b": _sparse(2, 4, 2)}
+    msg = response_to_proto(RoundResponse(4, trees))
+    assert not msg.HasField("draft_probs")
+    back = response_from_proto(msg)
+    assert back.trees["g"].draft_probs is None
+    assert torch.equal(back.trees["b"].draft_ids, trees["b"].draft_ids)
+
+
+def test_a_rounds_q_that_does_not_match_its_trees_is_named() -> None:
+    trees = {"a": _sparse(3, 8, 1), "b": _sparse(2, 8, 2)}
+    msg = response_to_proto(RoundResponse(4, trees))
+    tensor_into(msg.draft_probs, torch.rand(4, 8))  # a row short
+    back = response_from_proto(msg)
+    assert not back.trees and set(back.malformed) == {"a", "b"}
+    assert "must both be [5, K]" in back.malformed["a"]
+    msg = response_to_proto(RoundResponse(4, trees))
+    tensor_into(msg.trees[1].draft_probs, trees["b"].draft_probs)  # its own beside the round's
+    back = response_from_proto(msg)
+    assert list(back.trees) == ["a"] and "a q of its own beside the round's" in back.malformed["b"]
+    msg = response_to_proto(RoundResponse(4, trees))
+    tensor_into(msg.draft_token_ids, torch.zeros(5, 8))  # float ids
+    assert "int32 ids expected" in response_from_proto(msg).malformed["a"]

@@ -313,6 +313,8 @@ class RoundResponse(_message.Message):
     REFUSED_FIELD_NUMBER: _builtins.int
     FEATURE_RING_TOKEN_FIELD_NUMBER: _builtins.int
     FEATURE_RING_ERROR_FIELD_NUMBER: _builtins.int
+    DRAFT_PROBS_FIELD_NUMBER: _builtins.int
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     round_id: _builtins.int
     error: _builtins.str
     """Set when the round could not be drafted (e.g. an unknown tier); the target decodes plainly."""
@@ -332,6 +334,15 @@ class RoundResponse(_message.Message):
         The target decodes them plainly (or moves them to another replica) and re-sends later.
         """
 
+    @_builtins.property
+    def draft_probs(self) -> _common_pb2.Tensor:
+        """Sparse q of every tree at once, rows in the order of `trees` (a tree's rows: its nodes):
+        [total nodes, K] float32 and int32, as a CandidateTree's own. Set only where every tree is
+        sampled with one K, and then no tree carries its own (two tensors a round, not two a tree).
+        """
+
+    @_builtins.property
+    def draft_token_ids(self) -> _common_pb2.Tensor: ...
     def __init__(
         self,
         *,
@@ -342,10 +353,12 @@ class RoundResponse(_message.Message):
         refused: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         feature_ring_token: _builtins.bytes = ...,
         feature_ring_error: _builtins.str = ...,
+        draft_probs: _common_pb2.Tensor | None = ...,
+        draft_token_ids: _common_pb2.Tensor | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["draft_probs", b"draft_probs", "draft_token_ids", b"draft_token_ids", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "feature_ring_error", b"feature_ring_error", "feature_ring_token", b"feature_ring_token", "refused", b"refused", "round_id", b"round_id", "timings", b"timings", "trees", b"trees"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_probs", b"draft_probs", "draft_token_ids", b"draft_token_ids", "error", b"error", "feature_ring_error", b"feature_ring_error", "feature_ring_token", b"feature_ring_token", "refused", b"refused", "round_id", b"round_id", "timings", b"timings", "trees", b"trees"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
