@@ -442,7 +442,8 @@ HOST_DOC = """\
 The target's host work on a sampled round's trees, without any model: what the services pay
 per round besides the GPU, by batch and tier, over a Llama-3 vocabulary.
 
-Per round of B sampled chains of s drafts, each with a 64-token q (as the draft sends them),
+Per round of B sampled chains of s drafts, each with a 64-token q (as the draft sends them: the
+round's q in two tensors; beside it, each tree's own, as before them),
 median µs of: the draft's `RoundResponse` encoded, the target decoding it, checking the trees
 (`validate_tree`, then the round's sparse qs at once; beside it, each tree's alone), and
 `chain_inputs` (uniforms, drafts, q for the accept); and the message's bytes.
@@ -484,6 +485,7 @@ def measure(batch: int, s: int, iters: int) -> dict[str, float]:
     trees = {f"r{i}": sampled_chain(s, gen) for i in range(batch)}
     response = RoundResponse(round_id=1, trees=trees)
     data = wire.response_to_proto(response).SerializeToString()
+    per_tree = wire.response_to_proto(response, round_q=False).SerializeToString()
     seqs = [Sampled(i) for i in range(batch)]
 
     def check() -> None:  # as served: structure per tree, then the round's sparse qs at once
@@ -500,6 +502,12 @@ def measure(batch: int, s: int, iters: int) -> dict[str, float]:
         "encode": median_us(lambda: wire.response_to_proto(response).SerializeToString(), iters),
         "decode": median_us(
             lambda: wire.response_from_proto(draft_pb2.RoundResponse.FromString(data)), iters
+        ),
+        "encode_per_tree": median_us(
+            lambda: wire.response_to_proto(response, round_q=False).SerializeToString(), iters
+        ),
+        "decode_per_tree": median_us(
+            lambda: wire.response_from_proto(draft_pb2.RoundResponse.FromString(per_tree)), iters
         ),
         "check": median_us(check, iters),
         "check_alone": median_us(check_alone, iters),
@@ -534,10 +542,14 @@ def host_main(argv: list[str] | None = None) -> None:
             *(f"{c[k]:.0f}" for k in keys),
             f"{sum(c[k] for k in keys):.0f}",
             f"{c['check_alone']:.0f}",
+            f"{c['encode_per_tree']:.0f} / {c['decode_per_tree']:.0f}",
         ]
         for c in cells
     ]
-    headers = ["batch", "tier", "KB", *(f"{k} us" for k in keys), "total us", "check alone us"]
+    headers = [
+        "batch", "tier", "KB", *(f"{k} us" for k in keys), "total us", "check alone us",
+        "q per tree: encode / decode us",
+    ]  # fmt: skip
     print(format_table(headers, rows))
 
 

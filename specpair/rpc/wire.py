@@ -156,7 +156,9 @@ def _request(
     )
 
 
-def response_to_proto(response: RoundResponse) -> draft_pb2.RoundResponse:
+def response_to_proto(response: RoundResponse, round_q: bool = True) -> draft_pb2.RoundResponse:
+    """`round_q`: a sampled round's q as the round's two tensors where it can (False: each
+    tree its own, as a draft before them sent it; the decoder reads both)."""
     msg = draft_pb2.RoundResponse(
         round_id=response.round_id,
         error=response.error,
@@ -165,7 +167,12 @@ def response_to_proto(response: RoundResponse) -> draft_pb2.RoundResponse:
     trees = response.trees.values()
     # one K for every tree: their q in one tensor each (per-tree, each tensor costs ~20 µs of
     # host time on either side: 2.6 ms a round at batch 64)
-    together = trees and len({_sparse_k(t) for t in trees}) == 1 and _sparse_k(next(iter(trees)))
+    together = (
+        round_q
+        and trees
+        and len({_sparse_k(t) for t in trees}) == 1
+        and _sparse_k(next(iter(trees)))
+    )
     for request_id, tree in response.trees.items():
         _tree_into(msg.trees.add(), request_id, tree, with_q=not together)
     if together:

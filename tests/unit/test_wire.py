@@ -215,6 +215,8 @@ def test_a_sampled_rounds_q_travels_in_one_tensor_and_decodes_per_tree() -> None
         assert got.tokens == tree.tokens and got.draft_ids is not None
         assert torch.equal(got.draft_probs, tree.draft_probs)
         assert torch.equal(got.draft_ids, tree.draft_ids)
+    per_tree = response_from_proto(response_to_proto(RoundResponse(4, trees), round_q=False))
+    assert all(torch.equal(per_tree.trees[r].draft_ids, back.trees[r].draft_ids) for r in trees)
     # a round's q rows are counted over every tree, also those dropped unread (not its own)
     only_c = response_from_proto(msg, max_nodes=7, request_ids={"c"})
     assert torch.equal(only_c.trees["c"].draft_probs, trees["c"].draft_probs)
