@@ -149,7 +149,9 @@ async def test_draft_round_errors_name_the_field_and_keep_the_stream(ckpts, make
             assert list(drafter.requests) == [k for k in drafter.requests if k.endswith("/a")]
             assert drafter.cache.free_slots == 3  # only "a" holds one
         seeded = await stream.round(draft_input("c", [1, 2], temperature=0.8, seed=2**64 - 1))
-        assert not seeded.error and seeded.trees[0].HasField("draft_probs")
+        # a sampled round: its q as the round's tensors, a row per node of its one tree
+        assert not seeded.error and seeded.HasField("draft_probs")
+        assert seeded.draft_probs.shape[0] == len(seeded.trees[0].token_ids)
         # More new requests than free slots (2 left: "a" and "c" hold two): the first two are
         # drafted, the rest get no tree and hold nothing; "a" drafts on.
         crowd = await stream.round(
