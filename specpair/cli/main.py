@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import os
 import signal
 import sys
@@ -289,8 +288,8 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     assert service is not None  # required
     configure_logging(args.service, level=args.log_level)
     # a measuring switch: say so, from the config (the environment was read into it once)
-    labs = {f.name: getattr(config, f.name) for f in lab_fields(type(config))}
-    if labs := {name: v for name, v in labs.items() if v != _default(type(config), name)}:
+    fields = lab_fields(type(config))  # bools and numbers, each with a plain default
+    if labs := {f.name: v for f in fields if (v := getattr(config, f.name)) != f.default}:
         from specpair.logging import get_logger
 
         get_logger(__name__).warning("lab switches set", **labs)
@@ -328,10 +327,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "chat":
         return client_commands.cmd_chat(args, parser)
     return client_commands.cmd_ctl(args, parser)
-
-
-def _default(cls: type, name: str) -> Any:
-    field = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return (
-        field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
-    )

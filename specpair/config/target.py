@@ -177,9 +177,8 @@ class TargetConfig(ModelServiceConfig):
             "many MiB per draft replica (on the target's GPU, or host memory on the "
             "CPU) that the draft maps, a round's features sent as spans of it, not "
             "bytes; a draft that cannot map it gets bytes; 0: always bytes (off by "
-            "default: on an H200 it "
-            "cut a 64-prompt hand-off's encode from 1.3 s to 2 ms, but showed no gain "
-            "yet through `up` at 64 clients)"
+            "default: on an H200 it cut a 64-prompt hand-off's encode from 1.3 s to "
+            "2 ms, but showed no gain yet through `up` at 64 clients)"
         ),
     )
     tensor_parallel: int = field(

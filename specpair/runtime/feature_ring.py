@@ -99,15 +99,15 @@ class FeatureRing:
         self.width, self.dtype, self.device = width, dtype, device
         self.space = RingSpace(rows)
         self.token = secrets.token_bytes(TOKEN_BYTES)
-        self._fd = -1
+        self._path = ""  # the memfd's, on the CPU
         if device.type == "cuda":
             self.buf = torch.empty((rows + 1, width), dtype=dtype, device=device)
         else:
             # open while the process lives: each new stream's draft opens it anew
-            self._fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
-            os.ftruncate(self._fd, (rows + 1) * width * dtype.itemsize)
-            path = f"/proc/{os.getpid()}/fd/{self._fd}"
-            flat = torch.from_file(path, shared=True, size=(rows + 1) * width, dtype=dtype)
+            fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
+            os.ftruncate(fd, (rows + 1) * width * dtype.itemsize)
+            self._path = f"/proc/{os.getpid()}/fd/{fd}"
+            flat = torch.from_file(self._path, shared=True, size=(rows + 1) * width, dtype=dtype)
             self.buf = flat.view(rows + 1, width)
         token = torch.frombuffer(bytearray(self.token), dtype=torch.uint8)
         self.buf[0].view(torch.uint8)[:TOKEN_BYTES].copy_(token)
@@ -123,8 +123,8 @@ class FeatureRing:
 
     def _handle(self) -> RingHandle:
         rows, width, dtype = self.space.rows, self.width, self.dtype
-        if self._fd >= 0:
-            return RingHandle(rows, width, dtype, path=f"/proc/{os.getpid()}/fd/{self._fd}")
+        if self._path:
+            return RingHandle(rows, width, dtype, path=self._path)
         shared = self.buf.untyped_storage()._share_cuda_()  # type: ignore[attr-defined]
         uuid = str(torch.cuda.get_device_properties(self.device).uuid)
         return RingHandle(rows, width, dtype, device_uuid=uuid, cuda=tuple(shared[1:]))
