@@ -18,6 +18,7 @@ import itertools
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from bench.common import device_info, format_table, median, write_json
 from bench.gpu_common import LLAMA3_8B, copy_bandwidth, time_cuda, weight_bytes
 from bench.gpu_speedup import add_pair_args, bench_pair
 from bench.prompts import code_prompts
+from specpair.models.args import ModelArgs
 from specpair.models.llama import LlamaModel
 from specpair.models.rope import rope_inv_freq
 from specpair.runtime.accept import accept_chains
@@ -388,7 +390,8 @@ def kernels_main(argv: list[str] | None = None) -> None:
 FORWARD_DOC = """\
 The target forward at Llama-3-8B's shape, batch 1, q tokens after a context, vs the floor.
 
-    python -m bench.gpu_kernels forward [--contexts 512 2048] [--queries 1 2 4 8] [--out FILE.json]
+    python -m bench.gpu_kernels forward [--contexts 512 2048] [--queries 1 2 4 8] [--shards 1 2]
+        [--out FILE.json]
 
 floor = weight bytes / device-to-device copy bandwidth (read + write), both measured here.
 ours: the verify stage as served (fused layers, Triton tree attention over the paged cache,
@@ -396,13 +399,27 @@ one CUDA graph); "graph" times the replay, "+plan" adds the host-side planning t
 "fi-attn" is the same graph with flashinfer's paged prefill in place of the Triton tree attention,
 "no-PDL" the same graph with every kernel launched to wait for the one before (`triton_kernels`).
 transformers: the same weights (shared tensors), a StaticCache, eager and under a CUDA graph.
+--shards N: also the model one rank of TP=N holds (its heads, KV heads, MLP columns and LM-head
+rows, hidden size whole) run alone: what a rank's forward costs with sums that cost nothing,
+the floor under the tensor-parallel verify (issue 52).
 """
 
 
-def hf_model() -> Any:
+def shard_of(a: ModelArgs, n: int) -> ModelArgs:
+    """One rank's part of `a` at TP=n as a model of its own (o and down keep their output
+    width: the partial sums a real rank would add over the ranks)."""
+    return replace(
+        a,
+        vocab_size=a.vocab_size // n,
+        intermediate_size=a.intermediate_size // n,
+        num_heads=a.num_heads // n,
+        num_kv_heads=a.num_kv_heads // n,
+    )
+
+
+def hf_model(a: ModelArgs) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    a = LLAMA3_8B
     cfg = LlamaConfig(
         vocab_size=a.vocab_size,
         hidden_size=a.hidden_size,
@@ -410,6 +427,7 @@ def hf_model() -> Any:
         num_hidden_layers=a.num_layers,
         num_attention_heads=a.num_heads,
         num_key_value_heads=a.num_kv_heads,
+        head_dim=a.head_dim,
         rms_norm_eps=a.rms_norm_eps,
         max_position_embeddings=a.max_position_embeddings,
         rope_parameters={"rope_theta": a.rope_theta, **dict(a.rope_scaling)},
@@ -428,24 +446,24 @@ def hf_model() -> Any:
     return model.eval()
 
 
-def ours_from(hf: Any) -> LlamaModel:
+def ours_from(hf: Any, a: ModelArgs) -> LlamaModel:
     """Our model over the same weight tensors (no copy), then fused (QKV, gate/up concatenated)."""
     with torch.device("meta"):
-        model = LlamaModel(LLAMA3_8B)
+        model = LlamaModel(a)
     model.load_state_dict(dict(hf.state_dict()), strict=True, assign=True)
-    model.inv_freq = rope_inv_freq(LLAMA3_8B).cuda()
+    model.inv_freq = rope_inv_freq(a).cuda()
     return fuse_decoder(model.eval())  # type: ignore[return-value]
 
 
-def hf_timings(hf: Any, ctx: int, q: int, iters: int) -> dict[str, float]:
+def hf_timings(hf: Any, a: ModelArgs, ctx: int, q: int, iters: int) -> dict[str, float]:
     from transformers import StaticCache
 
     cache = StaticCache(config=hf.config, max_cache_len=ctx + 16)
-    prompt = torch.randint(0, LLAMA3_8B.vocab_size, (1, ctx), device="cuda")
+    prompt = torch.randint(0, a.vocab_size, (1, ctx), device="cuda")
     out: dict[str, float] = {}
     with torch.inference_mode():
         hf(prompt, past_key_values=cache, cache_position=torch.arange(ctx, device="cuda"))
-        ids = torch.randint(0, LLAMA3_8B.vocab_size, (1, q), device="cuda")
+        ids = torch.randint(0, a.vocab_size, (1, q), device="cuda")
         pos = torch.arange(ctx, ctx + q, device="cuda")
         # transformers 5's StaticLayer ignores `cache_position` on write: it appends at its own
         # device counter `cumulative_length` and advances it, so repeated steps ran past
@@ -488,27 +506,76 @@ def forward_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--queries", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument(
+        "--shards", type=int, nargs="+", default=[1], help="TP degrees: a rank's part alone"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/out/gpu_forward.json"))
     args = parser.parse_args(argv)
-    from specpair.runtime.gpu import triton_kernels  # GPU only
-
     info = device_info()
     print(f"device: {info.get('gpu')}")
     bw = copy_bandwidth()
-    hf = hf_model()
+    runs: list[dict[str, Any]] = []
+    table = []
+    for n in args.shards:
+        run = forward_run(shard_of(LLAMA3_8B, n), args, bw)
+        whole = {(r["ctx"], r["q"]): r["ours_graph_s"] for r in runs[0]["rows"]} if runs else {}
+        for r in run["rows"]:
+            r["shards"] = n
+            base = whole.get((r["ctx"], r["q"]))
+            r["x_whole"] = None if base is None else r["ours_graph_s"] / base
+            table.append([str(n), *r.pop("cells"), "-" if base is None else f"{r['x_whole']:.3f}"])
+        runs.append(run)
+    write_json(args.out, {"device": info, "copy_bandwidth_Bps": bw, "runs": runs})
+    weights = ", ".join(f"{run['weight_bytes'] / 1e9:.2f}" for run in runs)
+    print(
+        f"\nGPU forward, Llama-3-8B shape (a rank's part at TP=N), batch 1 — {info.get('gpu')}, "
+        f"copy {bw / 1e12:.2f} TB/s, weights {weights} GB"
+    )
+    print(
+        format_table(
+            [
+                "TP",
+                "ctx",
+                "q",
+                "floor ms",
+                "ours ms",
+                "×floor",
+                "+plan ms",
+                "×floor",
+                "no-PDL ms",
+                "×floor",
+                "fi-attn ms",
+                "×floor",
+                "HF eager ms",
+                "HF graph ms",
+                "HF ×floor",
+                "logit err",
+                "× TP 1",
+            ],
+            table,
+        )
+    )
+
+
+def forward_run(a: ModelArgs, args: argparse.Namespace, bw: float) -> dict[str, Any]:
+    """Every context and query count on the model `a`: rows (JSON) with each row's table cells
+    under "cells"."""
+    from specpair.runtime.gpu import triton_kernels  # GPU only
+
+    hf = hf_model(a)
     wbytes = weight_bytes(hf)
     floor = wbytes / bw
     print(f"weights {wbytes / 1e9:.2f} GB, copy {bw / 1e12:.2f} TB/s, floor {1e3 * floor:.2f} ms")
-    model = ours_from(hf)
+    model = ours_from(hf, a)
     max_ctx = max(args.contexts)
     cache = KVCache.for_model(
-        LLAMA3_8B, max_requests=1, max_len=max_ctx + 16, dtype=torch.bfloat16, device="cuda"
+        a, max_requests=1, max_len=max_ctx + 16, dtype=torch.bfloat16, device="cuda"
     )
     graphs = GraphCapture(cache, 1, "target")
-    rows, table = [], []
+    rows = []
     for ctx in args.contexts:
         slot = cache.alloc()
-        prompt = torch.randint(0, LLAMA3_8B.vocab_size, (1, ctx), device="cuda")
+        prompt = torch.randint(0, a.vocab_size, (1, ctx), device="cuda")
         with torch.inference_mode():
             model(
                 prompt,
@@ -523,7 +590,7 @@ def forward_main(argv: list[str] | None = None) -> None:
             capture_s = time.perf_counter() - t0
             mask = torch.ones(q, q, dtype=torch.bool).tril()[None]
             layout = BatchLayout(torch.tensor([slot]), torch.tensor([ctx]), mask)
-            tokens = torch.randint(0, LLAMA3_8B.vocab_size, (1, q))
+            tokens = torch.randint(0, a.vocab_size, (1, q))
             g.inputs["tokens"].copy_(tokens)
             g.inputs["positions"].copy_(torch.arange(ctx, ctx + q)[None])
             g.attention[0].plan(layout)
@@ -548,7 +615,7 @@ def forward_main(argv: list[str] | None = None) -> None:
                 f"no PDL {1e3 * replay_serial:.3f} ms, capture {capture_s:.2f} s",
                 flush=True,
             )
-            hf_t = hf_timings(hf, ctx, q, args.iters)
+            hf_t = hf_timings(hf, a, ctx, q, args.iters)
             # same weights: the logits must agree within bf16 tolerance
             with torch.inference_mode():
                 g.graph.replay()
@@ -567,56 +634,29 @@ def forward_main(argv: list[str] | None = None) -> None:
                 "logits_rel_err": rel,
                 **{k + "_s": v for k, v in hf_t.items()},
             }
+            row["cells"] = [
+                str(ctx),
+                str(q),
+                f"{1e3 * floor:.2f}",
+                f"{1e3 * replay:.2f}",
+                f"{replay / floor:.3f}",
+                f"{1e3 * with_plan:.2f}",
+                f"{with_plan / floor:.3f}",
+                f"{1e3 * replay_serial:.2f}",
+                f"{replay_serial / floor:.3f}",
+                f"{1e3 * replay_fi:.2f}",
+                f"{replay_fi / floor:.3f}",
+                f"{1e3 * hf_t['hf_eager']:.1f}",
+                f"{1e3 * hf_t['hf_graph']:.2f}",
+                f"{hf_t['hf_graph'] / floor:.2f}",
+                f"{rel:.1e}",
+            ]
             rows.append(row)
-            table.append(
-                [
-                    str(ctx),
-                    str(q),
-                    f"{1e3 * floor:.2f}",
-                    f"{1e3 * replay:.2f}",
-                    f"{replay / floor:.3f}",
-                    f"{1e3 * with_plan:.2f}",
-                    f"{with_plan / floor:.3f}",
-                    f"{1e3 * replay_serial:.2f}",
-                    f"{replay_serial / floor:.3f}",
-                    f"{1e3 * replay_fi:.2f}",
-                    f"{replay_fi / floor:.3f}",
-                    f"{1e3 * hf_t['hf_eager']:.1f}",
-                    f"{1e3 * hf_t['hf_graph']:.2f}",
-                    f"{hf_t['hf_graph'] / floor:.2f}",
-                    f"{rel:.1e}",
-                ]
-            )
             del g
         cache.free(slot)
-    payload = {"device": info, "copy_bandwidth_Bps": bw, "weight_bytes": wbytes, "rows": rows}
-    write_json(args.out, payload)
-    print(
-        f"\nGPU forward, Llama-3-8B shape, batch 1 — {info.get('gpu')}, "
-        f"copy {bw / 1e12:.2f} TB/s, weights {wbytes / 1e9:.2f} GB"
-    )
-    print(
-        format_table(
-            [
-                "ctx",
-                "q",
-                "floor ms",
-                "ours ms",
-                "×floor",
-                "+plan ms",
-                "×floor",
-                "no-PDL ms",
-                "×floor",
-                "fi-attn ms",
-                "×floor",
-                "HF eager ms",
-                "HF graph ms",
-                "HF ×floor",
-                "logit err",
-            ],
-            table,
-        )
-    )
+    del model, hf, cache, graphs
+    torch.cuda.empty_cache()
+    return {"args": asdict(a), "weight_bytes": wbytes, "rows": rows}
 
 
 def variant_time(
