@@ -271,7 +271,8 @@ def run_cells(
     new_tokens: int, doors: Sequence[str], repeats: int, record: Callable[[UpCell], None],
 ) -> None:  # fmt: skip
     """Every door, workload and batch under the configuration now applied, `repeats` turns of
-    all doors in turn (openai, sdk, openai, sdk, …: neither door always runs first), pooled."""
+    all doors in turn (openai, sdk, openai, sdk, …: neither door always runs first), pooled;
+    `record` gets each cell after every run, pooled so far."""
     makers = {"openai": openai_door, "http": http_door, "sdk": sdk_door}
     ones = {door: makers[door](up) for door in doors}
     cells: dict[tuple[str, str, int], UpCell] = {}
@@ -300,8 +301,7 @@ def run_cells(
                     cell.seconds += seconds
                     cell.runs.append(tokens / seconds)
                     cell.rounds = anatomy(rounds)  # the last run's
-    for cell in cells.values():
-        record(cell)
+                    record(cell)  # after every run: a run cut short keeps the cells before it
 
 
 def apply(ctl: ControllerClient, config: str) -> None:
@@ -449,9 +449,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         })  # fmt: skip
 
     def record(cell: UpCell) -> None:
-        cells.append(cell)
+        if not any(c is cell for c in cells):  # a cell's later turns update it in place
+            cells.append(cell)
         print(f"  {cell.config:8s} {cell.door:6s} {cell.workload:18s} batch {cell.batch:2d} "
-              f"{cell.tokens_per_s:8.1f} tok/s", flush=True)  # fmt: skip
+              f"{cell.tokens_per_s:8.1f} tok/s ({len(cell.runs)} runs)", flush=True)  # fmt: skip
         save()
 
     lab = lab_env(lab_fields(args.lab))

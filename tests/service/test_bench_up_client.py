@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import up_client
 from bench.up_client import main
 from specpair.cli.launcher import READY
 
@@ -62,3 +63,34 @@ def test_up_client_measures_every_configuration_through_both_doors(tmp_path: Pat
     assert len({c["tokens"] for c in cells if c["batch"] == 1}) == 1
     assert out.with_suffix(".png").stat().st_size > 0
     assert READY in out.with_suffix(".log").read_text()
+
+
+def test_a_run_cut_short_keeps_the_cells_it_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device call's time limit kills the bench mid-configuration: the cells finished before
+    are in the JSON already, not lost with the configuration's unfinished ones."""
+    calls = 0
+    real_door = up_client.sdk_door
+
+    def failing_door(up: up_client.Up) -> up_client.Door:
+        one = real_door(up)
+
+        def counted(*args: object) -> int:
+            nonlocal calls
+            calls += 1
+            if calls > 3:  # the warm-up request and batch 1's two; batch 2's first fails
+                raise RuntimeError("cut short")
+            return one(*args)  # type: ignore[arg-type]
+
+        return counted
+
+    monkeypatch.setattr(up_client, "sdk_door", failing_door)
+    out = tmp_path / "up.json"
+    args = ["--device", "cpu", "--shape", "shipped", "--draft-kind", "eagle", "--doors", "sdk"]
+    args += ["--batches", "1", "2", "--requests", "2", "--new-tokens", "4", "--temperatures", "0"]
+    with pytest.raises(RuntimeError, match="cut short"):
+        main([*args, "--skip", "goodput", "--repeats", "1", "--out", str(out)])
+    cells = json.loads(out.read_text())["cells"]
+    assert [(c["config"], c["batch"], len(c["runs"])) for c in cells] == [("sglang", 1, 1)]
+    assert cells[0]["tokens"] == 8
