@@ -410,7 +410,7 @@ def shard_of(a: ModelArgs, n: int) -> ModelArgs:
     width: the partial sums a real rank would add over the ranks)."""
     return replace(
         a,
-        vocab_size=a.vocab_size // n,
+        vocab_size=-(-a.vocab_size // n),  # VocabParallelHead's rows, the last padded
         intermediate_size=a.intermediate_size // n,
         num_heads=a.num_heads // n,
         num_kv_heads=a.num_kv_heads // n,
@@ -516,12 +516,14 @@ def forward_main(argv: list[str] | None = None) -> None:
     bw = copy_bandwidth()
     runs: list[dict[str, Any]] = []
     table = []
-    for n in args.shards:
+    whole: dict[tuple[int, int], float] = {}  # TP=1's graph time by (ctx, q): the ratios' base
+    for n in sorted(set(args.shards)):
         run = forward_run(shard_of(LLAMA3_8B, n), args, bw)
-        whole = {(r["ctx"], r["q"]): r["ours_graph_s"] for r in runs[0]["rows"]} if runs else {}
+        if n == 1:
+            whole = {(r["ctx"], r["q"]): r["ours_graph_s"] for r in run["rows"]}
         for r in run["rows"]:
             r["shards"] = n
-            base = whole.get((r["ctx"], r["q"]))
+            base = whole.get((r["ctx"], r["q"])) if n > 1 else None
             r["x_whole"] = None if base is None else r["ours_graph_s"] / base
             table.append([str(n), *r.pop("cells"), "-" if base is None else f"{r['x_whole']:.3f}"])
         runs.append(run)
