@@ -225,13 +225,14 @@ class DraftRounds:
         target = stream_target(stream_id)
         if room < cfg.max_requests:
             room -= sum(1 for key in self.drafter.requests if key.startswith(f"{target}#"))
+        cache_len = cfg.cache_len  # a property that parses the tiers: once a round, not a request
         kept, refused = [], {}
         for item in keyed:
             entry = self.drafter.requests.get(item.request_id)
             length = self.drafter.cache.lengths[entry.slot] if entry else 0
             need = length + len(item.appended) + self.headroom
-            if need > cfg.cache_len:
-                reason = f"OUT_OF_RANGE: {need} positions exceed the draft cache's {cfg.cache_len}"
+            if need > cache_len:
+                reason = f"OUT_OF_RANGE: {need} positions exceed the draft cache's {cache_len}"
             elif entry is None and free == 0:
                 reason = f"RESOURCE_EXHAUSTED: all max_requests {cfg.max_requests} draft slots held"
             elif entry is None and room <= 0:
