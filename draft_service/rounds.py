@@ -220,19 +220,19 @@ class DraftRounds:
         than slots, never costs the others their drafts. A target (all its streams) holds at
         most `max_target_requests` slots, so one peer cannot take them all."""
         cfg = self.config
-        free = self.drafter.cache.free_slots
+        cache = self.drafter.cache  # built to the config's cache_len
+        free = cache.free_slots
         room = cfg.max_target_requests  # counted only where it bounds anything
         target = stream_target(stream_id)
         if room < cfg.max_requests:
             room -= sum(1 for key in self.drafter.requests if key.startswith(f"{target}#"))
-        cache_len = cfg.cache_len  # a property that parses the tiers: once a round, not a request
         kept, refused = [], {}
         for item in keyed:
             entry = self.drafter.requests.get(item.request_id)
-            length = self.drafter.cache.lengths[entry.slot] if entry else 0
+            length = cache.lengths[entry.slot] if entry else 0
             need = length + len(item.appended) + self.headroom
-            if need > cache_len:
-                reason = f"OUT_OF_RANGE: {need} positions exceed the draft cache's {cache_len}"
+            if need > cache.max_len:
+                reason = f"OUT_OF_RANGE: {need} positions exceed the draft cache's {cache.max_len}"
             elif entry is None and free == 0:
                 reason = f"RESOURCE_EXHAUSTED: all max_requests {cfg.max_requests} draft slots held"
             elif entry is None and room <= 0:
