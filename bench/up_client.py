@@ -451,8 +451,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     def record(cell: UpCell) -> None:
         if not any(c is cell for c in cells):  # a cell's later turns update it in place
             cells.append(cell)
-        print(f"  {cell.config:8s} {cell.door:6s} {cell.workload:18s} batch {cell.batch:2d} "
-              f"{cell.tokens_per_s:8.1f} tok/s ({len(cell.runs)} runs)", flush=True)  # fmt: skip
+        line = f"{cell.config:8s} {cell.door:6s} {cell.workload:18s} batch {cell.batch:2d}"
+        print(f"  {line} {cell.tokens_per_s:8.1f} tok/s ({len(cell.runs)} runs)", flush=True)
         save()
 
     lab = lab_env(lab_fields(args.lab))
