@@ -123,6 +123,8 @@ def up_command(args: argparse.Namespace, target: Path, draft: Path) -> list[str]
         command += ["--feature-dtype", args.feature_dtype]
     if args.feature_ring_mib is not None:
         command += ["--feature-ring-mib", str(args.feature_ring_mib)]
+    if args.draft_window is not None:
+        command += ["--draft-window", str(args.draft_window)]
     return command
 
 
@@ -400,6 +402,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--feature-ring-mib", type=int, help="`up --feature-ring-mib` (0: features as bytes)"
     )
+    parser.add_argument(
+        "--draft-window", type=int, help="`up --draft-window` (0: the whole history)"
+    )
     add_lab_arg(parser, "feed_draft_at_tier_0=1")
     parser.add_argument(
         "--skip", nargs="*", default=[], choices=["goodput"], help="configurations left out"
@@ -442,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "draft_kind": args.draft_kind, "shape": args.shape, "new_tokens": args.new_tokens,
             "requests": counts, "token_map": args.token_map and str(args.token_map),
             "repeats": args.repeats, "lab": args.lab, "feature_dtype": args.feature_dtype,
-            "feature_ring_mib": args.feature_ring_mib,
+            "feature_ring_mib": args.feature_ring_mib, "draft_window": args.draft_window,
             "policy": args.policy and json.loads(args.policy.read_text()),
             "cells": [asdict(c) | {"tokens_per_s": c.tokens_per_s, "spread": c.spread}
                       for c in cells],

@@ -148,6 +148,7 @@ def _build_scheduler(
         device=config.device,
         handoff=not config.no_prompt_handoff,
         feed_at_tier_0=config.feed_draft_at_tier_0,
+        draft_window=config.draft_window,
     )
     return scheduler, builder, ranks
 

@@ -149,6 +149,8 @@ def up_services(args: argparse.Namespace, token: str | None = None) -> tuple[lis
         target_args += ("--feature-dtype", args.feature_dtype)
     if args.feature_ring_mib is not None:
         target_args += ("--feature-ring-mib", str(args.feature_ring_mib))
+    if args.draft_window is not None:
+        target_args += ("--draft-window", str(args.draft_window))
     if args.draft_kind == "eagle" and (layers := feature_layers(draft, target)):
         target_args += ("--feature-layers", ",".join(map(str, layers)))  # an EAGLE-3 head's
     env = kernel_cache_env(os.environ) | ({TOKEN_ENV: token} if token else {})

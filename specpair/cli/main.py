@@ -155,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(`serve target --feature-ring-mib`; default: the target's, 0: features as bytes)",
     )
     up.add_argument(
+        "--draft-window",
+        type=int,
+        metavar="N",
+        help="tokens of a request's history the draft is sent when it starts the request "
+        "(`serve target --draft-window`; default: the target's, 0: the whole history)",
+    )
+    up.add_argument(
         "--deterministic",
         action="store_true",
         help="the target's batch-invariant mode (CUDA; see `serve target --help`)",

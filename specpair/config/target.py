@@ -181,6 +181,16 @@ class TargetConfig(ModelServiceConfig):
             "2 ms, but showed no gain yet through `up` at 64 clients)"
         ),
     )
+    draft_window: int = field(
+        default=0,
+        metadata=option(
+            "tokens of a request's history a draft is sent when it starts the request "
+            "(the prompt's last N and, for an EAGLE head, their features; again after a "
+            "draft lost it): bounds what a join costs the draft, and lets a prompt longer "
+            "than the draft's cache still draft; outputs do not change, acceptance may; "
+            "0: the whole history"
+        ),
+    )
     tensor_parallel: int = field(
         default=1,
         metadata=option(
@@ -276,6 +286,10 @@ class TargetConfig(ModelServiceConfig):
         object.__setattr__(self, "feature_dtype", FeatureDType(self.feature_dtype))
         if self.feature_ring_mib < 0:
             raise ValueError(f"feature_ring_mib must be >= 0, got {self.feature_ring_mib}")
+        if self.draft_window < 0:
+            raise ValueError(
+                f"draft_window must be >= 0 (0: the whole history), got {self.draft_window}"
+            )
         if any(i < 0 for i in self.feature_layers):
             raise ValueError(
                 f"feature_layers must be layer indices >= 0, got {self.feature_layers}"

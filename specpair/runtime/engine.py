@@ -74,10 +74,12 @@ class InProcessRounds:
     """Rounds of a target and a drafter in this process (`drafter` None: plain decoding), one
     `step` at a time: the engine's, and the GPU benchmarks' (`bench/gpu_common.RoundLoop`)."""
 
-    def __init__(self, target: TargetWorker, drafter: Drafter | None) -> None:
+    def __init__(self, target: TargetWorker, drafter: Drafter | None, window: int = 0) -> None:
         self.target = target
         eagle = drafter is not None and drafter.needs_features
-        self.session = DraftSession(target.model.args.vocab_size, in_process=True, features=eagle)
+        self.session = DraftSession(
+            target.model.args.vocab_size, in_process=True, features=eagle, window=window
+        )
         self.draft = InProcessDraft(drafter) if drafter is not None else None
         self.round: TargetRound[TargetSequence] = TargetRound(
             target, self.session, self.draft, inline
@@ -176,8 +178,10 @@ class SpeculativeEngine:
         sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
         stop_token_ids: frozenset[int] = frozenset(),
         request_steps: Sequence[int] | None = None,
+        draft_window: int = 0,
     ) -> list[GenerationResult]:
-        """`request_steps`: per prompt its own tier, at most `state`'s (the round's)."""
+        """`request_steps`: per prompt its own tier, at most `state`'s (the round's);
+        `draft_window`: the tokens of each prompt the drafter starts from (0: all)."""
         params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else sampling
         seqs = [
             TargetSequence(f"r{i}", list(p), sp, max_new_tokens, stop_token_ids)
@@ -186,7 +190,7 @@ class SpeculativeEngine:
         if request_steps is not None and len(request_steps) != len(seqs):
             raise ValueError(f"request_steps: {len(request_steps)} tiers for {len(seqs)} prompts")
         own = dict(zip((s.request_id for s in seqs), request_steps or (), strict=False))
-        rounds = InProcessRounds(self.target, self.drafter)
+        rounds = InProcessRounds(self.target, self.drafter, draft_window)
         rounds.prefill(seqs)
         outcomes = _Outcomes(rounds.session, seqs, self.drafter is not None)
         running = [s for s in seqs if s.finish_reason is None]

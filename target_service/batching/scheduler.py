@@ -63,6 +63,7 @@ class Scheduler:
         device: str = "cpu",
         handoff: bool = True,
         feed_at_tier_0: bool = False,
+        draft_window: int = 0,
     ) -> None:
         self.worker = worker
         self.handoff = handoff  # joins' prompts go to the draft beside a round (`_admit_beside`)
@@ -73,7 +74,7 @@ class Scheduler:
         self.join_group = join_group  # `_admit`: joins a running batch takes at once, under load
         self.metrics = metrics
         self.compute = Compute("target-compute", threads, device)
-        self.session = DraftSession(worker.model.args.vocab_size)
+        self.session = DraftSession(worker.model.args.vocab_size, window=draft_window)
         self.queue: collections.deque[ServedRequest] = collections.deque()
         self.running: list[ServedRequest] = []
         self.round_id = 0

@@ -62,8 +62,10 @@ def speculative_samples(
     params: SamplingParams,
     mixed: bool = False,
     tier: int = DEPTH,
+    window: int = 0,
 ) -> Counter:
-    """`mixed`: the batch's requests at tiers 0, 1 and 3 in turn, in the same rounds."""
+    """`mixed`: the batch's requests at tiers 0, 1 and 3 in turn, in the same rounds;
+    `window`: the prompt's tokens the drafter starts from (0: all)."""
     worker = build_target(target, max_requests=BATCH, max_len=32)
     drafter = build_drafter(draft, target_path=None, max_requests=BATCH, max_len=32)
     engine = SpeculativeEngine(worker, drafter)
@@ -81,6 +83,7 @@ def speculative_samples(
             state=state,
             sampling=sampling,
             request_steps=steps,
+            draft_window=window,
         )
         counts.update(tuple(r.token_ids) for r in results)
     return counts
@@ -112,6 +115,13 @@ def test_sparse_draft_q_keeps_the_target_distribution(pair, support, monkeypatch
 
 def test_mixed_request_tiers_in_one_batch_match_the_target_distribution(pair) -> None:
     counts = speculative_samples(*pair, PARAMS[0], mixed=True)
+    assert fit_pvalue(counts, exact_joint(pair[0], PARAMS[0])) > 1e-3
+
+
+def test_a_draft_started_at_a_window_keeps_the_target_distribution(pair) -> None:
+    """The drafter is sent the prompt's last token only: its q changes, the output's
+    distribution does not."""
+    counts = speculative_samples(*pair, PARAMS[0], window=1)
     assert fit_pvalue(counts, exact_joint(pair[0], PARAMS[0])) > 1e-3
 
 

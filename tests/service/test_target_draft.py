@@ -462,17 +462,18 @@ async def test_metrics_endpoint_exports_the_serving_metrics(ckpts, make_stack) -
         assert name in body, name
 
 
-@pytest.mark.parametrize("handoff", [True, False])
+@pytest.mark.parametrize(("handoff", "window"), [(True, 0), (False, 0), (True, 2), (False, 3)])
 async def test_a_request_joining_beside_a_round_has_its_prompt_handed_off(
-    ckpts, make_stack, handoff: bool
+    ckpts, make_stack, handoff: bool, window: int
 ) -> None:
     """An EAGLE request that joins while another's round is out to the draft: its prompt and
     features reach the draft at tier 0 right behind that round, and its first round appends
-    one token (`--no-prompt-handoff`: the whole prompt goes with its first round). Its tokens
-    are the target alone's either way."""
+    one token (`--no-prompt-handoff`: the whole prompt goes with its first round). With
+    `--draft-window N` only the last N tokens go. Its tokens are the target alone's in every
+    case."""
     stack = await make_stack(
         draft_config(ckpts["eagle"], draft_kind="eagle", target_path=ckpts["target"]),
-        replace(target_config(ckpts["target"]), no_prompt_handoff=not handoff),
+        replace(target_config(ckpts["target"]), no_prompt_handoff=not handoff, draft_window=window),
     )
     rounds = stack.draft.servicer.rounds
     seen: list[tuple[int, str, int]] = []  # (tier, request id, tokens appended) per input
@@ -492,10 +493,10 @@ async def test_a_request_joining_beside_a_round_has_its_prompt_handed_off(
     assert tokens == reference_greedy(ckpts["target"], [joiner], MAX_TOKENS)[0]
     (rid,) = {r for _, r, _ in seen} - {seen[0][1]}  # the joiner's id
     mine = [(tier, n) for tier, r, n in seen if r == rid]
-    if handoff:
-        assert mine[:2] == [(0, len(joiner)), (3, 1)]  # the prompt, then its first token
+    if handoff:  # the prompt (or its window), then its first token
+        assert mine[:2] == [(0, window or len(joiner)), (3, 1)]
     else:
-        assert mine[0] == (3, len(joiner) + 1) and all(tier for tier, _ in mine)
+        assert mine[0] == (3, window or len(joiner) + 1) and all(tier for tier, _ in mine)
 
 
 @pytest.mark.parametrize("feed", [True, False])

@@ -157,3 +157,45 @@ def test_a_refused_handoff_sends_the_whole_prompt_in_the_first_round() -> None:
     assert item.appended == (5, 6, 7, 8)
     handoff = session.handoff(3, [seq], epoch=2)  # a new stream: the draft holds nothing
     assert handoff is not None and handoff.inputs[0].appended == (5, 6, 7)
+
+
+@pytest.mark.parametrize("in_process", [False, True])
+def test_a_window_sends_the_last_tokens_with_the_rows_that_predicted_them(
+    in_process: bool,
+) -> None:
+    """The worked examples of `DraftSession.handoff` and `request` with a window of 2: the
+    draft starts at the history's last two tokens, each with the row that predicted it, and
+    after that each round appends as before."""
+    session = DraftSession(vocab_size=50, in_process=in_process, window=2)
+    seq = joined([5, 6, 7], 8)
+    session.add(seq, rows(0, 3))
+    handoff = session.handoff(1, [seq], features=True)
+    assert handoff is not None
+    (item,) = handoff.inputs
+    assert item.appended == (6, 7) and item.features is not None
+    assert item.features[:, 0].tolist() == [0, 1]  # the rows of 5, 6
+    session.drafts(handoff, RoundResponse(1, {"a": chain(())}))
+    (item,) = session.request(2, [seq], 3, features=True).inputs
+    assert item.appended == (8,) and item.features is not None
+    assert item.features[:, 0].tolist() == [2]
+
+
+def test_a_window_cuts_a_restart_and_a_first_round_without_hand_off() -> None:
+    session = DraftSession(vocab_size=50, window=3)
+    seq = joined([5, 6, 7, 8, 9], 10)
+    session.add(seq, rows(0, 5))
+    first = session.request(1, [seq], 1, epoch=1, features=True)
+    (item,) = first.inputs
+    assert item.appended == (8, 9, 10) and item.features is not None
+    assert item.features[:, 0].tolist() == [2, 3, 4]  # as many rows as tokens
+    session.drafts(first, RoundResponse(1, {"a": chain([1])}))
+    seq.append([11, 12])
+    session.verified(seq, rows(5, 2))
+    assert session.request(2, [seq], 1, epoch=1).inputs[0].appended == (11, 12)
+    # a reconnected draft holds nothing: the last 3 of 8 tokens again
+    (item,) = session.request(2, [seq], 1, epoch=2, features=True).inputs
+    assert item.appended == (10, 11, 12) and item.features is not None
+    assert item.features[:, 0].tolist() == [4, 5, 6]
+    short = DraftSession(vocab_size=50, window=8)  # a window longer than the history
+    short.add(seq, rows(0, 7))
+    assert short.request(1, [seq], 1).inputs[0].appended == (5, 6, 7, 8, 9, 10, 11, 12)

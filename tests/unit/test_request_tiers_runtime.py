@@ -69,8 +69,11 @@ def test_last_rows_keep_what_no_round_read() -> None:
     rows.append(torch.tensor([[2.0]]))  # read by no round (tier 0) ...
     rows.append(torch.tensor([[3.0], [4.0]]))  # ... nor this one
     assert rows.since(2)[:, 0].tolist() == [2, 3, 4]
+    rows.append(torch.tensor([[5.0], [6.0]]))
+    assert rows.since(6)[:, 0].tolist() == [6]  # a window's start, past the first kept row
+    rows.append(torch.tensor([[7.0]]))
     with pytest.raises(ValueError, match="only the last round"):
-        rows.since(4)
+        rows.since(6)  # before the first kept row
 
 
 def test_drafter_drafts_each_request_to_its_own_depth(ckpts: dict[str, Path]) -> None:

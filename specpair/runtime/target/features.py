@@ -57,11 +57,12 @@ class LastRows:
         self.length += rows.shape[0]  # not len(): a Python call per request per round
 
     def since(self, start: int) -> Tensor:
+        """The kept rows from position `start` (a window's start may lie past the first)."""
         assert self._rows is not None, "no features recorded"
         self._read = True
-        if max(start, 0) != self._first:
+        if max(start, 0) < self._first:
             raise ValueError(
                 f"features from position {start} asked, but only the last round's rows from "
                 f"{self._first} are kept (a drafter in this process)"
             )
-        return self._rows
+        return self._rows[max(start, 0) - self._first :]

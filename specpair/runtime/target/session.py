@@ -41,7 +41,10 @@ class DraftView:
 
     seq: TargetSequence
     features: FeatureLog | LastRows
-    seen: int = 0  # tokens (prompt + output) the draft has been sent and processed
+    # tokens (prompt + output) the draft has been sent and processed, or passed over: with a
+    # window the draft starts a request at its history's last `window` tokens, and the ones
+    # before them count as seen without ever going out
+    seen: int = 0
     epoch: int = -1  # the draft stream `seen` counts on
 
 
@@ -71,6 +74,7 @@ class DraftSession:
         in_process: bool = False,
         features: bool = True,
         max_tree_nodes: int = MAX_TREE_NODES,
+        window: int = 0,
     ) -> None:
         # A draft service may be buggy or another build, and may lose every request's state
         # (a reconnect): its trees are checked and each request's features kept whole. A
@@ -81,6 +85,11 @@ class DraftSession:
         self.in_process = in_process
         self.features = features
         self.max_tree_nodes = max_tree_nodes
+        # A draft starting (or restarting) a request is sent only its history's last `window`
+        # tokens, 0: all. Drafts attend with rope, which sees only distances, so a window
+        # placed at positions 0.. drafts as it would at its true positions, over less context;
+        # an EAGLE head's features carry the target's view of the whole history anyway.
+        self.window = window
         self.views: dict[str, DraftView] = {}
         self._released: list[str] = []
         # A draft that errs every round (or sends a bad tree for every request) is logged once
@@ -167,6 +176,7 @@ class DraftSession:
         them), on its stream `epoch`; `steps`: its own tier on the wire (0: the round's)."""
         view = self.views[seq.request_id]
         self._renew(view, epoch)
+        self._window(view, len(seq.prompt) + len(seq.output))
         seen, prompt = view.seen, len(seq.prompt)
         if seen >= prompt:
             appended = tuple(seq.output[seen - prompt :])
@@ -190,7 +200,8 @@ class DraftSession:
 
         Worked example: prompt [5, 6, 7], output [8] (pending), nothing seen → appended
         (5, 6, 7) with the 2 feature rows that predicted 6, 7; the draft answers, seen = 3; the
-        first round appends (8,) with the row of 7.
+        first round appends (8,) with the row of 7. With a window of 2: appended (6, 7) with
+        the rows of 5, 6 (seen = 1 passed over, then 3).
         """
         inputs = []
         for seq in seqs:
@@ -200,8 +211,11 @@ class DraftSession:
             self._renew(view, epoch)
             if view.seen or len(seq.prompt) < 2:
                 continue
-            prompt = tuple(seq.prompt)
-            rows = view.features.since(-1)[: len(prompt) - 1] if features else None
+            self._window(view, len(seq.prompt))
+            start, end = view.seen, len(seq.prompt)
+            prompt = tuple(seq.prompt[start:])
+            # the rows that predicted prompt[start:], less the first token's when start is 0
+            rows = view.features.since(start - 1)[: end - max(start, 1)] if features else None
             inputs.append(DraftInput(seq.request_id, prompt, seq.sampling, rows))
         return RoundRequest(round_id, 0, tuple(inputs)) if inputs else None
 
@@ -210,6 +224,12 @@ class DraftSession:
         released = tuple(self._released)
         self._released.clear()
         return released
+
+    def _window(self, view: DraftView, length: int) -> None:
+        """A request the draft holds nothing of, `length` tokens long, starts at its last
+        `window` tokens: those before count as seen."""
+        if view.seen == 0 and 0 < self.window < length:
+            view.seen = length - self.window
 
     @staticmethod
     def _renew(view: DraftView, epoch: int | Mapping[str, int]) -> None:
