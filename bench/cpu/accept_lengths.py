@@ -105,6 +105,7 @@ def generate(
     prompts: Sequence[Prompt],
     sampling: list[SamplingParams],
     new_tokens: int,
+    draft_window: int = 0,
 ) -> tuple[list[list[int]], list[list[int]]]:
     """(output tokens per request, accept lengths of each request's rounds)."""
     engine = SpeculativeEngine(target, drafter)
@@ -114,6 +115,7 @@ def generate(
         state=state,
         sampling=sampling,
         stop_token_ids=frozenset({EOT_ID}),
+        draft_window=draft_window,
     )
     return [r.token_ids for r in results], [r.accept_lengths for r in results]
 
@@ -196,6 +198,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also the EAGLE head over each size's frequency-ranked token map (`eagle/N`), its "
         "ids counted over the training-named stdlib files",
     )
+    parser.add_argument(
+        "--draft-window",
+        type=int,
+        default=0,
+        metavar="N",
+        help="each drafter starts at a prompt's last N tokens (`serve target --draft-window`; "
+        "default: %(default)s, the whole prompt)",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=0, help="first sampling seed (one per prompt)")
     parser.add_argument("--out", type=Path, default=Path("bench/out/acceptance.json"))
@@ -264,7 +274,13 @@ def main(argv: list[str] | None = None) -> None:
                 for tier, state in states[kind].items():
                     t0 = time.perf_counter()
                     outputs, per_request = generate(
-                        targets[layers[kind]], drafter, state, prompts, sampling, args.new_tokens
+                        targets[layers[kind]],
+                        drafter,
+                        state,
+                        prompts,
+                        sampling,
+                        args.new_tokens,
+                        args.draft_window,
                     )
                     accepts = [a for request in per_request for a in request]
                     cell = Cell(
