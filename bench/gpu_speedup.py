@@ -177,10 +177,12 @@ def make_workloads(
     requests: int,
     temperatures: Sequence[float] = TEMPERATURES,
     top_p: float = 1.0,
+    prompt_tokens: tuple[int, int] = (96, 128),
 ) -> list[Workload]:
+    """`prompt_tokens`: the code windows' lengths, LO to HI tokens."""
     # 8 each: the GPU machine's stdlib (3.12) has 8 held-out files that give a code window;
     # repeats sample with new seeds
-    code = [p.ids for p in code_prompts(tokenizer, min(requests, 8), 96, 128)]
+    code = [p.ids for p in code_prompts(tokenizer, min(requests, 8), *prompt_tokens)]
     prose = [p.ids for p in prose_prompts(tokenizer)]
     code, prose = ([ids[i % len(ids)] for i in range(requests)] for ids in (code, prose))
     return [

@@ -405,6 +405,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--draft-window", type=int, help="`up --draft-window` (0: the whole history)"
     )
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        nargs=2,
+        default=(96, 128),
+        metavar=("LO", "HI"),
+        help="the code prompts' lengths (default: 96 128)",
+    )
     add_lab_arg(parser, "feed_draft_at_tier_0=1")
     parser.add_argument(
         "--skip", nargs="*", default=[], choices=["goodput"], help="configurations left out"
@@ -431,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     workloads = [
         wl for wl in make_workloads(tokenizer, max(counts.values()), args.temperatures,
-                                    args.top_p) if wl.prompts == "code"
+                                    args.top_p, args.prompt_tokens) if wl.prompts == "code"
     ]  # fmt: skip
     # the pins come last: SGLang's rule lists no tier 0, the goodput kind does (`apply`)
     first = "policy" if args.policy else "sglang"  # up's own, or the one given
@@ -448,6 +456,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "requests": counts, "token_map": args.token_map and str(args.token_map),
             "repeats": args.repeats, "lab": args.lab, "feature_dtype": args.feature_dtype,
             "feature_ring_mib": args.feature_ring_mib, "draft_window": args.draft_window,
+            "prompt_tokens": list(args.prompt_tokens),
             "policy": args.policy and json.loads(args.policy.read_text()),
             "cells": [asdict(c) | {"tokens_per_s": c.tokens_per_s, "spread": c.spread}
                       for c in cells],
