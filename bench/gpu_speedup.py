@@ -178,11 +178,13 @@ def make_workloads(
     temperatures: Sequence[float] = TEMPERATURES,
     top_p: float = 1.0,
     prompt_tokens: tuple[int, int] = (96, 128),
+    distinct: int = 8,
 ) -> list[Workload]:
-    """`prompt_tokens`: the code windows' lengths, LO to HI tokens."""
-    # 8 each: the GPU machine's stdlib (3.12) has 8 held-out files that give a code window;
-    # repeats sample with new seeds
-    code = [p.ids for p in code_prompts(tokenizer, min(requests, 8), *prompt_tokens)]
+    """`prompt_tokens`: the code windows' lengths, LO to HI tokens; `distinct`: code prompts
+    at most, repeated to `requests`."""
+    # 8: the GPU machine's stdlib (3.12) has 8 held-out files that give a window of 96-128
+    # tokens (7 of 400-512); repeats sample with new seeds
+    code = [p.ids for p in code_prompts(tokenizer, min(requests, distinct), *prompt_tokens)]
     prose = [p.ids for p in prose_prompts(tokenizer)]
     code, prose = ([ids[i % len(ids)] for i in range(requests)] for ids in (code, prose))
     return [

@@ -413,6 +413,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         metavar=("LO", "HI"),
         help="the code prompts' lengths (default: 96 128)",
     )
+    parser.add_argument(
+        "--distinct-prompts",
+        type=int,
+        default=8,
+        help="code prompts, repeated to each cell's requests (default: %(default)s)",
+    )
     add_lab_arg(parser, "feed_draft_at_tier_0=1")
     parser.add_argument(
         "--skip", nargs="*", default=[], choices=["goodput"], help="configurations left out"
@@ -439,7 +445,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     workloads = [
         wl for wl in make_workloads(tokenizer, max(counts.values()), args.temperatures,
-                                    args.top_p, args.prompt_tokens) if wl.prompts == "code"
+                                    args.top_p, args.prompt_tokens, args.distinct_prompts)
+        if wl.prompts == "code"
     ]  # fmt: skip
     # the pins come last: SGLang's rule lists no tier 0, the goodput kind does (`apply`)
     first = "policy" if args.policy else "sglang"  # up's own, or the one given
