@@ -107,6 +107,13 @@ def placement(args: argparse.Namespace) -> str:
 # decode together, the graph buckets 1 … 64 built at start-up. On an H200 the grown 8B target
 # alone gives 4272 tok/s at 64 clients against 3227 at 32 (bench/RESULTS.md, "up_client").
 UP_GPU_MAX_BATCH = 64
+# `up`'s draft window with an EAGLE head on a GPU (the target's own default, 0: the whole
+# history, elsewhere): a joiner's hand-off carries 32 tokens' feature rows, not the prompt's.
+# On an H200 (grown 8B + EAGLE-3, SGLang's rule) it beat the whole history in every cell
+# measured: 96-128-token prompts 1.33x against 0.90x the target alone at 64 clients, 512-token
+# prompts 0.91x against 0.23x, batch 1 level, though acceptance fell on the longer prompts
+# (bench/RESULTS.md, "Draft window").
+UP_GPU_EAGLE_DRAFT_WINDOW = 32
 
 
 def up_services(args: argparse.Namespace, token: str | None = None) -> tuple[list[Service], str]:
@@ -149,8 +156,11 @@ def up_services(args: argparse.Namespace, token: str | None = None) -> tuple[lis
         target_args += ("--feature-dtype", args.feature_dtype)
     if args.feature_ring_mib is not None:
         target_args += ("--feature-ring-mib", str(args.feature_ring_mib))
-    if args.draft_window is not None:
-        target_args += ("--draft-window", str(args.draft_window))
+    window = args.draft_window
+    if window is None and args.draft_kind == "eagle" and args.device.startswith("cuda"):
+        window = UP_GPU_EAGLE_DRAFT_WINDOW
+    if window is not None:
+        target_args += ("--draft-window", str(window))
     if args.draft_kind == "eagle" and (layers := feature_layers(draft, target)):
         target_args += ("--feature-layers", ",".join(map(str, layers)))  # an EAGLE-3 head's
     env = kernel_cache_env(os.environ) | ({TOKEN_ENV: token} if token else {})

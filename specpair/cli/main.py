@@ -159,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         help="tokens of a request's history the draft is sent when it starts the request "
-        "(`serve target --draft-window`; default: the target's, 0: the whole history)",
+        "(`serve target --draft-window`; default: 32 with an EAGLE head on a GPU, else the "
+        "target's, 0: the whole history)",
     )
     up.add_argument(
         "--deterministic",

@@ -416,3 +416,26 @@ def test_lab_switches_are_environment_variables_not_flags(
         parse([*base, "--help"])
     out = capsys.readouterr().out
     assert "SPECPAIR_LAB_NO_PROMPT_HANDOFF" in out and "--no-prompt-handoff" not in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "window"),
+    [
+        (["--device", "cuda", "--draft-kind", "eagle"], 32),  # UP_GPU_EAGLE_DRAFT_WINDOW
+        (["--device", "cuda", "--draft-kind", "eagle", "--draft-window", "0"], 0),
+        (["--device", "cuda"], 0),  # a draft LM: the whole history
+        (["--draft-kind", "eagle"], 0),  # the CPU
+        (["--draft-window", "8"], 8),
+    ],
+)
+def test_up_gives_the_target_its_draft_window(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, argv: list[str], window: int
+) -> None:
+    from specpair.cli.launcher import up_services
+    from specpair.cli.main import build_parser, config_from_args
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    parser = build_parser()
+    services, _ = up_services(parser.parse_args(["up", *argv]))
+    target = next(s for s in services if s.name == "target")
+    assert config_from_args(parser.parse_args(["serve", *target.args])).draft_window == window
