@@ -538,3 +538,24 @@ async def test_rounds_at_tier_0_keep_the_draft_fed_when_told(ckpts, make_stack, 
         assert len(fed) >= 6 and first == 1
     else:
         assert not fed and first >= len(prompt) + 6
+
+
+@pytest.mark.parametrize("window", [0, 8])
+async def test_a_window_lets_a_prompt_longer_than_the_draft_cache_draft(
+    ckpts, make_stack, window: int
+) -> None:
+    """A 40-token prompt and a draft whose cache holds 32 positions: with the whole history
+    the draft refuses it (no room) and every round decodes plainly; started at the last 8
+    tokens every round is drafted. The tokens are the target alone's either way."""
+    stack = await make_stack(
+        draft_config(ckpts["target"], max_len=32),
+        target_config(ckpts["target"], draft_window=window),
+    )
+    prompt = [(7 * i) % 200 + 3 for i in range(40)]
+    tokens, responses = await stack.generate(prompt_token_ids=prompt, max_tokens=16)
+    assert tokens == reference_greedy(ckpts["target"], [prompt], 16)[0]
+    speculation = responses[-1].speculation
+    if window:  # every round drafted (a random model from 8 tokens rarely guesses right)
+        assert speculation.accept_lengths and speculation.plain_rounds == 0
+    else:
+        assert not speculation.accept_lengths and speculation.plain_rounds > 0
