@@ -781,6 +781,7 @@ and the target's accept graphs run them.
 
 
 VOCAB, TEMPERATURE, TOP_P = 128256, 0.7, 0.95
+DRAFT_VOCAB = 32_000  # a grown EAGLE-3 head's (`training/grow_eagle3.py`)
 
 
 def timed_us(fn: Callable[[], Any], iters: int) -> tuple[float, float]:
@@ -854,6 +855,11 @@ def kernels(rows: int, flashinfer: bool) -> dict[str, Callable[[], Any]]:
             accept_candidates(tree_logits, tree_params, drafts, lengths, tree_u, q_ids, q_sparse)
         )
 
+    # an EAGLE-3 head's step over its 32 000 draft ids (every fourth target id here), sampled
+    # where they are (`Eagle3Head.named_logits`) rather than on the whole vocabulary (above)
+    named = logits[:, :: VOCAB // DRAFT_VOCAB][:, :DRAFT_VOCAB].contiguous()
+    names = torch.arange(DRAFT_VOCAB, device=dev) * (VOCAB // DRAFT_VOCAB)
+
     out: dict[str, Callable[[], Any]] = {
         "warp (candidates)": lambda: warp_rows(logits, params),
         "warp (sort)": lambda: sampling_module._sorted_warp(x, params),
@@ -861,6 +867,9 @@ def kernels(rows: int, flashinfer: bool) -> dict[str, Callable[[], Any]]:
         "draft step": lambda: draft_support(logits, params, u),
         "accept, tier 7": accept,
         "draft step, graph": graphed(lambda: draft_support(logits, params, u)),
+        "draft step, 32k ids named, graph": graphed(
+            lambda: draft_support(named, params, u, names=names)
+        ),
         "topk 256, graph": graphed(lambda: flat.topk(256, dim=-1)),
         "accept over the vocabulary, graph": graphed(accept_over_vocabulary),
         "accept over candidates, graph": graphed(over_candidates),

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from specpair.models.args import ModelArgs
-from specpair.models.draft_vocab import mapped_argmax, on_target_vocab
+from specpair.models.draft_vocab import mapped_argmax, on_target_vocab, target_ids
 from specpair.models.llama import Attend, DecoderLayer
 from specpair.models.rope import rope_cos_sin, rope_inv_freq, rope_scale
 
@@ -70,6 +70,12 @@ class EagleHead(nn.Module):
         """Float logits on the target vocabulary [.., V]."""
         draft = self.lm_head(hidden).float()
         return draft if self.d2t is None else on_target_vocab(draft, self.d2t, self.args.vocab_size)
+
+    def named_logits(self, hidden: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Float logits over the ids this head can name [.., N] and their target ids [N] (None:
+        N is the whole target vocabulary): `logits` without the -inf elsewhere."""
+        draft = self.lm_head(hidden).float()
+        return draft, None if self.d2t is None else target_ids(self.d2t)
 
     def greedy(self, hidden: Tensor) -> Tensor:
         draft = self.lm_head(hidden).float()

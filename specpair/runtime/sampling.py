@@ -279,17 +279,25 @@ def _inverse_cdf(probs: Tensor, x: Tensor) -> Tensor:
 
 
 def draft_support(
-    logits: Tensor, params: RowParams, u: Tensor, width: int | None = None
+    logits: Tensor,
+    params: RowParams,
+    u: Tensor,
+    width: int | None = None,
+    names: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """A draft step's sampled token from a q of at most `width` tokens: (tokens [R], ids
-    [R, K], q [R, K]), K = min(width, V). q is the temperature-warped distribution restricted
+    [R, K], q [R, K]), K = min(width, N). q is the temperature-warped distribution restricted
     to its K likeliest tokens (top-p counted over the whole vocabulary), cut by the row's
     top-k, top-p and min-p and renormalised: the exact distribution the token was drawn from,
     which is all rejection sampling needs of q. Greedy rows take the argmax. Graph-safe.
-    `width` defaults to `DRAFT_SUPPORT`."""
+    `width` defaults to `DRAFT_SUPPORT`. logits [R, N] are over the ids `names` [N] (a draft
+    vocabulary's target ids; None: column i is id i): a draft's logits over the ids it names
+    are its logits on the whole vocabulary less the -inf elsewhere, which no warp keeps."""
     k = min(width or DRAFT_SUPPORT, logits.shape[-1])
     x = logits.float() / params.temperature
     top, ids = x.topk(k, dim=-1)  # descending
+    if names is not None:
+        ids = names[ids]
     p = (top - x.logsumexp(-1, keepdim=True)).exp()
     keep = torch.arange(k, device=x.device) < params.top_k(k)
     keep &= (p.cumsum(-1) - p) < params.top_p

@@ -59,6 +59,10 @@ class DraftModel(Protocol):
     def greedy(self, hidden: Tensor) -> Tensor:
         """hidden [B, T, H] -> the last row's argmax token [B] (as `logits(hidden).argmax`)."""
 
+    def sample(self, hidden: Tensor, params: RowParams, u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """hidden [B, T, H] -> the last row's token drawn by `draft_support` from `params`
+        and uniforms u [B]: (tokens [B], ids [B, K], q [B, K])."""
+
     def extend_inputs(
         self, inputs: Sequence[DraftInput], slots: list[int]
     ) -> tuple[Tensor, list[FeatureRows] | None, Tensor, BatchLayout, list[int]]:

@@ -22,8 +22,8 @@ from transformers import LlamaForCausalLM
 
 import specpair.runtime.accept as accept_module
 import specpair.runtime.sampling as sampling_module
-from specpair.models.tiny import make_tiny_llama
-from specpair.runtime.build import build_drafter, build_states, build_target
+from specpair.models.tiny import make_tiny_eagle3, make_tiny_llama
+from specpair.runtime.build import build_drafter, build_states, build_target, feature_layers
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.sampling import SamplingParams, warp
 
@@ -65,9 +65,15 @@ def speculative_samples(
     window: int = 0,
 ) -> Counter:
     """`mixed`: the batch's requests at tiers 0, 1 and 3 in turn, in the same rounds;
-    `window`: the prompt's tokens the drafter starts from (0: all)."""
-    worker = build_target(target, max_requests=BATCH, max_len=32)
-    drafter = build_drafter(draft, target_path=None, max_requests=BATCH, max_len=32)
+    `window`: the prompt's tokens the drafter starts from (0: all). `draft` may be an
+    EAGLE-3 head of `target`."""
+    layers = feature_layers(draft, target)
+    worker = build_target(
+        target, max_requests=BATCH, max_len=32, keep_features=bool(layers), feature_layers=layers
+    )
+    drafter = build_drafter(
+        draft, target_path=target if layers else None, max_requests=BATCH, max_len=32
+    )
     engine = SpeculativeEngine(worker, drafter)
     state = build_states([tier], worker, drafter)[tier]
     counts: Counter = Counter()
@@ -122,6 +128,16 @@ def test_a_draft_started_at_a_window_keeps_the_target_distribution(pair) -> None
     """The drafter is sent the prompt's last token only: its q changes, the output's
     distribution does not."""
     counts = speculative_samples(*pair, PARAMS[0], window=1)
+    assert fit_pvalue(counts, exact_joint(pair[0], PARAMS[0])) > 1e-3
+
+
+def test_an_eagle3_head_sampling_its_draft_vocabulary_keeps_the_target_distribution(
+    pair, tmp_path
+) -> None:
+    """The head names 4 of the 6 tokens and draws from them alone (`Eagle3Head.named_logits`):
+    its q is zero at the other two, which the target still emits."""
+    head = make_tiny_eagle3(tmp_path / "eagle3", pair[0], seed=24, draft_vocab=4, layers=[0, 0, 0])
+    counts = speculative_samples(pair[0], head, PARAMS[0])
     assert fit_pvalue(counts, exact_joint(pair[0], PARAMS[0])) > 1e-3
 
 

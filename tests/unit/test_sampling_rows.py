@@ -9,12 +9,17 @@ argmax rule.
 
 from __future__ import annotations
 
+import json
+import random
+
 import pytest
 import torch
 from scipy.stats import chisquare
 
 import specpair.runtime.sampling as sampling_module
+from specpair.models.tiny import make_tiny_eagle, make_tiny_eagle3, make_tiny_llama
 from specpair.runtime.accept import accept_chains, accept_greedy_argmax, residual
+from specpair.runtime.build import build_drafter
 from specpair.runtime.sampling import (
     RowParams,
     SamplingParams,
@@ -133,6 +138,40 @@ def test_draft_support_respects_top_k_and_greedy_rows() -> None:
     tokens, _, q = draft_support(logits, params, torch.tensor([0.99, 0.5]), width=10)
     assert (q[0, 3:] == 0).all() and (q[0, :3] > 0).all()
     assert int(tokens[1]) == int(logits[1].argmax())
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle-map"])
+def test_a_head_samples_over_its_draft_vocabulary_as_over_the_target_vocabulary(
+    kind, tmp_path
+) -> None:
+    """`sample` over the ids a head names (no topk over the whole vocabulary) draws the token
+    and q that `draft_support` of its target-wide logits does, from the same uniforms."""
+    target = make_tiny_llama(tmp_path / "target", seed=1, vocab_size=300, tokenizer=False)
+    if kind == "eagle3":
+        draft = make_tiny_eagle3(
+            tmp_path / "head", target, seed=2, draft_vocab=80, layers=[0, 0, 0]
+        )
+        token_map = None
+    else:
+        draft = make_tiny_eagle(tmp_path / "head", target, seed=2)
+        token_map = tmp_path / "map.json"
+        token_map.write_text(json.dumps(sorted(random.Random(3).sample(range(300), 80))))
+    drafter = build_drafter(draft, target_path=target, max_requests=4, max_len=16,
+                            token_map=token_map)  # fmt: skip
+    head = drafter.head  # type: ignore[attr-defined]
+    hidden = torch.randn(6, 1, head.args.hidden_size, generator=torch.Generator().manual_seed(4))
+    params = RowParams.of(
+        [SamplingParams(temperature=0.7, top_p=0.95), SamplingParams(temperature=1.0, top_k=5),
+         SamplingParams(), SamplingParams(temperature=1.3, min_p=0.1)] + [SamplingParams(1.0)] * 2
+    )  # fmt: skip
+    u = torch.rand(6, generator=torch.Generator().manual_seed(5))
+    tokens, ids, q = drafter.sample(hidden, params, u)
+    ref_tokens, ref_ids, ref_q = draft_support(drafter.logits(hidden), params, u)
+    assert tokens.tolist() == ref_tokens.tolist()
+    dense = torch.zeros(6, 300).scatter_add_(-1, ids, q)
+    torch.testing.assert_close(dense, torch.zeros(6, 300).scatter_add_(-1, ref_ids, ref_q))
+    names = set(head.named_logits(hidden[:, -1])[1].tolist())
+    assert set(ids[q > 0].tolist()) <= names < set(range(300))
 
 
 def one_draft_outcomes(p0: torch.Tensor, p1: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 - `extend_graph`: B × T appended tokens → hidden of each request's last row [B, 1, H];
 - `step_graph`: s steps of one token per request → tokens [s, B]: greedy (argmax inside the
-  graph), or sampled (`draft_support` inside a graph of its own: per-row parameters and uniforms
-  in, each step's sparse q out, [s, B, K]).
+  graph), or sampled (the drafter's `sample` inside a graph of its own: per-row parameters and
+  uniforms in, each step's sparse q out, [s, B, K]).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from specpair.runtime.gpu.capture import GraphAttention, GraphCapture, StageGraph
-from specpair.runtime.sampling import RowParams, draft_support
+from specpair.runtime.sampling import RowParams
 from specpair.runtime.stages import DraftModel
 
 
@@ -65,7 +65,7 @@ def step_graph(
         for k in range(forwards + 1):
             if sampled:
                 params = RowParams(inputs["params"])  # every branch: rows differ
-                token, support, q = draft_support(d.logits(hidden), params, inputs["uniform"][k])
+                token, support, q = d.sample(hidden, params, inputs["uniform"][k])
                 ids.append(support)
                 ps.append(q)
             else:
