@@ -855,6 +855,8 @@ def kernels(rows: int, flashinfer: bool) -> dict[str, Callable[[], Any]]:
             accept_candidates(tree_logits, tree_params, drafts, lengths, tree_u, q_ids, q_sparse)
         )
 
+    from specpair.runtime.gpu.draft_sampling import draft_support as one_kernel_support
+
     # an EAGLE-3 head's step over its 32 000 draft ids (every fourth target id here), sampled
     # where they are (`Eagle3Head.named_logits`) rather than on the whole vocabulary (above)
     named = logits[:, :: VOCAB // DRAFT_VOCAB][:, :DRAFT_VOCAB].contiguous()
@@ -869,6 +871,9 @@ def kernels(rows: int, flashinfer: bool) -> dict[str, Callable[[], Any]]:
         "draft step, graph": graphed(lambda: draft_support(logits, params, u)),
         "draft step, 32k ids named, graph": graphed(
             lambda: draft_support(named, params, u, names=names)
+        ),
+        "draft step, 32k ids named, one kernel, graph": graphed(
+            lambda: one_kernel_support(named, params, u, names=names)
         ),
         "topk 256, graph": graphed(lambda: flat.topk(256, dim=-1)),
         "accept over the vocabulary, graph": graphed(accept_over_vocabulary),

@@ -59,9 +59,10 @@ class DraftModel(Protocol):
     def greedy(self, hidden: Tensor) -> Tensor:
         """hidden [B, T, H] -> the last row's argmax token [B] (as `logits(hidden).argmax`)."""
 
-    def sample(self, hidden: Tensor, params: RowParams, u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """hidden [B, T, H] -> the last row's token drawn by `draft_support` from `params`
-        and uniforms u [B]: (tokens [B], ids [B, K], q [B, K])."""
+    def named_logits(self, hidden: Tensor) -> tuple[Tensor, Tensor | None]:
+        """hidden [B, T, H] -> the last row's float logits over the ids the draft can name
+        [B, N] and those ids on the target's vocabulary [N] (None: N is all of it): what a
+        sampled step draws from (`draft_support`), without the -inf elsewhere."""
 
     def extend_inputs(
         self, inputs: Sequence[DraftInput], slots: list[int]

@@ -301,3 +301,63 @@ def test_the_candidates_accept_in_a_graph_gives_the_vocabulary_wide_verdicts(bat
     assert covered.all()
     assert accepted.tolist() == reference.tolist()
     assert (p[torch.arange(batch), accepted.to(dev), last.to(dev)] > 0).all()
+
+
+FUSED_PARAMS = [
+    SamplingParams(temperature=0.7, top_p=0.95),
+    SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(),  # greedy: the likeliest
+    SamplingParams(temperature=1.3, min_p=0.1),
+    SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02),
+    SamplingParams(temperature=1.0),
+]
+
+
+@pytest.mark.parametrize("vocab", [4, 6, 300, 32_000])
+def test_the_one_kernel_draft_step_draws_as_the_torch_one(vocab: int) -> None:
+    """`gpu.draft_sampling.draft_support` against `sampling.draft_support`, row by row: the
+    same support, q to float rounding, the same token from the same uniform (a uniform within
+    rounding of a cumulative mass may land either side: allowed for at most 1 row in 500)."""
+    from specpair.runtime.gpu.draft_sampling import draft_support as one_kernel
+
+    rows = 3000
+    gen = torch.Generator(device="cuda").manual_seed(vocab)
+    logits = torch.randn(rows, vocab, device="cuda", generator=gen) * 3
+    params = RowParams.of([FUSED_PARAMS[i % len(FUSED_PARAMS)] for i in range(rows)]).to(
+        torch.device("cuda")
+    )
+    u = torch.rand(rows, device="cuda", generator=gen)
+    names = torch.arange(vocab, device="cuda") * 3 + 1  # a draft vocabulary's target ids
+    tokens, ids, q = one_kernel(logits, params, u, names=names)
+    ref_tokens, ref_ids, ref_q = draft_support(logits, params, u, names=names)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(q, ref_q, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(q.sum(-1), torch.ones(rows, device="cuda"))
+    assert int((tokens != ref_tokens).sum()) <= rows // 500
+    greedy = params.greedy
+    assert torch.equal(tokens[greedy], ids[greedy, 0])
+
+
+def test_the_one_kernel_draft_step_draws_from_the_q_it_returns() -> None:
+    """30 000 draws of one row: their counts fit the q returned (chi-square), and none falls
+    where q has no mass; a draw from q's first column alone (a wrong kernel) fails the same."""
+    from specpair.runtime.gpu.draft_sampling import draft_support as one_kernel
+
+    rows = 30_000
+    logits = (torch.randn(1, 100, generator=torch.Generator().manual_seed(5)) * 3).expand(rows, -1)
+    logits = logits.contiguous().cuda()
+    params = RowParams.of([SamplingParams(temperature=0.8, top_p=0.9)] * rows).to(
+        torch.device("cuda")
+    )
+    u = torch.rand(rows, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    tokens, ids, q = one_kernel(logits, params, u, width=8)
+    dense = torch.zeros(100).scatter_(0, ids[0].cpu(), q[0].cpu())
+    counts = torch.bincount(tokens.cpu(), minlength=100)
+    assert counts[dense == 0].sum() == 0
+    kept = dense[dense > 0].double()
+    observed, expected = counts[dense > 0].double(), kept / kept.sum() * rows
+    from scipy.stats import chisquare
+
+    assert chisquare(observed.tolist(), expected.tolist()).pvalue > 1e-3
+    wrong = torch.bincount(ids[:, 0].cpu(), minlength=100)[dense > 0].double()
+    assert chisquare(wrong.tolist(), expected.tolist()).pvalue < 1e-6

@@ -144,8 +144,9 @@ def test_draft_support_respects_top_k_and_greedy_rows() -> None:
 def test_a_head_samples_over_its_draft_vocabulary_as_over_the_target_vocabulary(
     kind, tmp_path
 ) -> None:
-    """`sample` over the ids a head names (no topk over the whole vocabulary) draws the token
-    and q that `draft_support` of its target-wide logits does, from the same uniforms."""
+    """`draft_support` over the ids a head names (`named_logits`: no topk over the whole
+    vocabulary) draws the token and q that it does over the head's target-wide logits, from
+    the same uniforms."""
     target = make_tiny_llama(tmp_path / "target", seed=1, vocab_size=300, tokenizer=False)
     if kind == "eagle3":
         draft = make_tiny_eagle3(
@@ -165,13 +166,14 @@ def test_a_head_samples_over_its_draft_vocabulary_as_over_the_target_vocabulary(
          SamplingParams(), SamplingParams(temperature=1.3, min_p=0.1)] + [SamplingParams(1.0)] * 2
     )  # fmt: skip
     u = torch.rand(6, generator=torch.Generator().manual_seed(5))
-    tokens, ids, q = drafter.sample(hidden, params, u)
+    logits, names = drafter.named_logits(hidden)
+    tokens, ids, q = draft_support(logits, params, u, names=names)
     ref_tokens, ref_ids, ref_q = draft_support(drafter.logits(hidden), params, u)
     assert tokens.tolist() == ref_tokens.tolist()
     dense = torch.zeros(6, 300).scatter_add_(-1, ids, q)
     torch.testing.assert_close(dense, torch.zeros(6, 300).scatter_add_(-1, ref_ids, ref_q))
-    names = set(head.named_logits(hidden[:, -1])[1].tolist())
-    assert set(ids[q > 0].tolist()) <= names < set(range(300))
+    assert names is not None and len(names) == 80
+    assert set(ids[q > 0].tolist()) <= set(names.tolist())
 
 
 def one_draft_outcomes(p0: torch.Tensor, p1: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

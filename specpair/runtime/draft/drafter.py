@@ -23,7 +23,7 @@ from specpair.runtime.draft.extend import DraftForward
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout
 from specpair.runtime.round_messages import DraftInput
-from specpair.runtime.sampling import RowParams, derived_seed, make_generator
+from specpair.runtime.sampling import RowParams, derived_seed, draft_support, make_generator
 from specpair.runtime.stages import DraftQ, DraftSampling, DraftStage, ExtendStage
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.tree import CandidateTree, chain
@@ -158,7 +158,8 @@ class Drafter(DraftForward):
             if params is None or u is None:
                 tokens = self.greedy(hidden)
             else:
-                tokens, ids, q = self.sample(hidden, params.rows(rows), u[rows, k])
+                logits, names = self.named_logits(hidden)
+                tokens, ids, q = draft_support(logits, params.rows(rows), u[rows, k], names=names)
             for i, b in enumerate(rows):
                 picked[b].append(tokens[i])
                 if sampling is not None and not sampling.greedy[b]:

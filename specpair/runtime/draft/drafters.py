@@ -21,7 +21,6 @@ from specpair.runtime.draft.drafter import Drafter
 from specpair.runtime.feature_rows import FeatureRows
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.round_messages import DraftInput
-from specpair.runtime.sampling import RowParams, draft_support
 
 
 class LMDrafter(Drafter):
@@ -87,7 +86,6 @@ class EagleDrafter(Drafter):
     def greedy(self, hidden: Tensor) -> Tensor:
         return self.head.greedy(hidden[:, -1])
 
-    def sample(self, hidden: Tensor, params: RowParams, u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        # over the ids the head names (a draft vocabulary): no topk over 128 256 columns a step
-        logits, names = self.head.named_logits(hidden[:, -1])
-        return draft_support(logits, params, u, names=names)
+    def named_logits(self, hidden: Tensor) -> tuple[Tensor, Tensor | None]:
+        # a draft vocabulary's 32 000 columns, not 128 256 with -inf at the rest
+        return self.head.named_logits(hidden[:, -1])

@@ -18,7 +18,6 @@ from specpair.runtime.feature_rows import FeatureRows, place_features
 from specpair.runtime.kv_cache import KVCache
 from specpair.runtime.layout import BatchLayout, padded_groups
 from specpair.runtime.round_messages import DraftInput
-from specpair.runtime.sampling import RowParams, draft_support
 
 
 class DraftForward(ABC):
@@ -47,10 +46,10 @@ class DraftForward(ABC):
         """hidden [B, T, H] -> the last row's argmax token [B]: `logits(hidden).argmax(-1)`."""
         return self.logits(hidden).argmax(-1)
 
-    def sample(self, hidden: Tensor, params: RowParams, u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """hidden [B, T, H] -> the last row's sampled token, by `draft_support` of its logits:
-        (tokens [B], ids [B, K], q [B, K]) on the target's vocabulary."""
-        return draft_support(self.logits(hidden), params, u)
+    def named_logits(self, hidden: Tensor) -> tuple[Tensor, Tensor | None]:
+        """hidden [B, T, H] -> the last row's logits over the ids the draft names [B, N], and
+        those ids [N] (None: the whole vocabulary, as here)."""
+        return self.logits(hidden), None
 
     def extend_inputs(
         self, inputs: Sequence[DraftInput], slots: list[int]

@@ -2,8 +2,8 @@
 
 - `extend_graph`: B × T appended tokens → hidden of each request's last row [B, 1, H];
 - `step_graph`: s steps of one token per request → tokens [s, B]: greedy (argmax inside the
-  graph), or sampled (the drafter's `sample` inside a graph of its own: per-row parameters and
-  uniforms in, each step's sparse q out, [s, B, K]).
+  graph), or sampled (`gpu/draft_sampling.py`'s one-kernel `draft_support` inside a graph of
+  its own: per-row parameters and uniforms in, each step's sparse q out, [s, B, K]).
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ def step_graph(
         "starts": torch.zeros(batch, dtype=torch.long, device=dev),
     }
     if sampled:
+        # Triton: imported where a GPU captures, not by the CPU builds that import this module
+        from specpair.runtime.gpu.draft_sampling import draft_support
+
         inputs["params"] = torch.ones(batch, 5, device=dev)  # RowParams.table
         inputs["uniform"] = torch.zeros(s, batch, device=dev)
 
@@ -65,7 +68,8 @@ def step_graph(
         for k in range(forwards + 1):
             if sampled:
                 params = RowParams(inputs["params"])  # every branch: rows differ
-                token, support, q = d.sample(hidden, params, inputs["uniform"][k])
+                logits, names = d.named_logits(hidden)
+                token, support, q = draft_support(logits, params, inputs["uniform"][k], names=names)
                 ids.append(support)
                 ps.append(q)
             else:
