@@ -18,7 +18,10 @@ Doors: `openai` = `openai.OpenAI(base_url=.../v1).completions.create(prompt=<tok
 completion's `usage.completion_tokens` counted; `http` = the same body POSTed with `urllib` (the
 API without the client package's own cost); `sdk` = `SpecpairClient.generate`. A cell runs
 its requests `batch` at a time (threads) after one warm-up request; tokens/s = completion
-tokens / wall seconds, pooled over `--repeats` turns that take the doors in turn. Held-out code
+tokens / wall seconds, pooled over `--repeats` turns that take the doors in turn. `steady x`
+is the same ratio over the window in which every client had a request in flight (`steady`):
+a cell ends with its clients running out one by one, and speculation's requests, each prompt
+accepting at its own rate, run out more unevenly than the target alone's. Held-out code
 prompts (`bench.prompts`), greedy and T = 0.7 top-p 0.95 with a seed per request.
 
     python -m bench.up_client --draft-kind eagle3 --batches 1 8 --requests 8 32 \\
@@ -78,6 +81,10 @@ class UpCell:
     seconds: float
     runs: list[float] = field(default_factory=list)  # tokens/s of each run
     speedup: float | None = None  # over "tier 0", same door, workload and batch
+    # while every client had a request in flight (`steady`), over all its runs
+    steady_tokens: float = 0.0
+    steady_seconds: float = 0.0
+    steady_speedup: float | None = None  # over "tier 0"'s, as `speedup`
     # the target's rounds during the cell's runs (WatchRounds): means of a round's stage ms,
     # its batch size and accepted draft tokens a drafted request (`anatomy`)
     rounds: dict[str, float] = field(default_factory=dict)
@@ -92,6 +99,27 @@ class UpCell:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
+
+    @property
+    def steady_tokens_per_s(self) -> float | None:
+        return self.steady_tokens / self.steady_seconds if self.steady_seconds > 0 else None
+
+
+Span = tuple[float, float, int]  # a request's start and end (perf_counter s), its tokens
+
+
+def steady(spans: Sequence[Span], t0: float) -> tuple[float, float]:
+    """(tokens, seconds) of a cell's run from `t0` to its last request's start: the window in
+    which every client had a request in flight. After it the clients run out one by one, for
+    as long as their last requests are unequal: the target alone's all take 128 rounds, but with
+    speculation each prompt accepts at its own rate (at 64 clients, 2 requests a client, tier
+    7's rounds held 40 requests on average against the target alone's 58). A request's tokens
+    count in proportion to its time inside the window (decoding runs at a steady pace).
+    Clients A: 0-10 s, 10-20 s and B: 0-15 s, 15-30 s, 100 tokens each: the window is 0-15 s,
+    with 100 + 50 + 100 + 0 tokens, 16.7 tok/s against the whole run's 400 / 30 = 13.3."""
+    end = max(start for start, _, _ in spans)
+    tokens = sum(k * max(0.0, min(e, end) - max(s, t0)) / (e - s) for s, e, k in spans if e > s)
+    return tokens, end - t0
 
 
 @dataclass(frozen=True)
@@ -283,9 +311,15 @@ def run_cells(
             one(workloads[0].ids[0], 8, workloads[0].sampling(0))  # warm: connection, a round
             for wl in workloads:
                 for batch, n in counts.items():
+                    spans: list[Span] = []
 
-                    def request(i: int, wl: Workload = wl, one: Door = one) -> int:
-                        return one(wl.ids[i], new_tokens, wl.sampling(i))
+                    def request(
+                        i: int, wl: Workload = wl, one: Door = one, spans: list[Span] = spans
+                    ) -> int:
+                        start = time.perf_counter()
+                        tokens = one(wl.ids[i], new_tokens, wl.sampling(i))
+                        spans.append((start, time.perf_counter(), tokens))
+                        return tokens
 
                     rounds: list[RoundStats] = []
                     call = watch_rounds(up.target, rounds, up.token)
@@ -301,6 +335,10 @@ def run_cells(
                     )
                     cell.tokens += tokens
                     cell.seconds += seconds
+                    if n > batch:  # else every request started at once: no steady window
+                        window_tokens, window_s = steady(spans, t0)
+                        cell.steady_tokens += window_tokens
+                        cell.steady_seconds += window_s
                     cell.runs.append(tokens / seconds)
                     cell.rounds = anatomy(rounds)  # the last run's
                     record(cell)  # after every run: a run cut short keeps the cells before it
@@ -334,20 +372,23 @@ def pin_target_alone(ctl: ControllerClient) -> None:
 
 
 def fill_ratios(cells: list[UpCell]) -> None:
-    alone = {(c.door, c.workload, c.batch): c.tokens_per_s for c in cells if c.config == "tier 0"}
+    alone = {(c.door, c.workload, c.batch): c for c in cells if c.config == "tier 0"}
     for c in cells:
         if (base := alone.get((c.door, c.workload, c.batch))) is not None:
-            c.speedup = c.tokens_per_s / base
+            c.speedup = c.tokens_per_s / base.tokens_per_s
+            ours, theirs = c.steady_tokens_per_s, base.steady_tokens_per_s
+            c.steady_speedup = ours / theirs if ours and theirs else None
 
 
 def render(cells: Sequence[UpCell]) -> str:
     rows = [
         [c.config, c.door, c.workload, str(c.batch), f"{c.tokens_per_s:.1f}",
          "-" if c.speedup is None else f"{c.speedup:.2f}",
+         "-" if c.steady_speedup is None else f"{c.steady_speedup:.2f}",
          "-" if c.spread is None else f"{100 * c.spread:.0f} %"]
         for c in cells
     ]  # fmt: skip
-    headers = ["config", "door", "workload", "batch", "tok/s", "x tier 0", "spread"]
+    headers = ["config", "door", "workload", "batch", "tok/s", "x tier 0", "steady x", "spread"]
     return format_table(headers, rows)
 
 
@@ -465,7 +506,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             "feature_ring_mib": args.feature_ring_mib, "draft_window": args.draft_window,
             "prompt_tokens": list(args.prompt_tokens),
             "policy": args.policy and json.loads(args.policy.read_text()),
-            "cells": [asdict(c) | {"tokens_per_s": c.tokens_per_s, "spread": c.spread}
+            "cells": [asdict(c) | {"tokens_per_s": c.tokens_per_s, "spread": c.spread,
+                                   "steady_tokens_per_s": c.steady_tokens_per_s}
                       for c in cells],
         })  # fmt: skip
 

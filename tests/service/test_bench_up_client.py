@@ -61,6 +61,13 @@ def test_up_client_measures_every_configuration_through_both_doors(tmp_path: Pat
     # Greedy is lossless through either door: each cell produced the same tokens (no request
     # stopped early on one door and ran on at another configuration).
     assert len({c["tokens"] for c in cells if c["batch"] == 1}) == 1
+    # one client, 2 requests: the window is the first request's (ended when the second
+    # started); 2 clients, 2 requests: both start at once, no window
+    for c in cells:
+        if c["batch"] == 1:
+            assert c["steady_tokens_per_s"] > 0 and c["steady_speedup"] is not None
+        else:
+            assert c["steady_tokens_per_s"] is None and c["steady_speedup"] is None
     assert out.with_suffix(".png").stat().st_size > 0
     assert READY in out.with_suffix(".log").read_text()
 

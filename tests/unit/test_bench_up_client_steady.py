@@ -1,0 +1,42 @@
+"""`bench.up_client`'s steady window: a cell's tokens/s while every client had a request in
+flight, without the drain after the last request started."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.up_client import UpCell, fill_ratios, steady
+
+
+def test_the_window_ends_at_the_last_start_and_counts_tokens_by_time_inside_it() -> None:
+    # clients A: 0-10 s, 10-20 s and B: 0-15 s, 15-30 s, 100 tokens each (the docstring's)
+    spans = [(0.0, 10.0, 100), (10.0, 20.0, 100), (0.0, 15.0, 100), (15.0, 30.0, 100)]
+    tokens, seconds = steady(spans, 0.0)
+    assert seconds == 15.0
+    assert tokens == pytest.approx(100 + 50 + 100 + 0)
+
+
+def test_a_drain_tail_lowers_the_cell_but_not_the_window() -> None:
+    """Two clients, 3 requests each at 10 tok/s; one of them gets a long last request. The
+    whole run's rate falls with the tail; the window's stays the pace the server kept."""
+    even = [(0, 10, 100), (10, 20, 100), (20, 30, 100), (0, 10, 100), (10, 20, 100), (20, 30, 100)]
+    tail = [*even[:5], (20, 60, 400)]
+    for spans in (even, tail):
+        tokens, seconds = steady([(float(s), float(e), k) for s, e, k in spans], 0.0)
+        assert tokens / seconds == pytest.approx(20.0)
+    whole_even = sum(k for *_, k in even) / 30
+    whole_tail = sum(k for *_, k in tail) / 60
+    assert whole_even == pytest.approx(20.0) and whole_tail == pytest.approx(15.0)
+
+
+def test_steady_ratios_pair_cells_as_the_whole_ones_do() -> None:
+    alone = UpCell(
+        "tier 0", "sdk", "code greedy", 8, 800, 10.0, steady_tokens=700, steady_seconds=7.0
+    )
+    spec = UpCell(
+        "tier 7", "sdk", "code greedy", 8, 1600, 10.0, steady_tokens=1500, steady_seconds=5.0
+    )
+    one_wave = UpCell("sglang", "sdk", "code greedy", 8, 800, 4.0)  # no window: n == batch
+    fill_ratios([alone, spec, one_wave])
+    assert spec.speedup == pytest.approx(2.0) and spec.steady_speedup == pytest.approx(3.0)
+    assert one_wave.speedup == pytest.approx(2.5) and one_wave.steady_speedup is None
