@@ -278,6 +278,13 @@ def _inverse_cdf(probs: Tensor, x: Tensor) -> Tensor:
     return torch.minimum(idx, last)
 
 
+def draft_candidates(x: Tensor, width: int | None, names: Tensor | None) -> tuple[Tensor, Tensor]:
+    """A draft step's candidates: the K = min(width or `DRAFT_SUPPORT`, N) largest of x [R, N],
+    descending, and their ids (`names`' [N] where given, else the columns)."""
+    top, ids = x.topk(min(width or DRAFT_SUPPORT, x.shape[-1]), dim=-1)
+    return top, ids if names is None else names[ids]
+
+
 def draft_support(
     logits: Tensor,
     params: RowParams,
@@ -293,11 +300,9 @@ def draft_support(
     `width` defaults to `DRAFT_SUPPORT`. logits [R, N] are over the ids `names` [N] (a draft
     vocabulary's target ids; None: column i is id i): a draft's logits over the ids it names
     are its logits on the whole vocabulary less the -inf elsewhere, which no warp keeps."""
-    k = min(width or DRAFT_SUPPORT, logits.shape[-1])
     x = logits.float() / params.temperature
-    top, ids = x.topk(k, dim=-1)  # descending
-    if names is not None:
-        ids = names[ids]
+    top, ids = draft_candidates(x, width, names)
+    k = top.shape[-1]
     p = (top - x.logsumexp(-1, keepdim=True)).exp()
     keep = torch.arange(k, device=x.device) < params.top_k(k)
     keep &= (p.cumsum(-1) - p) < params.top_p

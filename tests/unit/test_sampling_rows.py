@@ -157,14 +157,21 @@ def test_a_head_samples_over_its_draft_vocabulary_as_over_the_target_vocabulary(
         draft = make_tiny_eagle(tmp_path / "head", target, seed=2)
         token_map = tmp_path / "map.json"
         token_map.write_text(json.dumps(sorted(random.Random(3).sample(range(300), 80))))
-    drafter = build_drafter(draft, target_path=target, max_requests=4, max_len=16,
-                            token_map=token_map)  # fmt: skip
+    drafter = build_drafter(
+        draft, target_path=target, max_requests=4, max_len=16, token_map=token_map
+    )
     head = drafter.head  # type: ignore[attr-defined]
     hidden = torch.randn(6, 1, head.args.hidden_size, generator=torch.Generator().manual_seed(4))
     params = RowParams.of(
-        [SamplingParams(temperature=0.7, top_p=0.95), SamplingParams(temperature=1.0, top_k=5),
-         SamplingParams(), SamplingParams(temperature=1.3, min_p=0.1)] + [SamplingParams(1.0)] * 2
-    )  # fmt: skip
+        [
+            SamplingParams(temperature=0.7, top_p=0.95),
+            SamplingParams(temperature=1.0, top_k=5),
+            SamplingParams(),
+            SamplingParams(temperature=1.3, min_p=0.1),
+            SamplingParams(1.0),
+            SamplingParams(1.0),
+        ]
+    )
     u = torch.rand(6, generator=torch.Generator().manual_seed(5))
     logits, names = drafter.named_logits(hidden)
     tokens, ids, q = draft_support(logits, params, u, names=names)

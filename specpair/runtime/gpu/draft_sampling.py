@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from specpair.runtime.sampling import DRAFT_SUPPORT, RowParams
+from specpair.runtime.sampling import RowParams, draft_candidates
 
 ROW_BLOCK = 2048  # logits read a loop step while the normaliser is summed
 
@@ -78,18 +78,12 @@ def draft_support(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`sampling.draft_support` on a CUDA device, its arguments and results the same: (tokens
     [R], ids [R, K], q [R, K]). Graph-safe."""
-    k = min(width or DRAFT_SUPPORT, logits.shape[-1])
     x = logits.float().contiguous()
-    top, ids = x.topk(k, dim=-1)  # a positive temperature keeps the order
-    top = top.contiguous()
-    if names is not None:
-        ids = names[ids]
-    r = x.shape[0]
+    top, ids = draft_candidates(x, width, names)  # a positive temperature keeps the order
+    (r, n), k = x.shape, top.shape[-1]
     q = torch.empty(r, k, dtype=torch.float32, device=x.device)
     pick = torch.empty(r, dtype=torch.long, device=x.device)
-    table = params.table.float().contiguous()
-    _draw[(r,)](
-        x, x.shape[1], top, k, table, u.float().contiguous(), q, pick,
-        KP=triton.next_power_of_2(k), BLOCK=ROW_BLOCK,
-    )  # fmt: skip
+    table, u = params.table.float().contiguous(), u.float().contiguous()
+    kp = triton.next_power_of_2(k)
+    _draw[(r,)](x, n, top.contiguous(), k, table, u, q, pick, KP=kp, BLOCK=ROW_BLOCK)
     return ids.gather(-1, pick[:, None])[:, 0], ids, q
