@@ -6,8 +6,11 @@ runs the `specpair up` command (its defaults: max batch, tiers 0/1/3/7, the cont
 SGLang rule) on free ports and changes nothing behind it but what the ops API offers a user:
 `ctl pin N` and a policy update. Configurations, each on the one running deployment:
 
-- `sglang`: the policy `up` starts with (SGLang's rule over tiers 1/3/7), first, untouched
-  (`policy` instead with `--policy FILE`: `up --policy FILE`'s);
+- `sglang`: the policy `up` starts with (SGLang's rule over tiers 1/3/7, counting a full
+  chain's expected tail), first, untouched (`policy` instead with `--policy FILE`: `up
+  --policy FILE`'s);
+- `verbatim`: SGLang's rule as SGLang counts (`expect_tail=false`), set live, afresh from
+  tier 3 (`up`'s first tier);
 - `goodput`: the goodput kind over tiers 0/1/3/7, set live (`ctl policy kind=goodput …`),
   afresh from tier 3;
 - `tier 0`: pinned to tier 0, the target alone (`up` builds its runtime state at start-up so
@@ -73,7 +76,7 @@ Door = Callable[[list[int], int, Any], int]  # (prompt ids, max tokens, sampling
 
 @dataclass
 class UpCell:
-    config: str  # "tier 0" | "tier 7" | "sglang" | "goodput"
+    config: str  # "tier 0" | "tier 7" | "sglang" | "verbatim" | "goodput"
     door: str  # "openai" | "sdk"
     workload: str
     batch: int
@@ -360,6 +363,11 @@ def apply(ctl: ControllerClient, config: str) -> None:
         ctl.pin(3)  # afresh from tier 3, as in gpu_speedup
         ctl.update_policy(**GOODPUT)
         ctl.unpin()
+    elif config == "verbatim":
+        ctl.pin(3)
+        ctl.update_policy(**GOODPUT)  # another kind between: the sglang kind starts afresh
+        ctl.update_policy(kind="sglang", candidate_steps="1,3,7", expect_tail=False)
+        ctl.unpin()
     time.sleep(0.3)
 
 
@@ -462,7 +470,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     add_lab_arg(parser, "feed_draft_at_tier_0=1")
     parser.add_argument(
-        "--skip", nargs="*", default=[], choices=["goodput"], help="configurations left out"
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=["goodput", "verbatim"],
+        help="configurations left out",
     )
     parser.add_argument(
         "--warm",
@@ -491,7 +503,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ]  # fmt: skip
     # the pins come last: SGLang's rule lists no tier 0, the goodput kind does (`apply`)
     first = "policy" if args.policy else "sglang"  # up's own, or the one given
-    configs = [first, "goodput", "tier 0", *(f"tier {t}" for t in args.tiers)]
+    configs = [first, "verbatim", "goodput", "tier 0", *(f"tier {t}" for t in args.tiers)]
     configs = [c for c in configs if c.split()[0] not in args.skip]
     command = up_command(args, target, draft)
     cells: list[UpCell] = []

@@ -61,6 +61,12 @@ class PolicyConfig(PolicyKeys):
     warmup_batches: int = 10
     down_hysteresis: float = -0.25
     up_hysteresis: float = 0.0
+    # A round that accepted all s of its drafts counts s plus the drafts the largest tier would
+    # be expected to accept past s (`tail_expected`), so that the EMA reads the largest tier's
+    # accept length from any tier; false: s, SGLang's EMA, under which a tier below the largest
+    # can hold the EMA under its own up-threshold (at 3 the EMA can never pass 3, and a pair
+    # accepting 4.3 of 7 accepts ~2.3 of 3: under 2.5, so it stays at 3).
+    expect_tail: bool = True
 
     def __post_init__(self) -> None:
         steps = self.candidate_steps
@@ -81,6 +87,8 @@ class PolicyConfig(PolicyKeys):
                     f"{name} must be in [-{MAX_HYSTERESIS:g}, {MAX_HYSTERESIS:g}], got {value:g}"
                 )
             object.__setattr__(self, name, value)
+        if not isinstance(self.expect_tail, bool):
+            raise ValueError(f"expect_tail must be true or false, got {self.expect_tail!r}")
 
     @property
     def tiers(self) -> tuple[TreeShape, ...]:
@@ -157,7 +165,15 @@ __all__ = [
     "finite_float",
     "is_int",
     "snap_to_candidate",  # defined beside the gate both kinds share
+    "tail_expected",
 ]
+
+
+def tail_expected(alpha: float, steps: int) -> float:
+    """Drafts a chain is expected to accept past a point it reached, `steps` more drafted, each
+    accepted with probability `alpha` given the one before: alpha + alpha² + … + alpha^steps.
+    With alpha 0.82 and 4 more (tier 3 against 7): 0.82 + 0.67 + 0.55 + 0.45 = 2.50."""
+    return sum(alpha**k for k in range(1, steps + 1))
 
 
 class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
@@ -166,12 +182,33 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
 
     Thresholds sit half a token below a tier: with [1, 3, 7] and the default hysteresis, at 3 the
     policy moves down to 1 when ema ≤ 1 − 0.5 − 0.25 = 0.25 and up to 7 when ema > 3 − 0.5 = 2.5.
+
+    With `expect_tail` (the default) a request that accepted all s drafts below the largest
+    tier S counts s + `tail_expected(alpha, S − s)`, alpha the per-draft acceptance estimated
+    from the same rounds (a chain that stops after a accepted drafts shows a + 1 trials; one that
+    accepts all s shows s, none failed: alpha = Σ accepted / (Σ accepted + stops), the
+    geometric law's estimate with censored rounds). At S itself, and for a request that stopped
+    early (the largest tier, drafting the same chain, would have stopped there too), the count
+    is SGLang's. Worked example: alpha 0.82 at tier 3 accepts 2.05 a round, 0.55 of the rounds
+    all three; counted 2.05 + 0.55 × 2.50 = 3.43, tier 7's own 3.43: over 2.5, so up to 7.
     """
 
     def __init__(self, config: PolicyConfig, initial: int | TreeShape) -> None:
         super().__init__(config, initial)  # counts non-empty batches only
         # Neutral start: a tier of s drafts is "right" when about s − 1 of them are accepted.
         self._ema = float(self.current_steps - 1)
+        # EMAs (the same alpha) of a request's accepted drafts and of its stops (a draft
+        # rejected) per round, alpha's estimate; None before the first drafted round.
+        self._accepted: float | None = None
+        self._stops = 0.0
+
+    @property
+    def draft_acceptance(self) -> float | None:
+        """The per-draft acceptance `expect_tail` reads (None before a drafted round)."""
+        if self._accepted is None:
+            return None
+        seen = self._accepted + self._stops
+        return self._accepted / seen if seen > 0 else None
 
     @property
     def ema(self) -> float:
@@ -183,7 +220,10 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
 
     def observe(self, sample: RoundSample) -> bool:
         """`update` with a round's accept lengths; rounds without drafts leave the EMA alone."""
-        return self.update(sample.accept_lengths) if sample.speculative else False
+        if not sample.speculative:
+            return False
+        steps = sample.request_steps or (sample.steps,) * len(sample.accept_lengths)
+        return self.update(sample.accept_lengths, steps)
 
     def estimates(self) -> tuple[TierEstimate, ...]:
         return ()  # the rule reads acceptance only: it predicts no speed
@@ -193,22 +233,50 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
         c, i = self.config.candidate_steps, self.config.candidate_steps.index(steps)
         down = c[i - 1] - 0.5 + self.config.down_hysteresis if i > 0 else None
         up = c[i] - 0.5 + self.config.up_hysteresis if i < len(c) - 1 else None
+        alpha = self.draft_acceptance
+        tail = (
+            f" (a full chain counts its expected tail, draft acceptance {alpha:.2f})"
+            if self.config.expect_tail and alpha is not None
+            else ""
+        )
         return (
-            f"sglang: EMA accept length {self._ema:.2f} over {self.count} batches; "
+            f"sglang: EMA accept length {self._ema:.2f}{tail} over {self.count} batches; "
             f"at {steps}: down when EMA <= {down}, up when EMA > {up}"
         )
 
-    def update(self, accept_lengths: Sequence[int]) -> bool:
-        """Feeds one batch (per request, accepted drafts without the bonus); True if the tier
-        changed."""
+    def update(self, accept_lengths: Sequence[int], steps: Sequence[int] = ()) -> bool:
+        """Feeds one batch (per request, accepted drafts without the bonus, and the tier each
+        ran at, default the current one); True if the tier changed."""
         if not accept_lengths:
             return False
         if any(a < 0 for a in accept_lengths):
             raise ValueError(f"accept_lengths must be >= 0, got {list(accept_lengths)}")
+        counted = (
+            self._with_tails(accept_lengths, steps) if self.config.expect_tail else accept_lengths
+        )
         cfg = self.config
-        mean = sum(accept_lengths) / len(accept_lengths)
+        mean = sum(counted) / len(counted)
         self._ema = (1.0 - cfg.ema_alpha) * self._ema + cfg.ema_alpha * mean
         return self._gate.tick() and self._decide()
+
+    def _with_tails(self, accept_lengths: Sequence[int], steps: Sequence[int]) -> tuple[float, ...]:
+        steps = steps or (self.current_steps,) * len(accept_lengths)
+        if len(steps) != len(accept_lengths):
+            raise ValueError(f"{len(accept_lengths)} accept lengths, {len(steps)} tiers")
+        full = [a >= s for a, s in zip(accept_lengths, steps, strict=True)]
+        n, a = len(accept_lengths), self.config.ema_alpha
+        accepted, stops = sum(accept_lengths) / n, (n - sum(full)) / n
+        if self._accepted is None:
+            self._accepted, self._stops = accepted, stops
+        else:
+            self._accepted = (1.0 - a) * self._accepted + a * accepted
+            self._stops = (1.0 - a) * self._stops + a * stops
+        alpha = self.draft_acceptance or 0.0
+        top = max(self.config.candidate_steps)
+        return tuple(
+            s + tail_expected(alpha, top - s) if f and s < top else float(x)
+            for x, s, f in zip(accept_lengths, steps, full, strict=True)
+        )
 
     def _decide(self) -> bool:
         c, old = self.config.candidate_steps, self.current_steps

@@ -45,7 +45,7 @@ def test_up_client_measures_every_configuration_through_both_doors(tmp_path: Pat
     report = json.loads(out.read_text())
     cells = report["cells"]
     keys = {(c["config"], c["door"], c["batch"]) for c in cells}
-    configs = ("sglang", "goodput", "tier 0", "tier 3")
+    configs = ("sglang", "verbatim", "goodput", "tier 0", "tier 3")
     assert keys == {(c, d, b) for c in configs for d in ("openai", "http", "sdk") for b in (1, 2)}
     assert report["command"][3:5] == ["up", "--device"]  # `specpair up` itself ran
     for c in cells:

@@ -90,6 +90,7 @@ def test_sglang_bands_keep_their_own_ema_and_tier() -> None:
             "ema_alpha": 1.0,
             "warmup_batches": 0,
             "update_interval": 1,
+            "expect_tail": False,  # SGLang's count: the EMA is the batch's mean
             "bands": [{"min_batch_size": 16, "candidate_steps": [1, 2, 5], "up_hysteresis": 3}],
         }
     )
@@ -107,7 +108,9 @@ def test_sglang_bands_keep_their_own_ema_and_tier() -> None:
 
 
 def test_reconfigure_keeps_learning_when_the_bands_keep_their_shape() -> None:
-    spec = PolicySpec.from_mapping({"ema_alpha": 1.0, "warmup_batches": 0, "update_interval": 1})
+    spec = PolicySpec.from_mapping(
+        {"ema_alpha": 1.0, "warmup_batches": 0, "update_interval": 1, "expect_tail": False}
+    )
     policy = spec.build(3)
     policy.observe(sglang_round(1, 6))
     assert policy.current_steps == 7 and policy.count == 1

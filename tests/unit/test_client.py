@@ -458,3 +458,15 @@ def test_pin_and_tree_shape_requests_name_the_shape() -> None:
     dropped = build_policy_update(tree_shapes="")  # `ctl policy tree_shapes=`: drop them all
     assert list(dropped.tree_shapes) == [] and dropped.set_tree_shapes
     assert not build_policy_update(min_gain=0.1).set_tree_shapes
+
+
+def test_a_policy_flag_reads_true_and_false_not_any_string() -> None:
+    from specpair.client import build_policy_update
+
+    # bool("false") is True: `ctl policy expect_tail=false` must not turn it on.
+    assert build_policy_update(expect_tail="false").expect_tail is False
+    assert build_policy_update(expect_tail="True").expect_tail is True
+    assert build_policy_update(expect_tail=False).HasField("expect_tail")
+    for bad in ("no", 0, 1.0):
+        with pytest.raises(ValueError, match="expect_tail: expected true or false"):
+            build_policy_update(expect_tail=bad)

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
 
-from controller.policies.sglang import AdaptiveSpeculativeParams, PolicyConfig, snap_to_candidate
+from controller.policies.interface import RoundSample
+from controller.policies.sglang import (
+    AdaptiveSpeculativeParams,
+    PolicyConfig,
+    snap_to_candidate,
+    tail_expected,
+)
 from controller.service.server import load_policy
 
-# α = 1 makes the EMA equal to the last batch mean exactly, so thresholds can be hit exactly.
-FAST = PolicyConfig(ema_alpha=1.0, warmup_batches=0, update_interval=1)
+# α = 1 makes the EMA equal to the last batch mean exactly, so thresholds can be hit exactly;
+# SGLang's count (no expected tail), whose arithmetic these tests check.
+FAST = PolicyConfig(ema_alpha=1.0, warmup_batches=0, update_interval=1, expect_tail=False)
 
 
 @pytest.mark.parametrize(
@@ -26,7 +34,7 @@ def test_initial_steps_snap_to_nearest_candidate_ties_to_larger(initial: int, sn
 
 
 def test_ema_arithmetic() -> None:
-    policy = AdaptiveSpeculativeParams(PolicyConfig(ema_alpha=0.2), 3)  # ema 2.0
+    policy = AdaptiveSpeculativeParams(PolicyConfig(expect_tail=False), 3)  # ema 2.0
     policy.update([4, 2])  # mean 3: 0.8·2.0 + 0.2·3 = 2.2
     assert policy.ema == pytest.approx(2.2)
     policy.update([0])  # 0.8·2.2 = 1.76
@@ -34,6 +42,76 @@ def test_ema_arithmetic() -> None:
     policy.update([1, 2, 3, 6])  # mean 3: 0.8·1.76 + 0.6 = 2.008
     assert policy.ema == pytest.approx(2.008)
     assert policy.count == 3
+
+
+def chains(alpha: float, steps: int, batch: int, rng: random.Random) -> list[int]:
+    """A round's accept lengths: each draft accepted with probability `alpha` given the one
+    before it, a chain stopping at its first rejection or at `steps`."""
+
+    def one() -> int:
+        a = 0
+        while a < steps and rng.random() < alpha:
+            a += 1
+        return a
+
+    return [one() for _ in range(batch)]
+
+
+def tiers_run(config: PolicyConfig, alpha: float, start: int, rounds: int = 400) -> list[int]:
+    """The tier of each of `rounds` rounds of 8 requests, each drafted at the tier the policy
+    chose last (a served batch's loop)."""
+    rng, policy, seen = random.Random(5), AdaptiveSpeculativeParams(config, start), []
+    for _ in range(rounds):
+        seen.append(policy.current_steps)
+        policy.update(chains(alpha, policy.current_steps, 8, rng))
+    return seen
+
+
+def test_the_expected_tail_lifts_a_good_pair_out_of_a_low_tier() -> None:
+    # Acceptance 0.82 a draft accepts 2.05 of 3 and 3.43 of 7. SGLang's count at 3 never passes
+    # its up-threshold 2.5; the tail counted at 3 reads 3.43, and the policy goes to 7 and stays
+    # (its down-threshold there is 2.25).
+    sglang = tiers_run(PolicyConfig(expect_tail=False), 0.82, 3)
+    assert set(sglang) == {3}
+    tail = tiers_run(PolicyConfig(), 0.82, 3)
+    assert tail[15:] == [7] * (len(tail) - 15)  # the first decision, after warm-up, and on
+
+
+def test_the_expected_tail_still_leaves_a_tier_a_weak_pair_cannot_fill() -> None:
+    # Acceptance 0.4: 0.65 of 7, at or under the threshold down from 7 (2.25) with either count.
+    for config in (PolicyConfig(), PolicyConfig(expect_tail=False)):
+        seen = tiers_run(config, 0.4, 7)
+        assert seen[15:] == [3] * (len(seen) - 15)
+
+
+def test_the_draft_acceptance_is_estimated_through_censored_rounds() -> None:
+    # At tier 1 a round shows one draft at most; the estimate still finds 0.82. (A warm-up
+    # longer than the run keeps the tier at 1.)
+    rng, config = random.Random(3), PolicyConfig(ema_alpha=0.01, warmup_batches=1_000_000)
+    policy = AdaptiveSpeculativeParams(config, 1)
+    for _ in range(3000):
+        lengths = tuple(chains(0.82, 1, 8, rng))
+        policy.observe(RoundSample(steps=1, batch_size=8, accept_lengths=lengths))
+    assert policy.current_steps == 1
+    assert policy.draft_acceptance == pytest.approx(0.82, abs=0.03)
+    assert policy.ema == pytest.approx(0.82 + 0.82 * tail_expected(0.82, 6), abs=0.2)
+
+
+def test_at_the_largest_tier_the_count_is_sglangs() -> None:
+    rng = random.Random(9)
+    plain = AdaptiveSpeculativeParams(PolicyConfig(expect_tail=False), 7)
+    tail = AdaptiveSpeculativeParams(PolicyConfig(), 7)
+    for _ in range(14):  # warm-up and an interval: no decision yet
+        batch = chains(0.6, 7, 8, rng)
+        plain.update(batch)
+        tail.update(batch)
+    assert tail.ema == plain.ema and tail.draft_acceptance is not None
+
+
+def test_tail_expected_worked_example() -> None:
+    assert tail_expected(0.82, 4) == pytest.approx(0.82 + 0.82**2 + 0.82**3 + 0.82**4)
+    assert tail_expected(0.82, 4) == pytest.approx(2.50, abs=0.01)
+    assert tail_expected(1.0, 4) == 4.0 and tail_expected(0.5, 0) == 0.0
 
 
 def test_empty_batch_is_ignored_and_not_counted() -> None:
@@ -122,7 +200,7 @@ def test_hysteresis_boundaries(start: int, batch: list[int], expected: int) -> N
 
 
 def test_custom_hysteresis_shifts_thresholds() -> None:
-    cfg = PolicyConfig(ema_alpha=1.0, warmup_batches=0, update_interval=1, up_hysteresis=0.5)
+    cfg = FAST.replace_partial(up_hysteresis=0.5)
     policy = AdaptiveSpeculativeParams(cfg, 3)
     assert policy.update([3]) is False  # 3.0 is not > 3 − 0.5 + 0.5
     assert policy.update([3, 4]) is True  # 3.5 is
@@ -163,6 +241,7 @@ def test_config_defaults_and_normalization() -> None:
         "warmup_batches": 10,
         "down_hysteresis": -0.25,
         "up_hysteresis": 0.0,
+        "expect_tail": True,
     }
     assert PolicyConfig(candidate_steps=(7, 1, 3, 3)).candidate_steps == (1, 3, 7)
     assert PolicyConfig(ema_alpha=1).ema_alpha == 1.0
@@ -192,6 +271,8 @@ def test_config_defaults_and_normalization() -> None:
         ({"down_hysteresis": float("inf")}, "down_hysteresis must be a finite number"),
         ({"up_hysteresis": None}, "up_hysteresis must be a finite number"),
         ({"alpha": 0.3}, r"unknown policy key.*alpha"),
+        ({"expect_tail": 1}, "expect_tail must be true or false"),
+        ({"expect_tail": "false"}, "expect_tail must be true or false"),
     ],
 )
 def test_config_validation_names_the_key(values: dict[str, object], message: str) -> None:

@@ -21,7 +21,8 @@ DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
 class PolicyConfig(_message.Message):
-    """The policy: SGLang's AdaptiveSpeculativeParams by name (fields 1-6, those the kind has), its
+    """The policy: SGLang's AdaptiveSpeculativeParams by name (fields 1-6 and the sglang kind's
+    expect_tail, those the kind has), its
     kind ("sglang", "goodput", or a "module:Class" chosen at start-up) and every other key of the
     policy file as a JSON object (goodput's min_gain, probe_interval, probe_rounds, profile_ms;
     "bands").
@@ -35,6 +36,7 @@ class PolicyConfig(_message.Message):
     WARMUP_BATCHES_FIELD_NUMBER: _builtins.int
     DOWN_HYSTERESIS_FIELD_NUMBER: _builtins.int
     UP_HYSTERESIS_FIELD_NUMBER: _builtins.int
+    EXPECT_TAIL_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     OPTIONS_JSON_FIELD_NUMBER: _builtins.int
     TREE_SHAPES_FIELD_NUMBER: _builtins.int
@@ -43,6 +45,8 @@ class PolicyConfig(_message.Message):
     warmup_batches: _builtins.int
     down_hysteresis: _builtins.float
     up_hysteresis: _builtins.float
+    expect_tail: _builtins.bool
+    """A round that accepted every draft counts the largest tier's expected tail (sglang kind)."""
     kind: _builtins.str
     options_json: _builtins.str
     @_builtins.property
@@ -60,13 +64,14 @@ class PolicyConfig(_message.Message):
         warmup_batches: _builtins.int = ...,
         down_hysteresis: _builtins.float = ...,
         up_hysteresis: _builtins.float = ...,
+        expect_tail: _builtins.bool = ...,
         kind: _builtins.str = ...,
         options_json: _builtins.str = ...,
         tree_shapes: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidate_steps", b"candidate_steps", "down_hysteresis", b"down_hysteresis", "ema_alpha", b"ema_alpha", "kind", b"kind", "options_json", b"options_json", "tree_shapes", b"tree_shapes", "up_hysteresis", b"up_hysteresis", "update_interval", b"update_interval", "warmup_batches", b"warmup_batches"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidate_steps", b"candidate_steps", "down_hysteresis", b"down_hysteresis", "ema_alpha", b"ema_alpha", "expect_tail", b"expect_tail", "kind", b"kind", "options_json", b"options_json", "tree_shapes", b"tree_shapes", "up_hysteresis", b"up_hysteresis", "update_interval", b"update_interval", "warmup_batches", b"warmup_batches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -265,6 +270,7 @@ class UpdatePolicyRequest(_message.Message):
     WARMUP_BATCHES_FIELD_NUMBER: _builtins.int
     DOWN_HYSTERESIS_FIELD_NUMBER: _builtins.int
     UP_HYSTERESIS_FIELD_NUMBER: _builtins.int
+    EXPECT_TAIL_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     OPTIONS_JSON_FIELD_NUMBER: _builtins.int
     TREE_SHAPES_FIELD_NUMBER: _builtins.int
@@ -274,6 +280,7 @@ class UpdatePolicyRequest(_message.Message):
     warmup_batches: _builtins.int
     down_hysteresis: _builtins.float
     up_hysteresis: _builtins.float
+    expect_tail: _builtins.bool
     kind: _builtins.str
     options_json: _builtins.str
     """Further keys as a JSON object, e.g. {"min_gain": 0.05, "bands": [...]}."""
@@ -293,19 +300,22 @@ class UpdatePolicyRequest(_message.Message):
         warmup_batches: _builtins.int | None = ...,
         down_hysteresis: _builtins.float | None = ...,
         up_hysteresis: _builtins.float | None = ...,
+        expect_tail: _builtins.bool | None = ...,
         kind: _builtins.str | None = ...,
         options_json: _builtins.str = ...,
         tree_shapes: _abc.Iterable[_builtins.str] | None = ...,
         set_tree_shapes: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_down_hysteresis", b"_down_hysteresis", "_ema_alpha", b"_ema_alpha", "_kind", b"_kind", "_up_hysteresis", b"_up_hysteresis", "_update_interval", b"_update_interval", "_warmup_batches", b"_warmup_batches", "down_hysteresis", b"down_hysteresis", "ema_alpha", b"ema_alpha", "kind", b"kind", "up_hysteresis", b"up_hysteresis", "update_interval", b"update_interval", "warmup_batches", b"warmup_batches"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_down_hysteresis", b"_down_hysteresis", "_ema_alpha", b"_ema_alpha", "_expect_tail", b"_expect_tail", "_kind", b"_kind", "_up_hysteresis", b"_up_hysteresis", "_update_interval", b"_update_interval", "_warmup_batches", b"_warmup_batches", "down_hysteresis", b"down_hysteresis", "ema_alpha", b"ema_alpha", "expect_tail", b"expect_tail", "kind", b"kind", "up_hysteresis", b"up_hysteresis", "update_interval", b"update_interval", "warmup_batches", b"warmup_batches"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_down_hysteresis", b"_down_hysteresis", "_ema_alpha", b"_ema_alpha", "_kind", b"_kind", "_up_hysteresis", b"_up_hysteresis", "_update_interval", b"_update_interval", "_warmup_batches", b"_warmup_batches", "candidate_steps", b"candidate_steps", "down_hysteresis", b"down_hysteresis", "ema_alpha", b"ema_alpha", "kind", b"kind", "options_json", b"options_json", "set_tree_shapes", b"set_tree_shapes", "tree_shapes", b"tree_shapes", "up_hysteresis", b"up_hysteresis", "update_interval", b"update_interval", "warmup_batches", b"warmup_batches"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_down_hysteresis", b"_down_hysteresis", "_ema_alpha", b"_ema_alpha", "_expect_tail", b"_expect_tail", "_kind", b"_kind", "_up_hysteresis", b"_up_hysteresis", "_update_interval", b"_update_interval", "_warmup_batches", b"_warmup_batches", "candidate_steps", b"candidate_steps", "down_hysteresis", b"down_hysteresis", "ema_alpha", b"ema_alpha", "expect_tail", b"expect_tail", "kind", b"kind", "options_json", b"options_json", "set_tree_shapes", b"set_tree_shapes", "tree_shapes", b"tree_shapes", "up_hysteresis", b"up_hysteresis", "update_interval", b"update_interval", "warmup_batches", b"warmup_batches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__down_hysteresis: _TypeAlias = _typing.Literal["down_hysteresis"]  # noqa: Y015
     _WhichOneofArgType__down_hysteresis: _TypeAlias = _typing.Literal["_down_hysteresis", b"_down_hysteresis"]  # noqa: Y015
     _WhichOneofReturnType__ema_alpha: _TypeAlias = _typing.Literal["ema_alpha"]  # noqa: Y015
     _WhichOneofArgType__ema_alpha: _TypeAlias = _typing.Literal["_ema_alpha", b"_ema_alpha"]  # noqa: Y015
+    _WhichOneofReturnType__expect_tail: _TypeAlias = _typing.Literal["expect_tail"]  # noqa: Y015
+    _WhichOneofArgType__expect_tail: _TypeAlias = _typing.Literal["_expect_tail", b"_expect_tail"]  # noqa: Y015
     _WhichOneofReturnType__kind: _TypeAlias = _typing.Literal["kind"]  # noqa: Y015
     _WhichOneofArgType__kind: _TypeAlias = _typing.Literal["_kind", b"_kind"]  # noqa: Y015
     _WhichOneofReturnType__up_hysteresis: _TypeAlias = _typing.Literal["up_hysteresis"]  # noqa: Y015
@@ -318,6 +328,8 @@ class UpdatePolicyRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__down_hysteresis) -> _WhichOneofReturnType__down_hysteresis | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__ema_alpha) -> _WhichOneofReturnType__ema_alpha | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__expect_tail) -> _WhichOneofReturnType__expect_tail | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__kind) -> _WhichOneofReturnType__kind | None: ...
     @_typing.overload
