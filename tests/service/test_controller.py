@@ -263,6 +263,11 @@ async def test_update_policy_validates_and_applies_partial_updates(stack: Contro
     assert list(response.policy.candidate_steps) == [1, 3, 7]
     assert (await stack.get_state()).policy == response.policy
     assert stack.fake.applied == []
+    # A flag set false travels as set (proto3's false is its unset value): SGLang's count.
+    assert response.policy.expect_tail is True
+    response = await stack.stub.UpdatePolicy(controller_pb2.UpdatePolicyRequest(expect_tail=False))
+    assert response.policy.expect_tail is False and response.policy.update_interval == 7
+    assert stack.controller.controller.policy.to_dict()["expect_tail"] is False
 
     # Dropping the active tier snaps the target to the nearest remaining one (3 → 1).
     response = await stack.stub.UpdatePolicy(
