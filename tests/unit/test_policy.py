@@ -8,13 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from controller.policies.goodput.acceptance import AcceptanceModel
 from controller.policies.interface import RoundSample
-from controller.policies.sglang import (
-    AdaptiveSpeculativeParams,
-    PolicyConfig,
-    snap_to_candidate,
-    tail_expected,
-)
+from controller.policies.sglang import AdaptiveSpeculativeParams, PolicyConfig, snap_to_candidate
 from controller.service.server import load_policy
 
 # α = 1 makes the EMA equal to the last batch mean exactly, so thresholds can be hit exactly;
@@ -94,7 +90,8 @@ def test_the_draft_acceptance_is_estimated_through_censored_rounds() -> None:
         policy.observe(RoundSample(steps=1, batch_size=8, accept_lengths=lengths))
     assert policy.current_steps == 1
     assert policy.draft_acceptance == pytest.approx(0.82, abs=0.03)
-    assert policy.ema == pytest.approx(0.82 + 0.82 * tail_expected(0.82, 6), abs=0.2)
+    tail = sum(0.82**k for k in range(1, 7))  # positions 2-7 past a full chain of 1
+    assert policy.ema == pytest.approx(0.82 + 0.82 * tail, abs=0.2)
 
 
 def test_at_the_largest_tier_the_count_is_sglangs() -> None:
@@ -108,10 +105,16 @@ def test_at_the_largest_tier_the_count_is_sglangs() -> None:
     assert tail.ema == plain.ema and tail.draft_acceptance is not None
 
 
-def test_tail_expected_worked_example() -> None:
-    assert tail_expected(0.82, 4) == pytest.approx(0.82 + 0.82**2 + 0.82**3 + 0.82**4)
-    assert tail_expected(0.82, 4) == pytest.approx(2.50, abs=0.01)
-    assert tail_expected(1.0, 4) == 4.0 and tail_expected(0.5, 0) == 0.0
+def test_the_tail_past_a_full_chain_worked_example() -> None:
+    model = AcceptanceModel(0.01, prior=0.0)
+    model.observe(3, [3, 3, 2, 3, 0])  # tried 5 + 4 + 4 = 13 positions, passed 4 + 4 + 3 = 11
+    a = 11 / 13
+    assert model.alpha == pytest.approx(a)
+    assert model.pooled_tail(4) == pytest.approx(a + a**2 + a**3 + a**4)  # 3 of 7: 4 more
+    assert model.pooled_tail(0) == 0.0
+    model = AcceptanceModel(0.01, prior=0.0)
+    model.observe(1, [1] * 41 + [0] * 9)
+    assert model.pooled_tail(4) == pytest.approx(2.50, abs=0.01)  # α 0.82, the docstring's
 
 
 def test_empty_batch_is_ignored_and_not_counted() -> None:

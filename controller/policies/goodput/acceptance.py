@@ -86,6 +86,13 @@ class AcceptanceModel:
             for i in range(steps)
         ]
 
+    def pooled_tail(self, more: int) -> float:
+        """Drafts a chain that accepted every position so far is expected to accept in `more`
+        further positions at the pooled rate α: α + α² + … + α^more. With α 0.82 and 4 more
+        (tier 3 against 7): 0.82 + 0.67 + 0.55 + 0.45 = 2.50."""
+        alpha = self.alpha
+        return sum(alpha**k for k in range(1, more + 1))
+
     def tokens_per_round(self, steps: int, candidates: int = 1) -> float:
         """Expected tokens a request gains per round at tier `steps` (0: exactly 1).
 
