@@ -261,7 +261,7 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
         # faster static tier on the GPU.
         top = max(self.config.candidate_steps)
         return tuple(
-            s + self._acceptance.pooled_tail(top - s) if a >= s and s < top else float(a)
+            s + self._acceptance.pooled_tail(top - s) if 0 < s <= a and s < top else float(a)
             for a, s in zip(accept_lengths, steps, strict=True)
         )
 
