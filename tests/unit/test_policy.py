@@ -105,6 +105,14 @@ def test_at_the_largest_tier_the_count_is_sglangs() -> None:
     assert tail.ema == plain.ema and tail.draft_acceptance is not None
 
 
+def test_only_a_full_chain_below_the_top_counts_a_tail() -> None:
+    config = PolicyConfig(ema_alpha=1.0, warmup_batches=1_000_000)
+    policy = AdaptiveSpeculativeParams(config, 3)
+    policy.update([1, 1], [1, 1])  # alpha from these: 2 passed of 2 tried, with the prior
+    policy.update([0, 2, 7], [0, 3, 7])  # none drafted, stopped at 2 of 3, all 7 of the top
+    assert policy.ema == pytest.approx((0 + 2 + 7) / 3)
+
+
 def test_the_tail_past_a_full_chain_worked_example() -> None:
     model = AcceptanceModel(0.01, prior=0.0)
     model.observe(3, [3, 3, 2, 3, 0])  # tried 5 + 4 + 4 = 13 positions, passed 4 + 4 + 3 = 11
