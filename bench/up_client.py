@@ -24,7 +24,9 @@ its requests `batch` at a time (threads) after one warm-up request; tokens/s = c
 tokens / wall seconds, pooled over `--repeats` turns that take the doors in turn. `steady x`
 is the same ratio over the window in which every client had a request in flight (`steady`):
 a cell ends with its clients running out one by one, and speculation's requests, each prompt
-accepting at its own rate, run out more unevenly than the target alone's. Held-out code
+accepting at its own rate, run out more unevenly than the target alone's. `GPU bound x` (the
+rounds table, on a GPU) is the ratio the cell's acceptance would give were speculation to add
+only its GPU work to the target alone's round (`gpu_bound`). Held-out code
 prompts (`bench.prompts`), greedy and T = 0.7 top-p 0.95 with a seed per request.
 
     python -m bench.up_client --draft-kind eagle3 --batches 1 8 --requests 8 32 \\
@@ -68,7 +70,10 @@ from specpair.client import ControllerClient, SpecpairClient, SpecpairError
 from specpair.config import FeatureDType
 from specpair.runtime.round_messages import RoundStats
 
-STAGES = ("total", "draft", "rpc", "wait", "verify", "verify_gpu", "schedule", "admit", "handoff")
+STAGES = (
+    "total", "draft", "draft_gpu", "rpc", "wait", "verify", "verify_gpu", "schedule", "admit",
+    "handoff",
+)  # fmt: skip
 
 DOORS = ("openai", "http", "sdk")
 Door = Callable[[list[int], int, Any], int]  # (prompt ids, max tokens, sampling) -> tokens
@@ -88,6 +93,7 @@ class UpCell:
     steady_tokens: float = 0.0
     steady_seconds: float = 0.0
     steady_speedup: float | None = None  # over "tier 0"'s, as `speedup`
+    gpu_bound: float | None = None  # `gpu_bound`: x were speculation to add only GPU work
     # the target's rounds during the cell's runs (WatchRounds): means of a round's stage ms,
     # its batch size and accepted draft tokens a drafted request (`anatomy`)
     rounds: dict[str, float] = field(default_factory=dict)
@@ -386,6 +392,28 @@ def fill_ratios(cells: list[UpCell]) -> None:
             c.speedup = c.tokens_per_s / base.tokens_per_s
             ours, theirs = c.steady_tokens_per_s, base.steady_tokens_per_s
             c.steady_speedup = ours / theirs if ours and theirs else None
+            c.gpu_bound = gpu_bound(c.rounds, base.rounds)
+
+
+def gpu_bound(ours: Mapping[str, float], alone: Mapping[str, float]) -> float | None:
+    """The x a cell's acceptance would give were speculation to add only its GPU work to the
+    target alone's round: the verify's GPU time in place of the target alone's, and the draft's
+    graphs; every host cost of two services (the wire, the hand-off, the draft's host loop,
+    admission beside the draft) at zero. An upper bound on what host work can win back.
+
+    Worked example (8 clients at T 0.7 on an H200, the draft's whole 4.73 ms standing in for
+    its graphs'): the target alone's round 7.04 ms with 4.87 of verify GPU; a tier-7 round's
+    verify 5.79 ms of GPU, 2.34 accepted: 3.34 tokens a request in 7.04 − 4.87 + 5.79 + 4.73 =
+    12.69 ms against 1 in 7.04, 1.85×.
+    None where either cell has no rounds, the target alone's round took no time, or no
+    draft's GPU time was recorded (a CPU run)."""
+    if not ours or not alone or ours.get("accept", 0.0) <= 0.0:
+        return None
+    base, draft_gpu = alone.get("total", 0.0), ours.get("draft_gpu", 0.0)
+    if base <= 0.0 or draft_gpu <= 0.0:
+        return None
+    round_ms = base - alone["verify_gpu"] + ours["verify_gpu"] + draft_gpu
+    return (1.0 + ours["accept"]) * base / round_ms
 
 
 def render(cells: Sequence[UpCell]) -> str:
@@ -411,12 +439,13 @@ def render_anatomy(cells: Sequence[UpCell]) -> str:
             f"{c.rounds['rounds']:.0f}",
             f"{c.rounds['batch']:.1f}",
             f"{c.rounds['accept']:.2f}",
-            *(f"{c.rounds[stage]:.2f}" for stage in STAGES),
+            *(f"{c.rounds.get(stage, 0.0):.2f}" for stage in STAGES),
+            "-" if c.gpu_bound is None else f"{c.gpu_bound:.2f}",
         ]
         for c in cells
         if c.rounds
     ]
-    headers = ["config", "workload", "clients", "rounds", "batch", "accept", *STAGES]
+    headers = ["config", "workload", "clients", "rounds", "batch", "accept", *STAGES, "GPU bound x"]
     return format_table(headers, rows)
 
 

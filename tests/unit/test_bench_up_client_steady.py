@@ -1,11 +1,11 @@
-"""`bench.up_client`'s steady window: a cell's tokens/s while every client had a request in
-flight, without the drain after the last request started."""
+"""`bench.up_client`'s steady window (a cell's tokens/s while every client had a request in
+flight, without the drain after the last request started) and its GPU-work bound."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.up_client import UpCell, fill_ratios, steady
+from bench.up_client import UpCell, fill_ratios, gpu_bound, steady
 
 
 def test_the_window_ends_at_the_last_start_and_counts_tokens_by_time_inside_it() -> None:
@@ -40,3 +40,19 @@ def test_steady_ratios_pair_cells_as_the_whole_ones_do() -> None:
     fill_ratios([alone, spec, one_wave])
     assert spec.speedup == pytest.approx(2.0) and spec.steady_speedup == pytest.approx(3.0)
     assert one_wave.speedup == pytest.approx(2.5) and one_wave.steady_speedup is None
+
+
+def test_the_gpu_bound_worked_example_and_where_it_has_none() -> None:
+    alone = {"total": 7.04, "verify_gpu": 4.87, "accept": 0.0}
+    ours = {"total": 16.37, "verify_gpu": 5.79, "draft_gpu": 4.73, "accept": 2.34}
+    assert gpu_bound(ours, alone) == pytest.approx(3.34 * 7.04 / 12.69)
+    assert gpu_bound(ours, alone) == pytest.approx(1.85, abs=0.01)
+    assert gpu_bound({**ours, "draft_gpu": 0.0}, alone) is None  # a CPU run: no graphs
+    assert gpu_bound({**ours, "accept": 0.0}, alone) is None  # nothing drafted
+    assert gpu_bound(ours, {}) is None
+    cells = [
+        UpCell("tier 0", "sdk", "code T=0.7", 8, 700, 1.0, rounds=alone),
+        UpCell("tier 7", "sdk", "code T=0.7", 8, 1200, 1.0, rounds=ours),
+    ]
+    fill_ratios(cells)
+    assert cells[1].gpu_bound == pytest.approx(1.85, abs=0.01) and cells[0].gpu_bound is None
