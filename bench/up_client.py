@@ -71,9 +71,17 @@ from specpair.config import FeatureDType
 from specpair.runtime.round_messages import RoundStats
 
 STAGES = (
-    "total", "draft", "draft_gpu", "rpc", "wait", "verify", "verify_gpu", "schedule", "admit",
+    "total",
+    "draft",
+    "draft_gpu",
+    "rpc",
+    "wait",
+    "verify",
+    "verify_gpu",
+    "schedule",
+    "admit",
     "handoff",
-)  # fmt: skip
+)
 
 DOORS = ("openai", "http", "sdk")
 Door = Callable[[list[int], int, Any], int]  # (prompt ids, max tokens, sampling) -> tokens
@@ -439,7 +447,7 @@ def render_anatomy(cells: Sequence[UpCell]) -> str:
             f"{c.rounds['rounds']:.0f}",
             f"{c.rounds['batch']:.1f}",
             f"{c.rounds['accept']:.2f}",
-            *(f"{c.rounds.get(stage, 0.0):.2f}" for stage in STAGES),
+            *(f"{c.rounds[stage]:.2f}" for stage in STAGES),
             "-" if c.gpu_bound is None else f"{c.gpu_bound:.2f}",
         ]
         for c in cells

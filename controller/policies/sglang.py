@@ -19,7 +19,7 @@ MAX_STEPS = MAX_TREE_NODES  # a tier's chain fits the target's largest tree
 MAX_BATCHES = 1_000_000
 MAX_HYSTERESIS = float(MAX_STEPS)
 MAX_BATCH_SIZE = 65_536
-# `expect_tail`'s per-position acceptance spans ~128 request-rounds, as the goodput kind's
+# `expect_tail`'s acceptance rate spans ~128 request-rounds, as the goodput kind's
 # (`acceptance_window`): it is the pair's, slower to move than the EMA of accept lengths.
 ACCEPTANCE_DECAY = 1.0 / 128
 

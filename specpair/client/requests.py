@@ -226,10 +226,12 @@ def _json_value(key: str, value: Any) -> Any:
 
 def _coerce(key: str, kind: type, value: Any) -> Any:
     if kind is bool:  # `ctl policy expect_tail=false`: bool("false") would be True
-        flags = {"true": True, "false": False}
-        if isinstance(value, bool) or str(value).lower() in flags:
-            return value if isinstance(value, bool) else flags[str(value).lower()]
-        raise ValueError(f"{key}: expected true or false, got {value!r}")
+        if isinstance(value, bool):
+            return value
+        flag = {"true": True, "false": False}.get(str(value).lower())
+        if flag is None:
+            raise ValueError(f"{key}: expected true or false, got {value!r}")
+        return flag
     # bool is an int subclass: `update_interval=True` is a mistake, not 1; and int(2.5) == 2
     # would apply a value nobody asked for, so an int field takes only integers.
     if isinstance(value, bool) or (kind is int and isinstance(value, float)):
