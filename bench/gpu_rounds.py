@@ -600,7 +600,7 @@ def handoff_main(argv: list[str] | None = None) -> None:
     from bench.gpu_speedup import add_pair_args, bench_pair
     from draft_service.rounds import DraftRounds
     from specpair.config import DraftConfig, ServerConfig
-    from specpair.rpc.wire import request_from_proto, request_to_proto
+    from specpair.rpc.wire import encode_request, read_round, request_from_proto
     from specpair.runtime.engine import GREEDY
     from specpair.runtime.feature_ring import FeatureRing, RingView
     from specpair.runtime.round_messages import DraftInput, RoundRequest
@@ -648,14 +648,15 @@ def handoff_main(argv: list[str] | None = None) -> None:
                 sync()
                 t0 = time.perf_counter()
                 shared = ring.put(round_id, feats) if how == "ring" else []
-                msg = request_to_proto(request, how == "float8", shared)
+                data = encode_request(request, how == "float8", shared)
                 t1 = time.perf_counter()
                 stream = f"bench#{round_id}"
                 rounds.rings[stream] = RingView.of(ring)
-                request_from_proto(msg, rounds.rings[stream])
+                wire = read_round(data)
+                request_from_proto(wire.message, rounds.rings[stream], wire.feature_data)
                 sync()
                 t2 = time.perf_counter()
-                answer = rounds.run(stream, msg)
+                answer = rounds.run(stream, wire)
                 sync()
                 t3 = time.perf_counter()
                 assert not answer.message.error, answer.message.error
@@ -663,7 +664,7 @@ def handoff_main(argv: list[str] | None = None) -> None:
                 ring.release(round_id)
                 for name, ms in (("encode", t1 - t0), ("decode", t2 - t1), ("answer", t3 - t2)):
                     times[name].append(1e3 * ms)
-                times["bytes"].append(msg.ByteSize() / 1e6)
+                times["bytes"].append(len(data) / 1e6)
             row = {"prompts": n, "tokens": n * args.length, "features": how}
             row |= {k: round(median(v[1:]), 2) for k, v in times.items()}
             rows.append(row)

@@ -22,6 +22,7 @@ from specpair.models.loading import CheckpointError, eagle_layout
 from specpair.proto.v1 import draft_pb2
 from specpair.rpc.wire import (
     MalformedRequestError,
+    WireRound,
     request_from_proto,
     response_to_proto,
 )
@@ -106,13 +107,14 @@ class DraftRounds:
         self.round.release_stream(stream_id)
         self.rings.pop(stream_id, None)
 
-    def run(self, stream_id: str, message: draft_pb2.RoundRequest) -> Answer:
+    def run(self, stream_id: str, wire: WireRound) -> Answer:
         """One round off the wire; errors in it come back in `error`, never as an exception."""
         t0 = time.perf_counter()
+        message = wire.message
         if message.HasField("feature_ring"):
             return self._map_ring(stream_id, message)
         try:
-            request = request_from_proto(message, self.rings.get(stream_id))
+            request = request_from_proto(message, self.rings.get(stream_id), wire.feature_data)
             response = self.draft(stream_id, request)
         except Exception as exc:
             request = exc.request if isinstance(exc, MalformedRequestError) else request

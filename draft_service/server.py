@@ -17,11 +17,11 @@ from draft_service.warmup import warm_up
 from specpair.config import DraftConfig, split_address
 from specpair.logging import get_logger
 from specpair.models.loading import load_tokenizer, tokenizer_fingerprint
-from specpair.proto.v1 import draft_pb2, draft_pb2_grpc
+from specpair.proto.v1 import draft_pb2
 from specpair.rpc.channels import TARGET_METADATA
 from specpair.rpc.metrics import ServiceMetrics
 from specpair.rpc.serving import Compute, GrpcServer, bind_device, busy_wait, on_device, peer_host
-from specpair.rpc.wire import timings_into
+from specpair.rpc.wire import WireRound, read_round, timings_into
 
 log = get_logger(__name__)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -48,7 +48,9 @@ def target_identity(context: grpc.aio.ServicerContext, stream: int, authenticate
     return re.sub(r"[^A-Za-z0-9._:\[\]-]", "_", name)[:MAX_TARGET_CHARS]
 
 
-class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+class DraftServicer:
+    """DraftService's methods (`add_draft_service` registers them)."""
+
     def __init__(self, config: DraftConfig, metrics: ServiceMetrics) -> None:
         self.config = config
         self.rounds: DraftRounds | None = None  # set once weights and states are built
@@ -61,7 +63,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def Round(
         self,
-        request_iterator: AsyncIterator[draft_pb2.RoundRequest],
+        request_iterator: AsyncIterator[WireRound],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[draft_pb2.RoundResponse]:
         rounds = self.rounds
@@ -180,13 +182,32 @@ def tokenizer_identity(config: DraftConfig) -> str:
     return tokenizer_fingerprint(tokenizer)
 
 
+def add_draft_service(servicer: DraftServicer, server: grpc.aio.Server) -> None:
+    """The generated registration, with Round's requests read by `read_round` (their feature
+    bytes a view of what arrived, not copied into the message and out again)."""
+    handlers = {
+        "Round": grpc.stream_stream_rpc_method_handler(
+            servicer.Round,
+            request_deserializer=read_round,
+            response_serializer=draft_pb2.RoundResponse.SerializeToString,
+        ),
+        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetServerInfo,
+            request_deserializer=draft_pb2.DraftServiceGetServerInfoRequest.FromString,
+            response_serializer=draft_pb2.DraftServiceGetServerInfoResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 async def start(config: DraftConfig) -> RunningDraft:
     """Binds the port (health NOT_SERVING), loads the model and states, then SERVING."""
     bind_device(config.device)  # this loop's thread runs every round's kernels
     server = GrpcServer(config.server, [SERVICE_NAME], protected_methods=PROTECTED_METHODS)
     metrics = ServiceMetrics("draft")
     servicer = DraftServicer(config, metrics)
-    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server.server)
+    add_draft_service(servicer, server.server)
     # Both ports are taken before the model loads: a taken one fails in a second, not later.
     if config.server.metrics_address:
         metrics.serve(*split_address(config.server.metrics_address))

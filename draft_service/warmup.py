@@ -21,7 +21,7 @@ import torch
 from draft_service.rounds import DraftRounds
 from specpair.logging import get_logger
 from specpair.proto.v1 import draft_pb2
-from specpair.rpc.wire import request_to_proto
+from specpair.rpc.wire import encode_request, read_round
 from specpair.runtime.round_messages import DraftInput, RoundRequest
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.shape import TreeShape
@@ -87,7 +87,7 @@ class WarmRounds:
     def send(self, request: RoundRequest) -> draft_pb2.RoundResponse:
         """One round as the servicer serves it: run, then the plan ahead."""
         rounds = self.rounds
-        answer = rounds.run(STREAM, request_to_proto(request))
+        answer = rounds.run(STREAM, read_round(encode_request(request)))
         self.round_id += 1
         if answer.refused:
             raise RuntimeError(

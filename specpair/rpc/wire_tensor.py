@@ -30,7 +30,12 @@ _NP_DTYPES: dict[torch.dtype, np.dtype[Any]] = {  # bfloat16: its 16-bit pattern
 }
 
 
-def tensor_into(msg: common_pb2.Tensor, t: Tensor) -> None:
+# Where a writer puts a tensor's bytes: None, into its message's `data`; a list, appended to
+# it (as a view, not a copy) for the caller to send as one run (RoundRequest.feature_data).
+DataSink = list[memoryview] | None
+
+
+def tensor_into(msg: common_pb2.Tensor, t: Tensor, data: DataSink = None) -> None:
     """Writes `t` into `msg` as raw little-endian bytes (bfloat16 travels as its 16-bit pattern).
 
     The `*_into` writers fill a message in place (`repeated.add()`): building a round's
@@ -42,20 +47,27 @@ def tensor_into(msg: common_pb2.Tensor, t: Tensor) -> None:
     arr = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
     if sys.byteorder != "little":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
-    msg.data = arr.tobytes()
+    _put(msg, arr, data)
     msg.dtype = _CODES[t.dtype]
     del msg.shape[:]
     msg.shape.extend(t.shape)
 
 
-def fp8_rows_into(msg: common_pb2.Tensor, rows: Tensor | Fp8Rows) -> None:
+def _put(msg: common_pb2.Tensor, arr: np.ndarray[Any, Any], data: DataSink) -> None:
+    if data is None:
+        msg.data = arr.tobytes()
+    else:
+        data.append(np.ascontiguousarray(arr).data.cast("B"))
+
+
+def fp8_rows_into(msg: common_pb2.Tensor, rows: Tensor | Fp8Rows, data: DataSink = None) -> None:
     """Writes `rows` [n, W] as float8 e4m3 with one float32 scale per row (`quantize_rows`;
     rows quantized already are written as they are). 1 + 4/W bytes a value: a row of
     W = 4096 takes 4100 bytes (bfloat16: 8192). An all-zero row has scale 0."""
     shape = rows.shape
     if isinstance(rows, Tensor):
         rows = quantize_rows([rows])[0]
-    msg.data = rows.q.numpy().tobytes()
+    _put(msg, rows.q.numpy(), data)
     msg.dtype = common_pb2.D_TYPE_FLOAT8_E4M3
     del msg.shape[:]
     msg.shape.extend(shape)
@@ -63,59 +75,87 @@ def fp8_rows_into(msg: common_pb2.Tensor, rows: Tensor | Fp8Rows) -> None:
     msg.row_scales.extend(rows.scale.tolist())
 
 
-def feature_rows_into(msg: common_pb2.Tensor, rows: FeatureRows, fp8: bool) -> None:
+def feature_rows_into(
+    msg: common_pb2.Tensor, rows: FeatureRows, fp8: bool, data: DataSink = None
+) -> None:
     """EAGLE feature rows: as float8 scaled per row when `fp8` (or quantized already), else as
     computed."""
     if fp8 or isinstance(rows, Fp8Rows):
-        fp8_rows_into(msg, rows)
+        fp8_rows_into(msg, rows, data)
     else:
-        tensor_into(msg, rows)
+        tensor_into(msg, rows, data)
 
 
-def fp8_rows_from_proto(msg: common_pb2.Tensor, field: str) -> Fp8Rows:
-    """A float8 Tensor as `Fp8Rows` [rows, W], its bytes and scales as they came (no
-    conversion: the rows are dequantized where they are placed)."""
+def data_size(msg: common_pb2.Tensor) -> int:
+    """The bytes `msg`'s shape and dtype take (-1: an unknown dtype or a negative dimension,
+    which decoding reports by field)."""
+    if msg.dtype == common_pb2.D_TYPE_FLOAT8_E4M3:
+        itemsize = 1
+    elif msg.dtype in _DTYPES:
+        itemsize = _NP_DTYPES[_DTYPES[msg.dtype]].itemsize
+    else:
+        return -1
     shape = tuple(msg.shape)
-    if not shape or any(n < 0 for n in shape) or math.prod(shape) != len(msg.data):
-        raise ValueError(f"{field}: {len(msg.data)} bytes do not hold float8 shape {list(shape)}")
+    return -1 if any(n < 0 for n in shape) else math.prod(shape) * itemsize
+
+
+def fp8_rows_from_proto(
+    msg: common_pb2.Tensor, field: str, data: bytes | memoryview | None = None
+) -> Fp8Rows:
+    """A float8 Tensor as `Fp8Rows` [rows, W], its bytes and scales as they came (no
+    conversion: the rows are dequantized where they are placed). `data`: its bytes, where
+    they came apart from it (RoundRequest.feature_data); default `msg.data`."""
+    data = msg.data if data is None else data
+    shape = tuple(msg.shape)
+    if not shape or any(n < 0 for n in shape) or math.prod(shape) != len(data):
+        raise ValueError(f"{field}: {len(data)} bytes do not hold float8 shape {list(shape)}")
     rows = math.prod(shape[:-1])
     scales = np.asarray(msg.row_scales, dtype=np.float32)
     if len(scales) != rows:
         raise ValueError(f"{field}.row_scales: {len(scales)} scales for {rows} rows")
     if not np.all(np.isfinite(scales)) or np.any(scales < 0):
         raise ValueError(f"{field}.row_scales: each scale must be finite and >= 0")
-    q = torch.from_numpy(np.frombuffer(msg.data, dtype=np.uint8).copy())
+    q = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
     return Fp8Rows(q.view(rows, shape[-1]), torch.from_numpy(scales))
 
 
-def tensor_from_proto(msg: common_pb2.Tensor, field: str) -> Tensor:
+def tensor_from_proto(
+    msg: common_pb2.Tensor, field: str, data: bytes | memoryview | None = None
+) -> Tensor:
     """Decodes a Tensor message; `field` names it in the error of a malformed one. A float8
-    one decodes to float32 on the host (`feature_rows_from_proto` keeps it float8)."""
+    one decodes to float32 on the host (`feature_rows_from_proto` keeps it float8). `data`
+    as in `fp8_rows_from_proto`."""
+    data = msg.data if data is None else data
     if msg.dtype == common_pb2.D_TYPE_FLOAT8_E4M3:
-        return fp8_rows_from_proto(msg, field).dequantize().view(tuple(msg.shape))
+        return fp8_rows_from_proto(msg, field, data).dequantize().view(tuple(msg.shape))
     if msg.dtype not in _DTYPES:
         raise ValueError(f"{field}.dtype: unsupported {msg.dtype}")
     dtype = _DTYPES[msg.dtype]
     np_dtype = _NP_DTYPES[dtype]
     shape = tuple(msg.shape)
-    if any(n < 0 for n in shape) or math.prod(shape) * np_dtype.itemsize != len(msg.data):
-        raise ValueError(f"{field}: {len(msg.data)} bytes do not hold shape {list(shape)}")
-    arr = np.frombuffer(msg.data, dtype=np_dtype).reshape(shape)
+    if any(n < 0 for n in shape) or math.prod(shape) * np_dtype.itemsize != len(data):
+        raise ValueError(f"{field}: {len(data)} bytes do not hold shape {list(shape)}")
+    arr = np.frombuffer(data, dtype=np_dtype).reshape(shape)
     t = torch.from_numpy(arr.copy())
     return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
 
 
-def feature_rows_from_proto(msg: common_pb2.Tensor, field: str) -> FeatureRows:
-    """EAGLE feature rows [n, W]: float8 ones as `Fp8Rows`, others as a floating tensor."""
+def feature_rows_from_proto(
+    msg: common_pb2.Tensor, field: str, data: bytes | memoryview | None = None
+) -> FeatureRows:
+    """EAGLE feature rows [n, W]: float8 ones as `Fp8Rows`, others as a floating tensor.
+    `data` as in `fp8_rows_from_proto`."""
     if msg.dtype != common_pb2.D_TYPE_FLOAT8_E4M3:
-        return float_tensor(msg, field)
+        return float_tensor(msg, field, data)
     if len(msg.shape) != 2:
         raise ValueError(f"{field}: float8 rows [n, W] expected, got shape {list(msg.shape)}")
-    return fp8_rows_from_proto(msg, field)
+    return fp8_rows_from_proto(msg, field, data)
 
 
-def float_tensor(msg: common_pb2.Tensor, field: str) -> Tensor:
-    t = tensor_from_proto(msg, field)
+def float_tensor(
+    msg: common_pb2.Tensor, field: str, data: bytes | memoryview | None = None
+) -> Tensor:
+    t = tensor_from_proto(msg, field, data)
     if not t.dtype.is_floating_point:
         raise ValueError(f"{field}: floating point expected, got {t.dtype}")
     return t

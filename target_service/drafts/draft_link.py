@@ -32,7 +32,7 @@ from specpair.proto.v1 import draft_pb2, draft_pb2_grpc, target_pb2
 from specpair.rpc.channels import auth_metadata, target_metadata
 from specpair.rpc.reconnect import ReconnectingLink
 from specpair.rpc.serving import busy_wait
-from specpair.rpc.wire import request_to_proto, response_from_proto
+from specpair.rpc.wire import encode_request, response_from_proto
 from specpair.rpc.wire_tensor import ring_into
 from specpair.runtime.feature_ring import FeatureRing
 from specpair.runtime.round_messages import RoundRequest, RoundResponse
@@ -42,6 +42,12 @@ from target_service.drafts.draft_deadline import HEALTHY_ROUNDS, RoundPace, benc
 log = get_logger(__name__)
 State = target_pb2.DraftConnectionState
 DRAFT_SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+ROUND_METHOD = f"/{DRAFT_SERVICE}/Round"
+
+
+def _written(message: bytes) -> bytes:
+    """A Round request's serializer: its bytes are written already (`encode_request`)."""
+    return message
 
 
 class IncompatibleDraftError(ConnectionError):
@@ -189,6 +195,13 @@ class DraftLink(ReconnectingLink):
         if health.status != health_pb2.HealthCheckResponse.SERVING:
             raise ConnectionError("draft is not serving yet (loading its model)")
         stub = draft_pb2_grpc.DraftServiceStub(channel)
+        # Round's requests go out as `encode_request` wrote them: the stub's serializer would
+        # copy a round's features into a message and again into its bytes.
+        rounds = channel.stream_stream(
+            ROUND_METHOD,
+            request_serializer=_written,
+            response_deserializer=draft_pb2.RoundResponse.FromString,
+        )
         info = await stub.GetServerInfo(
             draft_pb2.DraftServiceGetServerInfoRequest(), timeout=self.timeout_s
         )
@@ -201,7 +214,7 @@ class DraftLink(ReconnectingLink):
             self.ring.reset()
         elif self._make_ring is not None and info.draft_kind == "eagle":
             self.ring = self._new_ring(self._make_ring)
-        self._call = stub.Round(metadata=self.metadata)
+        self._call = rounds(metadata=self.metadata)
         await self._probe(self._call)
         self.epoch += 1
         self.state = State.DRAFT_CONNECTION_STATE_CONNECTED
@@ -216,7 +229,7 @@ class DraftLink(ReconnectingLink):
             ring_into(probe.feature_ring, self.ring.handle)
         try:
             async with asyncio.timeout(wait):
-                await call.write(probe)
+                await call.write(probe.SerializeToString())
                 answer = await call.read()
         except TimeoutError:
             self.strike()
@@ -290,7 +303,7 @@ class DraftLink(ReconnectingLink):
         if self.ring_open and self.ring is not None and request.inputs:
             features = [f if isinstance(f := i.features, Tensor) else None for i in request.inputs]
             shared = self.ring.put(self._seq, features)
-        message = request_to_proto(request, self.fp8_features, shared)
+        message = encode_request(request, self.fp8_features, shared)
         try:
             async with asyncio.timeout(self.timeout_s):
                 await call.write(message)

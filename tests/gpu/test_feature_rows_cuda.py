@@ -9,7 +9,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from specpair.rpc.wire import request_from_proto, request_to_proto
+from specpair.proto.v1 import draft_pb2
+from specpair.rpc.wire import encode_request, request_from_proto
 from specpair.runtime.engine import GREEDY
 from specpair.runtime.feature_rows import FP8, Fp8Rows, place_features
 from specpair.runtime.gpu.staging import Staging
@@ -27,7 +28,10 @@ def test_float8_rows_from_a_gpu_place_on_a_gpu_as_the_host_decode(dtype: torch.d
     inputs = tuple(
         DraftInput(f"r{b}", tuple(range(len(f) + 1)), GREEDY, f) for b, f in enumerate(feats)
     )
-    msg = request_to_proto(RoundRequest(1, 3, inputs), fp8_features=True)
+    # inline: each input's bytes in its own Tensor, read below
+    msg = draft_pb2.RoundRequest.FromString(
+        encode_request(RoundRequest(1, 3, inputs), True, inline=True)
+    )
     rows = [i.features for i in request_from_proto(msg).inputs]
     assert all(isinstance(r, Fp8Rows) for r in rows)
     want = torch.full((3, 128, W), 7.0, dtype=dtype)

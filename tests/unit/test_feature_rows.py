@@ -10,7 +10,7 @@ import torch
 
 from specpair.parallel.lockstep import GraphLoad, Replay, Step, decode, encode
 from specpair.proto.v1 import common_pb2, draft_pb2
-from specpair.rpc.wire import request_from_proto, request_to_proto
+from specpair.rpc.wire import encode_request, request_from_proto
 from specpair.runtime.build import build_drafter, build_states
 from specpair.runtime.engine import GREEDY
 from specpair.runtime.feature_rows import (
@@ -26,6 +26,10 @@ from specpair.runtime.shape import TreeShape
 
 W = 64
 BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def inline_message(request: RoundRequest) -> draft_pb2.RoundRequest:
+    return draft_pb2.RoundRequest.FromString(encode_request(request, True, inline=True))
 
 
 def float32_decode(msg: common_pb2.Tensor) -> torch.Tensor:
@@ -50,7 +54,8 @@ def sent(feats: list[torch.Tensor]) -> draft_pb2.RoundRequest:
     inputs = tuple(
         DraftInput(f"r{b}", tuple(range(len(f) + 1)), GREEDY, f) for b, f in enumerate(feats)
     )
-    return request_to_proto(RoundRequest(1, 3, inputs), fp8_features=True)
+    # inline: each input's bytes in its own Tensor, which `float32_decode` reads
+    return inline_message(RoundRequest(1, 3, inputs))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -136,7 +141,7 @@ def test_an_eagle_draft_from_float8_rows_drafts_the_trees_the_float32_decode_did
             DraftInput(f"r{b}", toks, GREEDY, 4 * torch.randn(n, width, generator=gen))
             for b, (toks, n) in enumerate(appended)
         )
-        msg = request_to_proto(RoundRequest(1, 3, inputs), fp8_features=True)
+        msg = inline_message(RoundRequest(1, 3, inputs))
         kept = request_from_proto(msg).inputs
         assert all(isinstance(i.features, Fp8Rows) for i in kept)
         decoded = [

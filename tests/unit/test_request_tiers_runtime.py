@@ -11,7 +11,13 @@ import torch
 from draft_service.rounds import DraftRounds, RoundError
 from specpair.config import DraftConfig, ServerConfig
 from specpair.proto.v1 import draft_pb2
-from specpair.rpc.wire import request_from_proto, request_to_proto, stats_to_proto
+from specpair.rpc.wire import (
+    encode_request,
+    read_round,
+    request_from_proto,
+    request_to_proto,
+    stats_to_proto,
+)
 from specpair.runtime.build import build_drafter, build_states
 from specpair.runtime.round_messages import (
     DraftInput,
@@ -106,7 +112,7 @@ def test_draft_service_names_a_request_tier_above_the_rounds(ckpts: dict[str, Pa
     request = RoundRequest(1, 1, (DraftInput("a", (5,), GREEDY, steps=3),))
     with pytest.raises(RoundError, match=r"inputs\[a\].speculative_num_steps 3"):
         rounds.draft("s", request)
-    answer = rounds.run("s", request_to_proto(request))
+    answer = rounds.run("s", read_round(encode_request(request)))
     assert "speculative_num_steps" in answer.message.error and rounds.active_requests == 0
 
 

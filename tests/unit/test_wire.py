@@ -11,6 +11,8 @@ import torch
 from specpair.proto.v1 import common_pb2, draft_pb2, target_pb2
 from specpair.rpc.wire import (
     MalformedRequestError,
+    encode_request,
+    read_round,
     request_from_proto,
     request_to_proto,
     response_from_proto,
@@ -103,9 +105,10 @@ def test_round_response_decodes_back_and_keeps_bad_trees_apart() -> None:
 )
 def test_typed_messages_have_the_protos_fields(ours: type, proto: Any) -> None:
     names = {f.name for f in fields(ours)}
-    # a probe's feature ring is the stream's, mapped before any round is decoded
-    probe_only = {"feature_ring"} if proto is draft_pb2.RoundRequest else set()
-    assert names == set(proto.DESCRIPTOR.fields_by_name) - probe_only
+    # a probe's feature ring is the stream's, mapped before any round is decoded; feature_data
+    # carries the inputs' feature bytes (each decoded into its input)
+    wire_only = {"feature_ring", "feature_data"} if proto is draft_pb2.RoundRequest else set()
+    assert names == set(proto.DESCRIPTOR.fields_by_name) - wire_only
 
 
 def test_round_stats_travel_whole() -> None:
@@ -153,7 +156,7 @@ def test_float8_features_are_half_of_bfloat16_and_close_per_row() -> None:
     bf16 = request_to_proto(
         RoundRequest(1, 7, (DraftInput("a", (5, 6, 7, 8, 9), SamplingParams(), feats.bfloat16()),))
     )
-    assert len(fp8.inputs[0].features.data) == 5 * 4096  # + 5 float32 scales
+    assert len(fp8.feature_data) == 5 * 4096  # + 5 float32 scales, in the input's Tensor
     assert fp8.ByteSize() < 0.51 * bf16.ByteSize()
     got = request_from_proto(draft_pb2.RoundRequest.FromString(fp8.SerializeToString()))
     rows = got.inputs[0].features
@@ -180,10 +183,110 @@ def test_float8_features_are_half_of_bfloat16_and_close_per_row() -> None:
 )
 def test_malformed_float8_features_name_their_field(spoil, match) -> None:
     sent = RoundRequest(1, 3, (DraftInput("r7", (1, 2), SamplingParams(), torch.randn(2, 8)),))
-    msg = request_to_proto(sent, fp8_features=True)
+    msg = draft_pb2.RoundRequest.FromString(encode_request(sent, True, inline=True))
     spoil(msg.inputs[0].features)
     with pytest.raises(ValueError, match=rf"inputs\[r7\]\.{match}" if "row" in match else match):
         request_from_proto(msg)
+
+
+def _three_inputs() -> RoundRequest:
+    g = torch.Generator().manual_seed(3)
+    return RoundRequest(
+        4,
+        7,
+        (
+            DraftInput("a", (5, 6), SamplingParams(), torch.randn(2, 8, generator=g).bfloat16()),
+            DraftInput("b", (7,), SamplingParams()),  # no features
+            DraftInput("c", (8,), SamplingParams(), torch.randn(1, 8, generator=g)),
+        ),
+    )
+
+
+def test_features_travel_as_one_run_after_the_message_and_decode_as_inline_ones() -> None:
+    sent = _three_inputs()
+    wire = draft_pb2.RoundRequest.FromString(encode_request(sent))
+    assert [m.features.data for m in wire.inputs] == [b"", b"", b""]
+    assert len(wire.feature_data) == 2 * 8 * 2 + 1 * 8 * 4  # bfloat16 rows, then float32
+    # protobuf's own message with the same run: the appended field is the standard encoding
+    inline = draft_pb2.RoundRequest.FromString(encode_request(sent, inline=True))
+    assert not inline.feature_data and len(inline.inputs[0].features.data) == 32
+    expected = draft_pb2.RoundRequest()
+    expected.CopyFrom(inline)
+    run = b""
+    for m in expected.inputs:
+        if m.HasField("features"):
+            run += m.features.data
+            m.features.data = b""
+    expected.feature_data = run
+    assert wire == expected
+    for message in (wire, inline):
+        got = request_from_proto(message).inputs
+        for g, s in zip(got, sent.inputs, strict=True):
+            assert (g.features is None) == (s.features is None)
+            assert g.features is None or torch.equal(g.features, s.features)  # type: ignore[arg-type]
+
+
+def test_a_run_and_inline_bytes_mix_in_the_order_of_inputs() -> None:
+    """A peer may send some inputs' bytes in their own Tensor: those take none of the run."""
+    sent = _three_inputs()
+    msg = draft_pb2.RoundRequest.FromString(encode_request(sent))
+    inline = draft_pb2.RoundRequest.FromString(encode_request(sent, inline=True))
+    msg.inputs[0].features.data = inline.inputs[0].features.data
+    msg.feature_data = inline.inputs[2].features.data
+    got = request_from_proto(msg).inputs
+    assert torch.equal(got[0].features, sent.inputs[0].features)  # type: ignore[arg-type]
+    assert torch.equal(got[2].features, sent.inputs[2].features)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("spoil", "match"),
+    [
+        (lambda m: setattr(m, "feature_data", m.feature_data[:-1]), r"feature_data: 63 bytes, "
+         r"too few for inputs\[c\]\.features \(shape \[1, 8\] from byte 32\)"),
+        (lambda m: setattr(m, "feature_data", m.feature_data + b"x"), "1 bytes left over"),
+        (lambda m: m.inputs[2].features.shape.append(2), r"too few for inputs\[c\]"),
+        (lambda m: setattr(m.inputs[0].features, "dtype", 99), r"inputs\[a\]\.features\.dtype"),
+    ],
+)  # fmt: skip
+def test_a_bad_feature_run_names_its_field_and_keeps_the_ids(spoil, match) -> None:
+    msg = draft_pb2.RoundRequest.FromString(encode_request(_three_inputs()))
+    spoil(msg)
+    with pytest.raises(MalformedRequestError, match=match) as err:
+        request_from_proto(msg)
+    assert [i.request_id for i in err.value.request.inputs] == ["a", "b", "c"]
+
+
+def test_the_draft_reads_the_run_as_a_view_of_what_arrived() -> None:
+    sent = _three_inputs()
+    data = encode_request(sent)
+    got = read_round(data)
+    assert not got.message.feature_data and got.feature_data.obj is data  # a view, not a copy
+    whole = draft_pb2.RoundRequest.FromString(data)
+    assert bytes(got.feature_data) == whole.feature_data
+    whole.ClearField("feature_data")
+    assert got.message == whole
+    decoded = request_from_proto(got.message, None, got.feature_data).inputs
+    assert torch.equal(decoded[0].features, sent.inputs[0].features)  # type: ignore[arg-type]
+    # given twice, the last run is the field's value, as protobuf reads it
+    twice = read_round(data + bytes([0x42, 2]) + b"xy")
+    assert bytes(twice.feature_data) == b"xy" and twice.message == got.message
+    # without a run it is protobuf's own parse
+    bare = encode_request(RoundRequest(2, 3, (DraftInput("a", (1,), SamplingParams()),)))
+    assert read_round(bare).message == draft_pb2.RoundRequest.FromString(bare)
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (bytes([0x08, 0x80]), "byte 2: a varint runs past"),  # round_id's varint cut short
+        (bytes([0x42, 5, 1, 2]), "byte 0: a field numbered 0 or running past"),
+        (bytes([0x0B]), "wire type 3"),  # a group: no RoundRequest field is one
+        (bytes([0x00, 0x01]), "numbered 0"),
+    ],
+)
+def test_bytes_that_are_not_a_round_are_refused(data: bytes, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        read_round(data)
 
 
 def test_a_bad_round_shape_names_the_field_and_keeps_the_ids_to_release() -> None:

@@ -196,6 +196,7 @@ class RoundRequest(_message.Message):
     RELEASED_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     SHAPE_FIELD_NUMBER: _builtins.int
     FEATURE_RING_FIELD_NUMBER: _builtins.int
+    FEATURE_DATA_FIELD_NUMBER: _builtins.int
     round_id: _builtins.int
     speculative_num_steps: _builtins.int
     """The tier for this round; the draft switches to its pre-built state before drafting. With
@@ -206,6 +207,12 @@ class RoundRequest(_message.Message):
     shape: _builtins.str
     """The round's tier when it is a tree ("4x4x16": steps x topk x num_draft_tokens, steps =
     speculative_num_steps); empty: the chain of speculative_num_steps.
+    """
+    feature_data: _builtins.bytes
+    """The inputs' feature bytes, one run: an input whose features.data is empty reads its bytes
+    (shape x dtype's size) from here, in the order of inputs, and together they read all of
+    it. A sender writes this field after the rest of the message, so that its bytes are
+    copied once on the way out, not into each input's Tensor and again by the serializer.
     """
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___DraftInput]: ...
@@ -226,10 +233,11 @@ class RoundRequest(_message.Message):
         released_request_ids: _abc.Iterable[_builtins.str] | None = ...,
         shape: _builtins.str = ...,
         feature_ring: Global___FeatureRing | None = ...,
+        feature_data: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["feature_ring", b"feature_ring"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["feature_ring", b"feature_ring", "inputs", b"inputs", "released_request_ids", b"released_request_ids", "round_id", b"round_id", "shape", b"shape", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["feature_data", b"feature_data", "feature_ring", b"feature_ring", "inputs", b"inputs", "released_request_ids", b"released_request_ids", "round_id", b"round_id", "shape", b"shape", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
