@@ -242,6 +242,8 @@ def _inputs_from_proto(
     """The inputs; one whose features came without bytes reads them from `feature_data`
     (`run`), in the order of inputs (`encode_request`)."""
     run = memoryview(msg.feature_data) if run is None else run
+    # one copy of the run for every input, whose rows are then views of it (not a copy each)
+    own = memoryview(bytearray(run))
     taken = 0
     inputs = []
     for m in msg.inputs:
@@ -253,7 +255,7 @@ def _inputs_from_proto(
                     f"feature_data: {len(run)} bytes, too few for inputs[{m.request_id}]"
                     f".features (shape {list(m.features.shape)} from byte {taken})"
                 )
-            data = run[taken : taken + max(size, 0)]
+            data = own[taken : taken + max(size, 0)]
             taken += max(size, 0)
         inputs.append(_draft_input_from_proto(m, data))
     if taken != len(run):

@@ -115,7 +115,7 @@ def fp8_rows_from_proto(
         raise ValueError(f"{field}.row_scales: {len(scales)} scales for {rows} rows")
     if not np.all(np.isfinite(scales)) or np.any(scales < 0):
         raise ValueError(f"{field}.row_scales: each scale must be finite and >= 0")
-    q = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
+    q = torch.from_numpy(_owned(np.frombuffer(data, dtype=np.uint8)))
     return Fp8Rows(q.view(rows, shape[-1]), torch.from_numpy(scales))
 
 
@@ -136,8 +136,14 @@ def tensor_from_proto(
     if any(n < 0 for n in shape) or math.prod(shape) * np_dtype.itemsize != len(data):
         raise ValueError(f"{field}: {len(data)} bytes do not hold shape {list(shape)}")
     arr = np.frombuffer(data, dtype=np_dtype).reshape(shape)
-    t = torch.from_numpy(arr.copy())
+    t = torch.from_numpy(_owned(arr))
     return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+
+
+def _owned(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """`arr`, copied unless it is writable already: a message's bytes are immutable, a run
+    `read_round` decodes is a buffer of its own (`wire._inputs_from_proto`)."""
+    return arr if arr.flags.writeable else arr.copy()
 
 
 def feature_rows_from_proto(
