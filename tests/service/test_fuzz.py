@@ -223,6 +223,8 @@ def round_requests(draw: st.DrawFn) -> list[draft_pb2.RoundRequest]:
                 item.features.data = draw(st.binary(max_size=64))
                 item.features.dtype = draw(st.integers(0, 5))  # 4, 5: unknown values
                 item.features.shape.extend(draw(st.lists(st.integers(-4, 2**40), max_size=3)))
+        if draw(st.booleans()):  # the inputs' feature bytes as one run (`read_round`)
+            msg.feature_data = draw(st.binary(max_size=64))
         rounds.append(msg)
     return rounds
 

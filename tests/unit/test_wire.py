@@ -7,6 +7,9 @@ from typing import Any
 
 import pytest
 import torch
+from google.protobuf.message import DecodeError
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specpair.proto.v1 import common_pb2, draft_pb2, target_pb2
 from specpair.rpc.wire import (
@@ -287,6 +290,31 @@ def test_the_draft_reads_the_run_as_a_view_of_what_arrived() -> None:
 def test_bytes_that_are_not_a_round_are_refused(data: bytes, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         read_round(data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(head=st.binary(max_size=40), run=st.binary(max_size=40), tail=st.binary(max_size=8))
+def test_read_round_reads_what_protobuf_reads_or_refuses(
+    head: bytes, run: bytes, tail: bytes
+) -> None:
+    """Any bytes: the message and run protobuf would read, or an error (never another fault)."""
+    data = head + bytes([0x42, len(run)]) + run + tail
+    try:
+        whole = draft_pb2.RoundRequest.FromString(data)
+    except DecodeError:
+        whole = None
+    try:
+        got = read_round(data)
+    except DecodeError:
+        assert whole is None
+        return
+    except ValueError as exc:  # protobuf also reads a group, which no RoundRequest field is
+        assert whole is None or "wire type 3" in str(exc), exc
+        return
+    assert whole is not None
+    assert bytes(got.feature_data) == whole.feature_data
+    whole.ClearField("feature_data")
+    assert got.message == whole
 
 
 def test_a_bad_round_shape_names_the_field_and_keeps_the_ids_to_release() -> None:
