@@ -1,7 +1,7 @@
 """Conversions between the wire messages (protos) and the round's typed messages.
 
-Whole messages cross here: `encode_request` (a RoundRequest's wire bytes), `request_to_proto`
-/ `request_from_proto` (RoundRequest),
+Whole messages cross here: `encode_request` / `read_round` (a RoundRequest's wire bytes),
+`request_to_proto` / `request_from_proto` (RoundRequest),
 `response_to_proto` / `response_from_proto` (RoundResponse), `stats_to_proto` /
 `stats_from_proto` (RoundStats), and the tiers of an ApplyTier (`apply_tier_to_proto` /
 `apply_tier_from_proto`). Decoding names the field of anything malformed.
@@ -89,7 +89,7 @@ def encode_request(
 
 
 def _varint(n: int) -> bytes:
-    """Protobuf's base-128 varint: 300 -> b"\xac\x02"."""
+    """Protobuf's base-128 varint, low 7 bits first: 300 -> bytes [0xAC, 0x02]."""
     out = bytearray()
     while n > 0x7F:
         out.append(n & 0x7F | 0x80)
@@ -160,7 +160,7 @@ def read_round(data: bytes) -> WireRound:
     """A RoundRequest's wire bytes, its `feature_data` taken out as a view, not parsed:
     protobuf would copy the run into the message and again at each read of the field (8
     prompts of 110 rows, 21.6 MB: 3.4 ms each on a dev CPU). The draft's Round deserializer.
-    Raises ValueError for bytes that are not a message."""
+    Raises ValueError, or protobuf's DecodeError, for bytes that are not a RoundRequest."""
     view = memoryview(data)
     keep: list[memoryview] = []
     run = view[:0]
