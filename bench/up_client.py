@@ -8,7 +8,7 @@ SGLang rule) on free ports and changes nothing behind it but what the ops API of
 
 - `sglang`: the policy `up` starts with (SGLang's rule over tiers 1/3/7, counting a full
   chain's expected tail), first, untouched (`policy` instead with `--policy FILE`: `up
-  --policy FILE`'s);
+  --policy FILE`'s); on a later turn set again from tier 3;
 - `verbatim`: SGLang's rule as SGLang counts (`expect_tail=false`), set live, afresh from
   tier 3 (`up`'s first tier);
 - `goodput`: the goodput kind over tiers 0/1/3/7, set live (`ctl policy kind=goodput …`),
@@ -21,7 +21,8 @@ Doors: `openai` = `openai.OpenAI(base_url=.../v1).completions.create(prompt=<tok
 completion's `usage.completion_tokens` counted; `http` = the same body POSTed with `urllib` (the
 API without the client package's own cost); `sdk` = `SpecpairClient.generate`. A cell runs
 its requests `batch` at a time (threads) after one warm-up request; tokens/s = completion
-tokens / wall seconds, pooled over `--repeats` turns that take the doors in turn. `steady x`
+tokens / wall seconds, pooled over `--repeats` turns, each over every configuration and door,
+in order and then backwards (`turn_order`: A B B A, so that drift moves all alike). `steady x`
 is the same ratio over the window in which every client had a request in flight (`steady`):
 a cell ends with its clients running out one by one, and speculation's requests, each prompt
 accepting at its own rate, run out more unevenly than the target alone's. `GPU bound x` (the
@@ -313,58 +314,70 @@ def anatomy(rounds: Sequence[RoundStats]) -> dict[str, float]:
     return out
 
 
+Cells = dict[tuple[str, str, str, int], UpCell]  # (config, door, workload, batch) → its cell
+
+
 def run_cells(
     up: Up, config: str, workloads: Sequence[Workload], counts: dict[int, int],
-    new_tokens: int, doors: Sequence[str], repeats: int, record: Callable[[UpCell], None],
+    new_tokens: int, doors: Sequence[str], cells: Cells, record: Callable[[UpCell], None],
 ) -> None:  # fmt: skip
-    """Every door, workload and batch under the configuration now applied, `repeats` turns of
-    all doors in turn (openai, sdk, openai, sdk, …: neither door always runs first), pooled;
-    `record` gets each cell after every run, pooled so far."""
+    """One run of every door, workload and batch under the configuration now applied, the
+    doors in `doors`' order, pooled into `cells`; `record` gets each cell after its run,
+    pooled so far."""
     makers = {"openai": openai_door, "http": http_door, "sdk": sdk_door}
     ones = {door: makers[door](up) for door in doors}
-    cells: dict[tuple[str, str, int], UpCell] = {}
-    for _ in range(repeats):
-        for door, one in ones.items():
-            one(workloads[0].ids[0], 8, workloads[0].sampling(0))  # warm: connection, a round
-            for wl in workloads:
-                for batch, n in counts.items():
-                    spans: list[Span] = []
+    for door, one in ones.items():
+        one(workloads[0].ids[0], 8, workloads[0].sampling(0))  # warm: connection, a round
+        for wl in workloads:
+            for batch, n in counts.items():
+                spans: list[Span] = []
 
-                    def request(
-                        i: int, wl: Workload = wl, one: Door = one, spans: list[Span] = spans
-                    ) -> int:
-                        start = time.perf_counter()
-                        tokens = one(wl.ids[i], new_tokens, wl.sampling(i))
-                        spans.append((start, time.perf_counter(), tokens))
-                        return tokens
+                def request(
+                    i: int, wl: Workload = wl, one: Door = one, spans: list[Span] = spans
+                ) -> int:
+                    start = time.perf_counter()
+                    tokens = one(wl.ids[i], new_tokens, wl.sampling(i))
+                    spans.append((start, time.perf_counter(), tokens))
+                    return tokens
 
-                    rounds: list[RoundStats] = []
-                    call = watch_rounds(up.target, rounds, up.token)
-                    time.sleep(0.1)  # subscribed before the first request
-                    t0 = time.perf_counter()
-                    with ThreadPoolExecutor(batch) as pool:
-                        tokens = sum(pool.map(request, range(n)))
-                    seconds = time.perf_counter() - t0
-                    time.sleep(0.1)  # the last round's stats
-                    call.cancel()
-                    cell = cells.setdefault(
-                        (door, wl.name, batch), UpCell(config, door, wl.name, batch, 0, 0.0)
-                    )
-                    cell.tokens += tokens
-                    cell.seconds += seconds
-                    if n > batch:  # else every request started at once: no steady window
-                        window_tokens, window_s = steady(spans, t0)
-                        cell.steady_tokens += window_tokens
-                        cell.steady_seconds += window_s
-                    cell.runs.append(tokens / seconds)
-                    cell.rounds = anatomy(rounds)  # the last run's
-                    record(cell)  # after every run: a run cut short keeps the cells before it
+                rounds: list[RoundStats] = []
+                call = watch_rounds(up.target, rounds, up.token)
+                time.sleep(0.1)  # subscribed before the first request
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(batch) as pool:
+                    tokens = sum(pool.map(request, range(n)))
+                seconds = time.perf_counter() - t0
+                time.sleep(0.1)  # the last round's stats
+                call.cancel()
+                cell = cells.setdefault(
+                    (config, door, wl.name, batch),
+                    UpCell(config, door, wl.name, batch, 0, 0.0),
+                )
+                cell.tokens += tokens
+                cell.seconds += seconds
+                if n > batch:  # else every request started at once: no steady window
+                    window_tokens, window_s = steady(spans, t0)
+                    cell.steady_tokens += window_tokens
+                    cell.steady_seconds += window_s
+                cell.runs.append(tokens / seconds)
+                cell.rounds = anatomy(rounds)  # the last run's
+                record(cell)  # after every run: a run cut short keeps the cells before it
 
 
-def apply(ctl: ControllerClient, config: str) -> None:
-    """Configurations run in `configs` order: SGLang's rule as `up` started it, then goodput
-    (whose tiers hold 0, so that the pins after it may name tier 0)."""
-    if config.startswith("tier "):
+def turn_order(configs: Sequence[str], turn: int) -> list[str]:
+    """Turn 0 runs the configurations in order, turn 1 backwards, and so on (A B B A …): a
+    machine that drifts through a call moves every configuration's pooled runs alike, and the
+    first configuration is not the only one to meet a cold `up`. [a, b, c], turn 1: [c, b, a]."""
+    return list(configs) if turn % 2 == 0 else list(reversed(configs))
+
+
+def apply(ctl: ControllerClient, config: str, afresh: bool) -> None:
+    """Applies a configuration. `afresh`: the one `up` started with (`sglang`), as at
+    start-up: set again from tier 3, after a turn of others; false only on the first turn,
+    where it is untouched."""
+    if config == "sglang" and afresh:
+        sglang_from_tier_3(ctl, expect_tail=True)
+    elif config.startswith("tier "):
         tier = int(config.removeprefix("tier "))
         try:
             ctl.pin(tier)
@@ -378,11 +391,16 @@ def apply(ctl: ControllerClient, config: str) -> None:
         ctl.update_policy(**GOODPUT)
         ctl.unpin()
     elif config == "verbatim":
-        ctl.pin(3)
-        ctl.update_policy(**GOODPUT)  # another kind between: the sglang kind starts afresh
-        ctl.update_policy(kind="sglang", candidate_steps="1,3,7", expect_tail=False)
-        ctl.unpin()
+        sglang_from_tier_3(ctl, expect_tail=False)
     time.sleep(0.3)
+
+
+def sglang_from_tier_3(ctl: ControllerClient, expect_tail: bool) -> None:
+    """The sglang kind over tiers 1/3/7 afresh (its EMA, its count) from tier 3, `up`'s first."""
+    ctl.pin(3)
+    ctl.update_policy(**GOODPUT)  # another kind between: the sglang kind starts afresh
+    ctl.update_policy(kind="sglang", candidate_steps="1,3,7", expect_tail=expect_tail)
+    ctl.unpin()
 
 
 def pin_target_alone(ctl: ControllerClient) -> None:
@@ -521,12 +539,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--doors", nargs="+", choices=DOORS, default=list(DOORS))
     parser.add_argument("--repeats", type=int, default=2,
-                        help="turns over the doors per configuration, pooled")  # fmt: skip
+                        help="turns over every configuration, in order, then backwards, …; "
+                             "pooled")  # fmt: skip
     parser.add_argument("--token-map", type=Path, metavar="FILE",
                         help="`up --draft-token-map` (an EAGLE-1/2 head)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/out/up_client.json"))
     args = parser.parse_args(argv)
     counts = request_counts(parser, args.batches, args.requests)
+    if args.policy and args.repeats > 1:
+        parser.error(
+            "--repeats N > 1 runs each configuration N times, and --policy's can only run as "
+            "up started it, once"
+        )
     from transformers import AutoTokenizer
 
     info = device_info()
@@ -572,13 +596,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         wait_draft_connected(SpecpairClient(up.target, timeout=60))
         ctl = ControllerClient(up.controller, token=up.token, timeout=30)
         if args.warm:  # every batch size once, unrecorded: first shapes' kernels, buckets
-            run_cells(up, "warm", workloads, counts, args.new_tokens, args.doors, 1, lambda c: None)
-        for config in configs:
-            print(config, flush=True)
-            apply(ctl, config)
             run_cells(
-                up, config, workloads, counts, args.new_tokens, args.doors, args.repeats, record
+                up, "warm", workloads, counts, args.new_tokens, args.doors, {}, lambda c: None
             )
+        pooled: Cells = {}
+        for turn in range(args.repeats):
+            for config in turn_order(configs, turn):
+                print(config, flush=True)
+                apply(ctl, config, afresh=turn > 0)
+                doors = turn_order(args.doors, turn)  # neither door always runs first
+                run_cells(up, config, workloads, counts, args.new_tokens, doors, pooled, record)
     save()
     gpu = info.get("gpu", info["cpu"])
     plot(cells, args.out.with_suffix(".png"), f"specpair up, {args.draft_kind}, {gpu}")

@@ -15,7 +15,9 @@ from specpair.cli.launcher import READY
 pytestmark = pytest.mark.slow
 
 
-def test_up_client_measures_every_configuration_through_both_doors(tmp_path: Path) -> None:
+def test_up_client_measures_every_configuration_through_both_doors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "up.json"
     main(
         [
@@ -46,6 +48,9 @@ def test_up_client_measures_every_configuration_through_both_doors(tmp_path: Pat
     cells = report["cells"]
     keys = {(c["config"], c["door"], c["batch"]) for c in cells}
     configs = ("sglang", "verbatim", "goodput", "tier 0", "tier 3")
+    # two turns: the configurations in order, then backwards (`up`'s policy set again from 3)
+    printed = [line for line in capsys.readouterr().out.splitlines() if line in configs]
+    assert printed == [*configs, *reversed(configs)]
     assert keys == {(c, d, b) for c in configs for d in ("openai", "http", "sdk") for b in (1, 2)}
     assert report["command"][3:5] == ["up", "--device"]  # `specpair up` itself ran
     for c in cells:

@@ -3,9 +3,11 @@ flight, without the drain after the last request started) and its GPU-work bound
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from bench.up_client import UpCell, fill_ratios, gpu_bound, steady
+from bench.up_client import UpCell, fill_ratios, gpu_bound, main, steady, turn_order
 
 
 def test_the_window_ends_at_the_last_start_and_counts_tokens_by_time_inside_it() -> None:
@@ -56,3 +58,18 @@ def test_the_gpu_bound_worked_example_and_where_it_has_none() -> None:
     ]
     fill_ratios(cells)
     assert cells[1].gpu_bound == pytest.approx(1.85, abs=0.01) and cells[0].gpu_bound is None
+
+
+def test_turns_run_the_configurations_forward_then_backward() -> None:
+    configs = ["sglang", "tier 0", "tier 7"]
+    assert [turn_order(configs, t) for t in range(3)] == [configs, configs[::-1], configs]
+
+
+def test_a_policy_file_runs_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`up --policy FILE`'s policy cannot be set again between turns: more than one is refused
+    before anything starts."""
+    policy = tmp_path / "policy.json"
+    policy.write_text("{}")
+    with pytest.raises(SystemExit):
+        main(["--policy", str(policy), "--repeats", "2"])
+    assert "--repeats N > 1" in capsys.readouterr().err
