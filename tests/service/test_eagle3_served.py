@@ -92,9 +92,10 @@ async def test_float8_features_change_no_output(
     rounds = stack.draft.servicer.rounds
     run, dtypes = rounds.run, set()
 
-    def spied(stream_id: str, message: Any) -> Any:
-        dtypes.update(i.features.dtype for i in message.inputs if i.HasField("features"))
-        return run(stream_id, message)
+    def spied(stream_id: str, wire: Any) -> Any:  # a WireRound (`read_round`)
+        inputs = wire.message.inputs
+        dtypes.update(i.features.dtype for i in inputs if i.HasField("features"))
+        return run(stream_id, wire)
 
     rounds.run = spied
     expected = reference_greedy(ckpts["target"], PROMPTS, 20)
@@ -137,10 +138,10 @@ def _spy_features(rounds: Any) -> dict[str, int]:
     """Counts the inputs whose features came as bytes and as spans of the ring."""
     run, seen = rounds.run, {"bytes": 0, "shared": 0}
 
-    def spied(stream_id: str, message: Any) -> Any:
-        seen["bytes"] += sum(i.HasField("features") for i in message.inputs)
-        seen["shared"] += sum(i.HasField("shared_features") for i in message.inputs)
-        return run(stream_id, message)
+    def spied(stream_id: str, wire: Any) -> Any:  # a WireRound (`read_round`)
+        seen["bytes"] += sum(i.HasField("features") for i in wire.message.inputs)
+        seen["shared"] += sum(i.HasField("shared_features") for i in wire.message.inputs)
+        return run(stream_id, wire)
 
     rounds.run = spied
     return seen

@@ -27,9 +27,9 @@ async def tier_stack(ckpts: dict[str, Any], make_stack: Any, kind: str) -> Any:
     run = rounds.run
     stack.draft_rounds = []  # (round id, input count) of every round the draft served
 
-    def counted(stream_id: str, message: Any) -> Any:
-        stack.draft_rounds.append((message.round_id, len(message.inputs)))
-        return run(stream_id, message)
+    def counted(stream_id: str, wire: Any) -> Any:  # a WireRound (`read_round`)
+        stack.draft_rounds.append((wire.message.round_id, len(wire.message.inputs)))
+        return run(stream_id, wire)
 
     rounds.run = counted
     return stack
