@@ -107,7 +107,7 @@ def fp8_rows_from_proto(
     they came apart from it (RoundRequest.feature_data); default `msg.data`."""
     data = msg.data if data is None else data
     shape = tuple(msg.shape)
-    if not shape or any(n < 0 for n in shape) or math.prod(shape) != len(data):
+    if not shape or data_size(msg) != len(data):
         raise ValueError(f"{field}: {len(data)} bytes do not hold float8 shape {list(shape)}")
     rows = math.prod(shape[:-1])
     scales = np.asarray(msg.row_scales, dtype=np.float32)
@@ -131,11 +131,10 @@ def tensor_from_proto(
     if msg.dtype not in _DTYPES:
         raise ValueError(f"{field}.dtype: unsupported {msg.dtype}")
     dtype = _DTYPES[msg.dtype]
-    np_dtype = _NP_DTYPES[dtype]
     shape = tuple(msg.shape)
-    if any(n < 0 for n in shape) or math.prod(shape) * np_dtype.itemsize != len(data):
+    if data_size(msg) != len(data):
         raise ValueError(f"{field}: {len(data)} bytes do not hold shape {list(shape)}")
-    arr = np.frombuffer(data, dtype=np_dtype).reshape(shape)
+    arr = np.frombuffer(data, dtype=_NP_DTYPES[dtype]).reshape(shape)
     t = torch.from_numpy(_owned(arr))
     return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
 
