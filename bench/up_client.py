@@ -538,9 +538,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "pays each batch size's first kernels)",
     )
     parser.add_argument("--doors", nargs="+", choices=DOORS, default=list(DOORS))
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="turns over every configuration, in order, then backwards, …; "
-                             "pooled")  # fmt: skip
+    turns = "turns over every configuration, in order, then backwards, …; pooled"
+    parser.add_argument("--repeats", type=int, default=2, help=turns)
     parser.add_argument("--token-map", type=Path, metavar="FILE",
                         help="`up --draft-token-map` (an EAGLE-1/2 head)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/out/up_client.json"))

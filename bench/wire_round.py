@@ -78,11 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     for inline, ours in zip(results[::2], results[1::2], strict=True):
         before = inline["encode_ms"] + inline["decode_ms"]
         after = ours["encode_ms"] + ours["decode_ms"]
-        table.append([
-            str(ours["rows"]), str(ours["batch"]), f"{ours['mb']:.1f}",
-            f"{inline['encode_ms']:.2f} / {inline['decode_ms']:.2f}",
-            f"{ours['encode_ms']:.2f} / {ours['decode_ms']:.2f}", f"{before / after:.2f}",
-        ])  # fmt: skip
+        sizes = [str(ours["rows"]), str(ours["batch"]), f"{ours['mb']:.1f}"]
+        times = [f"{c['encode_ms']:.2f} / {c['decode_ms']:.2f}" for c in (inline, ours)]
+        table.append([*sizes, *times, f"{before / after:.2f}"])
     print(f"\nwrote {args.out}\n")
     print(f"ms a RoundRequest, encode / decode (features {args.width} bfloat16 a row)")
     headers = ["rows", "batch", "MB", "inline", "feature_data", "x faster"]

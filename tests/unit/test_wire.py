@@ -241,16 +241,20 @@ def test_a_run_and_inline_bytes_mix_in_the_order_of_inputs() -> None:
     assert torch.equal(got[2].features, sent.inputs[2].features)  # type: ignore[arg-type]
 
 
+SHORT_RUN = (
+    r"feature_data: 63 bytes, too few for inputs\[c\]\.features \(shape \[1, 8\] from byte 32\)"
+)
+
+
 @pytest.mark.parametrize(
     ("spoil", "match"),
     [
-        (lambda m: setattr(m, "feature_data", m.feature_data[:-1]), r"feature_data: 63 bytes, "
-         r"too few for inputs\[c\]\.features \(shape \[1, 8\] from byte 32\)"),
+        (lambda m: setattr(m, "feature_data", m.feature_data[:-1]), SHORT_RUN),
         (lambda m: setattr(m, "feature_data", m.feature_data + b"x"), "1 bytes left over"),
         (lambda m: m.inputs[2].features.shape.append(2), r"too few for inputs\[c\]"),
         (lambda m: setattr(m.inputs[0].features, "dtype", 99), r"inputs\[a\]\.features\.dtype"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_feature_run_names_its_field_and_keeps_the_ids(spoil, match) -> None:
     msg = draft_pb2.RoundRequest.FromString(encode_request(_three_inputs()))
     spoil(msg)
