@@ -8,6 +8,10 @@ Tensor and again by the serializer). A decode round commits ~5 rows a request; a
 hand-off carries the prompt's (~110 here).
 
     python -m bench.wire_round [--batches 1 8 64] [--rows 5 110] [--width 12288] [--repeats 20]
+
+Before the wire, on the target (`--target-device cuda` on a GPU): a verify's rows read back in
+one copy (`kept_rows`), kept in each request's `FeatureLog` (which holds 110 prompt rows
+already) and read out for the message, then encoded, ms a round.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from specpair.proto.v1 import draft_pb2
 from specpair.rpc.wire import encode_request, read_round, request_from_proto
 from specpair.runtime.round_messages import DraftInput, RoundRequest
 from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.target.features import FeatureLog
+from specpair.runtime.target.worker import kept_rows
 
 LAYOUTS = ("inline", "feature_data")
 
@@ -56,12 +62,41 @@ def time_layout(request: RoundRequest, inline: bool, repeats: int) -> dict[str, 
     return {"encode_ms": median(encode[1:]), "decode_ms": median(decode[1:]), "mb": len(wire) / 1e6}
 
 
+def time_target(batch: int, rows: int, width: int, device: str, repeats: int) -> dict[str, float]:
+    """Median ms of a round's features on the target, read back and logged (`read_ms`), then
+    read out of the logs and encoded (`encode_ms`): `repeats` rounds of one batch in turn,
+    after as many untimed, as a serving target runs them (each log kept from its last 33
+    rows on, as with `up`'s draft window of 32)."""
+    hidden = torch.randn(batch, rows, width, device=device).bfloat16()
+    logs = [FeatureLog() for _ in range(batch)]
+    for log in logs:
+        log.append(torch.randn(110, width).bfloat16())  # a prompt's rows
+    keeps, tokens = [range(rows)] * batch, tuple(range(rows))
+    read, encode = [], []
+    for _ in range(2 * repeats):
+        t0 = time.perf_counter()
+        for log, got in zip(logs, kept_rows(hidden, keeps), strict=True):
+            log.append(got)
+            log.trim(log.length - 33)
+        t1 = time.perf_counter()
+        inputs = tuple(
+            DraftInput(f"r{b}", tokens, SamplingParams(), log.since(log.length - rows))
+            for b, log in enumerate(logs)
+        )
+        encode_request(RoundRequest(1, 7, inputs))
+        t2 = time.perf_counter()
+        read.append(1e3 * (t1 - t0))
+        encode.append(1e3 * (t2 - t1))
+    return {"read_ms": median(read[repeats:]), "encode_ms": median(encode[repeats:])}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--rows", type=int, nargs="+", default=[5, 110])
     parser.add_argument("--width", type=int, default=12288)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--target-device", default="cpu", help="where the verify's rows lie")
     parser.add_argument("--out", type=Path, default=Path("bench/out/wire_round.json"))
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -73,7 +108,12 @@ def main(argv: list[str] | None = None) -> None:
                 cell = time_layout(request, layout == "inline", args.repeats)
                 results.append({"rows": rows, "batch": batch, "layout": layout, **cell})
                 print(results[-1], flush=True)
-    write_json(args.out, {"device": device_info(), "width": args.width, "results": results})
+    target = [
+        {"rows": 5, "batch": b, **time_target(b, 5, args.width, args.target_device, args.repeats)}
+        for b in args.batches
+    ]
+    info = {"device": device_info(), "target_device": args.target_device, "width": args.width}
+    write_json(args.out, {**info, "results": results, "target": target})
     table = []
     for inline, ours in zip(results[::2], results[1::2], strict=True):
         before = inline["encode_ms"] + inline["decode_ms"]
@@ -85,6 +125,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"ms a RoundRequest, encode / decode (features {args.width} bfloat16 a row)")
     headers = ["rows", "batch", "MB", "inline", "feature_data", "x faster"]
     print(format_table(headers, table))
+    where = args.target_device
+    print(f"\nms a round on the target ({where}): 5 rows a request read back and logged,")
+    print("then read out and encoded")
+    rows = [[str(c["batch"]), f"{c['read_ms']:.2f}", f"{c['encode_ms']:.2f}"] for c in target]
+    print(format_table(["batch", "read + log", "read out + encode"], rows))
 
 
 if __name__ == "__main__":

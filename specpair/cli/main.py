@@ -295,6 +295,9 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 1
     assert service is not None  # required
     configure_logging(args.service, level=args.log_level)
+    from specpair.rpc.host_memory import keep_freed_memory
+
+    keep_freed_memory()
     # a measuring switch: say so, from the config (the environment was read into it once)
     fields = lab_fields(type(config))  # bools and numbers, each with a plain default
     if labs := {f.name: v for f in fields if (v := getattr(config, f.name)) != f.default}:

@@ -15,6 +15,7 @@ import gc
 import itertools
 import json
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,10 +29,12 @@ from transformers import LlamaForCausalLM
 
 import specpair.runtime.accept as accept_module
 import specpair.runtime.sampling as sampling_module
+from specpair.models.draft_vocab import d2t_of, on_target_vocab
 from specpair.models.tiny import make_tiny_eagle, make_tiny_eagle3, make_tiny_llama
 from specpair.runtime.accept_batch import accept_candidates
 from specpair.runtime.build import build_drafter, build_states, build_target, feature_layers
 from specpair.runtime.engine import SpeculativeEngine
+from specpair.runtime.gpu.draft_sampling import draft_support as one_kernel_support
 from specpair.runtime.gpu.step_graphs import StepGraphs
 from specpair.runtime.gpu.tree_graphs import TreeGraphs
 from specpair.runtime.gpu.verify_graphs import ACCEPT_GRAPH_BATCH, VerifyGraphs
@@ -361,3 +364,41 @@ def test_the_one_kernel_draft_step_draws_from_the_q_it_returns() -> None:
     assert chisquare(observed.tolist(), expected.tolist()).pvalue > 1e-3
     wrong = torch.bincount(ids[:, 0].cpu(), minlength=100)[dense > 0].double()
     assert chisquare(wrong.tolist(), expected.tolist()).pvalue < 1e-6
+
+
+@pytest.mark.parametrize("kernel", [draft_support, one_kernel_support])
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_a_draft_vocabulary_placed_on_the_targets_draws_alike_in_a_graph(
+    rows: int, kernel: Callable[..., tuple[torch.Tensor, ...]]
+) -> None:
+    """An EAGLE-3 head's logits over a Llama-3 vocabulary (`Eagle3Head.logits`, as its tree
+    graphs read them: 32 000 draft ids placed among 128 256 by an ascending id map) then the
+    draft's draw, captured in a CUDA graph at 1, 8 and 64 rows and replayed: the eager result.
+    (A kernel benchmark once tripped `index_copy_`'s bounds assert here at 8 rows.)"""
+    v, n, dev = 128256, 32000, torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(rows)
+    ids = torch.randperm(v, device=dev, generator=gen)[:n].sort().values  # the draft's target ids
+    d2t = d2t_of(ids)
+    logits = torch.randn(rows, n, device=dev, generator=gen) * 4
+    u = torch.rand(rows, device=dev, generator=gen)
+    table = RowParams.of([SamplingParams(temperature=0.7, top_p=0.95)] * rows).to(dev)
+
+    def step() -> tuple[torch.Tensor, ...]:
+        return kernel(on_target_vocab(logits, d2t, v), table, u)
+
+    eager = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    logits.copy_(torch.randn(rows, n, device=dev, generator=gen) * 4)
+    graph.replay()
+    torch.cuda.synchronize()
+    again = step()
+    assert all(torch.equal(a, b) for a, b in zip(captured, again, strict=True))
+    assert not torch.equal(captured[0], eager[0]) or rows == 1  # the replay read the new logits
+    assert bool((ids[..., None] == captured[0][None]).any(0).all())  # drawn among the draft's ids

@@ -1,5 +1,6 @@
-"""Float8 EAGLE features on a GPU: quantized together on the target's device, placed on the
-draft's through pinned memory and dequantized there, to the bit of the host decode."""
+"""EAGLE features on a GPU: the target's read-back of a verify's rows, and float8 features
+quantized together on the target's device, placed on the draft's through pinned memory and
+dequantized there, to the bit of the host decode."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from specpair.runtime.engine import GREEDY
 from specpair.runtime.feature_rows import FP8, Fp8Rows, place_features
 from specpair.runtime.gpu.staging import Staging
 from specpair.runtime.round_messages import DraftInput, RoundRequest
+from specpair.runtime.target.features import PINNED_READ_BYTES, host_rows
+from specpair.runtime.target.worker import kept_rows
 
 W = 4096
 
@@ -48,3 +51,15 @@ def test_float8_rows_from_a_gpu_place_on_a_gpu_as_the_host_decode(dtype: torch.d
     # the float8 values are a close copy of what the target computed
     err = (got[0, :127].float() - feats[0].float()).abs().max() / feats[0].float().abs().max()
     assert err < 0.07
+
+
+def test_a_verifys_rows_read_back_into_pinned_memory_and_a_wave_into_pageable() -> None:
+    hidden = torch.randn(8, 8, 3 * W, device="cuda", dtype=torch.bfloat16)
+    keeps = [list(range(b % 8 + 1)) for b in range(8)]
+    rows = kept_rows(hidden, keeps)
+    assert all(r.is_pinned() for r in rows)
+    for b, keep in enumerate(keeps):
+        assert torch.equal(rows[b], hidden[b, keep].cpu())
+    wave = torch.randn(PINNED_READ_BYTES // (2 * 3 * W) + 1, 3 * W, device="cuda").bfloat16()
+    host = host_rows(wave)
+    assert not host.is_pinned() and torch.equal(host, wave.cpu())

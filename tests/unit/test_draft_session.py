@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import collections
+import random
+
 import pytest
 import torch
 
-from specpair.runtime.round_messages import RoundResponse
+from specpair.runtime.round_messages import RoundRequest, RoundResponse
 from specpair.runtime.sampling import SamplingParams
+from specpair.runtime.target.features import FeatureLog
 from specpair.runtime.target.session import DraftSession
 from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import EMPTY_TREE, CandidateTree, chain
@@ -199,3 +203,38 @@ def test_a_window_cuts_a_restart_and_a_first_round_without_hand_off() -> None:
     short = DraftSession(vocab_size=50, window=8)  # a window longer than the history
     short.add(seq, rows(0, 7))
     assert short.request(1, [seq], 1).inputs[0].appended == (5, 6, 7, 8, 9, 10, 11, 12)
+
+
+def test_a_window_keeps_only_the_rows_a_later_request_can_ask_for() -> None:
+    """300 rounds of random acceptance, failed rounds (resent) and reconnects (restarted at
+    the window): every request carries the rows that predicted its tokens, and the target
+    keeps a request's rows only from what the draft has not seen, or its window, on."""
+    g = random.Random(0)
+    session = DraftSession(vocab_size=50, window=4)
+    seq = TargetSequence("a", list(range(1, 11)), SamplingParams(), max_new_tokens=2000)
+    seq.output.append(11)
+    session.add(seq, rows(0, 10))
+    log = session.views["a"].features
+    assert isinstance(log, FeatureLog)
+    epoch, outcomes = 1, collections.Counter[str]()
+    for r in range(300):
+        length = len(seq.prompt) + len(seq.output)
+        (item,) = session.request(r, [seq], 3, epoch=epoch, features=True).inputs
+        first = length - len(item.appended)  # the position of its first token
+        assert item.features is not None
+        assert item.features[:, 0].tolist() == list(range(max(first - 1, 0), length - 1))
+        outcome = g.choices(["answer", "fail", "reconnect"], [0.75, 0.2, 0.05])[0]
+        outcomes[outcome] += 1
+        if outcome == "reconnect":
+            epoch += 1
+            continue
+        request = RoundRequest(r, 3, (item,))
+        session.drafts(request, None if outcome == "fail" else RoundResponse(r, {"a": chain([1])}))
+        accepted = g.randint(0, 3)
+        seq.append(list(range(accepted + 1)))
+        session.verified(seq, rows(length - 1, accepted + 1))
+        seen = session.views["a"].seen
+        assert log.first <= min(seen - 1, log.length - 4)  # what a resend or a restart reads
+        # before it, at most the rest of the chunk that holds it (the prompt's 10 rows, a round's 4)
+        assert log.first > min(seen - 1, log.length - 4) - 10
+    assert min(outcomes.values()) >= 10

@@ -29,6 +29,7 @@ from specpair.runtime.sampling import (
 from specpair.runtime.stages import PrefillStage, VerifyStage
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.target.accepting import accept_batch, uniforms
+from specpair.runtime.target.features import host_rows
 from specpair.runtime.target.verify import EagerVerify
 from specpair.runtime.tree import CandidateTree, full_parents, tree_depths, tree_mask
 
@@ -87,11 +88,12 @@ class VerifyResult:
 def kept_rows(hidden: Tensor, keeps: Sequence[Sequence[int]]) -> list[Tensor]:
     """hidden [B, T, F] (on the device) -> per request b its rows keeps[b] [n_b, F] on the host,
     gathered and read back in one copy: a read per request would cost the batch B index uploads
-    and B synchronising reads a round (8 at batch 8)."""
+    and B synchronising reads a round (8 at batch 8). The rows are views of that one read, which
+    each request's `FeatureLog` keeps as they are."""
     t = hidden.shape[1]
     flat = torch.tensor([b * t + j for b, keep in enumerate(keeps) for j in keep], dtype=torch.long)
-    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat.to(hidden.device)).cpu()
-    return list(rows.split([len(keep) for keep in keeps]))
+    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat.to(hidden.device))
+    return list(host_rows(rows).split([len(keep) for keep in keeps]))
 
 
 class TargetWorker:
