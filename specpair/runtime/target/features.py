@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-FOLD_AT = 16  # chunks a log holds as views before the older ones are copied into its buffer
+FOLD_AT = 16  # chunks a log holds as views; past it the oldest is copied into its buffer
 PINNED_READ_BYTES = 64 << 20  # `host_rows`: a read past it stays pageable
 
 
@@ -30,9 +30,9 @@ class FeatureLog:
     A round's rows are kept as they arrive, views of the verify's one read-back (`kept_rows`):
     appending copies nothing, and the usual round reads exactly the rows the last one appended,
     a view again, so each row is copied once on its way out (into the message). Past `FOLD_AT`
-    such chunks the older ones are copied into one buffer that grows by doubling, which lets go
-    of the read-backs they keep alive (the rest of a batch's rows). `trim` drops the rows no
-    later read can ask for: with a draft window, those before the window and the draft's own.
+    such chunks the oldest is copied into one buffer that grows by doubling, which lets go of
+    the read-back it kept alive (the rest of a batch's rows). `trim` drops the rows no later
+    read can ask for: with a draft window, those before the window and the draft's own.
 
     Positions: the buffer holds [start, start + owned), the chunks the rest up to `length`.
     """
@@ -47,10 +47,8 @@ class FeatureLog:
     def append(self, rows: Tensor) -> None:
         self._chunks.append(rows)
         self.length += rows.shape[0]
-        if len(self._chunks) > FOLD_AT:
-            for chunk in self._chunks[:-1]:
-                self._fold(chunk)
-            del self._chunks[:-1]
+        if len(self._chunks) > FOLD_AT:  # one a round: a batch's logs never fold all at once
+            self._fold(self._chunks.pop(0))
 
     def _fold(self, rows: Tensor) -> None:
         end = self._owned + len(rows)
