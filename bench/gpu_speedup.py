@@ -55,8 +55,8 @@ from bench.services import (
     BenchServices,
     add_lab_arg,
     lab_fields,
+    rounds_watched,
     wait_draft_connected,
-    watch_rounds,
 )
 from controller.policies.bands import PolicySpec
 from controller.policies.sglang import PolicyConfig
@@ -318,14 +318,11 @@ def serve_cells(
             stats: list[RoundStats] = []
             runs, results, seconds = [], [], 0.0
             for _ in range(repeats):
-                call = watch_rounds(client.address, stats)
-                time.sleep(0.3)  # subscribed before the first round
-                t0 = time.perf_counter()
-                with ThreadPoolExecutor(batch) as pool:
-                    run = list(pool.map(one, range(n)))
-                elapsed = time.perf_counter() - t0
-                time.sleep(0.3)  # the last round's stats
-                call.cancel()
+                with rounds_watched(client.address, stats, before_s=0.3):
+                    t0 = time.perf_counter()
+                    with ThreadPoolExecutor(batch) as pool:
+                        run = list(pool.map(one, range(n)))
+                    elapsed = time.perf_counter() - t0
                 runs.append(sum(len(r.token_ids) for r in run) / elapsed)
                 results += run
                 seconds += elapsed

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import format_table, median, write_json
-from bench.services import watch_rounds
+from bench.services import rounds_watched
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.client.requests import Prompt
 from specpair.runtime.round_messages import RoundStats
@@ -85,9 +85,6 @@ def profile(
             ):
                 for batch in sizes:
                     rounds: list[RoundStats] = []
-                    call = watch_rounds(client.address, rounds)
-                    time.sleep(0.1)
-
                     tokens = new_tokens * (TIER0_TOKENS if tier.steps == 0 else 1)
 
                     def one(i: int, temperature: float = temperature, tokens: int = tokens) -> None:
@@ -98,10 +95,8 @@ def profile(
                             seed=i,
                         )
 
-                    with ThreadPoolExecutor(batch) as pool:
+                    with rounds_watched(client.address, rounds), ThreadPoolExecutor(batch) as pool:
                         list(pool.map(one, range(batch)))
-                    time.sleep(0.1)
-                    call.cancel()
                     times = counted_ms(rounds, tier, batch)
                     out["rounds"][f"{key} {batch} {tier}"] = len(times)
                     if times:

@@ -38,7 +38,13 @@ from bench.common import (
 )
 from bench.gpu_common import LLAMA3_8B
 from bench.prompts import code_prompts
-from bench.services import LINKS, BenchServices, apply_tier, wait_draft_connected, watch_rounds
+from bench.services import (
+    LINKS,
+    BenchServices,
+    apply_tier,
+    rounds_watched,
+    wait_draft_connected,
+)
 from specpair.client import SpecpairClient
 from specpair.config import CANDIDATE_STEPS, compute_threads
 from specpair.models.loading import is_eagle_checkpoint, read_args
@@ -188,13 +194,10 @@ def two_services(
                 apply_tier(group.target, tier)
                 generate(WARMUP_TOKENS)
                 rounds: list[RoundStats] = []
-                call = watch_rounds(group.target, rounds)
-                time.sleep(0.5)
-                t0 = time.perf_counter()
-                results = generate(tokens)
-                wall = time.perf_counter() - t0
-                time.sleep(0.3)
-                call.cancel()
+                with rounds_watched(group.target, rounds, before_s=0.5, after_s=0.3):
+                    t0 = time.perf_counter()
+                    results = generate(tokens)
+                    wall = time.perf_counter() - t0
                 runs[tier] = service_run(results, rounds, tier, wall)
     return runs
 

@@ -10,7 +10,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -188,3 +188,22 @@ def watch_rounds(address: str, sink: list[RoundStats], token: str | None = None)
 
     threading.Thread(target=collect, daemon=True).start()
     return call
+
+
+@contextlib.contextmanager
+def rounds_watched(
+    address: str,
+    sink: list[RoundStats],
+    token: str | None = None,
+    before_s: float = 0.1,
+    after_s: float | None = None,
+) -> Iterator[None]:
+    """`watch_rounds` around a timed block: subscribed `before_s` ahead of it (no round is
+    missed), and ended `after_s` (default `before_s`) after it (the last round's stats in)."""
+    call = watch_rounds(address, sink, token)
+    time.sleep(before_s)
+    try:
+        yield
+    finally:
+        time.sleep(before_s if after_s is None else after_s)
+        call.cancel()

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from bench.common import device_info, format_optional, format_table, grouped_bars, write_json
 from bench.gpu_speedup import Workload, add_pair_args, bench_pair, make_workloads, request_counts
-from bench.services import wait_draft_connected, watch_rounds
+from bench.services import rounds_watched, wait_draft_connected
 from bench.up_client import Up, pin_target_alone, running_up, sdk_door
 from specpair.client import ControllerClient, SpecpairClient
 from specpair.runtime.round_messages import RoundStats
@@ -130,18 +130,15 @@ def run_cell(
     """`n` requests of `wl`, `clients` at a time through the SDK: (tokens, seconds, account)."""
     one = sdk_door(up)
     stats: list[RoundStats] = []
-    call = watch_rounds(up.target, stats, up.token)
-    time.sleep(0.2)
 
     def request(i: int) -> int:
         return one(wl.ids[i % len(wl.ids)], new_tokens, wl.sampling(i))
 
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        tokens = sum(pool.map(request, range(n)))
-    seconds = time.perf_counter() - t0
-    time.sleep(0.2)
-    call.cancel()
+    with rounds_watched(up.target, stats, up.token, before_s=0.2):
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(clients) as pool:
+            tokens = sum(pool.map(request, range(n)))
+        seconds = time.perf_counter() - t0
     return tokens, seconds, Account.of(stats)
 
 

@@ -64,7 +64,7 @@ from bench.gpu_speedup import (
     make_workloads,
     request_counts,
 )
-from bench.services import add_lab_arg, lab_env, lab_fields, wait_draft_connected, watch_rounds
+from bench.services import add_lab_arg, lab_env, lab_fields, rounds_watched, wait_draft_connected
 from specpair.cli.launcher import READY
 from specpair.cli.options import TOKEN_ENV
 from specpair.client import ControllerClient, SpecpairClient, SpecpairError
@@ -341,14 +341,11 @@ def run_cells(
                     return tokens
 
                 rounds: list[RoundStats] = []
-                call = watch_rounds(up.target, rounds, up.token)
-                time.sleep(0.1)  # subscribed before the first request
-                t0 = time.perf_counter()
-                with ThreadPoolExecutor(batch) as pool:
-                    tokens = sum(pool.map(request, range(n)))
-                seconds = time.perf_counter() - t0
-                time.sleep(0.1)  # the last round's stats
-                call.cancel()
+                with rounds_watched(up.target, rounds, up.token):
+                    t0 = time.perf_counter()
+                    with ThreadPoolExecutor(batch) as pool:
+                        tokens = sum(pool.map(request, range(n)))
+                    seconds = time.perf_counter() - t0
                 cell = cells.setdefault(
                     (config, door, wl.name, batch),
                     UpCell(config, door, wl.name, batch, 0, 0.0),
