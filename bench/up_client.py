@@ -563,9 +563,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     configs = [first, "verbatim", "goodput", "tier 0", *(f"tier {t}" for t in args.tiers)]
     configs = [c for c in configs if c.split()[0] not in args.skip]
     command = up_command(args, target, draft)
-    cells: list[UpCell] = []
+    pooled: Cells = {}  # each cell once, in the order of its first run; later turns add to it
 
     def save() -> None:
+        cells = list(pooled.values())
         fill_ratios(cells)
         write_json(args.out, {
             "device": info, "date": time.strftime("%Y-%m-%d"), "command": command,
@@ -581,8 +582,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         })  # fmt: skip
 
     def record(cell: UpCell) -> None:
-        if not any(c is cell for c in cells):  # a cell's later turns update it in place
-            cells.append(cell)
         line = f"{cell.config:8s} {cell.door:6s} {cell.workload:18s} batch {cell.batch:2d}"
         print(f"  {line} {cell.tokens_per_s:8.1f} tok/s ({len(cell.runs)} runs)", flush=True)
         save()
@@ -595,7 +594,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             run_cells(
                 up, "warm", workloads, counts, args.new_tokens, args.doors, {}, lambda c: None
             )
-        pooled: Cells = {}
         for turn in range(args.repeats):
             for config in turn_order(configs, turn):
                 print(config, flush=True)
@@ -603,6 +601,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 doors = turn_order(args.doors, turn)  # neither door always runs first
                 run_cells(up, config, workloads, counts, args.new_tokens, doors, pooled, record)
     save()
+    cells = list(pooled.values())
     gpu = info.get("gpu", info["cpu"])
     plot(cells, args.out.with_suffix(".png"), f"specpair up, {args.draft_kind}, {gpu}")
     print(f"\nwrote {args.out}\n")
