@@ -51,7 +51,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,41 @@ DOORS = ("openai", "http", "sdk")
 Door = Callable[[list[int], int, Any], int]  # (prompt ids, max tokens, sampling) -> tokens
 
 
+SERVED = {  # the target's exporter's families `Served` sums
+    "ttft_s": "specpair_target_time_to_first_token_seconds_sum",
+    "ttft_count": "specpair_target_time_to_first_token_seconds_count",
+    "latency_s": "specpair_target_request_latency_seconds_sum",
+    "latency_count": "specpair_target_request_latency_seconds_count",
+}
+
+
+@dataclass
+class Served:
+    """What the target's exporter counts of the requests it served: sums and counts of their
+    time to first token and latency (s), as read, or their growth over a cell."""
+
+    ttft_s: float = 0.0
+    ttft_count: float = 0.0
+    latency_s: float = 0.0
+    latency_count: float = 0.0
+
+    @classmethod
+    def read(cls, address: str) -> Served:
+        """Scrapes the exporter at `address` ("": zeros, nothing to read)."""
+        if not address:
+            return cls()
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#")
+        return cls(**{key: float(values.get(name, 0.0)) for key, name in SERVED.items()})
+
+    def __sub__(self, other: Served) -> Served:
+        return Served(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    def __add__(self, other: Served) -> Served:
+        return Served(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+
 @dataclass
 class UpCell:
     config: str  # "tier 0" | "tier 7" | "sglang" | "verbatim" | "goodput"
@@ -102,6 +137,12 @@ class UpCell:
     steady_tokens: float = 0.0
     steady_seconds: float = 0.0
     steady_speedup: float | None = None  # over "tier 0"'s, as `speedup`
+    # over all its runs: the target's sums of its requests' time to first token (arrival to
+    # the first token streamed: queue and prefill) and latency (arrival to the last), and the
+    # clients' (call to return; beyond the target's latency: the wire and the SDK both ways)
+    served: Served = field(default_factory=Served)
+    client_s: float = 0.0
+    requests: int = 0
     gpu_bound: float | None = None  # `gpu_bound`: x were speculation to add only GPU work
     # the target's rounds during the cell's runs (WatchRounds): means of a round's stage ms,
     # its batch size and accepted draft tokens a drafted request (`anatomy`)
@@ -121,6 +162,22 @@ class UpCell:
     @property
     def steady_tokens_per_s(self) -> float | None:
         return self.steady_tokens / self.steady_seconds if self.steady_seconds > 0 else None
+
+    @property
+    def ttft_ms(self) -> float | None:
+        """The target's mean time to first token: a request's queue and prefill."""
+        s = self.served
+        return 1e3 * s.ttft_s / s.ttft_count if s.ttft_count else None
+
+    @property
+    def wire_ms(self) -> float | None:
+        """A client's mean call beyond the target's mean latency: the request's way in and its
+        last token's way out, the SDK included (with the target's ttft, the time a client
+        waits outside the batch)."""
+        s = self.served
+        if not s.latency_count or not self.requests:
+            return None
+        return 1e3 * (self.client_s / self.requests - s.latency_s / s.latency_count)
 
 
 Span = tuple[float, float, int]  # a request's start and end (perf_counter s), its tokens
@@ -149,6 +206,7 @@ class Up:
     http: str
     log: Path
     token: str
+    metrics: str = ""  # the target's Prometheus exporter ("": none to read)
 
 
 def up_command(args: argparse.Namespace, target: Path, draft: Path) -> list[str]:
@@ -204,6 +262,7 @@ def running_up(
             env.pop(name, None)
         else:
             env[name] = value
+    up = replace(up, metrics=env.get("SPECPAIR_TARGET_METRICS", ""))
     log.parent.mkdir(parents=True, exist_ok=True)
     print("$ " + " ".join(command), flush=True)
     proc = subprocess.Popen(
@@ -341,17 +400,22 @@ def run_cells(
                     return tokens
 
                 rounds: list[RoundStats] = []
+                served = Served.read(up.metrics)
                 with rounds_watched(up.target, rounds, up.token):
                     t0 = time.perf_counter()
                     with ThreadPoolExecutor(batch) as pool:
                         tokens = sum(pool.map(request, range(n)))
                     seconds = time.perf_counter() - t0
+                served = Served.read(up.metrics) - served
                 cell = cells.setdefault(
                     (config, door, wl.name, batch),
                     UpCell(config, door, wl.name, batch, 0, 0.0),
                 )
                 cell.tokens += tokens
                 cell.seconds += seconds
+                cell.served += served
+                cell.client_s += sum(end - start for start, end, _ in spans)
+                cell.requests += len(spans)
                 if n > batch:  # else every request started at once: no steady window
                     window_tokens, window_s = steady(spans, t0)
                     cell.steady_tokens += window_tokens
@@ -444,10 +508,13 @@ def render(cells: Sequence[UpCell]) -> str:
         [c.config, c.door, c.workload, str(c.batch), f"{c.tokens_per_s:.1f}",
          "-" if c.speedup is None else f"{c.speedup:.2f}",
          "-" if c.steady_speedup is None else f"{c.steady_speedup:.2f}",
-         "-" if c.spread is None else f"{100 * c.spread:.0f} %"]
+         "-" if c.spread is None else f"{100 * c.spread:.0f} %",
+         "-" if c.ttft_ms is None else f"{c.ttft_ms:.1f}",
+         "-" if c.wire_ms is None else f"{c.wire_ms:.1f}"]
         for c in cells
     ]  # fmt: skip
     headers = ["config", "door", "workload", "batch", "tok/s", "x tier 0", "steady x", "spread"]
+    headers += ["ttft ms", "wire ms"]
     return format_table(headers, rows)
 
 
@@ -577,7 +644,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             "prompt_tokens": list(args.prompt_tokens),
             "policy": args.policy and json.loads(args.policy.read_text()),
             "cells": [asdict(c) | {"tokens_per_s": c.tokens_per_s, "spread": c.spread,
-                                   "steady_tokens_per_s": c.steady_tokens_per_s}
+                                   "steady_tokens_per_s": c.steady_tokens_per_s,
+                                   "ttft_ms": c.ttft_ms, "wire_ms": c.wire_ms}
                       for c in cells],
         })  # fmt: skip
 

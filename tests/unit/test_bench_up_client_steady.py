@@ -1,5 +1,6 @@
 """`bench.up_client`'s steady window (a cell's tokens/s while every client had a request in
-flight, without the drain after the last request started) and its GPU-work bound."""
+flight, without the drain after the last request started), its GPU-work bound, and what it
+reads of the target's exporter (time to first token, latency)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.up_client import UpCell, fill_ratios, gpu_bound, main, steady, turn_order
+from bench.common import free_port
+from bench.up_client import Served, UpCell, fill_ratios, gpu_bound, main, steady, turn_order
+from specpair.rpc.metrics import ServiceMetrics
 
 
 def test_the_window_ends_at_the_last_start_and_counts_tokens_by_time_inside_it() -> None:
@@ -73,3 +76,23 @@ def test_a_policy_file_runs_once(tmp_path: Path, capsys: pytest.CaptureFixture[s
     with pytest.raises(SystemExit):
         main(["--policy", str(policy), "--repeats", "2"])
     assert "--repeats N > 1" in capsys.readouterr().err
+
+
+def test_a_cells_ttft_and_wire_come_from_the_targets_exporter_over_the_cell() -> None:
+    metrics = ServiceMetrics("target")
+    port = free_port()
+    metrics.serve("127.0.0.1", port)
+    address = f"127.0.0.1:{port}"
+    metrics.ttft.observe(9.0)  # before the cell: not its own
+    metrics.request_latency.observe(9.0)
+    before = Served.read(address)
+    for ttft, latency in ((0.010, 0.200), (0.030, 0.400)):
+        metrics.ttft.observe(ttft)
+        metrics.request_latency.observe(latency)
+    cell = UpCell("tier 7", "sdk", "code greedy", 2, 256, 1.0)
+    cell.served += Served.read(address) - before
+    cell.client_s, cell.requests = 0.205 + 0.415, 2  # each call 5 / 15 ms beyond its latency
+    assert cell.ttft_ms == pytest.approx(20.0)
+    assert cell.wire_ms == pytest.approx(10.0)
+    assert Served.read("") == Served()  # no exporter: nothing read, no means
+    assert UpCell("tier 7", "sdk", "code greedy", 2, 0, 1.0).ttft_ms is None
