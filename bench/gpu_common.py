@@ -4,7 +4,7 @@ bandwidth ceiling, CUDA-event timing. Nothing is saved to disk."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -213,6 +213,9 @@ class RoundLoop:
 
     async def next_round(self, done: Any) -> None:  # `Batcher`: one round at a time
         return None
+
+    async def awaiting_draft(self, flight: Any, answer: Awaitable[Any]) -> Any:
+        return await answer  # a fixed batch: nobody to admit
 
     def stream(self, seq: Any, result: Any, drafted: bool, steps: int) -> None:
         self.produced += len(result.new_tokens)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -153,6 +153,9 @@ class _Outcomes:
 
     async def next_round(self, done: Flight[TargetSequence]) -> None:
         return None
+
+    async def awaiting_draft(self, flight: Flight[TargetSequence], answer: Awaitable[T]) -> T:
+        return await answer  # nobody to admit: the batch is fixed
 
     def stream(self, seq: TargetSequence, result: VerifyResult, drafted: bool, steps: int) -> None:
         if self.drafting:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from specpair.config import DEFAULT_MAX_WATCHERS
 from specpair.logging import get_logger
@@ -40,6 +42,7 @@ from target_service.batching.served import RoundEvent, ServedRequest
 from target_service.drafts.draft_pool import DraftPool
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 
 class QueueFullError(RuntimeError):
@@ -80,6 +83,7 @@ class Scheduler:
         self.round_id = 0
         self.recent_accepts: collections.deque[int] = collections.deque(maxlen=256)
         self._wakeup = asyncio.Event()
+        self._arrived = asyncio.Event()  # set by a submit: `awaiting_draft` admits beside
         self.feed = RoundFeed(metrics, max_watchers)  # each round's RoundStats, for WatchRounds
         self.round: TargetRound[ServedRequest] = TargetRound(
             worker,
@@ -108,6 +112,7 @@ class Scheduler:
         self.queue.append(request)
         self.metrics.queued.set(len(self.queue))
         self._wakeup.set()
+        self._arrived.set()
 
     def cancel(self, request: ServedRequest, outcome: str = "cancelled") -> None:
         """Leaves the batch at the next round boundary; its KV is freed on both services."""
@@ -165,8 +170,6 @@ class Scheduler:
                 drafted = flight.request is not None
                 flight = await self.round.run(flight, self)  # the next round is out, or None
                 self._drop_cancelled(keep=flight)
-                if flight is not None and flight.request is not None and self.queue:
-                    await self._admit_beside(flight)
                 # Inline compute with no draft to wait for never suspends: without this a batch
                 # would run to its end before a submit, a cancel or a tier could land.
                 if self.compute.executor is None and not drafted:
@@ -248,6 +251,29 @@ class Scheduler:
                 self._finish(req, req.seq.finish_reason)
         self.metrics.running.set(len(self.running))
         return new
+
+    async def awaiting_draft(self, flight: Flight[ServedRequest], answer: Awaitable[T]) -> T:
+        """The draft's answer to `flight`, awaited (`Batcher`). Requests queued when the wait
+        starts, or else the first to arrive before the answer, are admitted beside the draft's
+        work (`_admit_beside`), once a round, and join the next round. A request that arrives
+        while the draft works (where a client whose last request just finished sends its
+        next: the finished one streams once the next round is out) then joins one round
+        sooner than were it admitted only as a round starts."""
+        reply = asyncio.ensure_future(answer)
+        try:
+            while not reply.done():
+                if self.queue:
+                    await self._admit_beside(flight)
+                    break
+                self._arrived.clear()
+                arrival = asyncio.ensure_future(self._arrived.wait())
+                try:
+                    await asyncio.wait((reply, arrival), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    arrival.cancel()
+            return await reply
+        finally:
+            reply.cancel()  # done: nothing; this task cancelled: the read goes with it
 
     async def _admit_beside(self, flight: Flight[ServedRequest]) -> None:
         """Admits queued requests while `flight`'s draft works: they join the round after it.

@@ -247,3 +247,54 @@ async def test_under_load_requests_join_a_group_at_a_time(tmp_path: Path) -> Non
     as a place frees. With a group of 1 each joins as its place frees."""
     assert await joins_under_load(tmp_path, join_group=2) == [4, 2, 1]
     assert await joins_under_load(tmp_path, join_group=1) == [4, 1, 1, 1]
+
+
+class GatedLink(RecordingLink):
+    """A `RecordingLink` whose answer to one round waits until the test opens its gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: int | None = None  # the round whose answer waits
+        self.waiting = asyncio.Event()  # set once a receive waits at the gate
+        self.gate = asyncio.Event()
+
+    async def receive(self, round_id: int, epoch: int) -> RoundResponse:
+        if round_id == self.held:
+            self.waiting.set()
+            await self.gate.wait()
+        return await super().receive(round_id, epoch)
+
+
+async def test_a_request_arriving_while_the_draft_works_joins_the_next_round(
+    tmp_path: Path,
+) -> None:
+    """A request submitted while a round's draft answer is awaited (where a client whose last
+    request just streamed sends its next) is prefilled beside that round, before its answer,
+    and decodes in the very next round, where it would otherwise be admitted beside the next
+    round and join the one after."""
+    worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=2, max_len=64)
+    link = GatedLink()
+    scheduler = one_tier_scheduler(worker, tier=3, max_batch=2, draft=link)
+    first = ServedRequest(
+        TargetSequence("a", [5, 6, 7], SamplingParams(), max_new_tokens=20), events=link.events
+    )
+    second = ServedRequest(TargetSequence("b", [8, 9], SamplingParams(), max_new_tokens=4))
+    watch = scheduler.feed.watch()
+    task = asyncio.create_task(scheduler.run())
+    scheduler.submit(first)
+    await asyncio.wait_for(first.events.get(), 10)  # prefilled
+    await asyncio.wait_for(first.events.get(), 10)  # a round has streamed: rounds are going
+    link.held = scheduler.round_id + 1  # the round after the one out now
+    await asyncio.wait_for(link.waiting.wait(), 10)
+    scheduler.submit(second)
+    await asyncio.wait_for(second.events.get(), 10)  # prefilled, with the answer still held
+    assert not link.gate.is_set()
+    link.gate.set()
+    while (await asyncio.wait_for(second.events.get(), 10)).finish_reason is None:
+        pass
+    task.cancel()
+    stats = {s.round_id: s for s in (watch.get_nowait() for _ in range(watch.qsize()))}
+    held = stats[link.held]
+    assert held.timings.admit_ms > 0 and held.batch_size == 1, "b prefilled beside it"
+    joined = min(n for n, s in stats.items() if n > link.held and s.batch_size == 2)
+    assert joined == link.held + 2, "the next round out (the hand-off took a round id)"

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from specpair.runtime.round_messages import RoundRequest, RoundStats, StageTimings
+from specpair.runtime.round_messages import RoundRequest, RoundResponse, RoundStats, StageTimings
 from specpair.runtime.state import SpecRuntimeState, gpu_ms
 from specpair.runtime.target.session import Drafts, DraftSession
 from specpair.runtime.target.transport import DraftTransport
@@ -71,6 +71,11 @@ class Batcher(Protocol[B]):
 
     def stream(self, item: B, result: VerifyResult, drafted: bool, steps: int) -> None:
         """One request's outcome of the round (`drafted`: it was verified with drafts)."""
+        ...
+
+    async def awaiting_draft(self, flight: Flight[B], answer: Awaitable[T]) -> T:
+        """Awaits `answer`, the draft's to `flight`; the batcher may admit requests meanwhile
+        (beside the draft's work) to join the next round."""
         ...
 
 
@@ -138,7 +143,7 @@ class TargetRound(Generic[B]):
         """Finishes a started round: trees → verify → accept → commit → (the next round starts)
         → stream → publish. Returns the next round, when `batcher` started one."""
         seqs = flight.seqs
-        drafts = await self._drafts(flight)  # the answer to the request sent at `start`
+        drafts = await self._drafts(flight, batcher)  # the answer to the request sent at `start`
         trees = drafts.aligned([seq.request_id for seq in seqs])
         t1 = time.perf_counter()
         # verify + accept + commit: every tree in one forward, each accepted path's KV kept
@@ -165,7 +170,7 @@ class TargetRound(Generic[B]):
             self.publish(round_stats(flight, drafts, results, drafted, t1, end, verify_gpu_ms))
         return following
 
-    async def _drafts(self, flight: Flight[B]) -> Drafts:
+    async def _drafts(self, flight: Flight[B], batcher: Batcher[B]) -> Drafts:
         """The round's checked trees (and the draft's timings); empty trees when the draft is
         unavailable, with the reason counted."""
         request, draft = flight.request, self.draft
@@ -176,14 +181,20 @@ class TargetRound(Generic[B]):
             ids = tuple(seq.request_id for seq in flight.seqs)
             drafts = Drafts([EMPTY_TREE] * len(ids), StageTimings(), False, why, ids)
         else:
-            response = None
-            if flight.epoch is not None:
-                t0 = time.perf_counter()
-                response = await draft.receive(flight.round_id, flight.epoch)
-                flight.wait_s += time.perf_counter() - t0
+            t0, beside_s = time.perf_counter(), flight.beside_s
+            response = await batcher.awaiting_draft(flight, self._receive(flight, draft))
+            # what the batcher admitted meanwhile is admission, not waiting
+            flight.wait_s += time.perf_counter() - t0 - (flight.beside_s - beside_s)
             drafts = self.session.drafts(request, response)
         self._count(drafts.fallbacks)
         return drafts
+
+    @staticmethod
+    async def _receive(flight: Flight[B], draft: DraftTransport) -> RoundResponse | None:
+        """The draft's answer to `flight`; None where its request did not go out."""
+        if flight.epoch is None:
+            return None
+        return await draft.receive(flight.round_id, flight.epoch)
 
     async def handoff(self, flight: Flight[B], round_id: int, seqs: list[TargetSequence]) -> None:
         """Sends the draft the prompts of `seqs`, admitted while `flight`'s draft works
