@@ -149,7 +149,6 @@ def _build_scheduler(
         handoff=not config.no_prompt_handoff,
         feed_at_tier_0=config.feed_draft_at_tier_0,
         draft_window=config.draft_window,
-        compute_thread=config.compute_thread,
     )
     return scheduler, builder, ranks
 

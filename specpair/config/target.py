@@ -226,14 +226,6 @@ class TargetConfig(ModelServiceConfig):
             "one token a request, not every token decoded at tier 0 (and its features)"
         ),
     )
-    compute_thread: bool = field(
-        default=False,
-        metadata=lab(
-            "on a GPU, run the target's model compute on a worker thread, as on the CPU, "
-            "not inline on the event loop: streams and joins are served while the GPU "
-            "works, for two thread hand-offs a call"
-        ),
-    )
     deterministic: bool = field(
         default=False,
         metadata=option(

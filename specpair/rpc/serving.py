@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,16 +35,16 @@ class BindError(RuntimeError):
     """An address this service cannot listen on (taken, or not local); the message names it."""
 
 
-def compute_executor(name: str, threads: int, device: str = "cpu") -> ThreadPoolExecutor:
-    """One thread for model compute, off the event loop, with `threads` intra-op threads (and
-    `device` its current CUDA device: `bind_device`)."""
+def compute_executor(name: str, threads: int) -> ThreadPoolExecutor:
+    """One thread for model compute, off the event loop, with `threads` intra-op threads."""
     import torch
 
-    def start() -> None:
-        torch.set_num_threads(threads)
-        bind_device(device)
-
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=start)
+    return ThreadPoolExecutor(
+        max_workers=1,
+        thread_name_prefix=name,
+        initializer=torch.set_num_threads,
+        initargs=(threads,),
+    )
 
 
 def bind_device(device: str) -> None:
@@ -72,9 +71,6 @@ def on_device(device: str, fn: Callable[..., T]) -> Callable[..., T]:
     return bound
 
 
-GIL_SWITCH_S = 2e-4  # with compute on a thread on a GPU (`Compute`)
-
-
 class Compute:
     """Where a service runs its model compute, one call at a time.
 
@@ -82,18 +78,12 @@ class Compute:
     event loop, because handing it to a thread and back costs two thread wake-ups per call, a
     few per cent of a round (`bench/CHOICES.md`). On the CPU a
     call holds a core for tens of milliseconds, so it runs on one worker thread and the loop
-    keeps serving meanwhile. `inline=False` puts a CUDA device's calls on the thread too: the
-    loop then serves streams and joins while the GPU works.
+    keeps serving meanwhile.
     """
 
-    def __init__(self, name: str, threads: int, device: str, inline: bool | None = None) -> None:
-        self.inline = device.startswith("cuda") if inline is None else inline
-        self.executor = None if self.inline else compute_executor(name, threads, device)
-        if device.startswith("cuda") and not self.inline:
-            # A thread that wants the GIL waits for its holder to block or for the switch
-            # interval (5 ms by default, half a round at 8 clients): the compute thread back
-            # from the GPU would wait behind the loop's stream writes.
-            sys.setswitchinterval(GIL_SWITCH_S)
+    def __init__(self, name: str, threads: int, device: str) -> None:
+        self.inline = device.startswith("cuda")
+        self.executor = None if self.inline else compute_executor(name, threads)
         if self.inline:
             import torch
 

@@ -67,7 +67,6 @@ class Scheduler:
         handoff: bool = True,
         feed_at_tier_0: bool = False,
         draft_window: int = 0,
-        compute_thread: bool = False,
     ) -> None:
         self.worker = worker
         self.handoff = handoff  # joins' prompts go to the draft beside a round (`_admit_beside`)
@@ -77,8 +76,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.join_group = join_group  # `_admit`: joins a running batch takes at once, under load
         self.metrics = metrics
-        inline = False if compute_thread else None  # None: inline on a GPU, a thread on the CPU
-        self.compute = Compute("target-compute", threads, device, inline)
+        self.compute = Compute("target-compute", threads, device)
         self.session = DraftSession(worker.model.args.vocab_size, window=draft_window)
         self.queue: collections.deque[ServedRequest] = collections.deque()
         self.running: list[ServedRequest] = []
