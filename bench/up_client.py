@@ -27,7 +27,10 @@ is the same ratio over the window in which every client had a request in flight 
 a cell ends with its clients running out one by one, and speculation's requests, each prompt
 accepting at its own rate, run out more unevenly than the target alone's. `GPU bound x` (the
 rounds table, on a GPU) is the ratio the cell's acceptance would give were speculation to add
-only its GPU work to the target alone's round (`gpu_bound`). Held-out code
+only its GPU work to the target alone's round (`gpu_bound`). `ttft ms` is the target's mean
+time to first token over the cell (its exporter, scraped before and after: a request's queue and
+prefill), `wire ms` a client's mean call beyond the target's mean latency (the request's way in,
+its last token's way out, the SDK). Held-out code
 prompts (`bench.prompts`), greedy and T = 0.7 top-p 0.95 with a seed per request.
 
     python -m bench.up_client --draft-kind eagle3 --batches 1 8 --requests 8 32 \\
