@@ -44,6 +44,11 @@ from target_service.drafts.draft_pool import DraftPool
 log = get_logger(__name__)
 T = TypeVar("T")
 
+# The prompt tokens a prefill may take while a round's answer is awaited (`awaiting_draft`).
+# The answer's deadline is at least `draft_deadline_floor_s` (1 s); 1024 tokens are ~16 TFLOP
+# of an 8B's prefill (tens of ms on an H100) and ~140 of a 70B's, shared by its GPUs.
+WAIT_PREFILL_TOKENS = 1024
+
 
 class QueueFullError(RuntimeError):
     """More requests waiting than max_queue."""
@@ -209,8 +214,9 @@ class Scheduler:
         self.metrics.requests.labels(outcome).inc()
         self.metrics.running.set(len(self.running))
 
-    async def _admit(self) -> list[ServedRequest]:
-        """Prefills queued requests into the batch, as many as fit; returns those admitted."""
+    async def _admit(self, max_tokens: int | None = None) -> list[ServedRequest]:
+        """Prefills queued requests into the batch, as many as fit (in order, their prompts
+        `max_tokens` at most together); returns those admitted."""
         new: list[ServedRequest] = []
         room = min(self.max_batch - len(self.running), self.worker.cache.free_slots)
         if self.running and room < min(self.join_group, len(self.queue)):
@@ -219,7 +225,12 @@ class Scheduler:
             # graphs; bench/CHOICES.md), and it holds the whole batch. Room grows as running
             # requests finish, so this waits at most until it fits.
             return []
+        budget = max_tokens
         while self.queue and len(new) < room:
+            if budget is not None:
+                budget -= len(self.queue[0].seq.prompt)
+                if budget < 0:
+                    break
             req = self.queue.popleft()
             if req.expired:  # its client gave up while it queued: not worth a prefill
                 req.events.put_nowait(RoundEvent([], -1, self.tier.steps, "expired"))
@@ -253,29 +264,37 @@ class Scheduler:
         return new
 
     async def awaiting_draft(self, flight: Flight[ServedRequest], answer: Awaitable[T]) -> T:
-        """The draft's answer to `flight`, awaited (`Batcher`). Requests queued when the wait
+        """The draft's answer to `flight`, awaited (`Batcher`). Requests queued as the wait
         starts, or else the first to arrive before the answer, are admitted beside the draft's
         work (`_admit_beside`), once a round, and join the next round. A request that arrives
         while the draft works (where a client whose last request just finished sends its
         next: the finished one streams once the next round is out) then joins one round
-        sooner than were it admitted only as a round starts."""
+        sooner than were it admitted only as a round starts.
+
+        Those queued are prefilled before the answer is awaited. A prefill during the wait
+        runs inside the answer's deadline (`DraftLink.receive`), on a GPU with the event loop
+        held, so it takes at most `WAIT_PREFILL_TOKENS` of prompt: a large prompt waits for
+        the next round's start rather than have a punctual draft benched as late."""
+        if self.queue:
+            await self._admit_beside(flight)
+            return await answer
         reply = asyncio.ensure_future(answer)
         try:
-            while not reply.done():
-                if self.queue:
-                    await self._admit_beside(flight)
-                    break
-                self._arrived.clear()
-                arrival = asyncio.ensure_future(self._arrived.wait())
-                try:
-                    await asyncio.wait((reply, arrival), return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    arrival.cancel()
+            self._arrived.clear()
+            arrival = asyncio.ensure_future(self._arrived.wait())
+            try:
+                await asyncio.wait((reply, arrival), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                arrival.cancel()
+            if not reply.done() and self.queue:
+                await self._admit_beside(flight, WAIT_PREFILL_TOKENS)
             return await reply
         finally:
             reply.cancel()  # done: nothing; this task cancelled: the read goes with it
 
-    async def _admit_beside(self, flight: Flight[ServedRequest]) -> None:
+    async def _admit_beside(
+        self, flight: Flight[ServedRequest], max_tokens: int | None = None
+    ) -> None:
         """Admits queued requests while `flight`'s draft works: they join the round after it.
 
         Admitting between rounds instead would hold the whole batch through the prefill with
@@ -283,7 +302,7 @@ class Scheduler:
         sampled, H100) a join cost the batch 23 ms against 10.9 ms without speculation.
         """
         t0, generation = time.perf_counter(), self.worker.cache.generation
-        new = await self._admit()
+        new = await self._admit(max_tokens)
         if self.worker.cache.generation != generation:  # a slot was taken (or freed)
             await self.round.replan(flight)  # the verify's plan named the old slots
             joined = [r.seq for r in new if r in self.running]

@@ -8,13 +8,17 @@ import asyncio
 import itertools
 import time
 from pathlib import Path
+from typing import TypeVar
+
+import pytest
 
 from specpair.models.tiny import make_tiny_llama
 from specpair.runtime.build import build_target
-from specpair.runtime.round_messages import RoundRequest, RoundResponse
+from specpair.runtime.round_messages import RoundRequest, RoundResponse, RoundStats
 from specpair.runtime.sampling import SamplingParams
 from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import EMPTY_TREE
+from target_service.batching import scheduler as scheduler_module
 from target_service.batching.scheduler import Scheduler
 from target_service.batching.served import RoundEvent, ServedRequest
 from tests.service.conftest import one_tier_scheduler
@@ -68,16 +72,51 @@ class RecordingLink:
         return await self.receive(message.round_id, self.epoch)
 
 
-def drafted_scheduler(tmp_path: Path) -> tuple[Scheduler, RecordingLink]:
-    """A tier-3 scheduler of batches up to 2 over a tiny target and a `RecordingLink`."""
+class GatedLink(RecordingLink):
+    """A `RecordingLink` whose answer to one round waits until the test opens its gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: int | None = None  # the round whose answer waits
+        self.waiting = asyncio.Event()  # set once a receive waits at the gate
+        self.gate = asyncio.Event()
+
+    async def receive(self, round_id: int, epoch: int) -> RoundResponse:
+        if round_id == self.held:
+            self.waiting.set()
+            await self.gate.wait()
+        return await super().receive(round_id, epoch)
+
+
+R = TypeVar("R", bound=RecordingLink)
+
+
+def drafted_scheduler(tmp_path: Path, link: R) -> tuple[Scheduler, R]:
+    """A tier-3 scheduler of batches up to 2 over a tiny target and `link`."""
     worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=2, max_len=64)
-    link = RecordingLink()
     scheduler = one_tier_scheduler(worker, tier=3, max_batch=2, draft=link)
     return scheduler, link
 
 
+async def a_running(
+    scheduler: Scheduler, link: RecordingLink, tokens: int
+) -> tuple[ServedRequest, ServedRequest, asyncio.Queue[RoundStats | str], asyncio.Task[None]]:
+    """Request a ([5, 6, 7], `tokens` new) running on `scheduler`, a round of it streamed, and
+    b ([8, 9], 4 new) made but not submitted; the rounds' watch and the scheduler's task."""
+    first = ServedRequest(
+        TargetSequence("a", [5, 6, 7], SamplingParams(), max_new_tokens=tokens), events=link.events
+    )
+    second = ServedRequest(TargetSequence("b", [8, 9], SamplingParams(), max_new_tokens=4))
+    watch = scheduler.feed.watch()
+    task = asyncio.create_task(scheduler.run())
+    scheduler.submit(first)
+    await asyncio.wait_for(first.events.get(), 10)  # prefilled
+    await asyncio.wait_for(first.events.get(), 10)  # a round has streamed: rounds are going
+    return first, second, watch, task
+
+
 async def test_next_round_goes_out_before_the_results_stream(tmp_path: Path) -> None:
-    scheduler, link = drafted_scheduler(tmp_path)
+    scheduler, link = drafted_scheduler(tmp_path, RecordingLink())
     seq = TargetSequence("r", [5, 6, 7], SamplingParams(), max_new_tokens=NEW_TOKENS)
     served = ServedRequest(seq, events=link.events)
     watch = scheduler.feed.watch()
@@ -159,16 +198,8 @@ async def test_a_request_joins_beside_a_round_out_to_the_draft(tmp_path: Path) -
     work) and joins the round after it: no round waits between rounds for a prefill, every
     round after the first still goes out before its predecessor streams, and the joiner's
     tokens are those it decodes alone."""
-    scheduler, link = drafted_scheduler(tmp_path)
-    first = ServedRequest(
-        TargetSequence("a", [5, 6, 7], SamplingParams(), max_new_tokens=12), events=link.events
-    )
-    second = ServedRequest(TargetSequence("b", [8, 9], SamplingParams(), max_new_tokens=4))
-    watch = scheduler.feed.watch()
-    task = asyncio.create_task(scheduler.run())
-    scheduler.submit(first)
-    await asyncio.wait_for(first.events.get(), 10)  # prefilled
-    await asyncio.wait_for(first.events.get(), 10)  # a round has streamed: rounds are going
+    scheduler, link = drafted_scheduler(tmp_path, RecordingLink())
+    first, second, watch, task = await a_running(scheduler, link, tokens=12)
     scheduler.submit(second)
     joined: list[int] = []
     while True:
@@ -249,52 +280,30 @@ async def test_under_load_requests_join_a_group_at_a_time(tmp_path: Path) -> Non
     assert await joins_under_load(tmp_path, join_group=1) == [4, 1, 1, 1]
 
 
-class GatedLink(RecordingLink):
-    """A `RecordingLink` whose answer to one round waits until the test opens its gate."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.held: int | None = None  # the round whose answer waits
-        self.waiting = asyncio.Event()  # set once a receive waits at the gate
-        self.gate = asyncio.Event()
-
-    async def receive(self, round_id: int, epoch: int) -> RoundResponse:
-        if round_id == self.held:
-            self.waiting.set()
-            await self.gate.wait()
-        return await super().receive(round_id, epoch)
-
-
+@pytest.mark.parametrize(("budget", "beside"), [(1024, True), (1, False)])
 async def test_a_request_arriving_while_the_draft_works_joins_the_next_round(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: int, beside: bool
 ) -> None:
     """A request submitted while a round's draft answer is awaited (where a client whose last
     request just streamed sends its next) is prefilled beside that round, before its answer,
     and decodes in the very next round, where it would otherwise be admitted beside the next
-    round and join the one after."""
-    worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=2, max_len=64)
-    link = GatedLink()
-    scheduler = one_tier_scheduler(worker, tier=3, max_batch=2, draft=link)
-    first = ServedRequest(
-        TargetSequence("a", [5, 6, 7], SamplingParams(), max_new_tokens=20), events=link.events
-    )
-    second = ServedRequest(TargetSequence("b", [8, 9], SamplingParams(), max_new_tokens=4))
-    watch = scheduler.feed.watch()
-    task = asyncio.create_task(scheduler.run())
-    scheduler.submit(first)
-    await asyncio.wait_for(first.events.get(), 10)  # prefilled
-    await asyncio.wait_for(first.events.get(), 10)  # a round has streamed: rounds are going
+    round and join the one after. A prompt over `WAIT_PREFILL_TOKENS` (the answer's deadline
+    runs meanwhile) waits for that next round's start instead."""
+    monkeypatch.setattr(scheduler_module, "WAIT_PREFILL_TOKENS", budget)
+    scheduler, link = drafted_scheduler(tmp_path, GatedLink())
+    _, second, watch, task = await a_running(scheduler, link, tokens=20)
     link.held = scheduler.round_id + 1  # the round after the one out now
     await asyncio.wait_for(link.waiting.wait(), 10)
     scheduler.submit(second)
-    await asyncio.wait_for(second.events.get(), 10)  # prefilled, with the answer still held
-    assert not link.gate.is_set()
+    await asyncio.sleep(0.2)  # the loop turns while the answer is held
+    assert (second.events.qsize() > 0) is beside, "prefilled before the answer"
     link.gate.set()
     while (await asyncio.wait_for(second.events.get(), 10)).finish_reason is None:
         pass
     task.cancel()
     stats = {s.round_id: s for s in (watch.get_nowait() for _ in range(watch.qsize()))}
     held = stats[link.held]
-    assert held.timings.admit_ms > 0 and held.batch_size == 1, "b prefilled beside it"
+    assert held.batch_size == 1 and (held.timings.admit_ms > 0) is beside
     joined = min(n for n, s in stats.items() if n > link.held and s.batch_size == 2)
-    assert joined == link.held + 2, "the next round out (the hand-off took a round id)"
+    # the next round out (the hand-off took a round id), or the one after
+    assert joined == link.held + (2 if beside else 3)
