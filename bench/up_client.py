@@ -58,6 +58,8 @@ from dataclasses import asdict, astuple, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from bench.common import device_info, format_table, free_address, grouped_bars, write_json
 from bench.gpu_speedup import (
     GOODPUT,
@@ -116,7 +118,8 @@ class Served:
             return cls()
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
             text = reply.read().decode()
-        values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#")
+        families = text_string_to_metric_families(text)
+        values = {sample.name: sample.value for family in families for sample in family.samples}
         return cls(**{key: float(values.get(name, 0.0)) for key, name in SERVED.items()})
 
     def __sub__(self, other: Served) -> Served:
