@@ -307,3 +307,48 @@ async def test_a_request_arriving_while_the_draft_works_joins_the_next_round(
     joined = min(n for n, s in stats.items() if n > link.held and s.batch_size == 2)
     # the next round out (the hand-off took a round id), or the one after
     assert joined == link.held + (2 if beside else 3)
+
+
+class HoldingLink(RecordingLink):
+    """A `RecordingLink` that counts the requests the draft would hold after each message: one
+    arrives with its first inputs and leaves when a message releases it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: set[str] = set()
+        self.most = 0
+
+    async def send(self, message: RoundRequest) -> int:
+        self.held -= set(message.released_request_ids)  # a draft frees before it extends
+        self.held |= {item.request_id for item in message.inputs}
+        self.most = max(self.most, len(self.held))
+        return await super().send(message)
+
+    async def receive(self, round_id: int, epoch: int) -> RoundResponse:
+        await asyncio.sleep(SEND_S)  # the draft's work: a client's next request lands meanwhile
+        return await super().receive(round_id, epoch)
+
+
+async def test_a_join_never_finds_the_draft_holding_the_request_it_replaced(
+    tmp_path: Path,
+) -> None:
+    """A request leaves after a round's verify, once the next round is out; one admitted into
+    its place beside that next round is handed to the draft then, and the hand-off frees the
+    one that left. With a draft of as many slots as the target's batch (`up`'s 64 and 64), the
+    joiner would else find them all held and its first rounds go undrafted."""
+    scheduler, link = drafted_scheduler(tmp_path, HoldingLink())
+    task = asyncio.create_task(scheduler.run())
+
+    async def client(c: int) -> None:  # a request at a time, the next once the last ended
+        for i in range(3):
+            seq = TargetSequence(f"c{c}r{i}", [5, 6, 7 + i], SamplingParams(), 3 + 2 * i + c)
+            request = ServedRequest(seq)
+            scheduler.submit(request)
+            while (await asyncio.wait_for(request.events.get(), 10)).finish_reason is None:
+                pass
+
+    await asyncio.gather(client(0), client(1))
+    task.cancel()
+    handoffs = [r for r in link.requests if r.speculative_num_steps == 0]
+    assert len(handoffs) >= 3, "requests joined beside rounds, into the places of others"
+    assert link.most <= scheduler.max_batch

@@ -150,6 +150,17 @@ def test_a_handed_off_prompt_leaves_the_first_round_one_token() -> None:
     assert session.handoff(4, [seq], epoch=1) is None  # nothing left to hand off
 
 
+def test_a_handoff_frees_the_requests_that_left_before_its_prompts() -> None:
+    session = DraftSession(vocab_size=50)
+    seq = joined([5, 6, 7], 8)
+    session.add(seq, None)
+    session.release("gone")  # left after the round now out was sent
+    assert session.handoff(1, [], epoch=1) is None  # no prompt: the release waits
+    handoff = session.handoff(1, [seq], epoch=1)
+    assert handoff is not None and handoff.released_request_ids == ("gone",)
+    assert session.request(2, [seq], 3, epoch=1).released_request_ids == ()
+
+
 def test_a_refused_handoff_sends_the_whole_prompt_in_the_first_round() -> None:
     session = DraftSession(vocab_size=50)
     seq = joined([5, 6, 7], 8)

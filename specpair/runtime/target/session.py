@@ -200,7 +200,10 @@ class DraftSession:
         """The prompts of `seqs` the draft has not seen, handed over ahead of their first round
         (a round at tier 0: the draft only extends, and answers with empty chains); None when
         there are none. The first output token stays for the first round, which then appends
-        one token, as any later round does, instead of the whole prompt.
+        one token, as any later round does, instead of the whole prompt. Requests that left
+        since the last request go with it, freed before the prompts are taken: a joiner takes
+        the place of one that left after the round now out was sent, and a draft with as many
+        slots as the target's batch would else find them all held and refuse it.
 
         Worked example: prompt [5, 6, 7], output [8] (pending), nothing seen → appended
         (5, 6, 7) with the 2 feature rows that predicted 6, 7; the draft answers, seen = 3; the
@@ -221,7 +224,9 @@ class DraftSession:
             # the rows that predicted prompt[start:], less the first token's when start is 0
             rows = view.features.since(start - 1)[: end - max(start, 1)] if features else None
             inputs.append(DraftInput(seq.request_id, prompt, seq.sampling, rows))
-        return RoundRequest(round_id, 0, tuple(inputs)) if inputs else None
+        if not inputs:
+            return None
+        return RoundRequest(round_id, 0, tuple(inputs), self._drain_released())
 
     def _drain_released(self) -> tuple[str, ...]:
         """The requests that left since the last request went out, handed to this one."""
