@@ -7,7 +7,13 @@
 T0=$(date +%s)
 mkdir -p /tmp/site && tar -xzf .gpu/flashinfer-slim.tgz -C /tmp/site &&
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fi PYTHONUNBUFFERED=1
+# The kernels a first start compiles (flashinfer's JIT under /tmp/fi, Triton's under
+# /tmp/xdg/specpair): ~90 s of a fresh machine's first `up` of the grown pair, 2.3 MB as xz on an
+# H200 (bench/RESULTS.md, cold_start). A call may keep them for the next ones to carry: end it with
+# `tar -cJf $OUT/jit.txz /tmp/fi /tmp/xdg`, then save the file as .gpu/jit.txz here.
+[ -f .gpu/jit.txz ] && tar -xJf .gpu/jit.txz -C /
+export PYTHONPATH=/tmp/site:$PWD:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fi XDG_CACHE_HOME=/tmp/xdg
+export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 # `bash bench/gpu_run.sh tests` runs the GPU suite alone: on a fresh H200 it takes longer than 250 s
 # (61 tests in 250 s, kernels compiled on first use), too long beside the benches in one 10-minute call
