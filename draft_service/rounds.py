@@ -89,7 +89,7 @@ class DraftRounds:
             if layout is not None and config.target_path is not None
             else []
         )
-        self.builder = StateBuilder(drafter=self.drafter)
+        self.builder = StateBuilder(drafter=self.drafter, handoff_rows=config.handoff_rows)
         # Tier 0 (extend only: a target's prompt hand-off) is served whatever the tiers are.
         self.states: dict[TreeShape, SpecRuntimeState] = self.builder.build_all(
             {*config.tiers, TreeShape(0)}

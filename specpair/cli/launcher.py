@@ -14,6 +14,7 @@ from pathlib import Path
 from specpair.cli.group import Service, ServiceGroup
 from specpair.cli.options import TOKEN_ENV
 from specpair.config import (
+    MAX_HANDOFF_ROWS,
     MODELS_DIR,
     FeatureDType,
     describe_ranks,
@@ -161,6 +162,8 @@ def up_services(args: argparse.Namespace, token: str | None = None) -> tuple[lis
         window = UP_GPU_EAGLE_DRAFT_WINDOW
     if window is not None:
         target_args += ("--draft-window", str(window))
+        if 0 < window <= MAX_HANDOFF_ROWS:  # the draft extends the window's hand-offs in graphs
+            draft_args += ("--handoff-rows", str(window))
     if args.draft_kind == "eagle" and (layers := feature_layers(draft, target)):
         target_args += ("--feature-layers", ",".join(map(str, layers)))  # an EAGLE-3 head's
     env = kernel_cache_env(os.environ) | ({TOKEN_ENV: token} if token else {})

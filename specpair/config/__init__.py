@@ -21,7 +21,7 @@ from specpair.config.addresses import (
     split_list,
 )
 from specpair.config.controller import ControllerConfig
-from specpair.config.draft import DraftConfig, DraftKind
+from specpair.config.draft import MAX_HANDOFF_ROWS, DraftConfig, DraftKind
 from specpair.config.model_service import (
     BUSY_POLL_MS_CUDA,
     CANDIDATE_STEPS,
@@ -51,6 +51,7 @@ __all__ = [
     "DEFAULT_METRICS",
     "DEFAULT_RANK_TIMEOUT_FLOOR_S",
     "DEFAULT_TARGET_ADDRESS",
+    "MAX_HANDOFF_ROWS",
     "MODELS_DIR",
     "ControllerConfig",
     "DType",

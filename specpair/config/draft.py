@@ -11,6 +11,10 @@ from specpair.config.model_service import ModelServiceConfig
 from specpair.config.option import option
 from specpair.config.server_config import ServerConfig
 
+# A hand-off graph per batch bucket holds bucket × rows of the draft's activations (64 × 256
+# rows of an 8B-sized EAGLE-3 layer: ~1 GB at its MLP); a wider window's hand-offs run eagerly.
+MAX_HANDOFF_ROWS = 256
+
 
 class DraftKind(StrEnum):
     MODEL = "model"  # a standalone small LM sharing the target's tokenizer
@@ -43,6 +47,13 @@ class DraftConfig(ModelServiceConfig):
             "of max_requests)"
         ),
     )
+    handoff_rows: int = field(
+        default=0,
+        metadata=option(
+            "a target's prompt hand-off up to this many rows (its --draft-window) extends in "
+            "CUDA graphs of that width, one a batch bucket, on a GPU; 0: eagerly"
+        ),
+    )
 
     def __post_init__(self) -> None:
         self._resolve()
@@ -50,6 +61,11 @@ class DraftConfig(ModelServiceConfig):
         check(self.modes)
         if self.max_requests < 1:
             raise ValueError("max_requests must be >= 1")
+        if not 0 <= self.handoff_rows <= MAX_HANDOFF_ROWS:
+            raise ValueError(
+                f"handoff_rows must be in [0, {MAX_HANDOFF_ROWS}] (0: eagerly), "
+                f"got {self.handoff_rows}"
+            )
         if not 0 <= self.max_target_requests <= self.max_requests:
             raise ValueError(
                 f"max_target_requests must be in [0, max_requests {self.max_requests}], "

@@ -32,7 +32,7 @@ from specpair.runtime.draft.drafter import Drafter
 from specpair.runtime.draft.drafters import EagleDrafter, LMDrafter
 from specpair.runtime.draft.eager import EagerDraft, EagerExtend
 from specpair.runtime.gpu.capture import GraphCapture
-from specpair.runtime.gpu.draft_graphs import DraftGraphs
+from specpair.runtime.gpu.draft_graphs import DraftGraphs, HandoffExtend
 from specpair.runtime.gpu.prefill_graphs import PrefillGraphs
 from specpair.runtime.gpu.tree_graphs import tree_stages
 from specpair.runtime.gpu.verify_graphs import VerifyGraphs
@@ -187,7 +187,8 @@ def build_drafter(
 
 class StateBuilder:
     """Builds the states of `target` and/or `drafter` (a worker whose cache is on a GPU gets
-    CUDA graphs per bucket: `buckets`, or powers of two up to its cache's slots)."""
+    CUDA graphs per bucket: `buckets`, or powers of two up to its cache's slots; a drafter's
+    tier 0, a prompt hand-off, graphs of `handoff_rows` rows where that is positive)."""
 
     def __init__(
         self,
@@ -195,8 +196,10 @@ class StateBuilder:
         drafter: Drafter | None = None,
         *,
         buckets: Sequence[int] | None = None,
+        handoff_rows: int = 0,
     ) -> None:
         self.target, self.drafter = target, drafter
+        self.handoff_rows = handoff_rows
         self.builds = 0
         self.target_graphs: GraphCapture | None = None
         self.draft_graphs: DraftGraphs | None = None
@@ -242,6 +245,8 @@ class StateBuilder:
                     extend, draft = graphs.tier(shape.steps, extend, draft)
                 else:
                     extend, draft = tree_stages(graphs, shape, extend, draft)
+            elif graphs is not None and self.handoff_rows > 0:
+                extend = HandoffExtend(graphs, self.handoff_rows, extend)
         self.builds += 1
         return tier_state(shape, verify, extend, draft)
 

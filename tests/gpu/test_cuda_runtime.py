@@ -30,7 +30,7 @@ from specpair.runtime.build import (
 from specpair.runtime.draft.drafter import Drafter
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.gpu.capture import GraphAttention, StageGraph
-from specpair.runtime.gpu.draft_graphs import ExtendGraphs
+from specpair.runtime.gpu.draft_graphs import ExtendGraphs, HandoffExtend
 from specpair.runtime.gpu.step_graphs import StepGraphs
 from specpair.runtime.gpu.tree_graphs import TreeGraphs
 from specpair.runtime.gpu.verify_graphs import VerifyGraphs
@@ -558,3 +558,73 @@ def test_a_prompt_joining_short_rows_is_extended_apart_and_the_rows_in_a_graph(
     lengths = together.cache.lengths
     assert lengths[together.requests["c"].slot] == len(c0.appended)
     assert lengths[together.requests["a"].slot] == len(a0.appended) + len(a1.appended)
+
+
+def test_a_prompt_handoff_extends_in_a_graph_of_the_window_width(
+    gpu_ckpts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A target's prompt hand-off (tier 0: two prompts' last 32 and 20 tokens with their EAGLE-3
+    features) extends in the bucket's graph of 32 rows (`HandoffExtend`), a wider one eagerly;
+    each request's cache holds its rows, and the next round's extend, which attends over them,
+    gives the hidden rows it gives after an eager hand-off (to bf16)."""
+
+    def drafter(rows: int):  # type: ignore[no-untyped-def]
+        gc.collect()
+        d = build_drafter(
+            gpu_ckpts["eagle3"],
+            target_path=gpu_ckpts["target4"],
+            max_requests=4,
+            max_len=256,
+            dtype=BF16,
+            device="cuda",
+        )
+        states = StateBuilder(None, d, handoff_rows=rows).build_all([0, 3])
+        return d, states[0], states[3]
+
+    graphs, handoff, tier = drafter(32)
+    eager, eager_handoff, eager_tier = drafter(0)
+    assert isinstance(handoff.extend, HandoffExtend)
+    assert not isinstance(eager_handoff.extend, HandoffExtend)
+    gen = torch.Generator().manual_seed(0)
+    width = graphs.feature_width
+
+    def rows(n: int) -> Tensor:
+        return torch.randn(n, width, generator=gen).to(BF16)
+
+    greedy = SamplingParams()
+    prompts = {"a": tuple(range(10, 42)), "b": tuple(range(60, 80))}
+    handed = [DraftInput(rid, p, greedy, rows(len(p) - 1)) for rid, p in prompts.items()]
+    wide = DraftInput("c", tuple(range(100, 140)), greedy, rows(39))  # past the graph's 32
+    # the first round after a hand-off: the first output token, with the prompt's last row
+    first = [DraftInput(rid, (7,), greedy, rows(1)) for rid in prompts]
+    widths: list[int] = []  # of the extend graphs replayed
+    capture = tier.extend.graphs.capture
+    replay = capture.replay
+
+    def counted(g: StageGraph) -> None:
+        if "tokens" in g.inputs:
+            widths.append(g.inputs["tokens"].shape[1])
+        replay(g)
+
+    monkeypatch.setattr(capture, "replay", counted)
+    hidden: dict[str, list[Tensor]] = {"graphs": [], "eager": []}
+    for name, state in (("graphs", tier), ("eager", eager_tier)):
+        run = state.extend.run
+
+        def recording(inputs, slots, run=run, out=hidden[name]):  # type: ignore[no-untyped-def]
+            h = run(inputs, slots)
+            out.append(h[: len(inputs)].float().clone())
+            return h
+
+        monkeypatch.setattr(state.extend, "run", recording)
+    with torch.inference_mode():
+        for d, h, t in ((graphs, handoff, tier), (eager, eager_handoff, eager_tier)):
+            assert d.draft(handed, h) == [chain(())] * 2
+            d.draft([wide], h)
+            if d is graphs:
+                assert widths == [32], "the two prompts in the 32-row graph, the 40 eagerly"
+            for rid, p in (*prompts.items(), ("c", wide.appended)):
+                assert d.cache.lengths[d.requests[rid].slot] == len(p) - 1  # EAGLE: a row less
+            d.draft(first, t)
+    (ours,), (theirs,) = hidden["graphs"], hidden["eager"]
+    torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.05)

@@ -428,7 +428,7 @@ def test_lab_switches_are_environment_variables_not_flags(
         (["--draft-window", "8"], 8),
     ],
 )
-def test_up_gives_the_target_its_draft_window(
+def test_up_gives_the_target_its_draft_window_and_the_draft_graphs_of_its_width(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, argv: list[str], window: int
 ) -> None:
     from specpair.cli.launcher import up_services
@@ -437,5 +437,7 @@ def test_up_gives_the_target_its_draft_window(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     parser = build_parser()
     services, _ = up_services(parser.parse_args(["up", *argv]))
-    target = next(s for s in services if s.name == "target")
+    target, draft = (next(s for s in services if s.name == n) for n in ("target", "draft"))
     assert config_from_args(parser.parse_args(["serve", *target.args])).draft_window == window
+    # the draft extends the window's hand-offs in CUDA graphs of its width
+    assert config_from_args(parser.parse_args(["serve", *draft.args])).handoff_rows == window

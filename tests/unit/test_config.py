@@ -83,6 +83,9 @@ def test_the_front_door_settings_are_checked_once(monkeypatch: pytest.MonkeyPatc
             target(**bad)
     with pytest.raises(ValueError, match="max_target_requests must be in"):
         DraftConfig(ServerConfig("127.0.0.1:0"), Path("d"), max_requests=8, max_target_requests=9)
+    for rows in (-1, 257):
+        with pytest.raises(ValueError, match=r"handoff_rows must be in \[0, 256\]"):
+            DraftConfig(ServerConfig("127.0.0.1:0"), Path("d"), handoff_rows=rows)
 
 
 def test_the_api_key_is_an_option_whose_value_help_never_shows(

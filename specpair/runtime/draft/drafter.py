@@ -85,7 +85,7 @@ class Drafter(DraftForward):
         self.last_gpu_ms = 0.0
         t0 = time.perf_counter()
         if state.tier == 0:
-            self.extend(inputs, slots)
+            state.extend_stage().run(inputs, slots)
             self.last_times = (time.perf_counter() - t0, 0.0)
             return [chain(())] * len(inputs)
         extend, draft = self._stages(state)

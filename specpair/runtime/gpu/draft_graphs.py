@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from specpair.runtime.feature_rows import FeatureRows
 from specpair.runtime.gpu.capture import (
     GraphAttention,
     GraphCapture,
@@ -83,6 +84,21 @@ class DraftGraphs:
         for slot, end in zip(slots, ends, strict=True):
             self.cache.reserve(slot, end)
         attns[0].plan_pages(slots)
+
+    def replay_extend(
+        self, ext: StageGraph, tokens: Tensor, feats: list[FeatureRows] | None, lengths: list[int]
+    ) -> Tensor:
+        """Replays `ext`, planned for these rows (`extend_inputs`' tokens [B, t], features and
+        lengths), padded to its bucket and width: each request's last hidden [bucket, 1, H]."""
+        bucket, width = ext.inputs["tokens"].shape
+        ext.load("tokens", pad2d(tokens, bucket, width))
+        last = torch.zeros(bucket, dtype=torch.long)
+        last[: len(lengths)] = torch.tensor(lengths) - 1
+        ext.load("last", last)
+        if feats is not None:
+            ext.load_rows("features", feats)
+        self.capture.replay(ext)
+        return ext.outputs["hidden"]
 
     def plan_extend(self, ext: StageGraph, slots: list[int], starts: list[int]) -> None:
         """An extend graph's attention and positions for requests appending after `starts`: a
@@ -161,15 +177,7 @@ class ExtendGraphs:
             o.plan_extend(ext, slots, starts)
         if ext is None:
             return d.extend_forward(tokens, feats, positions, layout, lengths)
-        tg = ext.inputs["tokens"].shape[1]
-        ext.load("tokens", pad2d(tokens, bucket, tg))
-        last = torch.zeros(bucket, dtype=torch.long)
-        last[: len(lengths)] = torch.tensor(lengths) - 1
-        ext.load("last", last)
-        if feats is not None:
-            ext.load_rows("features", feats)
-        o.capture.replay(ext)
-        return ext.outputs["hidden"]
+        return o.replay_extend(ext, tokens, feats, lengths)
 
     def _grouped(
         self, inputs: Sequence[DraftInput], slots: list[int], groups: list[list[int]]
@@ -184,3 +192,37 @@ class ExtendGraphs:
             out[group] = hidden[: len(group)]
         assert out is not None
         return out
+
+
+class HandoffExtend:
+    """Tier 0's extend, a target's prompt hand-off (`DraftSession.handoff`: the last `width`
+    tokens of each joiner's prompt with a draft window), in the bucket's extend graph of
+    `width` rows, planned in line; a wider hand-off, or one whose padding would pass a slot's
+    end, runs eagerly. Eagerly a hand-off of 32 EAGLE-3 rows costs the draft milliseconds of
+    launches on the way to the target's next round (an H200 at 8 clients: ~1 ms a round of
+    the target waiting for the hand-off's answer, bench/RESULTS.md "Steady cells"). It never
+    replays the graph holding the plan a tier made ahead (`DraftGraphs.planned`): a hand-off
+    comes between that plan and its round."""
+
+    plans_ahead = False
+    ahead = 0
+
+    def __init__(self, graphs: DraftGraphs, width: int, eager: ExtendStage) -> None:
+        self.graphs, self.width, self.cache, self.eager = graphs, width, graphs.cache, eager
+        graphs.capture.timed(f"hand-off {width}", lambda: graphs.extend_graphs(width))
+
+    def prepare(self, slots: list[int]) -> None:
+        return None
+
+    def run(self, inputs: Sequence[DraftInput], slots: list[int]) -> Tensor:
+        o, cache = self.graphs, self.cache
+        bucket = bucket_of(len(inputs), o.capture.buckets)
+        ext = None if bucket is None else o.extends.get((bucket, self.width))
+        starts = [cache.lengths[slot] for slot in slots]
+        held = None if o.planned is None else o.planned[1]
+        wide = max(len(item.appended) for item in inputs) > self.width
+        if ext is None or ext is held or wide or max(starts) + self.width > cache.max_len:
+            return self.eager.run(inputs, slots)
+        tokens, feats, _, _, lengths = o.model.extend_inputs(inputs, slots)
+        o.plan_extend(ext, slots, starts)
+        return o.replay_extend(ext, tokens, feats, lengths)
