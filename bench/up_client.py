@@ -30,7 +30,9 @@ rounds table, on a GPU) is the ratio the cell's acceptance would give were specu
 only its GPU work to the target alone's round (`gpu_bound`). `ttft ms` is the target's mean
 time to first token over the cell (its exporter, scraped before and after: a request's queue and
 prefill), `wire ms` a client's mean call beyond the target's mean latency (the request's way in,
-its last token's way out, the SDK). Held-out code
+its last token's way out, the SDK), `undrafted` the request-rounds decoded without drafts
+against their tier (a draft that refused a request for want of a slot, failed, or was late: 0
+in a healthy cell). Held-out code
 prompts (`bench.prompts`), greedy and T = 0.7 top-p 0.95 with a seed per request.
 
     python -m bench.up_client --draft-kind eagle3 --batches 1 8 --requests 8 32 \\
@@ -93,23 +95,27 @@ DOORS = ("openai", "http", "sdk")
 Door = Callable[[list[int], int, Any], int]  # (prompt ids, max tokens, sampling) -> tokens
 
 
-SERVED = {  # the target's exporter's families `Served` sums
+SERVED = {  # the target's exporter's samples `Served` sums (over their labels)
     "ttft_s": "specpair_target_time_to_first_token_seconds_sum",
     "ttft_count": "specpair_target_time_to_first_token_seconds_count",
     "latency_s": "specpair_target_request_latency_seconds_sum",
     "latency_count": "specpair_target_request_latency_seconds_count",
+    "undrafted": "specpair_target_plain_rounds_total",
 }
 
 
 @dataclass
 class Served:
     """What the target's exporter counts of the requests it served: sums and counts of their
-    time to first token and latency (s), as read, or their growth over a cell."""
+    time to first token and latency (s), and the rounds a request was decoded without drafts
+    against its tier (a draft that refused it for want of a slot, failed or was late; every
+    reason), as read, or their growth over a cell."""
 
     ttft_s: float = 0.0
     ttft_count: float = 0.0
     latency_s: float = 0.0
     latency_count: float = 0.0
+    undrafted: float = 0.0
 
     @classmethod
     def read(cls, address: str) -> Served:
@@ -118,9 +124,11 @@ class Served:
             return cls()
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
             text = reply.read().decode()
-        families = text_string_to_metric_families(text)
-        values = {sample.name: sample.value for family in families for sample in family.samples}
-        return cls(**{key: float(values.get(name, 0.0)) for key, name in SERVED.items()})
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+        return cls(**{key: values.get(name, 0.0) for key, name in SERVED.items()})
 
     def __sub__(self, other: Served) -> Served:
         return Served(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
@@ -516,11 +524,12 @@ def render(cells: Sequence[UpCell]) -> str:
          "-" if c.steady_speedup is None else f"{c.steady_speedup:.2f}",
          "-" if c.spread is None else f"{100 * c.spread:.0f} %",
          "-" if c.ttft_ms is None else f"{c.ttft_ms:.1f}",
-         "-" if c.wire_ms is None else f"{c.wire_ms:.1f}"]
+         "-" if c.wire_ms is None else f"{c.wire_ms:.1f}",
+         f"{c.served.undrafted:.0f}"]
         for c in cells
     ]  # fmt: skip
     headers = ["config", "door", "workload", "batch", "tok/s", "x tier 0", "steady x", "spread"]
-    headers += ["ttft ms", "wire ms"]
+    headers += ["ttft ms", "wire ms", "undrafted"]
     return format_table(headers, rows)
 
 

@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 
 from bench.common import free_port
-from bench.up_client import Served, UpCell, fill_ratios, gpu_bound, main, steady, turn_order
+from bench.up_client import (
+    Served,
+    UpCell,
+    fill_ratios,
+    gpu_bound,
+    main,
+    render,
+    steady,
+    turn_order,
+)
 from specpair.rpc.metrics import ServiceMetrics
 
 
@@ -78,21 +87,27 @@ def test_a_policy_file_runs_once(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "--repeats N > 1" in capsys.readouterr().err
 
 
-def test_a_cells_ttft_and_wire_come_from_the_targets_exporter_over_the_cell() -> None:
+def test_a_cells_ttft_wire_and_undrafted_rounds_come_from_the_targets_exporter() -> None:
     metrics = ServiceMetrics("target")
     port = free_port()
     metrics.serve("127.0.0.1", port)
     address = f"127.0.0.1:{port}"
     metrics.ttft.observe(9.0)  # before the cell: not its own
     metrics.request_latency.observe(9.0)
+    metrics.fallback_rounds.labels("draft_error").inc()
     before = Served.read(address)
     for ttft, latency in ((0.010, 0.200), (0.030, 0.400)):
         metrics.ttft.observe(ttft)
         metrics.request_latency.observe(latency)
+    # request-rounds without drafts, every reason summed: two refused (no slot), one late
+    metrics.fallback_rounds.labels("draft_refused").inc(2)
+    metrics.fallback_rounds.labels("draft_timeout").inc()
     cell = UpCell("tier 7", "sdk", "code greedy", 2, 256, 1.0)
     cell.served += Served.read(address) - before
     cell.client_s, cell.requests = 0.205 + 0.415, 2  # each call 5 / 15 ms beyond its latency
     assert cell.ttft_ms == pytest.approx(20.0)
     assert cell.wire_ms == pytest.approx(10.0)
+    assert cell.served.undrafted == 3
+    assert render([cell]).splitlines()[-1].split()[-1] == "3"
     assert Served.read("") == Served()  # no exporter: nothing read, no means
     assert UpCell("tier 7", "sdk", "code greedy", 2, 0, 1.0).ttft_ms is None
