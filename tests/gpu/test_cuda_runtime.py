@@ -499,6 +499,22 @@ def tier_3_drafters(
     return out
 
 
+def extend_widths(monkeypatch: pytest.MonkeyPatch, tier: SpecRuntimeState) -> list[int]:
+    """The widths of the extend graphs `tier`'s draft graphs replay from now on, in order."""
+    assert isinstance(tier.extend, ExtendGraphs)
+    widths: list[int] = []
+    capture = tier.extend.graphs.capture
+    replay = capture.replay
+
+    def counted(g: StageGraph) -> None:
+        if "tokens" in g.inputs:
+            widths.append(g.inputs["tokens"].shape[1])
+        replay(g)
+
+    monkeypatch.setattr(capture, "replay", counted)
+    return widths
+
+
 def test_a_prompt_joining_a_request_deep_in_its_context_is_drafted(
     gpu_ckpts: dict[str, Path],
 ) -> None:
@@ -536,16 +552,7 @@ def test_a_prompt_joining_short_rows_is_extended_apart_and_the_rows_in_a_graph(
     )
     a1, b1 = DraftInput("a", (9, 4), greedy), DraftInput("b", (8, 3), greedy)
     c0 = DraftInput("c", (*range(100, 139), 5), greedy)
-    widths: list[int] = []  # of the extend graphs replayed
-    capture = tier.extend.graphs.capture
-    replay = capture.replay
-
-    def counted(g: StageGraph) -> None:
-        if "tokens" in g.inputs:
-            widths.append(g.inputs["tokens"].shape[1])
-        replay(g)
-
-    monkeypatch.setattr(capture, "replay", counted)
+    widths = extend_widths(monkeypatch, tier)
     with torch.inference_mode():
         together.draft([a0, b0], tier)
         widths.clear()
@@ -597,16 +604,7 @@ def test_a_prompt_handoff_extends_in_a_graph_of_the_window_width(
     wide = DraftInput("c", tuple(range(100, 140)), greedy, rows(39))  # past the graph's 32
     # the first round after a hand-off: the first output token, with the prompt's last row
     first = [DraftInput(rid, (7,), greedy, rows(1)) for rid in prompts]
-    widths: list[int] = []  # of the extend graphs replayed
-    capture = tier.extend.graphs.capture
-    replay = capture.replay
-
-    def counted(g: StageGraph) -> None:
-        if "tokens" in g.inputs:
-            widths.append(g.inputs["tokens"].shape[1])
-        replay(g)
-
-    monkeypatch.setattr(capture, "replay", counted)
+    widths = extend_widths(monkeypatch, tier)
     hidden: dict[str, list[Tensor]] = {"graphs": [], "eager": []}
     for name, state in (("graphs", tier), ("eager", eager_tier)):
         run = state.extend.run
