@@ -380,11 +380,24 @@ def anatomy(rounds: Sequence[RoundStats]) -> dict[str, float]:
     }
     for stage in STAGES:
         out[stage] = sum(getattr(r.timings, f"{stage}_ms") for r in rounds) / n
+    out["at_7"] = share_at(rounds, 7)
     # joining comes in spikes (a wave of joiners, then none): its median and largest round
     for stage in ("admit", "handoff"):
         ms = sorted(getattr(r.timings, f"{stage}_ms") for r in rounds)
         out[f"{stage}_p50"], out[f"{stage}_max"] = ms[n // 2], ms[-1]
     return out
+
+
+def share_at(rounds: Sequence[RoundStats], steps: int) -> float:
+    """The share of drafted request-rounds that ran `steps` drafts: what a policy chose, where
+    tokens/s alone cannot tell a tier's choice from the machine's noise. Rounds at [7, 7, 3]
+    with batches of 2, 2, 4: 4 of 8, 0.5."""
+    tiers = [
+        s
+        for r in rounds
+        for s in (r.request_steps or (r.speculative_num_steps,) * len(r.accept_lengths))
+    ]
+    return sum(s == steps for s in tiers) / len(tiers) if tiers else 0.0
 
 
 Cells = dict[tuple[str, str, str, int], UpCell]  # (config, door, workload, batch) → its cell
@@ -544,13 +557,15 @@ def render_anatomy(cells: Sequence[UpCell]) -> str:
             f"{c.rounds['rounds']:.0f}",
             f"{c.rounds['batch']:.1f}",
             f"{c.rounds['accept']:.2f}",
+            f"{c.rounds.get('at_7', 0.0):.2f}",
             *(f"{c.rounds[stage]:.2f}" for stage in STAGES),
             "-" if c.gpu_bound is None else f"{c.gpu_bound:.2f}",
         ]
         for c in cells
         if c.rounds
     ]
-    headers = ["config", "workload", "clients", "rounds", "batch", "accept", *STAGES, "GPU bound x"]
+    headers = ["config", "workload", "clients", "rounds", "batch", "accept", "at 7", *STAGES]
+    headers += ["GPU bound x"]
     return format_table(headers, rows)
 
 

@@ -16,10 +16,12 @@ from bench.up_client import (
     gpu_bound,
     main,
     render,
+    share_at,
     steady,
     turn_order,
 )
 from specpair.rpc.metrics import ServiceMetrics
+from specpair.runtime.round_messages import RoundStats, StageTimings
 
 
 def test_the_window_ends_at_the_last_start_and_counts_tokens_by_time_inside_it() -> None:
@@ -111,3 +113,27 @@ def test_a_cells_ttft_wire_and_undrafted_rounds_come_from_the_targets_exporter()
     assert render([cell]).splitlines()[-1].split()[-1] == "3"
     assert Served.read("") == Served()  # no exporter: nothing read, no means
     assert UpCell("tier 7", "sdk", "code greedy", 2, 0, 1.0).ttft_ms is None
+
+
+def test_the_share_at_a_tier_counts_drafted_request_rounds_by_their_own_tier() -> None:
+    def stats(
+        steps: int, accepts: tuple[int, ...], request_steps: tuple[int, ...] = ()
+    ) -> RoundStats:
+        return RoundStats(
+            round_id=0,
+            speculative_num_steps=steps,
+            batch_size=len(accepts),
+            accept_lengths=accepts,
+            speculative=steps > 0,
+            timings=StageTimings(),
+            unix_time=0.0,
+            request_steps=request_steps,
+        )
+
+    # the docstring's example: batches of 2, 2 at 7 and 4 at 3; a tier-0 round counts nothing
+    rounds = [stats(7, (1, 2)), stats(7, (0, 7)), stats(3, (1, 1, 3, 0)), stats(0, ())]
+    assert share_at(rounds, 7) == 0.5
+    assert share_at(rounds, 3) == 0.5
+    # a request's own tier, where the round names one, is the one counted
+    assert share_at([stats(7, (1, 2), request_steps=(7, 3))], 7) == 0.5
+    assert share_at([stats(0, ())], 7) == 0.0
