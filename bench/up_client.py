@@ -32,7 +32,7 @@ time to first token over the cell (its exporter, scraped before and after: a req
 prefill), `wire ms` a client's mean call beyond the target's mean latency (the request's way in,
 its last token's way out, the SDK), `undrafted` the request-rounds decoded without drafts
 against their tier (a draft that refused a request for want of a slot, failed, or was late: 0
-in a healthy cell). Held-out code
+in a healthy cell), `switches` the tier switches the target applied over the cell. Held-out code
 prompts (`bench.prompts`), greedy and T = 0.7 top-p 0.95 with a seed per request.
 
     python -m bench.up_client --draft-kind eagle3 --batches 1 8 --requests 8 32 \\
@@ -101,6 +101,7 @@ SERVED = {  # the target's exporter's samples `Served` sums (over their labels)
     "latency_s": "specpair_target_request_latency_seconds_sum",
     "latency_count": "specpair_target_request_latency_seconds_count",
     "undrafted": "specpair_target_plain_rounds_total",
+    "switches": "specpair_target_tier_switches_total",
 }
 
 
@@ -116,6 +117,7 @@ class Served:
     latency_s: float = 0.0
     latency_count: float = 0.0
     undrafted: float = 0.0
+    switches: float = 0.0  # tier switches the target applied
 
     @classmethod
     def read(cls, address: str) -> Served:
@@ -538,11 +540,11 @@ def render(cells: Sequence[UpCell]) -> str:
          "-" if c.spread is None else f"{100 * c.spread:.0f} %",
          "-" if c.ttft_ms is None else f"{c.ttft_ms:.1f}",
          "-" if c.wire_ms is None else f"{c.wire_ms:.1f}",
-         f"{c.served.undrafted:.0f}"]
+         f"{c.served.undrafted:.0f}", f"{c.served.switches:.0f}"]
         for c in cells
     ]  # fmt: skip
     headers = ["config", "door", "workload", "batch", "tok/s", "x tier 0", "steady x", "spread"]
-    headers += ["ttft ms", "wire ms", "undrafted"]
+    headers += ["ttft ms", "wire ms", "undrafted", "switches"]
     return format_table(headers, rows)
 
 

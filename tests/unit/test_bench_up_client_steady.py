@@ -104,13 +104,15 @@ def test_a_cells_ttft_wire_and_undrafted_rounds_come_from_the_targets_exporter()
     # request-rounds without drafts, every reason summed: two refused (no slot), one late
     metrics.fallback_rounds.labels("draft_refused").inc(2)
     metrics.fallback_rounds.labels("draft_timeout").inc()
+    metrics.tier_switches.inc(4)
     cell = UpCell("tier 7", "sdk", "code greedy", 2, 256, 1.0)
     cell.served += Served.read(address) - before
     cell.client_s, cell.requests = 0.205 + 0.415, 2  # each call 5 / 15 ms beyond its latency
     assert cell.ttft_ms == pytest.approx(20.0)
     assert cell.wire_ms == pytest.approx(10.0)
     assert cell.served.undrafted == 3
-    assert render([cell]).splitlines()[-1].split()[-1] == "3"
+    assert cell.served.switches == 4
+    assert render([cell]).splitlines()[-1].split()[-2:] == ["3", "4"]
     assert Served.read("") == Served()  # no exporter: nothing read, no means
     assert UpCell("tier 7", "sdk", "code greedy", 2, 0, 1.0).ttft_ms is None
 
