@@ -9,8 +9,10 @@ SGLang rule) on free ports and changes nothing behind it but what the ops API of
 - `sglang`: the policy `up` starts with (SGLang's rule over tiers 1/3/7, counting a full
   chain's expected tail), first, untouched (`policy` instead with `--policy FILE`: `up
   --policy FILE`'s); on a later turn set again from tier 3;
-- `verbatim`: SGLang's rule as SGLang counts (`expect_tail=false`), set live, afresh from
-  tier 3 (`up`'s first tier);
+- `verbatim`: SGLang's rule as SGLang counts (`expect_tail=false`), set live,
+  afresh from tier 3 (`up`'s first tier);
+- `sglang KEY=VALUE …` (`--variant KEY=VALUE …`): the sglang kind with those keys changed, set
+  live, afresh from tier 3;
 - `goodput`: the goodput kind over tiers 0/1/3/7, set live (`ctl policy kind=goodput …`),
   afresh from tier 3;
 - `tier 0`: pinned to tier 0, the target alone (`up` builds its runtime state at start-up so
@@ -75,6 +77,7 @@ from bench.services import add_lab_arg, lab_env, lab_fields, rounds_watched, wai
 from specpair.cli.launcher import READY
 from specpair.cli.options import TOKEN_ENV
 from specpair.client import ControllerClient, SpecpairClient, SpecpairError
+from specpair.client.requests import build_policy_update
 from specpair.config import FeatureDType
 from specpair.runtime.round_messages import RoundStats
 
@@ -141,7 +144,7 @@ class Served:
 
 @dataclass
 class UpCell:
-    config: str  # "tier 0" | "tier 7" | "sglang" | "verbatim" | "goodput"
+    config: str  # "tier 0" | "tier 7" | "sglang" | "sglang KEY=VALUE" | "verbatim" | "goodput"
     door: str  # "openai" | "sdk"
     workload: str
     batch: int
@@ -466,7 +469,9 @@ def apply(ctl: ControllerClient, config: str, afresh: bool) -> None:
     start-up: set again from tier 3, after a turn of others; false only on the first turn,
     where it is untouched."""
     if config == "sglang" and afresh:
-        sglang_from_tier_3(ctl, expect_tail=True)
+        sglang_from_tier_3(ctl)
+    elif config.startswith("sglang "):  # a variant: "sglang expect_tail=false ema_alpha=0.5"
+        sglang_from_tier_3(ctl, **dict(kv.split("=", 1) for kv in config.split()[1:]))
     elif config.startswith("tier "):
         tier = int(config.removeprefix("tier "))
         try:
@@ -485,11 +490,12 @@ def apply(ctl: ControllerClient, config: str, afresh: bool) -> None:
     time.sleep(0.3)
 
 
-def sglang_from_tier_3(ctl: ControllerClient, expect_tail: bool) -> None:
-    """The sglang kind over tiers 1/3/7 afresh (its EMA, its count) from tier 3, `up`'s first."""
+def sglang_from_tier_3(ctl: ControllerClient, **changes: Any) -> None:
+    """The sglang kind over tiers 1/3/7 afresh (its EMA, its count) from tier 3, `up`'s first,
+    its keys at their defaults but `changes` (`ctl policy`'s KEY=VALUE strings, or values)."""
     ctl.pin(3)
     ctl.update_policy(**GOODPUT)  # another kind between: the sglang kind starts afresh
-    ctl.update_policy(kind="sglang", candidate_steps="1,3,7", expect_tail=expect_tail)
+    ctl.update_policy(kind="sglang", candidate_steps="1,3,7", **changes)
     ctl.unpin()
 
 
@@ -628,6 +634,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="configurations left out",
     )
     parser.add_argument(
+        "--variant",
+        nargs="+",
+        metavar="KEY=VALUE",
+        help="one more configuration: the sglang kind with these keys changed",
+    )
+    parser.add_argument(
         "--warm",
         action="store_true",
         help="run every cell once unrecorded first (the first config otherwise "
@@ -641,6 +653,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/out/up_client.json"))
     args = parser.parse_args(argv)
     counts = request_counts(parser, args.batches, args.requests)
+    if args.variant:
+        try:
+            if not all("=" in kv for kv in args.variant):
+                raise ValueError("each must be KEY=VALUE")
+            build_policy_update(**dict(kv.split("=", 1) for kv in args.variant))
+        except ValueError as exc:
+            parser.error(f"--variant {' '.join(args.variant)}: {exc}")
     if args.policy and args.repeats > 1:
         parser.error(
             "--repeats N > 1 runs each configuration N times, and --policy's can only run as "
@@ -659,7 +678,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ]  # fmt: skip
     # the pins come last: SGLang's rule lists no tier 0, the goodput kind does (`apply`)
     first = "policy" if args.policy else "sglang"  # up's own, or the one given
-    configs = [first, "verbatim", "goodput", "tier 0", *(f"tier {t}" for t in args.tiers)]
+    variant = ["sglang " + " ".join(args.variant)] if args.variant else []
+    configs = [first, *variant, "verbatim", "goodput", "tier 0", *(f"tier {t}" for t in args.tiers)]
     configs = [c for c in configs if c.split()[0] not in args.skip]
     command = up_command(args, target, draft)
     pooled: Cells = {}  # each cell once, in the order of its first run; later turns add to it

@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 from controller.policies.goodput.acceptance import AcceptanceModel
-from controller.policies.interface import GatedPolicy, RoundSample, TierEstimate, snap_to_candidate
+from controller.policies.goodput.cost import CostModel
+from controller.policies.interface import (
+    GatedPolicy,
+    RoundSample,
+    TierEstimate,
+    as_tier,
+    snap_to_candidate,
+)
 from specpair.runtime.shape import MAX_TREE_NODES, ShapeError, TreeShape, parse_tiers
 
 # Sane ranges. A value past these is a typo or an attack, never a policy: 2^31 − 1 batches
@@ -71,6 +78,12 @@ class PolicyConfig(PolicyKeys):
     # below the largest can hold the EMA under its own up-threshold (at 3 the EMA can never pass
     # 3, and a pair accepting 4.3 of 7 accepts ~2.3 of 3: under 2.5, so it stays at 3).
     expect_tail: bool = True
+    # A move the thresholds call for is made only where the round times say it gains: the tier
+    # it would leave for runs faster by the predicted tokens per ms (`RoundCost`). SGLang's
+    # thresholds read acceptance alone; at small batches, where a verify's extra rows are
+    # nearly free, they left tier 7 for 3 at T 0.7 (accepting ~2.4 of 7), and lost ~9 % at
+    # batch 1 on an H200. False: SGLang's rule.
+    cost_guard: bool = True
 
     def __post_init__(self) -> None:
         steps = self.candidate_steps
@@ -91,8 +104,9 @@ class PolicyConfig(PolicyKeys):
                     f"{name} must be in [-{MAX_HYSTERESIS:g}, {MAX_HYSTERESIS:g}], got {value:g}"
                 )
             object.__setattr__(self, name, value)
-        if not isinstance(self.expect_tail, bool):
-            raise ValueError(f"expect_tail must be true or false, got {self.expect_tail!r}")
+        for name in ("expect_tail", "cost_guard"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
     @property
     def tiers(self) -> tuple[TreeShape, ...]:
@@ -187,6 +201,9 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
     there too), the count is SGLang's. Worked example: α 0.82 at tier 3 accepts 2.05 a round,
     0.55 of the rounds all three; counted 2.05 + 0.55 × 2.50 = 3.43, tier 7's own 3.43: over
     2.5, so up to 7.
+
+    With `cost_guard` (the default) a move the thresholds call for is made only where the tier
+    it goes to is predicted to give more tokens per ms (`_gains`).
     """
 
     def __init__(self, config: PolicyConfig, initial: int | TreeShape) -> None:
@@ -194,6 +211,8 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
         # Neutral start: a tier of s drafts is "right" when about s − 1 of them are accepted.
         self._ema = float(self.current_steps - 1)
         self._acceptance = AcceptanceModel(ACCEPTANCE_DECAY)
+        self._cost = CostModel(config.ema_alpha)  # `cost_guard`'s round times
+        self._batch = 0  # the last drafted round's
 
     @property
     def draft_acceptance(self) -> float | None:
@@ -212,6 +231,9 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
         """`update` with a round's accept lengths; rounds without drafts leave the EMA alone."""
         if not sample.speculative:
             return False
+        if self.config.cost_guard:
+            self._cost.observe(sample)
+            self._batch = sample.batch_size
         steps = sample.request_steps or (sample.steps,) * len(sample.accept_lengths)
         return self.update(sample.accept_lengths, steps)
 
@@ -232,6 +254,7 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
         return (
             f"sglang: EMA accept length {self._ema:.2f}{tail} over {self.count} batches; "
             f"at {steps}: down when EMA <= {down}, up when EMA > {up}"
+            + (", where the round times say the move gains" if self.config.cost_guard else "")
         )
 
     def update(self, accept_lengths: Sequence[int], steps: Sequence[int] = ()) -> bool:
@@ -241,6 +264,11 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
             return False
         if any(a < 0 for a in accept_lengths):
             raise ValueError(f"accept_lengths must be >= 0, got {list(accept_lengths)}")
+        steps = steps or (self.current_steps,) * len(accept_lengths)
+        if len(steps) != len(accept_lengths):
+            raise ValueError(f"{len(accept_lengths)} accept lengths, {len(steps)} tiers")
+        if self.config.expect_tail or self.config.cost_guard:
+            self._acceptance.observe(max(steps), accept_lengths, steps)
         counted = (
             self._with_tails(accept_lengths, steps) if self.config.expect_tail else accept_lengths
         )
@@ -250,10 +278,6 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
         return self._gate.tick() and self._decide()
 
     def _with_tails(self, accept_lengths: Sequence[int], steps: Sequence[int]) -> tuple[float, ...]:
-        steps = steps or (self.current_steps,) * len(accept_lengths)
-        if len(steps) != len(accept_lengths):
-            raise ValueError(f"{len(accept_lengths)} accept lengths, {len(steps)} tiers")
-        self._acceptance.observe(max(steps), accept_lengths, steps)
         # The pooled rate, not each position's own, as measured (bench/RESULTS.md, "The default
         # policy"): rates learnt at 7 for positions 4-7, lower than 1-3's, read the tail lower
         # and at T 0.7 held the rule at 3 more (a CPU simulation with rates falling 0.80 → 0.60
@@ -273,8 +297,33 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
             i -= 1
         while i < len(c) - 1 and self._ema > c[i] - 0.5 + self.config.up_hysteresis:
             i += 1
+        if c[i] != old and self.config.cost_guard and not self._gains(old, c[i]):
+            return False
         self._tier = TreeShape(c[i])
         return c[i] != old
+
+    def _gains(self, old: int, new: int) -> bool:
+        """Whether tier `new` yields more tokens per ms than `old` at the last round's batch:
+        tokens a request gains per round (1 + α + … + α^s, α the pooled acceptance) over the round's
+        time (`CostModel.round_ms`: an unmeasured tier predicted from a measured one by the
+        draft's time per step, the verify flat until two tiers are measured). True where no
+        time is known: the thresholds decide. Worked example, batch 1 at T 0.7 on an H200:
+        tier 7's round 10.4 ms, 3.0 of it the draft's 7 steps → tier 3's 10.4 − 4 · 0.43 = 8.7
+        ms (8.4 measured); acceptance 0.74 a position: 3.5 tokens at 7, 2.7 at 3; 0.34 against
+        0.31 tokens a ms: no move down."""
+        b = self._batch
+
+        def tokens(tier: int | TreeShape) -> float:  # the sglang kind's tiers are chains
+            # the pooled rate, as `expect_tail`'s: positions 4-7's own, learnt in a few rounds
+            # at 7 and then left standing at 3, read the long chain low and held a good pair
+            # at 3 (a CPU simulation at a uniform 0.74: 0.50 learnt at 5 and 6)
+            return 1.0 + self._acceptance.pooled_tail(as_tier(tier).steps)
+
+        now = self._cost.round_ms(old, b, tokens) if b else None
+        then = self._cost.round_ms(new, b, tokens) if b else None
+        if now is None or then is None:
+            return True
+        return tokens(new) / then > tokens(old) / now
 
     def reconfigure(self, config: PolicyConfig) -> bool:
         """Swaps in `config`, keeping the EMA and batch count; the tier snaps to the new

@@ -139,3 +139,19 @@ def test_the_share_at_a_tier_counts_drafted_request_rounds_by_their_own_tier() -
     # a request's own tier, where the round names one, is the one counted
     assert share_at([stats(7, (1, 2), request_steps=(7, 3))], 7) == 0.5
     assert share_at([stats(0, ())], 7) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("variant", "message"),
+    [
+        (["cost_guard"], "each must be KEY=VALUE"),
+        (["bogus=1"], "unknown policy key 'bogus'"),
+        (["cost_guard=maybe"], "cost_guard: expected true or false"),
+    ],
+)
+def test_a_bad_variant_is_refused_before_up_starts(
+    variant: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["--variant", *variant])
+    assert message in capsys.readouterr().err

@@ -80,6 +80,59 @@ def test_the_expected_tail_still_leaves_a_tier_a_weak_pair_cannot_fill() -> None
         assert seen[15:] == [3] * (len(seen) - 15)
 
 
+# Round times at batch 1 (H200, T 0.7, up, 2026-11-29): (total, verify, draft) ms a round by
+# tier, the draft's share proportional to its steps; and the same round where drafting is dear
+# (a draft whose every step costs as much as the target's verify).
+CHEAP_DRAFTS = {1: (7.5, 5.1, 0.6), 3: (8.4, 5.2, 1.3), 7: (10.4, 5.6, 3.0)}
+DEAR_DRAFTS = {1: (9.0, 5.0, 3.5), 3: (16.0, 5.0, 10.5), 7: (30.0, 5.0, 24.5)}
+
+
+def timed_run(
+    config: PolicyConfig, alpha: float, start: int, times: dict[int, tuple[float, float, float]]
+) -> list[int]:
+    """`tiers_run` at batch 1, each round reporting its tier's time from `times`."""
+    rng, policy, seen = random.Random(7), AdaptiveSpeculativeParams(config, start), []
+    for _ in range(600):
+        steps = policy.current_steps
+        total, verify, draft = times[steps]
+        seen.append(steps)
+        sample = RoundSample(
+            steps=steps,
+            batch_size=1,
+            accept_lengths=tuple(chains(alpha, steps, 1, rng)),
+            total_ms=total,
+            verify_ms=verify,
+            draft_ms=draft,
+        )
+        policy.observe(sample)
+    return seen
+
+
+def test_the_cost_guard_keeps_a_tier_whose_drafts_pay_where_the_thresholds_leave_it() -> None:
+    # Acceptance 0.74 a draft accepts ~2.5 of 7 (T 0.7 on code): at batch 1 the EMA crosses
+    # the threshold down from 7 (2.25) again and again; tier 3 would give 2.7 tokens in 8.4 ms
+    # against 7's 3.5 in 10.4, so the guard keeps 7 where SGLang's thresholds leave it.
+    sglang = timed_run(PolicyConfig(cost_guard=False), 0.74, 7, CHEAP_DRAFTS)
+    guarded = timed_run(PolicyConfig(), 0.74, 7, CHEAP_DRAFTS)
+    assert sglang.count(7) < 0.75 * len(sglang)
+    assert guarded.count(7) > 0.95 * len(guarded)
+
+
+def test_the_cost_guard_lets_a_weak_pair_leave_the_top_tier() -> None:
+    # Acceptance 0.4: 1.7 tokens at 7 in 10.4 ms, 1.6 at 3 in ~8.7: the move down gains.
+    seen = timed_run(PolicyConfig(), 0.4, 7, CHEAP_DRAFTS)
+    assert set(seen[-300:]) <= {1, 3}
+    assert seen.count(7) < 30
+
+
+def test_the_cost_guard_refuses_a_move_up_that_dear_drafts_make_lose() -> None:
+    # Acceptance 0.82 reads 3.4 of 7 from tier 3 (over the threshold up, 2.5), but 7's round
+    # would take 30 ms against 3's 16 for 4.4 tokens against 3.0: the guard stays at 3.
+    sglang = timed_run(PolicyConfig(cost_guard=False), 0.82, 3, DEAR_DRAFTS)
+    assert sglang.count(7) > 0.5 * len(sglang)
+    assert set(timed_run(PolicyConfig(), 0.82, 3, DEAR_DRAFTS)) == {3}
+
+
 def test_the_draft_acceptance_is_estimated_through_censored_rounds() -> None:
     # At tier 1 a round shows one draft at most; the estimate still finds 0.82. (A warm-up
     # longer than the run keeps the tier at 1.)
@@ -253,6 +306,7 @@ def test_config_defaults_and_normalization() -> None:
         "down_hysteresis": -0.25,
         "up_hysteresis": 0.0,
         "expect_tail": True,
+        "cost_guard": True,
     }
     assert PolicyConfig(candidate_steps=(7, 1, 3, 3)).candidate_steps == (1, 3, 7)
     assert PolicyConfig(ema_alpha=1).ema_alpha == 1.0
@@ -284,6 +338,7 @@ def test_config_defaults_and_normalization() -> None:
         ({"alpha": 0.3}, r"unknown policy key.*alpha"),
         ({"expect_tail": 1}, "expect_tail must be true or false"),
         ({"expect_tail": "false"}, "expect_tail must be true or false"),
+        ({"cost_guard": 0}, "cost_guard must be true or false"),
     ],
 )
 def test_config_validation_names_the_key(values: dict[str, object], message: str) -> None:

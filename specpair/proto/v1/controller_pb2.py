@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecpair/v1/controller.proto\x12\x0bspecpair.v1\"\xe9\x01\n\x0cPolicyConfig\x12\x17\n\x0f\x63\x61ndidate_steps\x18\x01 \x03(\x05\x12\x11\n\tema_alpha\x18\x02 \x01(\x01\x12\x17\n\x0fupdate_interval\x18\x03 \x01(\x05\x12\x16\n\x0ewarmup_batches\x18\x04 \x01(\x05\x12\x17\n\x0f\x64own_hysteresis\x18\x05 \x01(\x01\x12\x15\n\rup_hysteresis\x18\x06 \x01(\x01\x12\x13\n\x0b\x65xpect_tail\x18\n \x01(\x08\x12\x0c\n\x04kind\x18\x07 \x01(\t\x12\x14\n\x0coptions_json\x18\x08 \x01(\t\x12\x13\n\x0btree_shapes\x18\t \x03(\t\"\x87\x01\n\x0cTierEstimate\x12\r\n\x05steps\x18\x01 \x01(\x05\x12\x14\n\x0ctokens_per_s\x18\x02 \x01(\x01\x12\x10\n\x08round_ms\x18\x03 \x01(\x01\x12\x18\n\x10tokens_per_round\x18\x04 \x01(\x01\x12\x17\n\x0fobserved_rounds\x18\x05 \x01(\x04\x12\r\n\x05shape\x18\x06 \x01(\t\"\x9a\x01\n\nTierSwitch\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12\x12\n\nfrom_steps\x18\x02 \x01(\x05\x12\x10\n\x08to_steps\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0b\n\x03\x65ma\x18\x05 \x01(\x01\x12\x11\n\tunix_time\x18\x06 \x01(\x01\x12\x12\n\nfrom_shape\x18\x07 \x01(\t\x12\x10\n\x08to_shape\x18\x08 \x01(\t\"\xf3\x02\n\x0bTargetState\x12\x16\n\x0etarget_address\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x14\n\x0c\x61\x63tive_steps\x18\x03 \x01(\x05\x12\x0b\n\x03\x65ma\x18\x04 \x01(\x01\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12\x14\n\x0cpinned_steps\x18\x06 \x01(\x05\x12\x13\n\x0brounds_seen\x18\x07 \x01(\x04\x12\x17\n\x0f\x62\x61tches_counted\x18\x08 \x01(\x04\x12\x30\n\x0frecent_switches\x18\t \x03(\x0b\x32\x17.specpair.v1.TierSwitch\x12,\n\testimates\x18\n \x03(\x0b\x32\x19.specpair.v1.TierEstimate\x12\r\n\x05model\x18\x0b \x01(\t\x12\x14\n\x0c\x61\x63tive_shape\x18\x0e \x01(\t\x12\x14\n\x0cpinned_shape\x18\x0f \x01(\tJ\x04\x08\x0c\x10\rJ\x04\x08\r\x10\x0eR\x08pipelineR\x11pipeline_hit_rate\"\x11\n\x0fGetStateRequest\"h\n\x10GetStateResponse\x12)\n\x06policy\x18\x01 \x01(\x0b\x32\x19.specpair.v1.PolicyConfig\x12)\n\x07targets\x18\x02 \x03(\x0b\x32\x18.specpair.v1.TargetState\"\xa0\x03\n\x13UpdatePolicyRequest\x12\x17\n\x0f\x63\x61ndidate_steps\x18\x01 \x03(\x05\x12\x16\n\tema_alpha\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x1c\n\x0fupdate_interval\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x1b\n\x0ewarmup_batches\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x1c\n\x0f\x64own_hysteresis\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x1a\n\rup_hysteresis\x18\x06 \x01(\x01H\x04\x88\x01\x01\x12\x18\n\x0b\x65xpect_tail\x18\x0b \x01(\x08H\x05\x88\x01\x01\x12\x11\n\x04kind\x18\x07 \x01(\tH\x06\x88\x01\x01\x12\x14\n\x0coptions_json\x18\x08 \x01(\t\x12\x13\n\x0btree_shapes\x18\t \x03(\t\x12\x17\n\x0fset_tree_shapes\x18\n \x01(\x08\x42\x0c\n\n_ema_alphaB\x12\n\x10_update_intervalB\x11\n\x0f_warmup_batchesB\x12\n\x10_down_hysteresisB\x10\n\x0e_up_hysteresisB\x0e\n\x0c_expect_tailB\x07\n\x05_kind\"A\n\x14UpdatePolicyResponse\x12)\n\x06policy\x18\x01 \x01(\x0b\x32\x19.specpair.v1.PolicyConfig\">\n\x0ePinTierRequest\x12\x1d\n\x15speculative_num_steps\x18\x01 \x01(\x05\x12\r\n\x05shape\x18\x02 \x01(\t\"<\n\x0fPinTierResponse\x12)\n\x07targets\x18\x01 \x03(\x0b\x32\x18.specpair.v1.TargetState\"\x0e\n\x0cUnpinRequest\":\n\rUnpinResponse\x12)\n\x07targets\x18\x01 \x03(\x0b\x32\x18.specpair.v1.TargetState2\xb7\x02\n\x11\x43ontrollerService\x12G\n\x08GetState\x12\x1c.specpair.v1.GetStateRequest\x1a\x1d.specpair.v1.GetStateResponse\x12S\n\x0cUpdatePolicy\x12 .specpair.v1.UpdatePolicyRequest\x1a!.specpair.v1.UpdatePolicyResponse\x12\x44\n\x07PinTier\x12\x1b.specpair.v1.PinTierRequest\x1a\x1c.specpair.v1.PinTierResponse\x12>\n\x05Unpin\x12\x19.specpair.v1.UnpinRequest\x1a\x1a.specpair.v1.UnpinResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecpair/v1/controller.proto\x12\x0bspecpair.v1\"\xfd\x01\n\x0cPolicyConfig\x12\x17\n\x0f\x63\x61ndidate_steps\x18\x01 \x03(\x05\x12\x11\n\tema_alpha\x18\x02 \x01(\x01\x12\x17\n\x0fupdate_interval\x18\x03 \x01(\x05\x12\x16\n\x0ewarmup_batches\x18\x04 \x01(\x05\x12\x17\n\x0f\x64own_hysteresis\x18\x05 \x01(\x01\x12\x15\n\rup_hysteresis\x18\x06 \x01(\x01\x12\x13\n\x0b\x65xpect_tail\x18\n \x01(\x08\x12\x12\n\ncost_guard\x18\x0b \x01(\x08\x12\x0c\n\x04kind\x18\x07 \x01(\t\x12\x14\n\x0coptions_json\x18\x08 \x01(\t\x12\x13\n\x0btree_shapes\x18\t \x03(\t\"\x87\x01\n\x0cTierEstimate\x12\r\n\x05steps\x18\x01 \x01(\x05\x12\x14\n\x0ctokens_per_s\x18\x02 \x01(\x01\x12\x10\n\x08round_ms\x18\x03 \x01(\x01\x12\x18\n\x10tokens_per_round\x18\x04 \x01(\x01\x12\x17\n\x0fobserved_rounds\x18\x05 \x01(\x04\x12\r\n\x05shape\x18\x06 \x01(\t\"\x9a\x01\n\nTierSwitch\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12\x12\n\nfrom_steps\x18\x02 \x01(\x05\x12\x10\n\x08to_steps\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0b\n\x03\x65ma\x18\x05 \x01(\x01\x12\x11\n\tunix_time\x18\x06 \x01(\x01\x12\x12\n\nfrom_shape\x18\x07 \x01(\t\x12\x10\n\x08to_shape\x18\x08 \x01(\t\"\xf3\x02\n\x0bTargetState\x12\x16\n\x0etarget_address\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x14\n\x0c\x61\x63tive_steps\x18\x03 \x01(\x05\x12\x0b\n\x03\x65ma\x18\x04 \x01(\x01\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12\x14\n\x0cpinned_steps\x18\x06 \x01(\x05\x12\x13\n\x0brounds_seen\x18\x07 \x01(\x04\x12\x17\n\x0f\x62\x61tches_counted\x18\x08 \x01(\x04\x12\x30\n\x0frecent_switches\x18\t \x03(\x0b\x32\x17.specpair.v1.TierSwitch\x12,\n\testimates\x18\n \x03(\x0b\x32\x19.specpair.v1.TierEstimate\x12\r\n\x05model\x18\x0b \x01(\t\x12\x14\n\x0c\x61\x63tive_shape\x18\x0e \x01(\t\x12\x14\n\x0cpinned_shape\x18\x0f \x01(\tJ\x04\x08\x0c\x10\rJ\x04\x08\r\x10\x0eR\x08pipelineR\x11pipeline_hit_rate\"\x11\n\x0fGetStateRequest\"h\n\x10GetStateResponse\x12)\n\x06policy\x18\x01 \x01(\x0b\x32\x19.specpair.v1.PolicyConfig\x12)\n\x07targets\x18\x02 \x03(\x0b\x32\x18.specpair.v1.TargetState\"\xc8\x03\n\x13UpdatePolicyRequest\x12\x17\n\x0f\x63\x61ndidate_steps\x18\x01 \x03(\x05\x12\x16\n\tema_alpha\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x1c\n\x0fupdate_interval\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x1b\n\x0ewarmup_batches\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x1c\n\x0f\x64own_hysteresis\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x1a\n\rup_hysteresis\x18\x06 \x01(\x01H\x04\x88\x01\x01\x12\x18\n\x0b\x65xpect_tail\x18\x0b \x01(\x08H\x05\x88\x01\x01\x12\x17\n\ncost_guard\x18\x0c \x01(\x08H\x06\x88\x01\x01\x12\x11\n\x04kind\x18\x07 \x01(\tH\x07\x88\x01\x01\x12\x14\n\x0coptions_json\x18\x08 \x01(\t\x12\x13\n\x0btree_shapes\x18\t \x03(\t\x12\x17\n\x0fset_tree_shapes\x18\n \x01(\x08\x42\x0c\n\n_ema_alphaB\x12\n\x10_update_intervalB\x11\n\x0f_warmup_batchesB\x12\n\x10_down_hysteresisB\x10\n\x0e_up_hysteresisB\x0e\n\x0c_expect_tailB\r\n\x0b_cost_guardB\x07\n\x05_kind\"A\n\x14UpdatePolicyResponse\x12)\n\x06policy\x18\x01 \x01(\x0b\x32\x19.specpair.v1.PolicyConfig\">\n\x0ePinTierRequest\x12\x1d\n\x15speculative_num_steps\x18\x01 \x01(\x05\x12\r\n\x05shape\x18\x02 \x01(\t\"<\n\x0fPinTierResponse\x12)\n\x07targets\x18\x01 \x03(\x0b\x32\x18.specpair.v1.TargetState\"\x0e\n\x0cUnpinRequest\":\n\rUnpinResponse\x12)\n\x07targets\x18\x01 \x03(\x0b\x32\x18.specpair.v1.TargetState2\xb7\x02\n\x11\x43ontrollerService\x12G\n\x08GetState\x12\x1c.specpair.v1.GetStateRequest\x1a\x1d.specpair.v1.GetStateResponse\x12S\n\x0cUpdatePolicy\x12 .specpair.v1.UpdatePolicyRequest\x1a!.specpair.v1.UpdatePolicyResponse\x12\x44\n\x07PinTier\x12\x1b.specpair.v1.PinTierRequest\x1a\x1c.specpair.v1.PinTierResponse\x12>\n\x05Unpin\x12\x19.specpair.v1.UnpinRequest\x1a\x1a.specpair.v1.UnpinResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,29 +33,29 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specpair.v1.controller_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_POLICYCONFIG']._serialized_start=46
-  _globals['_POLICYCONFIG']._serialized_end=279
-  _globals['_TIERESTIMATE']._serialized_start=282
-  _globals['_TIERESTIMATE']._serialized_end=417
-  _globals['_TIERSWITCH']._serialized_start=420
-  _globals['_TIERSWITCH']._serialized_end=574
-  _globals['_TARGETSTATE']._serialized_start=577
-  _globals['_TARGETSTATE']._serialized_end=948
-  _globals['_GETSTATEREQUEST']._serialized_start=950
-  _globals['_GETSTATEREQUEST']._serialized_end=967
-  _globals['_GETSTATERESPONSE']._serialized_start=969
-  _globals['_GETSTATERESPONSE']._serialized_end=1073
-  _globals['_UPDATEPOLICYREQUEST']._serialized_start=1076
-  _globals['_UPDATEPOLICYREQUEST']._serialized_end=1492
-  _globals['_UPDATEPOLICYRESPONSE']._serialized_start=1494
-  _globals['_UPDATEPOLICYRESPONSE']._serialized_end=1559
-  _globals['_PINTIERREQUEST']._serialized_start=1561
-  _globals['_PINTIERREQUEST']._serialized_end=1623
-  _globals['_PINTIERRESPONSE']._serialized_start=1625
-  _globals['_PINTIERRESPONSE']._serialized_end=1685
-  _globals['_UNPINREQUEST']._serialized_start=1687
-  _globals['_UNPINREQUEST']._serialized_end=1701
-  _globals['_UNPINRESPONSE']._serialized_start=1703
-  _globals['_UNPINRESPONSE']._serialized_end=1761
-  _globals['_CONTROLLERSERVICE']._serialized_start=1764
-  _globals['_CONTROLLERSERVICE']._serialized_end=2075
+  _globals['_POLICYCONFIG']._serialized_end=299
+  _globals['_TIERESTIMATE']._serialized_start=302
+  _globals['_TIERESTIMATE']._serialized_end=437
+  _globals['_TIERSWITCH']._serialized_start=440
+  _globals['_TIERSWITCH']._serialized_end=594
+  _globals['_TARGETSTATE']._serialized_start=597
+  _globals['_TARGETSTATE']._serialized_end=968
+  _globals['_GETSTATEREQUEST']._serialized_start=970
+  _globals['_GETSTATEREQUEST']._serialized_end=987
+  _globals['_GETSTATERESPONSE']._serialized_start=989
+  _globals['_GETSTATERESPONSE']._serialized_end=1093
+  _globals['_UPDATEPOLICYREQUEST']._serialized_start=1096
+  _globals['_UPDATEPOLICYREQUEST']._serialized_end=1552
+  _globals['_UPDATEPOLICYRESPONSE']._serialized_start=1554
+  _globals['_UPDATEPOLICYRESPONSE']._serialized_end=1619
+  _globals['_PINTIERREQUEST']._serialized_start=1621
+  _globals['_PINTIERREQUEST']._serialized_end=1683
+  _globals['_PINTIERRESPONSE']._serialized_start=1685
+  _globals['_PINTIERRESPONSE']._serialized_end=1745
+  _globals['_UNPINREQUEST']._serialized_start=1747
+  _globals['_UNPINREQUEST']._serialized_end=1761
+  _globals['_UNPINRESPONSE']._serialized_start=1763
+  _globals['_UNPINRESPONSE']._serialized_end=1821
+  _globals['_CONTROLLERSERVICE']._serialized_start=1824
+  _globals['_CONTROLLERSERVICE']._serialized_end=2135
 # @@protoc_insertion_point(module_scope)

@@ -22,7 +22,7 @@ DESCRIPTOR: _descriptor.FileDescriptor
 @_typing.final
 class PolicyConfig(_message.Message):
     """The policy: SGLang's AdaptiveSpeculativeParams by name (fields 1-6 and the sglang kind's
-    expect_tail, those the kind has), its
+    expect_tail and cost_guard, those the kind has), its
     kind ("sglang", "goodput", or a "module:Class" chosen at start-up) and every other key of the
     policy file as a JSON object (goodput's min_gain, probe_interval, probe_rounds, profile_ms;
     "bands").
@@ -37,6 +37,7 @@ class PolicyConfig(_message.Message):
     DOWN_HYSTERESIS_FIELD_NUMBER: _builtins.int
     UP_HYSTERESIS_FIELD_NUMBER: _builtins.int
     EXPECT_TAIL_FIELD_NUMBER: _builtins.int
+    COST_GUARD_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     OPTIONS_JSON_FIELD_NUMBER: _builtins.int
     TREE_SHAPES_FIELD_NUMBER: _builtins.int
@@ -47,6 +48,8 @@ class PolicyConfig(_message.Message):
     up_hysteresis: _builtins.float
     expect_tail: _builtins.bool
     """A round that accepted every draft counts the largest tier's expected tail (sglang kind)."""
+    cost_guard: _builtins.bool
+    """A tier move is made only where the round times say it gains (sglang kind)."""
     kind: _builtins.str
     options_json: _builtins.str
     @_builtins.property
@@ -65,13 +68,14 @@ class PolicyConfig(_message.Message):
         down_hysteresis: _builtins.float = ...,
         up_hysteresis: _builtins.float = ...,
         expect_tail: _builtins.bool = ...,
+        cost_guard: _builtins.bool = ...,
         kind: _builtins.str = ...,
         options_json: _builtins.str = ...,
         tree_shapes: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidate_steps", b"candidate_steps", "down_hysteresis", b"down_hysteresis", "ema_alpha", b"ema_alpha", "expect_tail", b"expect_tail", "kind", b"kind", "options_json", b"options_json", "tree_shapes", b"tree_shapes", "up_hysteresis", b"up_hysteresis", "update_interval", b"update_interval", "warmup_batches", b"warmup_batches"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidate_steps", b"candidate_steps", "cost_guard", b"cost_guard", "down_hysteresis", b"down_hysteresis", "ema_alpha", b"ema_alpha", "expect_tail", b"expect_tail", "kind", b"kind", "options_json", b"options_json", "tree_shapes", b"tree_shapes", "up_hysteresis", b"up_hysteresis", "update_interval", b"update_interval", "warmup_batches", b"warmup_batches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -271,6 +275,7 @@ class UpdatePolicyRequest(_message.Message):
     DOWN_HYSTERESIS_FIELD_NUMBER: _builtins.int
     UP_HYSTERESIS_FIELD_NUMBER: _builtins.int
     EXPECT_TAIL_FIELD_NUMBER: _builtins.int
+    COST_GUARD_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     OPTIONS_JSON_FIELD_NUMBER: _builtins.int
     TREE_SHAPES_FIELD_NUMBER: _builtins.int
@@ -281,6 +286,7 @@ class UpdatePolicyRequest(_message.Message):
     down_hysteresis: _builtins.float
     up_hysteresis: _builtins.float
     expect_tail: _builtins.bool
+    cost_guard: _builtins.bool
     kind: _builtins.str
     options_json: _builtins.str
     """Further keys as a JSON object, e.g. {"min_gain": 0.05, "bands": [...]}."""
@@ -301,15 +307,18 @@ class UpdatePolicyRequest(_message.Message):
         down_hysteresis: _builtins.float | None = ...,
         up_hysteresis: _builtins.float | None = ...,
         expect_tail: _builtins.bool | None = ...,
+        cost_guard: _builtins.bool | None = ...,
         kind: _builtins.str | None = ...,
         options_json: _builtins.str = ...,
         tree_shapes: _abc.Iterable[_builtins.str] | None = ...,
         set_tree_shapes: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_down_hysteresis", b"_down_hysteresis", "_ema_alpha", b"_ema_alpha", "_expect_tail", b"_expect_tail", "_kind", b"_kind", "_up_hysteresis", b"_up_hysteresis", "_update_interval", b"_update_interval", "_warmup_batches", b"_warmup_batches", "down_hysteresis", b"down_hysteresis", "ema_alpha", b"ema_alpha", "expect_tail", b"expect_tail", "kind", b"kind", "up_hysteresis", b"up_hysteresis", "update_interval", b"update_interval", "warmup_batches", b"warmup_batches"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cost_guard", b"_cost_guard", "_down_hysteresis", b"_down_hysteresis", "_ema_alpha", b"_ema_alpha", "_expect_tail", b"_expect_tail", "_kind", b"_kind", "_up_hysteresis", b"_up_hysteresis", "_update_interval", b"_update_interval", "_warmup_batches", b"_warmup_batches", "cost_guard", b"cost_guard", "down_hysteresis", b"down_hysteresis", "ema_alpha", b"ema_alpha", "expect_tail", b"expect_tail", "kind", b"kind", "up_hysteresis", b"up_hysteresis", "update_interval", b"update_interval", "warmup_batches", b"warmup_batches"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_down_hysteresis", b"_down_hysteresis", "_ema_alpha", b"_ema_alpha", "_expect_tail", b"_expect_tail", "_kind", b"_kind", "_up_hysteresis", b"_up_hysteresis", "_update_interval", b"_update_interval", "_warmup_batches", b"_warmup_batches", "candidate_steps", b"candidate_steps", "down_hysteresis", b"down_hysteresis", "ema_alpha", b"ema_alpha", "expect_tail", b"expect_tail", "kind", b"kind", "options_json", b"options_json", "set_tree_shapes", b"set_tree_shapes", "tree_shapes", b"tree_shapes", "up_hysteresis", b"up_hysteresis", "update_interval", b"update_interval", "warmup_batches", b"warmup_batches"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cost_guard", b"_cost_guard", "_down_hysteresis", b"_down_hysteresis", "_ema_alpha", b"_ema_alpha", "_expect_tail", b"_expect_tail", "_kind", b"_kind", "_up_hysteresis", b"_up_hysteresis", "_update_interval", b"_update_interval", "_warmup_batches", b"_warmup_batches", "candidate_steps", b"candidate_steps", "cost_guard", b"cost_guard", "down_hysteresis", b"down_hysteresis", "ema_alpha", b"ema_alpha", "expect_tail", b"expect_tail", "kind", b"kind", "options_json", b"options_json", "set_tree_shapes", b"set_tree_shapes", "tree_shapes", b"tree_shapes", "up_hysteresis", b"up_hysteresis", "update_interval", b"update_interval", "warmup_batches", b"warmup_batches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__cost_guard: _TypeAlias = _typing.Literal["cost_guard"]  # noqa: Y015
+    _WhichOneofArgType__cost_guard: _TypeAlias = _typing.Literal["_cost_guard", b"_cost_guard"]  # noqa: Y015
     _WhichOneofReturnType__down_hysteresis: _TypeAlias = _typing.Literal["down_hysteresis"]  # noqa: Y015
     _WhichOneofArgType__down_hysteresis: _TypeAlias = _typing.Literal["_down_hysteresis", b"_down_hysteresis"]  # noqa: Y015
     _WhichOneofReturnType__ema_alpha: _TypeAlias = _typing.Literal["ema_alpha"]  # noqa: Y015
@@ -324,6 +333,8 @@ class UpdatePolicyRequest(_message.Message):
     _WhichOneofArgType__update_interval: _TypeAlias = _typing.Literal["_update_interval", b"_update_interval"]  # noqa: Y015
     _WhichOneofReturnType__warmup_batches: _TypeAlias = _typing.Literal["warmup_batches"]  # noqa: Y015
     _WhichOneofArgType__warmup_batches: _TypeAlias = _typing.Literal["_warmup_batches", b"_warmup_batches"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cost_guard) -> _WhichOneofReturnType__cost_guard | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__down_hysteresis) -> _WhichOneofReturnType__down_hysteresis | None: ...
     @_typing.overload
