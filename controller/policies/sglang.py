@@ -203,7 +203,7 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
     2.5, so up to 7.
 
     With `cost_guard` (the default) a move the thresholds call for is made only where the tier
-    it goes to is predicted to give more tokens per ms (`_gains`).
+    it goes to is predicted to give more tokens per ms (`_rates`).
     """
 
     def __init__(self, config: PolicyConfig, initial: int | TreeShape) -> None:
@@ -213,6 +213,8 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
         self._acceptance = AcceptanceModel(ACCEPTANCE_DECAY)
         self._cost = CostModel(config.ema_alpha)  # `cost_guard`'s round times
         self._batch = 0  # the last drafted round's
+        # the last move the guard refused: (from, to, tokens/ms at each), for `describe`
+        self._kept: tuple[int, int, float, float] | None = None
 
     @property
     def draft_acceptance(self) -> float | None:
@@ -255,7 +257,14 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
             f"sglang: EMA accept length {self._ema:.2f}{tail} over {self.count} batches; "
             f"at {steps}: down when EMA <= {down}, up when EMA > {up}"
             + (", where the round times say the move gains" if self.config.cost_guard else "")
+            + self._kept_line()
         )
+
+    def _kept_line(self) -> str:
+        if self._kept is None:
+            return ""
+        frm, to, now, then = self._kept
+        return f"; last refused {frm} → {to}: {then:.3f} against {now:.3f} tokens/ms predicted"
 
     def update(self, accept_lengths: Sequence[int], steps: Sequence[int] = ()) -> bool:
         """Feeds one batch (per request, accepted drafts without the bonus, and the tier each
@@ -297,17 +306,20 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
             i -= 1
         while i < len(c) - 1 and self._ema > c[i] - 0.5 + self.config.up_hysteresis:
             i += 1
-        if c[i] != old and self.config.cost_guard and not self._gains(old, c[i]):
-            return False
+        if c[i] != old and self.config.cost_guard:
+            rates = self._rates(old, c[i])
+            if rates is not None and rates[1] <= rates[0]:
+                self._kept = (old, c[i], *rates)
+                return False
         self._tier = TreeShape(c[i])
         return c[i] != old
 
-    def _gains(self, old: int, new: int) -> bool:
-        """Whether tier `new` yields more tokens per ms than `old` at the last round's batch:
-        tokens a request gains per round (1 + α + … + α^s, α the pooled acceptance) over the round's
-        time (`CostModel.round_ms`: an unmeasured tier predicted from a measured one by the
-        draft's time per step, the verify flat until two tiers are measured). True where no
-        time is known: the thresholds decide. Worked example, batch 1 at T 0.7 on an H200:
+    def _rates(self, old: int, new: int) -> tuple[float, float] | None:
+        """Tokens per ms a request gains at tier `old` and at `new` at the last round's batch:
+        tokens a round (1 + α + … + α^s, α the pooled acceptance) over the round's time
+        (`CostModel.round_ms`: an unmeasured tier predicted from a measured one by the draft's
+        time per step, the verify flat until two tiers are measured). None where either time
+        is unknown: the thresholds decide. Worked example, batch 1 at T 0.7 on an H200:
         tier 7's round 10.4 ms, 3.0 of it the draft's 7 steps → tier 3's 10.4 − 4 · 0.43 = 8.7
         ms (8.4 measured); acceptance 0.74 a position: 3.5 tokens at 7, 2.7 at 3; 0.34 against
         0.31 tokens a ms: no move down."""
@@ -322,8 +334,8 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
         now = self._cost.round_ms(old, b, tokens) if b else None
         then = self._cost.round_ms(new, b, tokens) if b else None
         if now is None or then is None:
-            return True
-        return tokens(new) / then > tokens(old) / now
+            return None
+        return tokens(old) / now, tokens(new) / then
 
     def reconfigure(self, config: PolicyConfig) -> bool:
         """Swaps in `config`, keeping the EMA and batch count; the tier snaps to the new

@@ -268,6 +268,10 @@ async def test_update_policy_validates_and_applies_partial_updates(stack: Contro
     response = await stack.stub.UpdatePolicy(controller_pb2.UpdatePolicyRequest(expect_tail=False))
     assert response.policy.expect_tail is False and response.policy.update_interval == 7
     assert stack.controller.controller.policy.to_dict()["expect_tail"] is False
+    assert response.policy.cost_guard is True
+    response = await stack.stub.UpdatePolicy(controller_pb2.UpdatePolicyRequest(cost_guard=False))
+    assert response.policy.cost_guard is False and response.policy.expect_tail is False
+    assert stack.controller.controller.policy.to_dict()["cost_guard"] is False
 
     # Dropping the active tier snaps the target to the nearest remaining one (3 → 1).
     response = await stack.stub.UpdatePolicy(

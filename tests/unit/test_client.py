@@ -467,6 +467,8 @@ def test_a_policy_flag_reads_true_and_false_not_any_string() -> None:
     assert build_policy_update(expect_tail="false").expect_tail is False
     assert build_policy_update(expect_tail="True").expect_tail is True
     assert build_policy_update(expect_tail=False).HasField("expect_tail")
+    assert build_policy_update(cost_guard="false").cost_guard is False
+    assert build_policy_update(cost_guard=False).HasField("cost_guard")
     for bad in ("no", 0, 1.0):
         with pytest.raises(ValueError, match="expect_tail: expected true or false"):
             build_policy_update(expect_tail=bad)

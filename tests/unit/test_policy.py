@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -88,10 +89,15 @@ DEAR_DRAFTS = {1: (9.0, 5.0, 3.5), 3: (16.0, 5.0, 10.5), 7: (30.0, 5.0, 24.5)}
 
 
 def timed_run(
-    config: PolicyConfig, alpha: float, start: int, times: dict[int, tuple[float, float, float]]
+    config: PolicyConfig,
+    alpha: float,
+    start: int,
+    times: dict[int, tuple[float, float, float]],
+    policy: AdaptiveSpeculativeParams | None = None,
 ) -> list[int]:
     """`tiers_run` at batch 1, each round reporting its tier's time from `times`."""
-    rng, policy, seen = random.Random(7), AdaptiveSpeculativeParams(config, start), []
+    rng, seen = random.Random(7), []
+    policy = policy or AdaptiveSpeculativeParams(config, start)
     for _ in range(600):
         steps = policy.current_steps
         total, verify, draft = times[steps]
@@ -113,9 +119,16 @@ def test_the_cost_guard_keeps_a_tier_whose_drafts_pay_where_the_thresholds_leave
     # the threshold down from 7 (2.25) again and again; tier 3 would give 2.7 tokens in 8.4 ms
     # against 7's 3.5 in 10.4, so the guard keeps 7 where SGLang's thresholds leave it.
     sglang = timed_run(PolicyConfig(cost_guard=False), 0.74, 7, CHEAP_DRAFTS)
-    guarded = timed_run(PolicyConfig(), 0.74, 7, CHEAP_DRAFTS)
+    policy = AdaptiveSpeculativeParams(PolicyConfig(), 7)
+    guarded = timed_run(policy.config, 0.74, 7, CHEAP_DRAFTS, policy)
     assert sglang.count(7) < 0.75 * len(sglang)
     assert guarded.count(7) > 0.95 * len(guarded)
+    # what the operator's `ctl state` shows: the move refused, the rates it was refused on
+    refused = re.search(
+        r"last refused 7 → (\d): ([\d.]+) against ([\d.]+) tokens/ms", policy.describe()
+    )
+    assert refused is not None, policy.describe()
+    assert float(refused[2]) < float(refused[3])
 
 
 def test_the_cost_guard_lets_a_weak_pair_leave_the_top_tier() -> None:
