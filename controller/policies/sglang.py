@@ -79,10 +79,10 @@ class PolicyConfig(PolicyKeys):
     # 3, and a pair accepting 4.3 of 7 accepts ~2.3 of 3: under 2.5, so it stays at 3).
     expect_tail: bool = True
     # A move the thresholds call for is made only where the round times say it gains: the tier
-    # it would leave for runs faster by the predicted tokens per ms (`RoundCost`). SGLang's
-    # thresholds read acceptance alone; at small batches, where a verify's extra rows are
-    # nearly free, they left tier 7 for 3 at T 0.7 (accepting ~2.4 of 7), and lost ~9 % at
-    # batch 1 on an H200. False: SGLang's rule.
+    # it goes to must give more tokens per ms than the one it leaves (`_rates`, from the goodput
+    # kind's acceptance and cost models). SGLang's thresholds read acceptance alone; at small
+    # batches, where a verify's extra rows are nearly free, they left tier 7 for 3 at T 0.7
+    # (accepting ~2.4 of 7) and lost ~9 % at batch 1 on an H200. False: SGLang's rule.
     cost_guard: bool = True
 
     def __post_init__(self) -> None:
