@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 from controller.policies.goodput.acceptance import AcceptanceModel
-from controller.policies.goodput.cost import CostModel
+from controller.policies.goodput.cost import CostModel, tier_estimates
 from controller.policies.interface import (
     GatedPolicy,
     RoundSample,
@@ -240,7 +240,11 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
         return self.update(sample.accept_lengths, steps)
 
     def estimates(self) -> tuple[TierEstimate, ...]:
-        return ()  # the rule reads acceptance only: it predicts no speed
+        """With `cost_guard`, what it predicts of each candidate at the last round's batch
+        (`ctl state`'s table); () without it, or before a drafted round."""
+        if not self.config.cost_guard or not self._batch:
+            return ()
+        return tier_estimates(self.config.tiers, self._cost, self._tokens, self._batch)
 
     def describe(self) -> str:
         steps = self.current_steps
@@ -323,19 +327,19 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
         tier 7's round 10.4 ms, 3.0 of it the draft's 7 steps → tier 3's 10.4 − 4 · 0.43 = 8.7
         ms (8.4 measured); acceptance 0.74 a position: 3.5 tokens at 7, 2.7 at 3; 0.34 against
         0.31 tokens a ms: no move down."""
-        b = self._batch
-
-        def tokens(tier: int | TreeShape) -> float:  # the sglang kind's tiers are chains
-            # the pooled rate, as `expect_tail`'s: positions 4-7's own, learnt in a few rounds
-            # at 7 and then left standing at 3, read the long chain low and held a good pair
-            # at 3 (a CPU simulation at a uniform 0.74: 0.50 learnt at 5 and 6)
-            return 1.0 + self._acceptance.pooled_tail(as_tier(tier).steps)
-
+        b, tokens = self._batch, self._tokens
         now = self._cost.round_ms(old, b, tokens) if b else None
         then = self._cost.round_ms(new, b, tokens) if b else None
         if now is None or then is None:
             return None
         return tokens(old) / now, tokens(new) / then
+
+    def _tokens(self, tier: int | TreeShape) -> float:
+        """Tokens a request gains per round at a chain tier, at the pooled rate as
+        `expect_tail`'s: positions 4-7's own rates, learnt in a few rounds at 7 and then left
+        standing at 3, read the long chain low and held a good pair at 3 (a CPU simulation at
+        a uniform 0.74: 0.50 learnt at positions 5 and 6)."""
+        return 1.0 + self._acceptance.pooled_tail(as_tier(tier).steps)
 
     def reconfigure(self, config: PolicyConfig) -> bool:
         """Swaps in `config`, keeping the EMA and batch count; the tier snaps to the new

@@ -129,6 +129,12 @@ def test_the_cost_guard_keeps_a_tier_whose_drafts_pay_where_the_thresholds_leave
     )
     assert refused is not None, policy.describe()
     assert float(refused[2]) < float(refused[3])
+    # and `ctl state`'s table: each chain predicted at batch 1, tier 7's time its own
+    estimates = {e.steps: e for e in policy.estimates()}
+    assert set(estimates) == {1, 3, 7} and estimates[7].observed_rounds > 0
+    assert estimates[7].round_ms == pytest.approx(10.4, rel=0.05)
+    assert estimates[7].tokens_per_s > estimates[3].tokens_per_s > estimates[1].tokens_per_s
+    assert AdaptiveSpeculativeParams(PolicyConfig(cost_guard=False), 7).estimates() == ()
 
 
 def test_the_cost_guard_lets_a_weak_pair_leave_the_top_tier() -> None:

@@ -17,7 +17,8 @@ from controller.policies.goodput.terms import (
     uniform_round,
 )
 from controller.policies.interface import RoundSample, as_tier
-from specpair.runtime.shape import TreeShape
+from specpair.runtime.shape import TreeShape, tier_name
+from specpair.tier_estimate import TierEstimate
 
 SEEN_REQUESTS = 4096  # ids kept to tell a request's first round: more than ever run at once
 
@@ -254,3 +255,31 @@ class CostModel:
         own = next(k for k, o in self._buckets.items() if o is b)
         near = self._buckets[min(have, key=lambda k: abs(k.bit_length() - own.bit_length()))]
         return near.fixed_ms.value, near.draft_step_ms.value
+
+
+def tier_estimates(
+    tiers: Iterable[TreeShape],
+    cost: CostModel,
+    tokens_per_round: Callable[[int | TreeShape], float],
+    batch_size: int,
+) -> tuple[TierEstimate, ...]:
+    """tokens/s = batch · E[tokens/round] / round time for each tier of `tiers` whose round
+    time `cost` can predict at `batch_size`; the others are left out. The goodput kind's
+    (`ctl state`'s estimates), and the sglang kind's cost guard's."""
+    out = []
+    for t in tiers:
+        round_ms = cost.round_ms(t, batch_size, tokens_per_round)
+        if round_ms is None:
+            continue
+        e = tokens_per_round(t)
+        out.append(
+            TierEstimate(
+                steps=t.steps,
+                tokens_per_s=1e3 * batch_size * e / round_ms,
+                round_ms=round_ms,
+                tokens_per_round=e,
+                observed_rounds=cost.measured_rounds(t, batch_size),
+                shape=tier_name(t),
+            )
+        )
+    return tuple(out)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from controller.policies.goodput.acceptance import AcceptanceModel
 from controller.policies.goodput.config import GoodputConfig, Regime
-from controller.policies.goodput.cost import CostModel, batch_bucket
+from controller.policies.goodput.cost import CostModel, batch_bucket, tier_estimates
 from controller.policies.goodput.probe import (
     PROBE_MEMORY,
     REMEASURE_REQUEST_ROUNDS,
@@ -50,7 +50,7 @@ from controller.policies.goodput.probe import (
     runner_up,
     start_remeasure,
 )
-from controller.policies.goodput.report import description, tier_estimates
+from controller.policies.goodput.report import description
 from controller.policies.interface import GatedPolicy, RoundSample, TierEstimate, snap_tier
 from specpair.runtime.shape import TreeShape
 from specpair.tier_estimate import RegimeSteps
@@ -333,7 +333,8 @@ class GoodputPolicy(GatedPolicy[GoodputConfig]):
         return not self.cost.measured(t, self._batch) or self.regime.unlearnt(t)
 
     def estimates(self) -> tuple[TierEstimate, ...]:
-        return tier_estimates(self.regime, self.config, self._batch)
+        regime = self.regime
+        return tier_estimates(self.config.tiers, regime.cost, regime.tokens_per_round, self._batch)
 
     def describe(self) -> str:
         return description(self.regime, self.config, self._batch, self._sampled, self.probing)

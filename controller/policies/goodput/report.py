@@ -1,35 +1,9 @@
-"""What the goodput policy reports of itself: each tier's predicted tokens/s (`ctl status`'s
-estimates) and a line on what its models learnt. The policy itself is `policy.py`'s."""
+"""What the goodput policy reports of itself: a line on what its models learnt (each tier's
+predicted tokens/s is `cost.tier_estimates`). The policy itself is `policy.py`'s."""
 
 from __future__ import annotations
 
 from controller.policies.goodput.config import GoodputConfig, Regime
-from specpair.runtime.shape import tier_name
-from specpair.tier_estimate import TierEstimate
-
-
-def tier_estimates(
-    regime: Regime, config: GoodputConfig, batch_size: int
-) -> tuple[TierEstimate, ...]:
-    """tokens/s = batch · E[tokens/round] / round time for each candidate tier whose round time
-    the cost model can predict at `batch_size`; the others are left out."""
-    out = []
-    for t in config.tiers:
-        round_ms = regime.cost.round_ms(t, batch_size, regime.tokens_per_round)
-        if round_ms is None:
-            continue
-        e = regime.tokens_per_round(t)
-        out.append(
-            TierEstimate(
-                steps=t.steps,
-                tokens_per_s=1e3 * batch_size * e / round_ms,
-                round_ms=round_ms,
-                tokens_per_round=e,
-                observed_rounds=regime.cost.measured_rounds(t, batch_size),
-                shape=tier_name(t),
-            )
-        )
-    return tuple(out)
 
 
 def description(

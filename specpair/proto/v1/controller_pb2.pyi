@@ -196,7 +196,9 @@ class TargetState(_message.Message):
     def recent_switches(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierSwitch]: ...
     @_builtins.property
     def estimates(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierEstimate]:
-        """Per candidate tier (empty for a rule without a cost model, such as "sglang")."""
+        """Per candidate tier (empty for a rule without a cost model, such as "sglang" with
+        cost_guard false).
+        """
 
     def __init__(
         self,
