@@ -241,7 +241,7 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
 
     def estimates(self) -> tuple[TierEstimate, ...]:
         """With `cost_guard`, what it predicts of each candidate at the last round's batch
-        (`ctl state`'s table); () without it, or before a drafted round."""
+        (`ctl status`'s table); () without it, or before a drafted round."""
         if not self.config.cost_guard or not self._batch:
             return ()
         return tier_estimates(self.config.tiers, self._cost, self._tokens, self._batch)

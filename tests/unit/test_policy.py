@@ -123,13 +123,13 @@ def test_the_cost_guard_keeps_a_tier_whose_drafts_pay_where_the_thresholds_leave
     guarded = timed_run(policy.config, 0.74, 7, CHEAP_DRAFTS, policy)
     assert sglang.count(7) < 0.75 * len(sglang)
     assert guarded.count(7) > 0.95 * len(guarded)
-    # what the operator's `ctl state` shows: the move refused, the rates it was refused on
+    # what the operator's `ctl status` shows: the move refused, the rates it was refused on
     refused = re.search(
         r"last refused 7 → (\d): ([\d.]+) against ([\d.]+) tokens/ms", policy.describe()
     )
     assert refused is not None, policy.describe()
     assert float(refused[2]) < float(refused[3])
-    # and `ctl state`'s table: each chain predicted at batch 1, tier 7's time its own
+    # and `ctl status`'s table: each chain predicted at batch 1, tier 7's time its own
     estimates = {e.steps: e for e in policy.estimates()}
     assert set(estimates) == {1, 3, 7} and estimates[7].observed_rounds > 0
     assert estimates[7].round_ms == pytest.approx(10.4, rel=0.05)

@@ -265,7 +265,7 @@ def tier_estimates(
 ) -> tuple[TierEstimate, ...]:
     """tokens/s = batch · E[tokens/round] / round time for each tier of `tiers` whose round
     time `cost` can predict at `batch_size`; the others are left out. The goodput kind's
-    (`ctl state`'s estimates), and the sglang kind's cost guard's."""
+    (`ctl status`'s estimates), and the sglang kind's cost guard's."""
     out = []
     for t in tiers:
         round_ms = cost.round_ms(t, batch_size, tokens_per_round)
