@@ -21,7 +21,13 @@ from controller.service.server import RunningController, serve, start
 from specpair.cli.client_commands import status_table
 from specpair.client.results import ControllerState
 from specpair.config import ControllerConfig, ServerConfig, TLSConfig
-from specpair.proto.v1 import controller_pb2, controller_pb2_grpc, target_pb2, target_pb2_grpc
+from specpair.proto.v1 import (
+    common_pb2,
+    controller_pb2,
+    controller_pb2_grpc,
+    target_pb2,
+    target_pb2_grpc,
+)
 from specpair.rpc.channels import auth_metadata
 from specpair.rpc.serving import BindError, GrpcServer
 from specpair.target_state import TargetState
@@ -44,7 +50,12 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
         self.round_id = 0
         self.watchers: list[asyncio.Queue[target_pb2.RoundStats]] = []
 
-    def push(self, *accept_lengths: int, speculative: bool = True) -> None:
+    def push(
+        self,
+        *accept_lengths: int,
+        speculative: bool = True,
+        timings: common_pb2.StageTimings | None = None,
+    ) -> None:
         self.round_id += 1
         stats = target_pb2.RoundStats(
             round_id=self.round_id,
@@ -53,6 +64,7 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
             accept_lengths=accept_lengths,
             speculative=speculative,
             unix_time=time.time(),
+            timings=timings,
         )
         for queue in self.watchers:
             queue.put_nowait(stats)
@@ -202,6 +214,30 @@ async def test_policy_moves_tier_up_then_down(stack: ControllerStack) -> None:
     assert registry.get_sample_value("specpair_controller_tier_switches_total") == 3
     assert registry.get_sample_value("specpair_controller_speculative_num_steps") == 1
     assert state.recent_switches[-1].round_id == stack.fake.round_id
+
+
+async def test_the_cost_guard_reads_the_rounds_timings_off_the_wire(stack: ControllerStack) -> None:
+    # Every draft accepted at tier 3 reads ~7 of 7: the thresholds call for 7 at once. With
+    # draft steps of 4.2 ms in a 16 ms round, tier 7's is predicted at 16 + 4 · 4.2 = 32.8 ms,
+    # over twice 3's, for at most twice the tokens (8 against 4): refused. Cheap steps: made.
+    dear = common_pb2.StageTimings(total_ms=16.0, verify_ms=3.0, draft_ms=12.6)
+    for _ in range(20):
+        stack.fake.push(3, 3, timings=dear)
+        await asyncio.sleep(0.01)
+    await eventually(lambda: stack.snapshot().rounds_seen == 20)
+    assert stack.fake.applied == []
+    state = (await stack.get_state()).targets[0]
+    assert "last refused 3 → 7" in state.model, state.model
+    estimates = {e.steps: e for e in state.estimates}
+    assert set(estimates) == {1, 3, 7} and estimates[3].observed_rounds > 0
+    assert estimates[3].tokens_per_s > estimates[7].tokens_per_s
+    cheap = common_pb2.StageTimings(total_ms=9.0, verify_ms=5.0, draft_ms=1.5)
+    for _ in range(150):
+        if stack.fake.steps == 7:
+            break
+        stack.fake.push(3, 3, timings=cheap)
+        await asyncio.sleep(0.02)
+    assert stack.fake.applied == [(7, "policy")]
 
 
 async def test_non_speculative_rounds_are_seen_but_not_counted(stack: ControllerStack) -> None:
