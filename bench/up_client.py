@@ -35,7 +35,8 @@ time to first token over the cell (its exporter, scraped before and after: a req
 prefill), `wire ms` a client's mean call beyond the target's mean latency (the request's way in,
 its last token's way out, the SDK), `undrafted` the request-rounds decoded without drafts
 against their tier (a draft that refused a request for want of a slot, failed, or was late: 0
-in a healthy cell), `switches` the tier switches the target applied over the cell. Held-out code
+in a healthy cell), `switches` the tier switches the target applied over the cell; the JSON
+keeps each cell's slowest rounds whole (`slowest`), where a spike shows its stage. Held-out code
 prompts (`bench.prompts`), greedy and T = 0.7 top-p 0.95 with a seed per request.
 
     python -m bench.up_client --draft-kind eagle3 --batches 1 8 --requests 8 32 \\
@@ -96,6 +97,7 @@ STAGES = (
 )
 
 DOORS = ("openai", "http", "sdk")
+SLOWEST = 5  # rounds kept whole per cell (`slowest`): where a cell's spikes lie
 Door = Callable[[list[int], int, Any], int]  # (prompt ids, max tokens, sampling) -> tokens
 
 
@@ -167,6 +169,8 @@ class UpCell:
     # the target's rounds during the cell's runs (WatchRounds): means of a round's stage ms,
     # its batch size and accepted draft tokens a drafted request (`anatomy`)
     rounds: dict[str, float] = field(default_factory=dict)
+    # the last run's SLOWEST rounds, each whole (`slowest`)
+    slowest: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def spread(self) -> float | None:
@@ -394,6 +398,20 @@ def anatomy(rounds: Sequence[RoundStats]) -> dict[str, float]:
     return out
 
 
+def slowest(rounds: Sequence[RoundStats], start: float, n: int = SLOWEST) -> list[dict[str, float]]:
+    """The `n` longest rounds, slowest first, each with its stages' ms, its tier and batch,
+    and when it was published (s after `start`, the cell's start as time.time()): a cell's
+    first waves at a new batch size show here as one or two rounds of
+    100+ ms in `admit` or `handoff` (an H200, 64 clients, a fresh `up`: 192 and 74 ms)."""
+    out = []
+    for r in sorted(rounds, key=lambda r: r.timings.total_ms, reverse=True)[:n]:
+        row = {stage: getattr(r.timings, f"{stage}_ms") for stage in STAGES}
+        row |= {"round_id": float(r.round_id), "steps": float(r.speculative_num_steps)}
+        row |= {"batch": float(r.batch_size), "at_s": r.unix_time - start}
+        out.append(row)
+    return out
+
+
 def share_at(rounds: Sequence[RoundStats], steps: int) -> float:
     """The share of drafted request-rounds that ran `steps` drafts: what a policy chose, where
     tokens/s alone cannot tell a tier's choice from the machine's noise. Rounds at [7, 7, 3]
@@ -435,7 +453,7 @@ def run_cells(
                 rounds: list[RoundStats] = []
                 served = Served.read(up.metrics)
                 with rounds_watched(up.target, rounds, up.token):
-                    t0 = time.perf_counter()
+                    t0, wall0 = time.perf_counter(), time.time()
                     with ThreadPoolExecutor(batch) as pool:
                         tokens = sum(pool.map(request, range(n)))
                     seconds = time.perf_counter() - t0
@@ -455,6 +473,7 @@ def run_cells(
                     cell.steady_seconds += window_s
                 cell.runs.append(tokens / seconds)
                 cell.rounds = anatomy(rounds)  # the last run's
+                cell.slowest = slowest(rounds, wall0)
                 record(cell)  # after every run: a run cut short keeps the cells before it
 
 

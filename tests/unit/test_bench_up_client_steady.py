@@ -17,6 +17,7 @@ from bench.up_client import (
     main,
     render,
     share_at,
+    slowest,
     steady,
     turn_order,
 )
@@ -155,3 +156,23 @@ def test_a_bad_variant_is_refused_before_up_starts(
     with pytest.raises(SystemExit):
         main(["--variant", *variant])
     assert message in capsys.readouterr().err
+
+
+def test_the_slowest_rounds_are_kept_whole_slowest_first() -> None:
+    def stats(round_id: int, total: float, admit: float) -> RoundStats:
+        return RoundStats(
+            round_id=round_id,
+            speculative_num_steps=7,
+            batch_size=32,
+            accept_lengths=(4,) * 32,
+            speculative=True,
+            timings=StageTimings(total_ms=total, admit_ms=admit),
+            unix_time=100.0 + round_id,
+        )
+
+    rounds = [stats(1, 30.0, 10.0), stats(2, 120.0, 90.0), stats(3, 25.0, 0.0), stats(4, 31.0, 0)]
+    kept = slowest(rounds, 100.0, n=2)
+    assert [r["round_id"] for r in kept] == [2.0, 4.0]
+    assert kept[0]["admit"] == 90.0 and kept[0]["total"] == 120.0 and kept[0]["at_s"] == 2.0
+    assert kept[0]["steps"] == 7.0 and kept[0]["batch"] == 32.0
+    assert slowest([], 0.0) == []
