@@ -76,10 +76,10 @@ from bench.gpu_speedup import (
     request_counts,
 )
 from bench.services import add_lab_arg, lab_env, lab_fields, rounds_watched, wait_draft_connected
+from specpair.cli.client_commands import policy_changes
 from specpair.cli.launcher import READY
 from specpair.cli.options import TOKEN_ENV
 from specpair.client import ControllerClient, SpecpairClient, SpecpairError
-from specpair.client.requests import build_policy_update
 from specpair.config import FeatureDType
 from specpair.runtime.round_messages import RoundStats
 
@@ -401,8 +401,8 @@ def anatomy(rounds: Sequence[RoundStats]) -> dict[str, float]:
 def slowest(rounds: Sequence[RoundStats], start: float, n: int = SLOWEST) -> list[dict[str, float]]:
     """The `n` longest rounds, slowest first, each with its stages' ms, its tier and batch,
     and when it was published (s after `start`, the cell's start as time.time()): a cell's
-    first waves at a new batch size show here as one or two rounds of
-    100+ ms in `admit` or `handoff` (an H200, 64 clients, a fresh `up`: 192 and 74 ms)."""
+    first waves at a new batch size show here as one or two rounds of 100+ ms in `admit` or
+    `handoff` (an H200, 64 clients, a fresh `up`: 192 and 74 ms)."""
     out = []
     for r in sorted(rounds, key=lambda r: r.timings.total_ms, reverse=True)[:n]:
         row = {stage: getattr(r.timings, f"{stage}_ms") for stage in STAGES}
@@ -491,7 +491,7 @@ def apply(ctl: ControllerClient, config: str, afresh: bool) -> None:
     if config == "sglang" and afresh:
         sglang_from_tier_3(ctl)
     elif config.startswith("sglang "):  # a variant: "sglang expect_tail=false ema_alpha=0.5"
-        sglang_from_tier_3(ctl, **dict(kv.split("=", 1) for kv in config.split()[1:]))
+        sglang_from_tier_3(ctl, **policy_changes(config.split()[1:]))
     elif config.startswith("tier "):
         tier = int(config.removeprefix("tier "))
         try:
@@ -512,7 +512,7 @@ def apply(ctl: ControllerClient, config: str, afresh: bool) -> None:
 
 def sglang_from_tier_3(ctl: ControllerClient, **changes: Any) -> None:
     """The sglang kind over tiers 1/3/7 afresh (its EMA, its count) from tier 3, `up`'s first,
-    its keys at their defaults but `changes` (`ctl policy`'s KEY=VALUE strings, or values)."""
+    its keys at their defaults but `changes` (as `policy_changes` types `ctl policy`'s)."""
     ctl.pin(3)
     ctl.update_policy(**GOODPUT)  # another kind between: the sglang kind starts afresh
     ctl.update_policy(kind="sglang", candidate_steps="1,3,7", **changes)
@@ -675,9 +675,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     counts = request_counts(parser, args.batches, args.requests)
     if args.variant:
         try:
-            if not all("=" in kv for kv in args.variant):
-                raise ValueError("each must be KEY=VALUE")
-            build_policy_update(**dict(kv.split("=", 1) for kv in args.variant))
+            policy_changes(args.variant)  # `ctl policy`'s parse: a bad one fails before `up`
         except ValueError as exc:
             parser.error(f"--variant {' '.join(args.variant)}: {exc}")
     if args.policy and args.repeats > 1:

@@ -135,7 +135,7 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-def _policy_changes(items: Sequence[str]) -> dict[str, Any]:
+def policy_changes(items: Sequence[str]) -> dict[str, Any]:
     """`KEY=VALUE` arguments as typed changes; ValueError names the bad one."""
     from specpair.client import build_policy_update
 
@@ -154,7 +154,7 @@ def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specpair.client import ControllerClient, SpecpairError, build_pin
 
     try:
-        changes = _policy_changes(args.changes) if args.op == "policy" else {}
+        changes = policy_changes(args.changes) if args.op == "policy" else {}
         if args.op == "pin":
             build_pin(args.tier)  # a tier that is none fails here, offline
     except ValueError as exc:

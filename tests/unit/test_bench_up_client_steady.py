@@ -145,7 +145,7 @@ def test_the_share_at_a_tier_counts_drafted_request_rounds_by_their_own_tier() -
 @pytest.mark.parametrize(
     ("variant", "message"),
     [
-        (["cost_guard"], "each must be KEY=VALUE"),
+        (["cost_guard"], "policy change 'cost_guard' must be KEY=VALUE"),
         (["bogus=1"], "unknown policy key 'bogus'"),
         (["cost_guard=maybe"], "cost_guard: expected true or false"),
     ],
