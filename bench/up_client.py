@@ -36,7 +36,9 @@ prefill), `wire ms` a client's mean call beyond the target's mean latency (the r
 its last token's way out, the SDK), `undrafted` the request-rounds decoded without drafts
 against their tier (a draft that refused a request for want of a slot, failed, or was late: 0
 in a healthy cell), `switches` the tier switches the target applied over the cell; the JSON
-keeps each cell's slowest rounds whole (`slowest`), where a spike shows its stage. Held-out code
+keeps each cell's slowest rounds whole (`slowest`), where a spike shows its stage; `quiet` is
+its mean round without a join and `a join` the time rounds took over that per joining request
+(`join_costs`). Held-out code
 prompts (`bench.prompts`), greedy and T = 0.7 top-p 0.95 with a seed per request.
 
     python -m bench.up_client --draft-kind eagle3 --batches 1 8 --requests 8 32 \\
@@ -391,11 +393,31 @@ def anatomy(rounds: Sequence[RoundStats]) -> dict[str, float]:
     for stage in STAGES:
         out[stage] = sum(getattr(r.timings, f"{stage}_ms") for r in rounds) / n
     out["at_7"] = share_at(rounds, 7)
+    out |= join_costs(rounds)
     # joining comes in spikes (a wave of joiners, then none): its median and largest round
     for stage in ("admit", "handoff"):
         ms = sorted(getattr(r.timings, f"{stage}_ms") for r in rounds)
         out[f"{stage}_p50"], out[f"{stage}_max"] = ms[n // 2], ms[-1]
     return out
+
+
+def join_costs(rounds: Sequence[RoundStats]) -> dict[str, float]:
+    """What joining costs a cell's rounds: the mean round without an admission (`quiet`), with
+    one (`joining`), and the time rounds took over quiet ones per joining request (`a_join`,
+    ms; a request joins where its id first shows). Rounds of 10 ms quiet and one of 30 ms that
+    admitted 2 requests: a join costs (30 - 10) / 2 = 10 ms."""
+    quiet = [r.timings.total_ms for r in rounds if r.timings.admit_ms == 0]
+    joining = [r.timings.total_ms for r in rounds if r.timings.admit_ms > 0]
+    ids = {i for r in rounds for i in (*r.request_ids, *r.plain_request_ids)}
+    if not quiet or not joining or not ids:
+        return {}
+    base = sum(quiet) / len(quiet)
+    return {
+        "quiet_total": base,
+        "joining_total": sum(joining) / len(joining),
+        "joining_share": len(joining) / len(rounds),
+        "a_join": sum(t - base for t in joining) / len(ids),
+    }
 
 
 def slowest(rounds: Sequence[RoundStats], start: float, n: int = SLOWEST) -> list[dict[str, float]]:
@@ -587,13 +609,14 @@ def render_anatomy(cells: Sequence[UpCell]) -> str:
             f"{c.rounds['accept']:.2f}",
             f"{c.rounds.get('at_7', 0.0):.2f}",
             *(f"{c.rounds[stage]:.2f}" for stage in STAGES),
+            *(f"{c.rounds[k]:.2f}" if k in c.rounds else "-" for k in ("quiet_total", "a_join")),
             "-" if c.gpu_bound is None else f"{c.gpu_bound:.2f}",
         ]
         for c in cells
         if c.rounds
     ]
     headers = ["config", "workload", "clients", "rounds", "batch", "accept", "at 7", *STAGES]
-    headers += ["GPU bound x"]
+    headers += ["quiet", "a join", "GPU bound x"]
     return format_table(headers, rows)
 
 

@@ -14,6 +14,7 @@ from bench.up_client import (
     UpCell,
     fill_ratios,
     gpu_bound,
+    join_costs,
     main,
     render,
     share_at,
@@ -176,3 +177,26 @@ def test_the_slowest_rounds_are_kept_whole_slowest_first() -> None:
     assert kept[0]["admit"] == 90.0 and kept[0]["total"] == 120.0 and kept[0]["at_s"] == 2.0
     assert kept[0]["steps"] == 7.0 and kept[0]["batch"] == 32.0
     assert slowest([], 0.0) == []
+
+
+def test_a_join_costs_the_time_its_rounds_took_over_the_quiet_ones() -> None:
+    def stats(total: float, admit: float, ids: tuple[str, ...]) -> RoundStats:
+        return RoundStats(
+            round_id=0,
+            speculative_num_steps=7,
+            batch_size=len(ids),
+            accept_lengths=(4,) * len(ids),
+            speculative=True,
+            timings=StageTimings(total_ms=total, admit_ms=admit),
+            unix_time=0.0,
+            request_ids=ids,
+        )
+
+    # the docstring's example: quiet rounds of 10 ms, one of 30 ms that admitted b and c
+    rounds = [stats(10.0, 0.0, ("a",)), stats(30.0, 12.0, ("a",)), stats(10.0, 0.0, ("a", "b"))]
+    rounds.append(stats(10.0, 0.0, ("a", "b", "c")))
+    costs = join_costs(rounds)
+    assert costs["quiet_total"] == 10.0 and costs["joining_total"] == 30.0
+    assert costs["joining_share"] == 0.25
+    assert costs["a_join"] == 20.0 / 3  # a, b and c each first show in this cell
+    assert join_costs(rounds[:1]) == {}  # no joining round: nothing to say
