@@ -35,7 +35,8 @@ time to first token over the cell (its exporter, scraped before and after: a req
 prefill), `wire ms` a client's mean call beyond the target's mean latency (the request's way in,
 its last token's way out, the SDK), `undrafted` the request-rounds decoded without drafts
 against their tier (a draft that refused a request for want of a slot, failed, or was late: 0
-in a healthy cell), `switches` the tier switches the target applied over the cell; the JSON
+in a healthy cell), `switches` the tier switches the target applied over the cell, `gc ms`
+the target's / the draft's garbage-collector pauses over the cell (their exporters); the JSON
 keeps each cell's slowest rounds whole (`slowest`), where a spike shows its stage; `quiet` is
 its mean round without a join and `a join` the time rounds took over that per joining request
 (`join_costs`). Held-out code
@@ -110,6 +111,8 @@ SERVED = {  # the target's exporter's samples `Served` sums (over their labels)
     "latency_count": "specpair_target_request_latency_seconds_count",
     "undrafted": "specpair_target_plain_rounds_total",
     "switches": "specpair_target_tier_switches_total",
+    "gc_s": "specpair_target_gc_pause_seconds_total",
+    "draft_gc_s": "specpair_draft_gc_pause_seconds_total",  # from the draft's exporter
 }
 
 
@@ -126,18 +129,19 @@ class Served:
     latency_count: float = 0.0
     undrafted: float = 0.0
     switches: float = 0.0  # tier switches the target applied
+    gc_s: float = 0.0  # the target's garbage-collector pauses (every generation)
+    draft_gc_s: float = 0.0  # the draft's
 
     @classmethod
-    def read(cls, address: str) -> Served:
-        """Scrapes the exporter at `address` ("": zeros, nothing to read)."""
-        if not address:
-            return cls()
-        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
-            text = reply.read().decode()
+    def read(cls, *addresses: str) -> Served:
+        """Scrapes the exporters at `addresses` (the target's, the draft's; "": none there)."""
         values: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+        for address in filter(None, addresses):
+            with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+                text = reply.read().decode()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    values[sample.name] = values.get(sample.name, 0.0) + sample.value
         return cls(**{key: values.get(name, 0.0) for key, name in SERVED.items()})
 
     def __sub__(self, other: Served) -> Served:
@@ -233,6 +237,7 @@ class Up:
     log: Path
     token: str
     metrics: str = ""  # the target's Prometheus exporter ("": none to read)
+    draft_metrics: str = ""  # the draft's
 
 
 def up_command(args: argparse.Namespace, target: Path, draft: Path) -> list[str]:
@@ -288,7 +293,11 @@ def running_up(
             env.pop(name, None)
         else:
             env[name] = value
-    up = replace(up, metrics=env.get("SPECPAIR_TARGET_METRICS", ""))
+    up = replace(
+        up,
+        metrics=env.get("SPECPAIR_TARGET_METRICS", ""),
+        draft_metrics=env.get("SPECPAIR_DRAFT_METRICS", ""),
+    )
     log.parent.mkdir(parents=True, exist_ok=True)
     print("$ " + " ".join(command), flush=True)
     proc = subprocess.Popen(
@@ -473,13 +482,13 @@ def run_cells(
                     return tokens
 
                 rounds: list[RoundStats] = []
-                served = Served.read(up.metrics)
+                served = Served.read(up.metrics, up.draft_metrics)
                 with rounds_watched(up.target, rounds, up.token):
                     t0, wall0 = time.perf_counter(), time.time()
                     with ThreadPoolExecutor(batch) as pool:
                         tokens = sum(pool.map(request, range(n)))
                     seconds = time.perf_counter() - t0
-                served = Served.read(up.metrics) - served
+                served = Served.read(up.metrics, up.draft_metrics) - served
                 cell = cells.setdefault(
                     (config, door, wl.name, batch),
                     UpCell(config, door, wl.name, batch, 0, 0.0),
@@ -588,11 +597,12 @@ def render(cells: Sequence[UpCell]) -> str:
          "-" if c.spread is None else f"{100 * c.spread:.0f} %",
          "-" if c.ttft_ms is None else f"{c.ttft_ms:.1f}",
          "-" if c.wire_ms is None else f"{c.wire_ms:.1f}",
-         f"{c.served.undrafted:.0f}", f"{c.served.switches:.0f}"]
+         f"{c.served.undrafted:.0f}", f"{c.served.switches:.0f}",
+         f"{1e3 * c.served.gc_s:.0f} / {1e3 * c.served.draft_gc_s:.0f}"]
         for c in cells
     ]  # fmt: skip
     headers = ["config", "door", "workload", "batch", "tok/s", "x tier 0", "steady x", "spread"]
-    headers += ["ttft ms", "wire ms", "undrafted", "switches"]
+    headers += ["ttft ms", "wire ms", "undrafted", "switches", "gc ms"]
     return format_table(headers, rows)
 
 

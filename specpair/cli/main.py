@@ -30,6 +30,7 @@ from specpair.config import (
     DraftConfig,
     DraftKind,
     FeatureDType,
+    ModelServiceConfig,
     TargetConfig,
 )
 
@@ -298,6 +299,10 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specpair.rpc.host_memory import keep_freed_memory
 
     keep_freed_memory()
+    if isinstance(config, ModelServiceConfig) and not config.no_gc_freeze:
+        from specpair.rpc.gc_heap import freeze_when_serving
+
+        freeze_when_serving()
     # a measuring switch: say so, from the config (the environment was read into it once)
     fields = lab_fields(type(config))  # bools and numbers, each with a plain default
     if labs := {f.name: v for f in fields if (v := getattr(config, f.name)) != f.default}:

@@ -86,6 +86,13 @@ class ModelServiceConfig:
             f"(default: {BUSY_POLL_MS_CUDA:g} on CUDA, 0 on the CPU)"
         ),
     )
+    no_gc_freeze: bool = field(
+        default=False,
+        metadata=lab(
+            "leave the heap unfrozen once serving: Python's full collections then walk every "
+            "object start-up made (`specpair/rpc/gc_heap.py`)"
+        ),
+    )
 
     def _resolve(self) -> None:
         _check_steps(self.candidate_steps)

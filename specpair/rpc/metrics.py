@@ -11,6 +11,7 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
+from specpair.rpc.gc_heap import GcPauses
 from specpair.rpc.serving import BindError
 
 # The families each service exports: a draft has no requests, hence no TTFT, and no tier of
@@ -94,6 +95,7 @@ class ServiceMetrics:
         for name, metric in vars(self).items():
             if name != "registry" and (exported is None or name in exported):
                 self.registry.register(metric)
+        self.registry.register(GcPauses(p))  # the process's, whichever service it runs
 
     def serve(self, host: str, port: int) -> None:
         """Exposes /metrics over HTTP on a daemon thread (port 0: disabled)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from specpair.config import ServerConfig, TLSConfig
 from specpair.logging import get_logger
 from specpair.rpc.channels import CHANNEL_OPTIONS, MESSAGE_LIMIT
+from specpair.rpc.gc_heap import serving
 from specpair.rpc.interceptors import BearerTokenInterceptor, MalformedRequestInterceptor
 
 log = get_logger(__name__)
@@ -243,6 +245,8 @@ class GrpcServer:
         await self.server.start()
 
     async def ready(self) -> None:
+        if (took := serving()) is not None:  # a service process: its start-up heap frozen
+            log.info(f"heap frozen in {took * 1e3:.0f} ms", objects=gc.get_freeze_count())
         await self._set(health_pb2.HealthCheckResponse.SERVING)
 
     async def not_serving(self) -> None:

@@ -12,6 +12,7 @@ Throughout, neither service builds a runtime state after start-up.
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -19,10 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import free_address
 from specpair.cli.group import Service, ServiceGroup
 from specpair.client import ControllerClient, SpecpairClient
+from specpair.config.option import lab_variable
 from tests.service.conftest import reference_greedy
 
 pytestmark = pytest.mark.slow
@@ -31,8 +34,20 @@ CONNECTED = "DRAFT_CONNECTION_STATE_CONNECTED"
 FAST_POLICY = {"warmup_batches": 2, "update_interval": 1, "ema_alpha": 0.5}
 
 
-def service(name: str, address: str, *args: str) -> Service:
-    return Service(name, address, (*args, "--address", address, "--metrics-address", ""))
+def service(
+    name: str, address: str, *args: str, metrics: str = "", env: dict[str, str] | None = None
+) -> Service:
+    return Service(name, address, (*args, "--address", address, "--metrics-address", metrics), env)
+
+
+def frozen_objects(metrics: str, service: str) -> float:
+    """The objects a service process froze once serving (`specpair/rpc/gc_heap.py`)."""
+    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    name = f"specpair_{service}_gc_frozen_objects"
+    return next(
+        s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name
+    )
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
@@ -55,7 +70,7 @@ def test_three_processes(ckpts: dict[str, Path], procs: ServiceGroup, tmp_path: 
     policy = tmp_path / "policy.json"
     policy.write_text(json.dumps(FAST_POLICY))
     target = str(ckpts["target"])
-    http_addr = free_address()
+    http_addr, target_metrics, draft_metrics = free_address(), free_address(), free_address()
     # Launched together, then waited on: the target and controller come up while peers load.
     for s in (
         service("draft", draft_addr, "draft", "--model", target),
@@ -73,6 +88,7 @@ def test_three_processes(ckpts: dict[str, Path], procs: ServiceGroup, tmp_path: 
             "15",
             "--http-address",
             http_addr,
+            metrics=target_metrics,
         ),
         service(
             "controller", ctrl_addr, "controller", "--target", target_addr, "--policy", str(policy)
@@ -90,6 +106,8 @@ def test_three_processes(ckpts: dict[str, Path], procs: ServiceGroup, tmp_path: 
     )
     builds_at_start = client.server_info()["runtime_state_builds"]
     assert builds_at_start == 3
+    # serving, the process froze what start-up made: full collections skip it
+    assert frozen_objects(target_metrics, "target") > 10_000
 
     def generate_all(max_tokens: int) -> list[list[int]]:
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -130,7 +148,11 @@ def test_three_processes(ckpts: dict[str, Path], procs: ServiceGroup, tmp_path: 
     assert client.server_info()["draft_connection_state"] != CONNECTED
 
     # C. an unrelated draft on the same address: reconnect, then the tier falls to 1
-    procs.start(service("draft2", draft_addr, "draft", "--model", str(ckpts["draft"])))
+    # (with the lab switch that leaves its heap unfrozen, the negative control of the above)
+    unfrozen = os.environ | {lab_variable("no_gc_freeze"): "1"}
+    draft2 = "draft", "--model", str(ckpts["draft"])
+    procs.start(service("draft2", draft_addr, *draft2, metrics=draft_metrics, env=unfrozen))
+    assert frozen_objects(draft_metrics, "draft") == 0
     wait_for(
         lambda: client.server_info()["draft_connection_state"] == CONNECTED,
         30,

@@ -4,6 +4,7 @@ reads of the target's exporter (time to first token, latency)."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -99,7 +100,11 @@ def test_a_cells_ttft_wire_and_undrafted_rounds_come_from_the_targets_exporter()
     metrics.ttft.observe(9.0)  # before the cell: not its own
     metrics.request_latency.observe(9.0)
     metrics.fallback_rounds.labels("draft_error").inc()
-    before = Served.read(address)
+    draft, draft_port = ServiceMetrics("draft"), free_port()
+    draft.serve("127.0.0.1", draft_port)
+    draft_address = f"127.0.0.1:{draft_port}"
+    before = Served.read(address, draft_address)
+    gc.collect()  # a full collection in the cell: both exporters count this process's
     for ttft, latency in ((0.010, 0.200), (0.030, 0.400)):
         metrics.ttft.observe(ttft)
         metrics.request_latency.observe(latency)
@@ -108,13 +113,14 @@ def test_a_cells_ttft_wire_and_undrafted_rounds_come_from_the_targets_exporter()
     metrics.fallback_rounds.labels("draft_timeout").inc()
     metrics.tier_switches.inc(4)
     cell = UpCell("tier 7", "sdk", "code greedy", 2, 256, 1.0)
-    cell.served += Served.read(address) - before
+    cell.served += Served.read(address, draft_address) - before
     cell.client_s, cell.requests = 0.205 + 0.415, 2  # each call 5 / 15 ms beyond its latency
     assert cell.ttft_ms == pytest.approx(20.0)
     assert cell.wire_ms == pytest.approx(10.0)
     assert cell.served.undrafted == 3
     assert cell.served.switches == 4
-    assert render([cell]).splitlines()[-1].split()[-2:] == ["3", "4"]
+    assert cell.served.gc_s > 0 and cell.served.draft_gc_s > 0
+    assert render([cell]).splitlines()[-1].split()[-5:-3] == ["3", "4"]
     assert Served.read("") == Served()  # no exporter: nothing read, no means
     assert UpCell("tier 7", "sdk", "code greedy", 2, 0, 1.0).ttft_ms is None
 
