@@ -343,5 +343,7 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
 
     def reconfigure(self, config: PolicyConfig) -> bool:
         """Swaps in `config`, keeping the EMA and batch count; the tier snaps to the new
-        candidates. True if the tier changed."""
+        candidates. True if the tier changed. The guard's round times decay at the new
+        `ema_alpha` from here on, as the EMA does."""
+        self._cost.alpha = config.ema_alpha
         return self._swap_config(config)

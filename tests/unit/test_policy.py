@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,22 @@ def test_the_cost_guard_keeps_a_tier_whose_drafts_pay_where_the_thresholds_leave
     assert estimates[7].round_ms == pytest.approx(10.4, rel=0.05)
     assert estimates[7].tokens_per_s > estimates[3].tokens_per_s > estimates[1].tokens_per_s
     assert AdaptiveSpeculativeParams(PolicyConfig(cost_guard=False), 7).estimates() == ()
+
+
+def test_the_cost_guards_round_times_follow_a_live_ema_alpha() -> None:
+    # `ctl policy ema_alpha=1` mid-run: the next round's time replaces tier 7's estimate, as
+    # the next batch replaces the EMA (at 0.2 it would move 10 → 12 ms, not to 20).
+    policy = AdaptiveSpeculativeParams(PolicyConfig(ema_alpha=0.2), 7)
+
+    def round_of(total_ms: float) -> RoundSample:
+        return RoundSample(7, 1, (4,), total_ms=total_ms, verify_ms=5.0, draft_ms=2.0)
+
+    for _ in range(20):
+        policy.observe(round_of(10.0))
+    policy.reconfigure(replace(policy.config, ema_alpha=1.0))
+    policy.observe(round_of(20.0))
+    estimates = {e.steps: e for e in policy.estimates()}
+    assert estimates[7].round_ms == pytest.approx(20.0)
 
 
 def test_the_cost_guard_lets_a_weak_pair_leave_the_top_tier() -> None:
