@@ -1,16 +1,17 @@
 """Python's cyclic garbage collector in a serving process: its pauses counted, and the heap that
 start-up made frozen once the process serves.
 
-Start-up leaves some 400 k objects that live as long as the process: the modules (torch,
+Start-up leaves some 400-530 k objects that live as long as the process: the modules (torch,
 transformers, grpc), the model's modules, the tiers' states. A full collection (generation 2)
-walks every one of them, 150 ms on a 2-core dev CPU. CPython runs one once the objects that
-survived the younger generations since the last reach a quarter of the long-lived ones, which a
-service at load does every few seconds: at 8 clients on an H200 a draft round so hit took
-24-40 ms against its usual 3-4 (bench/RESULTS.md, "Garbage collection"). `gc.freeze()` moves
-every object alive to a permanent generation that collections skip, so after it a full
-collection walks only what serving has made since. Frozen objects are still freed by reference
-counting when dropped; only a cycle among them is never collected, which start-up's objects,
-living as long as the process, do not form in numbers that matter.
+walks every one of them: 150 ms on a 2-core dev CPU, 224-254 ms on an H200's host (the draft's
+and the target's collection before their freeze). CPython runs one once the objects that
+survived the younger generations since the last reach a quarter of the long-lived ones: rarely
+(none came in any cell of `bench.up_client` at 1-64 clients, each service's pauses 0-67 ms a
+cell; bench/RESULTS.md, "What a join costs"), but when one comes it holds a round for its whole
+walk. `gc.freeze()` moves every object alive to a permanent generation that collections skip,
+so after it a full collection walks only what serving has made since. Frozen objects are still
+freed by reference counting when dropped; only a cycle among them is never collected, which
+start-up's objects, living as long as the process, do not form in numbers that matter.
 """
 
 from __future__ import annotations
