@@ -84,6 +84,13 @@ def pair_target(gpu_ckpts: dict[str, Path], draft: str) -> Path:
     return gpu_ckpts["target4" if draft == "eagle3" else "target"]
 
 
+def cuda_drafter(path: Path, target_path: Path | None, max_len: int = 256) -> Drafter:
+    """A bf16 drafter on the GPU with room for 4 requests: what these tests draft with."""
+    return build_drafter(
+        path, target_path=target_path, max_requests=4, max_len=max_len, dtype=BF16, device="cuda"
+    )
+
+
 def test_logits_match_transformers(gpu_ckpts: dict[str, Path]) -> None:
     hf = LlamaForCausalLM.from_pretrained(gpu_ckpts["target"], dtype=BF16).cuda().eval()
     worker = target(gpu_ckpts["target"])
@@ -188,14 +195,7 @@ def test_greedy_speculative_equals_gpu_target_only(gpu_ckpts: dict[str, Path], d
     target-only decoding exactly.
     """
     worker = target(pair_target(gpu_ckpts, draft), draft=gpu_ckpts[draft])
-    drafter = build_drafter(
-        gpu_ckpts[draft],
-        target_path=pair_target(gpu_ckpts, draft),
-        max_requests=4,
-        max_len=256,
-        dtype=BF16,
-        device="cuda",
-    )
+    drafter = cuda_drafter(gpu_ckpts[draft], pair_target(gpu_ckpts, draft))
     builder = StateBuilder(worker, drafter)
     states = builder.build_all([1, 3, 7])  # verify/extend/draft graphs
     assert all(isinstance(st.verify, VerifyGraphs) for st in states.values())
@@ -236,14 +236,7 @@ def test_tree_shapes_on_graphs_give_the_target_greedy_tokens(
     after start-up."""
     path = pair_target(gpu_ckpts, draft)
     worker = target(path, draft=gpu_ckpts[draft])
-    drafter = build_drafter(
-        gpu_ckpts[draft],
-        target_path=path,
-        max_requests=4,
-        max_len=256,
-        dtype=BF16,
-        device="cuda",
-    )
+    drafter = cuda_drafter(gpu_ckpts[draft], path)
     shapes = [TreeShape(3), TreeShape(3, 2, 6), TreeShape(4, 4, 16), TreeShape(10, 8, 32)]
     builder = StateBuilder(worker, drafter)
     states = builder.build_all(shapes)
@@ -343,14 +336,7 @@ def test_plans_made_ahead_give_the_same_rounds(gpu_ckpts: dict[str, Path]) -> No
     computes) are used, and give exactly the rounds of plans made in line; a plan made before
     a slot changed hands is not used."""
     worker = target(gpu_ckpts["target"])
-    drafter = build_drafter(
-        gpu_ckpts["eagle"],
-        target_path=gpu_ckpts["target"],
-        max_requests=4,
-        max_len=256,
-        dtype=BF16,
-        device="cuda",
-    )
+    drafter = cuda_drafter(gpu_ckpts["eagle"], gpu_ckpts["target"])
     tier = build_states([3], worker, drafter)[3]
     verify, extend = tier.verify, tier.extend
     assert isinstance(verify, VerifyGraphs) and isinstance(extend, ExtendGraphs)
@@ -391,14 +377,7 @@ def test_draft_steps_placed_on_device_equal_host_plans(
 
     def drafter():  # type: ignore[no-untyped-def]
         gc.collect()
-        d = build_drafter(
-            gpu_ckpts["draft"],
-            target_path=None,
-            max_requests=4,
-            max_len=256,
-            dtype=BF16,
-            device="cuda",
-        )
+        d = cuda_drafter(gpu_ckpts["draft"], None)
         return d, build_states([3], drafter=d)[3]
 
     def steps(tier: SpecRuntimeState) -> list[GraphAttention]:
@@ -439,14 +418,7 @@ def test_tree_graphs_draft_the_trees_the_eager_draft_does(
 
     def drafter():  # type: ignore[no-untyped-def]
         gc.collect()
-        d = build_drafter(
-            gpu_ckpts[draft],
-            target_path=gpu_ckpts["target"],
-            max_requests=4,
-            max_len=256,
-            dtype=BF16,
-            device="cuda",
-        )
+        d = cuda_drafter(gpu_ckpts[draft], gpu_ckpts["target"])
         return d, StateBuilder(None, d).build(shape)
 
     graphs, tier = drafter()
@@ -485,14 +457,7 @@ def tier_3_drafters(
     worker = target(gpu_ckpts["target"])
     out = []
     for _ in range(2):
-        d = build_drafter(
-            gpu_ckpts["draft"],
-            target_path=None,
-            max_requests=4,
-            max_len=max_len,
-            dtype=BF16,
-            device="cuda",
-        )
+        d = cuda_drafter(gpu_ckpts["draft"], None, max_len=max_len)
         state = build_states([3], worker, d)[3]
         assert isinstance(state.extend, ExtendGraphs)
         out.append((d, state))
@@ -577,14 +542,7 @@ def test_a_prompt_handoff_extends_in_a_graph_of_the_window_width(
 
     def drafter(rows: int):  # type: ignore[no-untyped-def]
         gc.collect()
-        d = build_drafter(
-            gpu_ckpts["eagle3"],
-            target_path=gpu_ckpts["target4"],
-            max_requests=4,
-            max_len=256,
-            dtype=BF16,
-            device="cuda",
-        )
+        d = cuda_drafter(gpu_ckpts["eagle3"], gpu_ckpts["target4"])
         states = StateBuilder(None, d, handoff_rows=rows).build_all([0, 3])
         return d, states[0], states[3]
 
