@@ -299,10 +299,9 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specpair.rpc.host_memory import keep_freed_memory
 
     keep_freed_memory()
-    if isinstance(config, ModelServiceConfig) and not config.no_gc_freeze:
-        from specpair.rpc.gc_heap import freeze_when_serving
+    from specpair.rpc.gc_heap import freeze_when_serving
 
-        freeze_when_serving()
+    freezing = isinstance(config, ModelServiceConfig) and not config.no_gc_freeze
     # a measuring switch: say so, from the config (the environment was read into it once)
     fields = lab_fields(type(config))  # bools and numbers, each with a plain default
     if labs := {f.name: v for f in fields if (v := getattr(config, f.name)) != f.default}:
@@ -310,7 +309,8 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         get_logger(__name__).warning("lab switches set", **labs)
     try:
-        with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
+        frozen = freeze_when_serving() if freezing else contextlib.nullcontext()
+        with frozen, contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
             asyncio.run(_serve(service, config))
     except (BindError, CheckpointError, RankExitedError) as exc:  # one line, no traceback
         print(f"{parser.prog} serve {args.service}: error: {exc}", file=sys.stderr)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -28,7 +29,7 @@ GENERATIONS = 3
 _seconds = [0.0] * GENERATIONS  # the process's collector pauses by generation
 _collections = [0] * GENERATIONS
 _started = 0.0
-_armed = False  # `freeze_when_serving`: the next `serving` freezes the heap
+_armed = False  # inside `freeze_when_serving`: the next `serving` freezes the heap
 
 
 def _on_collection(phase: str, info: dict[str, Any]) -> None:
@@ -85,12 +86,17 @@ class GcPauses(Collector):
         )
 
 
-def freeze_when_serving() -> None:
-    """Arms `serving`: a service process (`specpair serve`) freezes its heap once it serves.
-    Services started inside another program (the tests, an embedding) leave that program's
-    heap as it is."""
+@contextmanager
+def freeze_when_serving() -> Iterator[None]:
+    """Within it, a service going SERVING freezes the heap (`serving`): `specpair serve` runs
+    its service inside it. Services started elsewhere (the tests, an embedding), or after a
+    `serve` that failed, leave their program's heap as it is."""
     global _armed
     _armed = True
+    try:
+        yield
+    finally:
+        _armed = False
 
 
 def serving() -> float | None:

@@ -15,6 +15,7 @@ import pytest
 
 from bench.common import free_address
 from specpair.cli.main import main
+from specpair.rpc import gc_heap
 
 
 @pytest.mark.parametrize(
@@ -66,6 +67,8 @@ def test_serve_on_a_taken_port_is_one_line_naming_it(
     err = capsys.readouterr().err
     expected = f"cannot listen on {address}: address in use or unavailable"
     assert err == f"specpair serve draft: error: {expected}\n"
+    # nor does it leave the heap freeze armed for whatever serves next in this process
+    assert gc_heap.serving() is None
 
 
 def test_up_refuses_an_address_another_process_serves(

@@ -24,10 +24,10 @@ def no_automatic_collections() -> Iterator[None]:
 
 @pytest.fixture
 def unfrozen() -> Iterator[None]:
-    """Leaves this test process's heap as it found it."""
+    """Starts and leaves this test process's heap unfrozen."""
+    gc.unfreeze()
     yield
     gc.unfreeze()
-    gc_heap._armed = False
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, str], float]:
@@ -66,11 +66,16 @@ def test_a_services_exporter_carries_the_pauses_and_the_frozen_count(
 def test_the_heap_is_frozen_once_and_only_where_armed(unfrozen: None) -> None:
     assert gc_heap.serving() is None  # not armed: a test or an embedding keeps its heap
     assert gc.get_freeze_count() == 0
-    gc_heap.freeze_when_serving()
-    took = gc_heap.serving()
-    assert took is not None and took > 0
-    frozen = gc.get_freeze_count()
-    assert frozen > 10_000  # this process's modules at least
-    # a full collection now skips them: it walks far fewer objects than were frozen
-    assert len(gc.get_objects()) < frozen
-    assert gc_heap.serving() is None  # disarmed: a second service in the process does not
+    with gc_heap.freeze_when_serving():
+        took = gc_heap.serving()
+        assert took is not None and took > 0
+        frozen = gc.get_freeze_count()
+        assert frozen > 10_000  # this process's modules at least
+        # a full collection now skips them: it walks far fewer objects than were frozen
+        assert len(gc.get_objects()) < frozen
+        assert gc_heap.serving() is None  # once: a second service in the process does not
+    gc.unfreeze()
+    with gc_heap.freeze_when_serving():
+        pass  # a `serve` that failed before SERVING (a taken port)
+    assert gc_heap.serving() is None  # leaves nothing armed behind it
+    assert gc.get_freeze_count() == 0
