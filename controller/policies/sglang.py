@@ -214,7 +214,7 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
         self._cost = CostModel(config.ema_alpha)  # `cost_guard`'s round times
         self._batch = 0  # the last drafted round's
         # the last move the guard refused: (from, to, tokens/ms at each), for `describe`
-        self._kept: tuple[int, int, float, float] | None = None
+        self._refused: tuple[int, int, float, float] | None = None
 
     @property
     def draft_acceptance(self) -> float | None:
@@ -261,13 +261,13 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
             f"sglang: EMA accept length {self._ema:.2f}{tail} over {self.count} batches; "
             f"at {steps}: down when EMA <= {down}, up when EMA > {up}"
             + (", where the round times say the move gains" if self.config.cost_guard else "")
-            + self._kept_line()
+            + self._refused_line()
         )
 
-    def _kept_line(self) -> str:
-        if self._kept is None:
+    def _refused_line(self) -> str:
+        if self._refused is None:
             return ""
-        frm, to, now, then = self._kept
+        frm, to, now, then = self._refused
         return f"; last refused {frm} → {to}: {then:.3f} against {now:.3f} tokens/ms predicted"
 
     def update(self, accept_lengths: Sequence[int], steps: Sequence[int] = ()) -> bool:
@@ -313,7 +313,7 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
         if c[i] != old and self.config.cost_guard:
             rates = self._rates(old, c[i])
             if rates is not None and rates[1] <= rates[0]:
-                self._kept = (old, c[i], *rates)
+                self._refused = (old, c[i], *rates)
                 return False
         self._tier = TreeShape(c[i])
         return c[i] != old
@@ -328,8 +328,9 @@ class AdaptiveSpeculativeParams(GatedPolicy[PolicyConfig]):
         ms (8.4 measured); acceptance 0.74 a position: 3.5 tokens at 7, 2.7 at 3; 0.34 against
         0.31 tokens a ms: no move down."""
         b, tokens = self._batch, self._tokens
-        now = self._cost.round_ms(old, b, tokens) if b else None
-        then = self._cost.round_ms(new, b, tokens) if b else None
+        if not b:
+            return None
+        now, then = self._cost.round_ms(old, b, tokens), self._cost.round_ms(new, b, tokens)
         if now is None or then is None:
             return None
         return tokens(old) / now, tokens(new) / then
