@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import threading
 import weakref
 from collections.abc import AsyncIterator, Coroutine, Iterator
@@ -29,11 +30,20 @@ T = TypeVar("T")
 C = TypeVar("C", bound=Connection)
 
 
+# Signals a person sends a blocking program. Only the main thread may take them: one that lands
+# on another thread runs Python's handler later, on the main thread's next bytecode, and a main
+# thread blocked in `input()` has none (`specpair chat` hung on Ctrl-C).
+_MAIN_THREAD_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
 class _LoopThread:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        # A thread starts with its creator's mask, and gRPC's threads start from this one (the
+        # channel opens on the loop), so blocking them here keeps them off every thread of ours.
+        with _signals_blocked():
+            self.thread.start()
         # A client dropped without close() still stops its thread.
         self._finalizer = weakref.finalize(self, _stop, self.loop, self.thread)
 
@@ -60,6 +70,18 @@ class _LoopThread:
 
     def close(self) -> None:
         self._finalizer()
+
+
+@contextlib.contextmanager
+def _signals_blocked() -> Iterator[None]:
+    if not hasattr(signal, "pthread_sigmask"):  # Windows delivers Ctrl-C to the main thread
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, _MAIN_THREAD_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _stop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:

@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -438,6 +439,16 @@ async def test_cli_generate_refuses_max_tokens_0_as_http_does(stack: Stack) -> N
     assert status == 400 and reply["error"]["param"] == "max_tokens"
 
 
+def threads_taking(signum: int, pid: int) -> list[int]:
+    """The threads of `pid` that do not block `signum` (Linux's /proc)."""
+    taking = []
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines())
+        if not int(fields["SigBlk"], 16) >> (signum - 1) & 1:
+            taking.append(int(status.parent.name))
+    return sorted(taking)
+
+
 async def test_the_cli_chat_says_how_it_ends_and_ends_cleanly(stack: Stack) -> None:
     address = ["--address", f"127.0.0.1:{stack.target.port}", "--max-tokens", "4"]
 
@@ -471,6 +482,9 @@ async def test_the_cli_chat_says_how_it_ends_and_ends_cleanly(stack: Stack) -> N
     shown = b""
     while shown.count(b"> ") < 2:  # the reply, then the next prompt
         shown += await asyncio.wait_for(proc.stdout.read(64), 60)
+    # The kernel hands a process's signal to any thread that does not block it, and a Ctrl-C
+    # taken by a thread other than the main one never wakes the main thread's `input()`.
+    assert threads_taking(signal.SIGINT, proc.pid) == [proc.pid]
     proc.send_signal(signal.SIGINT)
     await asyncio.wait_for(proc.wait(), 60)
     err = await proc.stderr.read()
