@@ -147,6 +147,7 @@ def _build_scheduler(
         threads=config.threads,
         device=config.device,
         handoff=not config.no_prompt_handoff,
+        join_settle_s=config.join_settle_ms / 1e3,
         feed_at_tier_0=config.feed_draft_at_tier_0,
         draft_window=config.draft_window,
     )

@@ -218,6 +218,14 @@ class TargetConfig(ModelServiceConfig):
             "keeps it off the round's path)"
         ),
     )
+    join_settle_ms: float = field(
+        default=0.0,
+        metadata=lab(
+            "before a joining request's prefill beside a drafted round, turn the event loop "
+            "for up to this long, in ms (while the draft works), so the last round's streams "
+            "reach their clients and new requests arrive first (0: prefill at once)"
+        ),
+    )
     feed_draft_at_tier_0: bool = field(
         default=False,
         metadata=lab(

@@ -70,11 +70,13 @@ class Scheduler:
         threads: int = 1,
         device: str = "cpu",
         handoff: bool = True,
+        join_settle_s: float = 0.0,
         feed_at_tier_0: bool = False,
         draft_window: int = 0,
     ) -> None:
         self.worker = worker
         self.handoff = handoff  # joins' prompts go to the draft beside a round (`_admit_beside`)
+        self.join_settle_s = join_settle_s  # `awaiting_draft`: the loop turns before a join
         self.states = states
         self.tiers = Tiers(states, initial_tier, metrics)
         self.max_batch = max_batch
@@ -276,6 +278,10 @@ class Scheduler:
         held, so it takes at most `WAIT_PREFILL_TOKENS` of prompt: a large prompt waits for
         the next round's start rather than have a punctual draft benched as late."""
         if self.queue:
+            if self.join_settle_s > 0:
+                # The round just streamed (`TargetRound.run`) and the inline prefill holds the
+                # loop: without turns first, the streams' writes wait for it.
+                await settle(budget_s=self.join_settle_s)
             await self._admit_beside(flight)
             return await answer
         reply = asyncio.ensure_future(answer)

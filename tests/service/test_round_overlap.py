@@ -238,6 +238,56 @@ async def test_a_request_joins_beside_a_round_out_to_the_draft(tmp_path: Path) -
     assert joined == reference.output
 
 
+async def streamed_before_a_join(tmp_path: Path, settle_s: float) -> tuple[int, int]:
+    """Compute inline on the loop (as on a GPU), a client's writer that takes several loop
+    passes an event, and b submitted while a's rounds run: at b's prefill beside a round, the
+    events a's writer had delivered and those streamed to it."""
+    worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=2, max_len=64)
+    scheduler = one_tier_scheduler(
+        worker, tier=3, max_batch=2, draft=RecordingLink(), join_settle_s=settle_s
+    )
+    scheduler.compute.executor = None
+    link: RecordingLink = scheduler.draft  # type: ignore[assignment]
+    delivered = 0
+    at_join: list[tuple[int, int]] = []
+    prefill = worker.prefill
+
+    def recording(seqs: list[TargetSequence]) -> list[object]:
+        if seqs[0].request_id == "b":
+            at_join.append((delivered, link.events.puts))
+        return prefill(seqs)  # type: ignore[return-value]
+
+    worker.prefill = recording  # type: ignore[method-assign]
+    first, second, _, task = await a_running(scheduler, link, tokens=24)
+
+    async def writer() -> None:  # a gRPC write: the event, the message, its completion
+        nonlocal delivered
+        while True:
+            await first.events.get()
+            for _ in range(4):
+                await asyncio.sleep(0)
+            delivered += 1
+
+    writing = asyncio.create_task(writer())
+    await asyncio.sleep(SEND_S / 2)  # inside a round's send: b is queued as the next one awaits
+    scheduler.submit(second)
+    while (await asyncio.wait_for(second.events.get(), 10)).finish_reason is None:
+        pass
+    task.cancel()
+    writing.cancel()
+    (seen,) = at_join
+    return seen
+
+
+async def test_a_join_beside_a_round_lets_the_streams_write_first(tmp_path: Path) -> None:
+    """With `join_settle_s` the loop turns before a joiner's inline prefill, so the round that
+    just streamed reaches its client first; without it the writes wait for the prefill."""
+    delivered, streamed = await streamed_before_a_join(tmp_path / "settled", settle_s=0.05)
+    assert delivered == streamed - 2  # all but the two `a_running` took
+    delivered, streamed = await streamed_before_a_join(tmp_path / "at_once", settle_s=0.0)
+    assert delivered < streamed - 2
+
+
 def prefill_sizes(scheduler: Scheduler) -> list[int]:
     """Records how many prompts each of `scheduler`'s prefills takes."""
     sizes: list[int] = []
