@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from specpair.runtime.accept import accept_greedy, accept_sampling
+from specpair.runtime.sampling import SamplingParams, make_generator
+from specpair.runtime.target.accepting import batch_uniforms, uniforms
 from specpair.runtime.tree import CandidateTree, chain
 
 
@@ -144,3 +146,23 @@ def test_accept_trees_without_a_loop_is_the_rule_node_by_node() -> None:
     assert torch.equal(accepted, ref_accepted)
     assert accepted[:, 1:].any(-1).float().mean() > 0.3  # the trees do accept
     assert (last == sample_rows(ref_current, u[:, 0])).float().mean() > 0.999
+
+
+def test_batch_uniforms_draw_each_sampled_rows_own_and_only_its_count() -> None:
+    """Row i holds request i's next counts[i] uniforms, as `uniforms` alone would draw them
+    (seeded tokens do not depend on the batch); greedy rows and the padding hold 0.5, and no
+    generator is advanced past its count."""
+
+    class Seq:
+        def __init__(self, temperature: float, seed: int) -> None:
+            self.sampling = SamplingParams(temperature=temperature, seed=seed)
+            self.generator = make_generator(seed)
+
+    seqs = [Seq(0.7, 1), Seq(0.0, 2), Seq(0.7, 3)]
+    u = batch_uniforms(seqs, [3, 4, 5], 6)
+    first, third = make_generator(1), make_generator(3)
+    assert torch.equal(u[0, :3], torch.rand(3, generator=first))
+    assert torch.equal(u[2, :5], torch.rand(5, generator=third))
+    assert (u[0, 3:] == 0.5).all() and (u[1] == 0.5).all() and (u[2, 5:] == 0.5).all()
+    assert torch.equal(uniforms(seqs[0], 1), torch.rand(1, generator=first))
+    assert torch.equal(uniforms(seqs[2], 1), torch.rand(1, generator=third))

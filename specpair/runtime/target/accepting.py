@@ -104,12 +104,10 @@ def tree_inputs(
     b = len(seqs)
     tokens = torch.zeros(b, t, dtype=torch.long)
     parents = torch.full((b, t), -1, dtype=torch.long)
-    u = torch.full((b, t), 0.5)  # a greedy request's verdicts need no randomness
-    for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
+    for i, tree in enumerate(trees):
         tokens[i, 1 : len(tree) + 1] = torch.tensor(tree.tokens, dtype=torch.long)
         parents[i, : len(tree) + 1] = torch.tensor(full_parents(tree))
-        if not seq.sampling.greedy:
-            u[i, : len(tree) + 1] = uniforms(seq, len(tree) + 1)
+    u = batch_uniforms(seqs, [len(tree) + 1 for tree in trees], t)
     return TreeBatch(RowParams.of([s.sampling for s in seqs]).repeat(t), tokens, parents, u)
 
 
@@ -129,10 +127,7 @@ def chain_inputs(
     # one tensor from padded rows: a tensor per request cost a third of this at batch 16
     padded = [(*tree.tokens, *(0,) * (n - m)) for tree, m in zip(trees, lengths, strict=True)]
     drafts = torch.tensor(padded, dtype=torch.long).view(b, n)
-    u = torch.full((b, t), 0.5)  # a greedy request's verdicts need no randomness
-    for i, (seq, m) in enumerate(zip(seqs, lengths, strict=True)):
-        if not seq.sampling.greedy:
-            u[i, : m + 1] = uniforms(seq, m + 1)
+    u = batch_uniforms(seqs, [m + 1 for m in lengths], t)
     q_ids, q, dense = sparse_q([s.sampling.greedy for s in seqs], trees, drafts)
     return ChainBatch(
         params=RowParams.of([s.sampling for s in seqs]).repeat(t),
@@ -143,6 +138,19 @@ def chain_inputs(
         q=q,
         dense=dense,
     )
+
+
+def batch_uniforms(seqs: Sequence[TargetSequence], counts: Sequence[int], t: int) -> Tensor:
+    """[B, t]: row i's first counts[i] uniforms from request i's generator (`uniforms`), 0.5
+    elsewhere and in a greedy request's row (its verdicts need no randomness). One scatter of
+    the draws: a row assignment per request cost half of this at batch 64 (2-core CPU: 834
+    against 447 µs, 291 of it the draws)."""
+    u = torch.full((len(seqs), t), 0.5)
+    taken = [0 if s.sampling.greedy else n for s, n in zip(seqs, counts, strict=True)]
+    drawn = [uniforms(s, n) for s, n in zip(seqs, taken, strict=True) if n]
+    if drawn:
+        u.masked_scatter_(torch.arange(t) < torch.tensor(taken)[:, None], torch.cat(drawn))
+    return u
 
 
 def uniforms(seq: TargetSequence, n: int) -> Tensor:
