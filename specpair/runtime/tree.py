@@ -11,6 +11,7 @@ Verification works on the *full* tree, root at index 0 and draft node i at index
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,7 +51,7 @@ class CandidateTree:
 def chain(
     tokens: Sequence[int], draft_probs: Tensor | None = None, draft_ids: Tensor | None = None
 ) -> CandidateTree:
-    return CandidateTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)), draft_probs, draft_ids)
+    return CandidateTree(tuple(tokens), chain_parents(len(tokens)), draft_probs, draft_ids)
 
 
 EMPTY_TREE = CandidateTree((), ())
@@ -74,6 +75,38 @@ def validate_tree(
         raise MalformedTreeError(f"tree has {n} tokens but {len(tree.parents)} parents")
     if n > max_nodes:
         raise MalformedTreeError(f"tree has {n} nodes, more than the limit {max_nodes}")
+    if (
+        tree.parents == chain_parents(n)
+        and n <= max_depth
+        and (not n or (min(tree.tokens) >= 0 and max(tree.tokens) < vocab_size))
+    ):
+        # a sound chain, the usual tree: checked in a few C calls, not node by node (a round's
+        # check of 64 tier-7 chains, 2-core CPU: 1.72-1.79 ms against 1.90-1.99, `bench.
+        # round_overhead host`); any fault takes the node loop, which names it
+        depths = list(range(1, n + 1))
+    else:
+        depths = _node_depths(tree, max_depth, vocab_size)
+    if tree.draft_ids is not None:
+        if sparse_q:
+            check_sparse_q(tree, vocab_size)
+    elif tree.draft_probs is not None:
+        if tuple(tree.draft_probs.shape) != (n, vocab_size):
+            raise MalformedTreeError(
+                f"draft_probs shape {tuple(tree.draft_probs.shape)} != ({n}, {vocab_size})"
+            )
+        rows = _float_rows(tree.draft_probs)
+        check_draft_probs(rows, rows[np.arange(n), list(tree.tokens)])
+    return depths
+
+
+@functools.cache
+def chain_parents(n: int) -> tuple[int, ...]:
+    """The parents of a chain of n drafts: (-1, 0, …, n - 2)."""
+    return tuple(range(-1, n - 1))
+
+
+def _node_depths(tree: CandidateTree, max_depth: int, vocab_size: int) -> list[int]:
+    """`validate_tree`'s node checks, node by node, raising on the first fault."""
     depths: list[int] = []
     for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents, strict=True)):
         if not 0 <= token < vocab_size:
@@ -86,16 +119,6 @@ def validate_tree(
         if depth > max_depth:
             raise MalformedTreeError(f"node {i}: depth {depth} exceeds the limit {max_depth}")
         depths.append(depth)
-    if tree.draft_ids is not None:
-        if sparse_q:
-            check_sparse_q(tree, vocab_size)
-    elif tree.draft_probs is not None:
-        if tuple(tree.draft_probs.shape) != (n, vocab_size):
-            raise MalformedTreeError(
-                f"draft_probs shape {tuple(tree.draft_probs.shape)} != ({n}, {vocab_size})"
-            )
-        rows = _float_rows(tree.draft_probs)
-        check_draft_probs(rows, rows[np.arange(n), list(tree.tokens)])
     return depths
 
 

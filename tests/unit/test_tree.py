@@ -55,6 +55,9 @@ def test_chain_is_lower_triangular() -> None:
         (CandidateTree((1, -1), (-1, 0)), "outside the vocabulary"),
         (chain(range(9)), "9 nodes, more than the limit 8"),
         (chain([1, 2, 3, 4, 5]), "depth 5 exceeds the limit 4"),
+        # chains take a fast path: its faults still name the node
+        (chain([3, 10]), r"node 1: token 10 outside the vocabulary \[0, 10\)"),
+        (chain([-3, 2]), "node 0: token -3 outside"),
         (CandidateTree((1,), (-1,), torch.zeros(2, 10)), "draft_probs shape"),
     ],
 )
@@ -66,6 +69,8 @@ def test_malformed_trees_are_rejected(tree: CandidateTree, message: str) -> None
 def test_valid_tree_depths() -> None:
     tree = CandidateTree((1, 2, 3, 4), (-1, 0, 0, 1))
     assert validate_tree(tree, max_nodes=8, max_depth=4, vocab_size=10) == [1, 2, 2, 3]
+    assert validate_tree(chain([9, 0, 5]), max_nodes=8, max_depth=4, vocab_size=10) == [1, 2, 3]
+    assert validate_tree(chain([]), max_nodes=8, max_depth=4, vocab_size=10) == []
 
 
 def _probs(rows: list[list[float]]) -> torch.Tensor:
