@@ -340,19 +340,19 @@ def response_from_proto(
     the error is cut to `bounded`'s length."""
     trees, malformed = {}, {}
     q, why_not = _round_q(msg)
-    offset = 0
+    # each tree's rows of the round's q, as views made in one call a tensor (a slice a tree
+    # cost ~4 µs each: half a millisecond at batch 64)
+    nodes = [len(t.token_ids) for t in msg.trees]
+    rows = zip(q[0].split(nodes), q[1].split(nodes), strict=True) if q is not None else None
     for t in msg.trees:
-        rows = slice(offset, offset + len(t.token_ids))
-        offset = rows.stop
+        own = next(rows) if rows is not None else None
         if request_ids is not None and t.request_id not in request_ids:
             continue
         if (why := why_not or _oversized(t, max_nodes)) is not None:
             malformed[t.request_id] = why
             continue
         try:
-            trees[t.request_id] = _tree_from_proto(
-                t, None if q is None else (q[0][rows], q[1][rows])
-            )
+            trees[t.request_id] = _tree_from_proto(t, own)
         except ValueError as exc:
             malformed[t.request_id] = bounded(str(exc))
     return RoundResponse(
