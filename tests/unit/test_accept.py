@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpair.runtime.accept import accept_greedy, accept_sampling
+from specpair.runtime.accept import (
+    accept_greedy,
+    accept_greedy_argmax,
+    accept_sampling,
+    greedy_path,
+)
 from specpair.runtime.sampling import SamplingParams, make_generator
 from specpair.runtime.target.accepting import batch_uniforms, uniforms
 from specpair.runtime.tree import CandidateTree, chain
@@ -166,3 +171,15 @@ def test_batch_uniforms_draw_each_sampled_rows_own_and_only_its_count() -> None:
     assert (u[0, 3:] == 0.5).all() and (u[1] == 0.5).all() and (u[2, 5:] == 0.5).all()
     assert torch.equal(uniforms(seqs[0], 1), torch.rand(1, generator=first))
     assert torch.equal(uniforms(seqs[2], 1), torch.rand(1, generator=third))
+
+
+def test_a_chains_greedy_accept_is_the_tree_walks() -> None:
+    """Chains take a fast path (their leading matches); it accepts what walking the tree's
+    children does, whatever the matches, the length and a padded argmax row."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        n = int(torch.randint(0, 8, (1,), generator=gen))
+        tree = chain(torch.randint(0, 4, (n,), generator=gen).tolist())
+        pad = int(torch.randint(0, 3, (1,), generator=gen))
+        argmax = torch.randint(0, 4, (n + 1 + pad,), generator=gen)
+        assert accept_greedy_argmax(tree, argmax.tolist()) == greedy_path(tree, argmax.tolist())

@@ -61,11 +61,10 @@ def accept_batch(
     if sampled and not per_request and all(tree.is_chain() for tree in trees):
         chains = chain_inputs(seqs, trees, t)
     if not sampled:
-        argmax = logits.argmax(-1).cpu()  # [B, T]: all greedy acceptance needs
-        return [
-            accept_greedy_argmax(tree, argmax[i, : len(tree) + 1].tolist())
-            for i, tree in enumerate(trees)
-        ], "greedy"
+        # [B, T]: all greedy acceptance needs, read in one call (a row each: 64 chains cost
+        # 1.5 ms of host time against 0.9)
+        argmax = logits.argmax(-1).tolist()
+        return [accept_greedy_argmax(tree, argmax[i]) for i, tree in enumerate(trees)], "greedy"
     batch: ChainBatch | TreeBatch | None = chains
     if chains is None and not per_request and all(tree.draft_probs is None for tree in trees):
         batch = tree_inputs(seqs, trees, t)  # drafted without q
