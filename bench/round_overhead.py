@@ -52,12 +52,13 @@ from specpair.models.tiny import make_tiny_llama
 from specpair.proto.v1 import draft_pb2
 from specpair.rpc import wire
 from specpair.rpc.serving import compute_executor
+from specpair.runtime.accept import greedy_path
 from specpair.runtime.build import build_drafter, build_states, build_target, feature_layers
 from specpair.runtime.engine import GREEDY, SpeculativeEngine
 from specpair.runtime.round_messages import RoundResponse, RoundStats
 from specpair.runtime.sampling import DRAFT_SUPPORT, SamplingParams, make_generator
 from specpair.runtime.shape import TreeShape
-from specpair.runtime.target.accepting import chain_inputs
+from specpair.runtime.target.accepting import accept_greedy_batch, chain_inputs
 from specpair.runtime.tree import CandidateTree, chain, sparse_q_faults, validate_tree
 
 # --- services (was bench/round_overhead.py) ---
@@ -449,7 +450,9 @@ Per round of B sampled chains of s drafts, each with a 64-token q (as the draft 
 round's q in two tensors; beside it, each tree's own, as before them),
 median µs of: the draft's `RoundResponse` encoded, the target decoding it, checking the trees
 (`validate_tree`, then the round's sparse qs at once; beside it, each tree's alone), and
-`chain_inputs` (uniforms, drafts, q for the accept); and the message's bytes.
+`chain_inputs` (uniforms, drafts, q for the accept); and the message's bytes. Beside them, a
+greedy round's accept from the target's argmax (`accept_greedy_batch`; beside it, a row read
+and the tree's children walked per request).
 
     python -m bench.round_overhead host [--batches 1 8 16] [--tiers 3 7] [--iters 200]
 """
@@ -490,6 +493,12 @@ def measure(batch: int, s: int, iters: int) -> dict[str, float]:
     data = wire.response_to_proto(response).SerializeToString()
     per_tree = wire.response_to_proto(response, round_q=False).SerializeToString()
     seqs = [Sampled(i) for i in range(batch)]
+    # greedy chains whose argmax rows accept a random prefix of each
+    greedy = [chain(torch.randint(0, VOCAB, (s,), generator=gen).tolist()) for _ in range(batch)]
+    argmax = torch.randint(0, VOCAB, (batch, s + 1), generator=gen)
+    for i, tree in enumerate(greedy):
+        m = int(torch.randint(0, s + 1, (1,), generator=gen))
+        argmax[i, :m] = torch.tensor(tree.tokens[:m], dtype=torch.long)
 
     def check() -> None:  # as served: structure per tree, then the round's sparse qs at once
         for tree in trees.values():
@@ -515,6 +524,13 @@ def measure(batch: int, s: int, iters: int) -> dict[str, float]:
         "check": median_us(check, iters),
         "check_alone": median_us(check_alone, iters),
         "chain_inputs": median_us(lambda: chain_inputs(seqs, list(trees.values()), s + 1), iters),
+        "greedy_accept": median_us(lambda: accept_greedy_batch(greedy, argmax), iters),
+        "greedy_accept_per_row": median_us(
+            lambda: [
+                greedy_path(t, argmax[i, : len(t) + 1].tolist()) for i, t in enumerate(greedy)
+            ],
+            iters,
+        ),
     }
 
 
@@ -546,11 +562,13 @@ def host_main(argv: list[str] | None = None) -> None:
             f"{sum(c[k] for k in keys):.0f}",
             f"{c['check_alone']:.0f}",
             f"{c['encode_per_tree']:.0f} / {c['decode_per_tree']:.0f}",
+            f"{c['greedy_accept']:.0f} / {c['greedy_accept_per_row']:.0f}",
         ]
         for c in cells
     ]
     headers = ["batch", "tier", "KB", *(f"{k} us" for k in keys), "total us"]
     headers += ["check alone us", "q per tree: encode / decode us"]
+    headers += ["greedy accept: batch / per row us"]
     print(format_table(headers, rows))
 
 

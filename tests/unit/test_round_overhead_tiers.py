@@ -3,9 +3,12 @@ refused while parsing, and each tier's rounds told apart from a chain of the sam
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from bench.round_overhead import headroom, make_parser, service_run
+from bench.round_overhead import headroom, host_main, make_parser, service_run
 from specpair.runtime.round_messages import RoundStats, StageTimings
 from specpair.runtime.shape import TreeShape
 
@@ -59,3 +62,15 @@ def test_a_tiers_service_rounds_exclude_a_chain_of_the_same_steps() -> None:
     rounds = [round_at(chain, 1.0), round_at(tree, 2.0), round_at(tree, 3.0)]
     assert service_run([], rounds, tree, 1.0)["stages_ms"]["total"] == [2.0, 3.0]
     assert service_run([], rounds, chain, 1.0)["stages_ms"]["total"] == [1.0]
+
+
+def test_the_host_mode_times_each_cell_and_prints_its_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "host.json"
+    host_main(["--batches", "2", "--tiers", "3", "--iters", "2", "--out", str(out)])
+    (cell,) = json.loads(out.read_text())["cells"]
+    assert (cell["batch"], cell["tier"]) == (2, 3)
+    timed = ("encode", "decode", "check", "chain_inputs", "greedy_accept", "greedy_accept_per_row")
+    assert all(cell[key] > 0 for key in timed)
+    assert capsys.readouterr().out.splitlines()[-1].startswith("2 ")  # the table comes last
