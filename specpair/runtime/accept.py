@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from specpair.runtime.sampling import sample, sample_rows
-from specpair.runtime.tree import CandidateTree, chain_parents, children, full_parents
+from specpair.runtime.tree import CandidateTree, children, full_parents
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +45,7 @@ def accept_greedy_argmax(tree: CandidateTree, argmax: Sequence[int]) -> Acceptan
     """`accept_greedy` given the target's argmax per full-tree node ([n + 1] token ids; more
     are ignored)."""
     n = len(tree)
-    if tree.parents == chain_parents(n):  # a chain: its leading matches, no child lists
+    if tree.is_chain():  # its leading matches, no child lists
         m = next((j for j in range(n) if tree.tokens[j] != argmax[j]), n)
         return Acceptance(tuple(range(m)), tree.tokens[:m], argmax[m])
     return greedy_path(tree, argmax)

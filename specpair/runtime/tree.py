@@ -46,7 +46,7 @@ class CandidateTree:
         return q.scatter_(-1, self.draft_ids.long(), self.draft_probs)
 
     def is_chain(self) -> bool:
-        return all(p == i - 1 for i, p in enumerate(self.parents))
+        return tuple(self.parents) == chain_parents(len(self.parents))
 
 
 def chain(
@@ -77,7 +77,7 @@ def validate_tree(
     if n > max_nodes:
         raise MalformedTreeError(f"tree has {n} nodes, more than the limit {max_nodes}")
     if (
-        tree.parents == chain_parents(n)
+        tree.is_chain()
         and n <= max_depth
         and (not n or (min(tree.tokens) >= 0 and max(tree.tokens) < vocab_size))
     ):

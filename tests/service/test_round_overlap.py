@@ -8,7 +8,7 @@ import asyncio
 import itertools
 import time
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -91,10 +91,11 @@ class GatedLink(RecordingLink):
 R = TypeVar("R", bound=RecordingLink)
 
 
-def drafted_scheduler(tmp_path: Path, link: R) -> tuple[Scheduler, R]:
-    """A tier-3 scheduler of batches up to 2 over a tiny target and `link`."""
+def drafted_scheduler(tmp_path: Path, link: R, **kwargs: Any) -> tuple[Scheduler, R]:
+    """A tier-3 scheduler of batches up to 2 over a tiny target and `link` (`kwargs`: the
+    scheduler's own)."""
     worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=2, max_len=64)
-    scheduler = one_tier_scheduler(worker, tier=3, max_batch=2, draft=link)
+    scheduler = one_tier_scheduler(worker, tier=3, max_batch=2, draft=link, **kwargs)
     return scheduler, link
 
 
@@ -242,12 +243,9 @@ async def streamed_before_a_join(tmp_path: Path, settle_s: float) -> tuple[int, 
     """Compute inline on the loop (as on a GPU), a client's writer that takes several loop
     passes an event, and b submitted while a's rounds run: at b's prefill beside a round, the
     events a's writer had delivered and those streamed to it."""
-    worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=2, max_len=64)
-    scheduler = one_tier_scheduler(
-        worker, tier=3, max_batch=2, draft=RecordingLink(), join_settle_s=settle_s
-    )
+    scheduler, link = drafted_scheduler(tmp_path, RecordingLink(), join_settle_s=settle_s)
     scheduler.compute.executor = None
-    link: RecordingLink = scheduler.draft  # type: ignore[assignment]
+    worker = scheduler.worker
     delivered = 0
     at_join: list[tuple[int, int]] = []
     prefill = worker.prefill
