@@ -132,6 +132,7 @@ def _build_scheduler(
         states = builder.build_all(config.tiers)
     # Every path a request's first rounds take, once, while health says NOT_SERVING: what
     # compiles on first use must not do so inside a user's first request.
+    worker.ride_rows = config.ride_rows
     took = warm_up(worker, states)
     log.info(f"target warm-up done in {took:.1f} s", s=round(took, 3))
     scheduler = Scheduler(

@@ -226,6 +226,16 @@ class TargetConfig(ModelServiceConfig):
             "reach their clients and new requests arrive first (0: prefill at once)"
         ),
     )
+    ride_rows: int = field(
+        default=0,
+        metadata=lab(
+            "a joining request's prompt rides in the verify of the round it joins during "
+            "(one forward, one read of the weights, instead of a prefill beside the draft) "
+            "where the verify, the prompt in chunks of the tier's chain, stays within a CUDA "
+            "graph of at most this many rows (requests × tokens); 0: joiners are prefilled "
+            "apart"
+        ),
+    )
     feed_draft_at_tier_0: bool = field(
         default=False,
         metadata=lab(
@@ -248,6 +258,10 @@ class TargetConfig(ModelServiceConfig):
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
         check(self.modes)
+        if self.ride_rows < 0:
+            raise ValueError(
+                f"ride_rows must be >= 0 (0: joiners prefilled apart), got {self.ride_rows}"
+            )
         if not self.rank_timeout_floor_s > 0:
             raise ValueError(f"rank_timeout_floor_s must be > 0, got {self.rank_timeout_floor_s}")
         if self.draft_address is not None:

@@ -204,20 +204,24 @@ class WatchedWorker(TargetWorker):
         seqs: Sequence[TargetSequence],
         state: SpecRuntimeState,
         depths: Sequence[int] | None = None,
+        riders: Sequence[TargetSequence] = (),
     ) -> None:
         with self.watchdog.timing("prepare", len(seqs)):
-            super().prepare(seqs, state, depths)
+            super().prepare(seqs, state, depths, riders)
 
     def verify(
         self,
         seqs: Sequence[TargetSequence],
         trees: Sequence[CandidateTree],
         state: SpecRuntimeState | None = None,
+        riders: Sequence[TargetSequence] = (),
     ) -> list[VerifyResult]:
-        # the forward's tokens: every row padded to the largest tree (and its root)
+        # the forward's tokens: every row padded to the largest tree (and its root), and the
+        # riders' prompts (their chunks' padding aside)
         tokens = len(seqs) * (1 + max((len(tree) for tree in trees), default=0))
+        tokens += sum(len(seq.prompt) for seq in riders)
         with self.watchdog.timing("verify", tokens):
-            return super().verify(seqs, trees, state)
+            return super().verify(seqs, trees, state, riders)
 
 
 def watch_parent(poll_s: float = PARENT_POLL_S) -> None:

@@ -81,6 +81,13 @@ class ServiceMetrics:
         self.requests = Counter(
             f"{p}_requests", "Finished requests by outcome", ["outcome"], registry=r
         )
+        self.joins = Counter(
+            f"{p}_joins",
+            "Requests admitted into the batch by how their prompt ran (prefill: a forward of "
+            "its own; ride: in the verify of the round it joined during)",
+            ["how"],
+            registry=r,
+        )
         self.fallback_rounds = Counter(
             f"{p}_plain_rounds", "Rounds decoded without speculation", ["reason"], registry=r
         )

@@ -109,6 +109,9 @@ class VerifyStage(Protocol):
     def plan(self, positions: Tensor, layout: BatchLayout) -> None:
         """Plans the next `run` for positions [B, T] placed by `layout`."""
 
+    def padded(self, batch: int) -> int | None:
+        """The rows a verify of `batch` rows runs at (a graph's bucket); None: no graph fits."""
+
     def planned_for(self, key: object) -> bool:
         """Whether a plan made ahead serves the verify of `key` (then it needs no `plan`)."""
 

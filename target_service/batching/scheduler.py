@@ -26,6 +26,8 @@ import time
 from collections.abc import Awaitable
 from typing import TypeVar
 
+from torch import Tensor
+
 from specpair.config import DEFAULT_MAX_WATCHERS
 from specpair.logging import get_logger
 from specpair.rpc.metrics import ServiceMetrics
@@ -186,7 +188,11 @@ class Scheduler:
             except Exception:
                 # A bug must not hang every client: fail this batch loudly, keep serving.
                 log.exception("round failed", round_id=self.round_id)
-                flight = None
+                riders, flight = (flight.riders if flight is not None else []), None
+                for req in riders:  # admitted, never seated: in neither the queue nor the batch
+                    self.worker.release(req.seq)
+                    req.events.put_nowait(RoundEvent([], -1, self.tier.steps, "error"))
+                    self.metrics.requests.labels("error").inc()
                 for req in list(self.running):
                     req.events.put_nowait(RoundEvent([], -1, self.tier.steps, "error"))
                     self._finish(req, "error")
@@ -216,11 +222,16 @@ class Scheduler:
         self.metrics.requests.labels(outcome).inc()
         self.metrics.running.set(len(self.running))
 
-    async def _admit(self, max_tokens: int | None = None) -> list[ServedRequest]:
+    async def _admit(
+        self, max_tokens: int | None = None, ride: Flight[ServedRequest] | None = None
+    ) -> list[ServedRequest]:
         """Prefills queued requests into the batch, as many as fit (in order, their prompts
-        `max_tokens` at most together); returns those admitted."""
+        `max_tokens` at most together); returns those admitted. With `ride` (a round whose
+        draft works) they ride in its verify instead where the worker `rides` them: they join
+        the batch after it (`_seat`)."""
         new: list[ServedRequest] = []
-        room = min(self.max_batch - len(self.running), self.worker.cache.free_slots)
+        riding = len(ride.riders) if ride is not None else 0
+        room = min(self.max_batch - len(self.running) - riding, self.worker.cache.free_slots)
         if self.running and room < min(self.join_group, len(self.queue)):
             # Under load, requests join `join_group` at a time: a prefill reads every weight
             # however few its prompts (an 8B's on an H100: 1 prompt 8.9 ms, 4 in 14.3, in its
@@ -243,6 +254,15 @@ class Scheduler:
         if not new:
             return []
         seqs = [r.seq for r in new]
+        if ride is not None and self.worker.rides(
+            ride.state, len(ride.seqs) + riding, [len(seq.prompt) for seq in seqs]
+        ):
+            for seq in seqs:
+                seq.slot = self.worker.cache.alloc()
+            ride.riders += new
+            ride.rider_seqs += seqs
+            self.metrics.joins.labels("ride").inc(len(new))
+            return new
         try:
             feats = await self.compute(self.worker.prefill, seqs)
         except Exception:
@@ -254,6 +274,12 @@ class Scheduler:
                 req.events.put_nowait(RoundEvent([], -1, self.tier.steps, "error"))
                 self.metrics.requests.labels("error").inc()
             return []
+        self.metrics.joins.labels("prefill").inc(len(new))
+        self._join(new, feats)
+        return new
+
+    def _join(self, new: list[ServedRequest], feats: list[Tensor | None]) -> None:
+        """Prefilled requests join the batch, each first token to its client."""
         for req, f in zip(new, feats, strict=True):
             self.session.add(req.seq, f)
             self.running.append(req)
@@ -263,7 +289,17 @@ class Scheduler:
             if req.seq.finish_reason is not None:
                 self._finish(req, req.seq.finish_reason)
         self.metrics.running.set(len(self.running))
-        return new
+
+    async def _seat(self, done: Flight[ServedRequest]) -> None:
+        """The riders of `done`, prefilled in its verify, join the batch; their prompts go to
+        the draft now, answered before the next round's request is built (which would else
+        send them whole)."""
+        riders, done.riders, done.rider_seqs = done.riders, [], []
+        self._join(riders, self.worker.rode)
+        joined = [r.seq for r in riders if r in self.running]
+        if joined and self.handoff and done.request is not None:
+            self.round_id += 1
+            await self.round.hand_over(done, self.round_id, joined)
 
     async def awaiting_draft(self, flight: Flight[ServedRequest], answer: Awaitable[T]) -> T:
         """The draft's answer to `flight`, awaited (`Batcher`). Requests queued as the wait
@@ -308,7 +344,7 @@ class Scheduler:
         sampled, H100) a join cost the batch 23 ms against 10.9 ms without speculation.
         """
         t0, generation = time.perf_counter(), self.worker.cache.generation
-        new = await self._admit(max_tokens)
+        new = await self._admit(max_tokens, ride=flight)
         if self.worker.cache.generation != generation:  # a slot was taken (or freed)
             await self.round.replan(flight)  # the verify's plan named the old slots
             joined = [r.seq for r in new if r in self.running]
@@ -333,6 +369,8 @@ class Scheduler:
         """The round after `done` with every running request (those admitted beside `done`
         too), started now; None where requests wait and `done` went out to no draft (they are
         admitted between rounds, after `done` has streamed)."""
+        if done.riders:
+            await self._seat(done)
         self.tiers.switch(self.round_id, self._running_ids())
         ready = [r for r in self.running if r.seq.finish_reason is None and not r.cancelled]
         if not ready or (self.queue and done.request is None):

@@ -377,14 +377,17 @@ class HoldingLink(RecordingLink):
         return await super().receive(round_id, epoch)
 
 
+@pytest.mark.parametrize("ride", [0, 256])
 async def test_a_join_never_finds_the_draft_holding_the_request_it_replaced(
-    tmp_path: Path,
+    tmp_path: Path, ride: int
 ) -> None:
     """A request leaves after a round's verify, once the next round is out; one admitted into
-    its place beside that next round is handed to the draft then, and the hand-off frees the
-    one that left. With a draft of as many slots as the target's batch (`up`'s 64 and 64), the
-    joiner would else find them all held and its first rounds go undrafted."""
+    its place beside that next round is handed to the draft then (a rider: after that round's
+    verify), and the hand-off frees the one that left. With a draft of as many slots as the
+    target's batch (`up`'s 64 and 64), the joiner would else find them all held and its first
+    rounds go undrafted."""
     scheduler, link = drafted_scheduler(tmp_path, HoldingLink())
+    scheduler.worker.ride_rows = ride
     task = asyncio.create_task(scheduler.run())
 
     async def client(c: int) -> None:  # a request at a time, the next once the last ended
@@ -400,3 +403,78 @@ async def test_a_join_never_finds_the_draft_holding_the_request_it_replaced(
     handoffs = [r for r in link.requests if r.speculative_num_steps == 0]
     assert len(handoffs) >= 3, "requests joined beside rounds, into the places of others"
     assert link.most <= scheduler.max_batch
+
+
+def riding_scheduler(tmp_path: Path, link: R) -> tuple[Scheduler, R]:
+    scheduler, link = drafted_scheduler(tmp_path, link)
+    scheduler.worker.ride_rows = 256
+    return scheduler, link
+
+
+async def test_a_rider_joins_after_the_round_whose_verify_prefilled_it(tmp_path: Path) -> None:
+    """With `ride_rows` a request queued while a round is out to the draft is not prefilled
+    beside it: its prompt rides in that round's verify, it joins the round after, its prompt
+    goes to the draft between the two, and its tokens are those it decodes alone."""
+    scheduler, link = riding_scheduler(tmp_path, RecordingLink())
+    prefills: list[int] = []
+    prefill = scheduler.worker.prefill
+    scheduler.worker.prefill = lambda seqs: prefills.append(len(seqs)) or prefill(seqs)  # type: ignore[method-assign]
+    first, second, watch, task = await a_running(scheduler, link, tokens=12)
+    scheduler.submit(second)
+    joined: list[int] = []
+    while True:
+        event = await asyncio.wait_for(second.events.get(), 10)
+        joined += event.token_ids
+        if event.finish_reason is not None:
+            break
+    while (await asyncio.wait_for(first.events.get(), 10)).finish_reason is None:
+        pass
+    task.cancel()
+    assert prefills == [1], "only a, which started an empty batch, was prefilled"
+    stats = [watch.get_nowait() for _ in range(watch.qsize())]
+    handoffs = [r for r in link.requests if r.speculative_num_steps == 0]
+    assert [[(i.request_id, i.appended) for i in r.inputs] for r in handoffs] == [[("b", (8, 9))]]
+    rode = max(s.round_id for s in stats if s.round_id < handoffs[0].round_id)
+    assert next(s for s in stats if s.round_id == rode).batch_size == 1
+    after = next(s for s in stats if s.round_id > handoffs[0].round_id)
+    assert after.batch_size == 2
+    first_round = next(r for r in link.requests if r.round_id == after.round_id)
+    assert {i.request_id: len(i.appended) for i in first_round.inputs}["b"] == 1
+    alone = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=1, max_len=64)
+    reference = TargetSequence("b", [8, 9], SamplingParams(), max_new_tokens=4)
+    alone.prefill([reference])
+    while reference.finish_reason is None:
+        alone.verify([reference], [EMPTY_TREE], None)
+    assert joined == reference.output
+
+
+async def test_a_verify_that_fails_with_riders_answers_them_and_frees_their_slots(
+    tmp_path: Path,
+) -> None:
+    """A verify that raises fails its batch and its riders alike: each rider's client hears
+    `error` and its KV slot comes back; the scheduler then serves the next request."""
+    scheduler, link = riding_scheduler(tmp_path, RecordingLink())
+    worker = scheduler.worker
+    verify = worker.verify
+
+    def failing(seqs: Any, trees: Any, state: Any = None, riders: Any = ()) -> Any:
+        if riders:
+            raise RuntimeError("a bug in the verify")
+        return verify(seqs, trees, state, riders)
+
+    worker.verify = failing  # type: ignore[method-assign]
+    first, second, _, task = await a_running(scheduler, link, tokens=40)
+    scheduler.submit(second)
+    outcome = None
+    while outcome is None:
+        outcome = (await asyncio.wait_for(second.events.get(), 10)).finish_reason
+    assert outcome == "error"
+    while (await asyncio.wait_for(first.events.get(), 10)).finish_reason is None:
+        pass
+    assert worker.cache.free_slots == 2
+    third = ServedRequest(TargetSequence("c", [8, 9], SamplingParams(), max_new_tokens=3))
+    scheduler.submit(third)
+    while (event := await asyncio.wait_for(third.events.get(), 10)).finish_reason is None:
+        pass
+    assert event.finish_reason == "length"
+    task.cancel()

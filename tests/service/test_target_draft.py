@@ -462,18 +462,27 @@ async def test_metrics_endpoint_exports_the_serving_metrics(ckpts, make_stack) -
         assert name in body, name
 
 
-@pytest.mark.parametrize(("handoff", "window"), [(True, 0), (False, 0), (True, 2), (False, 3)])
+@pytest.mark.parametrize(
+    ("handoff", "window", "ride"),
+    [(True, 0, 0), (False, 0, 0), (True, 2, 0), (False, 3, 0), (True, 0, 256), (True, 2, 256)],
+)
 async def test_a_request_joining_beside_a_round_has_its_prompt_handed_off(
-    ckpts, make_stack, handoff: bool, window: int
+    ckpts, make_stack, handoff: bool, window: int, ride: int
 ) -> None:
     """An EAGLE request that joins while another's round is out to the draft: its prompt and
     features reach the draft at tier 0 right behind that round, and its first round appends
     one token (`--no-prompt-handoff`: the whole prompt goes with its first round). With
-    `--draft-window N` only the last N tokens go. Its tokens are the target alone's in every
-    case."""
+    `--draft-window N` only the last N tokens go. With `ride_rows` its prompt rides in that
+    round's verify instead of a prefill of its own, and goes to the draft after it. Its tokens
+    are the target alone's in every case."""
     stack = await make_stack(
         draft_config(ckpts["eagle"], draft_kind="eagle", target_path=ckpts["target"]),
-        replace(target_config(ckpts["target"]), no_prompt_handoff=not handoff, draft_window=window),
+        replace(
+            target_config(ckpts["target"]),
+            no_prompt_handoff=not handoff,
+            draft_window=window,
+            ride_rows=ride,
+        ),
     )
     rounds = stack.draft.servicer.rounds
     seen: list[tuple[int, str, int]] = []  # (tier, request id, tokens appended) per input
@@ -497,6 +506,12 @@ async def test_a_request_joining_beside_a_round_has_its_prompt_handed_off(
         assert mine[:2] == [(0, window or len(joiner)), (3, 1)]
     else:
         assert mine[0] == (3, window or len(joiner) + 1) and all(tier for tier, _ in mine)
+    registry = stack.target.servicer.frontend.metrics.registry
+    joins = {
+        how: registry.get_sample_value("specpair_target_joins_total", {"how": how}) or 0
+        for how in ("prefill", "ride")
+    }
+    assert joins == ({"prefill": 1, "ride": 1} if ride else {"prefill": 2, "ride": 0})
 
 
 @pytest.mark.parametrize("feed", [True, False])

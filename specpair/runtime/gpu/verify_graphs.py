@@ -192,6 +192,9 @@ class VerifyGraphs:
         self._planned = (g, b, key)
         return True
 
+    def padded(self, batch: int) -> int | None:
+        return bucket_of(batch, self.capture.buckets)
+
     def planned_for(self, key: object) -> bool:
         hit = self._planned is not None and self._planned[2] == key
         self.ahead += hit
@@ -218,7 +221,8 @@ class VerifyGraphs:
         """The accept graph of the bucket that ran (see `VerifyStage.accept`)."""
         if self._ran is None:
             return None
-        bucket, b = self._ran
+        # the batch's own rows lead the verify's (riders' chunks follow: `TargetWorker.verify`)
+        bucket, b = self._ran[0], len(batch.u)
         graph = self.accepts.get((bucket, batch.params.any_plain))
         if graph is None:
             return None

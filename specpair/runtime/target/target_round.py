@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from specpair.runtime.round_messages import RoundRequest, RoundResponse, RoundStats, StageTimings
@@ -60,6 +60,10 @@ class Flight(Generic[B]):
     handoff: tuple[RoundRequest, int] | None = None
     handoff_s: float = 0.0  # waiting for the hand-off's answer, after the verify
     handoff_send_s: float = 0.0  # building and sending the hand-off (within beside_s)
+    # requests admitted while its draft worked whose prompts ride in its verify
+    # (`TargetWorker.verify`): the batcher's items and their sequences, slots allocated
+    riders: list[B] = field(default_factory=list)
+    rider_seqs: list[TargetSequence] = field(default_factory=list)
 
 
 class Batcher(Protocol[B]):
@@ -137,7 +141,7 @@ class TargetRound(Generic[B]):
         if flight.epoch is None or state is None or not state.verify_stage().plans_ahead:
             return
         depths = None if min(flight.steps) == state.tier else flight.steps
-        await self.compute(self.worker.prepare, flight.seqs, state, depths)
+        await self.compute(self.worker.prepare, flight.seqs, state, depths, flight.rider_seqs)
 
     async def run(self, flight: Flight[B], batcher: Batcher[B]) -> Flight[B] | None:
         """Finishes a started round: trees → verify → accept → commit → (the next round starts)
@@ -147,7 +151,9 @@ class TargetRound(Generic[B]):
         trees = drafts.aligned([seq.request_id for seq in seqs])
         t1 = time.perf_counter()
         # verify + accept + commit: every tree in one forward, each accepted path's KV kept
-        results = await self.compute(self.worker.verify, seqs, trees, flight.state)
+        results = await self.compute(
+            self.worker.verify, seqs, trees, flight.state, flight.rider_seqs
+        )
         flight.verified = time.perf_counter()
         if self.metrics is not None:
             self.metrics.accepts.labels(self.worker.last_accept).inc()
@@ -226,6 +232,14 @@ class TargetRound(Generic[B]):
         )
         if (sent := await draft.send(request)) is not None:
             flight.handoff = (request, sent)
+
+    async def hand_over(self, flight: Flight[B], round_id: int, seqs: list[TargetSequence]) -> None:
+        """Hands the draft the prompts of `seqs` now, after `flight`'s verify, and awaits its
+        answer: the riders of `flight`, prefilled in its verify, ahead of their first round."""
+        await self.handoff(flight, round_id, seqs)
+        if flight.handoff is not None:
+            await self._handoff_answer(flight, *flight.handoff)
+            flight.handoff = None
 
     async def _handoff_answer(self, flight: Flight[B], request: RoundRequest, sent: int) -> None:
         """The hand-off's answer: each prompt the draft took counts as seen; a refused or lost

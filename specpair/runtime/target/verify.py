@@ -33,6 +33,9 @@ class EagerVerify:
     def planned_for(self, key: object) -> bool:
         return False
 
+    def padded(self, batch: int) -> int | None:
+        return batch
+
     def run(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         assert self._planned is not None, "run without a plan"
         (positions, layout), self._planned = self._planned, None

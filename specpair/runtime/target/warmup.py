@@ -70,9 +70,16 @@ def warm_up(worker: TargetWorker, states: Mapping[TreeShape, SpecRuntimeState]) 
             for name, sampling in (("greedy", GREEDY), ("sampled", SAMPLED)):
                 seq = sequence(f"{tier}-{name}", sampling)
                 worker.prefill([seq])
-                worker.prepare([seq], state)
-                worker.verify([seq], [dummy_tree(tier, vocab, not sampling.greedy)], state)
-                worker.release(seq)
+                # a joiner riding in the verify where the worker rides them (`verify`)
+                rider = sequence(f"{tier}-{name}-rider", sampling)
+                rides = worker.cache.free_slots and worker.rides(state, 1, [len(rider.prompt)])
+                riders = [rider] if rides else []
+                for r in riders:
+                    r.slot = worker.cache.alloc()
+                worker.prepare([seq], state, None, riders)
+                worker.verify([seq], [dummy_tree(tier, vocab, not sampling.greedy)], state, riders)
+                for r in [seq, *riders]:
+                    worker.release(r)
     held.check("target")
     worker.accept_paths.clear()  # the counts describe served verifies, not these
     return time.perf_counter() - t0

@@ -124,6 +124,10 @@ class TargetWorker:
         self.last_gpu_ms = 0.0  # GPU time of the last verify's graph replays (0: none ran)
         self.accept_paths: Counter[str] = Counter()  # verifies by `accepting.ACCEPT_PATHS`
         self.last_accept = ""  # the last verify's
+        # `verify`'s riders: the padded verify rows (requests × tokens) a joining round may grow
+        # to with prompts riding in it; 0: joiners are prefilled apart (`prefill`)
+        self.ride_rows = 0
+        self.rode: list[Tensor | None] = []  # the last verify's riders' features (`verify`)
 
     def _choose(self, seqs: Sequence[TargetSequence], logits: Tensor) -> list[int]:
         """Each request's next token from its logits row [B, V] on the device; the host reads
@@ -173,15 +177,37 @@ class TargetWorker:
         features: list[Tensor | None] = [*kept_rows(feats, [range(n) for n in lengths])]
         return features
 
+    def rides(self, state: SpecRuntimeState | None, batch: int, prompts: Sequence[int]) -> bool:
+        """Whether prompts of these lengths may ride in the verify of `batch` requests at
+        `state` (`verify`'s riders): a chain tier, not the batch-invariant mode, and the verify
+        with their chunks still in a graph of at most `ride_rows` padded rows. At tier 7 a
+        110-token prompt is 14 chunks of 8: with 8 requests 22 rows, the graph of 32 × 8."""
+        if self.ride_rows <= 0 or self.deterministic or state is None or state.tier == 0:
+            return False
+        if not state.is_chain:
+            return False
+        t, cache = len(state.chain_parents), self.cache
+        padded = self._stage(state).padded(batch + sum(-(-p // t) for p in prompts))
+        if padded is None or padded * t > self.ride_rows:
+            return False
+        # A rider's chunks write up to its prompt's last chunk + T, and a verify that finds no
+        # page fails the whole batch (a prefill only its own joiners): room for every request
+        # growing a tree and every rider's prompt, or they are prefilled apart.
+        ps = cache.page_size
+        pages = sum(-(-(p + t) // ps) for p in prompts) + batch * (-(-t // ps) + 1)
+        return max(prompts) + t <= cache.max_len and pages <= len(cache.pages.free)
+
     @torch.inference_mode()
     def prepare(
         self,
         seqs: Sequence[TargetSequence],
         state: SpecRuntimeState,
         depths: Sequence[int] | None = None,
+        riders: Sequence[TargetSequence] = (),
     ) -> None:
-        """Plans the next verify of `seqs` before its drafts exist (a no-op for eager stages);
-        `depths`: each one's chain length where per-request tiers differ (default the tier's).
+        """Plans the next verify of `seqs` (and `riders`' prompts) before its drafts exist (a
+        no-op for eager stages); `depths`: each one's chain length where per-request tiers
+        differ (default the tier's).
 
         Everything but the tokens is known once the previous round is accepted: positions,
         pages and the tier's chain mask. The target service calls this while the draft service
@@ -195,11 +221,12 @@ class TargetWorker:
             parents = [list(state.chain_parents)] * len(seqs)
         else:
             parents = [list(range(-1, d)) for d in depths]
+        rows = self._rows(seqs, parents, riders, state)
         try:
-            positions, layout = self._layout(seqs, parents, state)
+            positions, layout = self._layout(rows, state)
         except CacheFullError:
             return  # the verify itself reports it
-        stage.prepare(positions, layout, self._plan_key(seqs, parents))
+        stage.prepare(positions, layout, self._plan_key(rows))
 
     @torch.inference_mode()
     def verify(
@@ -207,73 +234,136 @@ class TargetWorker:
         seqs: Sequence[TargetSequence],
         trees: Sequence[CandidateTree],
         state: SpecRuntimeState | None = None,
+        riders: Sequence[TargetSequence] = (),
     ) -> list[VerifyResult]:
         """One forward over every request's full tree (pending root + drafts), then accept.
 
         `state` supplies the tier's verify stage and precomputed chain mask (other trees get
         their own); without one (plain decoding) the forward runs eagerly.
+
+        `riders` (allocated slots, nothing committed; `rides` said yes) are joining requests
+        prefilled in the same forward, one read of the weights instead of two: each prompt as
+        rows of the tier's chain length, chunk k at its slot from position k·T under the chain's
+        causal mask. Every layer writes all rows' K/V before it attends, so a chunk sees the
+        ones before it. Each rider's KV is committed and its first token drawn as `prefill`
+        does; `rode` holds their prompts' features (as `prefill` returns them).
         """
         parents = [full_parents(tree) for tree in trees]
-        t = max(len(p) for p in parents)
-        tokens = torch.zeros(len(seqs), t, dtype=torch.long)
+        rows = self._rows(seqs, parents, riders, state)
+        t = max(len(par) for _, _, par in rows)
+        tokens = torch.zeros(len(rows), t, dtype=torch.long)
         for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
             tokens[i, : len(tree) + 1] = torch.tensor((seq.pending, *tree.tokens))
+        b = len(seqs)
+        chunks = self._chunks(riders, state)
+        for j, (r, start, n) in enumerate(chunks):
+            tokens[b + j, :n] = torch.tensor(riders[r].prompt[start : start + n])
         stage = self._stage(state)
-        if stage.planned_for(self._plan_key(seqs, parents)):
+        if stage.planned_for(self._plan_key(rows)):
             hidden, logits = stage.run(tokens)  # planned by `prepare`
         else:
-            positions, layout = self._layout(seqs, parents, state)
+            positions, layout = self._layout(rows, state)
             hidden, logits = self._forward_tree(tokens, positions, layout, state)
         accs, self.last_accept = accept_batch(
-            seqs, trees, logits, t, stage.accept, self.deterministic
+            seqs, trees, logits[:b], t, stage.accept, self.deterministic
         )
         self.accept_paths[self.last_accept] += 1
         self.last_gpu_ms = stage.read_gpu_ms()  # the replay is done: its GPU time is readable
-        keeps = [acc.keep for acc in accs]
+        keeps: list[Sequence[int]] = [acc.keep for acc in accs]
+        keeps += [range(n) for _, _, n in chunks]
         feats: Sequence[Tensor | None] = (
-            kept_rows(hidden, keeps) if self.keep_features else [None] * len(seqs)
+            kept_rows(hidden, keeps) if self.keep_features else [None] * len(rows)
         )
         results = []
-        for seq, acc, f in zip(seqs, accs, feats, strict=True):
+        for seq, acc, f in zip(seqs, accs, feats[:b], strict=True):
             self.cache.commit(seq.slot, seq.committed, acc.keep)
             results.append(VerifyResult(acc, seq.append([*acc.tokens, acc.bonus]), f))
+        self.rode = self._seat(riders, chunks, logits[b:], feats[b:])
         return results
 
-    def _layout(
+    def _seat(
+        self,
+        riders: Sequence[TargetSequence],
+        chunks: Sequence[tuple[int, int, int]],
+        logits: Tensor,
+        feats: Sequence[Tensor | None],
+    ) -> list[Tensor | None]:
+        """The riders' prefill from their chunk rows' logits [C, T, V] and features: each KV
+        committed, each first token drawn from its last prompt row; their features [P, F]."""
+        if not riders:
+            return []
+        last = {r: (j, n - 1) for j, (r, _, n) in enumerate(chunks)}  # the last chunk wins
+        at = torch.tensor([last[r] for r in range(len(riders))]).to(logits.device)
+        first = self._choose(riders, logits[at[:, 0], at[:, 1]])
+        for seq, token in zip(riders, first, strict=True):
+            self.cache.commit(seq.slot, 0, range(len(seq.prompt)))
+            seq.append([token])
+        if not self.keep_features:
+            return [None] * len(riders)
+        pieces: list[list[Tensor]] = [[] for _ in riders]
+        for (r, _, _), f in zip(chunks, feats, strict=True):
+            assert f is not None
+            pieces[r].append(f)
+        return [torch.cat(p) for p in pieces]
+
+    def _chunks(
+        self, riders: Sequence[TargetSequence], state: SpecRuntimeState | None
+    ) -> list[tuple[int, int, int]]:
+        """The riders' prompts as chunks of the tier's chain length: (rider, start, rows)."""
+        if not riders:
+            return []
+        if state is None or not state.is_chain:
+            raise ValueError("riders need a chain tier's verify")
+        t = len(state.chain_parents)
+        return [
+            (r, start, min(t, len(seq.prompt) - start))
+            for r, seq in enumerate(riders)
+            for start in range(0, len(seq.prompt), t)
+        ]
+
+    def _rows(
         self,
         seqs: Sequence[TargetSequence],
         parents: Sequence[Sequence[int]],
+        riders: Sequence[TargetSequence],
         state: SpecRuntimeState | None,
+    ) -> list[tuple[int, int, tuple[int, ...]]]:
+        """A verify's rows, (slot, start, parents): each request's tree after its committed
+        tokens, then the riders' chunks as chains from their starts."""
+        rows = [(s.slot, s.committed, tuple(p)) for s, p in zip(seqs, parents, strict=True)]
+        for r, start, n in self._chunks(riders, state):
+            rows.append((riders[r].slot, start, tuple(range(-1, n - 1))))
+        return rows
+
+    def _layout(
+        self, rows: Sequence[tuple[int, int, tuple[int, ...]]], state: SpecRuntimeState | None
     ) -> tuple[Tensor, BatchLayout]:
-        """Positions [B, T] and the layout of the trees with these `parents` after each
-        request's committed tokens (CacheFullError when one does not fit)."""
-        t = max(len(p) for p in parents)
-        b = len(seqs)
+        """Positions [B, T] and the layout of `rows` (`_rows`), each tree after its start
+        (CacheFullError when one does not fit)."""
+        t = max(len(par) for _, _, par in rows)
+        b = len(rows)
         positions = torch.zeros(b, t, dtype=torch.long)
         new_mask = eye_mask(t).expand(b, -1, -1).clone()
-        for i, (seq, par) in enumerate(zip(seqs, parents, strict=True)):
+        for i, (slot, start, par) in enumerate(rows):
             n = len(par)
-            if state is not None and tuple(par) == state.chain_parents:
+            if state is not None and par == state.chain_parents:
                 new_mask[i, :n, :n] = state.chain_mask
                 depths = list(state.chain_depths)
             else:
-                new_mask[i, :n, :n] = tree_mask(par)
-                depths = tree_depths(par)
-            positions[i, :n] = torch.tensor(depths) + seq.committed
-            self.cache.check_room(seq.slot, seq.committed, t)
+                new_mask[i, :n, :n] = tree_mask(list(par))
+                depths = tree_depths(list(par))
+            positions[i, :n] = torch.tensor(depths) + start
+            self.cache.check_room(slot, start, t)
         layout = BatchLayout(
-            torch.tensor([s.slot for s in seqs]),
-            torch.tensor([s.committed for s in seqs]),
+            torch.tensor([slot for slot, _, _ in rows]),
+            torch.tensor([start for _, start, _ in rows]),
             new_mask,
         )
         return positions, layout
 
-    def _plan_key(
-        self, seqs: Sequence[TargetSequence], parents: Sequence[Sequence[int]]
-    ) -> tuple[object, ...]:
-        """What a verify plan depends on: slots, committed lengths, tree shapes, page tables."""
-        spots = tuple((s.slot, s.committed) for s in seqs)
-        return spots, tuple(map(tuple, parents)), self.cache.generation
+    def _plan_key(self, rows: Sequence[tuple[int, int, tuple[int, ...]]]) -> tuple[object, ...]:
+        """What a verify plan depends on: slots, starts, tree shapes, page tables."""
+        return tuple(rows), self.cache.generation
 
     def _stage(self, state: SpecRuntimeState | None) -> VerifyStage:
         stage = self.plain if state is None else state.verify_stage()
