@@ -36,7 +36,8 @@ prefill), `wire ms` a client's mean call beyond the target's mean latency (the r
 its last token's way out, the SDK), `undrafted` the request-rounds decoded without drafts
 against their tier (a draft that refused a request for want of a slot, failed, or was late: 0
 in a healthy cell), `switches` the tier switches the target applied over the cell, `gc ms`
-the target's / the draft's garbage-collector pauses over the cell (their exporters); the JSON
+the target's / the draft's garbage-collector pauses over the cell (their exporters), `rides` the
+joins whose prompt rode in a verify / all joins (`--lab ride_rows=N`); the JSON
 keeps each cell's slowest rounds whole (`slowest`), where a spike shows its stage; `quiet` is
 its mean round without a join and `a join` the time rounds took over that per joining request
 (`join_costs`). Held-out code
@@ -113,6 +114,8 @@ SERVED = {  # the target's exporter's samples `Served` sums (over their labels)
     "switches": "specpair_target_tier_switches_total",
     "gc_s": "specpair_target_gc_pause_seconds_total",
     "draft_gc_s": "specpair_draft_gc_pause_seconds_total",  # from the draft's exporter
+    "joins": "specpair_target_joins_total",
+    "rides": "specpair_target_joins_total:ride",  # those whose prompt rode in a verify
 }
 
 
@@ -131,6 +134,8 @@ class Served:
     switches: float = 0.0  # tier switches the target applied
     gc_s: float = 0.0  # the target's garbage-collector pauses (every generation)
     draft_gc_s: float = 0.0  # the draft's
+    joins: float = 0.0  # requests admitted into the batch
+    rides: float = 0.0  # of them, those whose prompt rode in a verify (`ride_rows`)
 
     @classmethod
     def read(cls, *addresses: str) -> Served:
@@ -142,6 +147,9 @@ class Served:
             for family in text_string_to_metric_families(text):
                 for sample in family.samples:
                     values[sample.name] = values.get(sample.name, 0.0) + sample.value
+                    for label in sample.labels.values():  # one label's share: NAME:VALUE
+                        key = f"{sample.name}:{label}"
+                        values[key] = values.get(key, 0.0) + sample.value
         return cls(**{key: values.get(name, 0.0) for key, name in SERVED.items()})
 
     def __sub__(self, other: Served) -> Served:
@@ -598,11 +606,12 @@ def render(cells: Sequence[UpCell]) -> str:
          "-" if c.ttft_ms is None else f"{c.ttft_ms:.1f}",
          "-" if c.wire_ms is None else f"{c.wire_ms:.1f}",
          f"{c.served.undrafted:.0f}", f"{c.served.switches:.0f}",
-         f"{1e3 * c.served.gc_s:.0f} / {1e3 * c.served.draft_gc_s:.0f}"]
+         f"{1e3 * c.served.gc_s:.0f} / {1e3 * c.served.draft_gc_s:.0f}",
+         f"{c.served.rides:.0f} / {c.served.joins:.0f}"]
         for c in cells
     ]  # fmt: skip
     headers = ["config", "door", "workload", "batch", "tok/s", "x tier 0", "steady x", "spread"]
-    headers += ["ttft ms", "wire ms", "undrafted", "switches", "gc ms"]
+    headers += ["ttft ms", "wire ms", "undrafted", "switches", "gc ms", "rides"]
     return format_table(headers, rows)
 
 

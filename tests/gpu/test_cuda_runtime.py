@@ -584,3 +584,47 @@ def test_a_prompt_handoff_extends_in_a_graph_of_the_window_width(
             d.draft(first, t)
     (ours,), (theirs,) = hidden["graphs"], hidden["eager"]
     torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.05)
+
+
+def test_riders_in_a_verify_graph_get_what_a_prefill_of_their_own_gives(
+    gpu_ckpts: dict[str, Path],
+) -> None:
+    """Two prompts (50 tokens and 1) riding in a tier-7 verify planned ahead (2 requests + 7 + 1
+    chunks: the graph of 16 × 8): the verify runs on the plan, and the riders' first tokens,
+    EAGLE-3 features and KV (a step over it after) are a prefill's of their own, up to bf16
+    accumulation order; the running requests' rounds are unchanged."""
+    worker = target(gpu_ckpts["target4"], max_requests=16, draft=gpu_ckpts["eagle3"])
+    state = build_states([7], worker)[7]
+    verify = state.verify
+    assert isinstance(verify, VerifyGraphs)
+    worker.ride_rows = 16 * 8
+    GREEDY = SamplingParams()
+
+    def run(ride: bool) -> tuple[list[list[int]], list[Tensor | None]]:
+        seqs = [TargetSequence(f"r{i}", p, GREEDY, 12) for i, p in enumerate(PROMPTS[::3])]
+        worker.prefill(seqs)
+        riders = [TargetSequence(f"j{i}", p, GREEDY, 12) for i, p in enumerate(PROMPTS[1:3])]
+        trees = [chain([1, 2, 3, 4, 5, 6, 7])] * 2
+        if ride:
+            assert worker.rides(state, 2, [len(r.prompt) for r in riders])
+            for r in riders:
+                r.slot = worker.cache.alloc()
+            worker.prepare(seqs, state, None, riders)
+            ahead = verify.ahead
+            worker.verify(seqs, trees, state, riders)
+            assert verify.ahead == ahead + 1, "the verify ran on the plan made ahead"
+            features = worker.rode
+        else:
+            worker.verify(seqs, trees, state)
+            features = worker.prefill(riders)
+        for _ in range(3):  # plain steps over the new KV
+            worker.verify(seqs + riders, [chain([])] * 4, state)
+        for seq in seqs + riders:
+            worker.release(seq)
+        return [s.output for s in seqs + riders], features
+
+    apart, riding = run(False), run(True)
+    assert riding[0] == apart[0]
+    for got, want in zip(riding[1], apart[1], strict=True):
+        assert got is not None and want is not None and got.shape == want.shape
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
