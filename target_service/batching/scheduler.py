@@ -253,16 +253,11 @@ class Scheduler:
         self.metrics.queued.set(len(self.queue))
         if not new:
             return []
+        riders = self._ride(ride, new) if ride is not None else []
+        admitted, new = new, new[len(riders) :]
+        if not new:
+            return admitted
         seqs = [r.seq for r in new]
-        if ride is not None and self.worker.rides(
-            ride.state, len(ride.seqs) + riding, [len(seq.prompt) for seq in seqs]
-        ):
-            for seq in seqs:
-                seq.slot = self.worker.cache.alloc()
-            ride.riders += new
-            ride.rider_seqs += seqs
-            self.metrics.joins.labels("ride").inc(len(new))
-            return new
         try:
             feats = await self.compute(self.worker.prefill, seqs)
         except Exception:
@@ -276,7 +271,23 @@ class Scheduler:
             return []
         self.metrics.joins.labels("prefill").inc(len(new))
         self._join(new, feats)
-        return new
+        return admitted
+
+    def _ride(self, flight: Flight[ServedRequest], new: list[ServedRequest]) -> list[ServedRequest]:
+        """The longest run of `new` from its first whose prompts ride in `flight`'s verify
+        (`TargetWorker.rides`), their slots allocated; the rest are prefilled apart."""
+        batch = len(flight.seqs) + len(flight.riders)
+        n = len(new)
+        while n and not self.worker.rides(
+            flight.state, batch, [len(r.seq.prompt) for r in new[:n]]
+        ):
+            n -= 1
+        for req in new[:n]:
+            req.seq.slot = self.worker.cache.alloc()
+            flight.riders.append(req)
+            flight.rider_seqs.append(req.seq)
+        self.metrics.joins.labels("ride").inc(n)
+        return new[:n]
 
     def _join(self, new: list[ServedRequest], feats: list[Tensor | None]) -> None:
         """Prefilled requests join the batch, each first token to its client."""

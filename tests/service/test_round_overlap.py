@@ -478,3 +478,52 @@ async def test_a_verify_that_fails_with_riders_answers_them_and_frees_their_slot
         pass
     assert event.finish_reason == "length"
     task.cancel()
+
+
+async def test_joiners_ride_as_far_as_the_rows_allow_and_the_rest_prefill(
+    tmp_path: Path,
+) -> None:
+    """Two requests queued while a round is out, room in its verify for the first's chunk only
+    (`ride_rows` 4 at tier 3): the first rides, the second is prefilled beside the draft's
+    work; each prompt goes to the draft once, and both decode what they decode alone."""
+    worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=3, max_len=64)
+    scheduler = one_tier_scheduler(worker, tier=3, max_batch=3, draft=RecordingLink())
+    link = scheduler.draft
+    assert isinstance(link, RecordingLink)
+    worker.ride_rows = 4
+    first, _, _, task = await a_running(scheduler, link, tokens=30)
+    prompts = {"b": [8, 9], "c": [8, 9, 10, 11, 12]}
+    joiners = [
+        ServedRequest(TargetSequence(rid, p, SamplingParams(), max_new_tokens=6))
+        for rid, p in prompts.items()
+    ]
+    for req in joiners:
+        scheduler.submit(req)
+    outputs = {}
+    for req in joiners:
+        tokens: list[int] = []
+        while True:
+            event = await asyncio.wait_for(req.events.get(), 10)
+            tokens += event.token_ids
+            if event.finish_reason is not None:
+                break
+        outputs[req.seq.request_id] = tokens
+    while (await asyncio.wait_for(first.events.get(), 10)).finish_reason is None:
+        pass
+    task.cancel()
+    registry = scheduler.metrics.registry
+    joins = {
+        how: registry.get_sample_value("specpair_target_joins_total", {"how": how})
+        for how in ("prefill", "ride")
+    }
+    assert joins == {"prefill": 2, "ride": 1}  # a and c prefilled, b rode
+    handoffs = [r for r in link.requests if r.speculative_num_steps == 0]
+    assert sorted(i.request_id for r in handoffs for i in r.inputs) == ["b", "c"]
+    alone = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=1, max_len=64)
+    for rid, prompt in prompts.items():
+        reference = TargetSequence(rid, prompt, SamplingParams(), max_new_tokens=6)
+        alone.prefill([reference])
+        while reference.finish_reason is None:
+            alone.verify([reference], [EMPTY_TREE], None)
+        alone.release(reference)
+        assert outputs[rid] == reference.output, rid

@@ -110,7 +110,7 @@ def test_rides_only_within_the_rows_and_a_chain_tier(target: Path) -> None:
     worker, state, _, _ = setup(target, SamplingParams())
     worker.ride_rows = 0
     assert not worker.rides(state, 2, [10])
-    worker.ride_rows = (2 + 3) * 4  # two requests and a 10-token prompt's 3 chunks of 4 rows
+    worker.ride_rows = 3 * 4  # a 10-token prompt's 3 chunks of 4 rows (eager: no padding)
     assert worker.rides(state, 2, [10])
     assert not worker.rides(state, 2, [13])  # 4 chunks
     assert not worker.rides(None, 2, [10])  # plain decoding: no tier's chain

@@ -161,6 +161,7 @@ class TargetRound(Generic[B]):
             self.session.verified(seq, res.features)  # EAGLE: the committed rows' features
         if flight.handoff is not None:  # its answer follows the round's own on the stream
             await self._handoff_answer(flight, *flight.handoff)
+            flight.handoff = None  # answered: the riders' (`hand_over`) may follow
         following = await batcher.next_round(flight)  # out before this one streams
         drafted = []  # the requests verified with drafts (the rest decoded plainly)
         for i, (item, tree, res) in enumerate(zip(flight.batch, trees, results, strict=True)):

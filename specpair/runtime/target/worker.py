@@ -179,16 +179,18 @@ class TargetWorker:
 
     def rides(self, state: SpecRuntimeState | None, batch: int, prompts: Sequence[int]) -> bool:
         """Whether prompts of these lengths may ride in the verify of `batch` requests at
-        `state` (`verify`'s riders): a chain tier, not the batch-invariant mode, and the verify
-        with their chunks still in a graph of at most `ride_rows` padded rows. At tier 7 a
-        110-token prompt is 14 chunks of 8: with 8 requests 22 rows, the graph of 32 × 8."""
+        `state` (`verify`'s riders): a chain tier, not the batch-invariant mode, and their
+        chunks growing the verify's graph by at most `ride_rows` padded rows (requests ×
+        tokens). At tier 7 a 110-token prompt is 14 chunks of 8: with 8 requests the graph of
+        32 × 8 instead of 8 × 8, 192 rows more; with 40, none (64 × 8 either way)."""
         if self.ride_rows <= 0 or self.deterministic or state is None or state.tier == 0:
             return False
         if not state.is_chain:
             return False
-        t, cache = len(state.chain_parents), self.cache
-        padded = self._stage(state).padded(batch + sum(-(-p // t) for p in prompts))
-        if padded is None or padded * t > self.ride_rows:
+        t, cache, stage = len(state.chain_parents), self.cache, self._stage(state)
+        before = stage.padded(batch)
+        after = stage.padded(batch + sum(-(-p // t) for p in prompts))
+        if before is None or after is None or (after - before) * t > self.ride_rows:
             return False
         # A rider's chunks write up to its prompt's last chunk + T, and a verify that finds no
         # page fails the whole batch (a prefill only its own joiners): room for every request
