@@ -591,8 +591,10 @@ def test_riders_in_a_verify_graph_get_what_a_prefill_of_their_own_gives(
 ) -> None:
     """Two prompts (50 tokens and 1) riding in a tier-7 verify planned ahead (2 requests + 7 + 1
     chunks: the graph of 16 × 8): the verify runs on the plan, and the riders' first tokens,
-    EAGLE-3 features and KV (a step over it after) are a prefill's of their own, up to bf16
-    accumulation order; the running requests' rounds are unchanged."""
+    EAGLE-3 features and KV (steps over it after) are a prefill's of their own; the running
+    requests' rounds are unchanged. The graph attends with the Triton kernel (bf16
+    probabilities), the prefill with flashinfer: bf16-close as in
+    `test_graph_replay_equals_eager`."""
     worker = target(gpu_ckpts["target4"], max_requests=16, draft=gpu_ckpts["eagle3"])
     state = build_states([7], worker)[7]
     verify = state.verify
@@ -627,4 +629,6 @@ def test_riders_in_a_verify_graph_get_what_a_prefill_of_their_own_gives(
     assert riding[0] == apart[0]
     for got, want in zip(riding[1], apart[1], strict=True):
         assert got is not None and want is not None and got.shape == want.shape
-        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+        err = (got.float() - want.float()).norm() / want.float().norm()
+        print(f"rider features: relative error {err:.3g} over {tuple(got.shape)}")
+        assert err < 2e-2, f"relative error {err:.3g}"
