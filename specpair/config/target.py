@@ -227,13 +227,12 @@ class TargetConfig(ModelServiceConfig):
         ),
     )
     ride_rows: int = field(
-        default=0,
+        default=512,
         metadata=lab(
             "a joining request's prompt rides in the verify of the round it joins during "
             "(one forward, one read of the weights, instead of a prefill beside the draft) "
-            "where the verify, the prompt in chunks of the tier's chain, stays within a CUDA "
-            "graph of at most this many rows (requests × tokens); 0: joiners are prefilled "
-            "apart"
+            "where its chunks (of the tier's chain) grow the verify's CUDA graph by at most "
+            "this many padded rows (requests × tokens); 0: joiners are prefilled apart"
         ),
     )
     feed_draft_at_tier_0: bool = field(
