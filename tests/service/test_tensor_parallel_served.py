@@ -1,5 +1,6 @@
 """A target service with tensor_parallel=2 (this process is rank 0; one follower process,
-gloo) over real gRPC: it answers as the one-process target does, with a draft, and stops its
+gloo) over real gRPC: it answers as the one-process target does, with a draft and joiners riding
+in its verifies, and stops its
 follower cleanly; a follower that dies takes it down with a message naming the rank, health
 says NOT_SERVING, and the requests that follow are refused at once with that message; a
 follower that hangs does the same within the watchdog's bound, failing the requests in flight."""
@@ -16,7 +17,13 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from specpair.parallel.ranks import RankExitedError
-from tests.service.conftest import Stack, draft_config, reference_greedy, target_config
+from tests.service.conftest import (
+    Stack,
+    draft_config,
+    eventually,
+    reference_greedy,
+    target_config,
+)
 
 pytestmark = pytest.mark.slow  # each starts a follower process: ~20 s on a loaded 2-core box
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3], [100, 200, 50, 60, 70]]
@@ -29,11 +36,23 @@ async def test_a_tensor_parallel_target_answers_like_one_process(ckpts) -> None:
         target_config(ckpts["target"], tensor_parallel=2, max_batch=4, initial_steps=3),
     )
     await stack.start()
+    registry = stack.target.servicer.frontend.metrics.registry
+
+    def joins(how: str) -> float:
+        return registry.get_sample_value("specpair_target_joins_total", {"how": how}) or 0
+
     try:
+        # the first alone; the rest join its running batch, their prompts riding in verifies
+        first = asyncio.create_task(stack.generate(prompt_token_ids=PROMPTS[0], max_tokens=40))
+        await eventually(lambda: joins("prefill") == 1, timeout=30)
         outputs = await asyncio.gather(
-            *(stack.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS) for p in PROMPTS)
+            *(stack.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS) for p in PROMPTS[1:])
         )
-        assert [t for t, _ in outputs] == reference_greedy(ckpts["target"], PROMPTS, MAX_TOKENS)
+        outputs.insert(0, await first)
+        expected = reference_greedy(ckpts["target"], PROMPTS[:1], 40)
+        expected += reference_greedy(ckpts["target"], PROMPTS[1:], MAX_TOKENS)
+        assert [t for t, _ in outputs] == expected
+        assert joins("ride") >= 1
         final = [responses[-1].speculation for _, responses in outputs]
         assert any(a == 3 for f in final for a in f.accept_lengths)  # drafts were verified
         ranks = stack.target.ranks
