@@ -99,6 +99,26 @@ def drafted_scheduler(tmp_path: Path, link: R, **kwargs: Any) -> tuple[Scheduler
     return scheduler, link
 
 
+async def streamed(request: ServedRequest) -> list[int]:
+    """Every token streamed to `request` until it finishes."""
+    tokens: list[int] = []
+    while True:
+        event = await asyncio.wait_for(request.events.get(), 10)
+        tokens += event.token_ids
+        if event.finish_reason is not None:
+            return tokens
+
+
+def decoded_alone(tmp_path: Path, prompt: list[int], new_tokens: int) -> list[int]:
+    """What `drafted_scheduler`'s target decodes for `prompt` alone, without drafts."""
+    alone = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=1, max_len=64)
+    reference = TargetSequence("alone", prompt, SamplingParams(), max_new_tokens=new_tokens)
+    alone.prefill([reference])
+    while reference.finish_reason is None:
+        alone.verify([reference], [EMPTY_TREE], None)
+    return reference.output
+
+
 async def a_running(
     scheduler: Scheduler, link: RecordingLink, tokens: int
 ) -> tuple[ServedRequest, ServedRequest, asyncio.Queue[RoundStats | str], asyncio.Task[None]]:
@@ -202,14 +222,8 @@ async def test_a_request_joins_beside_a_round_out_to_the_draft(tmp_path: Path) -
     scheduler, link = drafted_scheduler(tmp_path, RecordingLink())
     first, second, watch, task = await a_running(scheduler, link, tokens=12)
     scheduler.submit(second)
-    joined: list[int] = []
-    while True:
-        event = await asyncio.wait_for(second.events.get(), 10)
-        joined += event.token_ids
-        if event.finish_reason is not None:
-            break
-    while (await asyncio.wait_for(first.events.get(), 10)).finish_reason is None:
-        pass
+    joined = await streamed(second)
+    await streamed(first)
     task.cancel()
     stats = [watch.get_nowait() for _ in range(watch.qsize())]
     admitting = [s for s in stats if s.timings.admit_ms > 0]
@@ -231,12 +245,7 @@ async def test_a_request_joins_beside_a_round_out_to_the_draft(tmp_path: Path) -
     ids = [n for n, _ in link.sends]
     puts = dict(link.sends)
     assert all(puts[n] <= puts[m] + 1 for m, n in itertools.pairwise(ids[1:]))
-    alone = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=1, max_len=64)
-    reference = TargetSequence("b", [8, 9], SamplingParams(), max_new_tokens=4)
-    alone.prefill([reference])
-    while reference.finish_reason is None:
-        alone.verify([reference], [EMPTY_TREE], None)
-    assert joined == reference.output
+    assert joined == decoded_alone(tmp_path, [8, 9], 4)
 
 
 async def streamed_before_a_join(tmp_path: Path, settle_s: float) -> tuple[int, int]:
@@ -421,14 +430,8 @@ async def test_a_rider_joins_after_the_round_whose_verify_prefilled_it(tmp_path:
     scheduler.worker.prefill = lambda seqs: prefills.append(len(seqs)) or prefill(seqs)  # type: ignore[method-assign]
     first, second, watch, task = await a_running(scheduler, link, tokens=12)
     scheduler.submit(second)
-    joined: list[int] = []
-    while True:
-        event = await asyncio.wait_for(second.events.get(), 10)
-        joined += event.token_ids
-        if event.finish_reason is not None:
-            break
-    while (await asyncio.wait_for(first.events.get(), 10)).finish_reason is None:
-        pass
+    joined = await streamed(second)
+    await streamed(first)
     task.cancel()
     assert prefills == [1], "only a, which started an empty batch, was prefilled"
     stats = [watch.get_nowait() for _ in range(watch.qsize())]
@@ -440,12 +443,7 @@ async def test_a_rider_joins_after_the_round_whose_verify_prefilled_it(tmp_path:
     assert after.batch_size == 2
     first_round = next(r for r in link.requests if r.round_id == after.round_id)
     assert {i.request_id: len(i.appended) for i in first_round.inputs}["b"] == 1
-    alone = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=1, max_len=64)
-    reference = TargetSequence("b", [8, 9], SamplingParams(), max_new_tokens=4)
-    alone.prefill([reference])
-    while reference.finish_reason is None:
-        alone.verify([reference], [EMPTY_TREE], None)
-    assert joined == reference.output
+    assert joined == decoded_alone(tmp_path, [8, 9], 4)
 
 
 async def test_a_verify_that_fails_with_riders_answers_them_and_frees_their_slots(
@@ -469,8 +467,7 @@ async def test_a_verify_that_fails_with_riders_answers_them_and_frees_their_slot
     while outcome is None:
         outcome = (await asyncio.wait_for(second.events.get(), 10)).finish_reason
     assert outcome == "error"
-    while (await asyncio.wait_for(first.events.get(), 10)).finish_reason is None:
-        pass
+    await streamed(first)
     assert worker.cache.free_slots == 2
     third = ServedRequest(TargetSequence("c", [8, 9], SamplingParams(), max_new_tokens=3))
     scheduler.submit(third)
@@ -499,17 +496,8 @@ async def test_joiners_ride_as_far_as_the_rows_allow_and_the_rest_prefill(
     ]
     for req in joiners:
         scheduler.submit(req)
-    outputs = {}
-    for req in joiners:
-        tokens: list[int] = []
-        while True:
-            event = await asyncio.wait_for(req.events.get(), 10)
-            tokens += event.token_ids
-            if event.finish_reason is not None:
-                break
-        outputs[req.seq.request_id] = tokens
-    while (await asyncio.wait_for(first.events.get(), 10)).finish_reason is None:
-        pass
+    outputs = {req.seq.request_id: await streamed(req) for req in joiners}
+    await streamed(first)
     task.cancel()
     registry = scheduler.metrics.registry
     joins = {
@@ -519,11 +507,5 @@ async def test_joiners_ride_as_far_as_the_rows_allow_and_the_rest_prefill(
     assert joins == {"prefill": 2, "ride": 1}  # a and c prefilled, b rode
     handoffs = [r for r in link.requests if r.speculative_num_steps == 0]
     assert sorted(i.request_id for r in handoffs for i in r.inputs) == ["b", "c"]
-    alone = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=1, max_len=64)
     for rid, prompt in prompts.items():
-        reference = TargetSequence(rid, prompt, SamplingParams(), max_new_tokens=6)
-        alone.prefill([reference])
-        while reference.finish_reason is None:
-            alone.verify([reference], [EMPTY_TREE], None)
-        alone.release(reference)
-        assert outputs[rid] == reference.output, rid
+        assert outputs[rid] == decoded_alone(tmp_path, prompt, 6), rid

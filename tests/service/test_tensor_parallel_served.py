@@ -1,9 +1,9 @@
 """A target service with tensor_parallel=2 (this process is rank 0; one follower process,
 gloo) over real gRPC: it answers as the one-process target does, with a draft and joiners riding
-in its verifies, and stops its
-follower cleanly; a follower that dies takes it down with a message naming the rank, health
-says NOT_SERVING, and the requests that follow are refused at once with that message; a
-follower that hangs does the same within the watchdog's bound, failing the requests in flight."""
+in its verifies, and stops its follower cleanly; a follower that dies takes it down with a
+message naming the rank, health says NOT_SERVING, and the requests that follow are refused at
+once with that message; a follower that hangs does the same within the watchdog's bound,
+failing the requests in flight."""
 
 from __future__ import annotations
 
