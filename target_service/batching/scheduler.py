@@ -277,10 +277,9 @@ class Scheduler:
         """The longest run of `new` from its first whose prompts ride in `flight`'s verify
         (`TargetWorker.rides`), their slots allocated; the rest are prefilled apart."""
         batch = len(flight.seqs) + len(flight.riders)
+        prompts = [len(r.seq.prompt) for r in new]
         n = len(new)
-        while n and not self.worker.rides(
-            flight.state, batch, [len(r.seq.prompt) for r in new[:n]]
-        ):
+        while n and not self.worker.rides(flight.state, batch, prompts[:n], prompts[n:]):
             n -= 1
         for req in new[:n]:
             req.seq.slot = self.worker.cache.alloc()

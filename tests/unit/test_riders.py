@@ -115,3 +115,17 @@ def test_rides_only_within_the_rows_and_a_chain_tier(target: Path) -> None:
     assert not worker.rides(state, 2, [13])  # 4 chunks
     assert not worker.rides(None, 2, [10])  # plain decoding: no tier's chain
     assert not worker.rides(state, 2, [64 - 3])  # its last chunk would pass max_len
+    worker.deterministic = True  # the batch-invariant mode prefills a prompt alone
+    assert not worker.rides(state, 2, [10])
+
+
+def test_riders_leave_pages_for_the_prompts_prefilled_beside_them(target: Path) -> None:
+    """A verify that finds no page fails its whole batch: a prompt rides only where the pages
+    left hold its chunks, the batch's trees and the prompts prefilled before the verify."""
+    worker, state, _, _ = setup(target, SamplingParams())
+    pool = worker.cache.pages
+    pool.free = pool.free[:4]  # 4 pages of 16 positions left
+    assert not worker.rides(state, 2, [10])  # 1 page for the prompt, 2 × 2 for the trees: 5
+    pool.free = list(range(5))  # 5 pages
+    assert worker.rides(state, 2, [10])
+    assert not worker.rides(state, 2, [10], beside=[20])  # and 2 for a 20-token prefill

@@ -177,12 +177,19 @@ class TargetWorker:
         features: list[Tensor | None] = [*kept_rows(feats, [range(n) for n in lengths])]
         return features
 
-    def rides(self, state: SpecRuntimeState | None, batch: int, prompts: Sequence[int]) -> bool:
+    def rides(
+        self,
+        state: SpecRuntimeState | None,
+        batch: int,
+        prompts: Sequence[int],
+        beside: Sequence[int] = (),
+    ) -> bool:
         """Whether prompts of these lengths may ride in the verify of `batch` requests at
-        `state` (`verify`'s riders): a chain tier, not the batch-invariant mode, and their
-        chunks growing the verify's graph by at most `ride_rows` padded rows (requests ×
-        tokens). At tier 7 a 110-token prompt is 14 chunks of 8: with 8 requests the graph of
-        32 × 8 instead of 8 × 8, 192 rows more; with 40, none (64 × 8 either way)."""
+        `state` (`verify`'s riders), prompts of lengths `beside` being prefilled meanwhile: a
+        chain tier, not the batch-invariant mode, and their chunks growing the verify's graph
+        by at most `ride_rows` padded rows (requests × tokens). At tier 7 a 110-token prompt is
+        14 chunks of 8: with 8 requests the graph of 32 × 8 instead of 8 × 8, 192 rows more;
+        with 40, none (64 × 8 either way)."""
         if self.ride_rows <= 0 or self.deterministic or state is None or state.tier == 0:
             return False
         if not state.is_chain:
@@ -194,9 +201,11 @@ class TargetWorker:
             return False
         # A rider's chunks write up to its prompt's last chunk + T, and a verify that finds no
         # page fails the whole batch (a prefill only its own joiners): room for every request
-        # growing a tree and every rider's prompt, or they are prefilled apart.
+        # growing a tree, every rider's prompt and the prompts prefilled before the verify, or
+        # the riders are prefilled apart too.
         ps = cache.page_size
         pages = sum(-(-(p + t) // ps) for p in prompts) + batch * (-(-t // ps) + 1)
+        pages += sum(-(-p // ps) for p in beside)
         return max(prompts) + t <= cache.max_len and pages <= len(cache.pages.free)
 
     @torch.inference_mode()
