@@ -5,6 +5,7 @@
     python -m bench.cpu trees [--shapes 3 7 4x4x16]           chains against trees by batch
     python -m bench.cpu acceptance [--code-prompts 16]        accept length by tier, draft, T
     python -m bench.cpu accept-rules [--prompts 8]            what each exact rule accepts
+    python -m bench.cpu q-temperature [--factors 0.9 1 1.1]   a sampled draft's q at T × F
     python -m bench.cpu engine [--batch 4]                    the in-process engine's tokens/s
 
 `python -m bench.cpu MODE -h` gives a mode's options. `adaptive`, `tiers` and `trees` run the
@@ -16,7 +17,15 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from bench.cpu import accept_lengths, accept_rules, adaptive, engine_speedup, tiers, tree_shapes
+from bench.cpu import (
+    accept_lengths,
+    accept_rules,
+    adaptive,
+    engine_speedup,
+    q_temperature,
+    tiers,
+    tree_shapes,
+)
 
 MODES: dict[str, Callable[[list[str] | None], None]] = {
     "adaptive": adaptive.main,
@@ -24,6 +33,7 @@ MODES: dict[str, Callable[[list[str] | None], None]] = {
     "trees": tree_shapes.main,
     "acceptance": accept_lengths.main,
     "accept-rules": accept_rules.main,
+    "q-temperature": q_temperature.main,
     "engine": engine_speedup.main,
 }
 
