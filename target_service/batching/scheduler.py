@@ -3,11 +3,12 @@
 draft replica).
 
 One asyncio task drives every round; model compute runs through `Compute` (inline on a GPU, on
-one worker thread on the CPU). New requests are prefilled while a round is out to the draft
-(beside its work) and join the round after it — between rounds only when none is out (an empty
-batch, tier 0); finished or cancelled ones leave at a round boundary, and their draft state is
-released with the next RoundRequest. A round starts when its RoundRequest goes out: right after
-the previous round's verify (`next_round`, which the round calls before it streams), so that
+one worker thread on the CPU). New requests are admitted while a round is out to the draft: their
+prompts ride in its verify (`TargetWorker.verify`'s riders) where it has the rows, or are prefilled
+beside the draft's work, and they join the round after it — between rounds only when none is out
+(an empty batch, tier 0); finished or cancelled ones leave at a round boundary, and their draft
+state is released with the next RoundRequest. A round starts when its RoundRequest goes out: right
+after the previous round's verify (`next_round`, which the round calls before it streams), so that
 streaming results, metrics, round statistics and admissions overlap the draft's work instead of
 delaying it. A tier command takes effect when the next round starts, never inside one.
 
@@ -347,7 +348,8 @@ class Scheduler:
     async def _admit_beside(
         self, flight: Flight[ServedRequest], max_tokens: int | None = None
     ) -> None:
-        """Admits queued requests while `flight`'s draft works: they join the round after it.
+        """Admits queued requests while `flight`'s draft works, riding in its verify or
+        prefilled now (`_admit`): they join the round after it.
 
         Admitting between rounds instead would hold the whole batch through the prefill with
         the draft idle, then through the draft with the target idle: at batch 8 (EAGLE-3,
