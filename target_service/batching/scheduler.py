@@ -190,10 +190,7 @@ class Scheduler:
                 # A bug must not hang every client: fail this batch loudly, keep serving.
                 log.exception("round failed", round_id=self.round_id)
                 riders, flight = (flight.riders if flight is not None else []), None
-                for req in riders:  # admitted, never seated: in neither the queue nor the batch
-                    self.worker.release(req.seq)
-                    req.events.put_nowait(RoundEvent([], -1, self.tier.steps, "error"))
-                    self.metrics.requests.labels("error").inc()
+                self._fail_admitted(riders)
                 for req in list(self.running):
                     req.events.put_nowait(RoundEvent([], -1, self.tier.steps, "error"))
                     self._finish(req, "error")
@@ -265,22 +262,31 @@ class Scheduler:
             # These requests are in neither the queue nor the batch: answer and free them
             # here, or their clients wait forever and their KV slots are lost.
             log.exception("prefill failed", requests=[s.request_id for s in seqs])
-            for req in new:
-                self.worker.release(req.seq)
-                req.events.put_nowait(RoundEvent([], -1, self.tier.steps, "error"))
-                self.metrics.requests.labels("error").inc()
+            self._fail_admitted(new)
             return []
         self.metrics.joins.labels("prefill").inc(len(new))
         self._join(new, feats)
         return admitted
 
+    def _fail_admitted(self, admitted: list[ServedRequest]) -> None:
+        """Requests taken from the queue whose prompt failed to run (a prefill, or the verify
+        they rode in): in neither the queue nor the batch, they are answered and freed here, or
+        their clients wait forever and their KV slots are lost."""
+        for req in admitted:
+            self.worker.release(req.seq)
+            req.events.put_nowait(RoundEvent([], -1, self.tier.steps, "error"))
+            self.metrics.requests.labels("error").inc()
+
     def _ride(self, flight: Flight[ServedRequest], new: list[ServedRequest]) -> list[ServedRequest]:
         """The longest run of `new` from its first whose prompts ride in `flight`'s verify
-        (`TargetWorker.rides`), their slots allocated; the rest are prefilled apart."""
-        batch = len(flight.seqs) + len(flight.riders)
+        (`TargetWorker.rides`, beside any riding already), their slots allocated; the rest are
+        prefilled apart."""
+        riding = [len(seq.prompt) for seq in flight.rider_seqs]
         prompts = [len(r.seq.prompt) for r in new]
         n = len(new)
-        while n and not self.worker.rides(flight.state, batch, prompts[:n], prompts[n:]):
+        while n and not self.worker.rides(
+            flight.state, len(flight.seqs), riding + prompts[:n], prompts[n:]
+        ):
             n -= 1
         for req in new[:n]:
             req.seq.slot = self.worker.cache.alloc()

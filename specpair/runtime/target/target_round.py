@@ -159,9 +159,7 @@ class TargetRound(Generic[B]):
             self.metrics.accepts.labels(self.worker.last_accept).inc()
         for seq, res in zip(seqs, results, strict=True):
             self.session.verified(seq, res.features)  # EAGLE: the committed rows' features
-        if flight.handoff is not None:  # its answer follows the round's own on the stream
-            await self._handoff_answer(flight, *flight.handoff)
-            flight.handoff = None  # answered: the riders' (`hand_over`) may follow
+        await self._handoff_answer(flight)  # it follows the round's own on the stream
         following = await batcher.next_round(flight)  # out before this one streams
         drafted = []  # the requests verified with drafts (the rest decoded plainly)
         for i, (item, tree, res) in enumerate(zip(flight.batch, trees, results, strict=True)):
@@ -238,13 +236,15 @@ class TargetRound(Generic[B]):
         """Hands the draft the prompts of `seqs` now, after `flight`'s verify, and awaits its
         answer: the riders of `flight`, prefilled in its verify, ahead of their first round."""
         await self.handoff(flight, round_id, seqs)
-        if flight.handoff is not None:
-            await self._handoff_answer(flight, *flight.handoff)
-            flight.handoff = None
+        await self._handoff_answer(flight)
 
-    async def _handoff_answer(self, flight: Flight[B], request: RoundRequest, sent: int) -> None:
-        """The hand-off's answer: each prompt the draft took counts as seen; a refused or lost
-        one is sent whole in its first round, as without a hand-off."""
+    async def _handoff_answer(self, flight: Flight[B]) -> None:
+        """The answer to `flight`'s hand-off, if one is out: each prompt the draft took counts
+        as seen; a refused or lost one is sent whole in its first round, as without a hand-off.
+        Answered, `flight` may send another (its riders', `hand_over`)."""
+        if flight.handoff is None:
+            return
+        (request, sent), flight.handoff = flight.handoff, None
         assert self.draft is not None
         t0 = time.perf_counter()
         response = await self.draft.receive(request.round_id, sent)
