@@ -148,20 +148,27 @@ def main(argv: list[str] | None = None) -> None:
     base = next((r["expected_accepts"] for r in rows if r["factor"] == 1.0), None)
     write_json(
         args.out,
-        {"device": device, "args": vars(args) | {"models": str(args.models), "out": str(args.out)},
-         "rounds": len(rounds), "measured_rounds": len(measured),
-         "measured_accepts": sum(measured) / max(len(measured), 1),
-         "factors": rows},
-    )  # fmt: skip
+        {
+            "device": device,
+            "args": vars(args) | {"models": str(args.models), "out": str(args.out)},
+            "rounds": len(rounds),
+            "measured_rounds": len(measured),
+            "measured_accepts": sum(measured) / max(len(measured), 1),
+            "factors": rows,
+        },
+    )
     print(
         f"{len(rounds)} rounds of {len(prompts)} code prompts at T {args.temperature}, tier "
         f"{args.tier}; drawn at F = 1 they accepted {sum(measured) / max(len(measured), 1):.3f} "
         "drafts a round"
     )
     table = [
-        [f"{r['factor']:g}", " ".join(f"{a:.3f}" for a in r["alpha_by_position"] if a is not None),
-         f"{r['expected_accepts']:.3f}",
-         "-" if base is None else f"{r['expected_accepts'] / base:.3f}"]
+        [
+            f"{r['factor']:g}",
+            " ".join(f"{a:.3f}" for a in r["alpha_by_position"] if a is not None),
+            f"{r['expected_accepts']:.3f}",
+            "-" if base is None else f"{r['expected_accepts'] / base:.3f}",
+        ]
         for r in rows
-    ]  # fmt: skip
+    ]
     print(format_table(["F", "alpha by position", "expected accepts", "over F = 1"], table))

@@ -19,8 +19,8 @@ def test_expected_accepts_is_the_sum_of_the_chains_reach() -> None:
 
 def test_every_drafted_round_gets_an_overlap_at_every_factor(tmp_path: Path, capsys) -> None:
     out = tmp_path / "q.json"
-    main(["--code-prompts", "1", "--new-tokens", "12", "--tier", "3", "--factors", "0.5", "1",
-          "--out", str(out)])  # fmt: skip
+    options = {"--code-prompts": "1", "--new-tokens": "12", "--tier": "3", "--out": str(out)}
+    main([*(x for item in options.items() for x in item), "--factors", "0.5", "1"])
     result = json.loads(out.read_text())
     assert result["rounds"] == result["measured_rounds"] > 0
     for row in result["factors"]:
