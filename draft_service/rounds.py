@@ -233,7 +233,12 @@ class DraftRounds:
             entry = self.drafter.requests.get(item.request_id)
             length = cache.lengths[entry.slot] if entry else 0
             need = length + len(item.appended) + self.headroom
-            if need > cache.max_len:
+            if entry is None and item.continues:
+                reason = (
+                    "FAILED_PRECONDITION: continues a request this draft does not hold (its "
+                    "hand-off was refused)"
+                )
+            elif need > cache.max_len:
                 reason = f"OUT_OF_RANGE: {need} positions exceed the draft cache's {cache.max_len}"
             elif entry is None and free == 0:
                 reason = f"RESOURCE_EXHAUSTED: all max_requests {cfg.max_requests} draft slots held"

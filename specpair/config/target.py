@@ -235,6 +235,15 @@ class TargetConfig(ModelServiceConfig):
             "this many padded rows (requests × tokens); 0: joiners are prefilled apart"
         ),
     )
+    handoff_ahead: bool = field(
+        default=False,
+        metadata=lab(
+            "send the draft the prompts that rode in a verify without awaiting its answer: "
+            "the next round follows them on the stream at once, those requests flagged "
+            "`continues` (a draft that refused the prompts refuses them too), and the answer "
+            "is read before the round's (default: awaited before the next round goes out)"
+        ),
+    )
     feed_draft_at_tier_0: bool = field(
         default=False,
         metadata=lab(

@@ -420,6 +420,7 @@ def _draft_input_into(
     msg.request_id = item.request_id
     msg.appended_token_ids.extend(item.appended)
     msg.speculative_num_steps = item.steps
+    msg.continues = item.continues
     sampling_into(msg.sampling, item.sampling)
     if item.features is not None:
         feature_rows_into(msg.features, item.features, fp8, data)
@@ -443,6 +444,7 @@ def _draft_input_from_proto(
         sampling,
         features,
         msg.speculative_num_steps,
+        msg.continues,
     )
 
 

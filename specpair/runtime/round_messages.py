@@ -34,6 +34,9 @@ class DraftInput:
     # sending them so (`Fp8Rows`, dequantized on the draft's device where they are placed).
     features: FeatureRows | None = None
     steps: int = 0  # tokens to draft for this request; 0: the round's speculative_num_steps
+    # the draft holds it already (a hand-off ahead of this round, its answer unread): a draft
+    # that does not refuses the input rather than start the request from `appended`
+    continues: bool = False
 
 
 @dataclass(frozen=True, slots=True)

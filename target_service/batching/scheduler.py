@@ -73,6 +73,7 @@ class Scheduler:
         threads: int = 1,
         device: str = "cpu",
         handoff: bool = True,
+        handoff_ahead: bool = False,
         join_settle_s: float = 0.0,
         feed_at_tier_0: bool = False,
         draft_window: int = 0,
@@ -103,6 +104,7 @@ class Scheduler:
             metrics=metrics,
             publish=self.feed.publish,
             feed_at_tier_0=feed_at_tier_0,
+            handoff_ahead=handoff_ahead,
         )
         self._draft = draft
 

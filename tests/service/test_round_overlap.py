@@ -446,6 +446,80 @@ async def test_a_rider_joins_after_the_round_whose_verify_prefilled_it(tmp_path:
     assert joined == decoded_alone(tmp_path, [8, 9], 4)
 
 
+class StreamLink(RecordingLink):
+    """A draft stream as a `DraftLink` reads one: answers come in the order the messages went
+    out, so reading one out of turn fails the test; and, as a draft does, it holds what it
+    took and refuses a `continues` for a request it does not hold. `refuse`: requests whose
+    hand-off it refuses. `log`: ("send" | "receive", round id), in order."""
+
+    def __init__(self, refuse: frozenset[str] = frozenset()) -> None:
+        super().__init__()
+        self.refuse = refuse
+        self.held: set[str] = set()
+        self.out: list[int] = []  # sent, not yet answered
+        self.log: list[tuple[str, int]] = []
+
+    async def send(self, message: RoundRequest) -> int:
+        epoch = await super().send(message)
+        if message.inputs:
+            self.out.append(message.round_id)
+            self.log.append(("send", message.round_id))
+        return epoch
+
+    async def receive(self, round_id: int, epoch: int) -> RoundResponse:
+        await asyncio.sleep(0)
+        assert self.out and self.out[0] == round_id, f"{round_id} read before {self.out[:1]}"
+        self.out.pop(0)
+        self.log.append(("receive", round_id))
+        (request,) = [r for r in self.requests if r.round_id == round_id]
+        trees, refused = {}, {}
+        for item in request.inputs:
+            handoff = request.speculative_num_steps == 0
+            if (handoff and item.request_id in self.refuse) or (
+                item.continues and item.request_id not in self.held
+            ):
+                refused[item.request_id] = "FAILED_PRECONDITION: not held"
+                self.held.discard(item.request_id)
+            else:
+                self.held.add(item.request_id)
+                trees[item.request_id] = EMPTY_TREE
+        return RoundResponse(round_id, trees, refused=refused)
+
+
+@pytest.mark.parametrize("refused", [False, True])
+async def test_a_riders_handoff_sent_ahead_is_answered_before_the_round_behind_it(
+    tmp_path: Path, refused: bool
+) -> None:
+    """With `handoff_ahead` the round after a rider's verify goes out behind its hand-off
+    without awaiting it: the rider appends its first token flagged `continues`, and the
+    hand-off's answer is read first, in the stream's order. A draft that refused the hand-off
+    refuses the rider's `continues` too; its prompt then goes whole in a later round. Either
+    way the rider's tokens are those it decodes alone."""
+    link = StreamLink(frozenset({"b"}) if refused else frozenset())
+    scheduler, link = drafted_scheduler(tmp_path, link, handoff_ahead=True)
+    scheduler.worker.ride_rows = 256
+    first, second, _, task = await a_running(scheduler, link, tokens=12)
+    scheduler.submit(second)
+    joined = await streamed(second)
+    await streamed(first)
+    task.cancel()
+    (handoff,) = [r for r in link.requests if r.speculative_num_steps == 0]
+    assert [(i.request_id, i.appended) for i in handoff.inputs] == [("b", (8, 9))]
+    after = next(r for r in link.requests if r.round_id > handoff.round_id)
+    sent, answered = (
+        link.log.index(("send", after.round_id)),
+        link.log.index(("receive", handoff.round_id)),
+    )
+    assert sent < answered, "the round went out before the hand-off was answered"
+    b = {i.request_id: i for i in after.inputs}["b"]
+    assert (len(b.appended), b.continues) == (1, True)
+    later = [i for r in link.requests if r.round_id > after.round_id for i in r.inputs]
+    again = [i for i in later if i.request_id == "b" and i.appended[:2] == (8, 9)]
+    assert bool(again) == refused, "a refused rider's prompt goes whole once more, else never"
+    assert not any(i.continues for i in later), "only the round behind the hand-off continues"
+    assert joined == decoded_alone(tmp_path, [8, 9], 4)
+
+
 async def test_a_verify_that_fails_with_riders_answers_them_and_frees_their_slots(
     tmp_path: Path,
 ) -> None:

@@ -463,18 +463,29 @@ async def test_metrics_endpoint_exports_the_serving_metrics(ckpts, make_stack) -
 
 
 @pytest.mark.parametrize(
-    ("handoff", "window", "ride"),
-    [(True, 0, 0), (False, 0, 0), (True, 2, 0), (False, 3, 0), (True, 0, 256), (True, 2, 256)],
+    ("handoff", "window", "ride", "ahead"),
+    [
+        (True, 0, 0, False),
+        (False, 0, 0, False),
+        (True, 2, 0, False),
+        (False, 3, 0, False),
+        (True, 0, 256, False),
+        (True, 2, 256, False),
+        (True, 0, 256, True),
+        (True, 2, 256, True),
+    ],
 )
 async def test_a_request_joining_beside_a_round_has_its_prompt_handed_off(
-    ckpts, make_stack, handoff: bool, window: int, ride: int
+    ckpts, make_stack, handoff: bool, window: int, ride: int, ahead: bool
 ) -> None:
     """An EAGLE request that joins while another's round is out to the draft: its prompt and
     features reach the draft at tier 0 right behind that round, and its first round appends
     one token (`--no-prompt-handoff`: the whole prompt goes with its first round). With
     `--draft-window N` only the last N tokens go. With `ride_rows` its prompt rides in that
-    round's verify instead of a prefill of its own, and goes to the draft after it. Its tokens
-    are the target alone's in every case."""
+    round's verify instead of a prefill of its own, and goes to the draft after it (with
+    `handoff_ahead` unawaited: its first round follows at once, flagged `continues`, and the
+    draft, holding the prompt by then, drafts it). Its tokens are the target alone's in every
+    case."""
     stack = await make_stack(
         draft_config(ckpts["eagle"], draft_kind="eagle", target_path=ckpts["target"]),
         replace(
@@ -482,15 +493,18 @@ async def test_a_request_joining_beside_a_round_has_its_prompt_handed_off(
             no_prompt_handoff=not handoff,
             draft_window=window,
             ride_rows=ride,
+            handoff_ahead=ahead,
         ),
     )
     rounds = stack.draft.servicer.rounds
     seen: list[tuple[int, str, int]] = []  # (tier, request id, tokens appended) per input
+    continued: list[str] = []  # the inputs flagged `continues`
     draft = rounds.draft
 
     def recording(stream_id: str, request: Any) -> Any:
         tier = request.speculative_num_steps
         seen.extend((tier, i.request_id, len(i.appended)) for i in request.inputs)
+        continued.extend(i.request_id for i in request.inputs if i.continues)
         return draft(stream_id, request)
 
     rounds.draft = recording
@@ -512,6 +526,11 @@ async def test_a_request_joining_beside_a_round_has_its_prompt_handed_off(
         for how in ("prefill", "ride")
     }
     assert joins == ({"prefill": 1, "ride": 1} if ride else {"prefill": 2, "ride": 0})
+    assert continued == ([rid] if ahead else [])
+    refused = registry.get_sample_value(
+        "specpair_target_plain_rounds_total", {"reason": "draft_refused"}
+    )
+    assert not refused, "the draft held every request it was asked to continue"
 
 
 @pytest.mark.parametrize("feed", [True, False])

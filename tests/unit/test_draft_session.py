@@ -174,6 +174,48 @@ def test_a_refused_handoff_sends_the_whole_prompt_in_the_first_round() -> None:
     assert handoff is not None and handoff.inputs[0].appended == (5, 6, 7)
 
 
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_handoff_counted_ahead_lets_the_next_round_continue_the_request(kept: bool) -> None:
+    """The worked example of `handed_ahead`: the next round goes out before the hand-off's
+    answer, appending the first token flagged `continues`; a refusal in that answer undoes
+    the count, and the request goes whole again (unflagged) once that round is answered."""
+    session = DraftSession(vocab_size=50)
+    seq = joined([5, 6, 7], 8)
+    session.add(seq, None)
+    handoff = session.handoff(1, [seq], epoch=1)
+    assert handoff is not None
+    session.handed_ahead(handoff)
+    (item,) = session.request(2, [seq], 3, epoch=1).inputs
+    assert (item.appended, item.continues) == ((8,), True)
+    answer = (
+        RoundResponse(1, {"a": EMPTY_TREE})
+        if kept
+        else RoundResponse(1, refused={"a": "RESOURCE_EXHAUSTED: no slot"})
+    )
+    fallbacks = session.drafts(handoff, answer, ahead=True).fallbacks
+    assert fallbacks == ([] if kept else ["draft_refused"])
+    round_two = RoundRequest(2, 3, (item,))
+    if kept:
+        session.drafts(round_two, RoundResponse(2, {"a": chain([9])}))
+        (item,) = session.request(3, [seq], 3, epoch=1).inputs
+        assert (item.appended, item.continues) == ((), False)  # all held, nothing new yet
+    else:  # the draft refuses round 2's `continues` too: it holds nothing of the request
+        session.drafts(round_two, RoundResponse(2, refused={"a": "FAILED_PRECONDITION"}))
+        (item,) = session.request(3, [seq], 3, epoch=1).inputs
+        assert (item.appended, item.continues) == ((5, 6, 7, 8), False)
+
+
+def test_a_new_stream_drops_a_handoff_counted_ahead() -> None:
+    session = DraftSession(vocab_size=50)
+    seq = joined([5, 6, 7], 8)
+    session.add(seq, None)
+    handoff = session.handoff(1, [seq], epoch=1)
+    assert handoff is not None
+    session.handed_ahead(handoff)
+    (item,) = session.request(2, [seq], 3, epoch=2).inputs  # the draft reconnected
+    assert (item.appended, item.continues) == ((5, 6, 7, 8), False)
+
+
 @pytest.mark.parametrize("in_process", [False, True])
 def test_a_window_sends_the_last_tokens_with_the_rows_that_predicted_them(
     in_process: bool,

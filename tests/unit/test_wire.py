@@ -57,7 +57,12 @@ def test_round_request_decodes_back_to_what_was_sent() -> None:
         (
             DraftInput("a", (5, 6), SamplingParams(), feats),
             # exact in float32
-            DraftInput("b", (7,), SamplingParams(temperature=0.5, top_p=0.75, top_k=4, seed=11)),
+            DraftInput(
+                "b",
+                (7,),
+                SamplingParams(temperature=0.5, top_p=0.75, top_k=4, seed=11),
+                continues=True,
+            ),
         ),
         ("gone", "left"),
     )
@@ -68,9 +73,10 @@ def test_round_request_decodes_back_to_what_was_sent() -> None:
         7,
         ("gone", "left"),
     )
-    assert [(g.request_id, g.appended, g.sampling) for g in got.inputs] == [
-        (s.request_id, s.appended, s.sampling) for s in sent.inputs
+    assert [(g.request_id, g.appended, g.sampling, g.continues) for g in got.inputs] == [
+        (s.request_id, s.appended, s.sampling, s.continues) for s in sent.inputs
     ]
+    assert [g.continues for g in got.inputs] == [False, True]
     assert got.inputs[0].features is not None and torch.equal(got.inputs[0].features, feats)
     assert got.inputs[1].features is None
 

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from specpair.proto.v1 import common_pb2 as specpair_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specpair/v1/draft.proto\x12\x0bspecpair.v1\x1a\x18specpair/v1/common.proto\"\xf6\x01\n\nDraftInput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12\x61ppended_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specpair.v1.SamplingParams\x12%\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x13.specpair.v1.Tensor\x12\x1d\n\x15speculative_num_steps\x18\x05 \x01(\x05\x12\x31\n\x0fshared_features\x18\x07 \x01(\x0b\x32\x18.specpair.v1.FeatureSpanJ\x04\x08\x06\x10\x07R\npredrafted\"*\n\x0b\x46\x65\x61tureSpan\x12\r\n\x05start\x18\x01 \x01(\x04\x12\x0c\n\x04rows\x18\x02 \x01(\r\"\x93\x01\n\x0b\x46\x65\x61tureRing\x12\x0c\n\x04rows\x18\x01 \x01(\x03\x12\r\n\x05width\x18\x02 \x01(\x05\x12!\n\x05\x64type\x18\x03 \x01(\x0e\x32\x12.specpair.v1.DType\x12\x0e\n\x04path\x18\x04 \x01(\tH\x00\x12*\n\x04\x63uda\x18\x05 \x01(\x0b\x32\x1a.specpair.v1.CudaIpcBufferH\x00\x42\x08\n\x06memory\"\xd9\x01\n\rCudaIpcBuffer\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\"\xeb\x01\n\x0cRoundRequest\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12\x1d\n\x15speculative_num_steps\x18\x02 \x01(\x05\x12\'\n\x06inputs\x18\x03 \x03(\x0b\x32\x17.specpair.v1.DraftInput\x12\x1c\n\x14released_request_ids\x18\x04 \x03(\t\x12\r\n\x05shape\x18\x06 \x01(\t\x12.\n\x0c\x66\x65\x61ture_ring\x18\x07 \x01(\x0b\x32\x18.specpair.v1.FeatureRing\x12\x14\n\x0c\x66\x65\x61ture_data\x18\x08 \x01(\x0cJ\x04\x08\x05\x10\x06R\x08predraft\"\x9f\x01\n\rCandidateTree\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12(\n\x0b\x64raft_probs\x18\x04 \x01(\x0b\x32\x13.specpair.v1.Tensor\x12,\n\x0f\x64raft_token_ids\x18\x05 \x01(\x0b\x32\x13.specpair.v1.Tensor\"\xad\x03\n\rRoundResponse\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12)\n\x05trees\x18\x02 \x03(\x0b\x32\x1a.specpair.v1.CandidateTree\x12*\n\x07timings\x18\x03 \x01(\x0b\x32\x19.specpair.v1.StageTimings\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x38\n\x07refused\x18\x07 \x03(\x0b\x32\'.specpair.v1.RoundResponse.RefusedEntry\x12\x1a\n\x12\x66\x65\x61ture_ring_token\x18\x08 \x01(\x0c\x12\x1a\n\x12\x66\x65\x61ture_ring_error\x18\t \x01(\t\x12(\n\x0b\x64raft_probs\x18\n \x01(\x0b\x32\x13.specpair.v1.Tensor\x12,\n\x0f\x64raft_token_ids\x18\x0b \x01(\x0b\x32\x13.specpair.v1.Tensor\x1a.\n\x0cRefusedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\x13\x61\x64opted_request_idsR\tpredrafts\"\"\n DraftServiceGetServerInfoRequest\"\xe3\x02\n!DraftServiceGetServerInfoResponse\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x12\n\ndraft_kind\x18\x02 \x01(\t\x12\x17\n\x0f\x63\x61ndidate_steps\x18\x03 \x03(\x05\x12\x16\n\x0e\x61\x63tive_streams\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\x05\x12\x1c\n\x14runtime_state_builds\x18\x06 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\t \x01(\t\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\n \x03(\x05\x12.\n\x07targets\x18\x0c \x03(\x0b\x32\x1d.specpair.v1.DraftTargetUsage\x12\x13\n\x0btree_shapes\x18\r \x03(\tJ\x04\x08\x0b\x10\x0cR\x08pipeline\"E\n\x10\x44raftTargetUsage\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\x0f\n\x07streams\x18\x02 \x01(\x05\x12\x10\n\x08requests\x18\x03 \x01(\x05\x32\xc2\x01\n\x0c\x44raftService\x12\x42\n\x05Round\x12\x19.specpair.v1.RoundRequest\x1a\x1a.specpair.v1.RoundResponse(\x01\x30\x01\x12n\n\rGetServerInfo\x12-.specpair.v1.DraftServiceGetServerInfoRequest\x1a..specpair.v1.DraftServiceGetServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specpair/v1/draft.proto\x12\x0bspecpair.v1\x1a\x18specpair/v1/common.proto\"\x89\x02\n\nDraftInput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12\x61ppended_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specpair.v1.SamplingParams\x12%\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x13.specpair.v1.Tensor\x12\x1d\n\x15speculative_num_steps\x18\x05 \x01(\x05\x12\x31\n\x0fshared_features\x18\x07 \x01(\x0b\x32\x18.specpair.v1.FeatureSpan\x12\x11\n\tcontinues\x18\x08 \x01(\x08J\x04\x08\x06\x10\x07R\npredrafted\"*\n\x0b\x46\x65\x61tureSpan\x12\r\n\x05start\x18\x01 \x01(\x04\x12\x0c\n\x04rows\x18\x02 \x01(\r\"\x93\x01\n\x0b\x46\x65\x61tureRing\x12\x0c\n\x04rows\x18\x01 \x01(\x03\x12\r\n\x05width\x18\x02 \x01(\x05\x12!\n\x05\x64type\x18\x03 \x01(\x0e\x32\x12.specpair.v1.DType\x12\x0e\n\x04path\x18\x04 \x01(\tH\x00\x12*\n\x04\x63uda\x18\x05 \x01(\x0b\x32\x1a.specpair.v1.CudaIpcBufferH\x00\x42\x08\n\x06memory\"\xd9\x01\n\rCudaIpcBuffer\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\"\xeb\x01\n\x0cRoundRequest\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12\x1d\n\x15speculative_num_steps\x18\x02 \x01(\x05\x12\'\n\x06inputs\x18\x03 \x03(\x0b\x32\x17.specpair.v1.DraftInput\x12\x1c\n\x14released_request_ids\x18\x04 \x03(\t\x12\r\n\x05shape\x18\x06 \x01(\t\x12.\n\x0c\x66\x65\x61ture_ring\x18\x07 \x01(\x0b\x32\x18.specpair.v1.FeatureRing\x12\x14\n\x0c\x66\x65\x61ture_data\x18\x08 \x01(\x0cJ\x04\x08\x05\x10\x06R\x08predraft\"\x9f\x01\n\rCandidateTree\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12(\n\x0b\x64raft_probs\x18\x04 \x01(\x0b\x32\x13.specpair.v1.Tensor\x12,\n\x0f\x64raft_token_ids\x18\x05 \x01(\x0b\x32\x13.specpair.v1.Tensor\"\xad\x03\n\rRoundResponse\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12)\n\x05trees\x18\x02 \x03(\x0b\x32\x1a.specpair.v1.CandidateTree\x12*\n\x07timings\x18\x03 \x01(\x0b\x32\x19.specpair.v1.StageTimings\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x38\n\x07refused\x18\x07 \x03(\x0b\x32\'.specpair.v1.RoundResponse.RefusedEntry\x12\x1a\n\x12\x66\x65\x61ture_ring_token\x18\x08 \x01(\x0c\x12\x1a\n\x12\x66\x65\x61ture_ring_error\x18\t \x01(\t\x12(\n\x0b\x64raft_probs\x18\n \x01(\x0b\x32\x13.specpair.v1.Tensor\x12,\n\x0f\x64raft_token_ids\x18\x0b \x01(\x0b\x32\x13.specpair.v1.Tensor\x1a.\n\x0cRefusedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\x13\x61\x64opted_request_idsR\tpredrafts\"\"\n DraftServiceGetServerInfoRequest\"\xe3\x02\n!DraftServiceGetServerInfoResponse\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x12\n\ndraft_kind\x18\x02 \x01(\t\x12\x17\n\x0f\x63\x61ndidate_steps\x18\x03 \x03(\x05\x12\x16\n\x0e\x61\x63tive_streams\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\x05\x12\x1c\n\x14runtime_state_builds\x18\x06 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\t \x01(\t\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\n \x03(\x05\x12.\n\x07targets\x18\x0c \x03(\x0b\x32\x1d.specpair.v1.DraftTargetUsage\x12\x13\n\x0btree_shapes\x18\r \x03(\tJ\x04\x08\x0b\x10\x0cR\x08pipeline\"E\n\x10\x44raftTargetUsage\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\x0f\n\x07streams\x18\x02 \x01(\x05\x12\x10\n\x08requests\x18\x03 \x01(\x05\x32\xc2\x01\n\x0c\x44raftService\x12\x42\n\x05Round\x12\x19.specpair.v1.RoundRequest\x1a\x1a.specpair.v1.RoundResponse(\x01\x30\x01\x12n\n\rGetServerInfo\x12-.specpair.v1.DraftServiceGetServerInfoRequest\x1a..specpair.v1.DraftServiceGetServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,27 +36,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUNDRESPONSE_REFUSEDENTRY']._loaded_options = None
   _globals['_ROUNDRESPONSE_REFUSEDENTRY']._serialized_options = b'8\001'
   _globals['_DRAFTINPUT']._serialized_start=67
-  _globals['_DRAFTINPUT']._serialized_end=313
-  _globals['_FEATURESPAN']._serialized_start=315
-  _globals['_FEATURESPAN']._serialized_end=357
-  _globals['_FEATURERING']._serialized_start=360
-  _globals['_FEATURERING']._serialized_end=507
-  _globals['_CUDAIPCBUFFER']._serialized_start=510
-  _globals['_CUDAIPCBUFFER']._serialized_end=727
-  _globals['_ROUNDREQUEST']._serialized_start=730
-  _globals['_ROUNDREQUEST']._serialized_end=965
-  _globals['_CANDIDATETREE']._serialized_start=968
-  _globals['_CANDIDATETREE']._serialized_end=1127
-  _globals['_ROUNDRESPONSE']._serialized_start=1130
-  _globals['_ROUNDRESPONSE']._serialized_end=1559
-  _globals['_ROUNDRESPONSE_REFUSEDENTRY']._serialized_start=1469
-  _globals['_ROUNDRESPONSE_REFUSEDENTRY']._serialized_end=1515
-  _globals['_DRAFTSERVICEGETSERVERINFOREQUEST']._serialized_start=1561
-  _globals['_DRAFTSERVICEGETSERVERINFOREQUEST']._serialized_end=1595
-  _globals['_DRAFTSERVICEGETSERVERINFORESPONSE']._serialized_start=1598
-  _globals['_DRAFTSERVICEGETSERVERINFORESPONSE']._serialized_end=1953
-  _globals['_DRAFTTARGETUSAGE']._serialized_start=1955
-  _globals['_DRAFTTARGETUSAGE']._serialized_end=2024
-  _globals['_DRAFTSERVICE']._serialized_start=2027
-  _globals['_DRAFTSERVICE']._serialized_end=2221
+  _globals['_DRAFTINPUT']._serialized_end=332
+  _globals['_FEATURESPAN']._serialized_start=334
+  _globals['_FEATURESPAN']._serialized_end=376
+  _globals['_FEATURERING']._serialized_start=379
+  _globals['_FEATURERING']._serialized_end=526
+  _globals['_CUDAIPCBUFFER']._serialized_start=529
+  _globals['_CUDAIPCBUFFER']._serialized_end=746
+  _globals['_ROUNDREQUEST']._serialized_start=749
+  _globals['_ROUNDREQUEST']._serialized_end=984
+  _globals['_CANDIDATETREE']._serialized_start=987
+  _globals['_CANDIDATETREE']._serialized_end=1146
+  _globals['_ROUNDRESPONSE']._serialized_start=1149
+  _globals['_ROUNDRESPONSE']._serialized_end=1578
+  _globals['_ROUNDRESPONSE_REFUSEDENTRY']._serialized_start=1488
+  _globals['_ROUNDRESPONSE_REFUSEDENTRY']._serialized_end=1534
+  _globals['_DRAFTSERVICEGETSERVERINFOREQUEST']._serialized_start=1580
+  _globals['_DRAFTSERVICEGETSERVERINFOREQUEST']._serialized_end=1614
+  _globals['_DRAFTSERVICEGETSERVERINFORESPONSE']._serialized_start=1617
+  _globals['_DRAFTSERVICEGETSERVERINFORESPONSE']._serialized_end=1972
+  _globals['_DRAFTTARGETUSAGE']._serialized_start=1974
+  _globals['_DRAFTTARGETUSAGE']._serialized_end=2043
+  _globals['_DRAFTSERVICE']._serialized_start=2046
+  _globals['_DRAFTSERVICE']._serialized_end=2240
 # @@protoc_insertion_point(module_scope)

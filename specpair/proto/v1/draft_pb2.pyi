@@ -32,10 +32,18 @@ class DraftInput(_message.Message):
     FEATURES_FIELD_NUMBER: _builtins.int
     SPECULATIVE_NUM_STEPS_FIELD_NUMBER: _builtins.int
     SHARED_FEATURES_FIELD_NUMBER: _builtins.int
+    CONTINUES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     speculative_num_steps: _builtins.int
     """How many tokens to draft for this request; 0: the round's speculative_num_steps. Never
     more than the round's (its state), which is the largest of its requests'.
+    """
+    continues: _builtins.bool
+    """The draft holds this request already: its prompt went in a hand-off sent ahead of this
+    round on the same stream, whose answer the target had not read when it sent this one. A
+    draft that does not hold it (it refused the hand-off) refuses this input, and the target
+    sends the request whole in a later round; false: a draft holding nothing starts the
+    request from these tokens.
     """
     @_builtins.property
     def appended_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -62,10 +70,11 @@ class DraftInput(_message.Message):
         features: _common_pb2.Tensor | None = ...,
         speculative_num_steps: _builtins.int = ...,
         shared_features: Global___FeatureSpan | None = ...,
+        continues: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["features", b"features", "sampling", b"sampling", "shared_features", b"shared_features"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["appended_token_ids", b"appended_token_ids", "features", b"features", "request_id", b"request_id", "sampling", b"sampling", "shared_features", b"shared_features", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["appended_token_ids", b"appended_token_ids", "continues", b"continues", "features", b"features", "request_id", b"request_id", "sampling", b"sampling", "shared_features", b"shared_features", "speculative_num_steps", b"speculative_num_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

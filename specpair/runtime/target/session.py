@@ -46,6 +46,9 @@ class DraftView:
     # before them count as seen without ever going out
     seen: int = 0
     epoch: int = -1  # the draft stream `seen` counts on
+    # `seen` counts a hand-off whose answer is unread (`handed_ahead`): the draft is asked to
+    # continue the request (`DraftInput.continues`), not to start it afresh
+    ahead: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +190,7 @@ class DraftSession:
         else:
             appended = (*seq.prompt[seen:], *seq.output)
         rows = view.features.since(seen - 1) if features else None
-        return DraftInput(seq.request_id, appended, seq.sampling, rows, steps)
+        return DraftInput(seq.request_id, appended, seq.sampling, rows, steps, view.ahead)
 
     def handoff(
         self,
@@ -228,6 +231,19 @@ class DraftSession:
             return None
         return RoundRequest(round_id, 0, tuple(inputs), self._drain_released())
 
+    def handed_ahead(self, request: RoundRequest) -> None:
+        """`request`, a hand-off (`handoff`) whose answer is read only after the next round has
+        gone out behind it: its prompts count as seen now, so that round appends the first token
+        of each, flagged `continues`. Its answer then goes to `drafts(..., ahead=True)`, which
+        undoes the count of a prompt the draft refused. Worked example: prompt [5, 6, 7],
+        output [8]: the hand-off appends (5, 6, 7), seen = 3 at once, the next round appends
+        (8,) with `continues`; the draft refused the hand-off → seen = 0, and the round after
+        appends (5, 6, 7, 8, …) again."""
+        for item in request.inputs:
+            if (view := self.views.get(item.request_id)) is not None:
+                view.seen += len(item.appended)
+                view.ahead = True
+
     def _drain_released(self) -> tuple[str, ...]:
         """The requests that left since the last request went out, handed to this one."""
         released = tuple(self._released)
@@ -256,7 +272,7 @@ class DraftSession:
         holds nothing of the request: it is re-sent from scratch."""
         stream = epoch if isinstance(epoch, int) else epoch[view.seq.request_id]
         if view.epoch != stream:
-            view.seen, view.epoch = 0, stream
+            view.seen, view.epoch, view.ahead = 0, stream, False
 
     def releases(self, round_id: int) -> RoundRequest | None:
         """A request that only frees state (when no round follows), or None: nothing to free."""
@@ -264,11 +280,17 @@ class DraftSession:
             return None
         return RoundRequest(round_id, 0, (), self._drain_released())
 
-    def drafts(self, request: RoundRequest, response: RoundResponse | None) -> Drafts:
+    def drafts(
+        self, request: RoundRequest, response: RoundResponse | None, *, ahead: bool = False
+    ) -> Drafts:
         """The trees `response` brings for `request`'s inputs (None: the draft failed to
-        answer). A tree that breaks the rules costs only its request's speculation."""
+        answer). A tree that breaks the rules costs only its request's speculation. `ahead`:
+        `request` was counted as seen when it went out (`handed_ahead`); only what the draft
+        did not keep is undone."""
         empty = [EMPTY_TREE] * len(request.inputs)
         ids = tuple(item.request_id for item in request.inputs)
+        if ahead:
+            self._answered_ahead(request, response)
         if response is None:
             return Drafts(empty, StageTimings(), False, ["draft_failed"], ids)
         if response.error:  # cut at the wire (`response_from_proto`)
@@ -291,7 +313,7 @@ class DraftSession:
             why = response.malformed.get(item.request_id)
             view = self.views.get(item.request_id)
             kept = tree is not None or why is not None  # no tree: the draft kept nothing
-            if view is not None:
+            if view is not None and not ahead:
                 view.seen = view.seen + len(item.appended) if kept else 0
             if item.request_id in response.refused:  # no room there (the reason names it)
                 fallbacks.append("draft_refused")
@@ -311,6 +333,21 @@ class DraftSession:
                 self._malformed(ids[i], why, fallbacks)
                 trees[i] = EMPTY_TREE
         return Drafts(trees, response.timings, True, fallbacks, ids)
+
+    def _answered_ahead(self, request: RoundRequest, response: RoundResponse | None) -> None:
+        """A hand-off counted when it went out, answered: a prompt the draft did not keep (no
+        answer, an error, no tree) is sent whole again."""
+        for item in request.inputs:
+            if (view := self.views.get(item.request_id)) is None:
+                continue
+            view.ahead = False
+            rid = item.request_id
+            if (
+                response is None
+                or response.error
+                or (rid not in response.trees and rid not in response.malformed)
+            ):
+                view.seen = 0
 
     def _malformed(self, request_id: str, why: str, fallbacks: list[str]) -> None:
         if (left_out := self.repeats.due("malformed tree")) is not None:

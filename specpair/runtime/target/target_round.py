@@ -64,6 +64,9 @@ class Flight(Generic[B]):
     # (`TargetWorker.verify`): the batcher's items and their sequences, slots allocated
     riders: list[B] = field(default_factory=list)
     rider_seqs: list[TargetSequence] = field(default_factory=list)
+    # a hand-off sent ahead of its request on the stream, answered first (`hand_over` with
+    # `handoff_ahead`): the request, and what `send` returned for `receive`
+    ahead: tuple[RoundRequest, int] | None = None
 
 
 class Batcher(Protocol[B]):
@@ -94,11 +97,14 @@ class TargetRound(Generic[B]):
         metrics: ServiceMetrics | None = None,
         publish: Callable[[RoundStats], None] | None = None,
         feed_at_tier_0: bool = False,
+        handoff_ahead: bool = False,
     ) -> None:
         self.worker, self.session, self.draft, self.compute = worker, session, draft, compute
         self.metrics = metrics
         self.publish = publish
         self.feed_at_tier_0 = feed_at_tier_0  # `feed`'s switch
+        self.handoff_ahead = handoff_ahead  # `hand_over`'s switch
+        self._ahead: tuple[RoundRequest, int] | None = None  # out, for the next request to carry
 
     async def start(
         self,
@@ -114,9 +120,11 @@ class TargetRound(Generic[B]):
         flight = Flight(round_id, batch, seqs, state, steps, time.perf_counter(), admit_s)
         flight.sent, draft = flight.started, self.draft
         if draft is None or not draft.connected:
+            self._ahead = None  # its stream is gone, and the answer with it
             self.session.no_stream()
             return flight
         if state is None or state.tier == 0:
+            await self.read_ahead()  # no request of this round follows it
             if state is not None and self.feed_at_tier_0:
                 await self.feed(flight, draft)
             return flight  # target-only: no drafts (releases wait for a round)
@@ -129,6 +137,7 @@ class TargetRound(Generic[B]):
             steps=steps,
             shape=None if state.is_chain else state.shape,
         )
+        flight.ahead, self._ahead = self._ahead, None
         flight.epoch = await draft.send(flight.request)
         flight.sent = time.perf_counter()
         await self.replan(flight)
@@ -194,12 +203,27 @@ class TargetRound(Generic[B]):
         self._count(drafts.fallbacks)
         return drafts
 
-    @staticmethod
-    async def _receive(flight: Flight[B], draft: DraftTransport) -> RoundResponse | None:
-        """The draft's answer to `flight`; None where its request did not go out."""
+    async def _receive(self, flight: Flight[B], draft: DraftTransport) -> RoundResponse | None:
+        """The draft's answer to `flight` (after that to a hand-off sent ahead of it); None
+        where its request did not go out."""
+        ahead, flight.ahead = flight.ahead, None
         if flight.epoch is None:
             return None
+        if ahead is not None:
+            await self._answer_ahead(ahead)
         return await draft.receive(flight.round_id, flight.epoch)
+
+    async def read_ahead(self) -> None:
+        """The answer to a hand-off sent ahead (`hand_over`) that no request followed."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            await self._answer_ahead(ahead)
+
+    async def _answer_ahead(self, ahead: tuple[RoundRequest, int]) -> None:
+        assert self.draft is not None
+        request, sent = ahead
+        response = await self.draft.receive(request.round_id, sent)
+        self._count(self.session.drafts(request, response, ahead=True).fallbacks)
 
     async def handoff(self, flight: Flight[B], round_id: int, seqs: list[TargetSequence]) -> None:
         """Sends the draft the prompts of `seqs`, admitted while `flight`'s draft works
@@ -233,9 +257,16 @@ class TargetRound(Generic[B]):
             flight.handoff = (request, sent)
 
     async def hand_over(self, flight: Flight[B], round_id: int, seqs: list[TargetSequence]) -> None:
-        """Hands the draft the prompts of `seqs` now, after `flight`'s verify, and awaits its
-        answer: the riders of `flight`, prefilled in its verify, ahead of their first round."""
+        """Hands the draft the prompts of `seqs` now, after `flight`'s verify: the riders of
+        `flight`, prefilled in its verify, ahead of their first round. Awaits its answer, or
+        with `handoff_ahead` leaves it for the next round's request to carry (`start`): that
+        round goes out at once behind it, these requests counted as seen and flagged
+        `continues`, and its answer is read after the hand-off's (`_receive`)."""
         await self.handoff(flight, round_id, seqs)
+        if self.handoff_ahead and flight.handoff is not None:
+            self._ahead, flight.handoff = flight.handoff, None
+            self.session.handed_ahead(self._ahead[0])
+            return
         await self._handoff_answer(flight)
 
     async def _handoff_answer(self, flight: Flight[B]) -> None:
@@ -260,6 +291,7 @@ class TargetRound(Generic[B]):
         """Frees on the draft the requests that left when no round follows to carry them."""
         draft = self.draft
         if draft is not None and draft.connected:
+            await self.read_ahead()  # its answer comes first on the stream
             request = self.session.releases(round_id)
             if request is not None and (epoch := await draft.send(request)) is not None:
                 await draft.receive(request.round_id, epoch)
