@@ -174,17 +174,19 @@ def test_a_refused_handoff_sends_the_whole_prompt_in_the_first_round() -> None:
     assert handoff is not None and handoff.inputs[0].appended == (5, 6, 7)
 
 
+def handed_ahead() -> tuple[DraftSession, TargetSequence, RoundRequest]:
+    """A session whose request a (prompt [5, 6, 7], first token 8) went in a hand-off counted
+    ahead (`handed_ahead`) on stream 1, its answer unread."""
+    session, seq, handoff = handed_ahead()
+    return session, seq, handoff
+
+
 @pytest.mark.parametrize("kept", [True, False])
 def test_a_handoff_counted_ahead_lets_the_next_round_continue_the_request(kept: bool) -> None:
     """The worked example of `handed_ahead`: the next round goes out before the hand-off's
     answer, appending the first token flagged `continues`; a refusal in that answer undoes
     the count, and the request goes whole again (unflagged) once that round is answered."""
-    session = DraftSession(vocab_size=50)
-    seq = joined([5, 6, 7], 8)
-    session.add(seq, None)
-    handoff = session.handoff(1, [seq], epoch=1)
-    assert handoff is not None
-    session.handed_ahead(handoff)
+    session, seq, handoff = handed_ahead()
     (item,) = session.request(2, [seq], 3, epoch=1).inputs
     assert (item.appended, item.continues) == ((8,), True)
     answer = (
@@ -206,12 +208,7 @@ def test_a_handoff_counted_ahead_lets_the_next_round_continue_the_request(kept: 
 
 
 def test_a_new_stream_drops_a_handoff_counted_ahead() -> None:
-    session = DraftSession(vocab_size=50)
-    seq = joined([5, 6, 7], 8)
-    session.add(seq, None)
-    handoff = session.handoff(1, [seq], epoch=1)
-    assert handoff is not None
-    session.handed_ahead(handoff)
+    session, seq, _ = handed_ahead()
     (item,) = session.request(2, [seq], 3, epoch=2).inputs  # the draft reconnected
     assert (item.appended, item.continues) == ((5, 6, 7, 8), False)
 
