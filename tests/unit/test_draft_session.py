@@ -177,7 +177,12 @@ def test_a_refused_handoff_sends_the_whole_prompt_in_the_first_round() -> None:
 def handed_ahead() -> tuple[DraftSession, TargetSequence, RoundRequest]:
     """A session whose request a (prompt [5, 6, 7], first token 8) went in a hand-off counted
     ahead (`handed_ahead`) on stream 1, its answer unread."""
-    session, seq, handoff = handed_ahead()
+    session = DraftSession(vocab_size=50)
+    seq = joined([5, 6, 7], 8)
+    session.add(seq, None)
+    handoff = session.handoff(1, [seq], epoch=1)
+    assert handoff is not None
+    session.handed_ahead(handoff)
     return session, seq, handoff
 
 
