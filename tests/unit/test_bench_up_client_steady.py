@@ -17,6 +17,7 @@ from bench.up_client import (
     gpu_bound,
     join_costs,
     main,
+    quiet_x,
     render,
     share_at,
     slowest,
@@ -75,6 +76,22 @@ def test_the_gpu_bound_worked_example_and_where_it_has_none() -> None:
     ]
     fill_ratios(cells)
     assert cells[1].gpu_bound == pytest.approx(1.85, abs=0.01) and cells[0].gpu_bound is None
+
+
+def test_the_quiet_x_worked_example_and_where_it_has_none() -> None:
+    alone = {"quiet_total": 6.72, "batch": 7.84, "accept": 0.0}
+    ours = {"quiet_total": 11.59, "batch": 7.23, "accept": 4.42}
+    assert quiet_x(ours, alone) == pytest.approx(5.42 * 6.72 / 11.59 * 7.23 / 7.84)
+    assert quiet_x(ours, alone) == pytest.approx(2.90, abs=0.01)
+    assert quiet_x({**ours, "accept": 0.0}, alone) is None  # nothing drafted
+    assert quiet_x({**ours, "quiet_total": 0.0}, alone) is None  # every round joined
+    assert quiet_x(ours, {}) is None
+    cells = [
+        UpCell("tier 0", "sdk", "code greedy", 8, 1100, 1.0, rounds=alone),
+        UpCell("tier 7", "sdk", "code greedy", 8, 2800, 1.0, rounds=ours),
+    ]
+    fill_ratios(cells)
+    assert cells[1].quiet_x == pytest.approx(2.90, abs=0.01) and cells[0].quiet_x is None
 
 
 def test_turns_run_the_configurations_forward_then_backward() -> None:
