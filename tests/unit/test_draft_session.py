@@ -212,6 +212,18 @@ def test_a_handoff_counted_ahead_lets_the_next_round_continue_the_request(kept: 
         assert (item.appended, item.continues) == ((5, 6, 7, 8), False)
 
 
+def test_a_continues_the_draft_refused_is_sent_whole_and_unflagged() -> None:
+    """The hand-off's answer never read (its round's request did not go out) and the round
+    behind it refused: the request starts afresh, so it is not flagged `continues` again (a
+    draft would refuse it every round)."""
+    session, seq, _ = handed_ahead()
+    (item,) = session.request(2, [seq], 3, epoch=1).inputs
+    assert item.continues
+    session.drafts(RoundRequest(2, 3, (item,)), RoundResponse(2, refused={"a": "FAILED"}))
+    (item,) = session.request(3, [seq], 3, epoch=1).inputs
+    assert (item.appended, item.continues) == ((5, 6, 7, 8), False)
+
+
 def test_a_new_stream_drops_a_handoff_counted_ahead() -> None:
     session, seq, _ = handed_ahead()
     (item,) = session.request(2, [seq], 3, epoch=2).inputs  # the draft reconnected

@@ -46,8 +46,8 @@ class DraftView:
     # before them count as seen without ever going out
     seen: int = 0
     epoch: int = -1  # the draft stream `seen` counts on
-    # `seen` counts a hand-off whose answer is unread (`handed_ahead`): the draft is asked to
-    # continue the request (`DraftInput.continues`), not to start it afresh
+    # `seen` counts a hand-off whose answer is unread (`handed_ahead`): while `seen` holds, the
+    # draft is asked to continue the request (`DraftInput.continues`), not to start it afresh
     ahead: bool = False
 
 
@@ -183,6 +183,8 @@ class DraftSession:
         them), on its stream `epoch`; `steps`: its own tier on the wire (0: the round's)."""
         view = self.views[seq.request_id]
         self._renew(view, epoch)
+        # once `seen` fell to 0 (a refusal, a new stream) the draft starts the request afresh
+        continues = view.ahead and view.seen > 0
         self._window(view, len(seq.prompt) + len(seq.output))
         seen, prompt = view.seen, len(seq.prompt)
         if seen >= prompt:
@@ -190,7 +192,7 @@ class DraftSession:
         else:
             appended = (*seq.prompt[seen:], *seq.output)
         rows = view.features.since(seen - 1) if features else None
-        return DraftInput(seq.request_id, appended, seq.sampling, rows, steps, view.ahead)
+        return DraftInput(seq.request_id, appended, seq.sampling, rows, steps, continues)
 
     def handoff(
         self,
@@ -272,7 +274,7 @@ class DraftSession:
         holds nothing of the request: it is re-sent from scratch."""
         stream = epoch if isinstance(epoch, int) else epoch[view.seq.request_id]
         if view.epoch != stream:
-            view.seen, view.epoch, view.ahead = 0, stream, False
+            view.seen, view.epoch = 0, stream
 
     def releases(self, round_id: int) -> RoundRequest | None:
         """A request that only frees state (when no round follows), or None: nothing to free."""
