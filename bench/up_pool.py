@@ -40,10 +40,6 @@ class Pooled:
     goal: float | None
     met: int  # runs whose x reached the goal
 
-    @property
-    def greedy(self) -> bool:
-        return "greedy" in self.workload
-
 
 def pairs(run: Mapping[str, Any], config: str) -> dict[Key, tuple[float, float]]:
     """A run's cells of `config` with the tier 0 beside each: key → (tok/s, tier 0's tok/s)."""

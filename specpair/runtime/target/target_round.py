@@ -204,26 +204,20 @@ class TargetRound(Generic[B]):
         return drafts
 
     async def _receive(self, flight: Flight[B], draft: DraftTransport) -> RoundResponse | None:
-        """The draft's answer to `flight` (after that to a hand-off sent ahead of it); None
-        where its request did not go out."""
+        """The draft's answer to `flight`, read after that to a hand-off sent ahead of it;
+        None where its request did not go out."""
         ahead, flight.ahead = flight.ahead, None
         if flight.epoch is None:
             return None
         if ahead is not None:
-            await self._answer_ahead(ahead)
+            await self._answer(*ahead, ahead=True)
         return await draft.receive(flight.round_id, flight.epoch)
 
     async def read_ahead(self) -> None:
         """The answer to a hand-off sent ahead (`hand_over`) that no request followed."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
-            await self._answer_ahead(ahead)
-
-    async def _answer_ahead(self, ahead: tuple[RoundRequest, int]) -> None:
-        assert self.draft is not None
-        request, sent = ahead
-        response = await self.draft.receive(request.round_id, sent)
-        self._count(self.session.drafts(request, response, ahead=True).fallbacks)
+            await self._answer(*ahead, ahead=True)
 
     async def handoff(self, flight: Flight[B], round_id: int, seqs: list[TargetSequence]) -> None:
         """Sends the draft the prompts of `seqs`, admitted while `flight`'s draft works
@@ -276,11 +270,16 @@ class TargetRound(Generic[B]):
         if flight.handoff is None:
             return
         (request, sent), flight.handoff = flight.handoff, None
-        assert self.draft is not None
         t0 = time.perf_counter()
-        response = await self.draft.receive(request.round_id, sent)
+        await self._answer(request, sent)
         flight.handoff_s += time.perf_counter() - t0
-        self._count(self.session.drafts(request, response).fallbacks)
+
+    async def _answer(self, request: RoundRequest, sent: int, *, ahead: bool = False) -> None:
+        """Reads the answer to a hand-off (or a tier-0 feed) into the session (`ahead`: it
+        counted the prompts when they went out, `handed_ahead`)."""
+        assert self.draft is not None
+        response = await self.draft.receive(request.round_id, sent)
+        self._count(self.session.drafts(request, response, ahead=ahead).fallbacks)
 
     def _count(self, fallbacks: list[str]) -> None:
         if self.metrics is not None:
