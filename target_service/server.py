@@ -148,7 +148,7 @@ def _build_scheduler(
         threads=config.threads,
         device=config.device,
         handoff=not config.no_prompt_handoff,
-        handoff_ahead=config.handoff_ahead,
+        handoff_ahead=not config.handoff_awaited,
         join_settle_s=config.join_settle_ms / 1e3,
         feed_at_tier_0=config.feed_draft_at_tier_0,
         draft_window=config.draft_window,

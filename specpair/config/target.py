@@ -235,13 +235,13 @@ class TargetConfig(ModelServiceConfig):
             "this many padded rows (requests × tokens); 0: joiners are prefilled apart"
         ),
     )
-    handoff_ahead: bool = field(
+    handoff_awaited: bool = field(
         default=False,
         metadata=lab(
-            "send the draft the prompts that rode in a verify without awaiting its answer: "
-            "the next round follows them on the stream at once, those requests flagged "
-            "`continues` (a draft that refused the prompts refuses them too), and the answer "
-            "is read before the round's (default: awaited before the next round goes out)"
+            "await the draft's answer to the prompts that rode in a verify before the next "
+            "round goes out (default: that round follows them on the stream at once, those "
+            "requests flagged `continues`, and the hand-off's answer is read before the "
+            "round's)"
         ),
     )
     feed_draft_at_tier_0: bool = field(

@@ -69,6 +69,9 @@ class InProcessDraft:
     async def receive(self, round_id: int, sent: int) -> RoundResponse | None:
         return self._answers.popleft()
 
+    async def receive_each(self, rounds: Sequence[tuple[int, int]]) -> list[RoundResponse | None]:
+        return [self._answers.popleft() for _ in rounds]
+
 
 class InProcessRounds:
     """Rounds of a target and a drafter in this process (`drafter` None: plain decoding), one

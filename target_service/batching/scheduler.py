@@ -73,7 +73,7 @@ class Scheduler:
         threads: int = 1,
         device: str = "cpu",
         handoff: bool = True,
-        handoff_ahead: bool = False,
+        handoff_ahead: bool = True,
         join_settle_s: float = 0.0,
         feed_at_tier_0: bool = False,
         draft_window: int = 0,

@@ -269,23 +269,46 @@ class DraftPool:
     async def receive(self, round_id: int, sent: int) -> RoundResponse | None:
         """The round's next answer from every replica that owes one, merged; None when none
         came (a replica that failed costs only its own requests' drafts)."""
-        legs = [leg for leg in self._legs.get(sent, ()) if leg.owed > 0]
-        for leg in legs:
-            leg.owed -= 1
-        if len(legs) == 1:  # one replica's answer, as it is
-            responses = [await legs[0].link.receive(round_id, legs[0].epoch)]
+        return (await self.receive_each([(round_id, sent)]))[0]
+
+    async def receive_each(self, rounds: Sequence[tuple[int, int]]) -> list[RoundResponse | None]:
+        """The answers to rounds (round id, `send`'s number) sent one after another, each
+        merged as `receive` merges one: every replica's read in the order sent, the replicas
+        concurrently, so none waits on another's earlier answer (a slow replica's hand-off
+        does not hold a fast one's round, whose read time feeds the fast one's pace)."""
+        plans = []
+        for _, sent in rounds:
+            legs = [leg for leg in self._legs.get(sent, ()) if leg.owed > 0]
+            for leg in legs:
+                leg.owed -= 1
+            plans.append(legs)
+        links = list(dict.fromkeys(leg.link for legs in plans for leg in legs))
+
+        async def read(link: DraftLink) -> dict[int, RoundResponse | None]:
+            return {
+                i: await leg.link.receive(round_id, leg.epoch)
+                for i, ((round_id, _), legs) in enumerate(zip(rounds, plans, strict=True))
+                for leg in legs
+                if leg.link is link
+            }
+
+        if len(links) == 1:  # one replica: no task per round
+            answers = [await read(links[0])]
         else:
-            responses = await asyncio.gather(
-                *(leg.link.receive(round_id, leg.epoch) for leg in legs)
-            )
-        for leg, response in zip(legs, responses, strict=True):
-            if response is not None and response.refused:
-                self._move(response.refused, leg.link)
-        if len(legs) == 1:
-            return responses[0]
-        return merge(
-            round_id, [(leg.link.address, r) for leg, r in zip(legs, responses, strict=True)]
-        )
+            answers = await asyncio.gather(*(read(link) for link in links))
+        read_by = dict(zip(links, answers, strict=True))
+        merged: list[RoundResponse | None] = []
+        for i, ((round_id, _), legs) in enumerate(zip(rounds, plans, strict=True)):
+            responses = [read_by[leg.link][i] for leg in legs]
+            for leg, response in zip(legs, responses, strict=True):
+                if response is not None and response.refused:
+                    self._move(response.refused, leg.link)
+            if len(legs) == 1:  # one replica's answer, as it is
+                merged.append(responses[0])
+                continue
+            pairs = [(leg.link.address, r) for leg, r in zip(legs, responses, strict=True)]
+            merged.append(merge(round_id, pairs))
+        return merged
 
     def _move(self, request_ids: Iterable[str], refusing: DraftLink) -> None:
         """Requests a replica had no room for: homed on another one next round, if any is up."""

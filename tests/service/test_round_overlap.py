@@ -7,6 +7,7 @@ has streamed at each send; no gRPC.
 import asyncio
 import itertools
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -66,6 +67,9 @@ class RecordingLink:
         if request is not None and request.speculative_num_steps == 0:  # a hand-off: taken
             return RoundResponse(round_id, {i.request_id: EMPTY_TREE for i in request.inputs})
         return RoundResponse(round_id)
+
+    async def receive_each(self, rounds: Sequence[tuple[int, int]]) -> list[RoundResponse]:
+        return [await self.receive(round_id, epoch) for round_id, epoch in rounds]
 
     async def round(self, message: RoundRequest) -> RoundResponse:
         await self.send(message)

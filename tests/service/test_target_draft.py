@@ -493,7 +493,7 @@ async def test_a_request_joining_beside_a_round_has_its_prompt_handed_off(
             no_prompt_handoff=not handoff,
             draft_window=window,
             ride_rows=ride,
-            handoff_ahead=ahead,
+            handoff_awaited=not ahead,
         ),
     )
     rounds = stack.draft.servicer.rounds

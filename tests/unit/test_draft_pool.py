@@ -104,6 +104,50 @@ def test_requests_are_homed_least_loaded_and_stay() -> None:
     asyncio.run(run())
 
 
+def test_each_replica_reads_a_handoff_and_the_round_behind_it_without_the_other() -> None:
+    """A hand-off and the round behind it, both on two replicas, the first slow to answer the
+    hand-off: the fast one's round is read while the slow one's hand-off is still awaited
+    (each stream in the order sent), and each answer is merged as `receive` merges it."""
+
+    async def run() -> None:
+        pool, links = await pool_of("10.0.0.1:1", "10.0.0.2:1")
+        slow, fast = links["10.0.0.1:1"], links["10.0.0.2:1"]
+        reads: list[tuple[str, int]] = []
+        gate = asyncio.Event()
+
+        def recording(link: FakeLink) -> Any:
+            answer = link.receive
+
+            async def receive(round_id: int, epoch: int) -> RoundResponse | None:
+                if link is slow and round_id == 1:
+                    await gate.wait()
+                reads.append((link.address, round_id))
+                if link is fast and round_id == 2:
+                    gate.set()  # the slow hand-off answers only once the fast round is read
+                return await answer(round_id, epoch)
+
+            return receive
+
+        for link in (slow, fast):
+            link.receive = recording(link)  # type: ignore[method-assign]
+        session = DraftSession(vocab_size=16)
+        seqs = [seq("r0"), seq("r1")]  # homed on slow, fast
+        for s in seqs:
+            session.add(s, None)
+        handoff = session.handoff(1, seqs, epoch=pool.epochs(seqs))
+        assert handoff is not None
+        first = await pool.send(handoff)
+        second = await pool.send(request(pool, session, seqs, 2))
+        assert first is not None and second is not None
+        answers = await asyncio.wait_for(pool.receive_each([(1, first), (2, second)]), 5)
+        assert reads == [("10.0.0.2:1", 1), ("10.0.0.2:1", 2), ("10.0.0.1:1", 1), ("10.0.0.1:1", 2)]
+        handed, drafted = answers
+        assert handed is not None and set(handed.trees) == {"r0", "r1"}
+        assert drafted is not None and set(drafted.trees) == {"r0", "r1"}
+
+    asyncio.run(run())
+
+
 def test_a_round_is_split_by_home_and_the_answers_merged() -> None:
     async def run() -> None:
         pool, links = await pool_of("10.0.0.1:1", "10.0.0.2:1")

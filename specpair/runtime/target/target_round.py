@@ -97,7 +97,7 @@ class TargetRound(Generic[B]):
         metrics: ServiceMetrics | None = None,
         publish: Callable[[RoundStats], None] | None = None,
         feed_at_tier_0: bool = False,
-        handoff_ahead: bool = False,
+        handoff_ahead: bool = True,
     ) -> None:
         self.worker, self.session, self.draft, self.compute = worker, session, draft, compute
         self.metrics = metrics
@@ -209,9 +209,13 @@ class TargetRound(Generic[B]):
         ahead, flight.ahead = flight.ahead, None
         if flight.epoch is None:
             return None
-        if ahead is not None:
-            await self._answer(*ahead, ahead=True)
-        return await draft.receive(flight.round_id, flight.epoch)
+        if ahead is None:
+            return await draft.receive(flight.round_id, flight.epoch)
+        request, sent = ahead
+        rounds = [(request.round_id, sent), (flight.round_id, flight.epoch)]
+        handed, response = await draft.receive_each(rounds)
+        self._take(request, handed, ahead=True)
+        return response
 
     async def read_ahead(self) -> None:
         """The answer to a hand-off sent ahead (`hand_over`) that no request followed."""
@@ -252,10 +256,11 @@ class TargetRound(Generic[B]):
 
     async def hand_over(self, flight: Flight[B], round_id: int, seqs: list[TargetSequence]) -> None:
         """Hands the draft the prompts of `seqs` now, after `flight`'s verify: the riders of
-        `flight`, prefilled in its verify, ahead of their first round. Awaits its answer, or
-        with `handoff_ahead` leaves it for the next round's request to carry (`start`): that
+        `flight`, prefilled in its verify, ahead of their first round. With `handoff_ahead`
+        (the default) leaves its answer for the next round's request to carry (`start`): that
         round goes out at once behind it, these requests counted as seen and flagged
-        `continues`, and its answer is read after the hand-off's (`_receive`)."""
+        `continues`, and its answer is read after the hand-off's (`_receive`); without, awaits
+        it (measured: 5-10 % slower at 8 and 32 clients on an H200, RESULTS)."""
         await self.handoff(flight, round_id, seqs)
         if self.handoff_ahead and flight.handoff is not None:
             self._ahead, flight.handoff = flight.handoff, None
@@ -278,7 +283,9 @@ class TargetRound(Generic[B]):
         """Reads the answer to a hand-off (or a tier-0 feed) into the session (`ahead`: it
         counted the prompts when they went out, `handed_ahead`)."""
         assert self.draft is not None
-        response = await self.draft.receive(request.round_id, sent)
+        self._take(request, await self.draft.receive(request.round_id, sent), ahead=ahead)
+
+    def _take(self, request: RoundRequest, response: RoundResponse | None, *, ahead: bool) -> None:
         self._count(self.session.drafts(request, response, ahead=ahead).fallbacks)
 
     def _count(self, fallbacks: list[str]) -> None:

@@ -35,3 +35,8 @@ class DraftTransport(Protocol):
     async def receive(self, round_id: int, sent: int) -> RoundResponse | None:
         """The round's answer."""
         ...
+
+    async def receive_each(self, rounds: Sequence[tuple[int, int]]) -> list[RoundResponse | None]:
+        """The answers to rounds (round id, `send`'s number) sent one after another, in
+        order: a hand-off's, then the round sent behind it."""
+        ...
