@@ -37,7 +37,7 @@ from specpair.models.args import ModelArgs
 from specpair.models.llama import LlamaModel
 from specpair.models.rope import rope_inv_freq
 from specpair.runtime.accept import accept_chains
-from specpair.runtime.accept_batch import accept_candidates
+from specpair.runtime.accept_batch import ChainBatch, accept_candidates, accept_chain_batch
 from specpair.runtime.build import StateBuilder, build_target
 from specpair.runtime.gpu.capture import GraphCapture
 from specpair.runtime.gpu.flashinfer_layout import flat_mask, page_metadata
@@ -772,7 +772,11 @@ events) and the host's wall time (launch to synchronised result) of one call, me
   (the accept graph of batches with unfiltered rows);
 - `accept over candidates`: `accept_candidates`, q sparse over 64 tokens (the accept graph of
   batches whose sampled rows filter);
-- `topk 256`: the candidates' topk of 8 rows a request.
+- `accept over candidates, served eagerly`: `accept_chain_batch` from host inputs, as a verify
+  whose batch no accept graph fits runs it (copies in, a sync on coverage, one read back);
+- `first token`: a joiner's first token as `TargetWorker._choose` draws it eagerly (warp, draw,
+  read back); `first token, graph`: the same in a draw graph (`gpu/draw_graphs.py`);
+- `topk 256` / `topk 1024`: a topk of 8 rows a request (1024: the warp's `CANDIDATES`).
 Rows marked `graph` replay the same ops captured in a CUDA graph, as the draft's step graphs
 and the target's accept graphs run them.
 
@@ -855,6 +859,17 @@ def kernels(rows: int, flashinfer: bool) -> dict[str, Callable[[], Any]]:
             accept_candidates(tree_logits, tree_params, drafts, lengths, tree_u, q_ids, q_sparse)
         )
 
+    every = RowParams(params.table, True, True, True)  # a draw graph's: every path captured
+    host_params = RowParams.of([SamplingParams(temperature=TEMPERATURE, top_p=TOP_P)] * rows)
+    host = ChainBatch(
+        host_params.repeat(8),
+        drafts.cpu(),
+        lengths.cpu(),
+        tree_u.cpu(),
+        q_ids.cpu(),
+        q_sparse.cpu(),
+    )
+
     from specpair.runtime.gpu.draft_sampling import draft_support as one_kernel_support
 
     # an EAGLE-3 head's step over its 32 000 draft ids (every fourth target id here), sampled
@@ -875,7 +890,11 @@ def kernels(rows: int, flashinfer: bool) -> dict[str, Callable[[], Any]]:
         "draft step, 32k ids named, one kernel, graph": graphed(
             lambda: one_kernel_support(named, params, u, names=names)
         ),
+        "accept over candidates, served eagerly": lambda: accept_chain_batch(tree_logits, host),
+        "first token": lambda: sample_rows(warp_rows(logits, params), u).tolist(),
+        "first token, graph": graphed(lambda: sample_rows(warp_candidates(logits, every)[0], u)),
         "topk 256, graph": graphed(lambda: flat.topk(256, dim=-1)),
+        "topk 1024, graph": graphed(lambda: flat.topk(1024, dim=-1)),
         "accept over the vocabulary, graph": graphed(accept_over_vocabulary),
         "accept over candidates, graph": graphed(over_candidates),
     }

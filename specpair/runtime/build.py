@@ -33,6 +33,7 @@ from specpair.runtime.draft.drafters import EagleDrafter, LMDrafter
 from specpair.runtime.draft.eager import EagerDraft, EagerExtend
 from specpair.runtime.gpu.capture import GraphCapture
 from specpair.runtime.gpu.draft_graphs import DraftGraphs, HandoffExtend
+from specpair.runtime.gpu.draw_graphs import DrawGraphs
 from specpair.runtime.gpu.prefill_graphs import PrefillGraphs
 from specpair.runtime.gpu.tree_graphs import tree_stages
 from specpair.runtime.gpu.verify_graphs import VerifyGraphs
@@ -210,6 +211,8 @@ class StateBuilder:
                 target.prefill_graphs = PrefillGraphs(
                     self.target_graphs, target.model, target.feature_layers
                 )
+            if not target.deterministic:  # that mode draws a row at a time, eagerly
+                target.draws = DrawGraphs(self.target_graphs, target.model.args.vocab_size)
         if drafter is not None and drafter.cache.device.type == "cuda":
             slots = len(drafter.cache.lengths)
             capture = GraphCapture(drafter.cache, slots, "draft", buckets)

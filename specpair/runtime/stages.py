@@ -96,6 +96,15 @@ class PrefillStage(Protocol):
         host; None where no graph fits."""
 
 
+class DrawStage(Protocol):
+    """Sampled rows' next tokens in CUDA graphs (`gpu/draw_graphs.py`); the target's worker
+    draws eagerly where none fits or a row's cut lies past its candidates."""
+
+    def run(self, logits: Tensor, params: RowParams, u: Tensor) -> list[int] | None:
+        """Each row's token from logits [B, V] on the device, host `params` and uniforms
+        `u` [B]; None where it cannot (the caller draws eagerly from the same uniforms)."""
+
+
 class VerifyStage(Protocol):
     """The target's forward over a batch of candidate trees."""
 

@@ -20,6 +20,7 @@ pytest.importorskip("flashinfer")
 from transformers import LlamaForCausalLM
 
 from specpair.models.tiny import make_tiny_eagle, make_tiny_eagle3, make_tiny_llama
+from specpair.runtime.accept_batch import accept_chain_batch
 from specpair.runtime.build import (
     StateBuilder,
     build_drafter,
@@ -31,6 +32,7 @@ from specpair.runtime.draft.drafter import Drafter
 from specpair.runtime.engine import SpeculativeEngine
 from specpair.runtime.gpu.capture import GraphAttention, StageGraph
 from specpair.runtime.gpu.draft_graphs import ExtendGraphs, HandoffExtend
+from specpair.runtime.gpu.draw_graphs import DrawGraphs
 from specpair.runtime.gpu.step_graphs import StepGraphs
 from specpair.runtime.gpu.tree_graphs import TreeGraphs
 from specpair.runtime.gpu.verify_graphs import VerifyGraphs
@@ -632,3 +634,49 @@ def test_riders_in_a_verify_graph_get_what_a_prefill_of_their_own_gives(
         err = (got.float() - want.float()).norm() / want.float().norm()
         print(f"rider features: relative error {err:.3g} over {tuple(got.shape)}")
         assert err < 2e-2, f"relative error {err:.3g}"
+
+
+def test_sampled_requests_beside_riders_accept_in_the_graph_of_their_own_bucket(
+    gpu_ckpts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two sampled requests and riders whose chunks (7 + 13) take the tier-7 verify to the
+    graph of 32 × 8: the requests' rows are copied to the logits of the 2 × 8 graph, whose
+    accept graph runs, and its verdicts are the eager accept's on the same logits and
+    uniforms; the riders' first tokens are drawn in the draw graph of 2."""
+    worker = target(gpu_ckpts["target4"], max_requests=32, draft=gpu_ckpts["eagle3"])
+    state = build_states([7], worker)[7]
+    verify = state.verify
+    assert isinstance(verify, VerifyGraphs)
+    worker.ride_rows = 32 * 8
+    seqs = [
+        TargetSequence(f"r{i}", p, SamplingParams(0.8, top_p=0.9, seed=i), 12)
+        for i, p in enumerate(PROMPTS[::3])
+    ]
+    worker.prefill(seqs)
+    riders = [
+        TargetSequence(f"j{i}", p, SamplingParams(0.8, top_p=0.9, seed=9 + i), 12)
+        for i, p in enumerate([list(range(10, 60)), list(range(60, 160))])
+    ]
+    assert worker.rides(state, 2, [len(r.prompt) for r in riders])
+    for r in riders:
+        r.slot = worker.cache.alloc()
+    verdicts: list[tuple[object, object]] = []
+    graph_accept = verify.accept
+
+    def both(batch):  # type: ignore[no-untyped-def]
+        logits = verify.graphs[32].outputs["logits"][:2].clone()
+        got = graph_accept(batch)
+        # the rows the accept graph of 2 read: the verify's, copied there
+        torch.testing.assert_close(verify.graphs[2].outputs["logits"][:2], logits)
+        verdicts.append((got, accept_chain_batch(logits, batch)))
+        return got
+
+    monkeypatch.setattr(verify, "accept", both)
+    draws = worker.draws
+    assert isinstance(draws, DrawGraphs)
+    drawn = draws.replays
+    worker.verify(seqs, [chain([1, 2, 3, 4, 5, 6, 7])] * 2, state, riders)
+    assert worker.last_accept == "graph"
+    assert draws.replays == drawn + 1, "the riders' first tokens were drawn in a graph"
+    ((got, eager),) = verdicts
+    assert got == eager

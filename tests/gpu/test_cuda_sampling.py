@@ -34,10 +34,12 @@ from specpair.models.tiny import make_tiny_eagle, make_tiny_eagle3, make_tiny_ll
 from specpair.runtime.accept_batch import accept_candidates
 from specpair.runtime.build import build_drafter, build_states, build_target, feature_layers
 from specpair.runtime.engine import SpeculativeEngine
+from specpair.runtime.gpu.capture import GraphCapture
 from specpair.runtime.gpu.draft_sampling import draft_support as one_kernel_support
+from specpair.runtime.gpu.draw_graphs import DrawGraphs
 from specpair.runtime.gpu.step_graphs import StepGraphs
 from specpair.runtime.gpu.tree_graphs import TreeGraphs
-from specpair.runtime.gpu.verify_graphs import ACCEPT_GRAPH_BATCH, VerifyGraphs
+from specpair.runtime.gpu.verify_graphs import VOCABULARY_ACCEPT_BATCH, VerifyGraphs
 from specpair.runtime.sampling import (
     RowParams,
     SamplingParams,
@@ -98,8 +100,9 @@ def gpu_samples(
     batch: int = 16,
     token_map: Path | None = None,
 ) -> Counter:
-    """RUNS seeded samples in batches of `batch`: up to 16 a chain's accept runs in its graph,
-    past it eagerly; a tree shape verifies in its graphs and accepts eagerly."""
+    """RUNS seeded samples in batches of `batch`: a chain's accept runs in its graph (over
+    the vocabulary, unfiltered rows: up to 16, past it eagerly); a tree shape verifies in its
+    graphs and accepts eagerly."""
     gc.collect()
     target = ckpts["target"]
     worker = build_target(
@@ -140,7 +143,8 @@ def gpu_samples(
     else:
         assert isinstance(state.draft, StepGraphs)
         assert state.draft.sampled_replays > 0  # the sampled graph drew the drafts
-        assert (state.verify.graph_accepts > 0) == (batch <= ACCEPT_GRAPH_BATCH)
+        filtered = params.top_p < 1 or params.top_k > 0 or params.min_p > 0
+        assert (state.verify.graph_accepts > 0) == (filtered or batch <= VOCABULARY_ACCEPT_BATCH)
     return counts
 
 
@@ -198,12 +202,21 @@ def test_gpu_trees_accepting_every_first_child_fail_the_same_test(small_vocab, m
     assert fit_pvalue(counts, exact_joint(small_vocab["target"], PARAMS[0])) < 1e-6
 
 
-@pytest.mark.parametrize("batch", [16, 64])
-def test_gpu_broken_residual_fails_the_same_test(small_vocab, monkeypatch, batch) -> None:
-    """In the accept graph (captured with the broken rule) and eagerly."""
+def test_gpu_sampling_in_the_accept_graph_of_64_matches_target_distribution(small_vocab) -> None:
+    """Filtered rows at batch 64: their accept replays the candidates' graph of that bucket."""
+    counts = gpu_samples(small_vocab, "draft", PARAMS[2], 3, batch=64)
+    assert fit_pvalue(counts, exact_joint(small_vocab["target"], PARAMS[2])) > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("params", "batch"), [(0, 16), (0, 64), (2, 64)], ids=["graph", "eager", "graph-64"]
+)
+def test_gpu_broken_residual_fails_the_same_test(small_vocab, monkeypatch, params, batch) -> None:
+    """In the accept graphs (captured with the broken rule: over the vocabulary at 16, over
+    candidates at 64) and eagerly (unfiltered at 64)."""
     monkeypatch.setattr(accept_module, "residual", lambda p, q: p)
-    counts = gpu_samples(small_vocab, "draft", PARAMS[0], 3, batch)
-    assert fit_pvalue(counts, exact_joint(small_vocab["target"], PARAMS[0])) < 1e-6
+    counts = gpu_samples(small_vocab, "draft", PARAMS[params], 3, batch)
+    assert fit_pvalue(counts, exact_joint(small_vocab["target"], PARAMS[params])) < 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -270,6 +283,35 @@ def test_a_rows_draw_does_not_depend_on_the_batch_around_it(rows: int) -> None:
         assert int(sample_rows(warp_rows(logits[i : i + 1], alone), u[i : i + 1])) == together[i]
         one = draft_support(logits[i : i + 1], alone, u[i : i + 1])
         assert all(torch.equal(a[0], b[i]) for a, b in zip(one, drafted, strict=True))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_the_draw_graph_draws_as_the_eager_warp_and_draw(tmp_path: Path, rows: int) -> None:
+    """Rows of a Llama-3 vocabulary, greedy, T 0.7 top-p 0.95, T 1 unfiltered and top-k 5
+    with min-p mixed: the draw graph of their bucket gives each row the token `warp_rows` and
+    `sample_rows` give it from the same uniform; a flat row, whose top-p cut lies past its
+    1024 candidates, sends the batch back to the eager draw (None)."""
+    v, dev = 128256, torch.device("cuda")
+    worker = build_target(
+        make_tiny_llama(tmp_path / "t", seed=1, **SHAPE), max_requests=8, max_len=32, device="cuda"
+    )
+    draws = DrawGraphs(GraphCapture(worker.cache, 8, "target"), v)
+    gen = torch.Generator(device=dev).manual_seed(rows)
+    logits = torch.randn(rows, v, device=dev, generator=gen) * 4
+    logits[:, :32] += 24
+    mix = [
+        SamplingParams(),
+        SamplingParams(0.7, top_p=0.95),
+        SamplingParams(1.0),
+        SamplingParams(0.8, top_k=5, min_p=0.1),
+    ]
+    params = RowParams.of([mix[i % len(mix)] for i in range(rows)])
+    u = torch.rand(rows, generator=torch.Generator().manual_seed(rows))
+    eager = sample_rows(warp_rows(logits, params.to(dev)), u.to(dev)).tolist()
+    assert draws.run(logits, params, u) == eager
+    flat = torch.zeros(1, v, device=dev)
+    assert draws.run(flat, RowParams.of([SamplingParams(1.0, top_p=0.5)]), u[:1]) is None
+    assert draws.replays == 2
 
 
 @pytest.mark.parametrize("batch", [1, 8])

@@ -465,8 +465,8 @@ QUOTED: list[tuple[str, str, tuple[object, ...]]] = [
     ),
     (
         "docs/sampling.md",
-        r"graph per verify bucket up to (\d+)",
-        (c("gpu.verify_graphs.ACCEPT_GRAPH_BATCH"),),
+        r"one per\s+bucket up to (\d+)",
+        (c("gpu.verify_graphs.VOCABULARY_ACCEPT_BATCH"),),
     ),
     ("docs/wire.md", r"what this draft sends, K = (\d+)", (c("sampling.DRAFT_SUPPORT"),)),
     (
@@ -627,11 +627,6 @@ QUOTED: list[tuple[str, str, tuple[object, ...]]] = [
         ),
     ),
     ("docs/gpu.md", r"MAX_ROWS (\d+) query rows per KV head", (c("gpu.tree_attention.MAX_ROWS"),)),
-    (
-        "docs/gpu.md",
-        r"sampled accept has a graph per bucket up to (\d+)",
-        (c("gpu.verify_graphs.ACCEPT_GRAPH_BATCH"),),
-    ),
     (
         "docs/tensor-parallel.md",
         r"max\(`rank_timeout_floor_s` = (\d+) s, (\d+) × p(\d+) of those × its tokens\) is a "

@@ -3,9 +3,11 @@ s + 1, a tree shape's root and kept nodes).
 
 One graph per batch bucket of a tier; a verify that no graph fits (a batch past the largest
 bucket, a tree past the cache's end) runs the eager stage instead. A sampled round's accept
-has a graph of its own per bucket up to ACCEPT_GRAPH_BATCH, reading the verify graph's logits
-in place: the warp, the draws and the rejection of every chain in one replay (eagerly they
-are some fifty kernel launches, host-bound at small batches).
+has a graph of its own per bucket, reading the verify graph's logits in place: the warp, the
+draws and the rejection of every chain in one replay over each row's candidates (eagerly some
+fifty kernel launches and two syncs: 3.4 ms of an H200's host at 1 to 64 requests, against
+0.35-2.1 ms replayed, `bench.gpu_kernels sampling`); over the whole vocabulary (a batch with
+an unfiltered sampled row) up to VOCABULARY_ACCEPT_BATCH.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from specpair.runtime.layout import BatchLayout
 from specpair.runtime.shape import TreeShape
 from specpair.runtime.stages import VerifyStage
 
-ACCEPT_GRAPH_BATCH = 16  # past it the round's GPU work hides the eager accept's launches
+# Past it an accept over the vocabulary runs eagerly: its graph holds p and q as [B, T, V]
+# floats (64 tier-7 chains: 0.5 GB of the graphs' pool for p alone)
+VOCABULARY_ACCEPT_BATCH = 16
 
 
 def verify_graph(
@@ -145,16 +149,16 @@ class VerifyGraphs:
                 b: verify_graph(capture, model, b, shape.verified, feature_layers)
                 for b in capture.buckets
             }
-            small = [b for b in graphs if b <= ACCEPT_GRAPH_BATCH]
             if not shape.is_chain:
                 return graphs, {
-                    (b, False): tree_accept_graph(capture, graphs[b].outputs["logits"])
-                    for b in small
+                    (b, False): tree_accept_graph(capture, g.outputs["logits"])
+                    for b, g in graphs.items()
                 }
             accepts = {
-                (b, general): accept_graph(capture, graphs[b].outputs["logits"], general)
-                for b in small
-                for general in (True, False)
+                (b, general): accept_graph(capture, g.outputs["logits"], general)
+                for b, g in graphs.items()
+                for general in (False, True)
+                if not general or b <= VOCABULARY_ACCEPT_BATCH
             }
             return graphs, accepts
 
@@ -218,14 +222,22 @@ class VerifyGraphs:
         return g.outputs["hidden"][:b, :t], g.outputs["logits"][:b, :t]
 
     def accept(self, batch: ChainBatch | TreeBatch) -> list[list[int]] | None:
-        """The accept graph of the bucket that ran (see `VerifyStage.accept`)."""
+        """The accept graph of the batch's bucket, on the verify's logits (see
+        `VerifyStage.accept`)."""
         if self._ran is None:
             return None
-        # the batch's own rows lead the verify's (riders' chunks follow: `TargetWorker.verify`)
-        bucket, b = self._ran[0], len(batch.u)
+        ran, b = self._ran[0], len(batch.u)
+        bucket = bucket_of(b, self.capture.buckets)
+        assert bucket is not None  # the batch's rows lead those of the bucket that ran
         graph = self.accepts.get((bucket, batch.params.any_plain))
         if graph is None:
             return None
+        if bucket != ran:
+            # Riders' chunks (rows after the batch's: `TargetWorker.verify`) took the verify to
+            # a larger bucket. The batch's rows move to the logits its own bucket's accept
+            # graph reads: 8 requests and 14 chunks verify as 32 × 8 and accept as 8 × 8.
+            logits = self.graphs[bucket].outputs["logits"]
+            logits[:b].copy_(self.graphs[ran].outputs["logits"][:b])
         t = graph.inputs["u"].shape[1]
         if isinstance(batch, TreeBatch):
             return self._accept_trees(graph, batch, bucket, b, t)

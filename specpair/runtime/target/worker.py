@@ -26,7 +26,7 @@ from specpair.runtime.sampling import (
     sample_rows,
     warp_rows,
 )
-from specpair.runtime.stages import PrefillStage, VerifyStage
+from specpair.runtime.stages import DrawStage, PrefillStage, VerifyStage
 from specpair.runtime.state import SpecRuntimeState
 from specpair.runtime.target.accepting import accept_batch, uniforms
 from specpair.runtime.target.features import host_rows
@@ -121,6 +121,8 @@ class TargetWorker:
         self.plain = EagerVerify(model, cache, feature_layers)
         # small prefills in CUDA graphs (`gpu/prefill_graphs.py`), set by `StateBuilder` on a GPU
         self.prefill_graphs: PrefillStage | None = None
+        # sampled first tokens in CUDA graphs (`gpu/draw_graphs.py`), set there too
+        self.draws: DrawStage | None = None
         self.last_gpu_ms = 0.0  # GPU time of the last verify's graph replays (0: none ran)
         self.accept_paths: Counter[str] = Counter()  # verifies by `accepting.ACCEPT_PATHS`
         self.last_accept = ""  # the last verify's
@@ -134,9 +136,11 @@ class TargetWorker:
         the B tokens back. A sampling request draws one uniform from its own generator."""
         if all(s.sampling.greedy for s in seqs):
             return logits.argmax(-1).tolist()
-        params = RowParams.of([s.sampling for s in seqs]).to(self.device)
-        u = torch.tensor([uniforms(s, 1)[0] for s in seqs]).to(self.device)
-        return sample_rows(warp_rows(logits, params), u).tolist()
+        params = RowParams.of([s.sampling for s in seqs])
+        u = torch.tensor([uniforms(s, 1)[0] for s in seqs])
+        if self.draws is not None and (drawn := self.draws.run(logits, params, u)) is not None:
+            return drawn
+        return sample_rows(warp_rows(logits, params.to(self.device)), u.to(self.device)).tolist()
 
     @torch.inference_mode()
     def prefill(self, seqs: Sequence[TargetSequence]) -> list[Tensor | None]:
