@@ -38,7 +38,8 @@ its last token's way out, the SDK), `undrafted` the request-rounds decoded witho
 against their tier (a draft that refused a request for want of a slot, failed, or was late: 0
 in a healthy cell), `switches` the tier switches the target applied over the cell, `gc ms`
 the target's / the draft's garbage-collector pauses over the cell (their exporters), `rides` the
-joins whose prompt rode in a verify / all joins (`--lab ride_rows=N`); the JSON
+joins whose prompt rode in a verify / all joins (`--lab ride_rows=N`), `eager` the verifies
+whose sampled accept ran eagerly, not in an accept graph / all verifies; the JSON
 keeps each cell's slowest rounds whole (`slowest`), where a spike shows its stage; `quiet` is
 its mean round without a join and `a join` the time rounds took over that per joining request
 (`join_costs`). Held-out code
@@ -117,6 +118,8 @@ SERVED = {  # the target's exporter's samples `Served` sums (over their labels)
     "draft_gc_s": "specpair_draft_gc_pause_seconds_total",  # from the draft's exporter
     "joins": "specpair_target_joins_total",
     "rides": "specpair_target_joins_total:ride",  # those whose prompt rode in a verify
+    "accepts": "specpair_target_accepts_total",  # verifies, by where their accept ran:
+    "eager_accepts": "specpair_target_accepts_total:device",  # a sampled batch eagerly
 }
 
 
@@ -137,6 +140,8 @@ class Served:
     draft_gc_s: float = 0.0  # the draft's
     joins: float = 0.0  # requests admitted into the batch
     rides: float = 0.0  # of them, those whose prompt rode in a verify (`ride_rows`)
+    accepts: float = 0.0  # verifies
+    eager_accepts: float = 0.0  # of them, sampled batches accepted eagerly, not in a graph
 
     @classmethod
     def read(cls, *addresses: str) -> Served:
@@ -627,11 +632,12 @@ def render(cells: Sequence[UpCell]) -> str:
          "-" if c.wire_ms is None else f"{c.wire_ms:.1f}",
          f"{c.served.undrafted:.0f}", f"{c.served.switches:.0f}",
          f"{1e3 * c.served.gc_s:.0f} / {1e3 * c.served.draft_gc_s:.0f}",
-         f"{c.served.rides:.0f} / {c.served.joins:.0f}"]
+         f"{c.served.rides:.0f} / {c.served.joins:.0f}",
+         f"{c.served.eager_accepts:.0f} / {c.served.accepts:.0f}"]
         for c in cells
     ]  # fmt: skip
     headers = ["config", "door", "workload", "batch", "tok/s", "x tier 0", "steady x", "spread"]
-    headers += ["ttft ms", "wire ms", "undrafted", "switches", "gc ms", "rides"]
+    headers += ["ttft ms", "wire ms", "undrafted", "switches", "gc ms", "rides", "eager"]
     return format_table(headers, rows)
 
 

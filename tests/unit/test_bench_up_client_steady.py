@@ -129,6 +129,8 @@ def test_a_cells_ttft_wire_and_undrafted_rounds_come_from_the_targets_exporter()
     metrics.fallback_rounds.labels("draft_refused").inc(2)
     metrics.fallback_rounds.labels("draft_timeout").inc()
     metrics.tier_switches.inc(4)
+    for path, n in (("greedy", 5), ("graph", 3), ("device", 1)):  # where verifies accepted
+        metrics.accepts.labels(path).inc(n)
     cell = UpCell("tier 7", "sdk", "code greedy", 2, 256, 1.0)
     cell.served += Served.read(address, draft_address) - before
     cell.client_s, cell.requests = 0.205 + 0.415, 2  # each call 5 / 15 ms beyond its latency
@@ -137,7 +139,9 @@ def test_a_cells_ttft_wire_and_undrafted_rounds_come_from_the_targets_exporter()
     assert cell.served.undrafted == 3
     assert cell.served.switches == 4
     assert cell.served.gc_s > 0 and cell.served.draft_gc_s > 0
-    assert render([cell]).splitlines()[-1].split()[-8:-6] == ["3", "4"]
+    assert (cell.served.eager_accepts, cell.served.accepts) == (1, 9)
+    assert render([cell]).splitlines()[-1].split()[-11:-9] == ["3", "4"]
+    assert render([cell]).splitlines()[-1].split()[-3:] == ["1", "/", "9"]
     assert Served.read("") == Served()  # no exporter: nothing read, no means
     assert UpCell("tier 7", "sdk", "code greedy", 2, 0, 1.0).ttft_ms is None
 
