@@ -2,7 +2,7 @@
 (a prefill's last rows, or riders' after the verify they rode in).
 
 Eagerly the warp and the draw are some forty kernel launches and a host sync on whether each
-row's cut lies among its candidates: 2.5-2.6 ms of an H200's host at 1 to 64 rows against their
+row's cut lies among its candidates: 2.1-2.6 ms of an H200's host at 1 to 64 rows against their
 microseconds of GPU work (`bench.gpu_kernels sampling`, `first token`), paid by every joining
 round at T > 0. A graph per batch bucket replays `warp_candidates` and `sample_rows` over a
 static copy of the rows' logits, for any mix of greedy, filtered and unfiltered rows (the flags

@@ -5,7 +5,7 @@ One graph per batch bucket of a tier; a verify that no graph fits (a batch past 
 bucket, a tree past the cache's end) runs the eager stage instead. A sampled round's accept
 has a graph of its own per bucket, reading the verify graph's logits in place: the warp, the
 draws and the rejection of every chain in one replay over each row's candidates (eagerly some
-fifty kernel launches and two syncs: 3.4 ms of an H200's host at 1 to 64 requests, against
+fifty kernel launches and two syncs: 2.9-3.4 ms of an H200's host at 1 to 64 requests, against
 0.35-2.1 ms replayed, `bench.gpu_kernels sampling`); over the whole vocabulary (a batch with
 an unfiltered sampled row) up to VOCABULARY_ACCEPT_BATCH.
 """
