@@ -825,7 +825,8 @@ def kernels(rows: int, flashinfer: bool) -> dict[str, Callable[[], Any]]:
     # peaked as an LM's logits are: T = 0.7, top-p 0.95 keeps tens of tokens, as on code
     logits = torch.randn(rows, VOCAB, device=dev, generator=gen) * 4
     logits[:, :32] += 24
-    params = RowParams.of([SamplingParams(temperature=TEMPERATURE, top_p=TOP_P)] * rows).to(dev)
+    host_params = RowParams.of([SamplingParams(temperature=TEMPERATURE, top_p=TOP_P)] * rows)
+    params = host_params.to(dev)
     u = torch.rand(rows, device=dev, generator=gen)
     probs = warp_rows(logits, params)
     x = logits / TEMPERATURE
@@ -860,7 +861,6 @@ def kernels(rows: int, flashinfer: bool) -> dict[str, Callable[[], Any]]:
         )
 
     every = RowParams(params.table, True, True, True)  # a draw graph's: every path captured
-    host_params = RowParams.of([SamplingParams(temperature=TEMPERATURE, top_p=TOP_P)] * rows)
     host = ChainBatch(
         host_params.repeat(8),
         drafts.cpu(),

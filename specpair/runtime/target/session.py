@@ -292,7 +292,7 @@ class DraftSession:
         empty = [EMPTY_TREE] * len(request.inputs)
         ids = tuple(item.request_id for item in request.inputs)
         if ahead:
-            self._answered_ahead(request, response)
+            self._answered_ahead(request, lost=response is None)
         if response is None:
             return Drafts(empty, StageTimings(), False, ["draft_failed"], ids)
         if response.error:  # cut at the wire (`response_from_proto`)
@@ -315,8 +315,9 @@ class DraftSession:
             why = response.malformed.get(item.request_id)
             view = self.views.get(item.request_id)
             kept = tree is not None or why is not None  # no tree: the draft kept nothing
-            if view is not None and not ahead:
-                view.seen = view.seen + len(item.appended) if kept else 0
+            if view is not None:  # `ahead`: `handed_ahead` counted the input when it went out
+                counted = view.seen if ahead else view.seen + len(item.appended)
+                view.seen = counted if kept else 0
             if item.request_id in response.refused:  # no room there (the reason names it)
                 fallbacks.append("draft_refused")
             if tree is not None and not self.in_process:
@@ -336,20 +337,15 @@ class DraftSession:
                 trees[i] = EMPTY_TREE
         return Drafts(trees, response.timings, True, fallbacks, ids)
 
-    def _answered_ahead(self, request: RoundRequest, response: RoundResponse | None) -> None:
-        """A hand-off counted when it went out, answered: a prompt the draft did not keep (no
-        answer, an error, no tree) is sent whole again."""
+    def _answered_ahead(self, request: RoundRequest, *, lost: bool) -> None:
+        """A hand-off counted when it went out, answered: its requests are no longer ahead, and
+        a `lost` one (no answer) sends its prompts whole again, as an error or a missing tree
+        does (`drafts`, for any round)."""
         for item in request.inputs:
-            if (view := self.views.get(item.request_id)) is None:
-                continue
-            view.ahead = False
-            rid = item.request_id
-            if (
-                response is None
-                or response.error
-                or (rid not in response.trees and rid not in response.malformed)
-            ):
-                view.seen = 0
+            if (view := self.views.get(item.request_id)) is not None:
+                view.ahead = False
+                if lost:
+                    view.seen = 0
 
     def _malformed(self, request_id: str, why: str, fallbacks: list[str]) -> None:
         if (left_out := self.repeats.due("malformed tree")) is not None:
