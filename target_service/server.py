@@ -149,7 +149,6 @@ def _build_scheduler(
         device=config.device,
         handoff=not config.no_prompt_handoff,
         handoff_ahead=not config.handoff_awaited,
-        verify_holds_loop=config.verify_holds_loop,
         join_settle_s=config.join_settle_ms / 1e3,
         feed_at_tier_0=config.feed_draft_at_tier_0,
         draft_window=config.draft_window,

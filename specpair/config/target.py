@@ -244,13 +244,6 @@ class TargetConfig(ModelServiceConfig):
             "round's)"
         ),
     )
-    verify_holds_loop: bool = field(
-        default=False,
-        metadata=lab(
-            "on a GPU, hold the event loop while the verify's forward runs (default: the loop "
-            "turns, serving the streams and new requests, until the GPU is done)"
-        ),
-    )
     feed_draft_at_tier_0: bool = field(
         default=False,
         metadata=lab(

@@ -26,7 +26,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -209,20 +209,19 @@ class WatchedWorker(TargetWorker):
         with self.watchdog.timing("prepare", len(seqs)):
             super().prepare(seqs, state, depths, riders)
 
-    def verifying(
+    def verify(
         self,
         seqs: Sequence[TargetSequence],
         trees: Sequence[CandidateTree],
         state: SpecRuntimeState | None = None,
         riders: Sequence[TargetSequence] = (),
-    ) -> Generator[None, None, list[VerifyResult]]:
+    ) -> list[VerifyResult]:
         # the forward's tokens: every row padded to the largest tree (and its root), and the
-        # riders' prompts (their chunks' padding aside); timed from its launch to its accept,
-        # the caller's loop turns between them included
+        # riders' prompts (their chunks' padding aside)
         tokens = len(seqs) * (1 + max((len(tree) for tree in trees), default=0))
         tokens += sum(len(seq.prompt) for seq in riders)
         with self.watchdog.timing("verify", tokens):
-            return (yield from super().verifying(seqs, trees, state, riders))
+            return super().verify(seqs, trees, state, riders)
 
 
 def watch_parent(poll_s: float = PARENT_POLL_S) -> None:

@@ -74,7 +74,6 @@ class Scheduler:
         device: str = "cpu",
         handoff: bool = True,
         handoff_ahead: bool = True,
-        verify_holds_loop: bool = False,
         join_settle_s: float = 0.0,
         feed_at_tier_0: bool = False,
         draft_window: int = 0,
@@ -106,7 +105,6 @@ class Scheduler:
             publish=self.feed.publish,
             feed_at_tier_0=feed_at_tier_0,
             handoff_ahead=handoff_ahead,
-            turn_during_verify=self.compute.inline and not verify_holds_loop,
         )
         self._draft = draft
 

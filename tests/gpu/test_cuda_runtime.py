@@ -680,28 +680,3 @@ def test_sampled_requests_beside_riders_accept_in_the_graph_of_their_own_bucket(
     assert draws.replays == drawn + 1, "the riders' first tokens were drawn in a graph"
     ((got, eager),) = verdicts
     assert got == eager
-
-
-async def test_gpu_done_turns_the_loop_until_the_queued_work_has_run() -> None:
-    """The target's wait on a verify (`TargetRound`'s `gpu_done`): the loop runs other tasks
-    while the GPU works, and it returns only once the stream's work is done."""
-    import asyncio
-
-    from specpair.runtime.target.target_round import gpu_done
-
-    turns = 0
-
-    async def ticking() -> None:
-        nonlocal turns
-        while True:
-            turns += 1
-            await asyncio.sleep(0)
-
-    ticker = asyncio.create_task(ticking())
-    await asyncio.sleep(0)
-    start = turns
-    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU spinning, queued
-    await gpu_done()
-    ticker.cancel()
-    assert torch.cuda.current_stream().query(), "returned before the GPU was done"
-    assert turns - start > 10, "the loop was held while the GPU worked"

@@ -17,7 +17,6 @@ from specpair.models.tiny import make_tiny_llama
 from specpair.runtime.build import build_target
 from specpair.runtime.round_messages import RoundRequest, RoundResponse, RoundStats
 from specpair.runtime.sampling import SamplingParams
-from specpair.runtime.target import target_round
 from specpair.runtime.target.worker import TargetSequence
 from specpair.runtime.tree import EMPTY_TREE
 from target_service.batching import scheduler as scheduler_module
@@ -449,53 +448,6 @@ async def test_a_rider_joins_after_the_round_whose_verify_prefilled_it(tmp_path:
     first_round = next(r for r in link.requests if r.round_id == after.round_id)
     assert {i.request_id: len(i.appended) for i in first_round.inputs}["b"] == 1
     assert joined == decoded_alone(tmp_path, [8, 9], 4)
-
-
-async def test_the_loop_turns_while_a_verify_runs_and_commits_after(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Inline compute turning the loop during the verify (a GPU's default, `gpu_done`): each
-    round's turn comes after its forward is queued and before its accept commits anything; a
-    request that arrives during one joins; every token is the one decoded alone."""
-    scheduler, _ = drafted_scheduler(tmp_path, RecordingLink())
-    scheduler.compute.shutdown()
-    scheduler.compute.executor = None
-    scheduler.round.turn_during_verify = True
-    first = ServedRequest(TargetSequence("a", [5, 6, 7], SamplingParams(), max_new_tokens=12))
-    second = ServedRequest(TargetSequence("b", [8, 9], SamplingParams(), max_new_tokens=4))
-    seen: list[int] = []  # a's tokens at each turn
-
-    async def turning() -> None:
-        seen.append(len(first.seq.output))
-        if len(seen) == 3:
-            scheduler.submit(second)  # arrives while a verify is on the GPU
-        await asyncio.sleep(0)
-
-    monkeypatch.setattr(target_round, "gpu_done", turning)
-    task = asyncio.create_task(scheduler.run())
-    scheduler.submit(first)
-    tokens_a, tokens_b = await streamed(first), await streamed(second)
-    task.cancel()
-    # no drafts: a round appends one token, after the turn (the prefill gave the first)
-    assert seen[:11] == list(range(1, 12))
-    assert tokens_a == decoded_alone(tmp_path, [5, 6, 7], 12)
-    assert tokens_b == decoded_alone(tmp_path, [8, 9], 4)
-
-
-def test_a_gpu_scheduler_turns_the_loop_during_the_verify_unless_told_to_hold_it(
-    tmp_path: Path,
-) -> None:
-    worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=2, max_len=64)
-    for device, holds, turns in [
-        ("cuda", False, True),
-        ("cuda", True, False),
-        ("cpu", False, False),
-    ]:
-        scheduler = one_tier_scheduler(
-            worker, tier=1, max_batch=2, device=device, verify_holds_loop=holds
-        )
-        assert scheduler.round.turn_during_verify is turns
-        scheduler.compute.shutdown()
 
 
 class StreamLink(RecordingLink):

@@ -10,8 +10,6 @@ the root's p by elimination (accepting every first child fails that).
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -229,7 +227,7 @@ class Seq:
 def test_accept_batch_says_where_the_accept_ran(tree_round: bool) -> None:
     """greedy: the argmax; a graph's verdicts taken as they come; none: batched on the
     logits' device; the batch-invariant mode: the host, request by request."""
-    from specpair.runtime.target.accepting import accept_batch, accept_inputs
+    from specpair.runtime.target.accepting import accept_batch
     from specpair.runtime.tree import CandidateTree, chain
 
     seqs = [Seq(SAMPLED), Seq(SamplingParams())]
@@ -237,22 +235,15 @@ def test_accept_batch_says_where_the_accept_ran(tree_round: bool) -> None:
     trees = [tree, tree]
     logits = peaked(6, seed=20).view(2, 3, V)
     greedy = [Seq(SamplingParams()), Seq(SamplingParams())]
-
-    def accept(seqs: list[Seq], graph: Any, per_request: bool = False) -> tuple[Any, str]:
-        inputs = accept_inputs(seqs, trees, 3, per_request)
-        return accept_batch(seqs, trees, logits, graph, inputs, per_request)
-
-    assert accept_inputs(greedy, trees, 3) is None
-    assert accept(greedy, lambda b: None)[1] == "greedy"
-    accs, path = accept(seqs, lambda b: None)
+    assert accept_batch(greedy, trees, logits, 3, lambda b: None)[1] == "greedy"
+    accs, path = accept_batch(seqs, trees, logits, 3, lambda b: None)
     assert path == "device" and len(accs) == 2
     # a graph's verdicts: chains [accepted drafts, last token], trees [last token, nodes…]
     canned = [[0, 1], [0, 1]] if tree_round else [[1, 7], [1, 7]]
-    accs, path = accept(seqs, lambda b: canned)
+    accs, path = accept_batch(seqs, trees, logits, 3, lambda b: canned)
     expected = ((0,), 0) if tree_round else ((0,), 7)
     assert path == "graph" and [(a.nodes, a.bonus) for a in accs] == [expected] * 2
-    assert accept_inputs(seqs, trees, 3, per_request=True) is None
-    assert accept(seqs, lambda b: None, per_request=True)[1] == "host"
+    assert accept_batch(seqs, trees, logits, 3, lambda b: None, per_request=True)[1] == "host"
 
 
 def test_sparse_q_places_each_requests_q_in_its_rows() -> None:

@@ -36,8 +36,6 @@ class TargetSequence(Protocol):
     generator: torch.Generator
 
 
-# A sampled batch's accept inputs (`accept_inputs`; None: no batched accept serves it)
-AcceptInputs = ChainBatch | TreeBatch | None
 # The verify stage's accept graph (`VerifyStage.accept`; None: accept eagerly)
 GraphAccept = Callable[[ChainBatch | TreeBatch], "list[list[int]] | None"]
 # Where a verify's accept ran: the argmax alone; a sampled batch in an accept graph, or in
@@ -46,45 +44,34 @@ GraphAccept = Callable[[ChainBatch | TreeBatch], "list[list[int]] | None"]
 ACCEPT_PATHS = ("greedy", "graph", "device", "host")
 
 
-def accept_inputs(
-    seqs: Sequence[TargetSequence],
-    trees: Sequence[CandidateTree],
-    t: int,
-    per_request: bool = False,
-) -> AcceptInputs:
-    """What a sampled batch's batched accept needs besides the logits, built on the host (its
-    uniforms drawn from each request's generator): chains' rejection inputs, trees' without q;
-    None where no batched accept serves (all greedy, trees with q, `per_request`)."""
-    if all(s.sampling.greedy for s in seqs) or per_request:
-        return None
-    if all(tree.is_chain() for tree in trees):
-        return chain_inputs(seqs, trees, t)
-    if all(tree.draft_probs is None for tree in trees):
-        return tree_inputs(seqs, trees, t)  # drafted without q
-    return None
-
-
 def accept_batch(
     seqs: Sequence[TargetSequence],
     trees: Sequence[CandidateTree],
     logits: Tensor,
+    t: int,
     graph: GraphAccept,
-    inputs: AcceptInputs,
     per_request: bool = False,
 ) -> tuple[list[Acceptance], str]:
-    """Each request's acceptance of its tree from the verify's logits [B, t, V] and the
-    batch's `accept_inputs`, and the path it took (`ACCEPT_PATHS`). `per_request`: the
-    batch-invariant mode samples on the host, request by request (the batched accept's GPU
-    kernels, and its graph up to a bucket, follow the batch's shape)."""
-    if all(s.sampling.greedy for s in seqs):
+    """Each request's acceptance of its tree from the verify's logits [B, t, V], and the path
+    it took (`ACCEPT_PATHS`). `per_request`: the batch-invariant mode samples on the host,
+    request by request (the batched accept's GPU kernels, and its graph up to a bucket,
+    follow the batch's shape)."""
+    sampled = not all(s.sampling.greedy for s in seqs)
+    chains = None  # the host's part of the accept runs while the GPU verifies
+    if sampled and not per_request and all(tree.is_chain() for tree in trees):
+        chains = chain_inputs(seqs, trees, t)
+    if not sampled:
         return accept_greedy_batch(trees, logits.argmax(-1)), "greedy"
-    if inputs is not None:
-        verdicts = graph(inputs)
+    batch: ChainBatch | TreeBatch | None = chains
+    if chains is None and not per_request and all(tree.draft_probs is None for tree in trees):
+        batch = tree_inputs(seqs, trees, t)  # drafted without q
+    if batch is not None:
+        verdicts = graph(batch)
         path = "device" if verdicts is None else "graph"
-        if isinstance(inputs, TreeBatch):
-            verdicts = verdicts or accept_tree_batch(logits, inputs)
+        if isinstance(batch, TreeBatch):
+            verdicts = verdicts or accept_tree_batch(logits, batch)
             return [tree_acceptance(tree, v) for tree, v in zip(trees, verdicts, strict=True)], path
-        verdicts = verdicts or accept_chain_batch(logits, inputs)
+        verdicts = verdicts or accept_chain_batch(logits, batch)
         return [
             Acceptance(tuple(range(m)), tree.tokens[:m], bonus)
             for tree, (m, bonus) in zip(trees, verdicts, strict=True)

@@ -13,24 +13,16 @@ to the draft and what comes back is the `DraftSession`'s.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-import torch
-
 from specpair.runtime.round_messages import RoundRequest, RoundResponse, RoundStats, StageTimings
 from specpair.runtime.state import SpecRuntimeState, gpu_ms
 from specpair.runtime.target.session import Drafts, DraftSession
 from specpair.runtime.target.transport import DraftTransport
-from specpair.runtime.target.worker import (
-    TargetSequence,
-    TargetWorker,
-    VerifyResult,
-    run_through,
-)
+from specpair.runtime.target.worker import TargetSequence, TargetWorker, VerifyResult
 from specpair.runtime.tree import EMPTY_TREE
 
 if TYPE_CHECKING:  # the service's counters; the engine keeps none
@@ -106,13 +98,8 @@ class TargetRound(Generic[B]):
         publish: Callable[[RoundStats], None] | None = None,
         feed_at_tier_0: bool = False,
         handoff_ahead: bool = True,
-        turn_during_verify: bool = False,
     ) -> None:
         self.worker, self.session, self.draft, self.compute = worker, session, draft, compute
-        # Inline CUDA compute only: the event loop turns while the verify's forward runs on the
-        # GPU (`gpu_done`), serving the streams' writes and new requests' arrivals; held, at
-        # 64 clients it held them 10-13 ms a round.
-        self.turn_during_verify = turn_during_verify
         self.metrics = metrics
         self.publish = publish
         self.feed_at_tier_0 = feed_at_tier_0  # `feed`'s switch
@@ -173,15 +160,9 @@ class TargetRound(Generic[B]):
         trees = drafts.aligned([seq.request_id for seq in seqs])
         t1 = time.perf_counter()
         # verify + accept + commit: every tree in one forward, each accepted path's KV kept
-        if self.turn_during_verify:
-            steps = self.worker.verifying(seqs, trees, flight.state, flight.rider_seqs)
-            next(steps)  # the forward is queued on the GPU
-            await gpu_done()
-            results = run_through(steps)
-        else:
-            results = await self.compute(
-                self.worker.verify, seqs, trees, flight.state, flight.rider_seqs
-            )
+        results = await self.compute(
+            self.worker.verify, seqs, trees, flight.state, flight.rider_seqs
+        )
         flight.verified = time.perf_counter()
         if self.metrics is not None:
             self.metrics.accepts.labels(self.worker.last_accept).inc()
@@ -320,16 +301,6 @@ class TargetRound(Generic[B]):
             request = self.session.releases(round_id)
             if request is not None and (epoch := await draft.send(request)) is not None:
                 await draft.receive(request.round_id, epoch)
-
-
-async def gpu_done() -> None:
-    """Turns the event loop until the GPU has run what the current stream holds: a CUDA event
-    polled between turns, where `synchronize` (or a read-back) would hold the loop. A turn with
-    nothing ready costs a few microseconds, so the verify's end is seen at once."""
-    done = torch.cuda.Event()
-    done.record()
-    while not done.query():
-        await asyncio.sleep(0)
 
 
 def round_stats(

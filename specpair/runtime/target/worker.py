@@ -9,9 +9,8 @@ call with an empty tree.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -29,17 +28,10 @@ from specpair.runtime.sampling import (
 )
 from specpair.runtime.stages import DrawStage, PrefillStage, VerifyStage
 from specpair.runtime.state import SpecRuntimeState
-from specpair.runtime.target.accepting import (
-    AcceptInputs,
-    accept_batch,
-    accept_inputs,
-    uniforms,
-)
+from specpair.runtime.target.accepting import accept_batch, uniforms
 from specpair.runtime.target.features import host_rows
 from specpair.runtime.target.verify import EagerVerify
 from specpair.runtime.tree import CandidateTree, full_parents, tree_depths, tree_mask
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -91,27 +83,6 @@ class VerifyResult:
     # [len(keep), F] features of the committed positions (EAGLE): the final hidden state
     # (F = H), or the outputs of the worker's `feature_layers` concatenated (EAGLE-3: F = 3H)
     features: Tensor | None
-
-
-@dataclass(frozen=True, slots=True)
-class QueuedVerify:
-    """A verify's forward queued on the device (`TargetWorker.verifying`): what its accept
-    and commits read once it has run."""
-
-    hidden: Tensor  # [rows, T, F]: the features
-    logits: Tensor  # [rows, T, V]
-    chunks: list[tuple[int, int, int]]  # the riders' (`TargetWorker._chunks`)
-    stage: VerifyStage
-    inputs: AcceptInputs  # the accept's host part (`accept_inputs`)
-
-
-def run_through(steps: Generator[None, None, T]) -> T:
-    """A stepped computation (`TargetWorker.verifying`) run to its end: its return value."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
 
 
 def kept_rows(hidden: Tensor, keeps: Sequence[Sequence[int]]) -> list[Tensor]:
@@ -272,6 +243,7 @@ class TargetWorker:
             return  # the verify itself reports it
         stage.prepare(positions, layout, self._plan_key(rows))
 
+    @torch.inference_mode()
     def verify(
         self,
         seqs: Sequence[TargetSequence],
@@ -279,22 +251,7 @@ class TargetWorker:
         state: SpecRuntimeState | None = None,
         riders: Sequence[TargetSequence] = (),
     ) -> list[VerifyResult]:
-        """One forward over every request's full tree (pending root + drafts), then accept
-        (`verifying`, run through)."""
-        return run_through(self.verifying(seqs, trees, state, riders))
-
-    def verifying(
-        self,
-        seqs: Sequence[TargetSequence],
-        trees: Sequence[CandidateTree],
-        state: SpecRuntimeState | None = None,
-        riders: Sequence[TargetSequence] = (),
-    ) -> Generator[None, None, list[VerifyResult]]:
-        """`verify` in two steps: the first `next` queues the forward on the device (and the
-        sampled accept's host inputs) and pauses before anything waits on it; the second runs
-        the accept, the commits and returns the results (StopIteration's value). Between the two
-        the caller may serve others while the GPU works: the target service turns its event
-        loop (`TargetRound`), where a forward of 64 tier-7 chains holds it 10-13 ms.
+        """One forward over every request's full tree (pending root + drafts), then accept.
 
         `state` supplies the tier's verify stage and precomputed chain mask (other trees get
         their own); without one (plain decoding) the forward runs eagerly.
@@ -306,20 +263,6 @@ class TargetWorker:
         ones before it. Each rider's KV is committed and its first token drawn as `prefill`
         does; `rode` holds their prompts' features (as `prefill` returns them).
         """
-        with torch.inference_mode():
-            queued = self._launch(seqs, trees, state, riders)
-        yield
-        with torch.inference_mode():
-            return self._land(seqs, trees, riders, queued)
-
-    def _launch(
-        self,
-        seqs: Sequence[TargetSequence],
-        trees: Sequence[CandidateTree],
-        state: SpecRuntimeState | None,
-        riders: Sequence[TargetSequence],
-    ) -> QueuedVerify:
-        """The verify's forward, queued on the device."""
         parents = [full_parents(tree) for tree in trees]
         rows = self._rows(seqs, parents, riders, state)
         t = max(len(par) for _, _, par in rows)
@@ -336,28 +279,15 @@ class TargetWorker:
         else:
             positions, layout = self._layout(rows, state)
             hidden, logits = self._forward_tree(tokens, positions, layout, state)
-        # the host's part of a sampled accept (uniforms, q) while the GPU runs the forward
-        inputs = accept_inputs(seqs, trees, t, self.deterministic)
-        return QueuedVerify(hidden, logits, chunks, stage, inputs)
-
-    def _land(
-        self,
-        seqs: Sequence[TargetSequence],
-        trees: Sequence[CandidateTree],
-        riders: Sequence[TargetSequence],
-        queued: QueuedVerify,
-    ) -> list[VerifyResult]:
-        """The accept of a queued forward (`_launch`), each accepted path's KV committed."""
-        b, stage, logits, chunks = len(seqs), queued.stage, queued.logits, queued.chunks
         accs, self.last_accept = accept_batch(
-            seqs, trees, logits[:b], stage.accept, queued.inputs, self.deterministic
+            seqs, trees, logits[:b], t, stage.accept, self.deterministic
         )
         self.accept_paths[self.last_accept] += 1
         self.last_gpu_ms = stage.read_gpu_ms()  # the replay is done: its GPU time is readable
         keeps: list[Sequence[int]] = [acc.keep for acc in accs]
         keeps += [range(n) for _, _, n in chunks]
         feats: Sequence[Tensor | None] = (
-            kept_rows(queued.hidden, keeps) if self.keep_features else [None] * len(keeps)
+            kept_rows(hidden, keeps) if self.keep_features else [None] * len(rows)
         )
         results = []
         for seq, acc, f in zip(seqs, accs, feats[:b], strict=True):
