@@ -5,6 +5,7 @@
     python -m bench.cpu trees [--shapes 3 7 4x4x16]           chains against trees by batch
     python -m bench.cpu acceptance [--code-prompts 16]        accept length by tier, draft, T
     python -m bench.cpu accept-rules [--prompts 8]            what each exact rule accepts
+    python -m bench.cpu tree-rrs [--templates 1x7 2x7]        sampled trees, recursive rejection
     python -m bench.cpu q-temperature [--factors 0.9 1 1.1]   a sampled draft's q at T × F
     python -m bench.cpu engine [--batch 4]                    the in-process engine's tokens/s
 
@@ -24,6 +25,7 @@ from bench.cpu import (
     engine_speedup,
     q_temperature,
     tiers,
+    tree_rrs,
     tree_shapes,
 )
 
@@ -33,6 +35,7 @@ MODES: dict[str, Callable[[list[str] | None], None]] = {
     "trees": tree_shapes.main,
     "acceptance": accept_lengths.main,
     "accept-rules": accept_rules.main,
+    "tree-rrs": tree_rrs.main,
     "q-temperature": q_temperature.main,
     "engine": engine_speedup.main,
 }

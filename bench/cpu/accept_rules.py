@@ -20,6 +20,7 @@ compounds it over its depth. Writes JSON (default bench/out/accept_rules.json).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -35,23 +36,41 @@ KS = (1, 2, 4)
 
 def rrs_level(p: Tensor, q: Tensor, k: int, generator: torch.Generator) -> tuple[int, int]:
     """One level of recursive rejection over k drafts drawn from q without replacement: (the
-    index of the accepted draft or -1, the token emitted). Draft j is drawn from q_j (q without
-    the drafts before it, renormalised) and accepted with min(1, p_j(x) / q_j(x)); a rejection
-    moves p to its residual norm(max(p_j − q_j, 0)); after k rejections the token is drawn
-    from the last residual. The emitted token is distributed as p (tests/unit)."""
-    pj, qj = p.double(), q.double()
-    for j in range(k):
-        if qj.sum() <= 0:
-            break
-        qj = qj / qj.sum()
-        x = int(torch.multinomial(qj, 1, generator=generator))
-        if float(torch.rand((), generator=generator, dtype=torch.float64)) * qj[x] < pj[x]:
+    index of the accepted draft or -1, the token emitted); `level` over `drawn`. The emitted
+    token is distributed as p (tests/unit)."""
+    return level(p, *drawn(q, k, generator), generator)
+
+
+def level(
+    p: Tensor, candidates: Sequence[int], qs: Sequence[Tensor], g: torch.Generator
+) -> tuple[int, int]:
+    """One level of recursive rejection over `candidates`, candidate j drawn from qs[j]: (the
+    index of the one taken or -1, the token emitted). Taken with min(1, p_j(x) / q_j(x)); a
+    rejection moves p to norm(max(p_j − q_j, 0)); none taken: the token is drawn from the last
+    residual. qs[j] one-hot at x_j is the target-only rule (taken with p_j(x), x then removed)."""
+    pj = p.double()
+    for j, (x, qj) in enumerate(zip(candidates, qs, strict=True)):
+        if float(torch.rand((), generator=g, dtype=torch.float64)) * float(qj[x]) < float(pj[x]):
             return j, x
         residual = torch.clamp(pj - qj, min=0.0)
+        if residual.sum() <= 0:  # p == q_j: rejection had probability 0
+            break
         pj = residual / residual.sum()
+    return -1, int(torch.multinomial(pj, 1, generator=g))
+
+
+def drawn(q: Tensor, k: int, g: torch.Generator) -> tuple[list[int], list[Tensor]]:
+    """k tokens drawn from q without replacement, and the distribution each was drawn from
+    (q less the ones before it, renormalised); fewer where q has fewer than k tokens."""
+    tokens, qs, qj = [], [], q.double()
+    for _ in range(min(k, int((q > 0).sum()))):
+        qj = qj / qj.sum()
+        x = int(torch.multinomial(qj, 1, generator=g))
+        tokens.append(x)
+        qs.append(qj)
         qj = qj.clone()
         qj[x] = 0.0
-    return -1, int(torch.multinomial(pj, 1, generator=generator))
+    return tokens, qs
 
 
 def recursive_rate(p: Tensor, q: Tensor, k: int, draws: int, g: torch.Generator) -> float:

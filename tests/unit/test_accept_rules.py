@@ -8,7 +8,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from bench.cpu.accept_rules import rrs_level
+from bench.cpu.accept_rules import drawn, level, rrs_level
+from bench.cpu.tree_rrs import likeliest
 
 N = 12_000
 
@@ -69,3 +70,24 @@ def test_more_drafts_accept_more() -> None:
     rates = [sum(rrs_level(p, q, k, g)[0] >= 0 for _ in range(4000)) / 4000 for k in (1, 2, 4)]
     assert rates[0] == pytest.approx(float(torch.minimum(p, q).sum()), abs=0.03)
     assert rates[0] < rates[1] < rates[2]
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_the_target_only_rule_over_the_likeliest_emits_p(k: int) -> None:
+    """`level` with one-hot q over the draft's k likeliest: SGLang's target-only rule."""
+    p, q = cases()[0]
+    assert fits(emitted(p, q, k, lambda p, q, k, g: level(p, *likeliest(q, k), g)), p)
+
+
+def iid_q(p: torch.Tensor, q: torch.Tensor, k: int, g: torch.Generator) -> tuple[int, int]:
+    """Drafts drawn without replacement but each tried against q itself, as if drawn
+    independently (what a SpecInfer-style verifier of i.i.d. siblings assumes)."""
+    tokens, _ = drawn(q, k, g)
+    return level(p, tokens, [q.double()] * len(tokens), g)
+
+
+def test_drafts_drawn_without_replacement_need_their_own_q() -> None:
+    """Tried against the q they were not drawn from, the same drafts emit a biased token: the
+    tree-rrs bench's rule must carry each candidate's q less its earlier siblings."""
+    p, q = cases()[0]
+    assert not fits(emitted(p, q, 4, iid_q), p)
