@@ -40,11 +40,19 @@ RULES = ("recursive", "target-only")
 
 
 def parse_template(text: str) -> tuple[int, ...]:
-    """ "2x7" → (2,) * 7; "4,4,2,1" → (4, 4, 2, 1): candidates at each depth."""
-    if "x" in text:
-        k, depth = text.split("x")
-        return (int(k),) * int(depth)
-    return tuple(int(k) for k in text.split(","))
+    """ "2x7" → (2,) * 7; "4,4,2,1" → (4, 4, 2, 1): candidates at each depth (each ≥ 1).
+    ValueError names the template otherwise."""
+    try:
+        if "x" in text:
+            k, depth = text.split("x")
+            template = (int(k),) * int(depth)
+        else:
+            template = tuple(int(k) for k in text.split(","))
+    except ValueError:
+        template = ()
+    if not template or min(template) < 1:
+        raise ValueError(f'template {text!r}: "KxDEPTH" or "K1,K2,…", each K at least 1')
+    return template
 
 
 def likeliest(q: Tensor, k: int) -> tuple[list[int], list[Tensor]]:
@@ -126,11 +134,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--out", type=Path, default=Path("bench/out/tree_rrs.json"))
     args = parser.parse_args(argv)
+    try:
+        templates = [parse_template(t) for t in args.templates]
+    except ValueError as exc:
+        parser.error(str(exc))
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
     pair = Pair(args.models, sampling)
     tok = AutoTokenizer.from_pretrained(args.models / "target")
     prompts = code_prompts(tok, args.prompts, 96, 128)
-    templates = [parse_template(t) for t in args.templates]
     cells: list[dict[str, object]] = []
     rows: list[list[str]] = []
     for text, template in zip(args.templates, templates, strict=True):

@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from bench.cpu.accept_rules import drawn, level, rrs_level
-from bench.cpu.tree_rrs import likeliest
+from bench.cpu.tree_rrs import likeliest, parse_template
 
 N = 12_000
 
@@ -91,3 +91,11 @@ def test_drafts_drawn_without_replacement_need_their_own_q() -> None:
     tree-rrs bench's rule must carry each candidate's q less its earlier siblings."""
     p, q = cases()[0]
     assert not fits(emitted(p, q, 4, iid_q), p)
+
+
+def test_tree_templates_parse_or_name_what_is_wrong() -> None:
+    assert parse_template("2x3") == (2, 2, 2)
+    assert parse_template("4,2,1") == (4, 2, 1)
+    for bad in ("0x7", "4,0", "x", "four"):
+        with pytest.raises(ValueError, match=repr(bad)):
+            parse_template(bad)
