@@ -72,13 +72,15 @@ def accept_sampling(
 
     target_probs: [n + 1, V] warped target distributions over the full tree; the tree must
     carry draft_probs [n, V], node i's token having been drawn from draft_probs[i]. At a node
-    with children x1, x2, … (drawn i.i.d. from the same q, as SpecInfer requires):
+    with children x1, x2, …, child x with its q:
       accept x with probability min(1, p(x) / q(x)) — q ≤ p: always accept;
       on rejection p ← normalize((p − q)+) and try the next sibling;
       when no child is accepted the bonus is sampled from the current p.
-    For a chain this is the standard rejection sampler of Leviathan et al. / Chen et al. With
-    q left unchanged after a rejection it is exact for i.i.d. siblings, not for siblings drawn
-    without replacement; the tree shapes' trees carry no q and take `accept_trees`.
+    For a chain this is the standard rejection sampler of Leviathan et al. / Chen et al. Each
+    child is tried against its own q: exact for siblings drawn i.i.d. (each carries the
+    parent's q) and for siblings drawn without replacement when each carries q less the
+    siblings before it (Jeon et al.'s recursive rejection); given the parent's q instead, those
+    emit a biased token. The tree shapes' trees carry no q and take `accept_trees`.
     """
     if len(tree) and tree.draft_probs is None:
         raise ValueError("sampling verification needs the tree's draft_probs")
