@@ -183,27 +183,3 @@ def test_a_chains_greedy_accept_is_the_tree_walks() -> None:
         pad = int(torch.randint(0, 3, (1,), generator=gen))
         argmax = torch.randint(0, 4, (n + 1 + pad,), generator=gen)
         assert accept_greedy_argmax(tree, argmax.tolist()) == greedy_path(tree, argmax.tolist())
-
-
-@pytest.mark.parametrize("own_q", [True, False])
-def test_siblings_drawn_without_replacement_are_exact_with_each_ones_own_q(own_q: bool) -> None:
-    """`accept_sampling` tries each child against the q the wire gives it. Three siblings drawn
-    from q without replacement, each sent with q less the siblings before it: the first token
-    emitted is distributed as p. Each sent with the parent's q itself: biased (the control)."""
-    from scipy.stats import chisquare
-
-    from bench.cpu.accept_rules import drawn
-
-    g = torch.Generator().manual_seed(0)
-    p = torch.softmax(torch.randn(8, generator=g) * 1.5, 0)
-    q = torch.softmax(torch.randn(8, generator=g) * 1.5, 0)
-    counts = torch.zeros(8)
-    for _ in range(6000):
-        tokens, qs = drawn(q, 3, g)
-        sent = torch.stack(qs if own_q else [q.double()] * 3).float()
-        tree = CandidateTree(tuple(tokens), (-1, -1, -1), sent)
-        acc = accept_sampling(tree, p.expand(4, 8), g)
-        counts[acc.tokens[0] if acc.tokens else acc.bonus] += 1
-    expected = (p.double() / p.double().sum() * float(counts.sum())).tolist()
-    fits = chisquare(counts.tolist(), expected).pvalue > 1e-3
-    assert fits == own_q

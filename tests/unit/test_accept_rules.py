@@ -4,12 +4,16 @@ and k; a variant that leaves p unchanged after a rejection does not (the test's 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from scipy.stats import chisquare
 
 from bench.cpu.accept_rules import drawn, level, rrs_level
 from bench.cpu.tree_rrs import likeliest, parse_template
+from specpair.runtime.accept import accept_sampling
+from specpair.runtime.tree import CandidateTree
 
 N = 12_000
 
@@ -91,6 +95,29 @@ def test_drafts_drawn_without_replacement_need_their_own_q() -> None:
     tree-rrs bench's rule must carry each candidate's q less its earlier siblings."""
     p, q = cases()[0]
     assert not fits(emitted(p, q, 4, iid_q), p)
+
+
+def host_verifier(own_q: bool) -> Any:
+    """A level as `accept_sampling` verifies it: siblings drawn without replacement, each sent
+    with q less the siblings before it (`own_q`), or each with the parent's q itself."""
+
+    def verify(p: torch.Tensor, q: torch.Tensor, k: int, g: torch.Generator) -> tuple[int, int]:
+        tokens, qs = drawn(q, k, g)
+        sent = torch.stack(qs if own_q else [q.double()] * len(tokens)).float()
+        tree = CandidateTree(tuple(tokens), (-1,) * len(tokens), sent)
+        acc = accept_sampling(tree, p.expand(len(tokens) + 1, -1), g)
+        return (acc.nodes[0], acc.tokens[0]) if acc.tokens else (-1, acc.bonus)
+
+    return verify
+
+
+@pytest.mark.parametrize("own_q", [True, False])
+def test_siblings_drawn_without_replacement_are_exact_with_each_ones_own_q(own_q: bool) -> None:
+    """`accept_sampling` tries each child against the q the wire gives it: three siblings each
+    sent with q less the siblings before it emit p; each sent the parent's q, a biased token
+    (the control)."""
+    p, q = cases()[0]
+    assert fits(emitted(p, q, 3, host_verifier(own_q)), p) == own_q
 
 
 def test_tree_templates_parse_or_name_what_is_wrong() -> None:
