@@ -64,24 +64,6 @@ def buckets_for(max_batch: int) -> list[int]:
     return out
 
 
-def verify_buckets(buckets: Sequence[int], rides: bool) -> list[int]:
-    """A verify's batch buckets: `buckets`, a step of 8 requests between them past 8, and where
-    joiners' prompts may ride in it (`TargetWorker.rides`: a chain tier) four more up to twice
-    the largest. Past a few requests a verify is bound by its GEMMs' arithmetic, so a padded
-    row costs what a real one does: 47 requests at tier 7 padded to 64 × 8 rows verify 512 for
-    376 (an H200: ~12.5 ms a verify against ~10). A rider's chunks are rows of the batch: 47
-    requests and two 110-token prompts (28 chunks) verify as 80 × 8.
-
-        [1, 2, 4, 8, 16, 32, 64], rides → [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128]
-    """
-    most = max(buckets)
-    out = {*buckets, *range(8, most, 8)}
-    if rides:
-        step = -(-most // 4)
-        out |= {most + k * step for k in range(1, 5)}
-    return sorted(out)
-
-
 def bucket_of(batch: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in buckets if b >= batch), None)
 
