@@ -139,13 +139,15 @@ def rounds_main(argv: list[str] | None = None) -> None:
 PROFILE_DOC = """\
 Where the 8B verify forward's time goes: kernels per replay, idle gaps, GEMM efficiency.
 
-    python -m bench.gpu_rounds profile [--ctx 512] [--queries 1 8] [--out FILE.json]
+    python -m bench.gpu_rounds profile [--ctx 512] [--queries 1 8] [--batches 1:1 64:47]
 
-1. The verify CUDA graph (batch 1, q tokens after ctx) under `torch.profiler`: kernels grouped by
-   kind (GEMM, attention, Triton elementwise, other), GPU-busy time vs replay span (the rest is
-   idle bus between kernels), and the number of kernels per replay.
-2. Every weight GEMM of the model alone at M = q rows (`F.linear`, the cuBLAS call the layers
-   make), over enough rotating weight copies that L2 never holds one: achieved weight-read
+1. The verify CUDA graph (a bucket of B requests, R of them q tokens after ctx of context, the
+   rest padding rows, as a served batch of R pads to its bucket: `--batches B:R`) under
+   `torch.profiler`: kernels grouped by kind (GEMM, attention, Triton elementwise, other),
+   GPU-busy time vs replay span (the rest is idle bus between kernels), and the number of
+   kernels per replay.
+2. Every weight GEMM of the model alone at M = q and B × q rows (`F.linear`, the cuBLAS call the
+   layers make), over enough rotating weight copies that L2 never holds one: achieved weight-read
    bandwidth against the device-to-device copy bandwidth (read + write) that defines the floor.
 Kernels launch without programmatic dependent launch here, so each one's time is its own.
 """
@@ -248,10 +250,18 @@ def profile_main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--queries", type=int, nargs="+", default=[1, 8])
+    parser.add_argument(
+        "--batches",
+        nargs="+",
+        default=["1:1"],
+        help="graph bucket:requests, e.g. 64:47 (47 requests at ctx, the rest padding rows)",
+    )
     parser.add_argument("--replays", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("bench/out/gpu_profile.json"))
     args = parser.parse_args(argv)
+    batches = [tuple(int(n) for n in b.split(":")) for b in args.batches]
     from specpair.runtime.gpu import triton_kernels  # GPU only
+    from specpair.runtime.gpu.capture import pad_layout
 
     # Kernel durations, not waits: with PDL a kernel launches early and waits inside.
     triton_kernels.set_pdl(False)
@@ -260,45 +270,51 @@ def profile_main(argv: list[str] | None = None) -> None:
     bw = copy_bandwidth()
     model = random_llama(LLAMA3_8B)
     fuse_decoder(model)
+    most = max(real for _, real in batches)
     cache = KVCache.for_model(
-        LLAMA3_8B, max_requests=1, max_len=args.ctx + 16, dtype=torch.bfloat16, device="cuda"
+        LLAMA3_8B, max_requests=most, max_len=args.ctx + 16, dtype=torch.bfloat16, device="cuda"
     )
-    graphs = GraphCapture(cache, 1, "target")
-    slot = cache.alloc()
-    prompt = torch.randint(0, LLAMA3_8B.vocab_size, (1, args.ctx), device="cuda")
+    graphs = GraphCapture(cache, max(bucket for bucket, _ in batches), "target")
+    slots = [cache.alloc() for _ in range(most)]
     pos = torch.arange(args.ctx, device="cuda")[None]
-    model(prompt, pos, cache.bind(BatchLayout.causal([slot], [0], [args.ctx])))
-    cache.commit(slot, 0, range(args.ctx))
+    for slot in slots:
+        prompt = torch.randint(0, LLAMA3_8B.vocab_size, (1, args.ctx), device="cuda")
+        model(prompt, pos, cache.bind(BatchLayout.causal([slot], [0], [args.ctx])))
+        cache.commit(slot, 0, range(args.ctx))
     profiles, gemms, table = {}, [], []
     for q in args.queries:
-        g = verify_graph(graphs, model, 1, q)
-        mask = torch.ones(q, q, dtype=torch.bool).tril()[None]
-        g.attention[0].plan(BatchLayout(torch.tensor([slot]), torch.tensor([args.ctx]), mask))
-        g.inputs["positions"].copy_(torch.arange(args.ctx, args.ctx + q)[None])
-        replay = median(time_cuda(g.graph.replay, 30))
-        p = profile_graph(g.graph, args.replays)
-        p["replay_us"] = 1e6 * replay
-        profiles[q] = p
-        print(f"q {q}: replay {1e6 * replay:.0f} us, top kernels:")
-        for k in p["by_name"][:12]:
-            print(f"  {k['us']:8.1f} us  x{k['count']:<4d} {k['name'][:110]}")
-        gaps = p["span_us"] - p["busy_us"]
-        kinds = p["by_kind_us"]
-        table.append(
-            [
-                str(q),
-                f"{p['replay_us']:.0f}",
-                str(p["kernels_per_replay"]),
-                f"{p['busy_us']:.0f}",
-                f"{gaps:.0f}",
-                f"{kinds.get('gemm', 0):.0f}",
-                f"{kinds.get('attention', 0):.0f}",
-                f"{kinds.get('triton', 0):.0f}",
-                f"{kinds.get('other', 0):.0f}",
-            ]
-        )
-        gemms += gemm_efficiency(model, q, bw)
-        del g
+        for bucket, real in batches:
+            g = verify_graph(graphs, model, bucket, q)
+            mask = torch.ones(q, q, dtype=torch.bool).tril().expand(real, -1, -1)
+            layout = BatchLayout(torch.tensor(slots[:real]), torch.full((real,), args.ctx), mask)
+            g.attention[0].plan(pad_layout(layout, bucket, q, cache.pad_slot))
+            g.inputs["positions"].copy_(torch.arange(args.ctx, args.ctx + q).expand(bucket, q))
+            replay = median(time_cuda(g.graph.replay, 30))
+            p = profile_graph(g.graph, args.replays)
+            p["replay_us"] = 1e6 * replay
+            name = f"{q}" if (bucket, real) == (1, 1) else f"{q} @ {bucket}:{real}"
+            profiles[name] = p
+            print(f"q {name}: replay {1e6 * replay:.0f} us, top kernels:")
+            for k in p["by_name"][:12]:
+                print(f"  {k['us']:8.1f} us  x{k['count']:<4d} {k['name'][:110]}")
+            gaps = p["span_us"] - p["busy_us"]
+            kinds = p["by_kind_us"]
+            table.append(
+                [
+                    name,
+                    f"{p['replay_us']:.0f}",
+                    str(p["kernels_per_replay"]),
+                    f"{p['busy_us']:.0f}",
+                    f"{gaps:.0f}",
+                    f"{kinds.get('gemm', 0):.0f}",
+                    f"{kinds.get('attention', 0):.0f}",
+                    f"{kinds.get('triton', 0):.0f}",
+                    f"{kinds.get('other', 0):.0f}",
+                ]
+            )
+            del g
+    for m in sorted({q * bucket for q in args.queries for bucket, _ in batches}):
+        gemms += gemm_efficiency(model, m, bw)
     write_json(
         args.out,
         {
@@ -326,13 +342,9 @@ def profile_main(argv: list[str] | None = None) -> None:
             ],
         )
     )
-    print(f"\nVerify graph, batch 1, ctx {args.ctx}, per replay (us) — {info.get('gpu')}")
-    print(
-        format_table(
-            ["q", "replay", "kernels", "busy", "gaps", "gemm", "attention", "triton", "other"],
-            table,
-        )
-    )
+    print(f"\nVerify graph, ctx {args.ctx}, per replay (us) — {info.get('gpu')}")
+    columns = ["q @ bucket:requests", "replay", "kernels", "busy", "gaps", "gemm", "attention"]
+    print(format_table([*columns, "triton", "other"], table))
 
 
 # --- host (was bench/gpu_host.py) ---
