@@ -12,7 +12,7 @@ from specpair.models.loading import load_eagle, load_llama
 from specpair.runtime.build import build_states
 from specpair.runtime.draft.drafters import EagleDrafter
 from specpair.runtime.engine import SpeculativeEngine
-from specpair.runtime.gpu.capture import bucket_of, buckets_for, pad_layout
+from specpair.runtime.gpu.capture import bucket_of, buckets_for, pad_layout, verify_buckets
 from specpair.runtime.gpu.flashinfer_layout import flat_mask, page_metadata
 from specpair.runtime.gpu.fused import fuse_decoder
 from specpair.runtime.kv_cache import KVCache
@@ -138,6 +138,9 @@ def test_commit_moves_non_contiguous_path_across_pages_and_free_returns_pages() 
 
 def test_buckets_and_padding() -> None:
     assert buckets_for(12) == [1, 2, 4, 8, 12]
+    # a verify's: a step of 8 requests past 8
+    assert verify_buckets(buckets_for(64)) == [1, 2, 4, 8, *range(16, 65, 8)]
+    assert verify_buckets(buckets_for(12)) == [1, 2, 4, 8, 12]
     assert bucket_of(3, [1, 2, 4]) == 4 and bucket_of(5, [1, 2, 4]) is None
     layout = BatchLayout.causal([0], [7], [2])
     padded = pad_layout(layout, 2, 3, pad_slot=9)

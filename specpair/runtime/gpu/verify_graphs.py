@@ -1,13 +1,14 @@
 """The verify stage in CUDA graphs: B × T tree tokens → hidden [B, T, H], logits (T: a chain's
 s + 1, a tree shape's root and kept nodes).
 
-One graph per batch bucket of a tier; a verify that no graph fits (a batch past the largest
-bucket, a tree past the cache's end) runs the eager stage instead. A sampled round's accept
-has a graph of its own per bucket, reading the verify graph's logits in place: the warp, the
-draws and the rejection of every chain in one replay over each row's candidates (eagerly some
-fifty kernel launches and two syncs: 2.9-3.4 ms of an H200's host at 1 to 64 requests, against
-0.35-2.1 ms replayed, `bench.gpu_kernels sampling`); over the whole vocabulary (a batch with
-an unfiltered sampled row) up to VOCABULARY_ACCEPT_BATCH.
+One graph per batch bucket of a tier (`verify_buckets`: finer than the other stages'); a
+verify that no graph fits (a batch past the largest bucket, a tree past the cache's end) runs
+the eager stage instead. A sampled round's accept has a graph of its own per bucket, reading
+the verify graph's logits in place: the warp, the draws and the rejection of every chain in one
+replay over each row's candidates (eagerly some fifty kernel launches and two syncs: 2.9-3.4 ms
+of an H200's host at 1 to 64 requests, against 0.35-2.1 ms replayed, `bench.gpu_kernels
+sampling`); over the whole vocabulary (a batch with an unfiltered sampled row) up to
+VOCABULARY_ACCEPT_BATCH.
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ from specpair.runtime.accept_batch import (
     accept_candidates,
     accept_tree_candidates,
 )
-from specpair.runtime.gpu.capture import GraphCapture, StageGraph, bucket_of, pad2d, pad_layout
+from specpair.runtime.gpu.capture import (
+    GraphCapture,
+    StageGraph,
+    bucket_of,
+    pad2d,
+    pad_layout,
+    verify_buckets,
+)
 from specpair.runtime.layout import BatchLayout
 from specpair.runtime.shape import TreeShape
 from specpair.runtime.stages import VerifyStage
@@ -143,11 +151,12 @@ class VerifyGraphs:
         """Graphs of `shape.verified` tokens (the root and the kept nodes: a chain's s + 1);
         `eager`: the verify of a batch no graph fits; `feature_layers`: an EAGLE-3 draft's."""
         self.capture, self.cache, self.eager = capture, capture.cache, eager
+        self.buckets = verify_buckets(capture.buckets)
 
         def build() -> tuple[dict[int, StageGraph], dict[tuple[int, bool], StageGraph]]:
             graphs = {
                 b: verify_graph(capture, model, b, shape.verified, feature_layers)
-                for b in capture.buckets
+                for b in self.buckets
             }
             if not shape.is_chain:
                 return graphs, {
@@ -182,7 +191,7 @@ class VerifyGraphs:
         """False when no graph fits (the verify runs eagerly)."""
         self._planned = None
         b, t = positions.shape
-        bucket = bucket_of(b, self.capture.buckets)
+        bucket = bucket_of(b, self.buckets)
         if bucket is None:
             return False
         g = self.graphs[bucket]
@@ -197,7 +206,7 @@ class VerifyGraphs:
         return True
 
     def padded(self, batch: int) -> int | None:
-        return bucket_of(batch, self.capture.buckets)
+        return bucket_of(batch, self.buckets)
 
     def planned_for(self, key: object) -> bool:
         hit = self._planned is not None and self._planned[2] == key
@@ -227,7 +236,7 @@ class VerifyGraphs:
         if self._ran is None:
             return None
         ran, b = self._ran[0], len(batch.u)
-        bucket = bucket_of(b, self.capture.buckets)
+        bucket = bucket_of(b, self.buckets)
         assert bucket is not None  # the batch's rows lead those of the bucket that ran
         graph = self.accepts.get((bucket, batch.params.any_plain))
         if graph is None:
@@ -235,7 +244,7 @@ class VerifyGraphs:
         if bucket != ran:
             # Riders' chunks (rows after the batch's: `TargetWorker.verify`) took the verify to
             # a larger bucket. The batch's rows move to the logits its own bucket's accept
-            # graph reads: 8 requests and 14 chunks verify as 32 × 8 and accept as 8 × 8.
+            # graph reads: 8 requests and 14 chunks verify as 24 × 8 and accept as 8 × 8.
             logits = self.graphs[bucket].outputs["logits"]
             logits[:b].copy_(self.graphs[ran].outputs["logits"][:b])
         t = graph.inputs["u"].shape[1]

@@ -192,8 +192,8 @@ class TargetWorker:
         `state` (`verify`'s riders), prompts of lengths `beside` being prefilled meanwhile: a
         chain tier, not the batch-invariant mode, and their chunks growing the verify's graph
         by at most `ride_rows` padded rows (requests × tokens). At tier 7 a 110-token prompt is
-        14 chunks of 8: with 8 requests the graph of 32 × 8 instead of 8 × 8, 192 rows more;
-        with 40, none (64 × 8 either way)."""
+        14 chunks of 8: with 8 requests the graph of 24 × 8 instead of 8 × 8, 128 rows more;
+        with 47, none (64 × 8 either way; `verify_buckets`)."""
         if self.ride_rows <= 0 or self.deterministic or state is None or state.tier == 0:
             return False
         if not state.is_chain:
