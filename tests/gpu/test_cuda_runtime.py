@@ -640,7 +640,7 @@ def test_sampled_requests_beside_riders_accept_in_the_graph_of_their_own_bucket(
     gpu_ckpts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two sampled requests and riders whose chunks (7 + 13) take the tier-7 verify to the
-    graph of 32 × 8: the requests' rows are copied to the logits of the 2 × 8 graph, whose
+    graph of 24 × 8 (`verify_buckets`): the requests' rows are copied to the logits of the 2 × 8 graph, whose
     accept graph runs, and its verdicts are the eager accept's on the same logits and
     uniforms; the riders' first tokens are drawn in the draw graph of 2."""
     worker = target(gpu_ckpts["target4"], max_requests=32, draft=gpu_ckpts["eagle3"])
@@ -664,7 +664,7 @@ def test_sampled_requests_beside_riders_accept_in_the_graph_of_their_own_bucket(
     graph_accept = verify.accept
 
     def both(batch):  # type: ignore[no-untyped-def]
-        logits = verify.graphs[32].outputs["logits"][:2].clone()
+        logits = verify.graphs[24].outputs["logits"][:2].clone()
         got = graph_accept(batch)
         # the rows the accept graph of 2 read: the verify's, copied there
         torch.testing.assert_close(verify.graphs[2].outputs["logits"][:2], logits)
