@@ -640,9 +640,9 @@ def test_sampled_requests_beside_riders_accept_in_the_graph_of_their_own_bucket(
     gpu_ckpts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two sampled requests and riders whose chunks (7 + 13) take the tier-7 verify to the
-    graph of 24 × 8 (`verify_buckets`): the requests' rows are copied to the logits of the 2 × 8 graph, whose
-    accept graph runs, and its verdicts are the eager accept's on the same logits and
-    uniforms; the riders' first tokens are drawn in the draw graph of 2."""
+    graph of 24 × 8 (`verify_buckets`): the requests' rows are copied to the logits of the 2 × 8
+    graph, whose accept graph runs, and its verdicts are the eager accept's on the same logits
+    and uniforms; the riders' first tokens are drawn in the draw graph of 2."""
     worker = target(gpu_ckpts["target4"], max_requests=32, draft=gpu_ckpts["eagle3"])
     state = build_states([7], worker)[7]
     verify = state.verify
