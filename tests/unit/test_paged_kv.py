@@ -138,9 +138,10 @@ def test_commit_moves_non_contiguous_path_across_pages_and_free_returns_pages() 
 
 def test_buckets_and_padding() -> None:
     assert buckets_for(12) == [1, 2, 4, 8, 12]
-    # a verify's: a step of 8 requests past 8
+    # a verify's: a quarter of the bucket below (at least 8) between two
     assert verify_buckets(buckets_for(64)) == [1, 2, 4, 8, *range(16, 65, 8)]
     assert verify_buckets(buckets_for(12)) == [1, 2, 4, 8, 12]
+    assert verify_buckets(buckets_for(256))[10:] == [64, 80, 96, 112, 128, 160, 192, 224, 256]
     assert bucket_of(3, [1, 2, 4]) == 4 and bucket_of(5, [1, 2, 4]) is None
     layout = BatchLayout.causal([0], [7], [2])
     padded = pad_layout(layout, 2, 3, pad_slot=9)

@@ -26,6 +26,7 @@ logits) is rank 0's alone.
 from __future__ import annotations
 
 import gc
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -65,14 +66,22 @@ def buckets_for(max_batch: int) -> list[int]:
 
 
 def verify_buckets(buckets: Sequence[int]) -> list[int]:
-    """A verify's batch buckets: `buckets` and a step of 8 requests between them past 8. Past a
-    few requests a verify's GEMMs are bound by their arithmetic, so a padded row costs what a
-    real one does: 47 requests at tier 7 verify in 14.3 ms padded to 64 × 8 rows, in 11.5 as
-    48 × 8 (an H200, the 8B target; `bench.gpu_rounds profile --batches 64:47 48:47`).
+    """A verify's batch buckets: `buckets` and, between two of them a and b, a step of a / 4 (at
+    least 8 requests). Past a few requests a verify's GEMMs are bound by their arithmetic, so a
+    padding row costs what a real one does: 47 requests at tier 7 verify in 14.3 ms padded to
+    64 × 8 rows, in 11.5 as 48 × 8 (an H200, the 8B target; `bench.gpu_rounds profile
+    --batches 64:47 48:47`). The step grows with the bucket: past 32 requests a padded verify
+    wastes at most a fifth of its rows, and the graphs' logits take about three times the
+    memory of the powers of two alone (at max batch 256: 1568 rows a tier's token against 511).
 
         [1, 2, 4, 8, 16, 32, 64] → [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+        … 128, 256 → … 128, 160, 192, 224, 256
     """
-    return sorted({*buckets, *range(8, max(buckets), 8)})
+    out = set(buckets)
+    for a, b in itertools.pairwise(sorted(buckets)):
+        step = max(8, a // 4)
+        out.update(range(a + step, b, step))
+    return sorted(out)
 
 
 def bucket_of(batch: int, buckets: Sequence[int]) -> int | None:
