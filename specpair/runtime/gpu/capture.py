@@ -292,7 +292,9 @@ class GraphCapture:
         self._spans = 0
         return ms
 
-    def timed(self, tier: str, build: Callable[[], T]) -> T:
+    def timed(self, tier: str, build: Callable[[], T], buckets: Sequence[int] | None = None) -> T:
+        """`build()`, its capture time, memory and graphs logged (`buckets`: the ones it
+        captured, where not this builder's)."""
         # Capturing empties the allocator's cache (torch.cuda.graph does): empty it first, or
         # memory left cached by loading counts against the first tier's graphs.
         torch.cuda.synchronize()
@@ -307,5 +309,6 @@ class GraphCapture:
             "graphs": float(self.captures - n0),
         }
         self.stats[tier] = stats
-        log.info("captured CUDA graphs", owner=self.owner, tier=tier, buckets=self.buckets, **stats)
+        buckets = list(buckets or self.buckets)
+        log.info("captured CUDA graphs", owner=self.owner, tier=tier, buckets=buckets, **stats)
         return built

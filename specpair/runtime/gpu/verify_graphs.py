@@ -171,7 +171,7 @@ class VerifyGraphs:
             }
             return graphs, accepts
 
-        self.graphs, self.accepts = capture.timed(str(shape), build)
+        self.graphs, self.accepts = capture.timed(str(shape), build, self.buckets)
         self._planned: tuple[StageGraph, int, object] | None = None  # graph, batch, key
         self._ran: tuple[int, int] | None = None  # the last run's (bucket, batch), in a graph
         self.graph_accepts = 0  # sampled accepts that ran in an accept graph
