@@ -403,8 +403,9 @@ def sdk_door(up: Up) -> Door:
 
 def anatomy(rounds: Sequence[RoundStats]) -> dict[str, float]:
     """A cell's rounds in a few means: how many, their batch, accepted tokens a drafted request,
-    and each stage's ms a round (`StageTimings`: `admit` = joining, inside `total`; `handoff`
-    = the joiners' prompts to the draft, inside `admit`)."""
+    the rows a verify computed (riders' chunks and a graph's padding included), and each
+    stage's ms a round (`StageTimings`: `admit` = joining, inside `total`; `handoff` = the
+    joiners' prompts to the draft, inside `admit`)."""
     if not rounds:
         return {}
     n = len(rounds)
@@ -413,6 +414,7 @@ def anatomy(rounds: Sequence[RoundStats]) -> dict[str, float]:
         "rounds": float(n),
         "batch": sum(r.batch_size for r in rounds) / n,
         "accept": sum(accepts) / len(accepts) if accepts else 0.0,
+        "verify_rows": sum(r.verify_rows for r in rounds) / n,
     }
     for stage in STAGES:
         out[stage] = sum(getattr(r.timings, f"{stage}_ms") for r in rounds) / n
@@ -653,6 +655,7 @@ def render_anatomy(cells: Sequence[UpCell]) -> str:
             f"{c.rounds['batch']:.1f}",
             f"{c.rounds['accept']:.2f}",
             f"{c.rounds.get('at_7', 0.0):.2f}",
+            f"{c.rounds.get('verify_rows', 0.0):.0f}",
             *(f"{c.rounds[stage]:.2f}" for stage in STAGES),
             *(f"{c.rounds[k]:.2f}" if k in c.rounds else "-" for k in ("quiet_total", "a_join")),
             "-" if c.gpu_bound is None else f"{c.gpu_bound:.2f}",
@@ -661,8 +664,8 @@ def render_anatomy(cells: Sequence[UpCell]) -> str:
         for c in cells
         if c.rounds
     ]
-    headers = ["config", "workload", "clients", "rounds", "batch", "accept", "at 7", *STAGES]
-    headers += ["quiet", "a join", "GPU bound x", "quiet x"]
+    headers = ["config", "workload", "clients", "rounds", "batch", "accept", "at 7", "rows"]
+    headers += [*STAGES, "quiet", "a join", "GPU bound x", "quiet x"]
     return format_table(headers, rows)
 
 

@@ -390,6 +390,7 @@ def stats_to_proto(stats: RoundStats) -> target_pb2.RoundStats:
         plain_request_ids=stats.plain_request_ids,
         sampled_requests=stats.sampled_requests,
         shape=tier_name(stats.tier),
+        verify_rows=stats.verify_rows,
     )
     timings_into(msg.timings, stats.timings)
     return msg
@@ -411,6 +412,7 @@ def stats_from_proto(msg: target_pb2.RoundStats) -> RoundStats:
         plain_request_ids=tuple(msg.plain_request_ids),
         sampled_requests=msg.sampled_requests,
         shape=None if shape.is_chain else shape,
+        verify_rows=msg.verify_rows,
     )
 
 

@@ -107,6 +107,7 @@ class RoundStats:
     plain_request_ids: tuple[str, ...] = ()  # the batch's requests that got no draft
     sampled_requests: int = 0  # requests of the batch that sample (temperature > 0)
     shape: TreeShape | None = None  # the round's tier when a tree (its steps: the int above)
+    verify_rows: int = 0  # rows the verify computed: a graph's bucket × tokens (0: unknown)
 
     @property
     def tier(self) -> TreeShape:

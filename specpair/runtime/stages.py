@@ -111,6 +111,7 @@ class VerifyStage(Protocol):
     cache: KVCache  # the target worker's: a stage serves that worker only
     plans_ahead: bool  # whether `prepare` does anything
     ahead: int  # verifies that ran on a plan made ahead
+    rows: int  # the rows (requests × tokens) the last `run` computed, a graph's padding included
 
     def prepare(self, positions: Tensor, layout: BatchLayout, key: object) -> None:
         """Plans ahead the verify whose plan key will be `key` (see `planned_for`)."""

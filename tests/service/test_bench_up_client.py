@@ -73,6 +73,16 @@ def test_up_client_measures_every_configuration_through_both_doors(
             assert c["steady_tokens_per_s"] > 0 and c["steady_speedup"] is not None
         else:
             assert c["steady_tokens_per_s"] is None and c["steady_speedup"] is None
+    # the rows a verify computed: one a request at tier 0, the drafts' too at tier 3 (the CPU's
+    # eager verify pads nothing; a policy may run either)
+    rows = {(c["config"], c["door"], c["batch"]): c["rounds"] for c in cells if c["rounds"]}
+    assert {config for config, _, _ in rows} >= {"tier 0", "tier 3"}
+    for (config, door, batch), cell in rows.items():
+        assert cell["verify_rows"] >= cell["batch"], (config, door, batch, cell)
+        if config == "tier 0":
+            assert cell["verify_rows"] == pytest.approx(cell["batch"])
+        elif config == "tier 3":
+            assert cell["verify_rows"] > cell["batch"]
     assert out.with_suffix(".png").stat().st_size > 0
     assert READY in out.with_suffix(".log").read_text()
 

@@ -274,6 +274,11 @@ async def test_round_stats_count_the_sampled_requests(ckpts, make_stack) -> None
     assert (2, 1) in pairs and (1, 0) in pairs
     assert all(r.sampled_requests <= min(r.batch_size, 1) for r in rounds)
     assert rounds[-1].sampled_requests == 0  # the greedy request alone
+    # the rows each verify computed: a row a request and its drafts (the CPU's eager verify
+    # pads nothing); a round where the draft's chains ran full, batch × (steps + 1)
+    assert all(r.verify_rows >= r.batch_size for r in rounds)
+    full = [r.batch_size * (r.speculative_num_steps + 1) for r in rounds]
+    assert any(r.verify_rows == n > r.batch_size for r, n in zip(rounds, full, strict=True))
     # where the accepts ran: batched on the logits' device (the CPU has no accept graphs)
     samples = stack.target.servicer.scheduler.metrics.accepts.collect()[0].samples
     paths = {s.labels["path"]: s.value for s in samples if s.name.endswith("_total")}

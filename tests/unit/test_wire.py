@@ -142,6 +142,7 @@ def test_round_stats_decode_to_what_was_sent() -> None:
         request_steps=(3, 1),
         plain_request_ids=("c",),
         sampled_requests=2,
+        verify_rows=24,
     )
     wire = target_pb2.RoundStats.FromString(stats_to_proto(stats).SerializeToString())
     assert stats_from_proto(wire) == stats

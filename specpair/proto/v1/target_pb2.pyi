@@ -518,6 +518,7 @@ class RoundStats(_message.Message):
     PLAIN_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     SAMPLED_REQUESTS_FIELD_NUMBER: _builtins.int
     SHAPE_FIELD_NUMBER: _builtins.int
+    VERIFY_ROWS_FIELD_NUMBER: _builtins.int
     round_id: _builtins.int
     speculative_num_steps: _builtins.int
     batch_size: _builtins.int
@@ -529,6 +530,10 @@ class RoundStats(_message.Message):
     """
     shape: _builtins.str
     """The round's tier when it is a tree shape ("4x4x16"); empty: a chain."""
+    verify_rows: _builtins.int
+    """Rows the round's verify forward computed: requests × tokens, riders' chunks and a CUDA
+    graph's padding rows included (a GPU verify of 47 requests at tier 7: 48 × 8). 0: unknown.
+    """
     @_builtins.property
     def accept_lengths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Per request, accepted draft tokens (bonus excluded); empty for rounds without drafts."""
@@ -562,10 +567,11 @@ class RoundStats(_message.Message):
         plain_request_ids: _abc.Iterable[_builtins.str] | None = ...,
         sampled_requests: _builtins.int = ...,
         shape: _builtins.str = ...,
+        verify_rows: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_lengths", b"accept_lengths", "batch_size", b"batch_size", "plain_request_ids", b"plain_request_ids", "request_ids", b"request_ids", "request_steps", b"request_steps", "round_id", b"round_id", "sampled_requests", b"sampled_requests", "shape", b"shape", "speculative", b"speculative", "speculative_num_steps", b"speculative_num_steps", "timings", b"timings", "unix_time", b"unix_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_lengths", b"accept_lengths", "batch_size", b"batch_size", "plain_request_ids", b"plain_request_ids", "request_ids", b"request_ids", "request_steps", b"request_steps", "round_id", b"round_id", "sampled_requests", b"sampled_requests", "shape", b"shape", "speculative", b"speculative", "speculative_num_steps", b"speculative_num_steps", "timings", b"timings", "unix_time", b"unix_time", "verify_rows", b"verify_rows"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

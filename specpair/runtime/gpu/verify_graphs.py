@@ -174,6 +174,7 @@ class VerifyGraphs:
         self.graphs, self.accepts = capture.timed(str(shape), build, self.buckets)
         self._planned: tuple[StageGraph, int, object] | None = None  # graph, batch, key
         self._ran: tuple[int, int] | None = None  # the last run's (bucket, batch), in a graph
+        self.rows = 0  # the last run's rows, its bucket's padding included
         self.graph_accepts = 0  # sampled accepts that ran in an accept graph
         self._eager_planned = False
         self.ahead = 0  # verifies that ran on a plan made ahead
@@ -219,7 +220,9 @@ class VerifyGraphs:
         self._ran = None
         if self._eager_planned:
             self._eager_planned = False
-            return self.eager.run(tokens)
+            out = self.eager.run(tokens)
+            self.rows = self.eager.rows
+            return out
         assert self._planned is not None, "run without a plan"
         g, b, _ = self._planned
         self._planned = None  # a plan serves one replay: the next verify plans afresh
@@ -227,6 +230,7 @@ class VerifyGraphs:
         g.load("tokens", pad2d(tokens, len(g.inputs["tokens"]), tg))
         self.capture.replay(g)
         self._ran = (len(g.inputs["tokens"]), b)
+        self.rows = g.inputs["tokens"].numel()
         t = tokens.shape[1]
         return g.outputs["hidden"][:b, :t], g.outputs["logits"][:b, :t]
 

@@ -180,8 +180,8 @@ class TargetRound(Generic[B]):
             batcher.stream(item, res, with_drafts, flight.steps[i])
         end = following.started if following is not None else time.perf_counter()
         if self.publish is not None:
-            verify_gpu_ms = gpu_ms(self.worker)
-            self.publish(round_stats(flight, drafts, results, drafted, t1, end, verify_gpu_ms))
+            verify = (gpu_ms(self.worker), self.worker.last_rows)
+            self.publish(round_stats(flight, drafts, results, drafted, t1, end, *verify))
         return following
 
     async def _drafts(self, flight: Flight[B], batcher: Batcher[B]) -> Drafts:
@@ -311,6 +311,7 @@ def round_stats(
     verify_start: float,
     end: float,
     verify_gpu_ms: float,
+    verify_rows: int,
 ) -> RoundStats:
     """The round's account: `drafted` indexes the requests verified with drafts; the round ends
     where the next one starts (rounds tile time), or at `end`."""
@@ -348,4 +349,5 @@ def round_stats(
         plain_request_ids=tuple(seqs[i].request_id for i in sorted(plain)),
         sampled_requests=sum(not seq.sampling.greedy for seq in seqs),
         shape=None if state is None or state.is_chain else state.shape,
+        verify_rows=verify_rows,
     )

@@ -23,6 +23,7 @@ class EagerVerify:
     ) -> None:
         self.model, self.cache, self.feature_layers = model, cache, feature_layers
         self._planned: tuple[Tensor, BatchLayout] | None = None
+        self.rows = 0  # the last run's requests × tokens
 
     def prepare(self, positions: Tensor, layout: BatchLayout, key: object) -> None:
         return None  # nothing to plan ahead: bind plans at run time
@@ -39,6 +40,7 @@ class EagerVerify:
     def run(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         assert self._planned is not None, "run without a plan"
         (positions, layout), self._planned = self._planned, None
+        self.rows = tokens.numel()
         dev = self.cache.device
         hidden, features = self.model.forward_aux(
             tokens.to(dev), positions.to(dev), self.cache.bind(layout), self.feature_layers

@@ -124,6 +124,7 @@ class TargetWorker:
         # sampled first tokens in CUDA graphs (`gpu/draw_graphs.py`), set there too
         self.draws: DrawStage | None = None
         self.last_gpu_ms = 0.0  # GPU time of the last verify's graph replays (0: none ran)
+        self.last_rows = 0  # rows the last verify's forward computed, its padding included
         self.accept_paths: Counter[str] = Counter()  # verifies by `accepting.ACCEPT_PATHS`
         self.last_accept = ""  # the last verify's
         # `verify`'s riders: the padded verify rows (requests × tokens) a joining round may grow
@@ -284,6 +285,7 @@ class TargetWorker:
         )
         self.accept_paths[self.last_accept] += 1
         self.last_gpu_ms = stage.read_gpu_ms()  # the replay is done: its GPU time is readable
+        self.last_rows = stage.rows
         keeps: list[Sequence[int]] = [acc.keep for acc in accs]
         keeps += [range(n) for _, _, n in chunks]
         feats: Sequence[Tensor | None] = (
