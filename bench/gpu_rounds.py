@@ -40,7 +40,7 @@ from bench.gpu_common import (
     time_cuda,
 )
 from specpair.runtime.build import StateBuilder
-from specpair.runtime.gpu.capture import GraphCapture
+from specpair.runtime.gpu.capture import GraphCapture, pad_layout
 from specpair.runtime.gpu.fused import fuse_decoder
 from specpair.runtime.gpu.verify_graphs import verify_graph
 from specpair.runtime.kv_cache import KVCache
@@ -261,7 +261,6 @@ def profile_main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     batches = [tuple(int(n) for n in b.split(":")) for b in args.batches]
     from specpair.runtime.gpu import triton_kernels  # GPU only
-    from specpair.runtime.gpu.capture import pad_layout
 
     # Kernel durations, not waits: with PDL a kernel launches early and waits inside.
     triton_kernels.set_pdl(False)

@@ -180,8 +180,7 @@ class TargetRound(Generic[B]):
             batcher.stream(item, res, with_drafts, flight.steps[i])
         end = following.started if following is not None else time.perf_counter()
         if self.publish is not None:
-            verify = (gpu_ms(self.worker), self.worker.last_rows)
-            self.publish(round_stats(flight, drafts, results, drafted, t1, end, *verify))
+            self.publish(round_stats(flight, drafts, results, drafted, t1, end, self.worker))
         return following
 
     async def _drafts(self, flight: Flight[B], batcher: Batcher[B]) -> Drafts:
@@ -310,11 +309,11 @@ def round_stats(
     drafted: list[int],
     verify_start: float,
     end: float,
-    verify_gpu_ms: float,
-    verify_rows: int,
+    worker: TargetWorker,
 ) -> RoundStats:
     """The round's account: `drafted` indexes the requests verified with drafts; the round ends
-    where the next one starts (rounds tile time), or at `end`."""
+    where the next one starts (rounds tile time), or at `end`; `worker`'s last verify gives
+    its GPU time and rows."""
     seqs, draft = flight.seqs, drafts.timings
     rtt_s = verify_start - flight.started  # the request going out to its trees
     verify_s = flight.verified - verify_start
@@ -326,7 +325,7 @@ def round_stats(
         draft_host_ms=draft.draft_host_ms,
         draft_gpu_ms=draft.draft_gpu_ms,
         verify_ms=1e3 * verify_s,
-        verify_gpu_ms=verify_gpu_ms,
+        verify_gpu_ms=gpu_ms(worker),
         rpc_ms=max(rpc_ms, 0.0) if drafts.speculative else 0.0,
         schedule_ms=1e3 * max(total_s - rtt_s - verify_s - flight.admit_s - flight.handoff_s, 0),
         total_ms=1e3 * total_s,
@@ -349,5 +348,5 @@ def round_stats(
         plain_request_ids=tuple(seqs[i].request_id for i in sorted(plain)),
         sampled_requests=sum(not seq.sampling.greedy for seq in seqs),
         shape=None if state is None or state.is_chain else state.shape,
-        verify_rows=verify_rows,
+        verify_rows=worker.last_rows,
     )

@@ -194,7 +194,8 @@ class TargetWorker:
         chain tier, not the batch-invariant mode, and their chunks growing the verify's graph
         by at most `ride_rows` padded rows (requests × tokens). At tier 7 a 110-token prompt is
         14 chunks of 8: with 8 requests the graph of 24 × 8 instead of 8 × 8, 128 rows more;
-        with 47, none (64 × 8 either way; `verify_buckets`)."""
+        with 47, 64 × 8 instead of 48 × 8 (`verify_buckets`); with 51, none fits: it is
+        prefilled apart."""
         if self.ride_rows <= 0 or self.deterministic or state is None or state.tier == 0:
             return False
         if not state.is_chain:
