@@ -226,6 +226,19 @@ class TargetConfig(ModelServiceConfig):
             "reach their clients and new requests arrive first (0: prefill at once)"
         ),
     )
+    join_crowd: int = field(
+        default=1,
+        metadata=lab(
+            "a join that does not ride (prefilled beside a drafted round) waits until this "
+            "many requests queue (at most the batch's room), or until the first has queued "
+            "join_crowd_ms: a prefill reads every weight however few its prompts, and a "
+            "joining round pays its fixed costs once (1: each join at once)"
+        ),
+    )
+    join_crowd_ms: float = field(
+        default=60.0,
+        metadata=lab("the longest a queued request waits for its crowd (join_crowd), in ms"),
+    )
     ride_rows: int = field(
         default=512,
         metadata=lab(
@@ -266,6 +279,10 @@ class TargetConfig(ModelServiceConfig):
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
         check(self.modes)
+        if self.join_crowd < 1:
+            raise ValueError(f"join_crowd must be >= 1 (1: joins at once), got {self.join_crowd}")
+        if self.join_crowd_ms < 0:
+            raise ValueError(f"join_crowd_ms must be >= 0, got {self.join_crowd_ms}")
         if self.ride_rows < 0:
             raise ValueError(
                 f"ride_rows must be >= 0 (0: joiners prefilled apart), got {self.ride_rows}"

@@ -75,6 +75,8 @@ class Scheduler:
         handoff: bool = True,
         handoff_ahead: bool = True,
         join_settle_s: float = 0.0,
+        join_crowd: int = 1,
+        join_crowd_s: float = 0.0,
         feed_at_tier_0: bool = False,
         draft_window: int = 0,
     ) -> None:
@@ -86,6 +88,9 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.join_group = join_group  # `_admit`: joins a running batch takes at once, under load
+        # `_admit`: a prefill beside a drafted round waits for this many joiners, or this long
+        self.join_crowd, self.join_crowd_s = join_crowd, join_crowd_s
+        self._held = False  # the last `_admit` held a crowd back
         self.metrics = metrics
         self.compute = Compute("target-compute", threads, device)
         self.session = DraftSession(worker.model.args.vocab_size, window=draft_window)
@@ -230,6 +235,7 @@ class Scheduler:
         draft works) they ride in its verify instead where the worker `rides` them: they join
         the batch after it (`_seat`)."""
         new: list[ServedRequest] = []
+        self._held = False
         riding = len(ride.riders) if ride is not None else 0
         room = min(self.max_batch - len(self.running) - riding, self.worker.cache.free_slots)
         if self.running and room < min(self.join_group, len(self.queue)):
@@ -257,6 +263,11 @@ class Scheduler:
         admitted, new = new, new[len(riders) :]
         if not new:
             return admitted
+        if ride is not None and self._crowd(new, room - len(riders)):
+            self.queue.extendleft(reversed(new))  # in their order, ahead of later arrivals
+            self._held = True
+            self.metrics.queued.set(len(self.queue))
+            return riders
         seqs = [r.seq for r in new]
         try:
             feats = await self.compute(self.worker.prefill, seqs)
@@ -269,6 +280,13 @@ class Scheduler:
         self.metrics.joins.labels("prefill").inc(len(new))
         self._join(new, feats)
         return admitted
+
+    def _crowd(self, new: list[ServedRequest], room: int) -> bool:
+        """Whether `new`, to be prefilled beside a drafted round, wait for more to join them
+        (`join_crowd`, at most the room there is): until the first of them has queued
+        `join_crowd_s`. Crowd 4, 1 queued for 10 ms of 60: it waits; 4 queued, or 60 ms: not."""
+        need = min(self.join_crowd, room)
+        return len(new) < need and time.monotonic() - new[0].arrived < self.join_crowd_s
 
     def _fail_admitted(self, admitted: list[ServedRequest]) -> None:
         """Requests taken from the queue whose prompt failed to run (a prefill, or the verify
@@ -338,17 +356,23 @@ class Scheduler:
                 # loop: without turns first, the streams' writes wait for it.
                 await settle(budget_s=self.join_settle_s)
             await self._admit_beside(flight)
-            return await answer
+            if not self._held:
+                return await answer
         reply = asyncio.ensure_future(answer)
         try:
-            self._arrived.clear()
-            arrival = asyncio.ensure_future(self._arrived.wait())
-            try:
-                await asyncio.wait((reply, arrival), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                arrival.cancel()
-            if not reply.done() and self.queue:
+            # One admission a round; a crowd held back (`_crowd`) tries again at each arrival.
+            while True:
+                self._arrived.clear()
+                arrival = asyncio.ensure_future(self._arrived.wait())
+                try:
+                    await asyncio.wait((reply, arrival), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    arrival.cancel()
+                if reply.done() or not self.queue:
+                    break
                 await self._admit_beside(flight, WAIT_PREFILL_TOKENS)
+                if not self._held:
+                    break
             return await reply
         finally:
             reply.cancel()  # done: nothing; this task cancelled: the read goes with it
