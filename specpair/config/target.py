@@ -232,7 +232,8 @@ class TargetConfig(ModelServiceConfig):
             "a join that does not ride (prefilled beside a drafted round) waits until this "
             "many requests queue (at most the batch's room), or until the first has queued "
             "join_crowd_ms: a prefill reads every weight however few its prompts, and a "
-            "joining round pays its fixed costs once (1: each join at once)"
+            "joining round pays its fixed costs once (1: each join at once; 0: an eighth "
+            "of the running batch)"
         ),
     )
     join_crowd_ms: float = field(
@@ -279,8 +280,8 @@ class TargetConfig(ModelServiceConfig):
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
         check(self.modes)
-        if self.join_crowd < 1:
-            raise ValueError(f"join_crowd must be >= 1 (1: joins at once), got {self.join_crowd}")
+        if self.join_crowd < 0:
+            raise ValueError(f"join_crowd must be >= 0 (0: batch / 8), got {self.join_crowd}")
         if self.join_crowd_ms < 0:
             raise ValueError(f"join_crowd_ms must be >= 0, got {self.join_crowd_ms}")
         if self.ride_rows < 0:

@@ -283,9 +283,10 @@ class Scheduler:
 
     def _crowd(self, new: list[ServedRequest], room: int) -> bool:
         """Whether `new`, to be prefilled beside a drafted round, wait for more to join them
-        (`join_crowd`, at most the room there is): until the first of them has queued
-        `join_crowd_s`. Crowd 4, 1 queued for 10 ms of 60: it waits; 4 queued, or 60 ms: not."""
-        need = min(self.join_crowd, room)
+        (`join_crowd`, 0: an eighth of the running batch; at most the room there is): until
+        the first of them has queued `join_crowd_s`. Crowd 4, 1 queued for 10 ms of 60: it
+        waits; 4 queued, or 60 ms: not."""
+        need = min(self.join_crowd or len(self.running) // 8, room)
         return len(new) < need and time.monotonic() - new[0].arrived < self.join_crowd_s
 
     def _fail_admitted(self, admitted: list[ServedRequest]) -> None:

@@ -140,6 +140,6 @@ def test_join_crowd_is_checked() -> None:
 
     assert config(join_crowd=4, join_crowd_ms=0).join_crowd == 4
     with pytest.raises(ValueError, match="join_crowd must"):
-        config(join_crowd=0)
+        config(join_crowd=-1)
     with pytest.raises(ValueError, match="join_crowd_ms"):
         config(join_crowd_ms=-1)
