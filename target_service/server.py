@@ -150,8 +150,7 @@ def _build_scheduler(
         handoff=not config.no_prompt_handoff,
         handoff_ahead=not config.handoff_awaited,
         join_settle_s=config.join_settle_ms / 1e3,
-        join_crowd=config.join_crowd,
-        join_crowd_s=config.join_crowd_ms / 1e3,
+        join_wait_s=config.join_wait_ms / 1e3,
         feed_at_tier_0=config.feed_draft_at_tier_0,
         draft_window=config.draft_window,
     )

@@ -81,6 +81,15 @@ class TargetConfig(ModelServiceConfig):
             "0: max_batch / 8, at least 1; 1: as soon as a request leaves"
         ),
     )
+    join_wait_ms: float = field(
+        default=100.0,
+        metadata=option(
+            "with half of max_batch or more running, a join that cannot ride in a verify "
+            "waits beside drafted rounds, at most this long in ms, for join_group requests "
+            "to queue, so that one prefill and one joining round serve them (0: joins at "
+            "once)"
+        ),
+    )
     draft_timeout_s: float = field(
         default=5.0,
         metadata=option(
@@ -226,20 +235,6 @@ class TargetConfig(ModelServiceConfig):
             "reach their clients and new requests arrive first (0: prefill at once)"
         ),
     )
-    join_crowd: int = field(
-        default=1,
-        metadata=lab(
-            "a join that does not ride (prefilled beside a drafted round) waits until this "
-            "many requests queue (at most the batch's room), or until the first has queued "
-            "join_crowd_ms: a prefill reads every weight however few its prompts, and a "
-            "joining round pays its fixed costs once (1: each join at once; 0: an eighth "
-            "of the running batch)"
-        ),
-    )
-    join_crowd_ms: float = field(
-        default=60.0,
-        metadata=lab("the longest a queued request waits for its crowd (join_crowd), in ms"),
-    )
     ride_rows: int = field(
         default=512,
         metadata=lab(
@@ -280,10 +275,8 @@ class TargetConfig(ModelServiceConfig):
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
         check(self.modes)
-        if self.join_crowd < 0:
-            raise ValueError(f"join_crowd must be >= 0 (0: batch / 8), got {self.join_crowd}")
-        if self.join_crowd_ms < 0:
-            raise ValueError(f"join_crowd_ms must be >= 0, got {self.join_crowd_ms}")
+        if self.join_wait_ms < 0:
+            raise ValueError(f"join_wait_ms must be >= 0 (0: at once), got {self.join_wait_ms}")
         if self.ride_rows < 0:
             raise ValueError(
                 f"ride_rows must be >= 0 (0: joiners prefilled apart), got {self.ride_rows}"

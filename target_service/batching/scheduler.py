@@ -75,8 +75,7 @@ class Scheduler:
         handoff: bool = True,
         handoff_ahead: bool = True,
         join_settle_s: float = 0.0,
-        join_crowd: int = 1,
-        join_crowd_s: float = 0.0,
+        join_wait_s: float = 0.0,
         feed_at_tier_0: bool = False,
         draft_window: int = 0,
     ) -> None:
@@ -88,8 +87,7 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.join_group = join_group  # `_admit`: joins a running batch takes at once, under load
-        # `_admit`: a prefill beside a drafted round waits for this many joiners, or this long
-        self.join_crowd, self.join_crowd_s = join_crowd, join_crowd_s
+        self.join_wait_s = join_wait_s  # `_crowd`: the longest a join waits for its group
         self._held = False  # the last `_admit` held a crowd back
         self.metrics = metrics
         self.compute = Compute("target-compute", threads, device)
@@ -282,12 +280,17 @@ class Scheduler:
         return admitted
 
     def _crowd(self, new: list[ServedRequest], room: int) -> bool:
-        """Whether `new`, to be prefilled beside a drafted round, wait for more to join them
-        (`join_crowd`, 0: an eighth of the running batch; at most the room there is): until
-        the first of them has queued `join_crowd_s`. Crowd 4, 1 queued for 10 ms of 60: it
-        waits; 4 queued, or 60 ms: not."""
-        need = min(self.join_crowd or len(self.running) // 8, room)
-        return len(new) < need and time.monotonic() - new[0].arrived < self.join_crowd_s
+        """Whether `new`, to be prefilled beside a drafted round, wait for more: with half the
+        batch or more running, until `join_group` have queued (at most the room there is), or
+        the first of them has waited `join_wait_s`. At 64 clients a drafted batch of ~47
+        admitted its joiners ~2.4 a round, each a prefill beside the draft on the same GPU
+        (one read of the weights, and a joining round's fixed costs): a join cost the batch
+        12–14 ms sampled against the target alone's 3 (H200, bench/RESULTS.md). Max batch 64
+        (group 8), 40 running, 3 queued for 20 ms of 100: they wait."""
+        if 2 * len(self.running) < self.max_batch:
+            return False
+        need = min(self.join_group, room)
+        return len(new) < need and time.monotonic() - new[0].arrived < self.join_wait_s
 
     def _fail_admitted(self, admitted: list[ServedRequest]) -> None:
         """Requests taken from the queue whose prompt failed to run (a prefill, or the verify

@@ -370,40 +370,44 @@ async def test_a_request_arriving_while_the_draft_works_joins_the_next_round(
     assert joined == link.held + (2 if beside else 3)
 
 
-async def crowd_beside_a_round(tmp_path: Path, crowd_s: float, crowds: bool) -> list[int]:
-    """Request a running on a batch of 3 with `join_crowd` 2; b submitted while one round's
-    draft answer is held, and with `crowds` c 0.2 s later: each prefill's size. Asserts b was
-    not prefilled alone while the answer was held."""
-    worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=3, max_len=64)
+async def group_beside_a_round(tmp_path: Path, wait_s: float, grouped: bool) -> list[int]:
+    """a and a2 running on a batch of 4 (half of it) with `join_group` 2; b submitted while one
+    round's draft answer is held, and with `grouped` c 0.2 s later: each prefill's size.
+    Asserts b was not prefilled alone while the answer was held."""
+    worker = build_target(make_tiny_llama(tmp_path / "t", seed=5), max_requests=4, max_len=64)
     link = GatedLink()
     scheduler = one_tier_scheduler(
-        worker, tier=3, max_batch=3, draft=link, join_crowd=2, join_crowd_s=crowd_s
+        worker, tier=3, max_batch=4, draft=link, join_group=2, join_wait_s=wait_s
     )
     sizes = prefill_sizes(scheduler)
-    _, second, _, task = await a_running(scheduler, link, tokens=20)
+    _, second, _, task = await a_running(scheduler, link, tokens=30)
+    running = ServedRequest(TargetSequence("a2", [5, 7], SamplingParams(), max_new_tokens=30))
+    scheduler.submit(running)  # one running of 4: it joins at once
+    await asyncio.wait_for(running.events.get(), 10)
     third = ServedRequest(TargetSequence("c", [8, 10], SamplingParams(), max_new_tokens=4))
     link.held = scheduler.round_id + 1
     await asyncio.wait_for(link.waiting.wait(), 10)
     scheduler.submit(second)
     await asyncio.sleep(0.2)  # the loop turns while the answer is held
-    assert second.events.qsize() == 0, "b waits for its crowd"
-    if crowds:
+    assert second.events.qsize() == 0, "b waits for its group"
+    if grouped:
         scheduler.submit(third)
         await asyncio.sleep(0.2)
         assert second.events.qsize() > 0, "prefilled at c's arrival, before the answer"
     link.gate.set()
-    for request in (second, third) if crowds else (second,):
+    for request in (second, third) if grouped else (second,):
         while (await asyncio.wait_for(request.events.get(), 10)).finish_reason is None:
             pass
     task.cancel()
     return sizes
 
 
-async def test_a_join_beside_a_round_waits_for_its_crowd(tmp_path: Path) -> None:
-    """With `join_crowd` 2 a request that cannot ride waits for a second, and one prefill takes
-    both; alone, it goes beside the next round once it has waited `join_crowd_s`."""
-    assert await crowd_beside_a_round(tmp_path / "crowd", 30.0, crowds=True) == [1, 2]
-    assert await crowd_beside_a_round(tmp_path / "late", 0.1, crowds=False) == [1, 1]
+async def test_under_load_a_join_beside_a_round_waits_for_its_group(tmp_path: Path) -> None:
+    """With half the batch running a request that cannot ride waits for `join_group` to queue,
+    and one prefill takes them; alone, it goes beside the next round once it has waited
+    `join_wait_s`. Below half the batch a join goes at once (a2)."""
+    assert await group_beside_a_round(tmp_path / "group", 30.0, grouped=True) == [1, 1, 2]
+    assert await group_beside_a_round(tmp_path / "late", 0.1, grouped=False) == [1, 1, 1]
 
 
 class HoldingLink(RecordingLink):

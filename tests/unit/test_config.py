@@ -134,12 +134,10 @@ def test_join_group_defaults_to_an_eighth_of_the_batch_and_is_checked() -> None:
             config(join_group=bad)
 
 
-def test_join_crowd_is_checked() -> None:
+def test_join_wait_is_checked() -> None:
     def config(**kw: float) -> TargetConfig:
         return TargetConfig(ServerConfig("127.0.0.1:0"), Path("m"), **kw)  # type: ignore[arg-type]
 
-    assert config(join_crowd=4, join_crowd_ms=0).join_crowd == 4
-    with pytest.raises(ValueError, match="join_crowd must"):
-        config(join_crowd=-1)
-    with pytest.raises(ValueError, match="join_crowd_ms"):
-        config(join_crowd_ms=-1)
+    assert config().join_wait_ms == 100 and config(join_wait_ms=0).join_wait_ms == 0
+    with pytest.raises(ValueError, match="join_wait_ms"):
+        config(join_wait_ms=-1)
