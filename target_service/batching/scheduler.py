@@ -87,8 +87,8 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.join_group = join_group  # `_admit`: joins a running batch takes at once, under load
-        self.join_wait_s = join_wait_s  # `_crowd`: the longest a join waits for its group
-        self._held = False  # the last `_admit` held a crowd back
+        self.join_wait_s = join_wait_s  # `_waits_for_group`: the longest a join waits
+        self._group_held = False  # the last `_admit` held a group back (`_waits_for_group`)
         self.metrics = metrics
         self.compute = Compute("target-compute", threads, device)
         self.session = DraftSession(worker.model.args.vocab_size, window=draft_window)
@@ -233,7 +233,7 @@ class Scheduler:
         draft works) they ride in its verify instead where the worker `rides` them: they join
         the batch after it (`_seat`)."""
         new: list[ServedRequest] = []
-        self._held = False
+        self._group_held = False
         riding = len(ride.riders) if ride is not None else 0
         room = min(self.max_batch - len(self.running) - riding, self.worker.cache.free_slots)
         if self.running and room < min(self.join_group, len(self.queue)):
@@ -261,9 +261,9 @@ class Scheduler:
         admitted, new = new, new[len(riders) :]
         if not new:
             return admitted
-        if ride is not None and self._crowd(new, room - len(riders)):
+        if ride is not None and self._waits_for_group(new, room - len(riders)):
             self.queue.extendleft(reversed(new))  # in their order, ahead of later arrivals
-            self._held = True
+            self._group_held = True
             self.metrics.queued.set(len(self.queue))
             return riders
         seqs = [r.seq for r in new]
@@ -279,7 +279,7 @@ class Scheduler:
         self._join(new, feats)
         return admitted
 
-    def _crowd(self, new: list[ServedRequest], room: int) -> bool:
+    def _waits_for_group(self, new: list[ServedRequest], room: int) -> bool:
         """Whether `new`, to be prefilled beside a drafted round, wait for more: with half the
         batch or more running, until `join_group` have queued (at most the room there is), or
         the first of them has waited `join_wait_s`. At 64 clients a drafted batch of ~47
@@ -360,11 +360,11 @@ class Scheduler:
                 # loop: without turns first, the streams' writes wait for it.
                 await settle(budget_s=self.join_settle_s)
             await self._admit_beside(flight)
-            if not self._held:
+            if not self._group_held:
                 return await answer
         reply = asyncio.ensure_future(answer)
         try:
-            # One admission a round; a crowd held back (`_crowd`) tries again at each arrival.
+            # One admission a round; a group held back tries again at each arrival.
             while True:
                 self._arrived.clear()
                 arrival = asyncio.ensure_future(self._arrived.wait())
@@ -375,7 +375,7 @@ class Scheduler:
                 if reply.done() or not self.queue:
                     break
                 await self._admit_beside(flight, WAIT_PREFILL_TOKENS)
-                if not self._held:
+                if not self._group_held:
                     break
             return await reply
         finally:

@@ -27,7 +27,7 @@ class ServedRequest:
     accept_lengths: list[int] = field(default_factory=list)
     plain_rounds: int = 0
     deadline: float | None = None  # time.monotonic() past which the client no longer waits
-    arrived: float = field(default_factory=time.monotonic)  # when it came (`Scheduler._crowd`)
+    arrived: float = field(default_factory=time.monotonic)  # `Scheduler._waits_for_group`
 
     @property
     def expired(self) -> bool:
