@@ -98,6 +98,11 @@ class DraftRounds:
         self.headroom = max(t.draft_headroom for t in self.states)
         self.repeats = Repeats()  # a peer whose every round is refused logs once in a while
         self.rings: dict[str, RingView] = {}  # per stream: the target's feature ring, mapped
+        # a round's feature bytes read into pinned memory (`request_from_proto`) and copied
+        # from there to the extend graphs' buffers (`Staging.copy_rows`): lab
+        self.pinned = config.pinned_features and torch.device(config.device).type == "cuda"
+        if self.pinned and self.builder.draft_graphs is not None:
+            self.builder.draft_graphs.capture.staging.direct = True
 
     @property
     def active_requests(self) -> int:
@@ -114,7 +119,9 @@ class DraftRounds:
         if message.HasField("feature_ring"):
             return self._map_ring(stream_id, message)
         try:
-            request = request_from_proto(message, self.rings.get(stream_id), wire.feature_data)
+            request = request_from_proto(
+                message, self.rings.get(stream_id), wire.feature_data, self.pinned
+            )
             response = self.draft(stream_id, request)
         except Exception as exc:
             request = exc.request if isinstance(exc, MalformedRequestError) else request
