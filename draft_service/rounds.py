@@ -89,7 +89,12 @@ class DraftRounds:
             if layout is not None and config.target_path is not None
             else []
         )
-        self.builder = StateBuilder(drafter=self.drafter, handoff_rows=config.handoff_rows)
+        # a round's feature bytes read into pinned memory (`request_from_proto`) and copied
+        # from there to the extend graphs' buffers (`Staging.copy_rows`): lab
+        self.pinned = config.pinned_features and torch.device(config.device).type == "cuda"
+        self.builder = StateBuilder(
+            drafter=self.drafter, handoff_rows=config.handoff_rows, pinned_rows=self.pinned
+        )
         # Tier 0 (extend only: a target's prompt hand-off) is served whatever the tiers are.
         self.states: dict[TreeShape, SpecRuntimeState] = self.builder.build_all(
             {*config.tiers, TreeShape(0)}
@@ -98,11 +103,6 @@ class DraftRounds:
         self.headroom = max(t.draft_headroom for t in self.states)
         self.repeats = Repeats()  # a peer whose every round is refused logs once in a while
         self.rings: dict[str, RingView] = {}  # per stream: the target's feature ring, mapped
-        # a round's feature bytes read into pinned memory (`request_from_proto`) and copied
-        # from there to the extend graphs' buffers (`Staging.copy_rows`): lab
-        self.pinned = config.pinned_features and torch.device(config.device).type == "cuda"
-        if self.pinned and self.builder.draft_graphs is not None:
-            self.builder.draft_graphs.capture.staging.direct = True
 
     @property
     def active_requests(self) -> int:
