@@ -1,6 +1,8 @@
 """Several `bench.up_client` runs pooled into a verdict: per cell (door, workload, clients) each
 run's x over the tier 0 of its own `up`, the pooled x (the mean of the runs' tokens/s over the
 mean of their tier 0's), how far each side moved between runs, and how many runs met a goal.
+Where a run holds a greedy and a sampled cell at one load, it also splits the sampled x's share
+of the greedy one into its factors (`shares`), and names the greedy x a sampled goal asks for.
 
 One run a cell spreads 10-15 % at 32 and 64 clients, most of it in the target alone's tokens/s
 (a tier-0 round is short and mostly host time): a verdict needs several runs, each pairing
@@ -39,6 +41,25 @@ class Pooled:
     alone_spread: float  # the same of tier 0's
     goal: float | None
     met: int  # runs whose x reached the goal
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """A sampled cell's x over the greedy cell's at one load in the same runs (means over the
+    runs), and its factors, whose product it is up to the time outside rounds: tokens a round
+    ((1 + accepted drafts), sampled over greedy), the batch held (sampled over greedy), the
+    round (greedy's time over sampled's: above 1 a sampled round is cheaper) and the target
+    alone (its greedy tok/s over its sampled)."""
+
+    door: str
+    clients: int
+    runs: int
+    share: float
+    tokens: float
+    batch: float
+    round: float
+    alone: float
+    needs: float | None  # the greedy x at which this share meets the sampled goal
 
 
 def pairs(run: Mapping[str, Any], config: str) -> dict[Key, tuple[float, float]]:
@@ -95,6 +116,53 @@ def pool(
     return out
 
 
+def shares(
+    runs: Sequence[Mapping[str, Any]],
+    config: str,
+    goals: Mapping[int, tuple[float, float]] = ISSUE_54,
+) -> list[Share]:
+    """Per (door, clients) where a run holds `config`'s greedy and sampled cells with their
+    round stats, each beside a tier 0.
+
+    Worked example (8 clients, one run): greedy accepts 4.3 drafts a round (5.3 tokens) in 13 ms
+    rounds at batch 7.5, x 2.7; sampled 2.5 (3.5 tokens) in 14.6 ms at 7.5, x 1.66; tier 0 1160 /
+    1110 tok/s: share 0.614 = tokens 0.660 × batch 1 × round 0.890 × alone 1.045, and a sampled
+    goal of 1.8 asks a greedy x of 1.8 / 0.614 = 2.93."""
+    got: dict[tuple[str, int], list[tuple[float, ...]]] = {}
+    for run in runs:
+        cells = {(c["config"], c["door"], c["workload"], c["batch"]): c for c in run["cells"]}
+        for (name, door, workload, clients), c in cells.items():
+            # "code T=0.7 p=0.95" beside "code greedy": the same prompts
+            greedy_key = (door, f"{workload.split()[0]} greedy", clients)
+            greedy, alone_g = cells.get((config, *greedy_key)), cells.get(("tier 0", *greedy_key))
+            alone_s = cells.get(("tier 0", door, workload, clients))
+            if name != config or "greedy" in workload or greedy is None:
+                continue
+            if alone_g is None or alone_s is None or "rounds" not in c or "rounds" not in greedy:
+                continue
+            g, s = greedy["rounds"], c["rounds"]
+            x_g = greedy["tokens_per_s"] / alone_g["tokens_per_s"]
+            x_s = c["tokens_per_s"] / alone_s["tokens_per_s"]
+            got.setdefault((door, clients), []).append(
+                (
+                    x_s / x_g,
+                    (1 + s["accept"]) / (1 + g["accept"]),
+                    s["batch"] / g["batch"],
+                    g["total"] / s["total"],
+                    alone_g["tokens_per_s"] / alone_s["tokens_per_s"],
+                )
+            )
+    out = []
+    for (door, clients), rows in sorted(got.items()):
+        share, tokens, batch, round_, alone = (
+            sum(col) / len(rows) for col in zip(*rows, strict=True)
+        )
+        goal = goals.get(clients)
+        needs = None if goal is None else goal[1] / share
+        out.append(Share(door, clients, len(rows), share, tokens, batch, round_, alone, needs))
+    return out
+
+
 def goal_arg(text: str) -> tuple[int, tuple[float, float]]:
     """ "8=2.5,1.8" → (8, (2.5, 1.8))."""
     try:
@@ -126,6 +194,23 @@ def render(cells: Sequence[Pooled]) -> str:
     return format_table([*headers, "goal", "met"], rows)
 
 
+def render_shares(rows: Sequence[Share]) -> str:
+    headers = ["door", "clients", "runs", "share", "tokens a round", "batch", "round", "alone"]
+    return format_table(
+        [*headers, "greedy x the sampled goal asks"],
+        [
+            [
+                r.door,
+                str(r.clients),
+                str(r.runs),
+                *(f"{v:.3f}" for v in (r.share, r.tokens, r.batch, r.round, r.alone)),
+                "-" if r.needs is None else f"{r.needs:.2f}",
+            ]
+            for r in rows
+        ],
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m bench.up_pool", description=__doc__.split("\n\n")[0]
@@ -136,12 +221,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/out/up_pool.json"))
     args = parser.parse_args(argv)
     goals = ISSUE_54 if args.goals is None else dict(args.goals)
-    cells = pool([read_json(path) for path in args.runs], args.config, goals)
+    loaded = [read_json(path) for path in args.runs]
+    cells = pool(loaded, args.config, goals)
     if not cells:
         parser.error(f"no run holds a {args.config!r} cell beside a tier 0 one")
+    split = shares(loaded, args.config, goals)
     runs = [str(path) for path in args.runs]
-    write_json(args.out, {"runs": runs, "config": args.config, "cells": cells})
+    write_json(args.out, {"runs": runs, "config": args.config, "cells": cells, "shares": split})
     print(f"wrote {args.out}\n")
+    if split:
+        print("sampled x over greedy x, each factor sampled over greedy (means over runs):")
+        print(render_shares(split) + "\n")
     print(render(cells))
 
 

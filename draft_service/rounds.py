@@ -89,12 +89,7 @@ class DraftRounds:
             if layout is not None and config.target_path is not None
             else []
         )
-        # a round's feature bytes read into pinned memory (`request_from_proto`) and copied
-        # from there to the extend graphs' buffers (`Staging.copy_rows`): lab
-        self.pinned = config.pinned_features and torch.device(config.device).type == "cuda"
-        self.builder = StateBuilder(
-            drafter=self.drafter, handoff_rows=config.handoff_rows, pinned_rows=self.pinned
-        )
+        self.builder = StateBuilder(drafter=self.drafter, handoff_rows=config.handoff_rows)
         # Tier 0 (extend only: a target's prompt hand-off) is served whatever the tiers are.
         self.states: dict[TreeShape, SpecRuntimeState] = self.builder.build_all(
             {*config.tiers, TreeShape(0)}
@@ -119,9 +114,7 @@ class DraftRounds:
         if message.HasField("feature_ring"):
             return self._map_ring(stream_id, message)
         try:
-            request = request_from_proto(
-                message, self.rings.get(stream_id), wire.feature_data, self.pinned
-            )
+            request = request_from_proto(message, self.rings.get(stream_id), wire.feature_data)
             response = self.draft(stream_id, request)
         except Exception as exc:
             request = exc.request if isinstance(exc, MalformedRequestError) else request

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from specpair.capabilities import Device, Draft, Modes, Tiers, check
 from specpair.config.model_service import ModelServiceConfig
-from specpair.config.option import lab, option
+from specpair.config.option import option
 from specpair.config.server_config import ServerConfig
 
 # A hand-off graph per batch bucket holds bucket × rows of the draft's activations (64 × 256
@@ -52,14 +52,6 @@ class DraftConfig(ModelServiceConfig):
         metadata=option(
             "a target's prompt hand-off up to this many rows (its --draft-window) extends in "
             "CUDA graphs of that width, one a batch bucket, on a GPU; 0: eagerly"
-        ),
-    )
-    pinned_features: bool = field(
-        default=False,
-        metadata=lab(
-            "on a GPU, read a round's feature bytes into pinned host memory and copy each "
-            "request's rows straight into the extend graph's buffer, asynchronously, instead "
-            "of through a pinned twin of the padded buffer (`Staging.copy_rows`)"
         ),
     )
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-import torch
-
 # mallopt's parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -37,13 +35,3 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
         mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     )
-
-
-def pinned_copy(data: memoryview) -> memoryview:
-    """`data` copied into page-locked memory from torch's caching host allocator (a GPU copies
-    from it asynchronously, with no staging of its own): a writable view that keeps the buffer
-    alive. Needs CUDA."""
-    buffer = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)
-    view = buffer.numpy().data  # the array, and through it the buffer, live as long
-    view[:] = data
-    return view

@@ -17,7 +17,6 @@ from torch import Tensor
 
 from specpair.logging import bounded
 from specpair.proto.v1 import common_pb2, draft_pb2, target_pb2
-from specpair.rpc.host_memory import pinned_copy
 from specpair.rpc.wire_tensor import (
     DataSink,
     data_size,
@@ -221,18 +220,16 @@ def request_from_proto(
     msg: draft_pb2.RoundRequest,
     ring: RingView | None = None,
     feature_data: memoryview | None = None,
-    pinned: bool = False,
 ) -> RoundRequest:
     """Raises MalformedRequestError naming the malformed field (`inputs[r7].sampling.top_p:
     ...`, `shape: ...`). Features sent as spans of the stream's feature ring are read from
     `ring` (copied out: the target reuses the rows once this round is answered).
-    `feature_data`: the run `read_round` took off the message (default the message's own);
-    `pinned`: its copy made in pinned memory (`pinned_copy`; CUDA only)."""
+    `feature_data`: the run `read_round` took off the message (default the message's own)."""
     tree = None
     try:  # a ShapeError is a ValueError
         shape = tier_from_wire(msg.speculative_num_steps, msg.shape, "shape")
         tree = None if shape.is_chain else shape
-        inputs = _with_shared(msg, _inputs_from_proto(msg, feature_data, pinned), ring)
+        inputs = _with_shared(msg, _inputs_from_proto(msg, feature_data), ring)
     except ValueError as exc:
         ids = tuple(DraftInput(m.request_id, (), SamplingParams()) for m in msg.inputs)
         raise MalformedRequestError(str(exc), _request(msg, ids, tree)) from None
@@ -240,13 +237,13 @@ def request_from_proto(
 
 
 def _inputs_from_proto(
-    msg: draft_pb2.RoundRequest, run: memoryview | None, pinned: bool = False
+    msg: draft_pb2.RoundRequest, run: memoryview | None
 ) -> tuple[DraftInput, ...]:
     """The inputs; one whose features came without bytes reads them from `feature_data`
     (`run`), in the order of inputs (`encode_request`)."""
     run = memoryview(msg.feature_data) if run is None else run
     # one copy of the run for every input, whose rows are then views of it (not a copy each)
-    own = pinned_copy(run) if pinned and run else memoryview(bytearray(run))
+    own = memoryview(bytearray(run))
     taken = 0
     inputs = []
     for m in msg.inputs:

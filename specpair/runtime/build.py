@@ -189,8 +189,7 @@ def build_drafter(
 class StateBuilder:
     """Builds the states of `target` and/or `drafter` (a worker whose cache is on a GPU gets
     CUDA graphs per bucket: `buckets`, or powers of two up to its cache's slots; a drafter's
-    tier 0, a prompt hand-off, graphs of `handoff_rows` rows where that is positive;
-    `pinned_rows`: feature rows in pinned memory go straight to its graphs, `Staging.direct`)."""
+    tier 0, a prompt hand-off, graphs of `handoff_rows` rows where that is positive)."""
 
     def __init__(
         self,
@@ -199,7 +198,6 @@ class StateBuilder:
         *,
         buckets: Sequence[int] | None = None,
         handoff_rows: int = 0,
-        pinned_rows: bool = False,
     ) -> None:
         self.target, self.drafter = target, drafter
         self.handoff_rows = handoff_rows
@@ -218,7 +216,6 @@ class StateBuilder:
         if drafter is not None and drafter.cache.device.type == "cuda":
             slots = len(drafter.cache.lengths)
             capture = GraphCapture(drafter.cache, slots, "draft", buckets)
-            capture.staging.direct = pinned_rows
             self.draft_graphs = DraftGraphs(capture, drafter)
 
     @property

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from specpair.proto.v1 import draft_pb2
-from specpair.rpc.wire import encode_request, read_round, request_from_proto
+from specpair.rpc.wire import encode_request, request_from_proto
 from specpair.runtime.engine import GREEDY
 from specpair.runtime.feature_rows import FP8, Fp8Rows, place_features
 from specpair.runtime.gpu.staging import Staging
@@ -51,33 +51,6 @@ def test_float8_rows_from_a_gpu_place_on_a_gpu_as_the_host_decode(dtype: torch.d
     # the float8 values are a close copy of what the target computed
     err = (got[0, :127].float() - feats[0].float()).abs().max() / feats[0].float().abs().max()
     assert err < 0.07
-
-
-@pytest.mark.parametrize("direct", [True, False])
-def test_rows_read_into_pinned_memory_go_straight_to_the_device(direct: bool) -> None:
-    """`pinned_features`: a round's run read into pinned memory, each request's rows copied to
-    the graph's buffer from there, asynchronously (no twin made), as the twin's copy puts them;
-    the padding rows keep what they held."""
-    feats = [torch.randn(n, W, dtype=torch.bfloat16) for n in (5, 1, 3)]
-    inputs = tuple(
-        DraftInput(f"r{b}", tuple(range(len(f) + 1)), GREEDY, f) for b, f in enumerate(feats)
-    )
-    wire = read_round(encode_request(RoundRequest(1, 3, inputs)))  # the features as one run
-    request = request_from_proto(wire.message, None, wire.feature_data, pinned=True)
-    rows = [i.features for i in request.inputs if isinstance(i.features, torch.Tensor)]
-    assert len(rows) == 3 and all(r.is_pinned() for r in rows)
-    staging = Staging()
-    staging.direct = direct
-    got = torch.full((4, 8, W), 7.0, dtype=torch.bfloat16, device="cuda")
-    staging.copy_rows(got, rows)
-    torch.cuda.synchronize()
-    want = torch.full((4, 8, W), 7.0, dtype=torch.bfloat16)
-    for b, f in enumerate(feats):
-        want[b, : len(f)] = f
-    if not direct:  # the twin starts as zeros and is copied whole for the rows' requests
-        want[:3][want[:3] == 7.0] = 0.0
-    assert torch.equal(got.cpu(), want)
-    assert bool(staging.twins) is not direct
 
 
 def test_a_verifys_rows_read_back_into_pinned_memory_and_a_wave_into_pageable() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.common import write_json
-from bench.up_pool import goal_arg, main, pool
+from bench.up_pool import goal_arg, main, pool, shares
 
 
 def cell(config: str, workload: str, batch: int, tps: float) -> dict[str, object]:
@@ -72,3 +72,26 @@ def test_the_command_writes_json_and_prints_the_table_last(
     assert (tmp_path / "pool.json").exists()
     with pytest.raises(SystemExit):
         main([str(path), "--config", "goodput", "--out", str(tmp_path / "none.json")])
+
+
+def timed(cell_: dict[str, object], accept: float, batch: float, total: float) -> dict[str, object]:
+    return cell_ | {"rounds": {"accept": accept, "batch": batch, "total": total}}
+
+
+def test_the_sampled_share_splits_into_its_factors_and_names_the_greedy_x_a_goal_asks() -> None:
+    """The worked example: share 0.614, and 1.8 / 0.614 = 2.93 of greedy x."""
+    greedy = timed(cell("sglang", "code greedy", 8, 2.7 * 1160), 4.3, 7.5, 13.0)
+    sampled_x = 2.7 * (3.5 / 5.3) * (13.0 / 14.6) * (1160 / 1110)
+    sampled = timed(cell("sglang", "code T=0.7", 8, sampled_x * 1110), 2.5, 7.5, 14.6)
+    alone = [cell("tier 0", "code greedy", 8, 1160), cell("tier 0", "code T=0.7", 8, 1110)]
+    untimed = run(
+        cell("sglang", "code greedy", 8, 3000), cell("sglang", "code T=0.7", 8, 1800), *alone
+    )
+    (got,) = shares([run(greedy, sampled, *alone), untimed], "sglang")
+    assert (got.clients, got.runs) == (8, 1)  # a run without round stats is left out
+    assert got.tokens == pytest.approx(3.5 / 5.3)
+    assert (got.batch, got.round, got.alone) == pytest.approx((1.0, 13.0 / 14.6, 1160 / 1110))
+    assert got.share == pytest.approx(got.tokens * got.batch * got.round * got.alone)
+    assert got.share == pytest.approx(0.614, abs=5e-4)
+    assert got.needs == pytest.approx(1.8 / got.share) and round(got.needs, 2) == 2.93
+    assert shares([run(greedy, *alone)], "sglang") == []  # no sampled cell: nothing to split

@@ -30,8 +30,6 @@ class Staging:
         self.twins: dict[int, tuple[Tensor, Tensor]] = {}  # id(buffer) → (buffer, twin)
         self.pending: list[tuple[Tensor, Tensor]] = []  # (static buffer, its twin)
         self.defer = False
-        # rows already in pinned memory go straight to the device (`DraftConfig.pinned_features`)
-        self.direct = False
 
     def copy(self, dst: Tensor, src: Tensor) -> None:
         twin = self._twin(dst)
@@ -51,16 +49,6 @@ class Staging:
         plain = [r for r in rows if not isinstance(r, Fp8Rows)]
         if len(plain) < len(rows):
             place_features(dst, rows)
-            return
-        if (
-            self.direct
-            and not self.defer
-            and all(r.dtype == dst.dtype and r.is_pinned() for r in plain)
-        ):
-            # each straight to the device, asynchronously, with no host copy into the twin (at
-            # 64 requests of 5 EAGLE-3 rows, ~6 MB a round)
-            for b, r in enumerate(plain):
-                dst[b, : len(r)].copy_(r, non_blocking=True)
             return
         twin = place_rows(self._twin(dst), plain)
         self._queue(dst[: len(rows)], twin[: len(rows)])  # the bucket's padding rows stay
