@@ -11,6 +11,8 @@ its configuration with the tier 0 measured beside it.
     python -m bench.up_pool RUN.json [RUN.json ...] [--config sglang] \\
         [--goals 8=2.5,1.8 32=1.6,1.4 64=1.3,1.2] [--out bench/out/up_pool.json]
 
+writes the JSON and a PNG beside it (x against clients: pooled, each run, the goals).
+
 `--goals CLIENTS=GREEDY,SAMPLED`: the x a greedy cell and a sampled one (any other workload)
 must reach at that many clients (default: issue 54's).
 """
@@ -211,6 +213,40 @@ def render_shares(rows: Sequence[Share]) -> str:
     )
 
 
+def plot(cells: Sequence[Pooled], path: Path, title: str) -> None:
+    """Speed-up against clients, a line a workload: the pooled x, each run's x as a dot, the
+    goals as crosses (one door: the first of `cells`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    door = cells[0].door
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for workload in dict.fromkeys(c.workload for c in cells):
+        mine = sorted((c for c in cells if (c.door, c.workload) == (door, workload)),
+                      key=lambda c: c.clients)  # fmt: skip
+        line = ax.plot([c.clients for c in mine], [c.pooled for c in mine], marker="o",
+                       label=f"{workload}, pooled")  # fmt: skip
+        colour = line[0].get_color()
+        for c in mine:
+            ax.scatter([c.clients] * len(c.runs), c.runs, s=10, color=colour, alpha=0.5)
+            if c.goal is not None:
+                ax.scatter([c.clients], [c.goal], marker="x", s=50, color=colour)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ticks = sorted({c.clients for c in cells})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("x over tier 0 (the target alone); x: goal")
+    ax.set_title(f"{title} ({door}; dots: each run)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m bench.up_pool", description=__doc__.split("\n\n")[0]
@@ -228,7 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     split = shares(loaded, args.config, goals)
     runs = [str(path) for path in args.runs]
     write_json(args.out, {"runs": runs, "config": args.config, "cells": cells, "shares": split})
-    print(f"wrote {args.out}\n")
+    plot(cells, args.out.with_suffix(".png"), f"python -m bench.up_pool, {args.config}")
+    print(f"wrote {args.out} and its .png\n")
     if split:
         print("sampled x over greedy x, each factor sampled over greedy (means over runs):")
         print(render_shares(split) + "\n")

@@ -7,7 +7,7 @@ walks every one of them: 150 ms on a 2-core dev CPU, 224-254 ms on an H200's hos
 and the target's collection before their freeze). CPython runs one once the objects that
 survived the younger generations since the last reach a quarter of the long-lived ones: rarely
 (none came in any cell of `bench.up_client` at 1-64 clients, each service's pauses 0-67 ms a
-cell; bench/RESULTS.md, "What a join costs"), but when one comes it holds a round for its whole
+cell; bench/RESULTS.md, "The collector frozen"), but when one comes it holds a round for its whole
 walk. `gc.freeze()` moves every object alive to a permanent generation that collections skip,
 so after it a full collection walks only what serving has made since. Frozen objects are still
 freed by reference counting when dropped; only a cycle among them is never collected, which

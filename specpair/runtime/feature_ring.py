@@ -2,10 +2,11 @@
 (`FeatureRing`, the target's; `RingView`, the draft's), so a round's features cross as a span
 of rows, not as bytes through the host and gRPC.
 
-A joining request's hand-off carries its whole prompt's features: at 64 clients on an H200
-(grown 8B + EAGLE-3, 12 288 values a row) that is ~2 prompts × ~800 rows × 24 KiB a round,
-39 MB, 29 ms a round as bfloat16 bytes (`bench/RESULTS.md`, "Where a round's time goes").
-Through the ring it is one device copy on each side.
+A joining request's hand-off carries its prompt's features (all of them with `--draft-window
+0`): at 64 clients on an H200 (grown 8B + EAGLE-3, 12 288 values a row) that was ~2 prompts ×
+~800 rows × 24 KiB a round, 39 MB as bfloat16 bytes; in process a 64-prompt × 800-row
+hand-off's answer took 784.9 ms as bytes, 96.6 through the ring (`bench/RESULTS.md`, "Features
+by reference"). Through the ring it is one device copy on each side.
 
 Memory: on a GPU a CUDA IPC handle of the buffer (the draft must see the same GPU); on the CPU
 a memfd that the draft opens as /proc/PID/fd/N. Row 0 holds a random token: the draft answers

@@ -69,7 +69,7 @@ def test_the_command_writes_json_and_prints_the_table_last(
     row = capsys.readouterr().out.strip().splitlines()[-1].split()
     assert row[:4] == ["sdk", "code", "greedy", "64"] and row[4:6] == ["1.50", "1.50"]
     assert row[-4:] == ["1.4", "1", "of", "1"]
-    assert (tmp_path / "pool.json").exists()
+    assert (tmp_path / "pool.json").exists() and (tmp_path / "pool.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         main([str(path), "--config", "goodput", "--out", str(tmp_path / "none.json")])
 
