@@ -342,11 +342,8 @@ def profile_main(argv: list[str] | None = None) -> None:
         )
     )
     print(f"\nVerify graph, ctx {args.ctx}, per replay (us) — {info.get('gpu')}")
-    columns = [
-        "q @ bucket:requests", "replay", "kernels", "busy", "gaps",
-        "gemm", "attention", "triton", "other",
-    ]  # fmt: skip
-    print(format_table(columns, table))
+    columns = ["q @ bucket:requests", "replay", "kernels", "busy", "gaps", "gemm", "attention"]
+    print(format_table([*columns, "triton", "other"], table))
 
 
 # --- host (was bench/gpu_host.py) ---

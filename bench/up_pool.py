@@ -132,26 +132,28 @@ def shares(
     goal of 1.8 asks a greedy x of 1.8 / 0.614 = 2.93."""
     got: dict[tuple[str, int], list[tuple[float, ...]]] = {}
     for run in runs:
-        cells = {(c["config"], c["door"], c["workload"], c["batch"]): c for c in run["cells"]}
-        for (name, door, workload, clients), c in cells.items():
+        paired = pairs(run, config)  # key → (tok/s, tier 0's tok/s)
+        rounds = {
+            (c["door"], c["workload"], c["batch"]): c["rounds"]
+            for c in run["cells"]
+            if c["config"] == config and "rounds" in c
+        }
+        for (door, workload, clients), (ours_s, alone_s) in paired.items():
             # "code T=0.7 p=0.95" beside "code greedy": the same prompts
             greedy_key = (door, f"{workload.split()[0]} greedy", clients)
-            greedy, alone_g = cells.get((config, *greedy_key)), cells.get(("tier 0", *greedy_key))
-            alone_s = cells.get(("tier 0", door, workload, clients))
-            if name != config or "greedy" in workload or greedy is None:
+            sampled_key = (door, workload, clients)
+            if "greedy" in workload or greedy_key not in paired:
                 continue
-            if alone_g is None or alone_s is None or "rounds" not in c or "rounds" not in greedy:
+            if sampled_key not in rounds or greedy_key not in rounds:
                 continue
-            g, s = greedy["rounds"], c["rounds"]
-            x_g = greedy["tokens_per_s"] / alone_g["tokens_per_s"]
-            x_s = c["tokens_per_s"] / alone_s["tokens_per_s"]
+            (ours_g, alone_g), g, s = paired[greedy_key], rounds[greedy_key], rounds[sampled_key]
             got.setdefault((door, clients), []).append(
                 (
-                    x_s / x_g,
+                    (ours_s / alone_s) / (ours_g / alone_g),
                     (1 + s["accept"]) / (1 + g["accept"]),
                     s["batch"] / g["batch"],
                     g["total"] / s["total"],
-                    alone_g["tokens_per_s"] / alone_s["tokens_per_s"],
+                    alone_g / alone_s,
                 )
             )
     out = []
@@ -224,11 +226,10 @@ def plot(cells: Sequence[Pooled], path: Path, title: str) -> None:
     door = cells[0].door
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for workload in dict.fromkeys(c.workload for c in cells):
-        mine = sorted((c for c in cells if (c.door, c.workload) == (door, workload)),
-                      key=lambda c: c.clients)  # fmt: skip
-        line = ax.plot([c.clients for c in mine], [c.pooled for c in mine], marker="o",
-                       label=f"{workload}, pooled")  # fmt: skip
-        colour = line[0].get_color()
+        mine = [c for c in cells if (c.door, c.workload) == (door, workload)]
+        mine.sort(key=lambda c: c.clients)
+        xs, pooled = [c.clients for c in mine], [c.pooled for c in mine]
+        colour = ax.plot(xs, pooled, marker="o", label=f"{workload}, pooled")[0].get_color()
         for c in mine:
             ax.scatter([c.clients] * len(c.runs), c.runs, s=10, color=colour, alpha=0.5)
             if c.goal is not None:

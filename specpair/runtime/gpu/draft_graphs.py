@@ -201,9 +201,8 @@ class HandoffExtend:
     end, runs eagerly. Eagerly a hand-off of 32 EAGLE-3 rows costs the draft milliseconds of
     launches on the way to the target's next round (an H200 at 8 clients: 0.83-1.33 ms a round
     of the target's hand-off against 0.33 in graphs, bench/RESULTS.md "hand-offs in CUDA
-    graphs"). It never
-    replays the graph holding the plan a tier made ahead (`DraftGraphs.planned`): a hand-off
-    comes between that plan and its round."""
+    graphs"). It never replays the graph holding the plan a tier made ahead
+    (`DraftGraphs.planned`): a hand-off comes between that plan and its round."""
 
     plans_ahead = False
     ahead = 0
